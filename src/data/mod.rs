@@ -1,0 +1,19 @@
+//! Data loading: MNIST IDX files, a distributed sampler and a prefetching batch loader.
+//!
+//! The pieces compose the same way as PyTorch's `Dataset` / `DistributedSampler` / `DataLoader`:
+//!
+//! 1. [`Mnist::load`] reads the four IDX files into flat `f32` / `u8` vectors (pixels scaled to
+//!    `[0, 1]` by `/255`, nothing else).
+//! 2. Every rank builds a [`DistributedSampler`] with the same `seed`, calls
+//!    [`DistributedSampler::set_epoch`] at the start of each epoch and takes its own, disjoint
+//!    share of the dataset with [`DistributedSampler::indices`].
+//! 3. A [`BatchLoader`] turns that index list into `(B, C, H, W)` image / `(B,)` label tensors,
+//!    assembling the next batches on a background thread.
+
+pub mod loader;
+pub mod mnist;
+pub mod sampler;
+
+pub use loader::{Batch, BatchLoader, DEFAULT_PREFETCH_DEPTH};
+pub use mnist::{read_idx_images, read_idx_labels, Mnist};
+pub use sampler::DistributedSampler;

@@ -1,0 +1,670 @@
+//! The FSDP runtime: a model made of units, each holding only this rank's shard of its
+//! FlatParameter, driven through sharded forward and backward passes.
+//!
+//! Life of one training step under FULL_SHARD (see `design/architecture.md` for the diagram):
+//! 1. [`FsdpModel::forward`]: for each unit k in order, all-gather its flat parameter (the
+//!    all-gather of unit k+1 is issued before unit k computes: forward prefetch), bind the
+//!    constructor to views of the gathered buffer, run it *without* autograd on the detached
+//!    input, keep only the input (an activation checkpoint at the unit boundary) and drop the
+//!    gathered buffer (reshard). The last unit is not resharded: it runs with autograd
+//!    variables and keeps its graph, since its backward follows at once.
+//! 2. The caller computes a loss from the output.
+//! 3. [`FsdpModel::backward`]: `loss.backward()` covers the last unit; then for each earlier
+//!    unit in reverse: all-gather again (issued one unit ahead: backward prefetch), bind the
+//!    constructor to fresh autograd variables, recompute the unit's forward from the saved input
+//!    and back-propagate `sum(output * grad_output)`, which yields the parameter gradients and the
+//!    gradient of the unit's input. The parameter gradients are copied once into one flat buffer,
+//!    whose reduce-scatter (average over ranks) is issued on the reduce-scatter stream without
+//!    waiting; the unsharded parameters are dropped. At the end, every pending reduce-scatter is
+//!    waited for and accumulated into the f32 gradient shards.
+//!
+//! Why recompute: Candle's autograd graph holds references to every tensor a forward used, and
+//! offers no way to release a tensor's storage in place, so the only way to really free a unit's
+//! unsharded parameters after its forward is not to record a graph through them. The recompute
+//! costs one extra forward of each unit but no extra communication beyond what FULL_SHARD
+//! already does (it gathers again for backward anyway). SHARD_GRAD_OP and NO_SHARD keep the
+//! parameters and the graph from forward to backward instead.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::ModuleT;
+
+use crate::comm::{CommBuffer, ProcessGroup, ReduceOp, Work};
+use crate::error::{Error, Result};
+use crate::flat_param::{FlatParamLayout, FlatParameter};
+use crate::init::init_values;
+use crate::unit::{record_unit, RecordedParam, UnitSpec};
+
+/// How parameters, gradients and optimizer state are sharded (PyTorch's `ShardingStrategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ShardingStrategy {
+    /// Parameters, gradients and optimizer state sharded; parameters resharded after forward
+    /// (gathered again for backward). ZeRO-3.
+    #[default]
+    FullShard,
+    /// Parameters kept unsharded from forward to the end of that unit's backward; gradients and
+    /// optimizer state sharded. ZeRO-2.
+    ShardGradOp,
+    /// Nothing sharded: every rank holds all parameters; gradients all-reduced (DDP).
+    NoShard,
+}
+
+/// Runtime configuration.
+#[derive(Debug, Clone)]
+pub struct FsdpConfig {
+    /// Sharding strategy.
+    pub sharding_strategy: ShardingStrategy,
+    /// Seed of the deterministic initialisation ([`crate::init`]).
+    pub seed: u64,
+    /// Device of compute (the CPU in this version).
+    pub device: Device,
+    /// Issue unit k+1's all-gather before unit k's forward computes.
+    pub forward_prefetch: bool,
+    /// Issue unit k-1's all-gather before unit k's backward computes (BACKWARD_PRE).
+    pub backward_prefetch: bool,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        Self {
+            sharding_strategy: ShardingStrategy::FullShard,
+            seed: 0,
+            device: Device::Cpu,
+            forward_prefetch: true,
+            backward_prefetch: true,
+        }
+    }
+}
+
+/// One unit of an [`FsdpModel`]: its constructor and this rank's FlatParameter.
+pub struct FsdpUnit {
+    /// The constructor.
+    pub spec: UnitSpec,
+    /// Recorded parameters (names, shapes, init hints), in layout order.
+    pub recorded: Vec<RecordedParam>,
+    /// This rank's FlatParameter.
+    pub flat: FlatParameter,
+}
+
+/// What forward keeps of a unit for its backward.
+enum Saved {
+    /// The unit ran with autograd variables; its graph is alive.
+    Graph {
+        input_var: Option<Tensor>,
+        output: Tensor,
+        params: Vec<Tensor>,
+        unsharded_bytes: usize,
+    },
+    /// The unit ran without autograd; backward recomputes it from `input`.
+    Recompute { input: Tensor },
+}
+
+/// Counters of unsharded-parameter memory on this rank (bytes of f32 flat buffers).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes of master and gradient shards held now.
+    pub sharded_bytes: usize,
+    /// Bytes of unsharded (gathered) parameters alive now.
+    pub unsharded_bytes: usize,
+    /// Highest `unsharded_bytes` since the last [`FsdpModel::reset_peak`].
+    pub peak_unsharded_bytes: usize,
+    /// Highest number of units unsharded at once.
+    pub peak_unsharded_units: usize,
+    /// Units unsharded now.
+    pub unsharded_units: usize,
+}
+
+/// A model whose units' parameters are sharded over a process group.
+///
+/// Every method that communicates (`forward`, `forward_eval`, `backward`, `gather_full_params`)
+/// is a collective: all ranks must call it, in the same order.
+pub struct FsdpModel {
+    pg: Arc<dyn ProcessGroup>,
+    config: FsdpConfig,
+    units: Vec<FsdpUnit>,
+    saved: Vec<Option<Saved>>,
+    mem: MemoryStats,
+}
+
+/// Builder of an [`FsdpModel`]: add units in forward order, then [`FsdpModelBuilder::build`].
+pub struct FsdpModelBuilder {
+    pg: Arc<dyn ProcessGroup>,
+    config: FsdpConfig,
+    specs: Vec<UnitSpec>,
+}
+
+impl FsdpModelBuilder {
+    /// Adds a unit built by a candle-nn style constructor, e.g.
+    /// `.unit("fc1", |vb| candle_nn::linear(784, 128, vb))`. Its parameters are named
+    /// `<name>.<path>`. Units run in the order they are added, each taking the previous one's
+    /// output.
+    pub fn unit<M, F>(mut self, name: impl Into<String>, ctor: F) -> Self
+    where
+        M: ModuleT + 'static,
+        F: Fn(candle_nn::VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
+    {
+        self.specs.push(UnitSpec::new(name, ctor));
+        self
+    }
+
+    /// Adds an already wrapped unit.
+    pub fn unit_spec(mut self, spec: UnitSpec) -> Self {
+        self.specs.push(spec);
+        self
+    }
+
+    /// Records every unit, lays out and initialises its shard, one unit at a time (the peak is
+    /// one unit's largest parameter, never the model).
+    ///
+    /// Errors: no unit, duplicate unit names, a constructor that fails.
+    pub fn build(self) -> Result<FsdpModel> {
+        let FsdpModelBuilder { pg, config, specs } = self;
+        let seed = config.seed;
+        FsdpModel::build_with(pg, config, specs, |p, range, out| {
+            let values = init_values(&p.name, &p.shape, p.hint, seed);
+            out.copy_from_slice(&values[range]);
+            Ok(())
+        })
+    }
+}
+
+impl FsdpModel {
+    /// Starts a builder for a model on `pg` with `config`.
+    pub fn builder(pg: Arc<dyn ProcessGroup>, config: FsdpConfig) -> FsdpModelBuilder {
+        FsdpModelBuilder {
+            pg,
+            config,
+            specs: Vec::new(),
+        }
+    }
+
+    /// Builds the model, filling each shard piece with `fill(param, range_in_param, out)`.
+    pub fn build_with(
+        pg: Arc<dyn ProcessGroup>,
+        config: FsdpConfig,
+        specs: Vec<UnitSpec>,
+        mut fill: impl FnMut(&RecordedParam, std::ops::Range<usize>, &mut [f32]) -> Result<()>,
+    ) -> Result<FsdpModel> {
+        if specs.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a model needs at least one unit".into(),
+            ));
+        }
+        let (shard_world, shard_index) = match config.sharding_strategy {
+            ShardingStrategy::NoShard => (1, 0),
+            _ => (pg.world_size(), pg.rank()),
+        };
+        let mut units = Vec::with_capacity(specs.len());
+        for spec in specs {
+            if units.iter().any(|u: &FsdpUnit| u.spec.name == spec.name) {
+                return Err(Error::InvalidArgument(format!(
+                    "two units are named {}",
+                    spec.name
+                )));
+            }
+            let recorded = record_unit(&spec, DType::F32, &config.device)?;
+            let named: Vec<_> = recorded
+                .iter()
+                .map(|p| (p.name.clone(), p.shape.clone()))
+                .collect();
+            let layout = FlatParamLayout::new(&named, shard_world)?;
+            let flat = FlatParameter::from_fn(layout, shard_index, |i, range, out| {
+                fill(&recorded[i], range, out)
+            })?;
+            units.push(FsdpUnit {
+                spec,
+                recorded,
+                flat,
+            });
+        }
+        let n = units.len();
+        let mut model = FsdpModel {
+            pg,
+            config,
+            units,
+            saved: (0..n).map(|_| None).collect(),
+            mem: MemoryStats::default(),
+        };
+        model.mem.sharded_bytes = model.units.iter().map(|u| u.flat.sharded_bytes()).sum();
+        Ok(model)
+    }
+
+    /// The process group.
+    pub fn process_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.pg
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &FsdpConfig {
+        &self.config
+    }
+
+    /// The units, in forward order.
+    pub fn units(&self) -> &[FsdpUnit] {
+        &self.units
+    }
+
+    /// Mutable access to the units (optimizers step their shards through it).
+    pub fn units_mut(&mut self) -> &mut [FsdpUnit] {
+        &mut self.units
+    }
+
+    /// Memory counters of this rank.
+    pub fn memory_stats(&self) -> MemoryStats {
+        let mut m = self.mem;
+        m.sharded_bytes = self.units.iter().map(|u| u.flat.sharded_bytes()).sum();
+        m
+    }
+
+    /// Resets the peak counters to the current values.
+    pub fn reset_peak(&mut self) {
+        self.mem.peak_unsharded_bytes = self.mem.unsharded_bytes;
+        self.mem.peak_unsharded_units = self.mem.unsharded_units;
+    }
+
+    /// Drops every gradient shard (PyTorch's `zero_grad(set_to_none=True)`).
+    pub fn zero_grad(&mut self) {
+        for u in &mut self.units {
+            u.flat.grad = None;
+        }
+    }
+
+    fn note_unshard(&mut self, bytes: usize) {
+        self.mem.unsharded_bytes += bytes;
+        self.mem.unsharded_units += 1;
+        self.mem.peak_unsharded_bytes = self.mem.peak_unsharded_bytes.max(self.mem.unsharded_bytes);
+        self.mem.peak_unsharded_units = self.mem.peak_unsharded_units.max(self.mem.unsharded_units);
+    }
+
+    fn note_reshard(&mut self, bytes: usize) {
+        self.mem.unsharded_bytes -= bytes;
+        self.mem.unsharded_units -= 1;
+    }
+
+    /// Issues the all-gather of unit `k` (or completes at once when nothing needs gathering).
+    fn issue_unshard(&self, k: usize) -> Work<CommBuffer> {
+        let flat = &self.units[k].flat;
+        if flat.layout.world_size == 1 || flat.layout.padded_numel == 0 {
+            return Work::ready(Ok(CommBuffer::F32(flat.shard.clone())));
+        }
+        let out = CommBuffer::F32(vec![0.0; flat.layout.padded_numel]);
+        self.pg.all_gather(CommBuffer::F32(flat.shard.clone()), out)
+    }
+
+    /// Waits for a gathered buffer and returns it as f32.
+    fn finish_unshard(&mut self, k: usize, work: Work<CommBuffer>) -> Result<Vec<f32>> {
+        let full = work.wait()?.into_f32()?;
+        debug_assert_eq!(full.len(), self.units[k].flat.layout.padded_numel);
+        self.note_unshard(full.len() * 4);
+        Ok(full)
+    }
+
+    /// Views of each parameter inside the gathered buffer (no copy, no autograd).
+    fn param_views(&self, k: usize, full: Vec<f32>) -> Result<HashMap<String, Tensor>> {
+        let layout = &self.units[k].flat.layout;
+        let n = full.len();
+        let flat = Tensor::from_vec(full, n, &self.config.device)?;
+        layout
+            .params
+            .iter()
+            .map(|p| {
+                Ok((
+                    p.name.clone(),
+                    flat.narrow(0, p.offset, p.numel)?
+                        .reshape(p.shape.clone())?,
+                ))
+            })
+            .collect()
+    }
+
+    /// Fresh autograd variables holding each parameter (one copy out of the gathered buffer).
+    fn param_vars(&self, k: usize, full: &[f32]) -> Result<(HashMap<String, Tensor>, Vec<Tensor>)> {
+        let layout = &self.units[k].flat.layout;
+        let mut map = HashMap::with_capacity(layout.params.len());
+        let mut list = Vec::with_capacity(layout.params.len());
+        for p in &layout.params {
+            let v = Var::from_slice(
+                &full[p.offset..p.offset + p.numel],
+                p.shape.clone(),
+                &self.config.device,
+            )?
+            .into_inner();
+            map.insert(p.name.clone(), v.clone());
+            list.push(v);
+        }
+        Ok((map, list))
+    }
+
+    fn keeps_graph(&self, k: usize) -> bool {
+        self.config.sharding_strategy != ShardingStrategy::FullShard || k + 1 == self.units.len()
+    }
+
+    /// Sharded training forward (a collective). Returns the last unit's output, attached to the
+    /// autograd graph of the last unit so that a loss computed from it can be passed to
+    /// [`FsdpModel::backward`].
+    ///
+    /// `x`: the first unit's input, any shape the first unit accepts.
+    pub fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.release_saved();
+        let n = self.units.len();
+        let mut h = x.clone();
+        let mut next = Some(self.issue_unshard(0));
+        for k in 0..n {
+            let work = next.take().expect("gather issued");
+            let full = self.finish_unshard(k, work)?;
+            if k + 1 < n && self.config.forward_prefetch {
+                next = Some(self.issue_unshard(k + 1));
+            }
+            let bytes = full.len() * 4;
+            let spec = self.units[k].spec.clone();
+            if self.keeps_graph(k) {
+                let input_var = if k > 0 {
+                    Some(Var::from_tensor(&h.detach())?.into_inner())
+                } else {
+                    None
+                };
+                let input = input_var.clone().unwrap_or_else(|| h.clone());
+                let (map, params) = self.param_vars(k, &full)?;
+                drop(full);
+                let module = spec.bind(map, DType::F32, &self.config.device)?;
+                let output = module.forward_t(&input, true)?;
+                self.saved[k] = Some(Saved::Graph {
+                    input_var,
+                    output: output.clone(),
+                    params,
+                    unsharded_bytes: bytes,
+                });
+                h = output;
+            } else {
+                let input = h.detach();
+                let map = self.param_views(k, full)?;
+                let module = spec.bind(map, DType::F32, &self.config.device)?;
+                let output = module.forward_t(&input, true)?;
+                drop(module);
+                self.note_reshard(bytes);
+                self.saved[k] = Some(Saved::Recompute { input });
+                h = output;
+            }
+            if next.is_none() && k + 1 < n {
+                next = Some(self.issue_unshard(k + 1));
+            }
+        }
+        Ok(h)
+    }
+
+    /// Sharded inference forward (a collective): every unit gathered, run with `train = false`
+    /// and resharded; nothing kept for backward.
+    pub fn forward_eval(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.release_saved();
+        let n = self.units.len();
+        let mut h = x.detach();
+        let mut next = Some(self.issue_unshard(0));
+        for k in 0..n {
+            let full = self.finish_unshard(k, next.take().expect("gather issued"))?;
+            if k + 1 < n {
+                next = Some(self.issue_unshard(k + 1));
+            }
+            let bytes = full.len() * 4;
+            let spec = self.units[k].spec.clone();
+            let map = self.param_views(k, full)?;
+            let module = spec.bind(map, DType::F32, &self.config.device)?;
+            h = module.forward_t(&h, false)?;
+            drop(module);
+            self.note_reshard(bytes);
+        }
+        Ok(h)
+    }
+
+    /// Drops whatever a previous forward kept (e.g. a forward that was never back-propagated).
+    fn release_saved(&mut self) {
+        for k in 0..self.saved.len() {
+            if let Some(Saved::Graph {
+                unsharded_bytes, ..
+            }) = self.saved[k].take()
+            {
+                self.note_reshard(unsharded_bytes);
+            }
+        }
+    }
+
+    /// Sharded backward (a collective) of `loss`, a scalar computed from the output of the last
+    /// [`FsdpModel::forward`]. On return every unit's gradient shard holds the gradient averaged
+    /// over ranks (added to what it held, so calling forward/backward several times accumulates).
+    ///
+    /// Errors: no forward to back-propagate; any collective error.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        let n = self.units.len();
+        if self.saved.iter().any(|s| s.is_none()) {
+            return Err(Error::InvalidArgument(
+                "backward called without a preceding training forward".into(),
+            ));
+        }
+        let mut loss_grads = Some(loss.backward()?);
+        let mut grad_out: Option<Tensor> = None;
+        let mut pending: Vec<(usize, Work<CommBuffer>)> = Vec::with_capacity(n);
+        // Backward prefetch: the gather of the next unit to recompute, issued one unit ahead.
+        let mut prefetched: Option<(usize, Work<CommBuffer>)> = None;
+        let next_recompute = |from: usize, saved: &[Option<Saved>]| -> Option<usize> {
+            (0..from)
+                .rev()
+                .find(|&j| matches!(saved[j], Some(Saved::Recompute { .. })))
+        };
+        if self.config.backward_prefetch {
+            if let Some(j) = next_recompute(n, &self.saved) {
+                prefetched = Some((j, self.issue_unshard(j)));
+            }
+        }
+        for k in (0..n).rev() {
+            let saved = self.saved[k].take().expect("checked above");
+            let (grads, params, input_var, unsharded_bytes) = match saved {
+                Saved::Graph {
+                    input_var,
+                    output,
+                    params,
+                    unsharded_bytes,
+                } => {
+                    let grads = match (loss_grads.take(), &grad_out) {
+                        (Some(g), _) if k + 1 == n => Some(g),
+                        (_, Some(go)) => Some((output * go)?.sum_all()?.backward()?),
+                        (_, None) => None,
+                    };
+                    (grads, params, input_var, unsharded_bytes)
+                }
+                Saved::Recompute { input } => {
+                    let work = match prefetched.take() {
+                        Some((j, w)) if j == k => w,
+                        Some(other) => {
+                            prefetched = Some(other);
+                            self.issue_unshard(k)
+                        }
+                        None => self.issue_unshard(k),
+                    };
+                    let full = self.finish_unshard(k, work)?;
+                    if self.config.backward_prefetch && prefetched.is_none() {
+                        if let Some(j) = next_recompute(k, &self.saved) {
+                            prefetched = Some((j, self.issue_unshard(j)));
+                        }
+                    }
+                    let bytes = full.len() * 4;
+                    let (map, params) = self.param_vars(k, &full)?;
+                    drop(full);
+                    let input_var = if k > 0 {
+                        Some(Var::from_tensor(&input)?.into_inner())
+                    } else {
+                        None
+                    };
+                    let grads = match &grad_out {
+                        Some(go) if !params.is_empty() || input_var.is_some() => {
+                            let module =
+                                self.units[k]
+                                    .spec
+                                    .bind(map, DType::F32, &self.config.device)?;
+                            let x = input_var.as_ref().unwrap_or(&input);
+                            let output = module.forward_t(x, true)?;
+                            Some((output * go)?.sum_all()?.backward()?)
+                        }
+                        _ => None,
+                    };
+                    (grads, params, input_var, bytes)
+                }
+            };
+            // Gradient of this unit's input becomes the next unit's output gradient.
+            grad_out = match (&grads, &input_var) {
+                (Some(g), Some(v)) => g.get(v).cloned(),
+                _ => None,
+            };
+            let flat_grad = self.flatten_grads(k, grads.as_ref(), &params)?;
+            drop(params);
+            drop(grads);
+            self.note_reshard(unsharded_bytes);
+            if let Some(fg) = flat_grad {
+                pending.push((k, self.issue_reduce(k, fg)));
+            }
+        }
+        for (k, work) in pending {
+            let reduced = work.wait()?.into_f32()?;
+            self.units[k].flat.accumulate_grad(reduced);
+        }
+        Ok(())
+    }
+
+    /// Copies the parameter gradients of unit `k` into one padded flat f32 buffer (zeros where a
+    /// parameter got no gradient). `None` for a unit without parameters.
+    fn flatten_grads(
+        &self,
+        k: usize,
+        grads: Option<&GradStore>,
+        params: &[Tensor],
+    ) -> Result<Option<Vec<f32>>> {
+        let layout = &self.units[k].flat.layout;
+        if layout.padded_numel == 0 {
+            return Ok(None);
+        }
+        let mut flat = vec![0.0f32; layout.padded_numel];
+        if let Some(grads) = grads {
+            for (p, t) in layout.params.iter().zip(params) {
+                if let Some(g) = grads.get(t) {
+                    copy_into(g, &mut flat[p.offset..p.offset + p.numel])?;
+                }
+            }
+        }
+        Ok(Some(flat))
+    }
+
+    /// Issues the gradient reduction of unit `k`: reduce-scatter (average) when sharded,
+    /// all-reduce (average) under NO_SHARD.
+    fn issue_reduce(&self, k: usize, flat_grad: Vec<f32>) -> Work<CommBuffer> {
+        let layout = &self.units[k].flat.layout;
+        if self.pg.world_size() == 1 {
+            return Work::ready(Ok(CommBuffer::F32(flat_grad)));
+        }
+        if layout.world_size == 1 {
+            return self
+                .pg
+                .all_reduce(CommBuffer::F32(flat_grad), ReduceOp::Avg);
+        }
+        let out = CommBuffer::F32(vec![0.0; layout.shard_numel]);
+        self.pg
+            .reduce_scatter(CommBuffer::F32(flat_grad), out, ReduceOp::Avg)
+    }
+
+    /// Gathers every unit's full parameters (a collective, one unit at a time). With
+    /// `rank0_only`, only rank 0 gets the result (`None` elsewhere).
+    ///
+    /// Returns name → f32 tensor of the parameter's shape.
+    pub fn gather_full_params(
+        &mut self,
+        rank0_only: bool,
+    ) -> Result<Option<Vec<(String, Tensor)>>> {
+        let keep = !rank0_only || self.pg.rank() == 0;
+        let mut out = Vec::new();
+        for k in 0..self.units.len() {
+            let work = self.issue_unshard(k);
+            let full = self.finish_unshard(k, work)?;
+            let bytes = full.len() * 4;
+            if keep {
+                for p in &self.units[k].flat.layout.params {
+                    let t = Tensor::from_slice(
+                        &full[p.offset..p.offset + p.numel],
+                        p.shape.clone(),
+                        &self.config.device,
+                    )?;
+                    out.push((p.name.clone(), t));
+                }
+            }
+            self.note_reshard(bytes);
+        }
+        Ok(keep.then_some(out))
+    }
+
+    /// Gathers the full model (a collective) and returns, on rank 0 only with `rank0_only`, a
+    /// plain unsharded copy that runs without communication (for evaluation or export).
+    pub fn gather_full_model(&mut self, rank0_only: bool) -> Result<Option<FullModel>> {
+        let Some(params) = self.gather_full_params(rank0_only)? else {
+            return Ok(None);
+        };
+        let map: HashMap<String, Tensor> = params.into_iter().collect();
+        let modules = self
+            .units
+            .iter()
+            .map(|u| u.spec.bind(map.clone(), DType::F32, &self.config.device))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(FullModel { modules }))
+    }
+}
+
+/// An unsharded copy of a model's units (see [`FsdpModel::gather_full_model`]).
+pub struct FullModel {
+    modules: Vec<Box<dyn ModuleT>>,
+}
+
+impl FullModel {
+    /// Runs every unit in order.
+    pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let mut h = x.clone();
+        for m in &self.modules {
+            h = m.forward_t(&h, train)?;
+        }
+        Ok(h)
+    }
+}
+
+/// Copies a tensor's values (as f32, row-major) into `out`, whose length must be its element
+/// count.
+pub(crate) fn copy_into(t: &Tensor, out: &mut [f32]) -> Result<()> {
+    if t.elem_count() != out.len() {
+        return Err(Error::InvalidArgument(format!(
+            "gradient has {} elements, its parameter {}",
+            t.elem_count(),
+            out.len()
+        )));
+    }
+    let t = if t.dtype() == DType::F32 {
+        t.clone()
+    } else {
+        t.to_dtype(DType::F32)?
+    };
+    let t = if t.is_contiguous() {
+        t
+    } else {
+        t.contiguous()?
+    };
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(cpu) => {
+            let s = cpu.as_slice::<f32>()?;
+            let start = layout.start_offset();
+            out.copy_from_slice(&s[start..start + out.len()]);
+            Ok(())
+        }
+        _ => {
+            drop(storage);
+            let v = t.flatten_all()?.to_vec1::<f32>()?;
+            out.copy_from_slice(&v);
+            Ok(())
+        }
+    }
+}

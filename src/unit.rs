@@ -1,0 +1,175 @@
+//! Units: ordinary candle-nn constructors (`Fn(VarBuilder) -> candle::Result<M>`) whose
+//! parameters the runtime owns.
+//!
+//! A constructor is called in two ways, each through a [`VarBuilder`] whose backend the runtime
+//! serves:
+//! - **recording** ([`record_unit`]): the backend notes each parameter's name, shape and init
+//!   hint in the order the constructor asks for them and hands back a zero-strided placeholder
+//!   (no memory), which is how the FlatParameter layout is learnt without materialising anything;
+//! - **binding** ([`UnitSpec::bind`]): the backend hands back the unsharded parameters (views of
+//!   the gathered flat buffer, or autograd variables in backward), so the module computes with
+//!   them. Binding happens at every unshard; for candle-nn layers it only builds small structs.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, ModuleT, VarBuilder};
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+
+/// A type-erased unit constructor.
+pub type UnitCtor = Arc<dyn Fn(VarBuilder) -> candle_core::Result<Box<dyn ModuleT>> + Send + Sync>;
+
+/// A recorded parameter: name, shape, init hint.
+#[derive(Debug, Clone)]
+pub struct RecordedParam {
+    /// Fully qualified name (`<unit>.<path>`).
+    pub name: String,
+    /// Shape.
+    pub shape: Shape,
+    /// Init hint the constructor gave.
+    pub hint: Init,
+}
+
+#[derive(Default, Clone)]
+struct Recorder {
+    params: Arc<Mutex<Vec<RecordedParam>>>,
+}
+
+impl SimpleBackend for Recorder {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let mut params = self.params.lock();
+        match params.iter().find(|p| p.name == name) {
+            Some(p) if p.shape != s => candle_core::bail!(
+                "parameter {name} requested twice with different shapes: {:?} then {s:?}",
+                p.shape
+            ),
+            Some(_) => {}
+            None => params.push(RecordedParam {
+                name: name.to_string(),
+                shape: s.clone(),
+                hint: h,
+            }),
+        }
+        // A zero-strided placeholder: correct shape and dtype, no memory.
+        Tensor::zeros((), dtype, dev)?.broadcast_as(s)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!(
+            "parameter {name}: FSDP units must create parameters with a shape \
+             (vb.get / vb.get_with_hints), not get_unchecked"
+        )
+    }
+
+    fn contains_tensor(&self, _name: &str) -> bool {
+        false
+    }
+}
+
+/// Serves bound parameters by name, checking shapes.
+struct Binder {
+    unit: String,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl SimpleBackend for Binder {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _h: Init,
+        dtype: DType,
+        _dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.get_unchecked(name, dtype, _dev)?;
+        if t.shape() != &s {
+            candle_core::bail!(
+                "unit {}: parameter {name} has shape {:?} but the constructor now asks for {s:?}",
+                self.unit,
+                t.shape()
+            );
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, _: &Device) -> candle_core::Result<Tensor> {
+        match self.tensors.get(name) {
+            Some(t) if t.dtype() == dtype => Ok(t.clone()),
+            Some(t) => t.to_dtype(dtype),
+            None => candle_core::bail!(
+                "unit {}: the constructor asked for parameter {name}, which it did not create \
+                 when it was recorded (constructors must be deterministic)",
+                self.unit
+            ),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
+/// A named unit constructor.
+#[derive(Clone)]
+pub struct UnitSpec {
+    /// Unit name; prefixes its parameter names (`<name>.weight`).
+    pub name: String,
+    /// The constructor.
+    pub ctor: UnitCtor,
+}
+
+impl UnitSpec {
+    /// Wraps a candle-nn style constructor.
+    pub fn new<M, F>(name: impl Into<String>, f: F) -> Self
+    where
+        M: ModuleT + 'static,
+        F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
+    {
+        let ctor: UnitCtor = Arc::new(move |vb| Ok(Box::new(f(vb)?) as Box<dyn ModuleT>));
+        Self {
+            name: name.into(),
+            ctor,
+        }
+    }
+
+    /// Calls the constructor with the parameters `tensors` (keyed by full name), in `dtype`.
+    ///
+    /// Errors: the constructor's own, or a parameter asked for that is not in `tensors`.
+    pub fn bind(
+        &self,
+        tensors: HashMap<String, Tensor>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Box<dyn ModuleT>> {
+        let binder = Binder {
+            unit: self.name.clone(),
+            tensors,
+        };
+        let vb = VarBuilder::from_backend(Box::new(binder), dtype, device.clone());
+        (self.ctor)(vb.pp(&self.name)).map_err(Error::from)
+    }
+}
+
+/// Runs the constructor once with a recording backend and returns its parameters in creation
+/// order. Allocates no parameter memory.
+pub fn record_unit(spec: &UnitSpec, dtype: DType, device: &Device) -> Result<Vec<RecordedParam>> {
+    let rec = Recorder::default();
+    let vb = VarBuilder::from_backend(Box::new(rec.clone()), dtype, device.clone());
+    let module = (spec.ctor)(vb.pp(&spec.name)).map_err(|e| {
+        Error::InvalidArgument(format!("unit {}: constructor failed: {e}", spec.name))
+    })?;
+    drop(module);
+    let params = std::mem::take(&mut *rec.params.lock());
+    Ok(params)
+}

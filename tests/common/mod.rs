@@ -1,0 +1,105 @@
+//! Shared pieces of the integration tests: a small model made of candle-nn constructors, its
+//! plain single-process reference, and comparison helpers.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_fsdp::unit::UnitSpec;
+use candle_nn::{Activation, Init, VarBuilder};
+use rand::{Rng, SeedableRng};
+
+/// A module with one learnable scalar that multiplies its input (numel 1: smaller than any
+/// world size above 1, so most ranks hold only padding).
+pub struct Scale {
+    w: Tensor,
+}
+
+impl Module for Scale {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        xs.broadcast_mul(&self.w)
+    }
+}
+
+pub fn scale(vb: VarBuilder) -> candle_core::Result<Scale> {
+    Ok(Scale {
+        w: vb.get_with_hints(1, "w", Init::Const(1.0))?,
+    })
+}
+
+pub const IN: (usize, usize) = (4, 5);
+pub const CLASSES: usize = 3;
+
+/// flatten (no parameters) → fc1 + ReLU → fc2 + ReLU → head → scale.
+pub fn units() -> Vec<UnitSpec> {
+    vec![
+        UnitSpec::new("flatten", |_vb| Ok(candle_nn::func(|x| x.flatten_from(1)))),
+        UnitSpec::new("fc1", |vb| {
+            Ok(candle_nn::seq()
+                .add(candle_nn::linear(20, 13, vb)?)
+                .add(Activation::Relu))
+        }),
+        UnitSpec::new("fc2", |vb| {
+            Ok(candle_nn::seq()
+                .add(candle_nn::linear(13, 7, vb)?)
+                .add(Activation::Relu))
+        }),
+        UnitSpec::new("head", |vb| candle_nn::linear(7, CLASSES, vb)),
+        UnitSpec::new("scale", scale),
+    ]
+}
+
+/// The same units built as a plain Candle model from `vb`.
+pub fn reference_model(vb: VarBuilder) -> candle_core::Result<Vec<Box<dyn candle_nn::ModuleT>>> {
+    units().iter().map(|u| (u.ctor)(vb.pp(&u.name))).collect()
+}
+
+pub fn reference_forward(
+    model: &[Box<dyn candle_nn::ModuleT>],
+    x: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let mut h = x.clone();
+    for m in model {
+        h = m.forward_t(&h, true)?;
+    }
+    Ok(h)
+}
+
+/// Deterministic global batches: `steps` of (x: (global_batch, 4, 5) f32, y: (global_batch,) u32).
+pub fn batches(steps: usize, global_batch: usize, seed: u64) -> Vec<(Tensor, Tensor)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..steps)
+        .map(|_| {
+            let x: Vec<f32> = (0..global_batch * IN.0 * IN.1)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let y: Vec<u32> = (0..global_batch)
+                .map(|_| rng.random_range(0..CLASSES as u32))
+                .collect();
+            (
+                Tensor::from_vec(x, (global_batch, IN.0, IN.1), &Device::Cpu).unwrap(),
+                Tensor::from_vec(y, global_batch, &Device::Cpu).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// ||a - b|| / max(||b||, tiny).
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
+    num / den.max(1e-30)
+}
+
+pub fn to_vec(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
