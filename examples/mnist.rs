@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use candle_core::{DType, Tensor};
 use candle_fsdp::checkpoint;
-use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
 use candle_fsdp::comm::{CommBuffer, ReduceOp};
 use candle_fsdp::data::{BatchLoader, DistributedSampler, Mnist};
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer, ShardingStrategy};
@@ -44,7 +44,7 @@ struct Args {
     #[arg(long, default_value_t = 5)]
     epochs: u64,
     /// Seed of initialisation and shuffling.
-    #[arg(long, default_value_t = 42)]
+    #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Batch size per rank.
     #[arg(long, default_value_t = 32)]
@@ -110,6 +110,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.world_size >= 1, "--world-size must be at least 1");
     anyhow::ensure!(args.batch_size >= 1, "--batch-size must be at least 1");
+    let intra_op = set_intra_op_threads(args.world_size);
     let mnist = Mnist::load(&args.data_dir)
         .with_context(|| format!("loading MNIST from {}", args.data_dir.display()))?;
     let train_images = Arc::new(mnist.train_images.clone());
@@ -131,12 +132,13 @@ fn main() -> anyhow::Result<()> {
         &candle_core::Device::Cpu,
     )?;
     println!(
-        "MNIST: {} train / {} test images; world size {}, batch {} per rank, {:?}",
+        "MNIST: {} train / {} test images; world size {}, batch {} per rank, {:?}, {} compute thread(s) per rank",
         mnist.train_len(),
         test_len,
         args.world_size,
         args.batch_size,
-        args.strategy
+        args.strategy,
+        intra_op
     );
     let group_config = ThreadGroupConfig {
         timeout: Duration::from_secs(args.timeout_s),

@@ -65,6 +65,11 @@ pub struct FsdpConfig {
     pub forward_prefetch: bool,
     /// Issue unit k-1's all-gather before unit k's backward computes (BACKWARD_PRE).
     pub backward_prefetch: bool,
+    /// Tensors whose name ends with `.<suffix>` for one of these suffixes are **buffers**, not
+    /// parameters: replicated on every rank (not sharded), never given gradients, updated in
+    /// place by the module (e.g. BatchNorm's running statistics). Default: `running_mean`,
+    /// `running_var`, `num_batches_tracked`.
+    pub buffer_suffixes: Vec<String>,
 }
 
 impl Default for FsdpConfig {
@@ -75,6 +80,9 @@ impl Default for FsdpConfig {
             device: Device::Cpu,
             forward_prefetch: true,
             backward_prefetch: true,
+            buffer_suffixes: ["running_mean", "running_var", "num_batches_tracked"]
+                .map(String::from)
+                .to_vec(),
         }
     }
 }
@@ -87,6 +95,25 @@ pub struct FsdpUnit {
     pub recorded: Vec<RecordedParam>,
     /// This rank's FlatParameter.
     pub flat: FlatParameter,
+    /// Buffers (see [`FsdpConfig::buffer_suffixes`]): full f32 values, replicated, updated in
+    /// place by training forwards.
+    pub buffers: Vec<(String, Var)>,
+}
+
+impl FsdpUnit {
+    /// Adds the buffers to a binding map: the live variables (updated in place by a training
+    /// forward), or copies whose updates are discarded (for a recompute).
+    fn add_buffers(&self, map: &mut HashMap<String, Tensor>, live: bool) -> Result<()> {
+        for (name, var) in &self.buffers {
+            let t = if live {
+                var.as_tensor().clone()
+            } else {
+                Var::from_tensor(&var.as_tensor().detach())?.into_inner()
+            };
+            map.insert(name.clone(), t);
+        }
+        Ok(())
+    }
 }
 
 /// What forward keeps of a unit for its backward.
@@ -205,7 +232,25 @@ impl FsdpModel {
                     spec.name
                 )));
             }
-            let recorded = record_unit(&spec, DType::F32, &config.device)?;
+            let (buffer_recs, recorded): (Vec<_>, Vec<_>) =
+                record_unit(&spec, DType::F32, &config.device)?
+                    .into_iter()
+                    .partition(|p| {
+                        config
+                            .buffer_suffixes
+                            .iter()
+                            .any(|s| p.name.rsplit('.').next() == Some(s.as_str()))
+                    });
+            let buffers = buffer_recs
+                .iter()
+                .map(|p| {
+                    let v = init_values(&p.name, &p.shape, p.hint, config.seed);
+                    Ok((
+                        p.name.clone(),
+                        Var::from_vec(v, p.shape.clone(), &config.device)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
             let named: Vec<_> = recorded
                 .iter()
                 .map(|p| (p.name.clone(), p.shape.clone()))
@@ -218,6 +263,7 @@ impl FsdpModel {
                 spec,
                 recorded,
                 flat,
+                buffers,
             });
         }
         let n = units.len();
@@ -285,7 +331,9 @@ impl FsdpModel {
     }
 
     /// Issues the all-gather of unit `k` (or completes at once when nothing needs gathering).
-    fn issue_unshard(&self, k: usize) -> Work<CommBuffer> {
+    /// The unsharded buffer counts as alive from here on (it is allocated now).
+    fn issue_unshard(&mut self, k: usize) -> Work<CommBuffer> {
+        self.note_unshard(self.units[k].flat.layout.padded_numel * 4);
         let flat = &self.units[k].flat;
         if flat.layout.world_size == 1 || flat.layout.padded_numel == 0 {
             return Work::ready(Ok(CommBuffer::F32(flat.shard.clone())));
@@ -295,10 +343,9 @@ impl FsdpModel {
     }
 
     /// Waits for a gathered buffer and returns it as f32.
-    fn finish_unshard(&mut self, k: usize, work: Work<CommBuffer>) -> Result<Vec<f32>> {
+    fn finish_unshard(&self, k: usize, work: Work<CommBuffer>) -> Result<Vec<f32>> {
         let full = work.wait()?.into_f32()?;
         debug_assert_eq!(full.len(), self.units[k].flat.layout.padded_numel);
-        self.note_unshard(full.len() * 4);
         Ok(full)
     }
 
@@ -367,8 +414,9 @@ impl FsdpModel {
                     None
                 };
                 let input = input_var.clone().unwrap_or_else(|| h.clone());
-                let (map, params) = self.param_vars(k, &full)?;
+                let (mut map, params) = self.param_vars(k, &full)?;
                 drop(full);
+                self.units[k].add_buffers(&mut map, true)?;
                 let module = spec.bind(map, DType::F32, &self.config.device)?;
                 let output = module.forward_t(&input, true)?;
                 self.saved[k] = Some(Saved::Graph {
@@ -380,7 +428,8 @@ impl FsdpModel {
                 h = output;
             } else {
                 let input = h.detach();
-                let map = self.param_views(k, full)?;
+                let mut map = self.param_views(k, full)?;
+                self.units[k].add_buffers(&mut map, true)?;
                 let module = spec.bind(map, DType::F32, &self.config.device)?;
                 let output = module.forward_t(&input, true)?;
                 drop(module);
@@ -409,7 +458,8 @@ impl FsdpModel {
             }
             let bytes = full.len() * 4;
             let spec = self.units[k].spec.clone();
-            let map = self.param_views(k, full)?;
+            let mut map = self.param_views(k, full)?;
+            self.units[k].add_buffers(&mut map, true)?;
             let module = spec.bind(map, DType::F32, &self.config.device)?;
             h = module.forward_t(&h, false)?;
             drop(module);
@@ -489,8 +539,11 @@ impl FsdpModel {
                         }
                     }
                     let bytes = full.len() * 4;
-                    let (map, params) = self.param_vars(k, &full)?;
+                    let (mut map, params) = self.param_vars(k, &full)?;
                     drop(full);
+                    // The forward already updated the buffers: the recompute's updates are
+                    // made on copies and discarded.
+                    self.units[k].add_buffers(&mut map, false)?;
                     let input_var = if k > 0 {
                         Some(Var::from_tensor(&input)?.into_inner())
                     } else {
@@ -574,7 +627,8 @@ impl FsdpModel {
     /// Gathers every unit's full parameters (a collective, one unit at a time). With
     /// `rank0_only`, only rank 0 gets the result (`None` elsewhere).
     ///
-    /// Returns name → f32 tensor of the parameter's shape.
+    /// Returns (name, f32 tensor of the parameter's shape) for every parameter, followed by each
+    /// unit's buffers, unit by unit.
     pub fn gather_full_params(
         &mut self,
         rank0_only: bool,
@@ -593,6 +647,9 @@ impl FsdpModel {
                         &self.config.device,
                     )?;
                     out.push((p.name.clone(), t));
+                }
+                for (name, var) in &self.units[k].buffers {
+                    out.push((name.clone(), var.as_tensor().copy()?));
                 }
             }
             self.note_reshard(bytes);
