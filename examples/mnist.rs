@@ -18,13 +18,23 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use candle_core::{DType, Tensor};
 use candle_fsdp::checkpoint;
+use candle_fsdp::clip::clip_grad_norm;
 use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
 use candle_fsdp::comm::{CommBuffer, ReduceOp};
 use candle_fsdp::data::{BatchLoader, DistributedSampler, Mnist};
-use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer, ShardingStrategy};
+use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
+use candle_fsdp::{
+    AdamW, AdamWConfig, FsdpConfig, FsdpModel, MixedPrecision, ShardedOptimizer, ShardingStrategy,
+};
 use candle_nn::Activation;
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum AccumMode {
+    NoSync,
+    ReduceScatter,
+}
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Strategy {
@@ -70,6 +80,19 @@ struct Args {
     /// Disable forward and backward prefetch.
     #[arg(long)]
     no_prefetch: bool,
+    /// Mixed precision: f32, bf16, f16 (with a dynamic loss scaler) or bf16-f32-reduce.
+    #[arg(long, default_value = "f32")]
+    precision: String,
+    /// Micro-batches accumulated per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    /// How to accumulate: no-sync (unsharded gradients, one reduce-scatter per step) or
+    /// reduce-scatter (every micro-batch reduced, sharded accumulation).
+    #[arg(long, value_enum, default_value_t = AccumMode::NoSync)]
+    accum_mode: AccumMode,
+    /// Clip gradients to this total L2 norm (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    clip_grad_norm: f32,
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 300)]
     timeout_s: u64,
@@ -88,6 +111,7 @@ fn build_model(
         seed: args.seed,
         forward_prefetch: !args.no_prefetch,
         backward_prefetch: !args.no_prefetch,
+        mixed_precision: MixedPrecision::from_name(&args.precision)?,
         ..Default::default()
     };
     FsdpModel::builder(pg, config)
@@ -110,6 +134,8 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.world_size >= 1, "--world-size must be at least 1");
     anyhow::ensure!(args.batch_size >= 1, "--batch-size must be at least 1");
+    anyhow::ensure!(args.grad_accum >= 1, "--grad-accum must be at least 1");
+    MixedPrecision::from_name(&args.precision)?;
     let intra_op = set_intra_op_threads(args.world_size);
     let mnist = Mnist::load(&args.data_dir)
         .with_context(|| format!("loading MNIST from {}", args.data_dir.display()))?;
@@ -147,6 +173,11 @@ fn main() -> anyhow::Result<()> {
         let rank = pg.rank();
         let ws = pg.world_size();
         let mut model = build_model(pg.clone(), &args)?;
+        let mut scaler = if model.config().mixed_precision.uses_f16() {
+            Some(ShardedGradScaler::new(GradScalerConfig::default())?)
+        } else {
+            None
+        };
         let mut optim = AdamW::new(AdamWConfig {
             lr: args.lr,
             weight_decay: 0.0,
@@ -195,13 +226,37 @@ fn main() -> anyhow::Result<()> {
                 b
             });
             let (mut loss_sum, mut batches) = (0.0f64, 0usize);
-            for batch in loader {
+            let num_batches = loader.num_batches();
+            let k = args.grad_accum;
+            for (i, batch) in loader.enumerate() {
                 let batch = batch?;
-                let logits = model.forward(&batch.images)?;
+                // The last micro-batch of each group of k (or of the epoch) steps the optimizer.
+                let last_micro = (i + 1) % k == 0 || i + 1 == num_batches;
+                model.set_requires_gradient_sync(
+                    last_micro || matches!(args.accum_mode, AccumMode::ReduceScatter),
+                );
+                let logits = model.forward(&batch.images)?.to_dtype(DType::F32)?;
                 let loss = candle_nn::loss::cross_entropy(&logits, &batch.labels)?;
-                model.backward(&loss)?;
-                optim.step(&mut model)?;
-                model.zero_grad();
+                let micro_loss = (&loss / k as f64)?;
+                match &scaler {
+                    Some(s) => model.backward(&s.scale_loss(&micro_loss)?)?,
+                    None => model.backward(&micro_loss)?,
+                }
+                if last_micro {
+                    if let Some(s) = &mut scaler {
+                        s.unscale(&mut model)?;
+                    }
+                    if args.clip_grad_norm > 0.0 {
+                        clip_grad_norm(&mut model, args.clip_grad_norm)?;
+                    }
+                    match &mut scaler {
+                        Some(s) => {
+                            s.step(&mut model, &mut optim)?;
+                        }
+                        None => optim.step(&mut model)?,
+                    }
+                    model.zero_grad();
+                }
                 loss_sum += loss.to_scalar::<f32>()? as f64;
                 batches += 1;
                 if let Some(b) = &bar {
@@ -268,6 +323,13 @@ fn main() -> anyhow::Result<()> {
                 m.peak_unsharded_bytes,
                 m.peak_unsharded_units
             );
+            if let Some(s) = &scaler {
+                let st = s.state();
+                println!(
+                    "grad scaler: scale {} after {} steps, {} skipped",
+                    st.scale, st.taken_steps, st.skipped_steps
+                );
+            }
         }
         Ok(last_acc)
     })?;

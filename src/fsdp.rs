@@ -36,6 +36,7 @@ use crate::comm::{CommBuffer, ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter};
 use crate::init::init_values;
+use crate::mixed_precision::MixedPrecision;
 use crate::unit::{record_unit, RecordedParam, UnitSpec};
 
 /// How parameters, gradients and optimizer state are sharded (PyTorch's `ShardingStrategy`).
@@ -70,6 +71,11 @@ pub struct FsdpConfig {
     /// place by the module (e.g. BatchNorm's running statistics). Default: `running_mean`,
     /// `running_var`, `num_batches_tracked`.
     pub buffer_suffixes: Vec<String>,
+    /// Mixed-precision policy of every unit that sets none of its own
+    /// ([`UnitSpec::with_mixed_precision`]). Units holding batch-norm statistics
+    /// (a `running_mean` buffer) keep f32 compute unless they set their own policy, as PyTorch
+    /// FSDP does for batch norm.
+    pub mixed_precision: MixedPrecision,
 }
 
 impl Default for FsdpConfig {
@@ -83,6 +89,7 @@ impl Default for FsdpConfig {
             buffer_suffixes: ["running_mean", "running_var", "num_batches_tracked"]
                 .map(String::from)
                 .to_vec(),
+            mixed_precision: MixedPrecision::default(),
         }
     }
 }
@@ -95,9 +102,14 @@ pub struct FsdpUnit {
     pub recorded: Vec<RecordedParam>,
     /// This rank's FlatParameter.
     pub flat: FlatParameter,
-    /// Buffers (see [`FsdpConfig::buffer_suffixes`]): full f32 values, replicated, updated in
-    /// place by training forwards.
+    /// Buffers (see [`FsdpConfig::buffer_suffixes`]): full values in the policy's
+    /// `buffer_dtype`, replicated, updated in place by training forwards.
     pub buffers: Vec<(String, Var)>,
+    /// The mixed-precision policy this unit runs under.
+    pub policy: MixedPrecision,
+    /// Unsharded f32 gradient accumulated while gradient sync is off (`no_sync`), padded flat
+    /// layout; reduced together with the next synchronised backward.
+    pub unsharded_grad: Option<Vec<f32>>,
 }
 
 impl FsdpUnit {
@@ -154,6 +166,7 @@ pub struct FsdpModel {
     units: Vec<FsdpUnit>,
     saved: Vec<Option<Saved>>,
     mem: MemoryStats,
+    requires_gradient_sync: bool,
 }
 
 /// Builder of an [`FsdpModel`]: add units in forward order, then [`FsdpModelBuilder::build`].
@@ -241,14 +254,24 @@ impl FsdpModel {
                             .iter()
                             .any(|s| p.name.rsplit('.').next() == Some(s.as_str()))
                     });
+            let policy = match spec.mixed_precision {
+                Some(p) => p,
+                None if buffer_recs.iter().any(|b| b.name.ends_with("running_mean")) => {
+                    MixedPrecision {
+                        buffer_dtype: config.mixed_precision.buffer_dtype,
+                        ..MixedPrecision::full_f32()
+                    }
+                }
+                None => config.mixed_precision,
+            };
+            policy.validate()?;
             let buffers = buffer_recs
                 .iter()
                 .map(|p| {
                     let v = init_values(&p.name, &p.shape, p.hint, config.seed);
-                    Ok((
-                        p.name.clone(),
-                        Var::from_vec(v, p.shape.clone(), &config.device)?,
-                    ))
+                    let t = Tensor::from_vec(v, p.shape.clone(), &config.device)?
+                        .to_dtype(policy.buffer_dtype)?;
+                    Ok((p.name.clone(), Var::from_tensor(&t)?))
                 })
                 .collect::<Result<Vec<_>>>()?;
             let named: Vec<_> = recorded
@@ -264,6 +287,8 @@ impl FsdpModel {
                 recorded,
                 flat,
                 buffers,
+                policy,
+                unsharded_grad: None,
             });
         }
         let n = units.len();
@@ -273,6 +298,7 @@ impl FsdpModel {
             units,
             saved: (0..n).map(|_| None).collect(),
             mem: MemoryStats::default(),
+            requires_gradient_sync: true,
         };
         model.mem.sharded_bytes = model.units.iter().map(|u| u.flat.sharded_bytes()).sum();
         Ok(model)
@@ -311,11 +337,27 @@ impl FsdpModel {
         self.mem.peak_unsharded_units = self.mem.unsharded_units;
     }
 
-    /// Drops every gradient shard (PyTorch's `zero_grad(set_to_none=True)`).
+    /// Drops every gradient shard and any unsynchronised accumulated gradient (PyTorch's
+    /// `zero_grad(set_to_none=True)`).
     pub fn zero_grad(&mut self) {
         for u in &mut self.units {
             u.flat.grad = None;
+            u.unsharded_grad = None;
         }
+    }
+
+    /// Turns gradient synchronisation off or on (FSDP2's `set_requires_gradient_sync`, FSDP1's
+    /// `no_sync`). While off, [`FsdpModel::backward`] issues no reduce-scatter: each unit's
+    /// gradient is added into an unsharded f32 buffer on this rank (memory: one f32 copy of
+    /// every unit's parameters). The first backward with sync on reduces that sum together with
+    /// its own gradient, in one reduce-scatter per unit.
+    pub fn set_requires_gradient_sync(&mut self, sync: bool) {
+        self.requires_gradient_sync = sync;
+    }
+
+    /// Whether backward reduces gradients (see [`FsdpModel::set_requires_gradient_sync`]).
+    pub fn requires_gradient_sync(&self) -> bool {
+        self.requires_gradient_sync
     }
 
     fn note_unshard(&mut self, bytes: usize) {
@@ -330,30 +372,50 @@ impl FsdpModel {
         self.mem.unsharded_units -= 1;
     }
 
-    /// Issues the all-gather of unit `k` (or completes at once when nothing needs gathering).
-    /// The unsharded buffer counts as alive from here on (it is allocated now).
+    /// Issues the all-gather of unit `k` in its `param_dtype` (or completes at once when nothing
+    /// needs gathering). The unsharded buffer counts as alive from here on (it is allocated now).
     fn issue_unshard(&mut self, k: usize) -> Work<CommBuffer> {
-        self.note_unshard(self.units[k].flat.layout.padded_numel * 4);
+        self.issue_unshard_as(k, self.units[k].policy.param_dtype)
+    }
+
+    /// [`Self::issue_unshard`] in an explicit dtype (f32 for exact state dicts).
+    fn issue_unshard_as(&mut self, k: usize, dtype: DType) -> Work<CommBuffer> {
+        let n = self.units[k].flat.layout.padded_numel;
+        self.note_unshard(n * dtype.size_in_bytes());
         let flat = &self.units[k].flat;
-        if flat.layout.world_size == 1 || flat.layout.padded_numel == 0 {
-            return Work::ready(Ok(CommBuffer::F32(flat.shard.clone())));
+        // Cast the local shard to param_dtype before the gather: the wire carries param_dtype.
+        let input = match CommBuffer::from_f32(&flat.shard, dtype) {
+            Ok(b) => b,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        if flat.layout.world_size == 1 || n == 0 {
+            return Work::ready(Ok(input));
         }
-        let out = CommBuffer::F32(vec![0.0; flat.layout.padded_numel]);
-        self.pg.all_gather(CommBuffer::F32(flat.shard.clone()), out)
+        match CommBuffer::zeros(dtype, n) {
+            Ok(out) => self.pg.all_gather(input, out),
+            Err(e) => Work::ready(Err(e)),
+        }
     }
 
-    /// Waits for a gathered buffer and returns it as f32.
-    fn finish_unshard(&self, k: usize, work: Work<CommBuffer>) -> Result<Vec<f32>> {
-        let full = work.wait()?.into_f32()?;
+    /// Waits for a gathered buffer and returns it as one flat tensor of `param_dtype`
+    /// (`padded_numel` elements; the buffer moves into the tensor, no copy) and its size in
+    /// bytes.
+    fn finish_unshard(&self, k: usize, work: Work<CommBuffer>) -> Result<(Tensor, usize)> {
+        let full = work.wait()?;
         debug_assert_eq!(full.len(), self.units[k].flat.layout.padded_numel);
-        Ok(full)
+        let (n, bytes) = (full.len(), full.nbytes());
+        let dev = &self.config.device;
+        let t = match full {
+            CommBuffer::F32(v) => Tensor::from_vec(v, n, dev)?,
+            CommBuffer::BF16(v) => Tensor::from_vec(v, n, dev)?,
+            CommBuffer::F16(v) => Tensor::from_vec(v, n, dev)?,
+        };
+        Ok((t, bytes))
     }
 
-    /// Views of each parameter inside the gathered buffer (no copy, no autograd).
-    fn param_views(&self, k: usize, full: Vec<f32>) -> Result<HashMap<String, Tensor>> {
+    /// Views of each parameter inside the gathered flat tensor (no copy, no autograd).
+    fn param_views(&self, k: usize, flat: &Tensor) -> Result<HashMap<String, Tensor>> {
         let layout = &self.units[k].flat.layout;
-        let n = full.len();
-        let flat = Tensor::from_vec(full, n, &self.config.device)?;
         layout
             .params
             .iter()
@@ -368,21 +430,33 @@ impl FsdpModel {
     }
 
     /// Fresh autograd variables holding each parameter (one copy out of the gathered buffer).
-    fn param_vars(&self, k: usize, full: &[f32]) -> Result<(HashMap<String, Tensor>, Vec<Tensor>)> {
+    fn param_vars(
+        &self,
+        k: usize,
+        flat: &Tensor,
+    ) -> Result<(HashMap<String, Tensor>, Vec<Tensor>)> {
         let layout = &self.units[k].flat.layout;
         let mut map = HashMap::with_capacity(layout.params.len());
         let mut list = Vec::with_capacity(layout.params.len());
         for p in &layout.params {
-            let v = Var::from_slice(
-                &full[p.offset..p.offset + p.numel],
-                p.shape.clone(),
-                &self.config.device,
-            )?
-            .into_inner();
+            let view = flat
+                .narrow(0, p.offset, p.numel)?
+                .reshape(p.shape.clone())?;
+            let v = Var::from_tensor(&view)?.into_inner();
             map.insert(p.name.clone(), v.clone());
             list.push(v);
         }
         Ok((map, list))
+    }
+
+    /// Casts a floating-point unit input to the unit's `param_dtype` when its policy says so.
+    fn cast_input(&self, k: usize, h: Tensor) -> Result<Tensor> {
+        let policy = &self.units[k].policy;
+        if policy.cast_forward_inputs && h.dtype().is_float() && h.dtype() != policy.param_dtype {
+            Ok(h.to_dtype(policy.param_dtype)?)
+        } else {
+            Ok(h)
+        }
     }
 
     fn keeps_graph(&self, k: usize) -> bool {
@@ -401,23 +475,27 @@ impl FsdpModel {
         let mut next = Some(self.issue_unshard(0));
         for k in 0..n {
             let work = next.take().expect("gather issued");
-            let full = self.finish_unshard(k, work)?;
+            let (full, bytes) = self.finish_unshard(k, work)?;
             if k + 1 < n && self.config.forward_prefetch {
                 next = Some(self.issue_unshard(k + 1));
             }
-            let bytes = full.len() * 4;
             let spec = self.units[k].spec.clone();
+            let dtype = self.units[k].policy.param_dtype;
             if self.keeps_graph(k) {
                 let input_var = if k > 0 {
-                    Some(Var::from_tensor(&h.detach())?.into_inner())
+                    let x = self.cast_input(k, h.detach())?;
+                    Some(Var::from_tensor(&x)?.into_inner())
                 } else {
                     None
                 };
-                let input = input_var.clone().unwrap_or_else(|| h.clone());
+                let input = match &input_var {
+                    Some(v) => v.clone(),
+                    None => self.cast_input(k, h.clone())?,
+                };
                 let (mut map, params) = self.param_vars(k, &full)?;
                 drop(full);
                 self.units[k].add_buffers(&mut map, true)?;
-                let module = spec.bind(map, DType::F32, &self.config.device)?;
+                let module = spec.bind(map, dtype, &self.config.device)?;
                 let output = module.forward_t(&input, true)?;
                 self.saved[k] = Some(Saved::Graph {
                     input_var,
@@ -427,10 +505,11 @@ impl FsdpModel {
                 });
                 h = output;
             } else {
-                let input = h.detach();
-                let mut map = self.param_views(k, full)?;
+                let input = self.cast_input(k, h.detach())?;
+                let mut map = self.param_views(k, &full)?;
+                drop(full);
                 self.units[k].add_buffers(&mut map, true)?;
-                let module = spec.bind(map, DType::F32, &self.config.device)?;
+                let module = spec.bind(map, dtype, &self.config.device)?;
                 let output = module.forward_t(&input, true)?;
                 drop(module);
                 self.note_reshard(bytes);
@@ -452,16 +531,16 @@ impl FsdpModel {
         let mut h = x.detach();
         let mut next = Some(self.issue_unshard(0));
         for k in 0..n {
-            let full = self.finish_unshard(k, next.take().expect("gather issued"))?;
+            let (full, bytes) = self.finish_unshard(k, next.take().expect("gather issued"))?;
             if k + 1 < n {
                 next = Some(self.issue_unshard(k + 1));
             }
-            let bytes = full.len() * 4;
             let spec = self.units[k].spec.clone();
-            let mut map = self.param_views(k, full)?;
+            let mut map = self.param_views(k, &full)?;
+            drop(full);
             self.units[k].add_buffers(&mut map, true)?;
-            let module = spec.bind(map, DType::F32, &self.config.device)?;
-            h = module.forward_t(&h, false)?;
+            let module = spec.bind(map, self.units[k].policy.param_dtype, &self.config.device)?;
+            h = module.forward_t(&self.cast_input(k, h)?, false)?;
             drop(module);
             self.note_reshard(bytes);
         }
@@ -518,7 +597,11 @@ impl FsdpModel {
                 } => {
                     let grads = match (loss_grads.take(), &grad_out) {
                         (Some(g), _) if k + 1 == n => Some(g),
-                        (_, Some(go)) => Some((output * go)?.sum_all()?.backward()?),
+                        (_, Some(go)) => Some(
+                            (&output * go.to_dtype(output.dtype())?)?
+                                .sum_all()?
+                                .backward()?,
+                        ),
                         (_, None) => None,
                     };
                     (grads, params, input_var, unsharded_bytes)
@@ -532,13 +615,12 @@ impl FsdpModel {
                         }
                         None => self.issue_unshard(k),
                     };
-                    let full = self.finish_unshard(k, work)?;
+                    let (full, bytes) = self.finish_unshard(k, work)?;
                     if self.config.backward_prefetch && prefetched.is_none() {
                         if let Some(j) = next_recompute(k, &self.saved) {
                             prefetched = Some((j, self.issue_unshard(j)));
                         }
                     }
-                    let bytes = full.len() * 4;
                     let (mut map, params) = self.param_vars(k, &full)?;
                     drop(full);
                     // The forward already updated the buffers: the recompute's updates are
@@ -551,13 +633,18 @@ impl FsdpModel {
                     };
                     let grads = match &grad_out {
                         Some(go) if !params.is_empty() || input_var.is_some() => {
-                            let module =
-                                self.units[k]
-                                    .spec
-                                    .bind(map, DType::F32, &self.config.device)?;
+                            let module = self.units[k].spec.bind(
+                                map,
+                                self.units[k].policy.param_dtype,
+                                &self.config.device,
+                            )?;
                             let x = input_var.as_ref().unwrap_or(&input);
                             let output = module.forward_t(x, true)?;
-                            Some((output * go)?.sum_all()?.backward()?)
+                            Some(
+                                (&output * go.to_dtype(output.dtype())?)?
+                                    .sum_all()?
+                                    .backward()?,
+                            )
                         }
                         _ => None,
                     };
@@ -573,12 +660,22 @@ impl FsdpModel {
             drop(params);
             drop(grads);
             self.note_reshard(unsharded_bytes);
-            if let Some(fg) = flat_grad {
-                pending.push((k, self.issue_reduce(k, fg)));
+            if let Some(mut fg) = flat_grad {
+                if let Some(acc) = self.units[k].unsharded_grad.take() {
+                    fg.iter_mut().zip(acc).for_each(|(a, b)| *a += b);
+                }
+                if self.requires_gradient_sync {
+                    pending.push((k, self.issue_reduce(k, fg)));
+                } else {
+                    self.units[k].unsharded_grad = Some(fg);
+                }
             }
         }
         for (k, work) in pending {
-            let reduced = work.wait()?.into_f32()?;
+            let reduced = match work.wait()? {
+                CommBuffer::F32(v) => v,
+                other => other.to_f32_vec(),
+            };
             self.units[k].flat.accumulate_grad(reduced);
         }
         Ok(())
@@ -611,17 +708,26 @@ impl FsdpModel {
     /// all-reduce (average) under NO_SHARD.
     fn issue_reduce(&self, k: usize, flat_grad: Vec<f32>) -> Work<CommBuffer> {
         let layout = &self.units[k].flat.layout;
+        let dtype = self.units[k].policy.reduce_dtype;
+        // Cast to reduce_dtype before the collective: the wire carries reduce_dtype.
+        let input = if dtype == DType::F32 {
+            CommBuffer::F32(flat_grad)
+        } else {
+            match CommBuffer::from_f32(&flat_grad, dtype) {
+                Ok(b) => b,
+                Err(e) => return Work::ready(Err(e)),
+            }
+        };
         if self.pg.world_size() == 1 {
-            return Work::ready(Ok(CommBuffer::F32(flat_grad)));
+            return Work::ready(Ok(input));
         }
         if layout.world_size == 1 {
-            return self
-                .pg
-                .all_reduce(CommBuffer::F32(flat_grad), ReduceOp::Avg);
+            return self.pg.all_reduce(input, ReduceOp::Avg);
         }
-        let out = CommBuffer::F32(vec![0.0; layout.shard_numel]);
-        self.pg
-            .reduce_scatter(CommBuffer::F32(flat_grad), out, ReduceOp::Avg)
+        match CommBuffer::zeros(dtype, layout.shard_numel) {
+            Ok(out) => self.pg.reduce_scatter(input, out, ReduceOp::Avg),
+            Err(e) => Work::ready(Err(e)),
+        }
     }
 
     /// Gathers every unit's full parameters (a collective, one unit at a time). With
@@ -636,16 +742,15 @@ impl FsdpModel {
         let keep = !rank0_only || self.pg.rank() == 0;
         let mut out = Vec::new();
         for k in 0..self.units.len() {
-            let work = self.issue_unshard(k);
-            let full = self.finish_unshard(k, work)?;
-            let bytes = full.len() * 4;
+            // Exact master values: gathered in f32 whatever the policy's param_dtype.
+            let work = self.issue_unshard_as(k, DType::F32);
+            let (full, bytes) = self.finish_unshard(k, work)?;
             if keep {
                 for p in &self.units[k].flat.layout.params {
-                    let t = Tensor::from_slice(
-                        &full[p.offset..p.offset + p.numel],
-                        p.shape.clone(),
-                        &self.config.device,
-                    )?;
+                    let t = full
+                        .narrow(0, p.offset, p.numel)?
+                        .reshape(p.shape.clone())?
+                        .copy()?;
                     out.push((p.name.clone(), t));
                 }
                 for (name, var) in &self.units[k].buffers {

@@ -10,15 +10,19 @@
 //! See `design/architecture.md` for the architecture and the life of one training step.
 
 pub mod checkpoint;
+pub mod clip;
 pub mod comm;
 pub mod data;
 pub mod error;
 pub mod flat_param;
 pub mod fsdp;
+pub mod grad_scaler;
 pub mod init;
+pub mod mixed_precision;
 pub mod optim;
 pub mod unit;
 
 pub use error::{Error, Result};
 pub use fsdp::{FsdpConfig, FsdpModel, FullModel, MemoryStats, ShardingStrategy};
+pub use mixed_precision::MixedPrecision;
 pub use optim::{AdamW, AdamWConfig, OptimizerState, Sgd, SgdConfig, ShardedOptimizer};

@@ -127,6 +127,9 @@ pub struct UnitSpec {
     pub name: String,
     /// The constructor.
     pub ctor: UnitCtor,
+    /// This unit's own mixed-precision policy (`None`: the model's, see
+    /// [`crate::FsdpConfig::mixed_precision`]).
+    pub mixed_precision: Option<crate::mixed_precision::MixedPrecision>,
 }
 
 impl UnitSpec {
@@ -140,7 +143,14 @@ impl UnitSpec {
         Self {
             name: name.into(),
             ctor,
+            mixed_precision: None,
         }
+    }
+
+    /// Sets this unit's own mixed-precision policy (e.g. keep a norm layer in f32).
+    pub fn with_mixed_precision(mut self, policy: crate::mixed_precision::MixedPrecision) -> Self {
+        self.mixed_precision = Some(policy);
+        self
     }
 
     /// Calls the constructor with the parameters `tensors` (keyed by full name), in `dtype`.

@@ -1,0 +1,172 @@
+//! Sharded dynamic loss scaling for f16 training (PyTorch's `ShardedGradScaler` /
+//! `torch.amp.GradScaler` algorithm, Micikevicius et al., "Mixed Precision Training", 2018).
+//!
+//! Per step: the loss is multiplied by `scale` before backward; [`ShardedGradScaler::unscale`]
+//! divides every gradient shard by `scale` and looks for inf/NaN; the finding is all-reduced (max)
+//! so every rank agrees; [`ShardedGradScaler::step`] skips the optimizer step when any rank found
+//! one, and [`ShardedGradScaler::update`] halves the scale after a skipped step or doubles it
+//! after `growth_interval` consecutive clean steps.
+
+use candle_core::Tensor;
+
+use crate::comm::{CommBuffer, ReduceOp};
+use crate::error::{Error, Result};
+use crate::fsdp::FsdpModel;
+use crate::optim::ShardedOptimizer;
+
+/// Scaler configuration (PyTorch defaults).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GradScalerConfig {
+    /// Initial scale; must be a power of two (default 2^16).
+    pub init_scale: f32,
+    /// Multiplier after `growth_interval` clean steps (default 2).
+    pub growth_factor: f32,
+    /// Multiplier after a step with inf/NaN (default 0.5).
+    pub backoff_factor: f32,
+    /// Clean steps between growths (default 2000).
+    pub growth_interval: u64,
+}
+
+impl Default for GradScalerConfig {
+    fn default() -> Self {
+        Self {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
+    }
+}
+
+/// The scaler's state, for checkpoints and reports.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GradScalerState {
+    /// Current scale.
+    pub scale: f32,
+    /// Clean steps since the last growth or backoff.
+    pub growth_tracker: u64,
+    /// Steps skipped so far because of inf/NaN.
+    pub skipped_steps: u64,
+    /// Steps taken so far.
+    pub taken_steps: u64,
+}
+
+/// Dynamic loss scaler over sharded gradients (see the module docs).
+#[derive(Debug, Clone)]
+pub struct ShardedGradScaler {
+    config: GradScalerConfig,
+    state: GradScalerState,
+    /// `Some(found_inf)` once this step's gradients were unscaled.
+    unscaled: Option<bool>,
+}
+
+impl ShardedGradScaler {
+    /// A scaler; errors if `init_scale` is not a positive power of two or a factor is not
+    /// positive.
+    pub fn new(config: GradScalerConfig) -> Result<Self> {
+        let s = config.init_scale;
+        if !(s > 0.0 && s.is_finite() && s.log2().fract() == 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "grad scaler init_scale must be a positive power of two, found {s}"
+            )));
+        }
+        if config.growth_factor <= 1.0 || !(0.0..1.0).contains(&config.backoff_factor) {
+            return Err(Error::InvalidArgument(format!(
+                "grad scaler needs growth_factor > 1 and 0 < backoff_factor < 1, found {} and {}",
+                config.growth_factor, config.backoff_factor
+            )));
+        }
+        Ok(Self {
+            config,
+            state: GradScalerState {
+                scale: s,
+                growth_tracker: 0,
+                skipped_steps: 0,
+                taken_steps: 0,
+            },
+            unscaled: None,
+        })
+    }
+
+    /// Current scale.
+    pub fn scale(&self) -> f32 {
+        self.state.scale
+    }
+
+    /// State (scale, growth tracker, skipped and taken steps).
+    pub fn state(&self) -> GradScalerState {
+        self.state
+    }
+
+    /// Restores a state saved with [`ShardedGradScaler::state`].
+    pub fn load_state(&mut self, state: GradScalerState) {
+        self.state = state;
+        self.unscaled = None;
+    }
+
+    /// `loss * scale`, in the loss's dtype.
+    pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
+        Ok((loss * self.state.scale as f64)?)
+    }
+
+    /// Divides every gradient shard by the scale and returns whether any rank found inf/NaN
+    /// (a collective: one all-reduce max of one f32). Idempotent within a step.
+    pub fn unscale(&mut self, model: &mut FsdpModel) -> Result<bool> {
+        if let Some(found) = self.unscaled {
+            return Ok(found);
+        }
+        let inv = 1.0 / self.state.scale;
+        let mut local_inf = false;
+        for u in model.units_mut() {
+            if let Some(g) = &mut u.flat.grad {
+                for x in g.iter_mut() {
+                    *x *= inv;
+                    local_inf |= !x.is_finite();
+                }
+            }
+        }
+        let flag = CommBuffer::F32(vec![if local_inf { 1.0 } else { 0.0 }]);
+        let found = model
+            .process_group()
+            .all_reduce(flag, ReduceOp::Max)
+            .wait()?
+            .into_f32()?[0]
+            > 0.0;
+        self.unscaled = Some(found);
+        Ok(found)
+    }
+
+    /// Unscales (if not done yet) and steps `optim` unless some rank found inf/NaN, then updates
+    /// the scale. Returns whether the optimizer stepped. Gradients are left in place; call
+    /// `model.zero_grad()` after.
+    pub fn step(
+        &mut self,
+        model: &mut FsdpModel,
+        optim: &mut dyn ShardedOptimizer,
+    ) -> Result<bool> {
+        let found = self.unscale(model)?;
+        if !found {
+            optim.step(model)?;
+        }
+        self.update(found);
+        Ok(!found)
+    }
+
+    /// Updates the scale after a step (`found_inf`: the step was skipped).
+    fn update(&mut self, found_inf: bool) {
+        let s = &mut self.state;
+        if found_inf {
+            s.scale *= self.config.backoff_factor;
+            s.growth_tracker = 0;
+            s.skipped_steps += 1;
+        } else {
+            s.taken_steps += 1;
+            s.growth_tracker += 1;
+            if s.growth_tracker >= self.config.growth_interval {
+                s.scale *= self.config.growth_factor;
+                s.growth_tracker = 0;
+            }
+        }
+        self.unscaled = None;
+    }
+}
