@@ -5,7 +5,8 @@
 //! Adam (AdamW with weight decay 0), lr 1e-3; batch 32 per rank. Rank 0 logs one line per
 //! epoch (epoch, mean train loss, test accuracy, epoch time), evaluates on the 10 000 test images
 //! while the other ranks wait at a barrier, and a sharded checkpoint is saved at the end of every
-//! epoch; a rerun resumes from the newest one.
+//! epoch (and every `--save-every` steps); `--resume` continues from the newest one, mid-epoch
+//! ones where the sampler stopped.
 //!
 //! ```text
 //! cargo run --release --example mnist -- --world-size 2 --epochs 5
@@ -23,12 +24,22 @@ use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroup
 use candle_fsdp::comm::{CommBuffer, ReduceOp};
 use candle_fsdp::data::{BatchLoader, DistributedSampler, Mnist};
 use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
+use candle_fsdp::timeline::render_timeline;
+use candle_fsdp::trace::{
+    chrome_trace_json, overlap_summary, peak_rss_bytes, OverlapSummary, Span, TraceSession,
+};
 use candle_fsdp::{
-    AdamW, AdamWConfig, FsdpConfig, FsdpModel, MixedPrecision, ShardedOptimizer, ShardingStrategy,
+    AdamW, AdamWConfig, BackwardPrefetch, FsdpConfig, FsdpModel, MixedPrecision, ShardedOptimizer,
+    ShardingStrategy,
 };
 use candle_nn::Activation;
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+
+// Every step allocates and frees MB-sized buffers (gathered parameters, gradients); glibc's
+// malloc returns them to the kernel and pays page faults on each reuse, mimalloc keeps them.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum AccumMode {
@@ -65,12 +76,16 @@ struct Args {
     /// Directory with the four MNIST IDX files (gzipped).
     #[arg(long, default_value = "data/mnist")]
     data_dir: PathBuf,
-    /// Where checkpoints go; training resumes from the newest one found there.
+    /// Where sharded checkpoints go (one `step-<n>/` directory per save).
     #[arg(long, default_value = "checkpoints/mnist")]
     checkpoint_dir: PathBuf,
-    /// Start from scratch even if a checkpoint exists (it is not deleted).
+    /// Resume from the newest complete checkpoint in --checkpoint-dir (a mid-epoch one
+    /// continues the epoch where it stopped); without it, training starts from scratch.
     #[arg(long)]
-    no_resume: bool,
+    resume: bool,
+    /// Also save a checkpoint every N optimizer steps (0: only at the end of each epoch).
+    #[arg(long, default_value_t = 0)]
+    save_every: u64,
     /// Complete checkpoints to keep.
     #[arg(long, default_value_t = 2)]
     keep_last: usize,
@@ -93,6 +108,13 @@ struct Args {
     /// Clip gradients to this total L2 norm (0 = off).
     #[arg(long, default_value_t = 0.0)]
     clip_grad_norm: f32,
+    /// Write a Chrome/Perfetto trace of a few training steps to this JSON file, plus the
+    /// timeline picture next to it (same name, .png and .svg), and print overlap figures.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Number of steps traced (after 8 warm-up steps of the first epoch trained).
+    #[arg(long, default_value_t = 4)]
+    trace_steps: usize,
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 300)]
     timeout_s: u64,
@@ -110,7 +132,11 @@ fn build_model(
         },
         seed: args.seed,
         forward_prefetch: !args.no_prefetch,
-        backward_prefetch: !args.no_prefetch,
+        backward_prefetch: if args.no_prefetch {
+            BackwardPrefetch::None
+        } else {
+            BackwardPrefetch::BackwardPre
+        },
         mixed_precision: MixedPrecision::from_name(&args.precision)?,
         ..Default::default()
     };
@@ -130,38 +156,80 @@ fn build_model(
         .build()
 }
 
+/// Writes the trace JSON and the timeline pictures, and prints the overlap summary.
+fn write_trace(path: &std::path::Path, spans: Vec<Span>) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !spans.is_empty(),
+        "no span was traced (was the epoch shorter than 8 steps?)"
+    );
+    std::fs::write(path, chrome_trace_json(&spans))
+        .with_context(|| format!("writing {}", path.display()))?;
+    for ext in ["png", "svg"] {
+        render_timeline(&spans, &path.with_extension(ext))?;
+    }
+    let summary = overlap_summary(&spans);
+    let n = summary.len() as f64;
+    let mean = |f: fn(&OverlapSummary) -> f64| summary.iter().map(f).sum::<f64>() / n;
+    println!(
+        "trace: {} spans of {} rank-steps written to {} (+ .png, .svg); per step: {:.2} ms, \
+         compute {:.2} ms, communication {:.2} ms, exposed {:.2} ms ({:.1}% of the step), \
+         overlap {:.1}%",
+        spans.len(),
+        summary.len(),
+        path.display(),
+        mean(|s| s.step_s) * 1e3,
+        mean(|s| s.compute_s) * 1e3,
+        mean(|s| s.comm_s) * 1e3,
+        mean(|s| s.exposed_s) * 1e3,
+        100.0 * mean(|s| s.exposed_s / s.step_s),
+        100.0 * mean(|s| s.overlap_fraction)
+    );
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.world_size >= 1, "--world-size must be at least 1");
     anyhow::ensure!(args.batch_size >= 1, "--batch-size must be at least 1");
     anyhow::ensure!(args.grad_accum >= 1, "--grad-accum must be at least 1");
     MixedPrecision::from_name(&args.precision)?;
+    if let Some(p) = &args.trace {
+        let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
+        anyhow::ensure!(
+            dir.is_none_or(|d| d.is_dir()),
+            "--trace {}: directory {} does not exist",
+            p.display(),
+            dir.unwrap().display()
+        );
+    }
     let intra_op = set_intra_op_threads(args.world_size);
     let mnist = Mnist::load(&args.data_dir)
         .with_context(|| format!("loading MNIST from {}", args.data_dir.display()))?;
-    let train_images = Arc::new(mnist.train_images.clone());
-    let train_labels = Arc::new(mnist.train_labels.clone());
-    let (rows, cols) = (mnist.rows, mnist.cols);
-    let test_len = mnist.test_len();
+    let (train_len, test_len) = (mnist.train_len(), mnist.test_len());
+    let Mnist {
+        train_images,
+        train_labels,
+        test_images,
+        test_labels,
+        rows,
+        cols,
+    } = mnist;
+    // Shared by the rank threads without a copy.
+    let (train_images, train_labels) = (Arc::new(train_images), Arc::new(train_labels));
     let test_x = Tensor::from_vec(
-        mnist.test_images.clone(),
+        test_images,
         (test_len, 1, rows, cols),
         &candle_core::Device::Cpu,
     )?;
     let test_y = Tensor::from_vec(
-        mnist
-            .test_labels
-            .iter()
-            .map(|&l| l as u32)
-            .collect::<Vec<_>>(),
+        test_labels.iter().map(|&l| l as u32).collect::<Vec<_>>(),
         test_len,
         &candle_core::Device::Cpu,
     )?;
     println!(
         "MNIST: {} train / {} test images; world size {}, batch {} per rank, {:?}, {} compute thread(s) per rank",
-        mnist.train_len(),
-        test_len,
-        args.world_size,
+        train_len,
+        test_len,args.world_size,
         args.batch_size,
         args.strategy,
         intra_op
@@ -169,10 +237,18 @@ fn main() -> anyhow::Result<()> {
     let group_config = ThreadGroupConfig {
         timeout: Duration::from_secs(args.timeout_s),
     };
+    let session = TraceSession::new();
     let finals = run_ranks_ok(args.world_size, group_config, |pg| {
         let rank = pg.rank();
         let ws = pg.world_size();
         let mut model = build_model(pg.clone(), &args)?;
+        let tracer = args.trace.as_ref().map(|_| {
+            let t = session.tracer(rank);
+            t.set_enabled(false);
+            t
+        });
+        model.set_tracer(tracer.clone());
+        let mut traced_epoch = None;
         let mut scaler = if model.config().mixed_precision.uses_f16() {
             Some(ShardedGradScaler::new(GradScalerConfig::default())?)
         } else {
@@ -183,28 +259,52 @@ fn main() -> anyhow::Result<()> {
             weight_decay: 0.0,
             ..Default::default()
         });
-        let mut start_epoch = 0;
-        if !args.no_resume {
-            if let Some(meta) =
+        let (mut start_epoch, mut step, mut resume_at) = (0, 0u64, None);
+        if args.resume {
+            if let Some(loaded) =
                 checkpoint::load_latest(&args.checkpoint_dir, &mut model, &mut optim)?
             {
-                start_epoch = meta.epoch;
+                let train = loaded.meta.train;
+                (start_epoch, step) = (train.epoch, train.step);
+                if let Some(s) = train.sampler {
+                    (start_epoch, resume_at) = (s.epoch, Some(s));
+                }
+                if let (Some(s), Some(v)) = (&mut scaler, train.grad_scaler) {
+                    s.load_state(serde_json::from_value(v).map_err(|e| {
+                        candle_fsdp::Error::InvalidArgument(format!("grad scaler state: {e}"))
+                    })?);
+                }
                 if rank == 0 {
                     println!(
                         "resumed from {} (epoch {}, step {})",
-                        args.checkpoint_dir.display(),
-                        meta.epoch,
-                        meta.step
+                        loaded.dir.display(),
+                        start_epoch + 1,
+                        step
                     );
                 }
             }
         }
         let mut sampler =
             DistributedSampler::new(train_labels.len(), ws, rank, true, args.seed, false)?;
+        let train_state =
+            |step: u64,
+             epoch: u64,
+             sampler: checkpoint::SamplerState,
+             scaler: Option<&ShardedGradScaler>| checkpoint::TrainState {
+                step,
+                epoch,
+                sampler: Some(sampler),
+                rng: Some(checkpoint::RngState { seed: args.seed }),
+                grad_scaler: scaler.and_then(|s| serde_json::to_value(s.state()).ok()),
+                ..Default::default()
+            };
         let mut last_acc = f64::NAN;
         for epoch in start_epoch..args.epochs {
             let t0 = Instant::now();
-            sampler.set_epoch(epoch);
+            match resume_at.take() {
+                Some(s) => s.apply(&mut sampler),
+                None => sampler.set_epoch(epoch),
+            }
             let loader = BatchLoader::new(
                 train_images.clone(),
                 train_labels.clone(),
@@ -225,11 +325,16 @@ fn main() -> anyhow::Result<()> {
                 b.set_message(format!("{}", epoch + 1));
                 b
             });
-            let (mut loss_sum, mut batches) = (0.0f64, 0usize);
+            let (mut loss_sum, mut batches, mut consumed) = (0.0f64, 0usize, 0usize);
             let num_batches = loader.num_batches();
             let k = args.grad_accum;
             for (i, batch) in loader.enumerate() {
                 let batch = batch?;
+                if let Some(t) = &tracer {
+                    // Trace steps 8 .. 8 + trace_steps of the first epoch trained.
+                    let first = *traced_epoch.get_or_insert(epoch) == epoch;
+                    t.set_enabled(first && (8..8 + args.trace_steps).contains(&i));
+                }
                 // The last micro-batch of each group of k (or of the epoch) steps the optimizer.
                 let last_micro = (i + 1) % k == 0 || i + 1 == num_batches;
                 model.set_requires_gradient_sync(
@@ -256,6 +361,24 @@ fn main() -> anyhow::Result<()> {
                         None => optim.step(&mut model)?,
                     }
                     model.zero_grad();
+                    step += 1;
+                }
+                consumed += batch.len();
+                // Mid-epoch checkpoint (the end of the epoch saves below).
+                if last_micro
+                    && args.save_every > 0
+                    && step % args.save_every == 0
+                    && i + 1 < num_batches
+                {
+                    let position = checkpoint::SamplerState::new(&sampler, consumed);
+                    let state = train_state(step, epoch, position, scaler.as_ref());
+                    checkpoint::save_sharded(
+                        &args.checkpoint_dir,
+                        &model,
+                        &optim,
+                        &state,
+                        args.keep_last,
+                    )?;
                 }
                 loss_sum += loss.to_scalar::<f32>()? as f64;
                 batches += 1;
@@ -293,14 +416,16 @@ fn main() -> anyhow::Result<()> {
                 last_acc = 100.0 * correct as f64 / test_len as f64;
             }
             pg.barrier().wait()?;
-            let mut extra = std::collections::BTreeMap::new();
-            extra.insert("seed".to_string(), args.seed.to_string());
+            let next = checkpoint::SamplerState {
+                epoch: epoch + 1,
+                position: 0,
+                world_size: ws,
+            };
             checkpoint::save_sharded(
                 &args.checkpoint_dir,
                 &model,
                 &optim,
-                epoch + 1,
-                extra,
+                &train_state(step, epoch + 1, next, scaler.as_ref()),
                 args.keep_last,
             )?;
             if rank == 0 {
@@ -323,6 +448,12 @@ fn main() -> anyhow::Result<()> {
                 m.peak_unsharded_bytes,
                 m.peak_unsharded_units
             );
+            if let Some(rss) = peak_rss_bytes() {
+                println!(
+                    "process peak RSS {:.1} MiB (all ranks)",
+                    rss as f64 / (1 << 20) as f64
+                );
+            }
             if let Some(s) = &scaler {
                 let st = s.state();
                 println!(
@@ -331,10 +462,13 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
-        Ok(last_acc)
+        Ok((last_acc, tracer.map(|t| t.spans()).unwrap_or_default()))
     })?;
-    if finals[0].is_finite() {
-        println!("final test accuracy {:.2}%", finals[0]);
+    if let Some(path) = &args.trace {
+        write_trace(path, finals.iter().flat_map(|f| f.1.clone()).collect())?;
+    }
+    if finals[0].0.is_finite() {
+        println!("final test accuracy {:.2}%", finals[0].0);
     } else {
         println!(
             "nothing to train: the checkpoint already covers {} epochs",

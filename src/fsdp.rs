@@ -37,6 +37,7 @@ use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter};
 use crate::init::init_values;
 use crate::mixed_precision::MixedPrecision;
+use crate::trace::{Lane, SpanGuard, SpanKind, Tracer};
 use crate::unit::{record_unit, RecordedParam, UnitSpec};
 
 /// How parameters, gradients and optimizer state are sharded (PyTorch's `ShardingStrategy`).
@@ -53,6 +54,19 @@ pub enum ShardingStrategy {
     NoShard,
 }
 
+/// When the backward pass issues the all-gather of the next unit to run backward (PyTorch's
+/// `BackwardPrefetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackwardPrefetch {
+    /// Before the current unit's backward computes (more overlap, one more unit unsharded).
+    #[default]
+    BackwardPre,
+    /// After the current unit's gradients are computed and its parameters freed.
+    BackwardPost,
+    /// Only when the unit is needed (no overlap of backward all-gathers).
+    None,
+}
+
 /// Runtime configuration.
 #[derive(Debug, Clone)]
 pub struct FsdpConfig {
@@ -64,8 +78,14 @@ pub struct FsdpConfig {
     pub device: Device,
     /// Issue unit k+1's all-gather before unit k's forward computes.
     pub forward_prefetch: bool,
-    /// Issue unit k-1's all-gather before unit k's backward computes (BACKWARD_PRE).
-    pub backward_prefetch: bool,
+    /// When backward issues the next unit's all-gather (PyTorch's `BackwardPrefetch`).
+    pub backward_prefetch: BackwardPrefetch,
+    /// Rate limiter (PyTorch's `limit_all_gathers`): at most this many units hold unsharded
+    /// parameters at once because of prefetching; a prefetch that would exceed it is issued
+    /// later, when the unit is needed. `None` disables the limit. The limit bounds prefetching
+    /// only: under SHARD_GRAD_OP every unit stays unsharded from its forward to its backward by
+    /// definition. Default `Some(2)`.
+    pub limit_all_gathers: Option<usize>,
     /// Tensors whose name ends with `.<suffix>` for one of these suffixes are **buffers**, not
     /// parameters: replicated on every rank (not sharded), never given gradients, updated in
     /// place by the module (e.g. BatchNorm's running statistics). Default: `running_mean`,
@@ -85,7 +105,8 @@ impl Default for FsdpConfig {
             seed: 0,
             device: Device::Cpu,
             forward_prefetch: true,
-            backward_prefetch: true,
+            backward_prefetch: BackwardPrefetch::BackwardPre,
+            limit_all_gathers: Some(2),
             buffer_suffixes: ["running_mean", "running_var", "num_batches_tracked"]
                 .map(String::from)
                 .to_vec(),
@@ -167,6 +188,8 @@ pub struct FsdpModel {
     saved: Vec<Option<Saved>>,
     mem: MemoryStats,
     requires_gradient_sync: bool,
+    tracer: Option<Arc<Tracer>>,
+    steps_started: u64,
 }
 
 /// Builder of an [`FsdpModel`]: add units in forward order, then [`FsdpModelBuilder::build`].
@@ -299,6 +322,8 @@ impl FsdpModel {
             saved: (0..n).map(|_| None).collect(),
             mem: MemoryStats::default(),
             requires_gradient_sync: true,
+            tracer: None,
+            steps_started: 0,
         };
         model.mem.sharded_bytes = model.units.iter().map(|u| u.flat.sharded_bytes()).sum();
         Ok(model)
@@ -353,6 +378,18 @@ impl FsdpModel {
     /// its own gradient, in one reduce-scatter per unit.
     pub fn set_requires_gradient_sync(&mut self, sync: bool) {
         self.requires_gradient_sync = sync;
+    }
+
+    /// Records spans of this model's compute, waits and collectives (also on the process group's
+    /// comm streams) into `tracer`; `None` stops. Each training forward starts a new step.
+    pub fn set_tracer(&mut self, tracer: Option<Arc<Tracer>>) {
+        self.pg.set_tracer(tracer.clone());
+        self.tracer = tracer;
+    }
+
+    /// The tracer set by [`FsdpModel::set_tracer`].
+    pub fn tracer(&self) -> Option<&Arc<Tracer>> {
+        self.tracer.as_ref()
     }
 
     /// Whether backward reduces gradients (see [`FsdpModel::set_requires_gradient_sync`]).
@@ -463,24 +500,66 @@ impl FsdpModel {
         self.config.sharding_strategy != ShardingStrategy::FullShard || k + 1 == self.units.len()
     }
 
+    /// A compute-lane span named lazily (`name` runs only when tracing is on).
+    pub(crate) fn span(&self, kind: SpanKind, name: impl FnOnce() -> String) -> Option<SpanGuard> {
+        self.tracer
+            .as_ref()
+            .and_then(|t| t.span(Lane::Compute, kind, name()))
+    }
+
+    /// A zero-length issue marker on the compute lane.
+    fn mark_issue(&self, name: impl FnOnce() -> String) {
+        if let Some(t) = &self.tracer {
+            t.instant(Lane::Compute, SpanKind::Issue, name());
+        }
+    }
+
+    /// True when one more unit may be unsharded ahead of need (the rate limiter,
+    /// [`FsdpConfig::limit_all_gathers`]).
+    fn may_prefetch(&self) -> bool {
+        self.config
+            .limit_all_gathers
+            .is_none_or(|limit| self.mem.unsharded_units < limit)
+    }
+
+    /// Issues unit `k`'s all-gather and marks the issue in the trace.
+    fn issue_traced(&mut self, k: usize) -> Work<CommBuffer> {
+        self.mark_issue(|| format!("FSDP::all_gather {}", self.units[k].spec.name));
+        self.issue_unshard(k)
+    }
+
+    /// Waits for unit `k`'s all-gather, recording the wait as exposed communication.
+    fn wait_traced(&self, k: usize, work: Work<CommBuffer>) -> Result<(Tensor, usize)> {
+        let _w = self.span(SpanKind::Wait, || {
+            format!("FSDP::wait all_gather {}", self.units[k].spec.name)
+        });
+        self.finish_unshard(k, work)
+    }
+
     /// Sharded training forward (a collective). Returns the last unit's output, attached to the
     /// autograd graph of the last unit so that a loss computed from it can be passed to
-    /// [`FsdpModel::backward`].
+    /// [`FsdpModel::backward`]. The output is in the last unit's `param_dtype`.
     ///
     /// `x`: the first unit's input, any shape the first unit accepts.
     pub fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
         self.release_saved();
+        if let Some(t) = &self.tracer {
+            t.set_step(self.steps_started);
+        }
+        self.steps_started += 1;
         let n = self.units.len();
         let mut h = x.clone();
-        let mut next = Some(self.issue_unshard(0));
+        let mut next = Some(self.issue_traced(0));
         for k in 0..n {
             let work = next.take().expect("gather issued");
-            let (full, bytes) = self.finish_unshard(k, work)?;
-            if k + 1 < n && self.config.forward_prefetch {
-                next = Some(self.issue_unshard(k + 1));
+            let (full, bytes) = self.wait_traced(k, work)?;
+            // Forward prefetch: unit k+1's all-gather runs while unit k computes.
+            if k + 1 < n && self.config.forward_prefetch && self.may_prefetch() {
+                next = Some(self.issue_traced(k + 1));
             }
             let spec = self.units[k].spec.clone();
             let dtype = self.units[k].policy.param_dtype;
+            let span = self.span(SpanKind::Forward, || format!("FSDP::forward {}", spec.name));
             if self.keeps_graph(k) {
                 let input_var = if k > 0 {
                     let x = self.cast_input(k, h.detach())?;
@@ -511,13 +590,15 @@ impl FsdpModel {
                 self.units[k].add_buffers(&mut map, true)?;
                 let module = spec.bind(map, dtype, &self.config.device)?;
                 let output = module.forward_t(&input, true)?;
+                // Reshard: the module held the only views of the gathered buffer.
                 drop(module);
                 self.note_reshard(bytes);
                 self.saved[k] = Some(Saved::Recompute { input });
                 h = output;
             }
+            drop(span);
             if next.is_none() && k + 1 < n {
-                next = Some(self.issue_unshard(k + 1));
+                next = Some(self.issue_traced(k + 1));
             }
         }
         Ok(h)
@@ -529,13 +610,16 @@ impl FsdpModel {
         self.release_saved();
         let n = self.units.len();
         let mut h = x.detach();
-        let mut next = Some(self.issue_unshard(0));
+        let mut next = Some(self.issue_traced(0));
         for k in 0..n {
-            let (full, bytes) = self.finish_unshard(k, next.take().expect("gather issued"))?;
-            if k + 1 < n {
-                next = Some(self.issue_unshard(k + 1));
+            let (full, bytes) = self.wait_traced(k, next.take().expect("gather issued"))?;
+            if k + 1 < n && self.config.forward_prefetch && self.may_prefetch() {
+                next = Some(self.issue_traced(k + 1));
             }
             let spec = self.units[k].spec.clone();
+            let _span = self.span(SpanKind::Forward, || {
+                format!("FSDP::forward_eval {}", spec.name)
+            });
             let mut map = self.param_views(k, &full)?;
             drop(full);
             self.units[k].add_buffers(&mut map, true)?;
@@ -543,6 +627,9 @@ impl FsdpModel {
             h = module.forward_t(&self.cast_input(k, h)?, false)?;
             drop(module);
             self.note_reshard(bytes);
+            if next.is_none() && k + 1 < n {
+                next = Some(self.issue_traced(k + 1));
+            }
         }
         Ok(h)
     }
@@ -559,6 +646,13 @@ impl FsdpModel {
         }
     }
 
+    /// The next unit below `from` whose backward needs an all-gather (a recomputed unit).
+    fn next_recompute(&self, from: usize) -> Option<usize> {
+        (0..from)
+            .rev()
+            .find(|&j| matches!(self.saved[j], Some(Saved::Recompute { .. })))
+    }
+
     /// Sharded backward (a collective) of `loss`, a scalar computed from the output of the last
     /// [`FsdpModel::forward`]. On return every unit's gradient shard holds the gradient averaged
     /// over ranks (added to what it held, so calling forward/backward several times accumulates).
@@ -571,23 +665,26 @@ impl FsdpModel {
                 "backward called without a preceding training forward".into(),
             ));
         }
-        let mut loss_grads = Some(loss.backward()?);
-        let mut grad_out: Option<Tensor> = None;
-        let mut pending: Vec<(usize, Work<CommBuffer>)> = Vec::with_capacity(n);
-        // Backward prefetch: the gather of the next unit to recompute, issued one unit ahead.
+        // The all-gather of the next unit to recompute, issued ahead (backward prefetch): the
+        // first one before the loss's own backward, so that it runs during it.
         let mut prefetched: Option<(usize, Work<CommBuffer>)> = None;
-        let next_recompute = |from: usize, saved: &[Option<Saved>]| -> Option<usize> {
-            (0..from)
-                .rev()
-                .find(|&j| matches!(saved[j], Some(Saved::Recompute { .. })))
-        };
-        if self.config.backward_prefetch {
-            if let Some(j) = next_recompute(n, &self.saved) {
-                prefetched = Some((j, self.issue_unshard(j)));
+        let prefetch_mode = self.config.backward_prefetch;
+        if prefetch_mode != BackwardPrefetch::None && self.may_prefetch() {
+            if let Some(j) = self.next_recompute(n) {
+                prefetched = Some((j, self.issue_traced(j)));
             }
         }
+        let mut loss_grads = {
+            let _span = self.span(SpanKind::Backward, || {
+                format!("FSDP::backward {} (loss)", self.units[n - 1].spec.name)
+            });
+            Some(loss.backward()?)
+        };
+        let mut grad_out: Option<Tensor> = None;
+        let mut pending: Vec<(usize, Work<CommBuffer>)> = Vec::with_capacity(n);
         for k in (0..n).rev() {
             let saved = self.saved[k].take().expect("checked above");
+            let name = self.units[k].spec.name.clone();
             let (grads, params, input_var, unsharded_bytes) = match saved {
                 Saved::Graph {
                     input_var,
@@ -595,6 +692,7 @@ impl FsdpModel {
                     params,
                     unsharded_bytes,
                 } => {
+                    let _span = self.span(SpanKind::Backward, || format!("FSDP::backward {name}"));
                     let grads = match (loss_grads.take(), &grad_out) {
                         (Some(g), _) if k + 1 == n => Some(g),
                         (_, Some(go)) => Some(
@@ -611,16 +709,21 @@ impl FsdpModel {
                         Some((j, w)) if j == k => w,
                         Some(other) => {
                             prefetched = Some(other);
-                            self.issue_unshard(k)
+                            self.issue_traced(k)
                         }
-                        None => self.issue_unshard(k),
+                        None => self.issue_traced(k),
                     };
-                    let (full, bytes) = self.finish_unshard(k, work)?;
-                    if self.config.backward_prefetch && prefetched.is_none() {
-                        if let Some(j) = next_recompute(k, &self.saved) {
-                            prefetched = Some((j, self.issue_unshard(j)));
+                    let (full, bytes) = self.wait_traced(k, work)?;
+                    // BACKWARD_PRE: the next gather is issued before this unit computes.
+                    if prefetch_mode == BackwardPrefetch::BackwardPre
+                        && prefetched.is_none()
+                        && self.may_prefetch()
+                    {
+                        if let Some(j) = self.next_recompute(k) {
+                            prefetched = Some((j, self.issue_traced(j)));
                         }
                     }
+                    let _span = self.span(SpanKind::Backward, || format!("FSDP::backward {name}"));
                     let (mut map, params) = self.param_vars(k, &full)?;
                     drop(full);
                     // The forward already updated the buffers: the recompute's updates are
@@ -656,15 +759,27 @@ impl FsdpModel {
                 (Some(g), Some(v)) => g.get(v).cloned(),
                 _ => None,
             };
+            let flat_span = self.span(SpanKind::Backward, || format!("FSDP::flatten_grads {name}"));
             let flat_grad = self.flatten_grads(k, grads.as_ref(), &params)?;
             drop(params);
             drop(grads);
+            drop(flat_span);
             self.note_reshard(unsharded_bytes);
+            // BACKWARD_POST: the next gather is issued once this unit's gradients exist.
+            if prefetch_mode == BackwardPrefetch::BackwardPost
+                && prefetched.is_none()
+                && self.may_prefetch()
+            {
+                if let Some(j) = self.next_recompute(k) {
+                    prefetched = Some((j, self.issue_traced(j)));
+                }
+            }
             if let Some(mut fg) = flat_grad {
                 if let Some(acc) = self.units[k].unsharded_grad.take() {
                     fg.iter_mut().zip(acc).for_each(|(a, b)| *a += b);
                 }
                 if self.requires_gradient_sync {
+                    self.mark_issue(|| format!("FSDP::reduce_scatter {name}"));
                     pending.push((k, self.issue_reduce(k, fg)));
                 } else {
                     self.units[k].unsharded_grad = Some(fg);
@@ -672,6 +787,9 @@ impl FsdpModel {
             }
         }
         for (k, work) in pending {
+            let _w = self.span(SpanKind::Wait, || {
+                format!("FSDP::wait reduce_scatter {}", self.units[k].spec.name)
+            });
             let reduced = match work.wait()? {
                 CommBuffer::F32(v) => v,
                 other => other.to_f32_vec(),

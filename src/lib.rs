@@ -20,9 +20,13 @@ pub mod grad_scaler;
 pub mod init;
 pub mod mixed_precision;
 pub mod optim;
+pub mod sync_batch_norm;
+pub mod timeline;
+pub mod trace;
 pub mod unit;
 
 pub use error::{Error, Result};
-pub use fsdp::{FsdpConfig, FsdpModel, FullModel, MemoryStats, ShardingStrategy};
+pub use fsdp::{BackwardPrefetch, FsdpConfig, FsdpModel, FullModel, MemoryStats, ShardingStrategy};
 pub use mixed_precision::MixedPrecision;
 pub use optim::{AdamW, AdamWConfig, OptimizerState, Sgd, SgdConfig, ShardedOptimizer};
+pub use sync_batch_norm::{sync_batch_norm, SyncBatchNorm};

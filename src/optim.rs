@@ -143,6 +143,9 @@ fn ensure_state(state: &mut Vec<Vec<f32>>, model: &FsdpModel) -> Result<()> {
 
 impl ShardedOptimizer for AdamW {
     fn step(&mut self, model: &mut FsdpModel) -> Result<()> {
+        let _span = model.span(crate::trace::SpanKind::OptimizerStep, || {
+            "FSDP::optimizer_step".to_string()
+        });
         ensure_state(&mut self.exp_avg, model)?;
         ensure_state(&mut self.exp_avg_sq, model)?;
         self.step += 1;
@@ -250,6 +253,9 @@ impl Sgd {
 
 impl ShardedOptimizer for Sgd {
     fn step(&mut self, model: &mut FsdpModel) -> Result<()> {
+        let _span = model.span(crate::trace::SpanKind::OptimizerStep, || {
+            "FSDP::optimizer_step".to_string()
+        });
         let c = self.config;
         let first = self.momentum_buffer.is_empty() || self.step == 0;
         if c.momentum != 0.0 {

@@ -1,18 +1,26 @@
-//! Sharded checkpoints: exact round trip of shards and optimizer state, resume equals training
-//! straight through (bitwise), a failed save keeps the previous checkpoint, clear errors.
+//! Sharded checkpoints: exact round trips at world sizes 1–4, loads at another world size or
+//! sharding strategy (4→2, 2→3, 3→1, …), resume equal to training straight through (bitwise),
+//! failed and killed saves that keep the previous checkpoint, rotation, and clear errors for
+//! every kind of bad input.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-use candle_fsdp::checkpoint::{self, list_complete, load_latest, load_sharded, save_sharded};
-use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
-use candle_fsdp::comm::ProcessGroup;
-use candle_fsdp::optim::{AdamW, AdamWConfig, ShardedOptimizer};
-use candle_fsdp::{FsdpConfig, FsdpModel};
-use common::*;
 use std::sync::Arc;
+
+use candle_core::{Device, Module, Tensor};
+use candle_fsdp::checkpoint::{
+    self, fault, list_complete, load_latest, load_sharded, read_meta, save_sharded, RngState,
+    SamplerState, TrainState,
+};
+use candle_fsdp::comm::threads::{run_ranks, run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::comm::ProcessGroup;
+use candle_fsdp::optim::{AdamW, AdamWConfig, OptimizerState, ShardedOptimizer};
+use candle_fsdp::unit::UnitSpec;
+use candle_fsdp::{FsdpConfig, FsdpModel, ShardingStrategy};
+use candle_nn::{Init, VarBuilder};
+use common::*;
 
 fn tmpdir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!(
@@ -24,28 +32,90 @@ fn tmpdir(tag: &str) -> PathBuf {
     d
 }
 
-fn model(pg: Arc<dyn ProcessGroup>) -> candle_fsdp::Result<FsdpModel> {
+/// A unit with a buffer (a name ending in `running_mean`): subtracts it from its input.
+struct Shift {
+    running_mean: Tensor,
+}
+
+impl Module for Shift {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        xs.broadcast_sub(&self.running_mean)
+    }
+}
+
+fn shift(vb: VarBuilder) -> candle_core::Result<Shift> {
+    Ok(Shift {
+        running_mean: vb.get_with_hints(7, "running_mean", Init::Const(0.0))?,
+    })
+}
+
+/// The common test units with a buffer unit after fc2.
+fn specs() -> Vec<UnitSpec> {
+    let mut u = units();
+    u.insert(3, UnitSpec::new("shift", shift));
+    u
+}
+
+fn model_from(
+    pg: Arc<dyn ProcessGroup>,
+    specs: Vec<UnitSpec>,
+    seed: u64,
+    strategy: ShardingStrategy,
+) -> candle_fsdp::Result<FsdpModel> {
     let mut b = FsdpModel::builder(
         pg,
         FsdpConfig {
-            seed: 7,
+            seed,
+            sharding_strategy: strategy,
             ..Default::default()
         },
     );
-    for u in units() {
+    for u in specs {
         b = b.unit_spec(u);
     }
     b.build()
 }
 
+fn model(pg: Arc<dyn ProcessGroup>) -> candle_fsdp::Result<FsdpModel> {
+    model_from(pg, specs(), 7, ShardingStrategy::FullShard)
+}
+
+/// Sets every buffer to values that depend on its name only (as training would change them).
+fn set_buffers(model: &FsdpModel) -> candle_fsdp::Result<()> {
+    for u in model.units() {
+        for (name, var) in &u.buffers {
+            let n = var.elem_count();
+            let v: Vec<f32> = (0..n).map(|i| 0.01 * (i + name.len()) as f32).collect();
+            var.set(&Tensor::from_vec(v, var.shape(), &Device::Cpu)?.to_dtype(var.dtype())?)?;
+        }
+    }
+    Ok(())
+}
+
+fn buffers(model: &FsdpModel) -> Vec<(String, Vec<f32>)> {
+    model
+        .units()
+        .iter()
+        .flat_map(|u| {
+            u.buffers
+                .iter()
+                .map(|(n, v)| (n.clone(), to_vec(v.as_tensor())))
+        })
+        .collect()
+}
+
+/// Trains on the global batches `data`, each rank on its contiguous part of each batch.
 fn train(
     model: &mut FsdpModel,
     opt: &mut AdamW,
-    data: &[(candle_core::Tensor, candle_core::Tensor)],
-    per_rank: usize,
+    data: &[(Tensor, Tensor)],
 ) -> candle_fsdp::Result<()> {
-    let rank = model.process_group().rank();
+    let (rank, ws) = (
+        model.process_group().rank(),
+        model.process_group().world_size(),
+    );
     for (x, y) in data {
+        let per_rank = x.dim(0)? / ws;
         let logits = model.forward(&x.narrow(0, rank * per_rank, per_rank)?)?;
         let loss =
             candle_nn::loss::cross_entropy(&logits, &y.narrow(0, rank * per_rank, per_rank)?)?;
@@ -60,6 +130,234 @@ fn shards(model: &FsdpModel) -> Vec<Vec<f32>> {
     model.units().iter().map(|u| u.flat.shard.clone()).collect()
 }
 
+fn at_step(step: u64) -> TrainState {
+    TrainState {
+        step,
+        ..Default::default()
+    }
+}
+
+/// One rank's view: shards, optimizer state, and per unit (unpadded, shard length).
+type RankView = (Vec<Vec<f32>>, OptimizerState, Vec<(usize, usize)>);
+
+fn view(model: &FsdpModel, opt: &AdamW) -> RankView {
+    (
+        shards(model),
+        opt.state(),
+        model
+            .units()
+            .iter()
+            .map(|u| (u.flat.layout.unpadded_numel, u.flat.layout.shard_numel))
+            .collect(),
+    )
+}
+
+/// The unsharded flat buffers (without padding) of every unit: parameters and each optimizer
+/// buffer kind, from all ranks' shards concatenated in rank order (the first rank's alone
+/// under NO_SHARD). Checks that the padding is zero.
+fn unsharded(views: &[RankView], no_shard: bool) -> BTreeMap<String, Vec<f32>> {
+    let ranks = if no_shard { &views[..1] } else { views };
+    let (_, _, layout) = &views[0];
+    let mut out = BTreeMap::new();
+    let mut add = |key: String, pieces: Vec<&Vec<f32>>, unpadded: usize| {
+        let mut full: Vec<f32> = pieces.into_iter().flatten().copied().collect();
+        assert!(
+            full[unpadded..].iter().all(|&v| v == 0.0),
+            "padding of {key} not zero"
+        );
+        full.truncate(unpadded);
+        out.insert(key, full);
+    };
+    for (k, &(unpadded, _)) in layout.iter().enumerate() {
+        add(
+            format!("param.{k}"),
+            ranks.iter().map(|v| &v.0[k]).collect(),
+            unpadded,
+        );
+        for kind in ["exp_avg", "exp_avg_sq"] {
+            let key = format!("{kind}.{k}");
+            if views[0].1.buffers.contains_key(&key) {
+                add(
+                    key.clone(),
+                    ranks.iter().map(|v| &v.1.buffers[&key]).collect(),
+                    unpadded,
+                );
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn sharded_round_trip_at_world_sizes_1_to_4() {
+    for ws in 1..=4 {
+        let dir = tmpdir(&format!("roundtrip{ws}"));
+        let data = batches(2, 4 * ws, 11);
+        let state = TrainState {
+            step: 2,
+            epoch: 1,
+            sampler: Some(SamplerState {
+                epoch: 1,
+                position: 8,
+                world_size: ws,
+            }),
+            rng: Some(RngState { seed: 7 }),
+            grad_scaler: Some(serde_json::json!({"scale": 1024.0, "growth_tracker": 3})),
+            mixed_precision: None,
+            extra: BTreeMap::from([("note".to_string(), "hello".to_string())]),
+        };
+        let saved = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
+            let mut m = model(pg)?;
+            let mut opt = AdamW::new(AdamWConfig::default());
+            train(&mut m, &mut opt, &data)?;
+            set_buffers(&m)?;
+            let path = save_sharded(&dir, &m, &opt, &state, 0)?;
+            Ok((path, shards(&m), opt.state(), buffers(&m)))
+        })
+        .unwrap();
+        let path = saved[0].0.clone();
+        assert_eq!(path, dir.join("step-00000002"));
+        assert_eq!(list_complete(&dir).unwrap(), vec![path.clone()]);
+        // Nothing but the checkpoint is left under the root.
+        let entries: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(entries, vec!["step-00000002"]);
+        let meta = read_meta(&path).unwrap();
+        assert_eq!(meta.format_version, checkpoint::FORMAT_VERSION);
+        assert_eq!(meta.world_size, ws);
+        assert_eq!(meta.files.len(), ws);
+        assert_eq!(meta.units.len(), 6);
+        assert_eq!(meta.units[4].params[0].name, "head.weight");
+        assert_eq!(meta.units[3].buffers[0].name, "shift.running_mean");
+        assert_eq!(meta.train.sampler, state.sampler);
+        assert_eq!(meta.train.grad_scaler, state.grad_scaler);
+        assert_eq!(meta.train.extra, state.extra);
+        assert!(meta.train.mixed_precision.is_some(), "policy recorded");
+        assert_eq!(meta.optimizer.as_ref().unwrap().step, 2);
+        // A fresh group with differently initialised models loads it exactly.
+        let loaded = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
+            let mut m = model_from(pg, specs(), 99, ShardingStrategy::FullShard)?;
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let l = load_latest(&dir, &mut m, &mut opt)?.expect("a checkpoint");
+            Ok((l, shards(&m), opt.state(), buffers(&m)))
+        })
+        .unwrap();
+        for (r, (s, l)) in saved.iter().zip(&loaded).enumerate() {
+            assert_eq!(s.1, l.1, "ws {ws} rank {r}: shards");
+            assert_eq!(s.2, l.2, "ws {ws} rank {r}: optimizer state");
+            assert_eq!(s.3, l.3, "ws {ws} rank {r}: buffers");
+            let l = &l.0;
+            assert_eq!(l.meta.train.step, 2);
+            assert_eq!(l.meta.train.epoch, 1);
+            assert_eq!(l.meta.train.rng, Some(RngState { seed: 7 }));
+            assert_eq!(l.dir, path);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Saves after two steps at `from` (strategy `sa`), loads at `to` (strategy `sb`): the unsharded
+/// parameters and optimizer state are bitwise equal, each rank read exactly the bytes of its
+/// own new shard, and one more step from either is the same up to rounding.
+fn reshard_case(from: usize, sa: ShardingStrategy, to: usize, sb: ShardingStrategy) {
+    let dir = tmpdir(&format!("reshard{from}{to}{sa:?}{sb:?}"));
+    // A global batch of 12 splits evenly over 1, 2, 3 and 4 ranks.
+    let data = batches(3, 12, 5);
+    let saved = run_ranks_ok(from, ThreadGroupConfig::default(), |pg| {
+        let mut m = model_from(pg, specs(), 7, sa)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        train(&mut m, &mut opt, &data[..2])?;
+        set_buffers(&m)?;
+        save_sharded(&dir, &m, &opt, &at_step(2), 0)?;
+        let v = view(&m, &opt);
+        train(&mut m, &mut opt, &data[2..])?;
+        Ok((v, m.gather_full_params(false)?.unwrap(), buffers(&m)))
+    })
+    .unwrap();
+    let loaded = run_ranks_ok(to, ThreadGroupConfig::default(), |pg| {
+        let mut m = model_from(pg, specs(), 99, sb)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let l = load_latest(&dir, &mut m, &mut opt)?.expect("a checkpoint");
+        let v = view(&m, &opt);
+        // Bytes of this rank's new shard: the parameter elements it holds, once for the
+        // parameters and once per optimizer buffer kind, plus the buffers (read by every rank).
+        let own: usize = m
+            .units()
+            .iter()
+            .map(|u| {
+                u.flat
+                    .layout
+                    .shard_table(u.flat.shard_index)
+                    .iter()
+                    .map(|e| e.numel_in_shard)
+                    .sum::<usize>()
+            })
+            .sum();
+        let buf_bytes = 4 * m
+            .units()
+            .iter()
+            .flat_map(|u| &u.buffers)
+            .map(|(_, v)| v.elem_count())
+            .sum::<usize>();
+        assert_eq!(
+            l.stats.data_bytes as usize,
+            4 * own * 3 + buf_bytes,
+            "rank {} read other ranks' data",
+            m.process_group().rank()
+        );
+        let bufs = buffers(&m);
+        train(&mut m, &mut opt, &data[2..])?;
+        Ok((v, m.gather_full_params(false)?.unwrap(), bufs))
+    })
+    .unwrap();
+    let a: Vec<_> = saved.iter().map(|s| s.0.clone()).collect();
+    let b: Vec<_> = loaded.iter().map(|s| s.0.clone()).collect();
+    let (ua, ub) = (
+        unsharded(&a, sa == ShardingStrategy::NoShard),
+        unsharded(&b, sb == ShardingStrategy::NoShard),
+    );
+    assert_eq!(ua.keys().collect::<Vec<_>>(), ub.keys().collect::<Vec<_>>());
+    for (k, v) in &ua {
+        assert!(
+            v == &ub[k],
+            "{from} {sa:?} -> {to} {sb:?}: {k} differs after resharding"
+        );
+    }
+    assert_eq!(saved[0].2, loaded[0].2, "buffers");
+    for (r, l) in loaded.iter().enumerate() {
+        assert_eq!(l.2, loaded[0].2, "rank {r} buffers");
+    }
+    // One more step on the same global batch at both world sizes: equal up to the order of
+    // float reductions.
+    for ((na, ta), (nb, tb)) in saved[0].1.iter().zip(&loaded[0].1) {
+        assert_eq!(na, nb);
+        let e = rel_err(&to_vec(tb), &to_vec(ta));
+        assert!(
+            e < 1e-5,
+            "{from} -> {to}: {na} after one more step: rel err {e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn sharded_loads_across_world_sizes() {
+    use ShardingStrategy::*;
+    for (from, to) in [(4, 2), (2, 3), (3, 1), (1, 4), (4, 3)] {
+        reshard_case(from, FullShard, to, FullShard);
+    }
+}
+
+#[test]
+fn sharded_loads_across_sharding_strategies() {
+    use ShardingStrategy::*;
+    reshard_case(2, NoShard, 3, FullShard);
+    reshard_case(3, FullShard, 2, NoShard);
+    reshard_case(2, ShardGradOp, 4, FullShard);
+}
+
 #[test]
 fn resume_is_bitwise_equal_to_training_straight_through() {
     for ws in [1, 2, 3] {
@@ -70,7 +368,7 @@ fn resume_is_bitwise_equal_to_training_straight_through() {
         let straight = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
             let mut m = model(pg)?;
             let mut opt = AdamW::new(AdamWConfig::default());
-            train(&mut m, &mut opt, &data, 4)?;
+            train(&mut m, &mut opt, &data)?;
             Ok((shards(&m), opt.state()))
         })
         .unwrap();
@@ -78,24 +376,42 @@ fn resume_is_bitwise_equal_to_training_straight_through() {
         run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
             let mut m = model(pg)?;
             let mut opt = AdamW::new(AdamWConfig::default());
-            train(&mut m, &mut opt, first, 4)?;
-            save_sharded(&dir, &m, &opt, 0, BTreeMap::new(), 0)?;
+            train(&mut m, &mut opt, first)?;
+            save_sharded(&dir, &m, &opt, &at_step(opt.state().step), 0)?;
             Ok(())
         })
         .unwrap();
         let resumed = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
             let mut m = model(pg)?;
             let mut opt = AdamW::new(AdamWConfig::default());
-            let meta = load_latest(&dir, &mut m, &mut opt)?.expect("a checkpoint");
-            assert_eq!(meta.step, 3);
-            assert_eq!(meta.world_size, ws);
-            train(&mut m, &mut opt, rest, 4)?;
+            let loaded = load_latest(&dir, &mut m, &mut opt)?.expect("a checkpoint");
+            assert_eq!(loaded.meta.train.step, 3);
+            assert_eq!(loaded.meta.world_size, ws);
+            train(&mut m, &mut opt, rest)?;
             Ok((shards(&m), opt.state()))
         })
         .unwrap();
         assert_eq!(resumed, straight, "ws {ws}");
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+fn names(d: &Path) -> Vec<String> {
+    list_complete(d)
+        .unwrap()
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// Loads the newest checkpoint under `dir` at world size 2 and returns its step.
+fn load_step(dir: &Path) -> u64 {
+    run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        Ok(load_latest(dir, &mut m, &mut opt)?.unwrap().meta.train.step)
+    })
+    .unwrap()[0]
 }
 
 #[test]
@@ -106,89 +422,398 @@ fn failed_save_keeps_the_previous_checkpoint_and_rotation_keeps_last_k() {
         let mut m = model(pg.clone())?;
         let mut opt = AdamW::new(AdamWConfig::default());
         for step in 0..4 {
-            train(&mut m, &mut opt, &data[step..step + 1], 4)?;
-            save_sharded(&dir, &m, &opt, 0, BTreeMap::new(), 2)?;
+            train(&mut m, &mut opt, &data[step..step + 1])?;
+            save_sharded(&dir, &m, &opt, &at_step(opt.state().step), 2)?;
         }
         Ok(())
     })
     .unwrap();
-    let names = |d: &Path| -> Vec<String> {
-        list_complete(d)
-            .unwrap()
-            .iter()
-            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
-            .collect()
-    };
     assert_eq!(names(&dir), vec!["step-00000003", "step-00000004"]);
-    // A save that fails half way (rank 1 cannot create its shard file: a directory is in the way)
+    // A save that fails half way (rank 1's write fails after 100 bytes, as on a full disk)
     // errors on every rank and leaves step 4 the newest complete checkpoint.
-    let blocked = dir.join("step-00000005");
-    std::fs::create_dir_all(blocked.join("shard-00001-of-00002.safetensors")).unwrap();
-    let results = candle_fsdp::comm::threads::run_ranks(2, ThreadGroupConfig::default(), |pg| {
-        let mut m = model(pg)?;
+    let results = run_ranks(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg.clone())?;
         let mut opt = AdamW::new(AdamWConfig::default());
         load_latest(&dir, &mut m, &mut opt)?;
-        train(&mut m, &mut opt, &data[..1], 4)?;
-        save_sharded(&dir, &m, &opt, 0, BTreeMap::new(), 2).map(|_| ())
+        train(&mut m, &mut opt, &data[..1])?;
+        if pg.rank() == 1 {
+            fault::fail_writes_after(100, false);
+        }
+        let r = save_sharded(&dir, &m, &opt, &at_step(5), 2).map(|_| ());
+        fault::disarm();
+        r
     });
     assert!(results.iter().all(|r| r.is_err()), "{results:?}");
-    assert!(!blocked.join("meta.json").exists());
+    let e1 = results[1].as_ref().unwrap_err().to_string();
+    assert!(
+        e1.contains("shard-00001-of-00002.safetensors") && e1.contains("injected"),
+        "{e1}"
+    );
+    let e0 = results[0].as_ref().unwrap_err().to_string();
+    assert!(e0.contains("rank(s) [1]"), "{e0}");
+    assert!(!dir.join("step-00000005").exists());
+    assert!(
+        !dir.join(".step-00000005.partial").exists(),
+        "staging removed"
+    );
     assert_eq!(names(&dir), vec!["step-00000003", "step-00000004"]);
     // And it still loads.
+    assert_eq!(load_step(&dir), 4);
+    // The group survived the failed save: the same ranks can save again.
+    let results = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg.clone())?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        load_latest(&dir, &mut m, &mut opt)?;
+        if pg.rank() == 0 {
+            fault::fail_writes_after(10, false);
+        }
+        let failed = save_sharded(&dir, &m, &opt, &at_step(5), 2).is_err();
+        fault::disarm();
+        save_sharded(&dir, &m, &opt, &at_step(5), 2)?;
+        Ok(failed)
+    })
+    .unwrap();
+    assert_eq!(results, vec![true, true]);
+    assert_eq!(names(&dir), vec!["step-00000004", "step-00000005"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn save_killed_half_way_leaves_the_previous_checkpoint_loadable() {
+    let dir = tmpdir("killed");
+    let data = batches(2, 8, 2);
+    let shard_bytes = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        train(&mut m, &mut opt, &data[..1])?;
+        let d = save_sharded(&dir, &m, &opt, &at_step(1), 0)?;
+        Ok(read_meta(&d)?.files[1].bytes)
+    })
+    .unwrap()[0];
+    // "Kill" the next save: rank 1's write stops half way through its file and nothing is
+    // cleaned up (crash mode on both ranks), as after kill -9.
+    let results = run_ranks(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg.clone())?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        load_latest(&dir, &mut m, &mut opt)?;
+        train(&mut m, &mut opt, &data[1..])?;
+        let budget = if pg.rank() == 1 {
+            shard_bytes / 2
+        } else {
+            u64::MAX
+        };
+        fault::fail_writes_after(budget, true);
+        let r = save_sharded(&dir, &m, &opt, &at_step(2), 0).map(|_| ());
+        fault::disarm();
+        r
+    });
+    assert!(results.iter().all(|r| r.is_err()), "{results:?}");
+    // The debris of the killed save is there, but it is not a checkpoint.
+    let staging = dir.join(".step-00000002.partial");
+    let debris: Vec<String> = std::fs::read_dir(&staging)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        debris.iter().any(|n| n.contains(".tmp-")),
+        "half-written temporary file left: {debris:?}"
+    );
+    assert!(!staging.join("meta.json").exists());
+    assert_eq!(names(&dir), vec!["step-00000001"]);
+    assert_eq!(load_step(&dir), 1);
+    // The restarted job saves step 2 over the debris.
     run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
         let mut m = model(pg)?;
         let mut opt = AdamW::new(AdamWConfig::default());
-        let meta = load_latest(&dir, &mut m, &mut opt)?.unwrap();
-        assert_eq!(meta.step, 4);
+        load_latest(&dir, &mut m, &mut opt)?;
+        train(&mut m, &mut opt, &data[1..])?;
+        save_sharded(&dir, &m, &opt, &at_step(2), 0)?;
         Ok(())
     })
     .unwrap();
+    assert!(!staging.exists());
+    assert_eq!(names(&dir), vec!["step-00000001", "step-00000002"]);
+    assert_eq!(load_step(&dir), 2);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_failure_while_writing_the_metadata_keeps_the_previous_checkpoint() {
+    let dir = tmpdir("metafail");
+    let data = batches(1, 8, 2);
+    let rank0_bytes = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        train(&mut m, &mut opt, &data)?;
+        let d = save_sharded(&dir, &m, &opt, &at_step(1), 0)?;
+        Ok(read_meta(&d)?.files[0].bytes)
+    })
+    .unwrap()[0];
+    let before = std::fs::read(dir.join("step-00000001/meta.json")).unwrap();
+    // Saving the same step again: rank 0's shard file gets written, its meta.json does not.
+    let results = run_ranks(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg.clone())?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        load_latest(&dir, &mut m, &mut opt)?;
+        if pg.rank() == 0 {
+            fault::fail_writes_after(rank0_bytes + 20, false);
+        }
+        let state = TrainState {
+            epoch: 9,
+            ..at_step(1)
+        };
+        let r = save_sharded(&dir, &m, &opt, &state, 0).map(|_| ());
+        fault::disarm();
+        r
+    });
+    assert!(results.iter().all(|r| r.is_err()), "{results:?}");
+    let e = results[0].as_ref().unwrap_err().to_string();
+    assert!(e.contains("meta.json"), "{e}");
+    assert_eq!(
+        std::fs::read(dir.join("step-00000001/meta.json")).unwrap(),
+        before,
+        "the previous checkpoint of the same step is untouched"
+    );
+    assert_eq!(load_step(&dir), 1);
+    // Saving the same step again successfully replaces it.
+    run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let m = model(pg)?;
+        let opt = AdamW::new(AdamWConfig::default());
+        let state = TrainState {
+            epoch: 9,
+            ..at_step(1)
+        };
+        save_sharded(&dir, &m, &opt, &state, 0)
+    })
+    .unwrap();
+    assert_eq!(
+        read_meta(&dir.join("step-00000001")).unwrap().train.epoch,
+        9
+    );
+    let entries: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(entries, vec!["step-00000001"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Loads `ckpt` at world size `ws` with the model built from `specs`; returns rank 0's error.
+fn load_err(ckpt: &Path, ws: usize, specs: fn() -> Vec<UnitSpec>) -> String {
+    let ckpt = ckpt.to_path_buf();
+    run_ranks(ws, ThreadGroupConfig::default(), move |pg| {
+        let mut m = model_from(pg, specs(), 7, ShardingStrategy::FullShard)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        load_sharded(&ckpt, &mut m, &mut opt).map(|_| ())
+    })
+    .remove(0)
+    .unwrap_err()
+    .to_string()
+}
+
+/// Saves a fresh checkpoint (one training step, so the optimizer has state) at world size 2.
+fn fresh_checkpoint(dir: &Path) -> PathBuf {
+    let _ = std::fs::remove_dir_all(dir);
+    let data = batches(1, 8, 4);
+    run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        train(&mut m, &mut opt, &data)?;
+        save_sharded(dir, &m, &opt, &at_step(1), 0)
+    })
+    .unwrap()
+    .remove(0)
+}
+
+/// Rewrites one tensor of a shard file (and the recorded file size).
+fn rewrite_tensor(
+    ckpt: &Path,
+    file: &str,
+    tensor: &str,
+    dtype: safetensors::Dtype,
+    data: Vec<u8>,
+    shape: Vec<usize>,
+) {
+    let path = ckpt.join(file);
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != tensor)
+        .collect();
+    tensors.push((
+        tensor.to_string(),
+        safetensors::tensor::TensorView::new(dtype, shape, &data).unwrap(),
+    ));
+    let out = safetensors::serialize(tensors, None).unwrap();
+    std::fs::write(&path, &out).unwrap();
+    let meta_path = ckpt.join("meta.json");
+    let mut meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&meta_path).unwrap()).unwrap();
+    for f in meta["files"].as_array_mut().unwrap() {
+        if f["name"] == file {
+            f["bytes"] = serde_json::json!(out.len());
+        }
+    }
+    std::fs::write(&meta_path, serde_json::to_vec_pretty(&meta).unwrap()).unwrap();
 }
 
 #[test]
 fn bad_checkpoints_give_errors_naming_file_and_values() {
     let dir = tmpdir("bad");
-    let ckpt = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
-        let m = model(pg)?;
-        let opt = AdamW::new(AdamWConfig::default());
-        save_sharded(&dir, &m, &opt, 0, BTreeMap::new(), 0)
+    let ckpt = fresh_checkpoint(&dir);
+    // A different world size is no longer an error: 2 → 3 reshards.
+    let ok = run_ranks_ok(3, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        Ok(load_sharded(&ckpt, &mut m, &mut opt)?.meta.world_size)
     })
-    .unwrap()
-    .remove(0);
-    let load = |ws: usize| {
-        let ckpt = ckpt.clone();
-        candle_fsdp::comm::threads::run_ranks(ws, ThreadGroupConfig::default(), move |pg| {
-            let mut m = model(pg)?;
-            let mut opt = AdamW::new(AdamWConfig::default());
-            load_sharded(&ckpt, &mut m, &mut opt).map(|_| ())
-        })
-        .remove(0)
-        .unwrap_err()
-        .to_string()
-    };
-    // Different world size.
-    let e = load(3);
-    assert!(
-        e.contains("meta.json") && e.contains("world size 2") && e.contains("world size 3"),
-        "{e}"
-    );
+    .unwrap();
+    assert_eq!(ok, vec![2, 2, 2]);
+
     // Truncated shard file.
     let shard0 = ckpt.join("shard-00000-of-00002.safetensors");
     let bytes = std::fs::read(&shard0).unwrap();
     std::fs::write(&shard0, &bytes[..bytes.len() / 2]).unwrap();
-    let e = load(2);
+    let e = load_err(&ckpt, 2, specs);
+    assert!(
+        e.contains("shard-00000-of-00002.safetensors")
+            && e.contains("corrupt")
+            && e.contains(&format!("expected {} bytes", bytes.len()))
+            && e.contains(&format!("found {}", bytes.len() / 2)),
+        "{e}"
+    );
+    // Corrupt header (same size).
+    let mut garbled = bytes.clone();
+    garbled[8..24].copy_from_slice(b"#not json here!!");
+    std::fs::write(&shard0, &garbled).unwrap();
+    let e = load_err(&ckpt, 2, specs);
     assert!(
         e.contains("shard-00000-of-00002.safetensors") && e.contains("corrupt"),
         "{e}"
     );
     // Missing shard file.
     std::fs::remove_file(&shard0).unwrap();
-    let e = load(2);
-    assert!(e.contains("shard-00000-of-00002.safetensors"), "{e}");
-    // Metadata from the future.
+    let e = load_err(&ckpt, 2, specs);
+    assert!(
+        e.contains("shard-00000-of-00002.safetensors") && e.contains("No such file"),
+        "{e}"
+    );
+    std::fs::write(&shard0, &bytes).unwrap();
+
+    // A tensor of the wrong dtype: the fc1 shard stored as F16.
+    let ckpt = fresh_checkpoint(&dir);
+    let file = "shard-00001-of-00002.safetensors";
+    let n = read_meta(&ckpt).unwrap().units[1].shard_numel;
+    rewrite_tensor(
+        &ckpt,
+        file,
+        "param.1",
+        safetensors::Dtype::F16,
+        vec![0; 2 * n],
+        vec![n],
+    );
+    let e = run_ranks(2, ThreadGroupConfig::default(), {
+        let ckpt = ckpt.clone();
+        move |pg| {
+            let mut m = model(pg)?;
+            let mut opt = AdamW::new(AdamWConfig::default());
+            load_sharded(&ckpt, &mut m, &mut opt).map(|_| ())
+        }
+    })
+    .remove(1)
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(file) && e.contains("param.1") && e.contains("expected dtype F32, found F16"),
+        "{e}"
+    );
+    // A tensor of the wrong length.
+    let ckpt = fresh_checkpoint(&dir);
+    rewrite_tensor(
+        &ckpt,
+        file,
+        "param.1",
+        safetensors::Dtype::F32,
+        vec![0; 4 * (n - 1)],
+        vec![n - 1],
+    );
+    let e = run_ranks(2, ThreadGroupConfig::default(), {
+        let ckpt = ckpt.clone();
+        move |pg| {
+            let mut m = model(pg)?;
+            let mut opt = AdamW::new(AdamWConfig::default());
+            load_sharded(&ckpt, &mut m, &mut opt).map(|_| ())
+        }
+    })
+    .remove(1)
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(file)
+            && e.contains("param.1")
+            && e.contains(&format!("expected shape [{n}], found [{}]", n - 1)),
+        "{e}"
+    );
+
+    // Parameters missing from the checkpoint (the model has one more unit).
+    let ckpt = fresh_checkpoint(&dir);
+    fn more() -> Vec<UnitSpec> {
+        let mut s = specs();
+        s.push(UnitSpec::new("extra", |vb| candle_nn::linear(3, 2, vb)));
+        s
+    }
+    let e = load_err(&ckpt, 2, more);
+    assert!(
+        e.contains("meta.json")
+            && e.contains("missing from the checkpoint")
+            && e.contains("extra.weight (unit extra, shape [2, 3])")
+            && e.contains("extra.bias"),
+        "{e}"
+    );
+    // A parameter of the checkpoint the model does not have (no `scale` unit).
+    fn fewer() -> Vec<UnitSpec> {
+        let mut s = specs();
+        s.pop();
+        s
+    }
+    let e = load_err(&ckpt, 2, fewer);
+    assert!(
+        e.contains("meta.json")
+            && e.contains("the model does not have")
+            && e.contains("scale.w (parameter of unit scale, shape [1])"),
+        "{e}"
+    );
+    // A shape mismatch.
+    fn narrower() -> Vec<UnitSpec> {
+        let mut s = specs();
+        s[1] = UnitSpec::new("fc1", |vb| candle_nn::linear(20, 11, vb));
+        s
+    }
+    let e = load_err(&ckpt, 2, narrower);
+    assert!(
+        e.contains("meta.json")
+            && e.contains("fc1.weight")
+            && e.contains("expects shape [11, 20], the checkpoint has [13, 20]"),
+        "{e}"
+    );
+    // A missing buffer.
+    fn no_buffer() -> Vec<UnitSpec> {
+        let mut s = specs();
+        s.remove(3);
+        s
+    }
+    let e = load_err(&ckpt, 2, no_buffer);
+    assert!(e.contains("shift.running_mean"), "{e}");
+
+    // Corrupt metadata.
     let meta_path = ckpt.join("meta.json");
     let text = std::fs::read_to_string(&meta_path).unwrap();
+    std::fs::write(&meta_path, &text[..text.len() / 2]).unwrap();
+    let e = load_err(&ckpt, 2, specs);
+    assert!(e.contains("meta.json") && e.contains("not valid"), "{e}");
+    // Metadata from the future.
     std::fs::write(
         &meta_path,
         text.replace(
@@ -197,7 +822,148 @@ fn bad_checkpoints_give_errors_naming_file_and_values() {
         ),
     )
     .unwrap();
-    let e = load(2);
-    assert!(e.contains("meta.json") && e.contains("99"), "{e}");
+    let e = load_err(&ckpt, 2, specs);
+    assert!(
+        e.contains("meta.json") && e.contains("99") && e.contains("newer"),
+        "{e}"
+    );
+    // Missing metadata: not a checkpoint.
+    std::fs::remove_file(&meta_path).unwrap();
+    let e = load_err(&ckpt, 2, specs);
+    assert!(e.contains("meta.json") && e.contains("No such file"), "{e}");
+    assert!(list_complete(&dir).unwrap().is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn version_1_checkpoints_still_load() {
+    let dir = tmpdir("v1");
+    let data = batches(2, 8, 6);
+    let saved = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model_from(pg, units(), 7, ShardingStrategy::FullShard)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        train(&mut m, &mut opt, &data)?;
+        save_sharded(&dir, &m, &opt, &at_step(2), 0)?;
+        Ok((shards(&m), opt.state()))
+    })
+    .unwrap();
+    // Rewrite meta.json the way version 1 wrote it.
+    let ckpt = dir.join("step-00000002");
+    let meta = read_meta(&ckpt).unwrap();
+    let v1 = serde_json::json!({
+        "format_version": 1,
+        "world_size": 2,
+        "step": 2,
+        "epoch": 0,
+        "units": meta.units.iter().map(|u| serde_json::json!({
+            "name": u.name,
+            "padded_numel": u.padded_numel,
+            "shard_numel": u.shard_numel,
+            "params": u.params.iter().map(|p| serde_json::json!({
+                "name": p.name, "shape": p.shape, "offset": p.offset,
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "extra": {},
+    });
+    std::fs::write(
+        ckpt.join("meta.json"),
+        serde_json::to_vec_pretty(&v1).unwrap(),
+    )
+    .unwrap();
+    let loaded = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model_from(pg, units(), 99, ShardingStrategy::FullShard)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let l = load_sharded(&ckpt, &mut m, &mut opt)?;
+        assert_eq!(l.meta.format_version, 1);
+        assert_eq!(l.meta.train.step, 2);
+        Ok((shards(&m), opt.state()))
+    })
+    .unwrap();
+    assert_eq!(loaded, saved);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn saving_the_same_state_twice_gives_byte_identical_files() {
+    let dir = tmpdir("deterministic");
+    let data = batches(1, 8, 8);
+    let dirs = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        train(&mut m, &mut opt, &data)?;
+        let a = save_sharded(&dir.join("a"), &m, &opt, &at_step(1), 0)?;
+        let b = save_sharded(&dir.join("b"), &m, &opt, &at_step(1), 0)?;
+        Ok((a, b))
+    })
+    .unwrap();
+    let (a, b) = &dirs[0];
+    for name in [
+        "shard-00000-of-00002.safetensors",
+        "shard-00001-of-00002.safetensors",
+        "meta.json",
+    ] {
+        assert!(
+            std::fs::read(a.join(name)).unwrap() == std::fs::read(b.join(name)).unwrap(),
+            "{name} differs"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn mixed_precision_runs_resume_bitwise_with_bf16_buffers() {
+    use candle_fsdp::MixedPrecision;
+    let policy = MixedPrecision {
+        buffer_dtype: candle_core::DType::BF16,
+        ..MixedPrecision::bf16()
+    };
+    let build = move |pg: Arc<dyn ProcessGroup>| {
+        let mut b = FsdpModel::builder(
+            pg,
+            FsdpConfig {
+                seed: 7,
+                mixed_precision: policy,
+                ..Default::default()
+            },
+        );
+        for u in specs() {
+            b = b.unit_spec(u);
+        }
+        b.build()
+    };
+    let dir = tmpdir("mixed");
+    let data = batches(4, 8, 9);
+    let straight = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = build(pg)?;
+        set_buffers(&m)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        train(&mut m, &mut opt, &data)?;
+        Ok((shards(&m), opt.state(), buffers(&m)))
+    })
+    .unwrap();
+    run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = build(pg)?;
+        set_buffers(&m)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        train(&mut m, &mut opt, &data[..2])?;
+        save_sharded(&dir, &m, &opt, &at_step(2), 0)
+    })
+    .unwrap();
+    let meta = read_meta(&dir.join("step-00000002")).unwrap();
+    assert_eq!(meta.units[3].buffers[0].dtype, "BF16");
+    assert_eq!(
+        meta.train.mixed_precision,
+        Some(serde_json::to_value(policy).unwrap())
+    );
+    let resumed = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = build(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        load_latest(&dir, &mut m, &mut opt)?.expect("a checkpoint");
+        assert_eq!(m.units()[3].buffers[0].1.dtype(), candle_core::DType::BF16);
+        train(&mut m, &mut opt, &data[2..])?;
+        Ok((shards(&m), opt.state(), buffers(&m)))
+    })
+    .unwrap();
+    assert_eq!(resumed, straight);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -11,7 +11,7 @@ use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::{CommBuffer, ReduceOp};
 use candle_fsdp::init::{seeded_var_builder, varmap_values};
 use candle_fsdp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, ShardedOptimizer};
-use candle_fsdp::{FsdpConfig, FsdpModel, ShardingStrategy};
+use candle_fsdp::{BackwardPrefetch, FsdpConfig, FsdpModel, ShardingStrategy};
 use candle_nn::{Optimizer, VarMap};
 use common::*;
 
@@ -110,7 +110,11 @@ fn fsdp(
             sharding_strategy: strategy,
             seed: SEED,
             forward_prefetch: prefetch,
-            backward_prefetch: prefetch,
+            backward_prefetch: if prefetch {
+                BackwardPrefetch::BackwardPre
+            } else {
+                BackwardPrefetch::None
+            },
             ..Default::default()
         };
         let mut builder = FsdpModel::builder(pg.clone(), config);

@@ -142,7 +142,7 @@ pub enum ReduceOp {
 }
 
 /// The comm stream an operation runs on; see the module docs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum Stream {
     /// Parameter all-gathers.
     AllGather,
@@ -355,4 +355,9 @@ pub trait ProcessGroup: Send + Sync {
     fn abort(&self, reason: &str);
     /// Counters of calls and bytes issued by this rank.
     fn stats(&self) -> CommStatsSnapshot;
+    /// Records every later collective's execution on its comm stream as a span of `tracer`
+    /// (`None` stops recording). Backends without tracing ignore it.
+    fn set_tracer(&self, tracer: Option<Arc<crate::trace::Tracer>>) {
+        let _ = tracer;
+    }
 }

@@ -58,6 +58,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::{CommBuffer, CommStats, CommStatsSnapshot, ProcessGroup, ReduceOp, Stream, Work};
 use crate::error::{Error, Result};
+use crate::trace::{Lane, SpanKind, Tracer};
 
 /// Configuration of a thread process group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -851,6 +852,7 @@ pub struct ThreadProcessGroup {
     streams: [Mutex<StreamSlot>; 3],
     threads: Mutex<Vec<JoinHandle<()>>>,
     stats: CommStats,
+    tracer: Mutex<Option<Arc<Tracer>>>,
 }
 
 impl std::fmt::Debug for ThreadProcessGroup {
@@ -914,6 +916,7 @@ pub fn new_group(
             streams,
             threads: Mutex::new(threads),
             stats: CommStats::default(),
+            tracer: Mutex::new(None),
         }));
     }
     Ok(handles)
@@ -941,7 +944,16 @@ impl ThreadProcessGroup {
         let (work, completer) = Work::pending(op.clone());
         let shared = Arc::clone(&self.shared);
         let rank = self.rank;
+        let tracer = self.tracer.lock().clone();
+        let span_kind = match kind {
+            Kind::AllGather => SpanKind::AllGather,
+            Kind::ReduceScatter => SpanKind::ReduceScatter,
+            _ => SpanKind::Collective,
+        };
         let job: Job = Box::new(move || {
+            let span = tracer
+                .as_ref()
+                .and_then(|t| t.span(Lane::Comm(stream), span_kind, op.as_str()));
             let ctx = Ctx {
                 shared: &shared,
                 comm: &shared.comms[stream.index()],
@@ -957,6 +969,7 @@ impl ThreadProcessGroup {
                     (Err(Error::RankPanicked { rank, message }), None)
                 }
             };
+            drop(span);
             completer.complete(result);
             drop(leftover);
         });
@@ -1031,6 +1044,10 @@ impl ProcessGroup for ThreadProcessGroup {
 
     fn stats(&self) -> CommStatsSnapshot {
         self.stats.snapshot()
+    }
+
+    fn set_tracer(&self, tracer: Option<Arc<Tracer>>) {
+        *self.tracer.lock() = tracer;
     }
 }
 

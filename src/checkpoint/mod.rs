@@ -1,0 +1,524 @@
+//! Checkpoints: full and sharded state dicts, resharding across world sizes, safe writes.
+//!
+//! Two formats, both built on safetensors files (little-endian, row-major):
+//!
+//! **Full state dict** ([`save_full`], [`load_full`], [`build_from_full`]): one safetensors file
+//! holding every parameter unsharded under its original name (`fc1.weight`, …) and shape, in
+//! the master dtype (f32), followed by each unit's buffers in their own dtype. It is an
+//! ordinary candle file: `VarBuilder::from_mmaped_safetensors` plus the same candle-nn
+//! constructors rebuild the model in a plain, unwrapped program. Rank 0 writes it while the
+//! units are gathered one at a time (peak: one unit's f32 flat buffer per rank). Loading maps
+//! the file and every rank copies only the byte ranges of its own shard.
+//!
+//! **Sharded state dict** ([`save_sharded`], [`load_sharded`], [`load_latest`]): a directory
+//! per checkpoint,
+//! ```text
+//! <root>/step-00000938/shard-00000-of-00002.safetensors   rank 0: its shard of every unit's
+//!                                                         flat parameter (param.<unit>), its
+//!                                                         shard of each optimizer buffer
+//!                                                         (optim.<kind>.<unit>) and, on rank 0
+//!                                                         only, the buffers (buffer.<name>)
+//! <root>/step-00000938/shard-00001-of-00002.safetensors   rank 1
+//! <root>/step-00000938/meta.json                          CheckpointMeta: written last
+//! ```
+//! `meta.json` ([`CheckpointMeta`]) records the format version, world size, every unit's layout
+//! (parameter names, shapes, offsets, padding, shard size), the optimizer's buffers, each file's
+//! size, and the training state ([`TrainState`]: step, epoch, sampler position, RNG seed, grad
+//! scaler state, mixed-precision policy). A parameter's offset in its unit's flat buffer does not
+//! depend on the world size (only the final padding and the shard boundaries do), so a rank of a
+//! group of any size finds which saved shards cover its new shard and copies just those element
+//! ranges out of the memory-mapped files: loading works at the saved world size or any other.
+//!
+//! **Safe writes.** Every file is written to a temporary name in its final directory, flushed,
+//! fsynced and renamed ([`AtomicFile`]). A sharded checkpoint is first assembled in a hidden
+//! staging directory (`.step-00000938.partial`); `meta.json` is written last, then the staging
+//! directory is renamed to `step-00000938`. A directory counts as a checkpoint only when its
+//! `meta.json` exists ([`list_complete`]), so a crash or an error at any point of a save leaves
+//! the previous checkpoints untouched and loadable; `keep_last` rotation deletes older ones only
+//! after the new one is complete.
+//!
+//! **Collectives.** Saving and loading are collectives (every rank calls them, in the same
+//! order as its other collectives): the ranks agree on success with one small all-reduce, so
+//! when one rank fails (a missing file, a full disk) every rank returns an error and none has
+//! changed its model or optimizer.
+//!
+//! **Errors** name the file, the tensor or parameter, and the expected vs found value: a missing
+//! file, a truncated or corrupt file, a parameter missing or extra, a shape or dtype mismatch, a
+//! metadata version from the future.
+
+mod full;
+mod io;
+mod sharded;
+
+#[doc(hidden)]
+pub mod fault;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::comm::{CommBuffer, ProcessGroup, ReduceOp};
+use crate::data::DistributedSampler;
+use crate::error::{Error, Result};
+
+pub use full::{build_from_full, load_full, save_full, FULL_FORMAT};
+pub use io::{write_atomic, AtomicFile};
+pub use sharded::{load_latest, load_sharded, save_sharded, shard_file_name, SHARDED_FORMAT};
+
+/// Version written into `meta.json` (and into each file's safetensors metadata). Version 1
+/// checkpoints (same-world-size format of the first release) are still read; a larger version
+/// is an error.
+pub const FORMAT_VERSION: u32 = 2;
+
+/// Name of the metadata file that marks a sharded checkpoint directory complete.
+pub const META_FILE: &str = "meta.json";
+
+/// Where a [`DistributedSampler`] stands: enough to continue an epoch where it stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerState {
+    /// Epoch the sampler is in (its shuffle is seeded with `seed + epoch`).
+    pub epoch: u64,
+    /// Entries of *each rank's* list already consumed in `epoch` (`batches done × batch size`).
+    pub position: usize,
+    /// World size the position counts in (per-rank lists depend on it).
+    pub world_size: usize,
+}
+
+impl SamplerState {
+    /// The state of `sampler` after this rank consumed `consumed` more entries of its current
+    /// list (the position adds to the sampler's own start, so a resumed epoch stays exact).
+    pub fn new(sampler: &DistributedSampler, consumed: usize) -> Self {
+        Self {
+            epoch: sampler.epoch(),
+            position: sampler.start() + consumed,
+            world_size: sampler.world_size(),
+        }
+    }
+
+    /// The per-rank start position for a group of `world_size` ranks. At the saved world size it
+    /// is `position`. At another one, the `position × saved world size` entries of the global
+    /// list consumed so far are split over the new ranks, rounded down (a few samples may then
+    /// be seen twice; the padding of the global list also depends on the world size).
+    pub fn position_for(&self, world_size: usize) -> usize {
+        if world_size == self.world_size || self.world_size == 0 || world_size == 0 {
+            return self.position;
+        }
+        self.position * self.world_size / world_size
+    }
+
+    /// Puts `sampler` at this state: `set_epoch(epoch)` then `set_start(position_for(ws))`.
+    pub fn apply(&self, sampler: &mut DistributedSampler) {
+        sampler.set_epoch(self.epoch);
+        sampler.set_start(self.position_for(sampler.world_size()));
+    }
+}
+
+/// Random-number state. The runtime keeps no global RNG: initialisation draws from streams
+/// seeded by `(seed, parameter name)` and the sampler's shuffle from `seed + epoch`, so the seed
+/// (with [`SamplerState`]) is the whole RNG state of a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RngState {
+    /// Seed of the run (initialisation and shuffling).
+    pub seed: u64,
+}
+
+/// Training progress and run state stored in a sharded checkpoint's metadata.
+///
+/// `grad_scaler` and `mixed_precision` are free-form JSON so that the components that own them
+/// define their content (e.g. `serde_json::to_value(scaler.state())`); when `mixed_precision`
+/// is `None` at save time, the model's configured policy is recorded.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    /// Training steps taken; names the checkpoint directory (`step-<step>`).
+    pub step: u64,
+    /// Epochs completed.
+    pub epoch: u64,
+    /// Position of the data sampler (for a mid-epoch resume).
+    #[serde(default)]
+    pub sampler: Option<SamplerState>,
+    /// Random-number state.
+    #[serde(default)]
+    pub rng: Option<RngState>,
+    /// State of a gradient scaler (mixed precision), as its owner serialises it.
+    #[serde(default)]
+    pub grad_scaler: Option<serde_json::Value>,
+    /// Mixed-precision policy, as its owner serialises it.
+    #[serde(default)]
+    pub mixed_precision: Option<serde_json::Value>,
+    /// Free-form values of the caller.
+    #[serde(default)]
+    pub extra: BTreeMap<String, String>,
+}
+
+/// One parameter of a unit's layout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamMeta {
+    /// Full name, e.g. `fc1.weight`.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Offset of its first element in the unit's unsharded flat buffer (elements).
+    pub offset: usize,
+    /// Number of elements (product of `shape`).
+    #[serde(default)]
+    pub numel: usize,
+}
+
+/// One buffer (replicated tensor such as a running statistic) of a unit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferMeta {
+    /// Full name.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// safetensors dtype name (`F32`, `BF16`, `F16`).
+    pub dtype: String,
+}
+
+/// One unit's flat-parameter layout at save time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitMeta {
+    /// Unit name.
+    pub name: String,
+    /// safetensors dtype name of the saved shards (the master dtype, `F32`).
+    #[serde(default = "f32_name")]
+    pub dtype: String,
+    /// Number of shards (the world size, or 1 under NO_SHARD); shard `s` is in rank `s`'s file.
+    #[serde(default)]
+    pub world_size: usize,
+    /// Elements used by parameters and alignment gaps.
+    #[serde(default)]
+    pub unpadded_numel: usize,
+    /// Flat length with padding, `world_size × shard_numel` (elements).
+    pub padded_numel: usize,
+    /// Shard length (elements).
+    pub shard_numel: usize,
+    /// Parameters in flat order.
+    pub params: Vec<ParamMeta>,
+    /// Buffers, saved unsharded in rank 0's file.
+    #[serde(default)]
+    pub buffers: Vec<BufferMeta>,
+}
+
+/// One optimizer buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OptimBufferMeta {
+    /// Name in [`crate::OptimizerState::buffers`], e.g. `exp_avg.3`.
+    pub name: String,
+    /// Unit whose shard this buffer is laid out like (`<kind>.<unit>` with the unit's shard
+    /// length): stored and resharded exactly as that unit's flat parameter. `None`: a rank-local
+    /// buffer of another shape, stored per rank and loadable at the saved world size only.
+    pub unit: Option<usize>,
+}
+
+/// The optimizer part of the metadata.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OptimizerMeta {
+    /// Optimizer steps taken ([`crate::OptimizerState::step`]).
+    pub step: u64,
+    /// Buffers (empty before the first step).
+    pub buffers: Vec<OptimBufferMeta>,
+}
+
+/// One rank's file of a sharded checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileMeta {
+    /// Rank that wrote it.
+    pub rank: usize,
+    /// File name inside the checkpoint directory.
+    pub name: String,
+    /// Size in bytes (checked on load: catches truncated files).
+    pub bytes: u64,
+}
+
+/// Contents of a sharded checkpoint's `meta.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    /// [`FORMAT_VERSION`] of the writer.
+    pub format_version: u32,
+    /// World size at save time (number of shard files).
+    pub world_size: usize,
+    /// Training state (step, epoch, sampler, RNG, grad scaler, mixed precision, extra); its
+    /// fields appear at the top level of the JSON.
+    #[serde(flatten)]
+    pub train: TrainState,
+    /// safetensors dtype name of the master shards and optimizer state (`F32`).
+    #[serde(default = "f32_name")]
+    pub dtype: String,
+    /// Unit layouts, in model order.
+    pub units: Vec<UnitMeta>,
+    /// Optimizer buffers (`None` in version-1 checkpoints: found from the files).
+    #[serde(default)]
+    pub optimizer: Option<OptimizerMeta>,
+    /// The files, one per rank (empty in version-1 checkpoints).
+    #[serde(default)]
+    pub files: Vec<FileMeta>,
+}
+
+impl CheckpointMeta {
+    /// Training steps taken (`train.step`).
+    pub fn step(&self) -> u64 {
+        self.train.step
+    }
+
+    /// Epochs completed (`train.epoch`).
+    pub fn epoch(&self) -> u64 {
+        self.train.epoch
+    }
+}
+
+fn f32_name() -> String {
+    "F32".to_string()
+}
+
+/// Bytes a load read from checkpoint files on one rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    /// Files opened (memory-mapped).
+    pub files_opened: usize,
+    /// Bytes of safetensors headers parsed.
+    pub header_bytes: u64,
+    /// Bytes of tensor data copied out of the files.
+    pub data_bytes: u64,
+}
+
+/// What [`load_sharded`] and [`load_latest`] return.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Loaded {
+    /// The checkpoint directory.
+    pub dir: PathBuf,
+    /// Its metadata (a version-1 checkpoint's completed to the current fields).
+    pub meta: CheckpointMeta,
+    /// What this rank read.
+    pub stats: ReadStats,
+}
+
+/// Name of the directory of the checkpoint at `step` (`step-00000938`).
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+/// The step of a checkpoint directory name (`step-<digits>`), if it is one.
+pub fn parse_step_dir(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Complete checkpoint directories under `root` (named `step-<n>` and holding a `meta.json`),
+/// oldest (smallest step) first. A missing `root` has none.
+pub fn list_complete(root: &Path) -> Result<Vec<PathBuf>> {
+    let mut out: Vec<(u64, PathBuf)> = Vec::new();
+    let entries = match fs::read_dir(root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io(root, e)),
+    };
+    for e in entries {
+        let p = e.map_err(|e| Error::io(root, e))?.path();
+        let Some(step) = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(parse_step_dir)
+        else {
+            continue;
+        };
+        if p.join(META_FILE).is_file() {
+            out.push((step, p));
+        }
+    }
+    out.sort();
+    Ok(out.into_iter().map(|(_, p)| p).collect())
+}
+
+/// Reads and checks a sharded checkpoint's `meta.json` (version 1 or 2; a version-1 file is
+/// completed to the current fields).
+///
+/// Errors, naming the file: missing or unreadable, not valid metadata JSON, a format version
+/// newer than [`FORMAT_VERSION`], an inconsistent layout (e.g. a shard size that does not add
+/// up to the padded size, a parameter outside its unit).
+pub fn read_meta(dir: &Path) -> Result<CheckpointMeta> {
+    let path = dir.join(META_FILE);
+    let bytes = fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    // Check the version before the full parse so a future format with other fields still gets
+    // the version error.
+    let version = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .map_err(|e| Error::file(&path, format!("not valid checkpoint metadata (JSON): {e}")))?
+        .get("format_version")
+        .and_then(|v| v.as_u64())
+        .ok_or_else(|| Error::file(&path, "not checkpoint metadata: no format_version"))?;
+    if version > FORMAT_VERSION as u64 {
+        return Err(Error::file(
+            &path,
+            format!(
+                "format version {version} is newer than this reader's {FORMAT_VERSION}: written \
+                 by a newer candle-fsdp"
+            ),
+        ));
+    }
+    let mut meta: CheckpointMeta = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::file(&path, format!("not valid checkpoint metadata: {e}")))?;
+    if meta.format_version < 2 {
+        upgrade_v1(&mut meta);
+    }
+    validate_meta(&meta, &path)?;
+    Ok(meta)
+}
+
+/// Completes a version-1 metadata: per-unit shard counts, element counts, unpadded sizes.
+fn upgrade_v1(meta: &mut CheckpointMeta) {
+    let ws = meta.world_size;
+    for u in &mut meta.units {
+        for p in &mut u.params {
+            p.numel = p.shape.iter().product();
+        }
+        u.unpadded_numel = u
+            .params
+            .iter()
+            .map(|p| p.offset + p.numel)
+            .max()
+            .unwrap_or(0);
+        // Version 1 wrote every rank's shard; under NO_SHARD a shard was the whole buffer.
+        u.world_size = if u.shard_numel > 0 && u.shard_numel == u.padded_numel {
+            1
+        } else {
+            ws
+        };
+    }
+}
+
+fn validate_meta(meta: &CheckpointMeta, path: &Path) -> Result<()> {
+    let bad = |msg: String| Err(Error::file(path, format!("inconsistent metadata: {msg}")));
+    if meta.world_size == 0 {
+        return bad("world_size is 0".into());
+    }
+    if meta.dtype != "F32" {
+        return bad(format!(
+            "master dtype: expected F32, found {} (this reader keeps f32 masters)",
+            meta.dtype
+        ));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for u in &meta.units {
+        if u.world_size == 0 || u.world_size > meta.world_size {
+            return bad(format!(
+                "unit {}: {} shards for world size {}",
+                u.name, u.world_size, meta.world_size
+            ));
+        }
+        if u.shard_numel * u.world_size != u.padded_numel || u.unpadded_numel > u.padded_numel {
+            return bad(format!(
+                "unit {}: shard {} × {} shards ≠ padded {} (unpadded {})",
+                u.name, u.shard_numel, u.world_size, u.padded_numel, u.unpadded_numel
+            ));
+        }
+        if u.dtype != "F32" {
+            return bad(format!(
+                "unit {}: dtype expected F32, found {}",
+                u.name, u.dtype
+            ));
+        }
+        for p in &u.params {
+            if p.numel != p.shape.iter().product::<usize>() || p.offset + p.numel > u.unpadded_numel
+            {
+                return bad(format!(
+                    "unit {}: parameter {} (shape {:?}, offset {}, numel {}) does not fit its \
+                     unit (unpadded {})",
+                    u.name, p.name, p.shape, p.offset, p.numel, u.unpadded_numel
+                ));
+            }
+            if !seen.insert(p.name.as_str()) {
+                return bad(format!("parameter {} appears twice", p.name));
+            }
+        }
+        for b in &u.buffers {
+            if !seen.insert(b.name.as_str()) {
+                return bad(format!("buffer {} appears twice", b.name));
+            }
+        }
+    }
+    if let Some(o) = &meta.optimizer {
+        for b in &o.buffers {
+            if b.unit.is_some_and(|k| k >= meta.units.len()) {
+                return bad(format!(
+                    "optimizer buffer {} refers to unit {:?} of {}",
+                    b.name,
+                    b.unit,
+                    meta.units.len()
+                ));
+            }
+        }
+    }
+    if !meta.files.is_empty() && meta.files.len() != meta.world_size {
+        return bad(format!(
+            "{} files listed for world size {}",
+            meta.files.len(),
+            meta.world_size
+        ));
+    }
+    Ok(())
+}
+
+/// The newest complete checkpoint under `root` as seen by rank 0, broadcast to all ranks
+/// (a collective), so that every rank loads the same one.
+pub fn agree_on_latest(pg: &dyn ProcessGroup, root: &Path) -> Result<Option<PathBuf>> {
+    let latest = if pg.rank() == 0 {
+        list_complete(root)?.pop()
+    } else {
+        None
+    };
+    // The step, or u64::MAX for none, as four exact 16-bit pieces (f32 holds them exactly).
+    let step = latest
+        .as_ref()
+        .and_then(|p| parse_step_dir(p.file_name()?.to_str()?))
+        .unwrap_or(u64::MAX);
+    let pieces: Vec<f32> = (0..4)
+        .map(|i| ((step >> (16 * i)) & 0xffff) as f32)
+        .collect();
+    let b = if pg.world_size() == 1 {
+        pieces
+    } else {
+        pg.broadcast(CommBuffer::F32(pieces), 0)
+            .wait()?
+            .into_f32()?
+    };
+    let step = (0..4).fold(0u64, |acc, i| acc | ((b[i] as u64) << (16 * i)));
+    Ok((step != u64::MAX).then(|| root.join(step_dir_name(step))))
+}
+
+/// Makes every rank agree on the outcome of a local phase (a collective: one all-reduce of
+/// `world_size` floats). A rank whose phase failed returns its own error; the others return an
+/// error naming `path`, `what` and the failed ranks.
+pub(crate) fn agree(
+    pg: &dyn ProcessGroup,
+    what: &str,
+    path: &Path,
+    local: Result<()>,
+) -> Result<()> {
+    let (rank, ws) = (pg.rank(), pg.world_size());
+    if ws == 1 {
+        return local;
+    }
+    let mut flags = vec![0.0f32; ws];
+    if local.is_err() {
+        flags[rank] = 1.0;
+    }
+    let flags = pg
+        .all_reduce(CommBuffer::F32(flags), ReduceOp::Sum)
+        .wait()?
+        .into_f32()?;
+    local?;
+    let failed: Vec<usize> = (0..ws).filter(|&r| flags[r] > 0.0).collect();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::file(
+            path,
+            format!("{what} failed on rank(s) {failed:?} (see their errors)"),
+        ))
+    }
+}

@@ -1,0 +1,210 @@
+//! Prefetch and the rate limiter, proved from the trace: the order of issue markers and compute
+//! spans, the number of units unsharded at once, and bitwise-equal results with prefetch on and
+//! off.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::comm::ProcessGroup;
+use candle_fsdp::optim::{AdamW, AdamWConfig, ShardedOptimizer};
+use candle_fsdp::trace::{chrome_trace_json, overlap_summary, Lane, Span, SpanKind, TraceSession};
+use candle_fsdp::{BackwardPrefetch, FsdpConfig, FsdpModel};
+
+const UNITS: usize = 8;
+const DIM: usize = 32;
+
+fn model(
+    pg: Arc<dyn ProcessGroup>,
+    prefetch: bool,
+    limit: Option<usize>,
+    mode: BackwardPrefetch,
+) -> candle_fsdp::Result<FsdpModel> {
+    let mut b = FsdpModel::builder(
+        pg,
+        FsdpConfig {
+            seed: 3,
+            forward_prefetch: prefetch,
+            backward_prefetch: if prefetch {
+                mode
+            } else {
+                BackwardPrefetch::None
+            },
+            limit_all_gathers: limit,
+            ..Default::default()
+        },
+    );
+    for i in 0..UNITS {
+        b = b.unit(format!("u{i}"), |vb| {
+            Ok(candle_nn::seq()
+                .add(candle_nn::linear(DIM, DIM, vb)?)
+                .add(candle_nn::Activation::Silu))
+        });
+    }
+    b.build()
+}
+
+/// Two traced training steps; returns (rank 0's spans, final shards, peak units unsharded).
+fn run(
+    ws: usize,
+    prefetch: bool,
+    limit: Option<usize>,
+    mode: BackwardPrefetch,
+) -> (Vec<Span>, Vec<Vec<Vec<f32>>>, usize) {
+    let session = TraceSession::new();
+    let out = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
+        let rank = pg.rank();
+        let mut m = model(pg, prefetch, limit, mode)?;
+        m.set_tracer(Some(session.tracer(rank)));
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let x = Tensor::arange(0f32, (4 * DIM) as f32, &Device::Cpu)?
+            .reshape((4, DIM))?
+            .affine(0.01 * (rank + 1) as f64, 0.0)?;
+        for _ in 0..2 {
+            let y = m.forward(&x)?;
+            m.backward(&y.sqr()?.mean_all()?)?;
+            opt.step(&mut m)?;
+            m.zero_grad();
+        }
+        let spans = m.tracer().unwrap().spans();
+        let shards: Vec<Vec<f32>> = m.units().iter().map(|u| u.flat.shard.clone()).collect();
+        Ok((spans, shards, m.memory_stats().peak_unsharded_units))
+    })
+    .unwrap();
+    let peak = out.iter().map(|o| o.2).max().unwrap();
+    let shards = out.iter().map(|o| o.1.clone()).collect();
+    (out.into_iter().next().unwrap().0, shards, peak)
+}
+
+fn position(spans: &[Span], kind: SpanKind, name: &str, step: u64) -> usize {
+    spans
+        .iter()
+        .position(|s| s.kind == kind && s.name == name && s.step == step)
+        .unwrap_or_else(|| panic!("no {kind:?} span {name} in step {step}"))
+}
+
+fn end_us(spans: &[Span], kind: SpanKind, name: &str, step: u64) -> f64 {
+    let s = &spans[position(spans, kind, name, step)];
+    s.start_us + s.dur_us
+}
+
+fn issue_us(spans: &[Span], unit: usize, nth: usize, step: u64) -> f64 {
+    spans
+        .iter()
+        .filter(|s| {
+            s.kind == SpanKind::Issue
+                && s.name == format!("FSDP::all_gather u{unit}")
+                && s.step == step
+        })
+        .nth(nth)
+        .unwrap_or_else(|| panic!("no issue #{nth} of u{unit} in step {step}"))
+        .start_us
+}
+
+#[test]
+fn forward_prefetch_issues_the_next_gather_before_the_current_unit_finishes() {
+    let (spans, _, _) = run(2, true, Some(2), BackwardPrefetch::BackwardPre);
+    for k in 0..UNITS - 1 {
+        let issued = issue_us(&spans, k + 1, 0, 1);
+        let fwd_end = end_us(&spans, SpanKind::Forward, &format!("FSDP::forward u{k}"), 1);
+        assert!(
+            issued < fwd_end,
+            "u{}'s all-gather issued at {issued} µs, after u{k}'s forward ended at {fwd_end} µs",
+            k + 1
+        );
+    }
+}
+
+#[test]
+fn backward_pre_prefetch_issues_before_the_current_unit_backward() {
+    let (spans, _, _) = run(2, true, Some(2), BackwardPrefetch::BackwardPre);
+    // Units 0..=6 are recomputed in backward (the last keeps its graph): u(k-1)'s second gather
+    // is issued before u(k)'s backward ends.
+    for k in 1..UNITS - 1 {
+        let issued = issue_us(&spans, k - 1, 1, 1);
+        let bwd_end = end_us(
+            &spans,
+            SpanKind::Backward,
+            &format!("FSDP::backward u{k}"),
+            1,
+        );
+        assert!(
+            issued < bwd_end,
+            "u{} gathered after u{k}'s backward",
+            k - 1
+        );
+    }
+}
+
+#[test]
+fn without_prefetch_each_gather_is_issued_after_the_previous_unit_finished() {
+    let (spans, _, _) = run(2, false, Some(2), BackwardPrefetch::None);
+    for k in 0..UNITS - 1 {
+        let issued = issue_us(&spans, k + 1, 0, 1);
+        let fwd_end = end_us(&spans, SpanKind::Forward, &format!("FSDP::forward u{k}"), 1);
+        assert!(issued >= fwd_end);
+    }
+}
+
+#[test]
+fn the_limiter_bounds_units_unsharded_at_once() {
+    for limit in [1, 2, 3] {
+        let (_, _, peak) = run(2, true, Some(limit), BackwardPrefetch::BackwardPre);
+        assert!(
+            peak <= limit.max(2),
+            "limit {limit}: {peak} units were unsharded at once"
+        );
+        if limit >= 2 {
+            assert_eq!(peak, limit.min(2), "prefetch uses its slot");
+        }
+    }
+    // With limit 1 nothing is prefetched: one unit at a time, except the last unit's kept
+    // graph meeting the first backward gather (2).
+    let (spans, _, peak) = run(2, true, Some(1), BackwardPrefetch::BackwardPre);
+    assert!(peak <= 2);
+    for k in 0..UNITS - 1 {
+        let issued = issue_us(&spans, k + 1, 0, 1);
+        let fwd_end = end_us(&spans, SpanKind::Forward, &format!("FSDP::forward u{k}"), 1);
+        assert!(issued >= fwd_end, "limit 1 must not prefetch u{}", k + 1);
+    }
+}
+
+#[test]
+fn results_are_bitwise_equal_with_prefetch_on_and_off() {
+    for ws in [1, 2, 3] {
+        let (_, on, _) = run(ws, true, Some(2), BackwardPrefetch::BackwardPre);
+        let (_, post, _) = run(ws, true, Some(2), BackwardPrefetch::BackwardPost);
+        let (_, off, _) = run(ws, false, None, BackwardPrefetch::None);
+        assert_eq!(on, off, "ws {ws}");
+        assert_eq!(post, off, "ws {ws}");
+    }
+}
+
+#[test]
+fn trace_has_comm_lanes_and_exports_chrome_json_and_overlap_figures() {
+    let (spans, _, _) = run(2, true, Some(2), BackwardPrefetch::BackwardPre);
+    let ag = spans
+        .iter()
+        .filter(|s| s.kind == SpanKind::AllGather && s.step == 1)
+        .count();
+    // 8 gathers in forward + 7 in backward (the last unit keeps its graph).
+    assert_eq!(ag, 2 * UNITS - 1);
+    assert!(spans.iter().any(|s| s.kind == SpanKind::ReduceScatter
+        && s.lane == Lane::Comm(candle_fsdp::comm::Stream::ReduceScatter)));
+    assert!(spans.iter().any(|s| s.kind == SpanKind::OptimizerStep));
+    let json: serde_json::Value = serde_json::from_str(&chrome_trace_json(&spans)).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    let complete = events.iter().filter(|e| e["ph"] == "X").count();
+    assert_eq!(
+        complete,
+        spans.iter().filter(|s| s.kind != SpanKind::Issue).count()
+    );
+    let summary = overlap_summary(&spans);
+    assert_eq!(summary.len(), 2, "two steps of rank 0");
+    for s in &summary {
+        assert!(s.step_s > 0.0 && s.compute_s > 0.0 && s.comm_s > 0.0);
+        assert!(s.exposed_s <= s.step_s);
+        assert!((0.0..=1.0).contains(&s.overlap_fraction));
+    }
+    let _ = DType::F32;
+}
