@@ -162,7 +162,7 @@ fn get_buffer(vb: &VarBuilder, n: usize, name: &str, init: Init) -> candle_core:
 }
 
 /// Builds a [`SyncBatchNorm`] over `num_features` channels from a `VarBuilder`, exactly as
-/// [`candle_nn::batch_norm`] does: `running_mean` (init 0), `running_var` (init 1) and, when
+/// [`candle_nn::batch_norm()`] does: `running_mean` (init 0), `running_var` (init 1) and, when
 /// `config.affine`, `weight` (init 1) and `bias` (init 0), each of shape `(num_features,)`.
 ///
 /// In an FSDP unit the closure captures the process group:
