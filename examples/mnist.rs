@@ -86,7 +86,7 @@ struct Args {
     /// Also save a checkpoint every N optimizer steps (0: only at the end of each epoch).
     #[arg(long, default_value_t = 0)]
     save_every: u64,
-    /// Complete checkpoints to keep.
+    /// Complete checkpoints to keep (0 keeps all).
     #[arg(long, default_value_t = 2)]
     keep_last: usize,
     /// Sharding strategy.
@@ -192,15 +192,55 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(args.world_size >= 1, "--world-size must be at least 1");
     anyhow::ensure!(args.batch_size >= 1, "--batch-size must be at least 1");
     anyhow::ensure!(args.grad_accum >= 1, "--grad-accum must be at least 1");
+    anyhow::ensure!(
+        args.lr.is_finite() && args.lr > 0.0,
+        "--lr must be a positive finite number, found {}",
+        args.lr
+    );
     MixedPrecision::from_name(&args.precision)?;
+    // Output paths are checked now, not after an epoch of training.
     if let Some(p) = &args.trace {
+        anyhow::ensure!(args.trace_steps >= 1, "--trace-steps must be at least 1");
+        anyhow::ensure!(
+            !p.is_dir(),
+            "--trace {}: is a directory, expected a .json file path",
+            p.display()
+        );
         let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
         anyhow::ensure!(
             dir.is_none_or(|d| d.is_dir()),
             "--trace {}: directory {} does not exist",
             p.display(),
-            dir.unwrap().display()
+            dir.map(|d| d.display().to_string()).unwrap_or_default()
         );
+    }
+    std::fs::create_dir_all(&args.checkpoint_dir).with_context(|| {
+        format!(
+            "--checkpoint-dir {}: cannot create it",
+            args.checkpoint_dir.display()
+        )
+    })?;
+    let probe = args.checkpoint_dir.join(".write-probe");
+    std::fs::write(&probe, b"").with_context(|| {
+        format!(
+            "--checkpoint-dir {}: not writable",
+            args.checkpoint_dir.display()
+        )
+    })?;
+    let _ = std::fs::remove_file(&probe);
+    let existing = checkpoint::list_complete(&args.checkpoint_dir)?;
+    match (args.resume, existing.last()) {
+        (true, None) => println!(
+            "--resume: no complete checkpoint in {}: starting from scratch",
+            args.checkpoint_dir.display()
+        ),
+        (false, Some(last)) => println!(
+            "note: {} already holds checkpoints (newest {}); this run starts from scratch and \
+             saves beside them (pass --resume to continue from the newest)",
+            args.checkpoint_dir.display(),
+            last.display()
+        ),
+        _ => {}
     }
     let intra_op = set_intra_op_threads(args.world_size);
     let mnist = Mnist::load(&args.data_dir)
@@ -265,6 +305,18 @@ fn main() -> anyhow::Result<()> {
                 checkpoint::load_latest(&args.checkpoint_dir, &mut model, &mut optim)?
             {
                 let train = loaded.meta.train;
+                if let Some(rng) = &train.rng {
+                    if rng.seed != args.seed {
+                        return Err(candle_fsdp::Error::InvalidArgument(format!(
+                            "{} was trained with --seed {}; resuming with --seed {} would change \
+                             the data order: pass --seed {}",
+                            loaded.dir.display(),
+                            rng.seed,
+                            args.seed,
+                            rng.seed
+                        )));
+                    }
+                }
                 (start_epoch, step) = (train.epoch, train.step);
                 if let Some(s) = train.sampler {
                     (start_epoch, resume_at) = (s.epoch, Some(s));
@@ -299,6 +351,7 @@ fn main() -> anyhow::Result<()> {
                 ..Default::default()
             };
         let mut last_acc = f64::NAN;
+        let mut train_mem = None;
         for epoch in start_epoch..args.epochs {
             let t0 = Instant::now();
             match resume_at.take() {
@@ -399,6 +452,8 @@ fn main() -> anyhow::Result<()> {
                 .wait()?
                 .into_f32()?;
             let train_time = t0.elapsed().as_secs_f64();
+            // Memory of training (the evaluation below gathers in f32 and would blur it).
+            train_mem = Some(model.memory_stats());
             // Validation on rank 0; the others wait at the barrier.
             let full = model.gather_full_model(true)?;
             if let Some(full) = full {
@@ -416,6 +471,16 @@ fn main() -> anyhow::Result<()> {
                 last_acc = 100.0 * correct as f64 / test_len as f64;
             }
             pg.barrier().wait()?;
+            if rank == 0 {
+                println!(
+                    "epoch {:>2}  train loss {:.4}  test accuracy {:.2}%  epoch time {:.2}s (train {:.2}s)",
+                    epoch + 1,
+                    sums[0] / sums[1],
+                    last_acc,
+                    t0.elapsed().as_secs_f64(),
+                    train_time
+                );
+            }
             let next = checkpoint::SamplerState {
                 epoch: epoch + 1,
                 position: 0,
@@ -428,26 +493,18 @@ fn main() -> anyhow::Result<()> {
                 &train_state(step, epoch + 1, next, scaler.as_ref()),
                 args.keep_last,
             )?;
-            if rank == 0 {
-                println!(
-                    "epoch {:>2}  train loss {:.4}  test accuracy {:.2}%  epoch time {:.2}s (train {:.2}s)",
-                    epoch + 1,
-                    sums[0] / sums[1],
-                    last_acc,
-                    t0.elapsed().as_secs_f64(),
-                    train_time
-                );
-            }
         }
-        if rank == 0 {
-            let m = model.memory_stats();
+        if let (0, Some(m)) = (rank, train_mem) {
             println!(
-                "rank 0 memory: sharded state {} B (+ optimizer {} B), peak unsharded parameters {} B in {} unit(s)",
+                "rank 0 training memory: sharded state {} B (+ optimizer {} B), peak unsharded \
+                 parameters {} B, at most {} unit(s) unsharded at once",
                 m.sharded_bytes,
                 optim.state_bytes(),
                 m.peak_unsharded_bytes,
                 m.peak_unsharded_units
             );
+        }
+        if rank == 0 {
             if let Some(rss) = peak_rss_bytes() {
                 println!(
                     "process peak RSS {:.1} MiB (all ranks)",
@@ -471,8 +528,13 @@ fn main() -> anyhow::Result<()> {
         println!("final test accuracy {:.2}%", finals[0].0);
     } else {
         println!(
-            "nothing to train: the checkpoint already covers {} epochs",
-            args.epochs
+            "nothing to train: --epochs {} {}",
+            args.epochs,
+            if args.resume {
+                "is already covered by the checkpoint"
+            } else {
+                "asks for none"
+            }
         );
     }
     Ok(())

@@ -91,14 +91,27 @@ pub enum Error {
         /// What is wrong with it.
         message: String,
     },
-    /// I/O error with the file it concerns.
-    #[error("{path}: {source}")]
+    /// I/O error with the file it concerns. The message includes the OS error, so it is not
+    /// repeated as a separate cause.
+    #[error("{path}: {error}")]
     Io {
         /// File involved.
         path: PathBuf,
         /// Underlying error.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
+    },
+    /// A phase that every rank runs (e.g. loading a checkpoint) failed on other ranks; their own
+    /// errors say why. [`crate::comm::threads::run_ranks_ok`] reports theirs rather than this.
+    #[error("{path}: {what} failed on rank(s) {failed_ranks:?} (see their errors)")]
+    PeersFailed {
+        /// What failed.
+        what: String,
+        /// File or directory involved.
+        path: PathBuf,
+        /// This rank.
+        rank: usize,
+        /// Ranks whose phase failed.
+        failed_ranks: Vec<usize>,
     },
     /// Error raised by Candle while running a unit.
     #[error(transparent)]
@@ -110,7 +123,7 @@ impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error: source,
         }
     }
 

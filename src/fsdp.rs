@@ -504,12 +504,13 @@ impl FsdpModel {
     pub(crate) fn span(&self, kind: SpanKind, name: impl FnOnce() -> String) -> Option<SpanGuard> {
         self.tracer
             .as_ref()
+            .filter(|t| t.is_enabled())
             .and_then(|t| t.span(Lane::Compute, kind, name()))
     }
 
     /// A zero-length issue marker on the compute lane.
     fn mark_issue(&self, name: impl FnOnce() -> String) {
-        if let Some(t) = &self.tracer {
+        if let Some(t) = self.tracer.as_ref().filter(|t| t.is_enabled()) {
             t.instant(Lane::Compute, SpanKind::Issue, name());
         }
     }
@@ -524,12 +525,23 @@ impl FsdpModel {
 
     /// Issues unit `k`'s all-gather and marks the issue in the trace.
     fn issue_traced(&mut self, k: usize) -> Work<CommBuffer> {
-        self.mark_issue(|| format!("FSDP::all_gather {}", self.units[k].spec.name));
+        if self.gathers(k) {
+            self.mark_issue(|| format!("FSDP::all_gather {}", self.units[k].spec.name));
+        }
         self.issue_unshard(k)
+    }
+
+    /// True when unit `k`'s unshard is a real all-gather (it has parameters and is sharded).
+    fn gathers(&self, k: usize) -> bool {
+        let layout = &self.units[k].flat.layout;
+        layout.world_size > 1 && layout.padded_numel > 0
     }
 
     /// Waits for unit `k`'s all-gather, recording the wait as exposed communication.
     fn wait_traced(&self, k: usize, work: Work<CommBuffer>) -> Result<(Tensor, usize)> {
+        if !self.gathers(k) {
+            return self.finish_unshard(k, work);
+        }
         let _w = self.span(SpanKind::Wait, || {
             format!("FSDP::wait all_gather {}", self.units[k].spec.name)
         });

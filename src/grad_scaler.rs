@@ -4,7 +4,7 @@
 //! Per step: the loss is multiplied by `scale` before backward; [`ShardedGradScaler::unscale`]
 //! divides every gradient shard by `scale` and looks for inf/NaN; the finding is all-reduced (max)
 //! so every rank agrees; [`ShardedGradScaler::step`] skips the optimizer step when any rank found
-//! one, and [`ShardedGradScaler::update`] halves the scale after a skipped step or doubles it
+//! one, and its scale update halves the scale after a skipped step or doubles it
 //! after `growth_interval` consecutive clean steps.
 
 use candle_core::Tensor;

@@ -9,6 +9,8 @@
 //!
 //! See `design/architecture.md` for the architecture and the life of one training step.
 
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 pub mod clip;
 pub mod comm;

@@ -113,7 +113,15 @@ impl AdamW {
     }
 }
 
-fn ensure_state(state: &mut Vec<Vec<f32>>, model: &FsdpModel) -> Result<()> {
+/// Allocates zeroed state on the first step; afterwards checks it matches the model's shards.
+/// `kind` and `step` name the buffer and the optimizer step in errors (state missing after step
+/// 0 means a checkpoint without it was loaded: silently restarting it would change training).
+fn ensure_state(state: &mut Vec<Vec<f32>>, model: &FsdpModel, kind: &str, step: u64) -> Result<()> {
+    if state.is_empty() && step > 0 {
+        return Err(Error::InvalidArgument(format!(
+            "optimizer at step {step} has no {kind} state (loaded from a checkpoint without it?)"
+        )));
+    }
     if state.is_empty() {
         *state = model
             .units()
@@ -146,8 +154,8 @@ impl ShardedOptimizer for AdamW {
         let _span = model.span(crate::trace::SpanKind::OptimizerStep, || {
             "FSDP::optimizer_step".to_string()
         });
-        ensure_state(&mut self.exp_avg, model)?;
-        ensure_state(&mut self.exp_avg_sq, model)?;
+        ensure_state(&mut self.exp_avg, model, "exp_avg", self.step)?;
+        ensure_state(&mut self.exp_avg_sq, model, "exp_avg_sq", self.step)?;
         self.step += 1;
         let c = self.config;
         let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
@@ -257,9 +265,14 @@ impl ShardedOptimizer for Sgd {
             "FSDP::optimizer_step".to_string()
         });
         let c = self.config;
-        let first = self.momentum_buffer.is_empty() || self.step == 0;
+        let first = self.step == 0;
         if c.momentum != 0.0 {
-            ensure_state(&mut self.momentum_buffer, model)?;
+            ensure_state(
+                &mut self.momentum_buffer,
+                model,
+                "momentum_buffer",
+                self.step,
+            )?;
         }
         self.step += 1;
         let (lr, mu, damp, wd) = (

@@ -967,3 +967,58 @@ fn mixed_precision_runs_resume_bitwise_with_bf16_buffers() {
     assert_eq!(resumed, straight);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn an_error_on_rank_1_is_the_one_reported_not_rank_0s_echo() {
+    let dir = tmpdir("rank1err");
+    let ckpt = fresh_checkpoint(&dir);
+    let shard1 = ckpt.join("shard-00001-of-00002.safetensors");
+    let bytes = std::fs::read(&shard1).unwrap();
+    std::fs::write(&shard1, &bytes[..bytes.len() / 3]).unwrap();
+    let ckpt2 = ckpt.clone();
+    let results = run_ranks(2, ThreadGroupConfig::default(), move |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        load_sharded(&ckpt2, &mut m, &mut opt).map(|_| ())
+    });
+    // Rank 0 only knows that rank 1 failed …
+    assert!(
+        matches!(&results[0], Err(candle_fsdp::Error::PeersFailed { failed_ranks, .. }) if failed_ranks == &vec![1]),
+        "{:?}",
+        results[0]
+    );
+    // … and run_ranks_ok reports rank 1's own error, which names its file.
+    let ckpt3 = ckpt.clone();
+    let e = run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        load_sharded(&ckpt3, &mut m, &mut opt).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("shard-00001-of-00002.safetensors"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_optimizer_past_step_0_without_state_refuses_to_step() {
+    let data = batches(1, 8, 4);
+    let e = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        // A state that claims 5 steps but lost its second moments.
+        let mut st = OptimizerState {
+            step: 5,
+            ..Default::default()
+        };
+        for (i, u) in m.units().iter().enumerate() {
+            st.buffers
+                .insert(format!("exp_avg.{i}"), vec![0.0; u.flat.shard.len()]);
+        }
+        opt.load_state(st);
+        train(&mut m, &mut opt, &data)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("step 5") && e.contains("exp_avg_sq"), "{e}");
+}

@@ -516,9 +516,11 @@ pub(crate) fn agree(
     if failed.is_empty() {
         Ok(())
     } else {
-        Err(Error::file(
-            path,
-            format!("{what} failed on rank(s) {failed:?} (see their errors)"),
-        ))
+        Err(Error::PeersFailed {
+            what: what.to_string(),
+            path: path.to_path_buf(),
+            rank,
+            failed_ranks: failed,
+        })
     }
 }

@@ -1170,7 +1170,8 @@ where
 /// cause of the failure rather than its echoes on the other ranks.
 ///
 /// The error chosen is, in order of preference: the error of the rank that failed first (as
-/// named by the [`Error::PeerFailed`] echoes) when that error is not itself an echo; otherwise
+/// named by the [`Error::PeerFailed`] / [`Error::PeersFailed`] echoes) when that error is not
+/// itself an echo; otherwise
 /// the lowest rank's error that is neither [`Error::PeerFailed`] nor [`Error::PeerExited`];
 /// otherwise the lowest rank's error.
 pub fn run_ranks_ok<T, F>(world_size: usize, config: ThreadGroupConfig, f: F) -> Result<Vec<T>>
@@ -1182,11 +1183,14 @@ where
     let is_echo = |r: &Result<T>| {
         matches!(
             r,
-            Err(Error::PeerFailed { .. }) | Err(Error::PeerExited { .. })
+            Err(Error::PeerFailed { .. })
+                | Err(Error::PeerExited { .. })
+                | Err(Error::PeersFailed { .. })
         )
     };
     let first_failed = results.iter().find_map(|r| match r {
         Err(Error::PeerFailed { failed_rank, .. }) => Some(*failed_rank),
+        Err(Error::PeersFailed { failed_ranks, .. }) => failed_ranks.first().copied(),
         _ => None,
     });
     let chosen = first_failed
