@@ -355,7 +355,7 @@ fn main() -> anyhow::Result<()> {
         for epoch in start_epoch..args.epochs {
             let t0 = Instant::now();
             match resume_at.take() {
-                Some(s) => s.apply(&mut sampler),
+                Some(s) => s.apply(&mut sampler)?,
                 None => sampler.set_epoch(epoch),
             }
             let loader = BatchLoader::new(

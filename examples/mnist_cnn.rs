@@ -28,6 +28,10 @@ use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer, S
 use candle_nn::{BatchNormConfig, Conv2dConfig, Module, ModuleT, VarBuilder};
 use clap::{Parser, ValueEnum};
 
+// See examples/mnist.rs: MB-sized buffers are allocated and freed every step.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Strategy {
     FullShard,
@@ -247,6 +251,12 @@ fn main() -> anyhow::Result<()> {
                 m.peak_unsharded_bytes,
                 m.peak_unsharded_units
             );
+            if let Some(rss) = candle_fsdp::trace::peak_rss_bytes() {
+                println!(
+                    "process peak RSS {:.1} MiB (all ranks)",
+                    rss as f64 / (1 << 20) as f64
+                );
+            }
         }
         Ok((last_acc, epoch_times))
     })?;

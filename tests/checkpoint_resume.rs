@@ -78,7 +78,7 @@ fn run(ws: usize, root: &Path, resume: bool, stop_at: Option<u64>) -> Vec<Outcom
         let first_epoch = start.map_or(0, |s| s.epoch);
         for epoch in first_epoch..EPOCHS {
             match start.take() {
-                Some(s) => s.apply(&mut sampler),
+                Some(s) => s.apply(&mut sampler)?,
                 None => sampler.set_epoch(epoch),
             }
             let loader = BatchLoader::new(
@@ -151,11 +151,34 @@ fn sampler_state_positions() {
         }
     );
     // Resumed twice: the position adds to the start.
-    st.apply(&mut s);
+    st.apply(&mut s).unwrap();
     assert_eq!((s.epoch(), s.start()), (3, 8));
     assert_eq!(SamplerState::new(&s, 4).position, 12);
     // 8 per rank at 4 ranks = 32 of the global list = 16 per rank at 2, 10 (rounded down) at 3.
     assert_eq!(st.position_for(2), 16);
     assert_eq!(st.position_for(3), 10);
     assert_eq!(st.position_for(4), 8);
+}
+
+#[test]
+fn a_sampler_position_past_the_epoch_is_an_error() {
+    let mut s = DistributedSampler::new(100, 4, 1, true, 0, false).unwrap();
+    let bad = SamplerState {
+        epoch: 0,
+        position: 999_999,
+        world_size: 4,
+    };
+    let e = bad.apply(&mut s).unwrap_err().to_string();
+    assert!(
+        e.contains("999999") && e.contains("25 samples per rank"),
+        "{e}"
+    );
+    // The end of the epoch itself is a valid position (nothing left to do in it).
+    let end = SamplerState {
+        epoch: 0,
+        position: 25,
+        world_size: 4,
+    };
+    end.apply(&mut s).unwrap();
+    assert!(s.indices().is_empty());
 }

@@ -109,9 +109,24 @@ impl SamplerState {
     }
 
     /// Puts `sampler` at this state: `set_epoch(epoch)` then `set_start(position_for(ws))`.
-    pub fn apply(&self, sampler: &mut DistributedSampler) {
+    ///
+    /// Errors: a position past the end of the epoch (a corrupt or foreign checkpoint), naming
+    /// both numbers.
+    pub fn apply(&self, sampler: &mut DistributedSampler) -> Result<()> {
+        let position = self.position_for(sampler.world_size());
+        if position > sampler.num_samples() {
+            return Err(Error::InvalidArgument(format!(
+                "checkpoint sampler position {} (world size {}) is past the end of the epoch: \
+                 {} samples per rank at world size {}",
+                self.position,
+                self.world_size,
+                sampler.num_samples(),
+                sampler.world_size()
+            )));
+        }
         sampler.set_epoch(self.epoch);
-        sampler.set_start(self.position_for(sampler.world_size()));
+        sampler.set_start(position);
+        Ok(())
     }
 }
 
