@@ -766,9 +766,12 @@ impl FsdpModel {
                     (grads, params, input_var, bytes)
                 }
             };
-            // Gradient of this unit's input becomes the next unit's output gradient.
+            // Gradient of this unit's input becomes the next unit's output gradient. Detached:
+            // Candle records the ops of a backward pass on variables like any other, so the
+            // gradient would otherwise drag this unit's whole backward graph (and parameters)
+            // into the next unit's backward, which would then also differentiate through it.
             grad_out = match (&grads, &input_var) {
-                (Some(g), Some(v)) => g.get(v).cloned(),
+                (Some(g), Some(v)) => g.get(v).map(Tensor::detach),
                 _ => None,
             };
             let flat_span = self.span(SpanKind::Backward, || format!("FSDP::flatten_grads {name}"));
