@@ -113,7 +113,7 @@ fn full_shard_frees_unsharded_parameters_after_each_unit() {
         "after step {after_step} B, gradient shards {grad_shards} B"
     );
     // Transients of backward per rank: the unit being recomputed (its Vars and gradients), the
-    // one prefetched, its flat gradient and reduce-scatters in flight; measured 8–11 units per
+    // one prefetched, its flat gradient and reduce-scatters in flight; measured 7–11 units per
     // rank, up to ≈ 11 when the reduce-scatter stream lags. Never freeing would hold 8 gathered
     // units + 8 Var copies per rank on top.
     assert!(
