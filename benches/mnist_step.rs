@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer, ShardingStrategy};
-use candle_nn::{Activation, Optimizer, VarBuilder, VarMap};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
 use criterion::{BenchmarkId, Criterion};
 
 #[global_allocator]
@@ -31,14 +31,12 @@ fn batch(rank: usize) -> (Tensor, Tensor) {
     (x, y)
 }
 
-fn mlp(vb: VarBuilder) -> candle_core::Result<candle_nn::Sequential> {
-    Ok(candle_nn::seq()
-        .add_fn(|x| x.flatten_from(1))
-        .add(candle_nn::linear(784, 128, vb.pp("fc1"))?)
-        .add(Activation::Relu)
-        .add(candle_nn::linear(128, 64, vb.pp("fc2"))?)
-        .add(Activation::Relu)
-        .add(candle_nn::linear(64, 10, vb.pp("fc3"))?))
+/// The same units as plain Candle modules, run in order.
+fn mlp(vb: VarBuilder) -> candle_core::Result<Vec<Box<dyn candle_nn::ModuleT>>> {
+    candle_fsdp::models::mnist_mlp()
+        .iter()
+        .map(|u| (u.ctor)(vb.pp(&u.name)))
+        .collect()
 }
 
 /// Wall time of `steps` FSDP steps on every rank (the slowest rank's), after one warm-up step.
@@ -52,18 +50,7 @@ fn fsdp_steps(strategy: ShardingStrategy, steps: u64) -> Duration {
                 ..Default::default()
             },
         )
-        .unit("flatten", |_vb| Ok(candle_nn::func(|x| x.flatten_from(1))))
-        .unit("fc1", |vb| {
-            Ok(candle_nn::seq()
-                .add(candle_nn::linear(784, 128, vb)?)
-                .add(Activation::Relu))
-        })
-        .unit("fc2", |vb| {
-            Ok(candle_nn::seq()
-                .add(candle_nn::linear(128, 64, vb)?)
-                .add(Activation::Relu))
-        })
-        .unit("fc3", |vb| candle_nn::linear(64, 10, vb))
+        .units(candle_fsdp::models::mnist_mlp())
         .build()?;
         let mut opt = AdamW::new(AdamWConfig::default());
         let (x, y) = batch(rank);
@@ -94,9 +81,11 @@ fn plain_steps(steps: u64) -> Duration {
     let (x, y) = batch(0);
     let t0 = Instant::now();
     for _ in 0..steps {
-        let loss =
-            candle_nn::loss::cross_entropy(&candle_core::Module::forward(&model, &x).unwrap(), &y)
-                .unwrap();
+        let logits = model
+            .iter()
+            .try_fold(x.clone(), |h, m| m.forward_t(&h, true))
+            .unwrap();
+        let loss = candle_nn::loss::cross_entropy(&logits, &y).unwrap();
         opt.backward_step(&loss).unwrap();
     }
     t0.elapsed()

@@ -32,7 +32,6 @@ use candle_fsdp::{
     AdamW, AdamWConfig, BackwardPrefetch, FsdpConfig, FsdpModel, MixedPrecision, ShardedOptimizer,
     ShardingStrategy,
 };
-use candle_nn::Activation;
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -141,18 +140,7 @@ fn build_model(
         ..Default::default()
     };
     FsdpModel::builder(pg, config)
-        .unit("flatten", |_vb| Ok(candle_nn::func(|x| x.flatten_from(1))))
-        .unit("fc1", |vb| {
-            Ok(candle_nn::seq()
-                .add(candle_nn::linear(784, 128, vb)?)
-                .add(Activation::Relu))
-        })
-        .unit("fc2", |vb| {
-            Ok(candle_nn::seq()
-                .add(candle_nn::linear(128, 64, vb)?)
-                .add(Activation::Relu))
-        })
-        .unit("fc3", |vb| candle_nn::linear(64, 10, vb))
+        .units(candle_fsdp::models::mnist_mlp())
         .build()
 }
 

@@ -219,6 +219,12 @@ impl FsdpModelBuilder {
         self
     }
 
+    /// Adds several wrapped units, in order (e.g. [`crate::models::mnist_mlp`]).
+    pub fn units(mut self, specs: impl IntoIterator<Item = UnitSpec>) -> Self {
+        self.specs.extend(specs);
+        self
+    }
+
     /// Records every unit, lays out and initialises its shard, one unit at a time (the peak is
     /// one unit's largest parameter, never the model).
     ///

@@ -21,6 +21,7 @@ pub mod fsdp;
 pub mod grad_scaler;
 pub mod init;
 pub mod mixed_precision;
+pub mod models;
 pub mod optim;
 pub mod sync_batch_norm;
 pub mod timeline;

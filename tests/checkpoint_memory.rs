@@ -2,8 +2,7 @@
 //! dict holds one unit at a time (not the model), and loading a full file or a sharded
 //! checkpoint maps the files instead of reading them into memory.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use candle_fsdp::checkpoint::{load_full, load_sharded, save_full, save_sharded, TrainState};
@@ -12,26 +11,10 @@ use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::optim::{Sgd, SgdConfig};
 use candle_fsdp::{FsdpConfig, FsdpModel};
 
-struct Counting;
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
 
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            let now =
-                LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst) + layout.size() as isize;
-            PEAK.fetch_max(now, Ordering::SeqCst);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
-    }
-}
+use counting_alloc::{Counting, LIVE, PEAK};
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;

@@ -1,8 +1,7 @@
 //! Unsharded parameters are really freed after each unit's forward and backward (FULL_SHARD),
 //! measured with a counting global allocator, and the runtime's own counters agree.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
@@ -10,26 +9,10 @@ use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::{FsdpConfig, FsdpModel};
 
-struct Counting;
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
 
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            let now =
-                LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst) + layout.size() as isize;
-            PEAK.fetch_max(now, Ordering::SeqCst);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
-    }
-}
+use counting_alloc::{Counting, LIVE, PEAK};
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;

@@ -13,7 +13,7 @@ use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
 use candle_fsdp::init::{seeded_var_builder, varmap_values};
 use candle_fsdp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, ShardedOptimizer};
 use candle_fsdp::{FsdpConfig, FsdpModel, MixedPrecision};
-use candle_nn::{Activation, VarMap};
+use candle_nn::VarMap;
 use common::*;
 
 fn model(pg: Arc<dyn ProcessGroup>, mp: MixedPrecision) -> candle_fsdp::Result<FsdpModel> {
@@ -358,18 +358,7 @@ fn mnist_accuracy(mnist: &Mnist, mp: MixedPrecision) -> f64 {
                 ..Default::default()
             },
         )
-        .unit("flatten", |_vb| Ok(candle_nn::func(|x| x.flatten_from(1))))
-        .unit("fc1", |vb| {
-            Ok(candle_nn::seq()
-                .add(candle_nn::linear(784, 128, vb)?)
-                .add(Activation::Relu))
-        })
-        .unit("fc2", |vb| {
-            Ok(candle_nn::seq()
-                .add(candle_nn::linear(128, 64, vb)?)
-                .add(Activation::Relu))
-        })
-        .unit("fc3", |vb| candle_nn::linear(64, 10, vb))
+        .units(candle_fsdp::models::mnist_mlp())
         .build()?;
         let mut opt = AdamW::new(AdamWConfig::default());
         let mut scaler = mp
