@@ -827,6 +827,18 @@ fn bad_checkpoints_give_errors_naming_file_and_values() {
         e.contains("meta.json") && e.contains("99") && e.contains("newer"),
         "{e}"
     );
+    // Overlapping parameters (a hand-edited offset).
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let unit = v["units"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|u| u["params"].as_array().unwrap().len() >= 2)
+        .expect("a unit with two parameters");
+    unit["params"][1]["offset"] = serde_json::json!(0);
+    std::fs::write(&meta_path, serde_json::to_string(&v).unwrap()).unwrap();
+    let e = load_err(&ckpt, 2, specs);
+    assert!(e.contains("meta.json") && e.contains("overlap"), "{e}");
     // Missing metadata: not a checkpoint.
     std::fs::remove_file(&meta_path).unwrap();
     let e = load_err(&ckpt, 2, specs);

@@ -450,6 +450,20 @@ fn validate_meta(meta: &CheckpointMeta, path: &Path) -> Result<()> {
                 return bad(format!("parameter {} appears twice", p.name));
             }
         }
+        let mut spans: Vec<(usize, usize, &str)> = u
+            .params
+            .iter()
+            .map(|p| (p.offset, p.offset + p.numel, p.name.as_str()))
+            .collect();
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[1].0 < w[0].1 {
+                return bad(format!(
+                    "unit {}: parameters {} (elements {}..{}) and {} (from {}) overlap",
+                    u.name, w[0].2, w[0].0, w[0].1, w[1].2, w[1].0
+                ));
+            }
+        }
         for b in &u.buffers {
             if !seen.insert(b.name.as_str()) {
                 return bad(format!("buffer {} appears twice", b.name));
