@@ -8,6 +8,36 @@
 //! ([`comm`]). Sharded optimizers ([`optim`]) then step the local shards.
 //!
 //! See `design/architecture.md` for the architecture and the life of one training step.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+//! use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer};
+//!
+//! // Two ranks as two threads of this process; each runs the closure with its process group.
+//! let losses = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+//!     let mut model = FsdpModel::builder(pg.clone(), FsdpConfig::default())
+//!         .unit("fc1", |vb| candle_nn::linear(8, 16, vb))
+//!         .unit("fc2", |vb| candle_nn::linear(16, 4, vb))
+//!         .build()?;
+//!     let mut opt = AdamW::new(AdamWConfig::default());
+//!     // This rank's part of the global batch.
+//!     let x = Tensor::ones((3, 8), candle_core::DType::F32, &Device::Cpu)?;
+//!     let y = Tensor::new(&[0u32, 1, 2], &Device::Cpu)?;
+//!     let mut losses = Vec::new();
+//!     for _ in 0..3 {
+//!         let logits = model.forward(&x)?; // all-gathers each unit just in time
+//!         let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+//!         model.backward(&loss)?; // reduce-scatters (averages) the gradients
+//!         opt.step(&mut model)?; // steps this rank's shards only
+//!         model.zero_grad();
+//!         losses.push(loss.to_scalar::<f32>()?);
+//!     }
+//!     Ok(losses)
+//! })?;
+//! assert!(losses[0][2] < losses[0][0]);
+//! # Ok::<(), candle_fsdp::Error>(())
+//! ```
 
 #![warn(missing_docs)]
 
