@@ -274,15 +274,27 @@ impl FsdpModel {
                     spec.name
                 )));
             }
+            let all_recorded = record_unit(&spec, DType::F32, &config.device)?;
+            for p in &all_recorded {
+                let clash = units.iter().find(|u: &&FsdpUnit| {
+                    u.recorded.iter().any(|q| q.name == p.name)
+                        || u.buffers.iter().any(|(b, _)| b == &p.name)
+                });
+                if let Some(other) = clash {
+                    return Err(Error::InvalidArgument(format!(
+                        "units {} and {} both create a tensor named {}: full names must be unique \
+                         (checkpoints and state dicts are keyed by them)",
+                        other.spec.name, spec.name, p.name
+                    )));
+                }
+            }
             let (buffer_recs, recorded): (Vec<_>, Vec<_>) =
-                record_unit(&spec, DType::F32, &config.device)?
-                    .into_iter()
-                    .partition(|p| {
-                        config
-                            .buffer_suffixes
-                            .iter()
-                            .any(|s| p.name.rsplit('.').next() == Some(s.as_str()))
-                    });
+                all_recorded.into_iter().partition(|p| {
+                    config
+                        .buffer_suffixes
+                        .iter()
+                        .any(|s| p.name.rsplit('.').next() == Some(s.as_str()))
+                });
             let policy = match spec.mixed_precision {
                 Some(p) => p,
                 None if buffer_recs.iter().any(|b| b.name.ends_with("running_mean")) => {
@@ -502,8 +514,12 @@ impl FsdpModel {
         }
     }
 
+    /// Whether unit `k` keeps its parameters and autograd graph from forward to its backward
+    /// (otherwise it is resharded after forward and recomputed in backward).
     fn keeps_graph(&self, k: usize) -> bool {
-        self.config.sharding_strategy != ShardingStrategy::FullShard || k + 1 == self.units.len()
+        self.config.sharding_strategy != ShardingStrategy::FullShard
+            || k + 1 == self.units.len()
+            || !self.units[k].spec.reshard_after_forward
     }
 
     /// A compute-lane span named lazily (`name` runs only when tracing is on).
@@ -559,7 +575,23 @@ impl FsdpModel {
     /// [`FsdpModel::backward`]. The output is in the last unit's `param_dtype`.
     ///
     /// `x`: the first unit's input, any shape the first unit accepts.
+    ///
+    /// Under FULL_SHARD every unit but the last (and those with
+    /// [`UnitSpec::reshard_after_forward`] off) is recomputed in backward, so a unit with a random
+    /// forward (dropout) must turn resharding off.
+    ///
+    /// Errors: the previous training forward was not back-propagated (call
+    /// [`FsdpModel::backward`] or [`FsdpModel::discard_forward`] first); a unit's error; any
+    /// collective error.
     pub fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
+        if self.saved.iter().all(|s| s.is_some()) {
+            return Err(Error::InvalidArgument(
+                "forward called while the previous training forward was not back-propagated: \
+                 its saved state would be lost and a loss using both outputs would get wrong \
+                 gradients; call backward first, or discard_forward() to drop it"
+                    .into(),
+            ));
+        }
         self.release_saved();
         if let Some(t) = &self.tracer {
             t.set_step(self.steps_started);
@@ -652,16 +684,21 @@ impl FsdpModel {
         Ok(h)
     }
 
-    /// Drops whatever a previous forward kept (e.g. a forward that was never back-propagated).
+    /// Drops what the last training forward kept for its backward (to run another training
+    /// forward without back-propagating the previous one).
+    pub fn discard_forward(&mut self) {
+        self.release_saved();
+    }
+
+    /// Drops whatever a previous forward kept. Afterwards nothing is unsharded, so the counters
+    /// are reset too (a forward or backward that failed half way leaves gathers it never
+    /// released; their buffers were freed with the error).
     fn release_saved(&mut self) {
-        for k in 0..self.saved.len() {
-            if let Some(Saved::Graph {
-                unsharded_bytes, ..
-            }) = self.saved[k].take()
-            {
-                self.note_reshard(unsharded_bytes);
-            }
+        for s in &mut self.saved {
+            *s = None;
         }
+        self.mem.unsharded_bytes = 0;
+        self.mem.unsharded_units = 0;
     }
 
     /// The next unit below `from` whose backward needs an all-gather (a recomputed unit).

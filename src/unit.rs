@@ -130,6 +130,13 @@ pub struct UnitSpec {
     /// This unit's own mixed-precision policy (`None`: the model's, see
     /// [`crate::FsdpConfig::mixed_precision`]).
     pub mixed_precision: Option<crate::mixed_precision::MixedPrecision>,
+    /// Under FULL_SHARD, free the unit's parameters after its forward and recompute the forward
+    /// in backward (default `true`, FSDP2's `reshard_after_forward`). A unit whose forward is
+    /// random (dropout, random masks) must set `false`: its recompute would draw other random
+    /// numbers than the forward that produced the loss, giving wrong gradients. With `false`
+    /// the unit keeps its unsharded parameters and graph until its backward (more memory, no
+    /// second all-gather, no recompute). The last unit always keeps them.
+    pub reshard_after_forward: bool,
 }
 
 impl UnitSpec {
@@ -144,7 +151,14 @@ impl UnitSpec {
             name: name.into(),
             ctor,
             mixed_precision: None,
+            reshard_after_forward: true,
         }
+    }
+
+    /// Sets [`UnitSpec::reshard_after_forward`] (e.g. `false` for a unit with dropout).
+    pub fn with_reshard_after_forward(mut self, reshard: bool) -> Self {
+        self.reshard_after_forward = reshard;
+        self
     }
 
     /// Sets this unit's own mixed-precision policy (e.g. keep a norm layer in f32).
