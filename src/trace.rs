@@ -290,6 +290,11 @@ pub fn chrome_trace_json(spans: &[Span]) -> String {
 }
 
 /// Overlap figures of one step of one rank (seconds).
+///
+/// `comm_s` counts each collective from the moment its stream starts it, so it includes waiting
+/// for the peers to join; `exposed_s` counts the compute thread's waits, which also include the
+/// latency of waking it up. On an oversubscribed machine `exposed_s` can therefore exceed
+/// `comm_s`, and `overlap_fraction` is clamped to 0.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct OverlapSummary {
     /// Rank.
