@@ -25,30 +25,12 @@ use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroup
 use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::unit::UnitSpec;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer};
-use candle_nn::Activation;
 
 struct Bench {
     name: &'static str,
     specs: fn() -> Vec<UnitSpec>,
     input: usize,
     reps: usize,
-}
-
-fn mnist() -> Vec<UnitSpec> {
-    vec![
-        UnitSpec::new("flatten", |_vb| Ok(candle_nn::func(|x| x.flatten_from(1)))),
-        UnitSpec::new("fc1", |vb| {
-            Ok(candle_nn::seq()
-                .add(candle_nn::linear(784, 128, vb)?)
-                .add(Activation::Relu))
-        }),
-        UnitSpec::new("fc2", |vb| {
-            Ok(candle_nn::seq()
-                .add(candle_nn::linear(128, 64, vb)?)
-                .add(Activation::Relu))
-        }),
-        UnitSpec::new("fc3", |vb| candle_nn::linear(64, 10, vb)),
-    ]
 }
 
 const BIG: usize = 3200;
@@ -215,7 +197,7 @@ fn main() {
     std::fs::create_dir_all(&root).unwrap();
     let mut benches = vec![Bench {
         name: "mnist-mlp",
-        specs: mnist,
+        specs: candle_fsdp::models::mnist_mlp,
         input: 784,
         reps: 7,
     }];

@@ -46,13 +46,6 @@ enum AccumMode {
     ReduceScatter,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Strategy {
-    FullShard,
-    ShardGradOp,
-    NoShard,
-}
-
 /// Train an MLP on MNIST with FSDP over in-process ranks.
 #[derive(Debug, Parser)]
 #[command(version, about)]
@@ -89,8 +82,8 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     keep_last: usize,
     /// Sharding strategy.
-    #[arg(long, value_enum, default_value_t = Strategy::FullShard)]
-    strategy: Strategy,
+    #[arg(long, default_value = "full-shard")]
+    strategy: ShardingStrategy,
     /// Disable forward and backward prefetch.
     #[arg(long)]
     no_prefetch: bool,
@@ -124,11 +117,7 @@ fn build_model(
     args: &Args,
 ) -> candle_fsdp::Result<FsdpModel> {
     let config = FsdpConfig {
-        sharding_strategy: match args.strategy {
-            Strategy::FullShard => ShardingStrategy::FullShard,
-            Strategy::ShardGradOp => ShardingStrategy::ShardGradOp,
-            Strategy::NoShard => ShardingStrategy::NoShard,
-        },
+        sharding_strategy: args.strategy,
         seed: args.seed,
         forward_prefetch: !args.no_prefetch,
         backward_prefetch: if args.no_prefetch {

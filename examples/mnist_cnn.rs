@@ -26,18 +26,11 @@ use candle_fsdp::data::{BatchLoader, DistributedSampler, Mnist};
 use candle_fsdp::sync_batch_norm::sync_batch_norm;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer, ShardingStrategy};
 use candle_nn::{BatchNormConfig, Conv2dConfig, Module, ModuleT, VarBuilder};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 
 // See examples/mnist.rs: MB-sized buffers are allocated and freed every step.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Strategy {
-    FullShard,
-    ShardGradOp,
-    NoShard,
-}
 
 /// Train a CNN with SyncBatchNorm on MNIST with FSDP over in-process ranks.
 #[derive(Debug, Parser)]
@@ -71,8 +64,8 @@ struct Args {
     #[arg(long, default_value = "data/mnist")]
     data_dir: PathBuf,
     /// Sharding strategy.
-    #[arg(long, value_enum, default_value_t = Strategy::FullShard)]
-    strategy: Strategy,
+    #[arg(long, default_value = "full-shard")]
+    strategy: ShardingStrategy,
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 300)]
     timeout_s: u64,
@@ -101,11 +94,7 @@ fn conv_block(
 
 fn build_model(pg: Arc<dyn ProcessGroup>, args: &Args) -> candle_fsdp::Result<FsdpModel> {
     let config = FsdpConfig {
-        sharding_strategy: match args.strategy {
-            Strategy::FullShard => ShardingStrategy::FullShard,
-            Strategy::ShardGradOp => ShardingStrategy::ShardGradOp,
-            Strategy::NoShard => ShardingStrategy::NoShard,
-        },
+        sharding_strategy: args.strategy,
         seed: args.seed,
         ..Default::default()
     };

@@ -54,6 +54,23 @@ pub enum ShardingStrategy {
     NoShard,
 }
 
+impl std::str::FromStr for ShardingStrategy {
+    type Err = Error;
+
+    /// Parses `full-shard`, `shard-grad-op` or `no-shard` (PyTorch's `FULL_SHARD`,
+    /// `SHARD_GRAD_OP`, `NO_SHARD` also accepted, in any case).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().replace('_', "-").as_str() {
+            "full-shard" => Ok(ShardingStrategy::FullShard),
+            "shard-grad-op" => Ok(ShardingStrategy::ShardGradOp),
+            "no-shard" => Ok(ShardingStrategy::NoShard),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown sharding strategy {s:?}: expected full-shard, shard-grad-op or no-shard"
+            ))),
+        }
+    }
+}
+
 /// When the backward pass issues the all-gather of the next unit to run backward (PyTorch's
 /// `BackwardPrefetch`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -443,7 +460,7 @@ impl FsdpModel {
             Ok(b) => b,
             Err(e) => return Work::ready(Err(e)),
         };
-        if flat.layout.world_size == 1 || n == 0 {
+        if !self.gathers(k) {
             return Work::ready(Ok(input));
         }
         match CommBuffer::zeros(dtype, n) {

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::{Device, Module, Tensor};
+use candle_core::{Device, Tensor};
 use candle_fsdp::checkpoint::{
     self, fault, list_complete, load_latest, load_sharded, read_meta, save_sharded, RngState,
     SamplerState, TrainState,
@@ -19,41 +19,16 @@ use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::optim::{AdamW, AdamWConfig, OptimizerState, ShardedOptimizer};
 use candle_fsdp::unit::UnitSpec;
 use candle_fsdp::{FsdpConfig, FsdpModel, ShardingStrategy};
-use candle_nn::{Init, VarBuilder};
+
 use common::*;
 
 fn tmpdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "candle-fsdp-ckpt-{tag}-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    let _ = std::fs::remove_dir_all(&d);
+    let d = common::tmpdir(&format!("ckpt-{tag}"));
     d
 }
 
-/// A unit with a buffer (a name ending in `running_mean`): subtracts it from its input.
-struct Shift {
-    running_mean: Tensor,
-}
-
-impl Module for Shift {
-    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        xs.broadcast_sub(&self.running_mean)
-    }
-}
-
-fn shift(vb: VarBuilder) -> candle_core::Result<Shift> {
-    Ok(Shift {
-        running_mean: vb.get_with_hints(7, "running_mean", Init::Const(0.0))?,
-    })
-}
-
-/// The common test units with a buffer unit after fc2.
 fn specs() -> Vec<UnitSpec> {
-    let mut u = units();
-    u.insert(3, UnitSpec::new("shift", shift));
-    u
+    units_with_buffer()
 }
 
 fn model_from(

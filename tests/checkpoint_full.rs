@@ -9,48 +9,24 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_fsdp::checkpoint::{build_from_full, fault, load_full, save_full, FULL_FORMAT};
 use candle_fsdp::comm::threads::{run_ranks, run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::optim::{AdamW, AdamWConfig, ShardedOptimizer};
 use candle_fsdp::unit::UnitSpec;
 use candle_fsdp::{FsdpConfig, FsdpModel};
-use candle_nn::{Init, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
 use common::*;
 
 fn tmpdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "candle-fsdp-full-{tag}-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    let _ = std::fs::remove_dir_all(&d);
+    let d = common::tmpdir(&format!("full-{tag}"));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
 
-/// A unit with a buffer (a name ending in `running_mean`): subtracts it from its input.
-struct Shift {
-    running_mean: Tensor,
-}
-
-impl Module for Shift {
-    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        xs.broadcast_sub(&self.running_mean)
-    }
-}
-
-fn shift(vb: VarBuilder) -> candle_core::Result<Shift> {
-    Ok(Shift {
-        running_mean: vb.get_with_hints(7, "running_mean", Init::Const(0.0))?,
-    })
-}
-
 fn specs() -> Vec<UnitSpec> {
-    let mut u = units();
-    u.insert(3, UnitSpec::new("shift", shift));
-    u
+    units_with_buffer()
 }
 
 fn config(seed: u64) -> FsdpConfig {

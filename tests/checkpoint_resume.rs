@@ -22,12 +22,7 @@ const EPOCHS: u64 = 2;
 const SEED: u64 = 3;
 
 fn tmpdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "candle-fsdp-resume-{tag}-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    let _ = std::fs::remove_dir_all(&d);
+    let d = common::tmpdir(&format!("resume-{tag}"));
     d
 }
 

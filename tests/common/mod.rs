@@ -103,3 +103,39 @@ pub fn to_vec(t: &Tensor) -> Vec<f32> {
         .to_vec1::<f32>()
         .unwrap()
 }
+
+/// A fresh path under the temp dir, unique to this process and thread, removed if it existed
+/// (not created).
+pub fn tmpdir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "candle-fsdp-{tag}-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// A unit with a buffer (a name ending in `running_mean`): subtracts it from its input.
+pub struct Shift {
+    running_mean: Tensor,
+}
+
+impl Module for Shift {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        xs.broadcast_sub(&self.running_mean)
+    }
+}
+
+pub fn shift(vb: VarBuilder) -> candle_core::Result<Shift> {
+    Ok(Shift {
+        running_mean: vb.get_with_hints(7, "running_mean", Init::Const(0.0))?,
+    })
+}
+
+/// The common test units with a buffer unit (`shift`) after fc2.
+pub fn units_with_buffer() -> Vec<UnitSpec> {
+    let mut u = units();
+    u.insert(3, UnitSpec::new("shift", shift));
+    u
+}
