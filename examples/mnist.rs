@@ -434,18 +434,7 @@ fn main() -> anyhow::Result<()> {
             // Validation on rank 0; the others wait at the barrier.
             let full = model.gather_full_model(true)?;
             if let Some(full) = full {
-                let mut correct = 0usize;
-                for start in (0..test_len).step_by(1000) {
-                    let n = 1000.min(test_len - start);
-                    let logits = full.forward_t(&test_x.narrow(0, start, n)?, false)?;
-                    let pred = logits.argmax(1)?;
-                    correct += pred
-                        .eq(&test_y.narrow(0, start, n)?)?
-                        .to_dtype(DType::F32)?
-                        .sum_all()?
-                        .to_scalar::<f32>()? as usize;
-                }
-                last_acc = 100.0 * correct as f64 / test_len as f64;
+                last_acc = full.accuracy(&test_x, &test_y, 1000)?;
             }
             pg.barrier().wait()?;
             if rank == 0 {

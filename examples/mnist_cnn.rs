@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
 use candle_fsdp::comm::{CommBuffer, ProcessGroup, ReduceOp};
 use candle_fsdp::data::{BatchLoader, DistributedSampler, Mnist};
@@ -205,18 +205,7 @@ fn main() -> anyhow::Result<()> {
             // Validation on rank 0 (eval mode: running statistics, no communication); the
             // others wait at the barrier.
             if let Some(full) = model.gather_full_model(true)? {
-                let mut correct = 0usize;
-                for start in (0..test_len).step_by(1000) {
-                    let n = 1000.min(test_len - start);
-                    let logits = full.forward_t(&test_x.narrow(0, start, n)?, false)?;
-                    correct += logits
-                        .argmax(1)?
-                        .eq(&test_y.narrow(0, start, n)?)?
-                        .to_dtype(DType::F32)?
-                        .sum_all()?
-                        .to_scalar::<f32>()? as usize;
-                }
-                last_acc = 100.0 * correct as f64 / test_len as f64;
+                last_acc = full.accuracy(&test_x, &test_y, 1000)?;
             }
             pg.barrier().wait()?;
             epoch_times.push(t0.elapsed().as_secs_f64());
