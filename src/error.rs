@@ -113,9 +113,101 @@ pub enum Error {
         /// Ranks whose phase failed.
         failed_ranks: Vec<usize>,
     },
+    /// A comm stream's worker stopped (its thread exited or panicked) before completing an
+    /// operation issued on it.
+    #[error("{op} on rank {rank}: comm stream {stream} stopped before completing it")]
+    StreamStopped {
+        /// Operation that cannot complete.
+        op: String,
+        /// This rank.
+        rank: usize,
+        /// Name of the stream.
+        stream: String,
+    },
+    /// A thread (rank or comm stream) could not be spawned.
+    #[error("cannot spawn {what}: {error}")]
+    SpawnFailed {
+        /// Which thread, e.g. `comm stream all_gather of rank 1`.
+        what: String,
+        /// The OS error.
+        error: std::io::Error,
+    },
+    /// An error raised during one phase of a training step, with where it happened: the unit
+    /// (when one was running), the phase and the step (counted from 0 by training forwards).
+    #[error("{phase} of {} at step {step}: {source}", unit.as_deref().map_or("the model".to_string(), |u| format!("unit {u}")))]
+    InStep {
+        /// Unit that was running (or being gathered / reduced), if any.
+        unit: Option<String>,
+        /// Phase of the step.
+        phase: Phase,
+        /// Step number.
+        step: u64,
+        /// The underlying error.
+        source: Box<Error>,
+    },
     /// Error raised by Candle while running a unit.
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
+}
+
+/// Phase of a training step, named in [`Error::InStep`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Training forward.
+    Forward,
+    /// Inference forward (`forward_eval`).
+    Eval,
+    /// Backward (including its all-gathers and reduce-scatters).
+    Backward,
+    /// Optimizer step (including clipping and the grad scaler).
+    Optimizer,
+    /// Saving or loading a checkpoint, or gathering a state dict.
+    Checkpoint,
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Phase::Forward => "forward",
+            Phase::Eval => "eval forward",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer step",
+            Phase::Checkpoint => "checkpoint",
+        })
+    }
+}
+
+impl From<candle_core::Error> for Error {
+    /// Keeps our own variant when Candle carries it (an error of ours returned from inside a
+    /// Candle op, e.g. SyncBatchNorm's all-reduce, wrapped with [`Error::into_candle`], possibly
+    /// under Candle's `Context` / `WithBacktrace` layers), so a comm error stays a comm error.
+    fn from(e: candle_core::Error) -> Self {
+        match e {
+            candle_core::Error::WrappedContext { wrapped, context } => {
+                match wrapped.downcast::<Error>() {
+                    Ok(ours) => *ours,
+                    Err(wrapped) => {
+                        Error::Candle(candle_core::Error::WrappedContext { wrapped, context })
+                    }
+                }
+            }
+            candle_core::Error::WithBacktrace { inner, backtrace } => match Error::from(*inner) {
+                Error::Candle(c) => Error::Candle(candle_core::Error::WithBacktrace {
+                    inner: Box::new(c),
+                    backtrace,
+                }),
+                ours => ours,
+            },
+            candle_core::Error::Context { inner, context } => match Error::from(*inner) {
+                Error::Candle(c) => Error::Candle(candle_core::Error::Context {
+                    inner: Box::new(c),
+                    context,
+                }),
+                ours => ours,
+            },
+            other => Error::Candle(other),
+        }
+    }
 }
 
 impl Error {
@@ -124,6 +216,38 @@ impl Error {
         Error::Io {
             path: path.into(),
             error: source,
+        }
+    }
+
+    /// Wraps this error with where it happened in a step (see [`Error::InStep`]). An error that
+    /// already carries a place is returned unchanged (the innermost place is the most precise).
+    pub fn in_step(self, unit: Option<&str>, phase: Phase, step: u64) -> Self {
+        match self {
+            e @ Error::InStep { .. } => e,
+            e => Error::InStep {
+                unit: unit.map(str::to_string),
+                phase,
+                step,
+                source: Box::new(e),
+            },
+        }
+    }
+
+    /// The error under any [`Error::InStep`] context: the variant that says what went wrong
+    /// (e.g. [`Error::PeerFailed`] or [`Error::Timeout`]).
+    pub fn root_cause(&self) -> &Error {
+        match self {
+            Error::InStep { source, .. } => source.root_cause(),
+            e => e,
+        }
+    }
+
+    /// Converts this error into a Candle error that [`From<candle_core::Error>`] turns back into
+    /// this very variant (for errors raised inside Candle ops and module forwards).
+    pub fn into_candle(self) -> candle_core::Error {
+        candle_core::Error::WrappedContext {
+            wrapped: Box::new(self),
+            context: "candle-fsdp".to_string(),
         }
     }
 
