@@ -130,13 +130,17 @@ pub struct UnitSpec {
     /// This unit's own mixed-precision policy (`None`: the model's, see
     /// [`crate::FsdpConfig::mixed_precision`]).
     pub mixed_precision: Option<crate::mixed_precision::MixedPrecision>,
-    /// Under FULL_SHARD, free the unit's parameters after its forward and recompute the forward
-    /// in backward (default `true`, FSDP2's `reshard_after_forward`). A unit whose forward is
-    /// random (dropout, random masks) must set `false`: its recompute would draw other random
-    /// numbers than the forward that produced the loss, giving wrong gradients. With `false`
-    /// the unit keeps its unsharded parameters and graph until its backward (more memory, no
-    /// second all-gather, no recompute). The last unit always keeps them.
+    /// Under FULL_SHARD, free the unit's unsharded parameters after its forward and all-gather
+    /// them again just before its backward (default `true`, FSDP2's `reshard_after_forward`).
+    /// With `false` the unit keeps them from forward to its backward: more memory, one
+    /// all-gather less. The last unit always keeps them.
     pub reshard_after_forward: bool,
+    /// Activation checkpointing (default `false`, as in PyTorch): the forward runs without
+    /// autograd and keeps only the unit's input; backward recomputes the unit's forward with
+    /// autograd. Saves the unit's internal activations at the cost of one more forward. A unit
+    /// whose forward is random (dropout) must not be checkpointed: its recompute would draw
+    /// other random numbers than the forward that produced the loss.
+    pub activation_checkpointing: bool,
 }
 
 impl UnitSpec {
@@ -152,12 +156,19 @@ impl UnitSpec {
             ctor,
             mixed_precision: None,
             reshard_after_forward: true,
+            activation_checkpointing: false,
         }
     }
 
-    /// Sets [`UnitSpec::reshard_after_forward`] (e.g. `false` for a unit with dropout).
+    /// Sets [`UnitSpec::reshard_after_forward`].
     pub fn with_reshard_after_forward(mut self, reshard: bool) -> Self {
         self.reshard_after_forward = reshard;
+        self
+    }
+
+    /// Sets [`UnitSpec::activation_checkpointing`].
+    pub fn with_activation_checkpointing(mut self, on: bool) -> Self {
+        self.activation_checkpointing = on;
         self
     }
 

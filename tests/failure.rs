@@ -54,13 +54,27 @@ fn a_panicking_rank_makes_the_others_fail_promptly_naming_it() {
         other => panic!("rank 1: expected RankPanicked, got {other:?}"),
     }
     for r in [0, 2] {
-        match &results[r] {
-            Err(Error::PeerFailed {
+        // The peers' errors say where they were (backward of step 2) and why.
+        let err = results[r].as_ref().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InStep {
+                    step: 2,
+                    phase: candle_fsdp::error::Phase::Backward,
+                    unit: Some(_),
+                    ..
+                }
+            ),
+            "rank {r}: {err:?}"
+        );
+        match err.root_cause() {
+            Error::PeerFailed {
                 rank,
                 failed_rank: 1,
                 op,
                 reason,
-            }) => {
+            } => {
                 assert_eq!(*rank, r);
                 assert!(reason.contains("injected failure"), "{reason}");
                 assert!(!op.is_empty());
@@ -83,7 +97,10 @@ fn a_rank_returning_an_error_makes_the_others_fail_promptly_naming_it() {
     );
     for r in [0, 1] {
         assert!(
-            matches!(&results[r], Err(Error::PeerFailed { failed_rank: 2, .. })),
+            matches!(
+                results[r].as_ref().map_err(Error::root_cause),
+                Err(Error::PeerFailed { failed_rank: 2, .. })
+            ),
             "rank {r}: {:?}",
             results[r]
         );

@@ -1,0 +1,139 @@
+//! State-dict gathering: the full parameters of a sharded model, one unit at a time. One f32
+//! unit gather ([`FsdpModel::gather_unit_f32`]) serves [`FsdpModel::gather_full_params`],
+//! [`FsdpModel::gather_full_model`] and the full safetensors checkpoint.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+use candle_nn::ModuleT;
+
+use super::model::FsdpModel;
+use crate::error::{Error, Phase, Result};
+
+impl FsdpModel {
+    /// Gathers unit `k`'s flat parameter in f32 (exact master values, whatever the policy's
+    /// `param_dtype`): a 1-D tensor of `padded_numel` elements, on every rank (a collective).
+    /// The unit is resharded again before this returns; only the returned tensor stays.
+    ///
+    /// Errors ([`Error::InStep`], phase checkpoint): any collective error; a unit in the middle
+    /// of a training step (gather state dicts between steps).
+    pub fn gather_unit_f32(&mut self, k: usize) -> Result<Tensor> {
+        if !self.units[k].is_sharded() {
+            let e = Error::InvalidArgument(
+                "gathering a state dict during a training step (call it between steps)".into(),
+            );
+            return Err(self.at(e, Some(k), Phase::Checkpoint));
+        }
+        let result = (|| {
+            let FsdpModel {
+                pg,
+                mem,
+                units,
+                config,
+                ..
+            } = &mut *self;
+            units[k].unshard(pg.as_ref(), mem, Some(DType::F32));
+            let flat = units[k].wait_for_unshard(pg.as_ref(), mem, &config.device)?;
+            units[k].reshard()?;
+            Ok(flat)
+        })();
+        result.map_err(|e| self.at(e, Some(k), Phase::Checkpoint))
+    }
+
+    /// Gathers every unit's full parameters (a collective, one unit at a time). With
+    /// `rank0_only`, only rank 0 gets the result (`None` elsewhere).
+    ///
+    /// Returns (name, f32 tensor of the parameter's shape) for every parameter, followed by each
+    /// unit's buffers, unit by unit.
+    ///
+    /// Errors: see [`FsdpModel::gather_unit_f32`].
+    pub fn gather_full_params(
+        &mut self,
+        rank0_only: bool,
+    ) -> Result<Option<Vec<(String, Tensor)>>> {
+        let keep = !rank0_only || self.pg.rank() == 0;
+        let mut out = Vec::new();
+        for k in 0..self.units.len() {
+            let full = self.gather_unit_f32(k)?;
+            if keep {
+                let u = &self.units[k];
+                for p in &u.flat().layout.params {
+                    let t = full
+                        .narrow(0, p.offset, p.numel)?
+                        .reshape(p.shape.clone())?
+                        .copy()?;
+                    out.push((p.name.clone(), t));
+                }
+                for (name, var) in u.buffers() {
+                    out.push((name.clone(), var.as_tensor().copy()?));
+                }
+            }
+        }
+        Ok(keep.then_some(out))
+    }
+
+    /// Gathers the full model (a collective) and returns, on rank 0 only with `rank0_only`, a
+    /// plain unsharded copy that runs without communication (for evaluation or export).
+    ///
+    /// Errors: see [`FsdpModel::gather_unit_f32`]; a constructor's error.
+    pub fn gather_full_model(&mut self, rank0_only: bool) -> Result<Option<FullModel>> {
+        let Some(params) = self.gather_full_params(rank0_only)? else {
+            return Ok(None);
+        };
+        let map: HashMap<String, Tensor> = params.into_iter().collect();
+        let modules = self
+            .units
+            .iter()
+            .map(|u| u.spec().bind(map.clone(), DType::F32, &self.config.device))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(FullModel { modules }))
+    }
+}
+
+/// An unsharded copy of a model's units (see [`FsdpModel::gather_full_model`]).
+pub struct FullModel {
+    modules: Vec<Box<dyn ModuleT>>,
+}
+
+impl FullModel {
+    /// Runs every unit in order.
+    pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let mut h = x.clone();
+        for m in &self.modules {
+            h = m.forward_t(&h, train)?;
+        }
+        Ok(h)
+    }
+
+    /// Classification accuracy in percent of the eval-mode model on `images` (first dimension
+    /// N) against `labels` ((N,) u32), `batch` items at a time: the share of rows whose argmax
+    /// over the last output dimension equals the label.
+    ///
+    /// Errors: `batch == 0`, N different in images and labels, or a unit's error.
+    pub fn accuracy(&self, images: &Tensor, labels: &Tensor, batch: usize) -> Result<f64> {
+        let n = images.dim(0)?;
+        if batch == 0 || labels.dims() != [n] {
+            return Err(Error::InvalidArgument(format!(
+                "accuracy: {n} images need ({n},) labels and a batch > 0, found labels {:?} \
+                 and batch {batch}",
+                labels.dims()
+            )));
+        }
+        let mut correct = 0f64;
+        for start in (0..n).step_by(batch) {
+            let len = batch.min(n - start);
+            let logits = self.forward_t(&images.narrow(0, start, len)?, false)?;
+            correct += logits
+                .argmax(candle_core::D::Minus1)?
+                .eq(&labels.narrow(0, start, len)?)?
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()? as f64;
+        }
+        Ok(if n == 0 {
+            0.0
+        } else {
+            100.0 * correct / n as f64
+        })
+    }
+}

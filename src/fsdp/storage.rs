@@ -1,0 +1,129 @@
+//! Free and refill a tensor's storage in place, under a live autograd graph: FSDP1's
+//! `storage.resize_(0)` / `resize_(n)` + copy, in Candle.
+//!
+//! Candle's autograd graph holds `Arc`s to the tensors an op used (e.g. a Linear's weight for the
+//! backward of its matmul), so dropping our handles never frees a parameter the graph still
+//! references. These two in-place ops work on the storage *behind* those `Arc`s instead:
+//! - [`free`] swaps the storage's buffer for an empty one: the memory is returned at once, while
+//!   every tensor of the graph still points at the (now empty) storage;
+//! - [`refill`] moves a new buffer with the parameter's values into that same storage just before
+//!   the unit's backward, so the graph reads the right values again.
+//!
+//! Measured with Candle 0.11 (tests/refill.rs): gradients after free + refill are bit-identical
+//! to plain Candle's, for Linear, Conv2d, Embedding, a parameter used twice, and bf16.
+//!
+//! Only the storage of the tensor itself is affected: copies the forward made of a parameter
+//! (a dtype cast, a `contiguous()` of a non-contiguous view) are separate storages that the graph
+//! keeps alive until backward; `design/architecture.md` lists the bytes that stay per unit type.
+//!
+//! A freed tensor must not be read until it is refilled (a CPU kernel would index an empty
+//! buffer): the unit state machine (`super::unit_state`) guarantees it.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, Layout, Tensor};
+
+use crate::error::{Error, Result};
+
+/// Empties a storage's buffer (keeps its dtype).
+struct Free;
+
+impl candle_core::InplaceOp1 for Free {
+    fn name(&self) -> &'static str {
+        "fsdp-free-storage"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, _layout: &Layout) -> candle_core::Result<()> {
+        match storage {
+            CpuStorage::F32(v) => *v = Vec::new(),
+            CpuStorage::BF16(v) => *v = Vec::new(),
+            CpuStorage::F16(v) => *v = Vec::new(),
+            CpuStorage::F64(v) => *v = Vec::new(),
+            CpuStorage::U8(v) => *v = Vec::new(),
+            CpuStorage::U32(v) => *v = Vec::new(),
+            CpuStorage::I64(v) => *v = Vec::new(),
+            other => candle_core::bail!("fsdp-free-storage: unsupported dtype {:?}", other.dtype()),
+        }
+        Ok(())
+    }
+}
+
+/// Replaces the destination's buffer with a copy of the source's elements (the source layout's
+/// contiguous range). The destination must have a contiguous layout starting at offset 0 (a
+/// variable) and the same dtype and element count as the source.
+struct Refill;
+
+fn copy_range<T: Copy>(src: &[T], l: &Layout, n: usize) -> candle_core::Result<Vec<T>> {
+    match l.contiguous_offsets() {
+        Some((start, end)) if end - start == n => Ok(src[start..end].to_vec()),
+        _ => {
+            candle_core::bail!("fsdp-refill: the source must be a contiguous range of {n} elements")
+        }
+    }
+}
+
+impl candle_core::InplaceOp2 for Refill {
+    fn name(&self) -> &'static str {
+        "fsdp-refill-storage"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let n = dst_l.shape().elem_count();
+        if dst_l.start_offset() != 0 || !dst_l.is_contiguous() {
+            candle_core::bail!("fsdp-refill: the destination must be a whole contiguous tensor");
+        }
+        match (dst, src) {
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => *d = copy_range(s, src_l, n)?,
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => *d = copy_range(s, src_l, n)?,
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => *d = copy_range(s, src_l, n)?,
+            (CpuStorage::F64(d), CpuStorage::F64(s)) => *d = copy_range(s, src_l, n)?,
+            (d, s) => candle_core::bail!(
+                "fsdp-refill: dtype {:?} cannot be refilled from {:?}",
+                d.dtype(),
+                s.dtype()
+            ),
+        }
+        Ok(())
+    }
+}
+
+/// Frees `t`'s storage in place (every tensor sharing it sees an empty buffer).
+///
+/// Errors: a device without an implementation (CUDA comes with the GPU path).
+pub(crate) fn free(t: &Tensor) -> Result<()> {
+    t.inplace_op1(&Free).map_err(Error::from)
+}
+
+/// Refills `t`'s storage in place with the elements of `src` (same dtype and element count,
+/// contiguous; typically a narrow view of the gathered flat buffer). `t` must be a whole
+/// contiguous tensor (a parameter variable).
+///
+/// Errors: dtype or element-count mismatch, a non-contiguous source, an unsupported device.
+pub(crate) fn refill(t: &Tensor, src: &Tensor) -> Result<()> {
+    if t.dtype() != src.dtype() || t.elem_count() != src.elem_count() {
+        return Err(Error::InvalidArgument(format!(
+            "refill: parameter of {:?} x {} elements from a source of {:?} x {}",
+            t.dtype(),
+            t.elem_count(),
+            src.dtype(),
+            src.elem_count()
+        )));
+    }
+    t.inplace_op2(src, &Refill).map_err(Error::from)
+}
+
+/// Address of the storage behind `t` (equal for tensors that share their storage).
+fn storage_addr(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    std::ptr::from_ref::<candle_core::Storage>(&storage).addr()
+}
+
+/// True when `a` and `b` share one storage (views of each other).
+pub(crate) fn same_storage(a: &Tensor, b: &Tensor) -> bool {
+    storage_addr(a) == storage_addr(b)
+}
