@@ -118,7 +118,7 @@ fn forward_prefetch_issues_the_next_gather_before_the_current_unit_finishes() {
 #[test]
 fn backward_pre_prefetch_issues_before_the_current_unit_backward() {
     let (spans, _, _) = run(2, true, Some(2), BackwardPrefetch::BackwardPre);
-    // Units 0..=6 are recomputed in backward (the last keeps its graph): u(k-1)'s second gather
+    // Units 0..=6 are refilled in backward (the last keeps its parameters): u(k-1)'s second gather
     // is issued before u(k)'s backward ends.
     for k in 1..UNITS - 1 {
         let issued = issue_us(&spans, k - 1, 1, 1);

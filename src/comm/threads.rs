@@ -1183,17 +1183,19 @@ where
     let results = run_ranks(world_size, config, f);
     let is_echo = |r: &Result<T>| {
         matches!(
-            r,
+            r.as_ref().map_err(Error::root_cause),
             Err(Error::PeerFailed { .. })
                 | Err(Error::PeerExited { .. })
                 | Err(Error::PeersFailed { .. })
         )
     };
-    let first_failed = results.iter().find_map(|r| match r {
-        Err(Error::PeerFailed { failed_rank, .. }) => Some(*failed_rank),
-        Err(Error::PeersFailed { failed_ranks, .. }) => failed_ranks.first().copied(),
-        _ => None,
-    });
+    let first_failed = results
+        .iter()
+        .find_map(|r| match r.as_ref().map_err(Error::root_cause) {
+            Err(Error::PeerFailed { failed_rank, .. }) => Some(*failed_rank),
+            Err(Error::PeersFailed { failed_ranks, .. }) => failed_ranks.first().copied(),
+            _ => None,
+        });
     let chosen = first_failed
         .filter(|&f| results.get(f).is_some_and(|r| r.is_err() && !is_echo(r)))
         .or_else(|| results.iter().position(|r| r.is_err() && !is_echo(r)))

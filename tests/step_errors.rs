@@ -1,0 +1,141 @@
+//! Errors that say where: a collective error, timeout or abort during a step names the unit, the
+//! phase and the step, and `run_ranks_ok` still reports the root cause under that context.
+
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use candle_fsdp::comm::threads::{run_ranks, run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::error::Phase;
+use candle_fsdp::{Error, FsdpConfig, FsdpModel};
+
+fn model(
+    pg: std::sync::Arc<dyn candle_fsdp::comm::ProcessGroup>,
+) -> candle_fsdp::Result<FsdpModel> {
+    FsdpModel::builder(pg, FsdpConfig::default())
+        .unit("pre", |vb| candle_nn::linear(4, 8, vb))
+        .unit("branch", |vb| candle_nn::linear(8, 8, vb))
+        .unit("head", |vb| candle_nn::linear(8, 2, vb))
+        .build()
+}
+
+/// The case of the issue: 2 ranks, a 3 s timeout; rank 0 runs one more forward/backward than
+/// rank 1, which then waits in a barrier. Rank 0's error names the unit whose all-gather timed
+/// out, the phase and the step; rank 1 fails promptly after rank 0's timeout.
+#[test]
+fn a_timeout_names_unit_phase_and_step() {
+    let config = ThreadGroupConfig {
+        timeout: Duration::from_secs(3),
+    };
+    let t0 = Instant::now();
+    let results = run_ranks(2, config, |pg| {
+        let mut m = model(pg.clone())?;
+        let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+        let steps = if pg.rank() == 0 { 2 } else { 1 };
+        for _ in 0..steps {
+            let y = m.forward(&x)?;
+            m.backward(&y.sum_all()?)?;
+        }
+        pg.barrier().wait()?;
+        Ok(())
+    });
+    let elapsed = t0.elapsed();
+    assert!(elapsed < Duration::from_secs(20), "took {elapsed:?}");
+    let e0 = results[0].as_ref().unwrap_err();
+    match e0 {
+        Error::InStep {
+            unit: Some(unit),
+            phase: Phase::Forward,
+            step: 1,
+            source,
+        } => {
+            assert_eq!(unit, "pre");
+            assert!(
+                matches!(**source, Error::Timeout { rank: 0, ref missing, .. } if missing == &[1]),
+                "{source:?}"
+            );
+        }
+        other => panic!("rank 0: {other:?}"),
+    }
+    let text = e0.to_string();
+    assert!(
+        text.starts_with("forward of unit pre at step 1: all_gather")
+            && text.contains("timed out after 3s"),
+        "{text}"
+    );
+    // Rank 1 waited in a barrier outside any step: it fails because rank 0 gave up.
+    assert!(
+        matches!(
+            results[1].as_ref().unwrap_err().root_cause(),
+            Error::PeerFailed { failed_rank: 0, .. }
+        ),
+        "{:?}",
+        results[1]
+    );
+}
+
+/// A rank that fails in the middle of backward: the peers' errors name their unit, phase
+/// backward and the step, and `run_ranks_ok` returns the failing rank's own error.
+#[test]
+fn a_peer_failure_in_backward_names_the_unit_and_run_ranks_ok_finds_the_root_cause() {
+    let results = run_ranks(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg.clone())?;
+        let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+        for step in 0..3 {
+            let y = m.forward(&x)?;
+            if step == 2 && pg.rank() == 1 {
+                return Err(Error::InvalidArgument("rank 1 gives up".into()));
+            }
+            m.backward(&y.sum_all()?)?;
+        }
+        Ok(())
+    });
+    match results[0].as_ref().unwrap_err() {
+        Error::InStep {
+            unit: Some(_),
+            phase: Phase::Backward,
+            step: 2,
+            source,
+        } => assert!(
+            matches!(**source, Error::PeerFailed { failed_rank: 1, .. }),
+            "{source:?}"
+        ),
+        other => panic!("rank 0: {other:?}"),
+    }
+    let err = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg.clone())?;
+        let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+        let y = m.forward(&x)?;
+        if pg.rank() == 1 {
+            return Err(Error::InvalidArgument("rank 1 gives up".into()));
+        }
+        m.backward(&y.sum_all()?)?;
+        Ok(())
+    })
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidArgument(m) if m == "rank 1 gives up"),
+        "{err:?}"
+    );
+}
+
+/// A failing unit forward names the unit and the phase; the model is usable afterwards.
+#[test]
+fn a_unit_error_names_the_unit_and_the_model_recovers() {
+    run_ranks_ok(1, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let bad = Tensor::ones((3, 5), DType::F32, &Device::Cpu)?;
+        let e = m.forward(&bad).unwrap_err();
+        assert!(
+            matches!(&e, Error::InStep { unit: Some(u), phase: Phase::Forward, step: 0, .. } if u == "pre"),
+            "{e:?}"
+        );
+        assert!(e.to_string().starts_with("forward of unit pre at step 0: "), "{e}");
+        assert_eq!(m.memory_stats().unsharded_units, 0);
+        let y = m.forward(&Tensor::ones((3, 4), DType::F32, &Device::Cpu)?)?;
+        m.backward(&y.sum_all()?)?;
+        let e = m.forward_eval(&bad).unwrap_err();
+        assert!(matches!(&e, Error::InStep { phase: Phase::Eval, .. }), "{e:?}");
+        Ok(())
+    })
+    .unwrap();
+}
