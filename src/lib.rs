@@ -50,10 +50,14 @@ pub mod flat_param;
 pub mod fsdp;
 pub mod grad_scaler;
 pub mod init;
+#[cfg(feature = "mnist")]
+pub mod metrics;
 pub mod mixed_precision;
+#[cfg(feature = "mnist")]
 pub mod models;
 pub mod optim;
 pub mod sync_batch_norm;
+#[cfg(feature = "timeline")]
 pub mod timeline;
 pub mod trace;
 pub mod unit;

@@ -1,4 +1,5 @@
-//! Reference models used by the examples, tests and benchmarks, written as FSDP units.
+//! Reference models used by the examples, tests and benchmarks, written as FSDP units (cargo
+//! feature `mnist`).
 
 use candle_nn::Activation;
 

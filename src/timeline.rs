@@ -1,5 +1,6 @@
 //! A picture of a traced run: the spans of [`crate::trace`] drawn as a timeline, to PNG or SVG,
-//! for people who would rather look than read a Chrome trace.
+//! for people who would rather look than read a Chrome trace. Built with the cargo feature
+//! `timeline` (on by default), which brings plotters and the font below.
 //!
 //! One row per (rank, lane), top to bottom by rank then lane (compute, all-gather,
 //! reduce-scatter, collective), labelled `rank R compute`, `rank R all_gather`, …; the x axis is

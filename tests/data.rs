@@ -1,14 +1,20 @@
-//! Tests of the data module: distributed sampler, MNIST IDX reader, batch loader.
+//! Tests of the data module: distributed sampler, MNIST IDX reader, batch loader. The MNIST
+//! reader tests and the two loader tests over real MNIST need the cargo feature `mnist`.
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
-use candle_core::DType;
-use candle_fsdp::data::{read_idx_images, read_idx_labels, BatchLoader, DistributedSampler, Mnist};
+use candle_fsdp::data::{BatchLoader, DistributedSampler};
 use candle_fsdp::Error;
+#[cfg(feature = "mnist")]
+use {
+    candle_core::DType,
+    candle_fsdp::data::{read_idx_images, read_idx_labels, Mnist},
+    std::path::{Path, PathBuf},
+    std::sync::atomic::{AtomicUsize, Ordering},
+    std::sync::OnceLock,
+    std::time::{Duration, Instant},
+};
 
 // ---------------------------------------------------------------------------------------------
 // Sampler
@@ -232,15 +238,18 @@ fn sampler_rejects_bad_rank() {
 // MNIST
 // ---------------------------------------------------------------------------------------------
 
+#[cfg(feature = "mnist")]
 fn mnist_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("data/mnist")
 }
 
+#[cfg(feature = "mnist")]
 fn mnist() -> &'static Mnist {
     static M: OnceLock<Mnist> = OnceLock::new();
     M.get_or_init(|| Mnist::load(mnist_dir()).expect("load MNIST"))
 }
 
+#[cfg(feature = "mnist")]
 fn temp_dir(tag: &str) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
     let d = std::env::temp_dir().join(format!(
@@ -252,6 +261,7 @@ fn temp_dir(tag: &str) -> PathBuf {
     d
 }
 
+#[cfg(feature = "mnist")]
 fn gunzip(path: &Path) -> Vec<u8> {
     use std::io::Read;
     let raw = std::fs::read(path).unwrap();
@@ -262,6 +272,7 @@ fn gunzip(path: &Path) -> Vec<u8> {
     out
 }
 
+#[cfg(feature = "mnist")]
 #[test]
 fn mnist_loads_real_files() {
     let m = mnist();
@@ -311,6 +322,7 @@ fn mnist_loads_real_files() {
     }
 }
 
+#[cfg(feature = "mnist")]
 #[test]
 fn mnist_uncompressed_fallback() {
     let dir = temp_dir("plain");
@@ -330,6 +342,7 @@ fn mnist_uncompressed_fallback() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[cfg(feature = "mnist")]
 #[test]
 fn mnist_truncated_file_is_an_error_naming_it() {
     let dir = temp_dir("trunc");
@@ -374,6 +387,7 @@ fn mnist_truncated_file_is_an_error_naming_it() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[cfg(feature = "mnist")]
 #[test]
 fn mnist_wrong_magic_and_mismatches() {
     let dir = temp_dir("magic");
@@ -439,8 +453,10 @@ fn mnist_wrong_magic_and_mismatches() {
 // Loader
 // ---------------------------------------------------------------------------------------------
 
+#[cfg(feature = "mnist")]
 type Shared = (Arc<Vec<f32>>, Arc<Vec<u8>>);
 
+#[cfg(feature = "mnist")]
 fn mnist_train_arcs() -> Shared {
     static A: OnceLock<Shared> = OnceLock::new();
     A.get_or_init(|| {
@@ -453,6 +469,7 @@ fn mnist_train_arcs() -> Shared {
     .clone()
 }
 
+#[cfg(feature = "mnist")]
 #[test]
 fn loader_batches_cover_indices_in_order() {
     let (images, labels) = mnist_train_arcs();
@@ -611,6 +628,7 @@ fn loader_validates_arguments() {
     assert!(BatchLoader::with_depth(images, labels, (1, 2, 2), vec![0], 1, false, 0).is_err());
 }
 
+#[cfg(feature = "mnist")]
 #[test]
 fn loader_drop_mid_iteration_returns_promptly() {
     let (images, labels) = mnist_train_arcs();

@@ -128,33 +128,3 @@ fn a_failed_forward_leaves_no_unit_counted_as_unsharded() {
     );
     assert!(stats.peak_unsharded_units <= 2, "{stats:?}");
 }
-
-#[test]
-fn full_model_accuracy_counts_argmax_matches_and_checks_its_inputs() {
-    let (acc, err) = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
-        // No parameters: the logits are the input rows themselves.
-        let mut m = FsdpModel::builder(pg, FsdpConfig::default())
-            .unit("id", |_vb| Ok(candle_nn::func(|x| Ok(x.clone()))))
-            .build()?;
-        let full = m.gather_full_model(false)?.expect("every rank asked");
-        let x = Tensor::new(
-            &[
-                [0.9f32, 0.1, 0.0],
-                [0.0, 0.2, 0.8],
-                [0.1, 0.7, 0.2],
-                [0.6, 0.3, 0.1],
-                [0.0, 0.0, 1.0],
-            ],
-            &Device::Cpu,
-        )?;
-        // argmax rows: 0, 2, 1, 0, 2; labels agree on 4 of 5.
-        let y = Tensor::new(&[0u32, 2, 1, 1, 2], &Device::Cpu)?;
-        let acc = full.accuracy(&x, &y, 2)?;
-        let err = full.accuracy(&x, &y, 0).unwrap_err().to_string();
-        Ok((acc, err))
-    })
-    .unwrap()
-    .remove(0);
-    assert!((acc - 80.0).abs() < 1e-9, "{acc}");
-    assert!(err.contains("batch 0"), "{err}");
-}

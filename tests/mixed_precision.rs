@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_fsdp::clip::{clip_grad_norm, total_grad_norm};
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::ProcessGroup;
+#[cfg(feature = "mnist")]
 use candle_fsdp::data::{BatchLoader, DistributedSampler, Mnist};
 use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
 use candle_fsdp::init::{seeded_var_builder, varmap_values};
@@ -338,6 +339,7 @@ fn gradient_accumulation_equals_one_large_batch_step_both_ways() {
     }
 }
 
+#[cfg(feature = "mnist")]
 fn mnist_accuracy(mnist: &Mnist, mp: MixedPrecision) -> f64 {
     let images = Arc::new(mnist.train_images.clone());
     let labels = Arc::new(mnist.train_labels.clone());
@@ -398,6 +400,7 @@ fn mnist_accuracy(mnist: &Mnist, mp: MixedPrecision) -> f64 {
     .unwrap()[0]
 }
 
+#[cfg(feature = "mnist")]
 #[test]
 fn bf16_and_f16_mnist_accuracy_within_half_a_point_of_f32() {
     let mnist = Mnist::load("data/mnist").expect("MNIST shipped in data/mnist");

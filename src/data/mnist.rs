@@ -9,6 +9,8 @@
 //!
 //! Files may be gzip-compressed (detected by the gzip magic bytes `1f 8b`, not by the name).
 //! Every error names the file and, where it applies, the expected and the found value.
+//!
+//! Built with the cargo feature `mnist` (on by default), which brings flate2.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

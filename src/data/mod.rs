@@ -1,9 +1,11 @@
-//! Data loading: MNIST IDX files, a distributed sampler and a prefetching batch loader.
+//! Data loading: a distributed sampler and a prefetching batch loader (runtime), and the MNIST
+//! IDX reader (cargo feature `mnist`).
 //!
 //! The pieces compose the same way as PyTorch's `Dataset` / `DistributedSampler` / `DataLoader`:
 //!
-//! 1. [`Mnist::load`] reads the four IDX files into flat `f32` / `u8` vectors (pixels scaled to
-//!    `[0, 1]` by `/255`, nothing else).
+//! 1. `Mnist::load` (cargo feature `mnist`) reads the four IDX files into flat `f32` / `u8`
+//!    vectors (pixels scaled to `[0, 1]` by `/255`, nothing else); any other dataset in that flat
+//!    form works the same.
 //! 2. Every rank builds a [`DistributedSampler`] with the same `seed`, calls
 //!    [`DistributedSampler::set_epoch`] at the start of each epoch and takes its own, disjoint
 //!    share of the dataset with [`DistributedSampler::indices`].
@@ -11,9 +13,11 @@
 //!    assembling the next batches on a background thread.
 
 pub mod loader;
+#[cfg(feature = "mnist")]
 pub mod mnist;
 pub mod sampler;
 
 pub use loader::{Batch, BatchLoader, DEFAULT_PREFETCH_DEPTH};
+#[cfg(feature = "mnist")]
 pub use mnist::{read_idx_images, read_idx_labels, Mnist};
 pub use sampler::DistributedSampler;

@@ -1,0 +1,185 @@
+//! The flags every example takes, their per-example defaults, and the checks made before any
+//! work starts.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use candle_fsdp::checkpoint;
+use candle_fsdp::comm::threads::set_intra_op_threads;
+use candle_fsdp::{MixedPrecision, ShardingStrategy};
+use clap::{Parser, ValueEnum};
+
+/// How micro-batches are accumulated (`--accum-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AccumMode {
+    /// Unsharded gradients accumulate locally; one reduce-scatter per optimizer step.
+    NoSync,
+    /// Every micro-batch is reduce-scattered; the shards accumulate.
+    ReduceScatter,
+}
+
+/// The flags of the training loop, flattened into each example's own `Args`
+/// (`#[command(flatten)]`). `--epochs`, `--lr` and `--checkpoint-dir` have no default here: each
+/// example gives its own through [`parse`].
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrainArgs {
+    /// Number of ranks (threads).
+    #[arg(long, default_value_t = 2)]
+    pub world_size: usize,
+    /// Epochs to train (in total, counting resumed ones).
+    #[arg(long)]
+    pub epochs: u64,
+    /// Seed of initialisation and shuffling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Batch size per rank.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Learning rate.
+    #[arg(long)]
+    pub lr: f64,
+    /// Where sharded checkpoints go (one `step-<n>/` directory per save).
+    #[arg(long)]
+    pub checkpoint_dir: PathBuf,
+    /// Resume from the newest complete checkpoint in --checkpoint-dir (a mid-epoch one
+    /// continues the epoch where it stopped); without it, training starts from scratch.
+    #[arg(long)]
+    pub resume: bool,
+    /// Also save a checkpoint every N optimizer steps (0: only at the end of each epoch).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: u64,
+    /// Complete checkpoints to keep (0 keeps all).
+    #[arg(long, default_value_t = 2)]
+    pub keep_last: usize,
+    /// Sharding strategy.
+    #[arg(long, default_value = "full-shard")]
+    pub strategy: ShardingStrategy,
+    /// Disable forward and backward prefetch.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// Mixed precision: f32, bf16, f16 (with a dynamic loss scaler) or bf16-f32-reduce.
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// Micro-batches accumulated per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
+    /// How to accumulate: no-sync (unsharded gradients, one reduce-scatter per step) or
+    /// reduce-scatter (every micro-batch reduced, sharded accumulation).
+    #[arg(long, value_enum, default_value_t = AccumMode::NoSync)]
+    pub accum_mode: AccumMode,
+    /// Clip gradients to this total L2 norm (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub clip_grad_norm: f32,
+    /// Write a Chrome/Perfetto trace of a few training steps to this JSON file, plus the
+    /// timeline picture next to it (same name, .png and .svg), and print overlap figures.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Number of steps traced (after 8 warm-up steps of the first epoch trained).
+    #[arg(long, default_value_t = 4)]
+    pub trace_steps: usize,
+    /// Collective timeout in seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout_s: u64,
+}
+
+/// An example's defaults for the flags of [`TrainArgs`] that have none.
+pub struct Defaults {
+    /// `--epochs`.
+    pub epochs: &'static str,
+    /// `--lr`.
+    pub lr: &'static str,
+    /// Help line of `--lr` (say how the example schedules it; no final period, as clap's).
+    pub lr_help: &'static str,
+    /// `--checkpoint-dir`.
+    pub checkpoint_dir: &'static str,
+}
+
+/// Parses the command line into an example's `Args` (which flattens [`TrainArgs`]), with that
+/// example's [`Defaults`]; exits with clap's message on a parse error or for `--help`.
+pub fn parse<A: Parser>(defaults: &Defaults) -> A {
+    let mut command = A::command()
+        .mut_arg("epochs", |a| {
+            a.default_value(defaults.epochs).required(false)
+        })
+        .mut_arg("lr", |a| {
+            a.default_value(defaults.lr)
+                .required(false)
+                .help(defaults.lr_help)
+        })
+        .mut_arg("checkpoint_dir", |a| {
+            a.default_value(defaults.checkpoint_dir).required(false)
+        });
+    let matches = command.get_matches_mut();
+    A::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit())
+}
+
+/// Checks every flag and output path before any work (so a typo fails now, not after an epoch),
+/// says what `--resume` will find, and splits the cores between the ranks
+/// (`set_intra_op_threads`). Returns the compute threads per rank.
+pub fn setup(args: &TrainArgs) -> anyhow::Result<usize> {
+    validate(args)?;
+    check_checkpoint_dir(args)?;
+    Ok(set_intra_op_threads(args.world_size))
+}
+
+/// The flag checks, each naming the flag and the value found.
+fn validate(args: &TrainArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.world_size >= 1, "--world-size must be at least 1");
+    anyhow::ensure!(args.batch_size >= 1, "--batch-size must be at least 1");
+    anyhow::ensure!(args.grad_accum >= 1, "--grad-accum must be at least 1");
+    anyhow::ensure!(
+        args.lr.is_finite() && args.lr > 0.0,
+        "--lr must be a positive finite number, found {}",
+        args.lr
+    );
+    anyhow::ensure!(
+        args.clip_grad_norm.is_finite() && args.clip_grad_norm >= 0.0,
+        "--clip-grad-norm must be a finite number >= 0 (0 = off), found {}",
+        args.clip_grad_norm
+    );
+    anyhow::ensure!(args.timeout_s >= 1, "--timeout-s must be at least 1");
+    MixedPrecision::from_name(&args.precision)?;
+    if let Some(p) = &args.trace {
+        anyhow::ensure!(args.trace_steps >= 1, "--trace-steps must be at least 1");
+        anyhow::ensure!(
+            !p.is_dir(),
+            "--trace {}: is a directory, expected a .json file path",
+            p.display()
+        );
+        let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
+        anyhow::ensure!(
+            dir.is_none_or(|d| d.is_dir()),
+            "--trace {}: directory {} does not exist",
+            p.display(),
+            dir.map(|d| d.display().to_string()).unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// Creates `--checkpoint-dir`, checks it is writable, and prints what `--resume` (or its
+/// absence) means for the checkpoints already there.
+fn check_checkpoint_dir(args: &TrainArgs) -> anyhow::Result<()> {
+    let dir = &args.checkpoint_dir;
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("--checkpoint-dir {}: cannot create it", dir.display()))?;
+    let probe = dir.join(".write-probe");
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("--checkpoint-dir {}: not writable", dir.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    let existing = checkpoint::list_complete(dir)?;
+    match (args.resume, existing.last()) {
+        (true, None) => println!(
+            "--resume: no complete checkpoint in {}: starting from scratch",
+            dir.display()
+        ),
+        (false, Some(last)) => println!(
+            "note: {} already holds checkpoints (newest {}); this run starts from scratch and \
+             saves beside them (pass --resume to continue from the newest)",
+            dir.display(),
+            last.display()
+        ),
+        _ => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,43 @@
+//! Evaluation metrics of a gathered model (cargo feature `mnist`): application code the examples
+//! share, not part of the sharded runtime.
+//!
+//! A metric runs on a [`FullModel`] (see [`crate::FsdpModel::gather_full_model`]): a plain
+//! unsharded copy, so it needs no communication and may run on rank 0 alone.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{Error, Result};
+use crate::fsdp::FullModel;
+
+/// Classification accuracy in percent of the eval-mode `model` on `images` (first dimension N)
+/// against `labels` ((N,) u32), `batch` items at a time: the share of rows whose argmax over the
+/// last output dimension equals the label. 0 when N is 0.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for `batch == 0` or labels that are not `(N,)`; a unit's error.
+pub fn accuracy(model: &FullModel, images: &Tensor, labels: &Tensor, batch: usize) -> Result<f64> {
+    let n = images.dim(0)?;
+    if batch == 0 || labels.dims() != [n] {
+        return Err(Error::InvalidArgument(format!(
+            "accuracy: {n} images need ({n},) labels and a batch > 0, found labels {:?} \
+             and batch {batch}",
+            labels.dims()
+        )));
+    }
+    let mut correct = 0f64;
+    for start in (0..n).step_by(batch) {
+        let len = batch.min(n - start);
+        let logits = model.forward_t(&images.narrow(0, start, len)?, false)?;
+        correct += logits
+            .argmax(candle_core::D::Minus1)?
+            .eq(&labels.narrow(0, start, len)?)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .to_scalar::<f32>()? as f64;
+    }
+    Ok(if n == 0 {
+        0.0
+    } else {
+        100.0 * correct / n as f64
+    })
+}
