@@ -37,6 +37,7 @@ use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter};
 use crate::init::init_values;
 use crate::mixed_precision::MixedPrecision;
+use crate::ops::with_host_f32;
 use crate::trace::{Lane, SpanGuard, SpanKind, Tracer};
 use crate::unit::{record_unit, RecordedParam, UnitSpec};
 
@@ -132,22 +133,23 @@ impl Default for FsdpConfig {
     }
 }
 
-/// One unit of an [`FsdpModel`]: its constructor and this rank's FlatParameter.
-pub struct FsdpUnit {
+/// One unit of an [`FsdpModel`]: its constructor and this rank's FlatParameter. Other modules
+/// see it through [`FsdpModel::shards`] ([`crate::shard_view`]).
+pub(crate) struct FsdpUnit {
     /// The constructor.
-    pub spec: UnitSpec,
+    pub(crate) spec: UnitSpec,
     /// Recorded parameters (names, shapes, init hints), in layout order.
-    pub recorded: Vec<RecordedParam>,
+    pub(crate) recorded: Vec<RecordedParam>,
     /// This rank's FlatParameter.
-    pub flat: FlatParameter,
+    pub(crate) flat: FlatParameter,
     /// Buffers (see [`FsdpConfig::buffer_suffixes`]): full values in the policy's
     /// `buffer_dtype`, replicated, updated in place by training forwards.
-    pub buffers: Vec<(String, Var)>,
+    pub(crate) buffers: Vec<(String, Var)>,
     /// The mixed-precision policy this unit runs under.
-    pub policy: MixedPrecision,
+    pub(crate) policy: MixedPrecision,
     /// Unsharded f32 gradient accumulated while gradient sync is off (`no_sync`), padded flat
     /// layout; reduced together with the next synchronised backward.
-    pub unsharded_grad: Option<Vec<f32>>,
+    pub(crate) unsharded_grad: Option<Vec<f32>>,
 }
 
 impl FsdpUnit {
@@ -188,6 +190,9 @@ pub struct MemoryStats {
     pub unsharded_bytes: usize,
     /// Highest `unsharded_bytes` since the last [`FsdpModel::reset_peak`].
     pub peak_unsharded_bytes: usize,
+    /// Bytes of unsharded f32 gradients accumulated while gradient sync is off
+    /// ([`FsdpModel::set_requires_gradient_sync`]), held until the next synchronised backward.
+    pub unsharded_grad_bytes: usize,
     /// Highest number of units unsharded at once.
     pub peak_unsharded_units: usize,
     /// Units unsharded now.
@@ -201,7 +206,7 @@ pub struct MemoryStats {
 pub struct FsdpModel {
     pg: Arc<dyn ProcessGroup>,
     config: FsdpConfig,
-    units: Vec<FsdpUnit>,
+    pub(crate) units: Vec<FsdpUnit>,
     saved: Vec<Option<Saved>>,
     mem: MemoryStats,
     requires_gradient_sync: bool,
@@ -337,9 +342,10 @@ impl FsdpModel {
                 .map(|p| (p.name.clone(), p.shape.clone()))
                 .collect();
             let layout = FlatParamLayout::new(&named, shard_world)?;
-            let flat = FlatParameter::from_fn(layout, shard_index, |i, range, out| {
-                fill(&recorded[i], range, out)
-            })?;
+            let flat =
+                FlatParameter::from_fn(layout, shard_index, &config.device, |i, range, out| {
+                    fill(&recorded[i], range, out)
+                })?;
             units.push(FsdpUnit {
                 spec,
                 recorded,
@@ -374,20 +380,13 @@ impl FsdpModel {
         &self.config
     }
 
-    /// The units, in forward order.
-    pub fn units(&self) -> &[FsdpUnit] {
-        &self.units
-    }
-
-    /// Mutable access to the units (optimizers step their shards through it).
-    pub fn units_mut(&mut self) -> &mut [FsdpUnit] {
-        &mut self.units
-    }
-
     /// Memory counters of this rank.
     pub fn memory_stats(&self) -> MemoryStats {
         let mut m = self.mem;
         m.sharded_bytes = self.units.iter().map(|u| u.flat.sharded_bytes()).sum();
+        m.unsharded_grad_bytes = (self.units.iter())
+            .map(|u| 4 * u.unsharded_grad.as_ref().map_or(0, Vec::len))
+            .sum();
         m
     }
 
@@ -401,7 +400,7 @@ impl FsdpModel {
     /// `zero_grad(set_to_none=True)`).
     pub fn zero_grad(&mut self) {
         for u in &mut self.units {
-            u.flat.grad = None;
+            u.flat.clear_grad();
             u.unsharded_grad = None;
         }
     }
@@ -452,13 +451,13 @@ impl FsdpModel {
 
     /// [`Self::issue_unshard`] in an explicit dtype (f32 for exact state dicts).
     fn issue_unshard_as(&mut self, k: usize, dtype: DType) -> Work<CommBuffer> {
-        let n = self.units[k].flat.layout.padded_numel;
+        let n = self.units[k].flat.layout().padded_numel;
         self.note_unshard(n * dtype.size_in_bytes());
         let flat = &self.units[k].flat;
         // Cast the local shard to param_dtype before the gather: the wire carries param_dtype.
-        let input = match CommBuffer::from_f32(&flat.shard, dtype) {
-            Ok(b) => b,
-            Err(e) => return Work::ready(Err(e)),
+        let input = match with_host_f32(flat.shard(), |s| CommBuffer::from_f32(s, dtype)) {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) | Err(e) => return Work::ready(Err(e)),
         };
         if !self.gathers(k) {
             return Work::ready(Ok(input));
@@ -474,7 +473,7 @@ impl FsdpModel {
     /// bytes.
     fn finish_unshard(&self, k: usize, work: Work<CommBuffer>) -> Result<(Tensor, usize)> {
         let full = work.wait()?;
-        debug_assert_eq!(full.len(), self.units[k].flat.layout.padded_numel);
+        debug_assert_eq!(full.len(), self.units[k].flat.layout().padded_numel);
         let (n, bytes) = (full.len(), full.nbytes());
         let dev = &self.config.device;
         let t = match full {
@@ -487,7 +486,7 @@ impl FsdpModel {
 
     /// Views of each parameter inside the gathered flat tensor (no copy, no autograd).
     fn param_views(&self, k: usize, flat: &Tensor) -> Result<HashMap<String, Tensor>> {
-        let layout = &self.units[k].flat.layout;
+        let layout = self.units[k].flat.layout();
         layout
             .params
             .iter()
@@ -507,7 +506,7 @@ impl FsdpModel {
         k: usize,
         flat: &Tensor,
     ) -> Result<(HashMap<String, Tensor>, Vec<Tensor>)> {
-        let layout = &self.units[k].flat.layout;
+        let layout = self.units[k].flat.layout();
         let mut map = HashMap::with_capacity(layout.params.len());
         let mut list = Vec::with_capacity(layout.params.len());
         for p in &layout.params {
@@ -572,7 +571,7 @@ impl FsdpModel {
 
     /// True when unit `k`'s unshard is a real all-gather (it has parameters and is sharded).
     fn gathers(&self, k: usize) -> bool {
-        let layout = &self.units[k].flat.layout;
+        let layout = self.units[k].flat.layout();
         layout.world_size > 1 && layout.padded_numel > 0
     }
 
@@ -865,11 +864,14 @@ impl FsdpModel {
             let _w = self.span(SpanKind::Wait, || {
                 format!("FSDP::wait reduce_scatter {}", self.units[k].spec.name)
             });
-            let reduced = match work.wait()? {
-                CommBuffer::F32(v) => v,
-                other => other.to_f32_vec(),
+            let (reduced, dev) = (work.wait()?, &self.config.device);
+            let n = reduced.len();
+            let reduced = match reduced {
+                CommBuffer::F32(v) => Tensor::from_vec(v, n, dev)?,
+                CommBuffer::BF16(v) => Tensor::from_vec(v, n, dev)?,
+                CommBuffer::F16(v) => Tensor::from_vec(v, n, dev)?,
             };
-            self.units[k].flat.accumulate_grad(reduced);
+            self.units[k].flat.accumulate_grad(reduced)?;
         }
         Ok(())
     }
@@ -882,7 +884,7 @@ impl FsdpModel {
         grads: Option<&GradStore>,
         params: &[Tensor],
     ) -> Result<Option<Vec<f32>>> {
-        let layout = &self.units[k].flat.layout;
+        let layout = self.units[k].flat.layout();
         if layout.padded_numel == 0 {
             return Ok(None);
         }
@@ -900,7 +902,7 @@ impl FsdpModel {
     /// Issues the gradient reduction of unit `k`: reduce-scatter (average) when sharded,
     /// all-reduce (average) under NO_SHARD.
     fn issue_reduce(&self, k: usize, flat_grad: Vec<f32>) -> Work<CommBuffer> {
-        let layout = &self.units[k].flat.layout;
+        let layout = self.units[k].flat.layout();
         let dtype = self.units[k].policy.reduce_dtype;
         // Cast to reduce_dtype before the collective: the wire carries reduce_dtype.
         let input = if dtype == DType::F32 {
@@ -939,7 +941,7 @@ impl FsdpModel {
             let work = self.issue_unshard_as(k, DType::F32);
             let (full, bytes) = self.finish_unshard(k, work)?;
             if keep {
-                for p in &self.units[k].flat.layout.params {
+                for p in &self.units[k].flat.layout().params {
                     let t = full
                         .narrow(0, p.offset, p.numel)?
                         .reshape(p.shape.clone())?
