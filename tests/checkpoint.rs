@@ -1007,3 +1007,99 @@ fn an_optimizer_past_step_0_without_state_refuses_to_step() {
     .to_string();
     assert!(e.contains("step 5") && e.contains("exp_avg_sq"), "{e}");
 }
+
+#[test]
+fn the_accessor_shows_every_unit_and_loading_checks_each_unit_shard() {
+    run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let rank = pg.rank();
+        let mut m = model(pg)?;
+        let names: Vec<String> = m.shards().map(|v| v.unit_name.to_string()).collect();
+        assert_eq!(names, ["flatten", "fc1", "fc2", "shift", "head", "scale"]);
+        assert!(m.shards().enumerate().all(|(k, v)| v.unit_index == k));
+        // fc1: weight 13×20 at 0, bias 13 at 260 → 273 elements, padded to 274, shards of 137.
+        let fc1 = m.shard(1).unwrap();
+        assert_eq!(
+            (
+                fc1.layout.padded_numel,
+                fc1.layout.shard_numel,
+                fc1.shard_index
+            ),
+            (274, 137, rank)
+        );
+        assert_eq!(fc1.param.dims(), [137]);
+        assert!(fc1.grad.is_none() && fc1.buffers.is_empty());
+        assert_eq!(m.shard(0).unwrap().param.dims(), [0]);
+        assert_eq!(m.shard(3).unwrap().buffers[0].0, "shift.running_mean");
+        assert!(m.shard(6).is_none());
+        // Loading re-checks the length; the error names the unit, expected and found.
+        let short = Tensor::zeros(136, candle_core::DType::F32, &Device::Cpu)?;
+        let e = m.set_unit_shard(1, short).unwrap_err().to_string();
+        assert!(
+            e.contains("unit fc1") && e.contains("137 elements") && e.contains("[136]"),
+            "{e}"
+        );
+        let e = m
+            .set_unit_grad(
+                2,
+                Some(Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu)?),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unit fc2") && e.contains("50 elements"), "{e}");
+        let e = m
+            .set_unit_shard(9, Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)?)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unit index 9 out of range: the model has 6"),
+            "{e}"
+        );
+        // A good shard replaces the old one and the accessor shows it; the gradient likewise.
+        let new: Vec<f32> = (0..137).map(|i| i as f32 * 0.5).collect();
+        m.set_unit_shard(1, Tensor::from_vec(new.clone(), 137, &Device::Cpu)?)?;
+        assert_eq!(to_vec(m.shard(1).unwrap().param), new);
+        m.set_unit_grad(
+            2,
+            Some(Tensor::ones(50, candle_core::DType::F32, &Device::Cpu)?),
+        )?;
+        assert_eq!(to_vec(m.shard(2).unwrap().grad.unwrap()), vec![1.0; 50]);
+        assert_eq!(
+            m.memory_stats().sharded_bytes,
+            4 * 50 + shards(&m).iter().map(|s| 4 * s.len()).sum::<usize>()
+        );
+        m.zero_grad();
+        assert!(m.shards().all(|v| v.grad.is_none()));
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn loaded_optimizer_state_of_the_wrong_length_is_refused_at_the_step() {
+    let data = batches(1, 8, 4);
+    let e = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let mut st = OptimizerState {
+            step: 1,
+            ..Default::default()
+        };
+        for (i, u) in m.shards().enumerate() {
+            // fc1's buffers one element short.
+            let n = u.layout.shard_numel - usize::from(u.unit_name == "fc1");
+            st.buffers.insert(format!("exp_avg.{i}"), vec![0.0; n]);
+            st.buffers.insert(format!("exp_avg_sq.{i}"), vec![0.0; n]);
+        }
+        opt.load_state(st)?;
+        let before = shards(&m);
+        let r = train(&mut m, &mut opt, &data);
+        assert_eq!(shards(&m), before, "nothing stepped");
+        r
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("optimizer state exp_avg of unit fc1 has 136 elements, its shard 137"),
+        "{e}"
+    );
+}
