@@ -86,7 +86,7 @@ fn run_once(b: &Bench, root: &Path) -> (usize, u64, u64, Times) {
     // Build, one step, save full and sharded.
     let saved = run_ranks_ok(2, config, |pg| {
         let mut m = build(pg.clone(), (b.specs)())?;
-        let params: usize = m.units().iter().map(|u| u.flat.layout.param_numel()).sum();
+        let params: usize = m.shards().map(|u| u.layout.param_numel()).sum();
         let mut opt = AdamW::new(AdamWConfig::default());
         let x = Tensor::ones((4, b.input), candle_core::DType::F32, &Device::Cpu)?;
         let y = Tensor::zeros(4, candle_core::DType::U32, &Device::Cpu)?;

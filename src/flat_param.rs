@@ -13,10 +13,14 @@
 //!
 //! [`FlatParamLayout::shard_table`] lists, for one rank, which part of which parameter its shard
 //! holds: what the optimizer, clipping and state dicts need.
+//!
+//! [`FlatParameter`] holds the rank's master shard and gradient shard as 1-D f32 Candle tensors
+//! on the model's device (device-resident state); its fields are private, and the rest of the
+//! crate reaches them through [`crate::ShardView`].
 
 use std::ops::Range;
 
-use candle_core::Shape;
+use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -139,25 +143,35 @@ impl FlatParamLayout {
     }
 }
 
-/// One rank's state of one unit: the layout, its f32 master shard and its f32 gradient shard.
-#[derive(Debug, Clone)]
+/// One rank's state of one unit: the layout, its f32 master shard and its f32 gradient shard,
+/// both Candle tensors on the model's device.
+///
+/// Invariants (checked by every setter): the shard is a 1-D f32 tensor of
+/// `layout.shard_numel` elements; the gradient, when present, has the same shape, dtype and
+/// device. Alignment gaps and padding hold zeros in both. Optimizers, clipping and the grad
+/// scaler update the tensors **in place** through [`crate::ops`], so a tensor handed to
+/// [`FlatParameter::set_shard`], [`FlatParameter::set_grad`] or
+/// [`FlatParameter::accumulate_grad`] becomes owned state: nothing else should keep using its
+/// storage.
+#[derive(Debug)]
 pub struct FlatParameter {
-    /// Layout shared by all ranks.
-    pub layout: FlatParamLayout,
-    /// This rank's index into the shards.
-    pub shard_index: usize,
-    /// Master shard, `layout.shard_numel` f32 values.
-    pub shard: Vec<f32>,
-    /// Gradient shard (reduced over ranks), `None` until a backward produced one.
-    pub grad: Option<Vec<f32>>,
+    layout: FlatParamLayout,
+    shard_index: usize,
+    shard: Tensor,
+    grad: Option<Tensor>,
 }
 
 impl FlatParameter {
-    /// Builds the shard of `shard_index` by calling `fill(param_index, range_in_param, out)` for
-    /// every piece of a parameter that lands in it; gaps and padding stay zero.
+    /// Builds the shard of `shard_index` on `device` by calling
+    /// `fill(param_index, range_in_param, out)` for every piece of a parameter that lands in it;
+    /// gaps and padding stay zero. The values are assembled on the host, then moved (CPU: no
+    /// copy) to `device`.
+    ///
+    /// Errors: whatever `fill` returns; a failed transfer to `device`.
     pub fn from_fn(
         layout: FlatParamLayout,
         shard_index: usize,
+        device: &Device,
         mut fill: impl FnMut(usize, Range<usize>, &mut [f32]) -> Result<()>,
     ) -> Result<Self> {
         let mut shard = vec![0.0f32; layout.shard_numel];
@@ -165,24 +179,137 @@ impl FlatParameter {
             let out = &mut shard[e.offset_in_shard..e.offset_in_shard + e.numel_in_shard];
             fill(e.param_index, e.range_in_param.clone(), out)?;
         }
+        let n = shard.len();
         Ok(Self {
             layout,
             shard_index,
-            shard,
+            shard: Tensor::from_vec(shard, n, device)?,
             grad: None,
         })
     }
 
-    /// Adds `reduced` (one reduced gradient shard) into the gradient shard.
-    pub fn accumulate_grad(&mut self, reduced: Vec<f32>) {
-        match &mut self.grad {
-            None => self.grad = Some(reduced),
-            Some(g) => g.iter_mut().zip(reduced).for_each(|(a, b)| *a += b),
+    /// Layout shared by all ranks.
+    pub fn layout(&self) -> &FlatParamLayout {
+        &self.layout
+    }
+
+    /// This rank's index into the shards (its rank, or 0 under NO_SHARD).
+    pub fn shard_index(&self) -> usize {
+        self.shard_index
+    }
+
+    /// Master shard: 1-D f32, `layout().shard_numel` elements.
+    pub fn shard(&self) -> &Tensor {
+        &self.shard
+    }
+
+    /// Gradient shard (reduced over ranks, 1-D f32 like the shard), `None` until a backward
+    /// produced one or after [`FlatParameter::clear_grad`].
+    pub fn grad(&self) -> Option<&Tensor> {
+        self.grad.as_ref()
+    }
+
+    /// Device of the shard.
+    pub fn device(&self) -> &Device {
+        self.shard.device()
+    }
+
+    /// Adds `reduced` (one reduced gradient shard: `shard_numel` elements of f32, bf16 or f16,
+    /// any shape, on the shard's device) into the gradient shard. Without a gradient, `reduced`
+    /// (widened to f32 if needed, made contiguous if needed) becomes it; otherwise it is added in
+    /// place ([`crate::ops::add_`], widening on the fly, no allocation).
+    ///
+    /// Errors: wrong element count, device or dtype (naming expected and found).
+    pub fn accumulate_grad(&mut self, reduced: Tensor) -> Result<()> {
+        let n = self.layout.shard_numel;
+        if reduced.elem_count() != n
+            || !reduced.device().same_device(self.shard.device())
+            || !matches!(reduced.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "reduced gradient shard: expected {n} elements of f32, bf16 or f16 on {:?}, \
+                 found {} elements of {:?} on {:?}",
+                self.shard.device().location(),
+                reduced.elem_count(),
+                reduced.dtype(),
+                reduced.device().location()
+            )));
+        }
+        let reduced = if reduced.rank() == 1 {
+            reduced
+        } else {
+            reduced.flatten_all()?
+        };
+        match &self.grad {
+            Some(g) => crate::ops::add_(g, &reduced),
+            None => {
+                let g = reduced.to_dtype(DType::F32)?;
+                self.grad = Some(if g.is_contiguous() {
+                    g
+                } else {
+                    g.contiguous()?
+                });
+                Ok(())
+            }
         }
     }
 
-    /// Bytes held by the master and gradient shards.
+    /// Drops the gradient shard (PyTorch's `zero_grad(set_to_none=True)`).
+    pub fn clear_grad(&mut self) {
+        self.grad = None;
+    }
+
+    /// Replaces the master shard (e.g. when loading a checkpoint); the gradient is kept.
+    ///
+    /// Errors: `shard` is not a 1-D f32 tensor of `shard_numel` elements on the shard's device
+    /// (naming expected and found); the shard is then unchanged.
+    pub fn set_shard(&mut self, shard: Tensor) -> Result<()> {
+        self.check("shard", &shard)?;
+        self.shard = if shard.is_contiguous() {
+            shard
+        } else {
+            shard.contiguous()?
+        };
+        Ok(())
+    }
+
+    /// Replaces (or with `None` drops) the gradient shard.
+    ///
+    /// Errors: as [`FlatParameter::set_shard`].
+    pub fn set_grad(&mut self, grad: Option<Tensor>) -> Result<()> {
+        self.grad = match grad {
+            None => None,
+            Some(g) => {
+                self.check("gradient shard", &g)?;
+                Some(if g.is_contiguous() {
+                    g
+                } else {
+                    g.contiguous()?
+                })
+            }
+        };
+        Ok(())
+    }
+
+    /// Bytes held by the master and gradient shards (4 per f32 element).
     pub fn sharded_bytes(&self) -> usize {
-        4 * (self.shard.len() + self.grad.as_ref().map_or(0, |g| g.len()))
+        4 * (self.shard.elem_count() + self.grad.as_ref().map_or(0, |g| g.elem_count()))
+    }
+
+    /// Checks that `t` may serve as this parameter's `what`.
+    fn check(&self, what: &str, t: &Tensor) -> Result<()> {
+        let n = self.layout.shard_numel;
+        let device = self.shard.device();
+        if t.dims() != [n] || t.dtype() != DType::F32 || !t.device().same_device(device) {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: expected a 1-D f32 tensor of {n} elements on {:?}, found shape {:?} of \
+                 {:?} on {:?}",
+                device.location(),
+                t.dims(),
+                t.dtype(),
+                t.device().location()
+            )));
+        }
+        Ok(())
     }
 }

@@ -9,10 +9,19 @@
 
 use candle_core::Tensor;
 
-use crate::comm::{CommBuffer, ReduceOp};
+use crate::comm::{CommBuffer, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::fsdp::FsdpModel;
+use crate::ops;
 use crate::optim::ShardedOptimizer;
+
+/// Max all-reduce of one f32 across the group (the scaler's one collective: the inf/NaN flag).
+fn all_reduce_max(pg: &dyn ProcessGroup, v: f32) -> Result<f32> {
+    Ok(pg
+        .all_reduce(CommBuffer::F32(vec![v]), ReduceOp::Max)
+        .wait()?
+        .into_f32()?[0])
+}
 
 /// Scaler configuration (PyTorch defaults).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -110,28 +119,24 @@ impl ShardedGradScaler {
     }
 
     /// Divides every gradient shard by the scale and returns whether any rank found inf/NaN
-    /// (a collective: one all-reduce max of one f32). Idempotent within a step.
+    /// (a collective: one all-reduce max of one f32). Idempotent within a step. The gradients
+    /// are scaled in place on their device ([`crate::ops::scale_and_check_finite_`]) through
+    /// [`FsdpModel::shards`].
+    ///
+    /// Errors: a collective error; a gradient the kernels cannot update.
     pub fn unscale(&mut self, model: &mut FsdpModel) -> Result<bool> {
         if let Some(found) = self.unscaled {
             return Ok(found);
         }
         let inv = 1.0 / self.state.scale;
         let mut local_inf = false;
-        for u in model.units_mut() {
-            if let Some(g) = &mut u.flat.grad {
-                for x in g.iter_mut() {
-                    *x *= inv;
-                    local_inf |= !x.is_finite();
-                }
+        for v in model.shards() {
+            if let Some(g) = v.grad {
+                local_inf |= !ops::scale_and_check_finite_(g, inv)?;
             }
         }
-        let flag = CommBuffer::F32(vec![if local_inf { 1.0 } else { 0.0 }]);
-        let found = model
-            .process_group()
-            .all_reduce(flag, ReduceOp::Max)
-            .wait()?
-            .into_f32()?[0]
-            > 0.0;
+        let flag = if local_inf { 1.0 } else { 0.0 };
+        let found = all_reduce_max(model.process_group().as_ref(), flag)? > 0.0;
         self.unscaled = Some(found);
         Ok(found)
     }

@@ -55,7 +55,9 @@ pub mod metrics;
 pub mod mixed_precision;
 #[cfg(feature = "mnist")]
 pub mod models;
+pub mod ops;
 pub mod optim;
+pub mod shard_view;
 pub mod sync_batch_norm;
 #[cfg(feature = "timeline")]
 pub mod timeline;
@@ -66,4 +68,5 @@ pub use error::{Error, Result};
 pub use fsdp::{BackwardPrefetch, FsdpConfig, FsdpModel, FullModel, MemoryStats, ShardingStrategy};
 pub use mixed_precision::MixedPrecision;
 pub use optim::{AdamW, AdamWConfig, OptimizerState, Sgd, SgdConfig, ShardedOptimizer};
+pub use shard_view::ShardView;
 pub use sync_batch_norm::{sync_batch_norm, SyncBatchNorm};

@@ -1,16 +1,26 @@
 //! Sharded optimizers: each rank steps only its f32 master shards with its reduced gradient
 //! shards, and keeps optimizer state for those shards alone (ZeRO stage 1+).
 //!
+//! State is device-resident: one f32 tensor per unit shard and kind (`exp_avg`, `exp_avg_sq`,
+//! `momentum_buffer`) on the shard's device, allocated at the first step and updated in place,
+//! with the parameter shard, by one kernel of [`crate::ops`] per unit. A step sees the model only
+//! through its accessor ([`FsdpModel::shards`]). Host copies are made only for checkpoints
+//! ([`OptimizerState`]).
+//!
 //! Padding and alignment gaps of a shard have zero parameter and zero gradient, so they stay zero
 //! under both updates below; stepping the whole shard therefore equals stepping each parameter.
 
 use std::collections::BTreeMap;
 
+use candle_core::{DType, Device, Tensor};
+
 use crate::error::{Error, Result};
 use crate::fsdp::FsdpModel;
+use crate::ops::{self, AdamWHyper, SgdHyper};
+use crate::trace::SpanKind;
 
-/// An optimizer's local state: its step count and named f32 buffers (one per unit shard and
-/// kind, e.g. `exp_avg.3` for unit 3), for checkpoints.
+/// An optimizer's local state as host copies, for checkpoints: its step count and named f32
+/// buffers (one per unit shard and kind, e.g. `exp_avg.3` for unit 3).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct OptimizerState {
     /// Steps taken.
@@ -19,33 +29,49 @@ pub struct OptimizerState {
     pub buffers: BTreeMap<String, Vec<f32>>,
 }
 
-fn export(kind: &str, bufs: &[Vec<f32>], out: &mut BTreeMap<String, Vec<f32>>) {
+/// Copies `bufs` to the host as `<kind>.<unit>` entries of `out`.
+fn export(kind: &str, bufs: &[Tensor], out: &mut BTreeMap<String, Vec<f32>>) -> Result<()> {
     for (i, b) in bufs.iter().enumerate() {
-        out.insert(format!("{kind}.{i}"), b.clone());
+        out.insert(
+            format!("{kind}.{i}"),
+            ops::with_host_f32(b, <[f32]>::to_vec)?,
+        );
     }
+    Ok(())
 }
 
-fn import(kind: &str, state: &OptimizerState) -> Vec<Vec<f32>> {
+/// Takes the `<kind>.0`, `<kind>.1`, … entries of `state` as CPU tensors (moved, not copied);
+/// the next step moves them to the shards' device and checks their lengths.
+fn import(kind: &str, state: &mut OptimizerState) -> Result<Vec<Tensor>> {
     let mut out = Vec::new();
-    while let Some(b) = state.buffers.get(&format!("{kind}.{}", out.len())) {
-        out.push(b.clone());
+    while let Some(b) = state.buffers.remove(&format!("{kind}.{}", out.len())) {
+        let n = b.len();
+        out.push(Tensor::from_vec(b, n, &Device::Cpu)?);
     }
-    out
+    Ok(out)
 }
 
 /// An optimizer over the local shards of an [`FsdpModel`].
 pub trait ShardedOptimizer {
     /// One update of every shard that has a gradient (shards without one are skipped, as PyTorch
-    /// skips parameters whose `.grad` is `None`). Local: no communication.
+    /// skips parameters whose `.grad` is `None`), in place on the shards' device. Local: no
+    /// communication. Reads the model through [`FsdpModel::shards`] only.
     fn step(&mut self, model: &mut FsdpModel) -> Result<()>;
     /// Current learning rate.
     fn learning_rate(&self) -> f64;
     /// Sets the learning rate (for schedulers).
     fn set_learning_rate(&mut self, lr: f64);
-    /// Copies out the local state (step and buffers).
-    fn state(&self) -> OptimizerState;
-    /// Replaces the local state. Buffer lengths are checked against the model at the next step.
-    fn load_state(&mut self, state: OptimizerState);
+    /// Copies out the local state (step and buffers) to the host.
+    ///
+    /// Errors: a failed device-to-host copy.
+    fn state(&self) -> Result<OptimizerState>;
+    /// Replaces the local state. Buffer lengths are checked against the model, and buffers moved
+    /// to the shards' device, at the next step.
+    ///
+    /// Errors: a failed tensor creation.
+    fn load_state(&mut self, state: OptimizerState) -> Result<()>;
+    /// Bytes of optimizer state held by this rank (f32: 4 bytes an element).
+    fn state_bytes(&self) -> usize;
 }
 
 /// AdamW hyper-parameters (defaults as PyTorch's `torch.optim.AdamW`, except weight decay 0).
@@ -75,20 +101,41 @@ impl Default for AdamWConfig {
     }
 }
 
+impl AdamWConfig {
+    /// The f32 constants of update number `t` (counted from 1), computed in f64 and rounded
+    /// once, as candle-nn's `AdamW` does.
+    fn hyper(&self, t: u64) -> AdamWHyper {
+        AdamWHyper {
+            beta1: self.beta1 as f32,
+            beta2: self.beta2 as f32,
+            one_minus_beta1: (1.0 - self.beta1) as f32,
+            one_minus_beta2: (1.0 - self.beta2) as f32,
+            bias_correction1: (1.0 / (1.0 - self.beta1.powi(t as i32))) as f32,
+            bias_correction2: (1.0 / (1.0 - self.beta2.powi(t as i32))) as f32,
+            decay: (1.0 - self.lr * self.weight_decay) as f32,
+            lr: self.lr as f32,
+            eps: self.eps as f32,
+        }
+    }
+}
+
 /// Sharded AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019),
 /// computed exactly as candle-nn's `AdamW` and PyTorch's `torch.optim.AdamW`:
 /// `θ ← θ(1 − lr·λ)`, `m ← β1 m + (1 − β1) g`, `v ← β2 v + (1 − β2) g²`,
-/// `θ ← θ − lr · (m / (1 − β1ᵗ)) / (sqrt(v / (1 − β2ᵗ)) + ε)`, all in f32.
-#[derive(Debug, Clone)]
+/// `θ ← θ − lr · (m / (1 − β1ᵗ)) / (sqrt(v / (1 − β2ᵗ)) + ε)`, all in f32 ([`ops::adamw_step`]).
+/// Moments `m`, `v`: one f32 tensor per unit shard on its device (8 bytes per shard element).
+///
+/// Not `Clone`: a clone would share the moment tensors, which steps update in place.
+#[derive(Debug)]
 pub struct AdamW {
     /// Hyper-parameters.
     pub config: AdamWConfig,
     /// Steps taken (t).
-    pub step: u64,
-    /// First moments, one vector per unit shard (empty until the first step).
-    pub exp_avg: Vec<Vec<f32>>,
-    /// Second moments, one vector per unit shard.
-    pub exp_avg_sq: Vec<Vec<f32>>,
+    step: u64,
+    /// First moments, one tensor per unit shard (empty until the first step).
+    exp_avg: Vec<Tensor>,
+    /// Second moments, one tensor per unit shard.
+    exp_avg_sq: Vec<Tensor>,
 }
 
 impl AdamW {
@@ -104,19 +151,17 @@ impl AdamW {
 
     /// Bytes of optimizer state held by this rank.
     pub fn state_bytes(&self) -> usize {
-        4 * self
-            .exp_avg
-            .iter()
-            .chain(&self.exp_avg_sq)
-            .map(Vec::len)
+        4 * (self.exp_avg.iter().chain(&self.exp_avg_sq))
+            .map(Tensor::elem_count)
             .sum::<usize>()
     }
 }
 
-/// Allocates zeroed state on the first step; afterwards checks it matches the model's shards.
-/// `kind` and `step` name the buffer and the optimizer step in errors (state missing after step
-/// 0 means a checkpoint without it was loaded: silently restarting it would change training).
-fn ensure_state(state: &mut Vec<Vec<f32>>, model: &FsdpModel, kind: &str, step: u64) -> Result<()> {
+/// Allocates zeroed state on the shards' device at the first step; afterwards checks it
+/// matches the model's shards and moves loaded (host) state to their device. `kind` and `step`
+/// name the buffer and the optimizer step in errors (state missing after step 0 means a
+/// checkpoint without it was loaded: silently restarting it would change training).
+fn ensure_state(state: &mut Vec<Tensor>, model: &FsdpModel, kind: &str, step: u64) -> Result<()> {
     if state.is_empty() && step > 0 {
         return Err(Error::InvalidArgument(format!(
             "optimizer at step {step} has no {kind} state (loaded from a checkpoint without it?)"
@@ -124,60 +169,55 @@ fn ensure_state(state: &mut Vec<Vec<f32>>, model: &FsdpModel, kind: &str, step: 
     }
     if state.is_empty() {
         *state = model
-            .units()
-            .iter()
-            .map(|u| vec![0.0; u.flat.shard.len()])
-            .collect();
+            .shards()
+            .map(|v| {
+                Ok(Tensor::zeros(
+                    v.layout.shard_numel,
+                    DType::F32,
+                    v.param.device(),
+                )?)
+            })
+            .collect::<Result<_>>()?;
     }
-    for (u, s) in model.units().iter().zip(state.iter()) {
-        if u.flat.shard.len() != s.len() {
+    for (v, s) in model.shards().zip(state.iter_mut()) {
+        if s.elem_count() != v.layout.shard_numel {
             return Err(Error::InvalidArgument(format!(
-                "optimizer state of unit {} has {} elements, its shard {}",
-                u.spec.name,
-                s.len(),
-                u.flat.shard.len()
+                "optimizer state {kind} of unit {} has {} elements, its shard {}",
+                v.unit_name,
+                s.elem_count(),
+                v.layout.shard_numel
             )));
         }
+        if !s.device().same_device(v.param.device()) {
+            *s = s.to_device(v.param.device())?;
+        }
     }
-    if state.len() != model.units().len() {
+    if state.len() != model.shards().len() {
         return Err(Error::InvalidArgument(format!(
-            "optimizer state covers {} units, the model has {}",
+            "optimizer state {kind} covers {} units, the model has {}",
             state.len(),
-            model.units().len()
+            model.shards().len()
         )));
     }
     Ok(())
 }
 
 impl ShardedOptimizer for AdamW {
+    fn state_bytes(&self) -> usize {
+        Self::state_bytes(self)
+    }
+
     fn step(&mut self, model: &mut FsdpModel) -> Result<()> {
-        let _span = model.span(crate::trace::SpanKind::OptimizerStep, || {
+        let _span = model.span(SpanKind::OptimizerStep, || {
             "FSDP::optimizer_step".to_string()
         });
         ensure_state(&mut self.exp_avg, model, "exp_avg", self.step)?;
         ensure_state(&mut self.exp_avg_sq, model, "exp_avg_sq", self.step)?;
         self.step += 1;
-        let c = self.config;
-        let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
-        let (one_b1, one_b2) = ((1.0 - c.beta1) as f32, (1.0 - c.beta2) as f32);
-        let scale_m = (1.0 / (1.0 - c.beta1.powi(self.step as i32))) as f32;
-        let scale_v = (1.0 / (1.0 - c.beta2.powi(self.step as i32))) as f32;
-        let decay = (1.0 - c.lr * c.weight_decay) as f32;
-        let (lr, eps) = (c.lr as f32, c.eps as f32);
-        for ((u, m), v) in model
-            .units_mut()
-            .iter_mut()
-            .zip(&mut self.exp_avg)
-            .zip(&mut self.exp_avg_sq)
-        {
-            let Some(g) = &u.flat.grad else { continue };
-            for (((p, &g), m), v) in u.flat.shard.iter_mut().zip(g).zip(m).zip(v) {
-                *m = *m * b1 + g * one_b1;
-                *v = *v * b2 + (g * g) * one_b2;
-                let m_hat = *m * scale_m;
-                let v_hat = *v * scale_v;
-                *p *= decay;
-                *p -= (m_hat / (v_hat.sqrt() + eps)) * lr;
+        let h = self.config.hyper(self.step);
+        for ((v, m), s) in model.shards().zip(&self.exp_avg).zip(&self.exp_avg_sq) {
+            if let Some(g) = v.grad {
+                ops::adamw_step(v.param, g, m, s, &h)?;
             }
         }
         Ok(())
@@ -191,20 +231,24 @@ impl ShardedOptimizer for AdamW {
         self.config.lr = lr;
     }
 
-    fn state(&self) -> OptimizerState {
+    fn state(&self) -> Result<OptimizerState> {
         let mut buffers = BTreeMap::new();
-        export("exp_avg", &self.exp_avg, &mut buffers);
-        export("exp_avg_sq", &self.exp_avg_sq, &mut buffers);
-        OptimizerState {
+        export("exp_avg", &self.exp_avg, &mut buffers)?;
+        export("exp_avg_sq", &self.exp_avg_sq, &mut buffers)?;
+        Ok(OptimizerState {
             step: self.step,
             buffers,
-        }
+        })
     }
 
-    fn load_state(&mut self, state: OptimizerState) {
+    fn load_state(&mut self, mut state: OptimizerState) -> Result<()> {
+        // Release the old state before the new one is taken over.
+        self.exp_avg.clear();
+        self.exp_avg_sq.clear();
         self.step = state.step;
-        self.exp_avg = import("exp_avg", &state);
-        self.exp_avg_sq = import("exp_avg_sq", &state);
+        self.exp_avg = import("exp_avg", &mut state)?;
+        self.exp_avg_sq = import("exp_avg_sq", &mut state)?;
+        Ok(())
     }
 }
 
@@ -237,15 +281,18 @@ impl Default for SgdConfig {
 
 /// Sharded SGD with momentum, PyTorch's algorithm (`torch.optim.SGD` docs):
 /// `g ← g + λθ`; `b ← g` at the first step, else `b ← μ b + (1 − τ) g`; `g ← g + μ b` if
-/// Nesterov else `g ← b`; `θ ← θ − lr · g`.
-#[derive(Debug, Clone)]
+/// Nesterov else `g ← b`; `θ ← θ − lr · g`, in f32 ([`ops::sgd_step`]). Momentum buffers: one
+/// f32 tensor per unit shard on its device, only with momentum ≠ 0.
+///
+/// Not `Clone`, for the reason given at [`AdamW`].
+#[derive(Debug)]
 pub struct Sgd {
     /// Hyper-parameters.
     pub config: SgdConfig,
     /// Momentum buffers, one per unit shard (empty until the first step with momentum).
-    pub momentum_buffer: Vec<Vec<f32>>,
+    momentum_buffer: Vec<Tensor>,
     /// Steps taken.
-    pub step: u64,
+    step: u64,
 }
 
 impl Sgd {
@@ -257,15 +304,35 @@ impl Sgd {
             step: 0,
         }
     }
+
+    /// Bytes of optimizer state held by this rank.
+    pub fn state_bytes(&self) -> usize {
+        4 * self
+            .momentum_buffer
+            .iter()
+            .map(Tensor::elem_count)
+            .sum::<usize>()
+    }
 }
 
 impl ShardedOptimizer for Sgd {
+    fn state_bytes(&self) -> usize {
+        Self::state_bytes(self)
+    }
+
     fn step(&mut self, model: &mut FsdpModel) -> Result<()> {
-        let _span = model.span(crate::trace::SpanKind::OptimizerStep, || {
+        let _span = model.span(SpanKind::OptimizerStep, || {
             "FSDP::optimizer_step".to_string()
         });
         let c = self.config;
-        let first = self.step == 0;
+        let h = SgdHyper {
+            lr: c.lr as f32,
+            momentum: c.momentum as f32,
+            one_minus_dampening: (1.0 - c.dampening) as f32,
+            weight_decay: c.weight_decay as f32,
+            nesterov: c.nesterov,
+            first_step: self.step == 0,
+        };
         if c.momentum != 0.0 {
             ensure_state(
                 &mut self.momentum_buffer,
@@ -275,25 +342,10 @@ impl ShardedOptimizer for Sgd {
             )?;
         }
         self.step += 1;
-        let (lr, mu, damp, wd) = (
-            c.lr as f32,
-            c.momentum as f32,
-            (1.0 - c.dampening) as f32,
-            c.weight_decay as f32,
-        );
-        for (i, u) in model.units_mut().iter_mut().enumerate() {
-            let Some(grad) = &u.flat.grad else { continue };
-            for (j, (p, &g)) in u.flat.shard.iter_mut().zip(grad).enumerate() {
-                let mut d = g;
-                if wd != 0.0 {
-                    d += wd * *p;
-                }
-                if mu != 0.0 {
-                    let b = &mut self.momentum_buffer[i][j];
-                    *b = if first { d } else { mu * *b + damp * d };
-                    d = if c.nesterov { d + mu * *b } else { *b };
-                }
-                *p -= lr * d;
+        for v in model.shards() {
+            if let Some(g) = v.grad {
+                let buf = self.momentum_buffer.get(v.unit_index);
+                ops::sgd_step(v.param, g, buf.filter(|_| h.momentum != 0.0), &h)?;
             }
         }
         Ok(())
@@ -307,17 +359,19 @@ impl ShardedOptimizer for Sgd {
         self.config.lr = lr;
     }
 
-    fn state(&self) -> OptimizerState {
+    fn state(&self) -> Result<OptimizerState> {
         let mut buffers = BTreeMap::new();
-        export("momentum_buffer", &self.momentum_buffer, &mut buffers);
-        OptimizerState {
+        export("momentum_buffer", &self.momentum_buffer, &mut buffers)?;
+        Ok(OptimizerState {
             step: self.step,
             buffers,
-        }
+        })
     }
 
-    fn load_state(&mut self, state: OptimizerState) {
+    fn load_state(&mut self, mut state: OptimizerState) -> Result<()> {
+        self.momentum_buffer.clear();
         self.step = state.step;
-        self.momentum_buffer = import("momentum_buffer", &state);
+        self.momentum_buffer = import("momentum_buffer", &mut state)?;
+        Ok(())
     }
 }

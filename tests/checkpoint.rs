@@ -57,8 +57,8 @@ fn model(pg: Arc<dyn ProcessGroup>) -> candle_fsdp::Result<FsdpModel> {
 
 /// Sets every buffer to values that depend on its name only (as training would change them).
 fn set_buffers(model: &FsdpModel) -> candle_fsdp::Result<()> {
-    for u in model.units() {
-        for (name, var) in &u.buffers {
+    for u in model.shards() {
+        for (name, var) in u.buffers {
             let n = var.elem_count();
             let v: Vec<f32> = (0..n).map(|i| 0.01 * (i + name.len()) as f32).collect();
             var.set(&Tensor::from_vec(v, var.shape(), &Device::Cpu)?.to_dtype(var.dtype())?)?;
@@ -69,8 +69,7 @@ fn set_buffers(model: &FsdpModel) -> candle_fsdp::Result<()> {
 
 fn buffers(model: &FsdpModel) -> Vec<(String, Vec<f32>)> {
     model
-        .units()
-        .iter()
+        .shards()
         .flat_map(|u| {
             u.buffers
                 .iter()
@@ -102,7 +101,7 @@ fn train(
 }
 
 fn shards(model: &FsdpModel) -> Vec<Vec<f32>> {
-    model.units().iter().map(|u| u.flat.shard.clone()).collect()
+    model.shards().map(|u| to_vec(u.param)).collect()
 }
 
 fn at_step(step: u64) -> TrainState {
@@ -118,11 +117,10 @@ type RankView = (Vec<Vec<f32>>, OptimizerState, Vec<(usize, usize)>);
 fn view(model: &FsdpModel, opt: &AdamW) -> RankView {
     (
         shards(model),
-        opt.state(),
+        opt.state().unwrap(),
         model
-            .units()
-            .iter()
-            .map(|u| (u.flat.layout.unpadded_numel, u.flat.layout.shard_numel))
+            .shards()
+            .map(|u| (u.layout.unpadded_numel, u.layout.shard_numel))
             .collect(),
     )
 }
@@ -187,7 +185,7 @@ fn sharded_round_trip_at_world_sizes_1_to_4() {
             train(&mut m, &mut opt, &data)?;
             set_buffers(&m)?;
             let path = save_sharded(&dir, &m, &opt, &state, 0)?;
-            Ok((path, shards(&m), opt.state(), buffers(&m)))
+            Ok((path, shards(&m), opt.state()?, buffers(&m)))
         })
         .unwrap();
         let path = saved[0].0.clone();
@@ -216,7 +214,7 @@ fn sharded_round_trip_at_world_sizes_1_to_4() {
             let mut m = model_from(pg, specs(), 99, ShardingStrategy::FullShard)?;
             let mut opt = AdamW::new(AdamWConfig::default());
             let l = load_latest(&dir, &mut m, &mut opt)?.expect("a checkpoint");
-            Ok((l, shards(&m), opt.state(), buffers(&m)))
+            Ok((l, shards(&m), opt.state()?, buffers(&m)))
         })
         .unwrap();
         for (r, (s, l)) in saved.iter().zip(&loaded).enumerate() {
@@ -259,21 +257,18 @@ fn reshard_case(from: usize, sa: ShardingStrategy, to: usize, sb: ShardingStrate
         // Bytes of this rank's new shard: the parameter elements it holds, once for the
         // parameters and once per optimizer buffer kind, plus the buffers (read by every rank).
         let own: usize = m
-            .units()
-            .iter()
+            .shards()
             .map(|u| {
-                u.flat
-                    .layout
-                    .shard_table(u.flat.shard_index)
+                u.layout
+                    .shard_table(u.shard_index)
                     .iter()
                     .map(|e| e.numel_in_shard)
                     .sum::<usize>()
             })
             .sum();
         let buf_bytes = 4 * m
-            .units()
-            .iter()
-            .flat_map(|u| &u.buffers)
+            .shards()
+            .flat_map(|u| u.buffers)
             .map(|(_, v)| v.elem_count())
             .sum::<usize>();
         assert_eq!(
@@ -344,7 +339,7 @@ fn resume_is_bitwise_equal_to_training_straight_through() {
             let mut m = model(pg)?;
             let mut opt = AdamW::new(AdamWConfig::default());
             train(&mut m, &mut opt, &data)?;
-            Ok((shards(&m), opt.state()))
+            Ok((shards(&m), opt.state()?))
         })
         .unwrap();
         // N steps, save; a fresh group loads and trains M steps.
@@ -352,7 +347,7 @@ fn resume_is_bitwise_equal_to_training_straight_through() {
             let mut m = model(pg)?;
             let mut opt = AdamW::new(AdamWConfig::default());
             train(&mut m, &mut opt, first)?;
-            save_sharded(&dir, &m, &opt, &at_step(opt.state().step), 0)?;
+            save_sharded(&dir, &m, &opt, &at_step(opt.state()?.step), 0)?;
             Ok(())
         })
         .unwrap();
@@ -363,7 +358,7 @@ fn resume_is_bitwise_equal_to_training_straight_through() {
             assert_eq!(loaded.meta.train.step, 3);
             assert_eq!(loaded.meta.world_size, ws);
             train(&mut m, &mut opt, rest)?;
-            Ok((shards(&m), opt.state()))
+            Ok((shards(&m), opt.state()?))
         })
         .unwrap();
         assert_eq!(resumed, straight, "ws {ws}");
@@ -398,7 +393,7 @@ fn failed_save_keeps_the_previous_checkpoint_and_rotation_keeps_last_k() {
         let mut opt = AdamW::new(AdamWConfig::default());
         for step in 0..4 {
             train(&mut m, &mut opt, &data[step..step + 1])?;
-            save_sharded(&dir, &m, &opt, &at_step(opt.state().step), 2)?;
+            save_sharded(&dir, &m, &opt, &at_step(opt.state()?.step), 2)?;
         }
         Ok(())
     })
@@ -831,7 +826,7 @@ fn version_1_checkpoints_still_load() {
         let mut opt = AdamW::new(AdamWConfig::default());
         train(&mut m, &mut opt, &data)?;
         save_sharded(&dir, &m, &opt, &at_step(2), 0)?;
-        Ok((shards(&m), opt.state()))
+        Ok((shards(&m), opt.state()?))
     })
     .unwrap();
     // Rewrite meta.json the way version 1 wrote it.
@@ -863,7 +858,7 @@ fn version_1_checkpoints_still_load() {
         let l = load_sharded(&ckpt, &mut m, &mut opt)?;
         assert_eq!(l.meta.format_version, 1);
         assert_eq!(l.meta.train.step, 2);
-        Ok((shards(&m), opt.state()))
+        Ok((shards(&m), opt.state()?))
     })
     .unwrap();
     assert_eq!(loaded, saved);
@@ -925,7 +920,7 @@ fn mixed_precision_runs_resume_bitwise_with_bf16_buffers() {
         set_buffers(&m)?;
         let mut opt = AdamW::new(AdamWConfig::default());
         train(&mut m, &mut opt, &data)?;
-        Ok((shards(&m), opt.state(), buffers(&m)))
+        Ok((shards(&m), opt.state()?, buffers(&m)))
     })
     .unwrap();
     run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
@@ -946,9 +941,12 @@ fn mixed_precision_runs_resume_bitwise_with_bf16_buffers() {
         let mut m = build(pg)?;
         let mut opt = AdamW::new(AdamWConfig::default());
         load_latest(&dir, &mut m, &mut opt)?.expect("a checkpoint");
-        assert_eq!(m.units()[3].buffers[0].1.dtype(), candle_core::DType::BF16);
+        assert_eq!(
+            m.shard(3).unwrap().buffers[0].1.dtype(),
+            candle_core::DType::BF16
+        );
         train(&mut m, &mut opt, &data[2..])?;
-        Ok((shards(&m), opt.state(), buffers(&m)))
+        Ok((shards(&m), opt.state()?, buffers(&m)))
     })
     .unwrap();
     assert_eq!(resumed, straight);
@@ -998,14 +996,110 @@ fn an_optimizer_past_step_0_without_state_refuses_to_step() {
             step: 5,
             ..Default::default()
         };
-        for (i, u) in m.units().iter().enumerate() {
+        for (i, u) in m.shards().enumerate() {
             st.buffers
-                .insert(format!("exp_avg.{i}"), vec![0.0; u.flat.shard.len()]);
+                .insert(format!("exp_avg.{i}"), vec![0.0; u.layout.shard_numel]);
         }
-        opt.load_state(st);
+        opt.load_state(st)?;
         train(&mut m, &mut opt, &data)
     })
     .unwrap_err()
     .to_string();
     assert!(e.contains("step 5") && e.contains("exp_avg_sq"), "{e}");
+}
+
+#[test]
+fn the_accessor_shows_every_unit_and_loading_checks_each_unit_shard() {
+    run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let rank = pg.rank();
+        let mut m = model(pg)?;
+        let names: Vec<String> = m.shards().map(|v| v.unit_name.to_string()).collect();
+        assert_eq!(names, ["flatten", "fc1", "fc2", "shift", "head", "scale"]);
+        assert!(m.shards().enumerate().all(|(k, v)| v.unit_index == k));
+        // fc1: weight 13×20 at 0, bias 13 at 260 → 273 elements, padded to 274, shards of 137.
+        let fc1 = m.shard(1).unwrap();
+        assert_eq!(
+            (
+                fc1.layout.padded_numel,
+                fc1.layout.shard_numel,
+                fc1.shard_index
+            ),
+            (274, 137, rank)
+        );
+        assert_eq!(fc1.param.dims(), [137]);
+        assert!(fc1.grad.is_none() && fc1.buffers.is_empty());
+        assert_eq!(m.shard(0).unwrap().param.dims(), [0]);
+        assert_eq!(m.shard(3).unwrap().buffers[0].0, "shift.running_mean");
+        assert!(m.shard(6).is_none());
+        // Loading re-checks the length; the error names the unit, expected and found.
+        let short = Tensor::zeros(136, candle_core::DType::F32, &Device::Cpu)?;
+        let e = m.set_unit_shard(1, short).unwrap_err().to_string();
+        assert!(
+            e.contains("unit fc1") && e.contains("137 elements") && e.contains("[136]"),
+            "{e}"
+        );
+        let e = m
+            .set_unit_grad(
+                2,
+                Some(Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu)?),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unit fc2") && e.contains("50 elements"), "{e}");
+        let e = m
+            .set_unit_shard(9, Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)?)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unit index 9 out of range: the model has 6"),
+            "{e}"
+        );
+        // A good shard replaces the old one and the accessor shows it; the gradient likewise.
+        let new: Vec<f32> = (0..137).map(|i| i as f32 * 0.5).collect();
+        m.set_unit_shard(1, Tensor::from_vec(new.clone(), 137, &Device::Cpu)?)?;
+        assert_eq!(to_vec(m.shard(1).unwrap().param), new);
+        m.set_unit_grad(
+            2,
+            Some(Tensor::ones(50, candle_core::DType::F32, &Device::Cpu)?),
+        )?;
+        assert_eq!(to_vec(m.shard(2).unwrap().grad.unwrap()), vec![1.0; 50]);
+        assert_eq!(
+            m.memory_stats().sharded_bytes,
+            4 * 50 + shards(&m).iter().map(|s| 4 * s.len()).sum::<usize>()
+        );
+        m.zero_grad();
+        assert!(m.shards().all(|v| v.grad.is_none()));
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn loaded_optimizer_state_of_the_wrong_length_is_refused_at_the_step() {
+    let data = batches(1, 8, 4);
+    let e = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let mut st = OptimizerState {
+            step: 1,
+            ..Default::default()
+        };
+        for (i, u) in m.shards().enumerate() {
+            // fc1's buffers one element short.
+            let n = u.layout.shard_numel - usize::from(u.unit_name == "fc1");
+            st.buffers.insert(format!("exp_avg.{i}"), vec![0.0; n]);
+            st.buffers.insert(format!("exp_avg_sq.{i}"), vec![0.0; n]);
+        }
+        opt.load_state(st)?;
+        let before = shards(&m);
+        let r = train(&mut m, &mut opt, &data);
+        assert_eq!(shards(&m), before, "nothing stepped");
+        r
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("optimizer state exp_avg of unit fc1 has 136 elements, its shard 137"),
+        "{e}"
+    );
 }

@@ -45,8 +45,8 @@ fn model(pg: Arc<dyn ProcessGroup>, seed: u64) -> candle_fsdp::Result<FsdpModel>
 }
 
 fn set_buffers(model: &FsdpModel) -> candle_fsdp::Result<()> {
-    for u in model.units() {
-        for (name, var) in &u.buffers {
+    for u in model.shards() {
+        for (name, var) in u.buffers {
             let v: Vec<f32> = (0..var.elem_count())
                 .map(|i| 0.01 * (i + name.len()) as f32)
                 .collect();
@@ -87,21 +87,18 @@ fn gathered(model: &mut FsdpModel) -> candle_fsdp::Result<Vec<(String, Vec<f32>)
 /// times `elem` bytes) plus every buffer (f32).
 fn own_bytes(model: &FsdpModel, elem: usize) -> u64 {
     let own: usize = model
-        .units()
-        .iter()
+        .shards()
         .map(|u| {
-            u.flat
-                .layout
-                .shard_table(u.flat.shard_index)
+            u.layout
+                .shard_table(u.shard_index)
                 .iter()
                 .map(|e| e.numel_in_shard)
                 .sum::<usize>()
         })
         .sum();
     let bufs: usize = model
-        .units()
-        .iter()
-        .flat_map(|u| &u.buffers)
+        .shards()
+        .flat_map(|u| u.buffers)
         .map(|(_, v)| v.elem_count())
         .sum();
     (elem * own + elem * bufs) as u64

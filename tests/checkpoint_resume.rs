@@ -103,12 +103,15 @@ fn run(ws: usize, root: &Path, resume: bool, stop_at: Option<u64>) -> Vec<Outcom
                         ..Default::default()
                     };
                     save_sharded(root, &model, &opt, &state, 0)?;
-                    return Ok((Vec::new(), opt.state()));
+                    return Ok((Vec::new(), opt.state()?));
                 }
             }
         }
-        let shards = model.units().iter().map(|u| u.flat.shard.clone()).collect();
-        Ok((shards, opt.state()))
+        let shards = model
+            .shards()
+            .map(|u| u.param.to_vec1::<f32>())
+            .collect::<candle_core::Result<_>>()?;
+        Ok((shards, opt.state()?))
     })
     .unwrap()
 }

@@ -1,7 +1,8 @@
 //! FlatParameter layout and sharding: alignment, padding, the shard table, and the edge cases
-//! (numel not divisible by world size, a unit without parameters, world size above numel).
+//! (numel not divisible by world size, a unit without parameters, world size above numel); the
+//! device-resident shard and gradient: accumulation in place, setters that check what they get.
 
-use candle_core::Shape;
+use candle_core::{DType, Device, Shape, Tensor};
 use candle_fsdp::flat_param::{FlatParamLayout, FlatParameter, ALIGN_ELEMS};
 
 fn layout(shapes: &[&[usize]], ws: usize) -> FlatParamLayout {
@@ -67,8 +68,12 @@ fn unit_without_parameters() {
     let l = layout(&[], 3);
     assert_eq!((l.padded_numel, l.shard_numel), (0, 0));
     assert!(l.shard_table(2).is_empty());
-    let f = FlatParameter::from_fn(l, 2, |_, _, _| unreachable!("nothing to fill")).unwrap();
-    assert!(f.shard.is_empty());
+    let f = FlatParameter::from_fn(l, 2, &Device::Cpu, |_, _, _| {
+        unreachable!("nothing to fill")
+    })
+    .unwrap();
+    assert_eq!(f.shard().dims(), [0]);
+    assert_eq!(f.sharded_bytes(), 0);
 }
 
 #[test]
@@ -92,12 +97,15 @@ fn shards_hold_the_right_values_and_zero_padding() {
     ];
     let mut flat = Vec::new();
     for r in 0..3 {
-        let f = FlatParameter::from_fn(l.clone(), r, |i, range, out| {
+        let f = FlatParameter::from_fn(l.clone(), r, &Device::Cpu, |i, range, out| {
             out.copy_from_slice(&values[i][range]);
             Ok(())
         })
         .unwrap();
-        flat.extend(f.shard);
+        assert_eq!((f.shard_index(), f.shard().dtype()), (r, DType::F32));
+        assert_eq!(f.shard().dims(), [5]);
+        assert!(f.grad().is_none());
+        flat.extend(f.shard().to_vec1::<f32>().unwrap());
     }
     let mut expected = vec![0.0f32; 15];
     expected[..9].copy_from_slice(&values[0]);
@@ -115,4 +123,110 @@ fn errors_name_the_problem() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("w is registered twice"), "{e}");
+}
+
+/// A 2-rank FlatParameter of one 3-element parameter (shard 1: elements 2 and the padding 3).
+fn small() -> FlatParameter {
+    let l = layout(&[&[3]], 2);
+    FlatParameter::from_fn(l, 1, &Device::Cpu, |_, range, out| {
+        for (o, i) in out.iter_mut().zip(range) {
+            *o = 10.0 + i as f32;
+        }
+        Ok(())
+    })
+    .unwrap()
+}
+
+fn vec1(t: &Tensor) -> Vec<f32> {
+    t.to_vec1::<f32>().unwrap()
+}
+
+#[test]
+fn gradients_accumulate_in_place_and_widen_half_precision() {
+    let mut f = small();
+    assert_eq!(vec1(f.shard()), [12.0, 0.0]);
+    assert_eq!(f.sharded_bytes(), 8);
+    f.accumulate_grad(Tensor::new(&[0.5f32, -1.0], &Device::Cpu).unwrap())
+        .unwrap();
+    assert_eq!(f.sharded_bytes(), 16);
+    // Hold the gradient tensor: later accumulations write into its storage (no new tensor).
+    let held = f.grad().unwrap().clone();
+    f.accumulate_grad(Tensor::new(&[0.25f32, 3.0], &Device::Cpu).unwrap())
+        .unwrap();
+    assert_eq!(vec1(&held), [0.75, 2.0]);
+    // bf16 and f16 are widened exactly (0.1 in bf16 is 205 / 2048).
+    let bf = Tensor::new(&[0.1f32, 1.0], &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    f.accumulate_grad(bf).unwrap();
+    assert_eq!(vec1(&held), [0.75 + (205.0 / 2048.0), 3.0]);
+    let h = Tensor::new(&[1.0f32, 0.5], &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    f.accumulate_grad(h).unwrap();
+    assert_eq!(vec1(f.grad().unwrap()), [1.75 + (205.0 / 2048.0), 3.5]);
+    f.clear_grad();
+    assert!(f.grad().is_none());
+    assert_eq!(f.sharded_bytes(), 8);
+    // A first gradient in bf16 becomes an f32 gradient.
+    let bf = Tensor::new(&[2.0f32, 4.0], &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    f.accumulate_grad(bf).unwrap();
+    assert_eq!(f.grad().unwrap().dtype(), DType::F32);
+    assert_eq!(vec1(f.grad().unwrap()), [2.0, 4.0]);
+}
+
+#[test]
+fn setters_check_length_dtype_and_name_expected_and_found() {
+    let mut f = small();
+    let e = f
+        .set_shard(Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("shard") && e.contains("2 elements") && e.contains("[3]"),
+        "{e}"
+    );
+    let e = f
+        .set_shard(Tensor::zeros(2, DType::BF16, &Device::Cpu).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("f32") && e.contains("BF16"), "{e}");
+    let e = f
+        .set_grad(Some(
+            Tensor::zeros((1, 2), DType::F32, &Device::Cpu).unwrap(),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("gradient shard") && e.contains("[1, 2]"), "{e}");
+    let e = f
+        .accumulate_grad(Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("expected 2 elements") && e.contains("found 5"),
+        "{e}"
+    );
+    let e = f
+        .accumulate_grad(Tensor::zeros(2, DType::U32, &Device::Cpu).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("U32"), "{e}");
+    // Nothing changed by the refused calls.
+    assert_eq!(vec1(f.shard()), [12.0, 0.0]);
+    assert!(f.grad().is_none());
+    f.set_shard(Tensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap())
+        .unwrap();
+    f.set_grad(Some(Tensor::new(&[3.0f32, 4.0], &Device::Cpu).unwrap()))
+        .unwrap();
+    assert_eq!(
+        (vec1(f.shard()), vec1(f.grad().unwrap())),
+        (vec![1.0, 2.0], vec![3.0, 4.0])
+    );
+    f.set_grad(None).unwrap();
+    assert!(f.grad().is_none());
 }

@@ -38,7 +38,8 @@ fn a_random_unit_kept_unsharded_gets_the_gradient_of_its_own_forward() {
         let out = m.forward(&x)?;
         m.backward(&out.sum_all()?)?;
         let out: Vec<f32> = out.flatten_all()?.to_vec1()?;
-        Ok((out, m.units()[0].flat.grad.clone().unwrap()))
+        let grad = m.shard(0).unwrap().grad.unwrap().to_vec1::<f32>()?;
+        Ok((out, grad))
     })
     .unwrap()
     .remove(0);

@@ -115,7 +115,9 @@ fn inf_on_one_rank_makes_every_rank_skip_and_halve_the_scale() {
             ..Default::default()
         })?;
         let shards = |m: &FsdpModel| -> Vec<Vec<f32>> {
-            m.units().iter().map(|u| u.flat.shard.clone()).collect()
+            m.shards()
+                .map(|u| u.param.to_vec1::<f32>().unwrap())
+                .collect()
         };
         let mut out = Vec::new();
         for (step, (x, y)) in data.iter().enumerate() {
@@ -126,12 +128,8 @@ fn inf_on_one_rank_makes_every_rank_skip_and_halve_the_scale() {
             m.backward(&scaler.scale_loss(&loss)?)?;
             if step == 0 && rank == 1 {
                 // Inject an overflow into one element of one rank's gradient shard.
-                let g = m.units_mut()[1]
-                    .flat
-                    .grad
-                    .as_mut()
-                    .expect("fc1 has a gradient");
-                g[0] = f32::INFINITY;
+                let g = m.shard(1).unwrap().grad.expect("fc1 has a gradient");
+                g.slice_set(&Tensor::new(&[f32::INFINITY], g.device())?, 0, 0)?;
             }
             let before = shards(&m);
             let stepped = scaler.step(&mut m, &mut opt)?;
@@ -303,11 +301,7 @@ fn gradient_accumulation_equals_one_large_batch_step_both_ways() {
                             let yi = y.narrow(0, i * micro, micro)?;
                             let loss = candle_nn::loss::cross_entropy(&m.forward(&xi)?, &yi)?;
                             m.backward(&(loss / k as f64)?)?;
-                            let held: usize = m
-                                .units()
-                                .iter()
-                                .map(|u| u.unsharded_grad.as_ref().map_or(0, |g| g.len()))
-                                .sum();
+                            let held = m.memory_stats().unsharded_grad_bytes / 4;
                             peak_unsharded_grad = peak_unsharded_grad.max(held);
                         }
                     }

@@ -67,7 +67,10 @@ fn run(
             m.zero_grad();
         }
         let spans = m.tracer().unwrap().spans();
-        let shards: Vec<Vec<f32>> = m.units().iter().map(|u| u.flat.shard.clone()).collect();
+        let shards: Vec<Vec<f32>> = m
+            .shards()
+            .map(|u| u.param.to_vec1::<f32>())
+            .collect::<candle_core::Result<_>>()?;
         Ok((spans, shards, m.memory_stats().peak_unsharded_units))
     })
     .unwrap();

@@ -53,14 +53,12 @@ fn fsdp_grads(
         let out = model.forward(&(case.input)())?;
         model.backward(&loss(&out)?)?;
         let mut grads = Vec::new();
-        for u in model.units() {
-            let layout = u.flat().layout.clone();
-            let g = u
-                .flat()
-                .grad
-                .clone()
-                .unwrap_or_else(|| vec![0.0; layout.shard_numel]);
-            grads.push((layout, u.flat().shard_index, g));
+        for v in model.shards() {
+            let g = match v.grad {
+                Some(g) => g.to_vec1::<f32>()?,
+                None => vec![0.0; v.layout.shard_numel],
+            };
+            grads.push((v.layout.clone(), v.shard_index, g));
         }
         Ok(grads)
     })
@@ -305,7 +303,8 @@ fn dropout_step(checkpoint: bool) -> (Vec<f32>, Vec<f32>) {
         let out = m.forward(&x)?;
         m.backward(&out.sum_all()?)?;
         let out: Vec<f32> = out.flatten_all()?.to_vec1()?;
-        Ok((out, m.units()[0].flat().grad.clone().unwrap()))
+        let grad = m.shard(0).unwrap().grad.unwrap().to_vec1::<f32>()?;
+        Ok((out, grad))
     })
     .unwrap()
     .remove(0)

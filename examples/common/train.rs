@@ -420,13 +420,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
     /// Rank 0's summary: training memory, peak RSS, the grad scaler.
     fn report(&self, train_mem: Option<MemoryStats>) {
         if let Some(m) = train_mem {
-            let optimizer_bytes: usize = self
-                .optim
-                .state()
-                .buffers
-                .values()
-                .map(|b| 4 * b.len())
-                .sum();
+            let optimizer_bytes = self.optim.state_bytes();
             println!(
                 "rank 0 training memory: sharded state {} B (+ optimizer {} B), peak unsharded \
                  parameters {} B, at most {} unit(s) unsharded at once",

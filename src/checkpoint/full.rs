@@ -6,56 +6,56 @@
 //! `format = candle-fsdp/full`, `format_version` and `dtype = F32`; a loader ignores it, so any
 //! safetensors file with the right names and shapes (a pretrained model) loads as well.
 
-use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 use safetensors::Dtype;
 
 use super::io::{candle_dtype, st_dtype, MappedFile, SafetensorsWriter, TensorSpec};
 use super::{agree, ReadStats, FORMAT_VERSION};
 use crate::comm::{CommBuffer, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::flat_param::FlatParameter;
 use crate::fsdp::{FsdpConfig, FsdpModel};
+use crate::ops::with_host_f32;
+use crate::shard_view::ShardView;
 use crate::unit::{record_unit, UnitSpec};
 
 /// Value of the `format` entry of a full state-dict file's safetensors metadata.
 pub const FULL_FORMAT: &str = "candle-fsdp/full";
 
-/// The full f32 flat buffer of one unit (a collective all-gather unless the unit is not
-/// sharded). Every rank holds it until the caller drops it: one unit, never the model.
-pub(crate) fn gather_f32<'a>(
-    pg: &dyn ProcessGroup,
-    flat: &'a FlatParameter,
-) -> Result<Cow<'a, [f32]>> {
-    let l = &flat.layout;
+/// The full f32 flat buffer of one unit, `padded_numel` elements on the shard's device (a
+/// collective all-gather unless the unit is not sharded: then the shard itself, not a copy).
+/// Every rank holds it until the caller drops it: one unit, never the model.
+pub(crate) fn gather_f32(pg: &dyn ProcessGroup, unit: &ShardView) -> Result<Tensor> {
+    let l = unit.layout;
     if l.world_size == 1 || l.padded_numel == 0 {
-        return Ok(Cow::Borrowed(&flat.shard));
+        return Ok(unit.param.clone());
     }
-    let out = pg
-        .all_gather(
-            CommBuffer::F32(flat.shard.clone()),
-            CommBuffer::F32(vec![0.0; l.padded_numel]),
-        )
+    let input = with_host_f32(unit.param, |s| CommBuffer::F32(s.to_vec()))?;
+    let out = all_gather_f32(pg, input, l.padded_numel)?;
+    Ok(Tensor::from_vec(out, l.padded_numel, unit.param.device())?)
+}
+
+/// All-gather of f32 values into `n` elements (the one collective of a full save).
+fn all_gather_f32(pg: &dyn ProcessGroup, input: CommBuffer, n: usize) -> Result<Vec<f32>> {
+    pg.all_gather(input, CommBuffer::F32(vec![0.0; n]))
         .wait()?
-        .into_f32()?;
-    Ok(Cow::Owned(out))
+        .into_f32()
 }
 
 fn full_specs(model: &FsdpModel) -> Result<Vec<TensorSpec>> {
     let mut specs = Vec::new();
-    for u in model.units() {
-        for p in &u.flat.layout.params {
+    for u in model.shards() {
+        for p in &u.layout.params {
             specs.push(TensorSpec {
                 name: p.name.clone(),
                 dtype: Dtype::F32,
                 shape: p.shape.dims().to_vec(),
             });
         }
-        for (name, var) in &u.buffers {
+        for (name, var) in u.buffers {
             specs.push(TensorSpec {
                 name: name.clone(),
                 dtype: st_dtype(var.dtype())?,
@@ -95,14 +95,17 @@ pub fn save_full(path: &Path, model: &FsdpModel) -> Result<Option<u64>> {
     }
     agree(pg.as_ref(), "saving the full state dict", path, local)?;
     let mut local = Ok(());
-    for u in model.units() {
-        let full = gather_f32(pg.as_ref(), &u.flat)?;
+    for u in model.shards() {
+        let full = gather_f32(pg.as_ref(), &u)?;
         if let Some(w) = writer.as_mut() {
             let written = (|| -> Result<()> {
-                for p in &u.flat.layout.params {
-                    w.write_f32(&p.name, &full[p.offset..p.offset + p.numel])?;
-                }
-                for (name, var) in &u.buffers {
+                with_host_f32(&full, |full| -> Result<()> {
+                    for p in &u.layout.params {
+                        w.write_f32(&p.name, &full[p.offset..p.offset + p.numel])?;
+                    }
+                    Ok(())
+                })??;
+                for (name, var) in u.buffers {
                     w.write_tensor(name, var.as_tensor())?;
                 }
                 Ok(())
@@ -134,15 +137,15 @@ struct Expected {
 
 fn expected_of_model(model: &FsdpModel) -> Vec<Expected> {
     let mut out = Vec::new();
-    for u in model.units() {
-        for p in &u.flat.layout.params {
+    for u in model.shards() {
+        for p in &u.layout.params {
             out.push(Expected {
                 name: p.name.clone(),
                 shape: p.shape.dims().to_vec(),
                 what: "parameter",
             });
         }
-        for (name, var) in &u.buffers {
+        for (name, var) in u.buffers {
             out.push(Expected {
                 name: name.clone(),
                 shape: var.dims().to_vec(),
@@ -226,8 +229,8 @@ fn list(items: &[String]) -> String {
 
 fn load_buffers(file: &MappedFile, model: &FsdpModel, stats: &mut ReadStats) -> Result<()> {
     let device = model.config().device.clone();
-    for u in model.units() {
-        for (name, var) in &u.buffers {
+    for u in model.shards() {
+        for (name, var) in u.buffers {
             let t = file.read_tensor(name, var.dtype(), &device, stats)?;
             var.set(&t)?;
         }
@@ -258,15 +261,19 @@ pub fn load_full(path: &Path, model: &mut FsdpModel) -> Result<ReadStats> {
     };
     agree(pg.as_ref(), "loading the full state dict", path, local)?;
     let file = file.expect("checked on every rank");
-    for u in model.units_mut() {
-        let layout = &u.flat.layout;
+    let device = model.config().device.clone();
+    let units = model.shards().len();
+    for k in 0..units {
+        let u = model.shard(k).expect("k < number of units");
+        let layout = u.layout;
         let mut shard = vec![0.0f32; layout.shard_numel];
-        for e in layout.shard_table(u.flat.shard_index) {
+        for e in layout.shard_table(u.shard_index) {
             let p = &layout.params[e.param_index];
             let out = &mut shard[e.offset_in_shard..e.offset_in_shard + e.numel_in_shard];
             file.read_f32(&p.name, e.range_in_param.clone(), out, &mut stats)?;
         }
-        u.flat.shard = shard;
+        let n = shard.len();
+        model.set_unit_shard(k, Tensor::from_vec(shard, n, &device)?)?;
     }
     load_buffers(&file, model, &mut stats)?;
     model.zero_grad();

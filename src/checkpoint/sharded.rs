@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use candle_core::Tensor;
 use safetensors::Dtype;
 
 use super::io::{st_dtype, sync_dir, MappedFile, SafetensorsWriter, TensorSpec};
@@ -25,7 +26,9 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::fsdp::FsdpModel;
+use crate::ops::with_host_f32;
 use crate::optim::{OptimizerState, ShardedOptimizer};
+use crate::shard_view::ShardView;
 
 /// Value of the `format` entry of a shard file's safetensors metadata.
 pub const SHARDED_FORMAT: &str = "candle-fsdp/sharded";
@@ -38,12 +41,11 @@ pub fn shard_file_name(rank: usize, world_size: usize) -> String {
 
 fn unit_metas(model: &FsdpModel) -> Result<Vec<UnitMeta>> {
     model
-        .units()
-        .iter()
+        .shards()
         .map(|u| {
-            let l = &u.flat.layout;
+            let l = u.layout;
             Ok(UnitMeta {
-                name: u.spec.name.clone(),
+                name: u.unit_name.to_string(),
                 dtype: "F32".into(),
                 world_size: l.world_size,
                 unpadded_numel: l.unpadded_numel,
@@ -77,7 +79,7 @@ fn unit_metas(model: &FsdpModel) -> Result<Vec<UnitMeta>> {
 
 /// Which optimizer buffers are laid out like a unit's shard (`<kind>.<unit>` of that length).
 fn classify_optim(model: &FsdpModel, state: &OptimizerState) -> Vec<OptimBufferMeta> {
-    let units = model.units();
+    let shard_numels: Vec<usize> = model.shards().map(|u| u.layout.shard_numel).collect();
     state
         .buffers
         .iter()
@@ -86,7 +88,7 @@ fn classify_optim(model: &FsdpModel, state: &OptimizerState) -> Vec<OptimBufferM
             unit: name
                 .rsplit_once('.')
                 .and_then(|(_, k)| k.parse::<usize>().ok())
-                .filter(|&k| k < units.len() && units[k].flat.shard.len() == v.len()),
+                .filter(|&k| shard_numels.get(k) == Some(&v.len())),
         })
         .collect()
 }
@@ -101,13 +103,13 @@ fn write_rank_file(
     rank: usize,
     ws: usize,
 ) -> Result<u64> {
-    let units = model.units();
+    let units: Vec<ShardView> = model.shards().collect();
     // Shard s of a unit lives in rank s's file; under NO_SHARD (one shard) only rank 0 has it.
-    let holds = |k: usize| units[k].flat.layout.world_size > rank;
+    let holds = |k: usize| units[k].layout.world_size > rank;
     let mut specs = Vec::new();
     for (k, u) in units.iter().enumerate() {
         if holds(k) {
-            specs.push(TensorSpec::f32(format!("param.{k}"), u.flat.shard.len()));
+            specs.push(TensorSpec::f32(format!("param.{k}"), u.layout.shard_numel));
         }
     }
     for b in obufs {
@@ -119,8 +121,8 @@ fn write_rank_file(
         }
     }
     if rank == 0 {
-        for u in units {
-            for (name, var) in &u.buffers {
+        for u in &units {
+            for (name, var) in u.buffers {
                 specs.push(TensorSpec {
                     name: format!("buffer.{name}"),
                     dtype: st_dtype(var.dtype())?,
@@ -138,7 +140,7 @@ fn write_rank_file(
     let mut w = SafetensorsWriter::create(path, specs, meta)?;
     for (k, u) in units.iter().enumerate() {
         if holds(k) {
-            w.write_f32(&format!("param.{k}"), &u.flat.shard)?;
+            with_host_f32(u.param, |s| w.write_f32(&format!("param.{k}"), s))??;
         }
     }
     for b in obufs {
@@ -147,8 +149,8 @@ fn write_rank_file(
         }
     }
     if rank == 0 {
-        for u in units {
-            for (name, var) in &u.buffers {
+        for u in &units {
+            for (name, var) in u.buffers {
                 w.write_tensor(&format!("buffer.{name}"), var.as_tensor())?;
             }
         }
@@ -263,12 +265,15 @@ pub fn save_sharded(
         &staging,
         prep,
     )?;
-    let ostate = optim.state();
-    let obufs = classify_optim(model, &ostate);
-    let optim_step = ostate.step;
     let file = staging.join(shard_file_name(rank, ws));
-    let written = write_rank_file(&file, model, &ostate, &obufs, rank, ws).map(|_| ());
-    drop(ostate);
+    let (written, obufs, optim_step) = match optim.state() {
+        Ok(ostate) => {
+            let obufs = classify_optim(model, &ostate);
+            let written = write_rank_file(&file, model, &ostate, &obufs, rank, ws).map(|_| ());
+            (written, obufs, ostate.step)
+        }
+        Err(e) => (Err(e), Vec::new(), 0),
+    };
     let cleanup = |staging: &Path| {
         if rank == 0 && !fault::crash_mode() {
             let _ = fs::remove_dir_all(staging);
@@ -410,14 +415,14 @@ impl Reader {
         // Names, shapes: parameters.
         let mut missing = Vec::new();
         let mut known = BTreeSet::new();
-        for u in model.units() {
-            for p in &u.flat.layout.params {
+        for u in model.shards() {
+            for p in &u.layout.params {
                 known.insert(p.name.as_str());
                 match saved.get(p.name.as_str()) {
                     None => missing.push(format!(
                         "{} (unit {}, shape {:?})",
                         p.name,
-                        u.spec.name,
+                        u.unit_name,
                         p.shape.dims()
                     )),
                     Some((_, sp)) if sp.shape != p.shape.dims() => {
@@ -435,12 +440,12 @@ impl Reader {
                     Some(_) => {}
                 }
             }
-            for (name, var) in &u.buffers {
+            for (name, var) in u.buffers {
                 known.insert(name.as_str());
                 match saved_bufs.get(name.as_str()) {
                     None => missing.push(format!(
                         "{name} (buffer of unit {}, shape {:?})",
-                        u.spec.name,
+                        u.unit_name,
                         var.dims()
                     )),
                     Some(b) if b.shape != var.dims() => {
@@ -497,11 +502,11 @@ impl Reader {
             ));
         }
         // Pieces of every new shard.
-        let mut plans = Vec::with_capacity(model.units().len());
-        for u in model.units() {
-            let layout = &u.flat.layout;
+        let mut plans = Vec::with_capacity(model.shards().len());
+        for u in model.shards() {
+            let layout = u.layout;
             let mut pieces = Vec::new();
-            for e in layout.shard_table(u.flat.shard_index) {
+            for e in layout.shard_table(u.shard_index) {
                 let p = &layout.params[e.param_index];
                 let (j, sp) = saved[p.name.as_str()];
                 let n = meta.units[j].shard_numel;
@@ -526,7 +531,7 @@ impl Reader {
         // Files: those holding a piece, rank 0's for buffers, this rank's for rank-local
         // optimizer buffers.
         let mut needed: BTreeSet<usize> = plans.iter().flatten().map(|p| p.file).collect();
-        let has_buffers = model.units().iter().any(|u| !u.buffers.is_empty());
+        let has_buffers = model.shards().any(|u| !u.buffers.is_empty());
         if has_buffers || meta.optimizer.is_none() {
             needed.insert(0);
         }
@@ -618,8 +623,8 @@ impl Reader {
             })?;
             f.check(&t, Dtype::F32, &info.shape.clone())?;
         }
-        for u in model.units() {
-            for (name, _) in &u.buffers {
+        for u in model.shards() {
+            for (name, _) in u.buffers {
                 let b = saved_bufs[name.as_str()];
                 let dtype: Dtype = serde_json::from_value(serde_json::Value::String(
                     b.dtype.clone(),
@@ -667,12 +672,14 @@ impl Reader {
         stats: &mut ReadStats,
     ) -> Result<()> {
         let rank = model.process_group().rank();
+        let device = model.config().device.clone();
         // Release the old optimizer state before the new one is allocated.
-        optim.load_state(OptimizerState::default());
+        optim.load_state(OptimizerState::default())?;
         let mut buffers = BTreeMap::new();
-        for (k, u) in model.units_mut().iter_mut().enumerate() {
-            let n = u.flat.layout.shard_numel;
-            u.flat.shard = self.fill(k, n, "param", stats)?;
+        let shard_numels: Vec<usize> = model.shards().map(|u| u.layout.shard_numel).collect();
+        for (k, &n) in shard_numels.iter().enumerate() {
+            let shard = self.fill(k, n, "param", stats)?;
+            model.set_unit_shard(k, Tensor::from_vec(shard, n, &device)?)?;
             for kind in &self.kinds {
                 buffers.insert(
                     format!("{kind}.{k}"),
@@ -688,9 +695,8 @@ impl Reader {
             f.read_f32(&t, 0..n, &mut v, stats)?;
             buffers.insert(name.clone(), v);
         }
-        let device = model.config().device.clone();
-        for u in model.units() {
-            for (name, var) in &u.buffers {
+        for u in model.shards() {
+            for (name, var) in u.buffers {
                 let t = self.files[&0].read_tensor(
                     &format!("buffer.{name}"),
                     var.dtype(),
@@ -703,7 +709,7 @@ impl Reader {
         optim.load_state(OptimizerState {
             step: self.optim_step,
             buffers,
-        });
+        })?;
         model.zero_grad();
         Ok(())
     }

@@ -12,6 +12,7 @@ use super::storage;
 use crate::comm::{CommBuffer, ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter};
+use crate::ops::with_host_f32;
 
 /// Issues the all-gather of `flat`'s shard in `dtype` (copy-in: the f32 master shard is cast to
 /// `dtype` first, so the wire carries `dtype`). When `real` is false (world size 1 or an empty
@@ -22,14 +23,14 @@ pub(crate) fn all_gather_shard(
     dtype: DType,
     real: bool,
 ) -> Work<CommBuffer> {
-    let input = match CommBuffer::from_f32(&flat.shard, dtype) {
-        Ok(b) => b,
-        Err(e) => return Work::ready(Err(e)),
+    let input = match with_host_f32(flat.shard(), |s| CommBuffer::from_f32(s, dtype)) {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) | Err(e) => return Work::ready(Err(e)),
     };
     if !real {
         return Work::ready(Ok(input));
     }
-    match CommBuffer::zeros(dtype, flat.layout.padded_numel) {
+    match CommBuffer::zeros(dtype, flat.layout().padded_numel) {
         Ok(out) => pg.all_gather(input, out),
         Err(e) => Work::ready(Err(e)),
     }
@@ -151,11 +152,15 @@ pub(crate) fn reduce_grads(
     }
 }
 
-/// Waits for a gradient reduction and returns the reduced shard widened to f32.
-pub(crate) fn wait_reduced(work: Work<CommBuffer>) -> Result<Vec<f32>> {
-    Ok(match work.wait()? {
-        CommBuffer::F32(v) => v,
-        other => other.to_f32_vec(),
+/// Waits for a gradient reduction and returns the reduced shard (in `reduce_dtype`) as a 1-D
+/// tensor on `device`.
+pub(crate) fn wait_reduced(work: Work<CommBuffer>, device: &Device) -> Result<Tensor> {
+    let reduced = work.wait()?;
+    let n = reduced.len();
+    Ok(match reduced {
+        CommBuffer::F32(v) => Tensor::from_vec(v, n, device)?,
+        CommBuffer::BF16(v) => Tensor::from_vec(v, n, device)?,
+        CommBuffer::F16(v) => Tensor::from_vec(v, n, device)?,
     })
 }
 

@@ -19,6 +19,9 @@ pub struct MemoryStats {
     pub unsharded_bytes: usize,
     /// Highest `unsharded_bytes` since the last reset of the peak.
     pub peak_unsharded_bytes: usize,
+    /// Bytes of unsharded f32 gradients accumulated while gradient sync is off
+    /// (`FsdpModel::set_requires_gradient_sync`), held until the next synchronised backward.
+    pub unsharded_grad_bytes: usize,
     /// Highest number of units unsharded at once.
     pub peak_unsharded_units: usize,
     /// Units unsharded now.

@@ -3,7 +3,7 @@
 //!
 //! One concept a file (FSDP2's `_fully_shard/` split):
 //! - [`config`]: sharding strategy, prefetch modes, [`FsdpConfig`] — plain data;
-//! - `unit_state`: one unit ([`FsdpUnit`]) and its explicit state machine (`unshard`,
+//! - `unit_state`: one unit (`FsdpUnit`) and its explicit state machine (`unshard`,
 //!   `wait_for_unshard`, `reshard`, `pre_backward`, `post_backward`);
 //! - `collectives`: copy-in / all-gather / copy-out / reduce-scatter over buffers, the only
 //!   place that turns gathered buffers into parameters and gradients into a reduce buffer;
@@ -39,10 +39,10 @@ mod model;
 mod scheduler;
 mod state_dict;
 mod storage;
-mod unit_state;
+pub(crate) mod unit_state;
 
 pub use config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
 pub use memory::MemoryStats;
 pub use model::{FsdpModel, FsdpModelBuilder};
 pub use state_dict::FullModel;
-pub use unit_state::FsdpUnit;
+pub(crate) use unit_state::FsdpUnit;

@@ -28,7 +28,7 @@ use crate::unit::{record_unit, RecordedParam, UnitSpec};
 pub struct FsdpModel {
     pub(super) pg: Arc<dyn ProcessGroup>,
     pub(super) config: FsdpConfig,
-    pub(super) units: Vec<FsdpUnit>,
+    pub(crate) units: Vec<FsdpUnit>,
     pub(super) mem: MemoryAccount,
     scheduler: Scheduler,
     requires_gradient_sync: bool,
@@ -171,9 +171,10 @@ impl FsdpModel {
                 .map(|p| (p.name.clone(), p.shape.clone()))
                 .collect();
             let layout = FlatParamLayout::new(&named, shard_world)?;
-            let flat = FlatParameter::from_fn(layout, shard_index, |i, range, out| {
-                fill(&recorded[i], range, out)
-            })?;
+            let flat =
+                FlatParameter::from_fn(layout, shard_index, &config.device, |i, range, out| {
+                    fill(&recorded[i], range, out)
+                })?;
             units.push(FsdpUnit::new(spec, recorded, flat, buffers, policy));
         }
         Ok(FsdpModel {
@@ -198,20 +199,11 @@ impl FsdpModel {
         &self.config
     }
 
-    /// The units, in forward order.
-    pub fn units(&self) -> &[FsdpUnit] {
-        &self.units
-    }
-
-    /// Mutable access to the units (optimizers step their shards through it).
-    pub fn units_mut(&mut self) -> &mut [FsdpUnit] {
-        &mut self.units
-    }
-
     /// Memory counters of this rank.
     pub fn memory_stats(&self) -> MemoryStats {
         let mut m = self.mem.snapshot();
         m.sharded_bytes = self.units.iter().map(|u| u.flat().sharded_bytes()).sum();
+        m.unsharded_grad_bytes = self.units.iter().map(FsdpUnit::unsharded_grad_bytes).sum();
         m
     }
 
@@ -492,7 +484,7 @@ impl FsdpModel {
                     let u = &self.units[k];
                     let work = collectives::reduce_grads(
                         self.pg.as_ref(),
-                        &u.flat().layout,
+                        u.flat().layout(),
                         fg,
                         u.policy().reduce_dtype,
                     );
@@ -504,9 +496,10 @@ impl FsdpModel {
             let _w = self.span(SpanKind::Wait, || {
                 format!("FSDP::wait reduce_scatter {}", self.units[k].name())
             });
-            let reduced = collectives::wait_reduced(work)
-                .map_err(|e| self.at(e, Some(k), Phase::Backward))?;
-            self.units[k].flat_mut().accumulate_grad(reduced);
+            let device = self.config.device.clone();
+            let result = collectives::wait_reduced(work, &device)
+                .and_then(|reduced| self.units[k].flat_mut().accumulate_grad(reduced));
+            result.map_err(|e| self.at(e, Some(k), Phase::Backward))?;
         }
         Ok(())
     }

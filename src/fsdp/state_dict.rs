@@ -57,7 +57,7 @@ impl FsdpModel {
             let full = self.gather_unit_f32(k)?;
             if keep {
                 let u = &self.units[k];
-                for p in &u.flat().layout.params {
+                for p in &u.flat().layout().params {
                     let t = full
                         .narrow(0, p.offset, p.numel)?
                         .reshape(p.shape.clone())?

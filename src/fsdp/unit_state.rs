@@ -95,21 +95,15 @@ pub(crate) enum Saved {
 
 /// One unit of an [`super::FsdpModel`]: constructor, this rank's FlatParameter shard, buffers,
 /// mixed-precision policy, and its parameter and training states.
-pub struct FsdpUnit {
-    // TEMP(core-v2 merge): public until the shard accessor lands.
-    #[allow(missing_docs)]
-    pub spec: UnitSpec,
-    #[allow(missing_docs)]
-    pub recorded: Vec<RecordedParam>,
-    #[allow(missing_docs)]
-    pub flat: FlatParameter,
-    #[allow(missing_docs)]
-    pub buffers: Vec<(String, Var)>,
-    #[allow(missing_docs)]
-    pub policy: MixedPrecision,
+pub(crate) struct FsdpUnit {
+    spec: UnitSpec,
+    recorded: Vec<RecordedParam>,
+    flat: FlatParameter,
+    buffers: Vec<(String, Var)>,
+    policy: MixedPrecision,
     /// Unsharded f32 gradient accumulated while gradient sync is off (`no_sync`), padded flat
     /// layout; reduced together with the next synchronised backward.
-    pub unsharded_grad: Option<Vec<f32>>,
+    unsharded_grad: Option<Vec<f32>>,
     params: ParamState,
     pub(crate) saved: Option<Saved>,
     training: TrainingState,
@@ -156,7 +150,12 @@ impl FsdpUnit {
         &self.flat
     }
 
-    /// Mutable FlatParameter (optimizers, loading).
+    /// Bytes of the unsynchronised accumulated gradient (no_sync), f32.
+    pub(crate) fn unsharded_grad_bytes(&self) -> usize {
+        4 * self.unsharded_grad.as_ref().map_or(0, Vec::len)
+    }
+
+    /// Mutable FlatParameter (loading).
     pub(crate) fn flat_mut(&mut self) -> &mut FlatParameter {
         &mut self.flat
     }
@@ -176,7 +175,7 @@ impl FsdpUnit {
     /// more than one rank); otherwise the cast shard is the unsharded buffer. The one place that
     /// decides it.
     pub(crate) fn gathers(&self) -> bool {
-        let layout = &self.flat.layout;
+        let layout = self.flat.layout();
         layout.world_size > 1 && layout.padded_numel > 0
     }
 
@@ -201,7 +200,7 @@ impl FsdpUnit {
             return;
         }
         let dtype = dtype.unwrap_or(self.policy.param_dtype);
-        let guard = acct.unshard(self.flat.layout.padded_numel * dtype.size_in_bytes());
+        let guard = acct.unshard(self.flat.layout().padded_numel * dtype.size_in_bytes());
         let work = collectives::all_gather_shard(pg, &self.flat, dtype, self.gathers());
         self.params = ParamState::Unsharding { work, guard };
     }
@@ -293,7 +292,7 @@ impl FsdpUnit {
 
     fn var_map(&self, params: &[Tensor]) -> HashMap<String, Tensor> {
         self.flat
-            .layout
+            .layout()
             .params
             .iter()
             .zip(params)
@@ -316,7 +315,7 @@ impl FsdpUnit {
             {
                 let input = self.cast_input(h.detach())?;
                 let module = self.bind(
-                    collectives::param_views(&self.flat.layout, &flat)?,
+                    collectives::param_views(self.flat.layout(), &flat)?,
                     true,
                     device,
                 )?;
@@ -342,7 +341,7 @@ impl FsdpUnit {
                     Some(v) => v.clone(),
                     None => self.cast_input(h.clone())?,
                 };
-                let params = collectives::param_vars(&self.flat.layout, &flat)?;
+                let params = collectives::param_vars(self.flat.layout(), &flat)?;
                 drop(flat);
                 let module = self.bind(self.var_map(&params), true, device)?;
                 let mut output = module.forward_t(&input, true)?;
@@ -408,7 +407,7 @@ impl FsdpUnit {
             }) => {
                 if freed && !params.is_empty() {
                     let flat = gathered.ok_or_else(missing)?;
-                    collectives::refill_params(&self.flat.layout, &flat, &params)?;
+                    collectives::refill_params(self.flat.layout(), &flat, &params)?;
                 }
                 self.saved = Some(Saved::Graph {
                     input_var,
@@ -422,7 +421,7 @@ impl FsdpUnit {
                     Some(flat) => flat,
                     None => gathered.ok_or_else(missing)?,
                 };
-                let params = collectives::param_vars(&self.flat.layout, &flat)?;
+                let params = collectives::param_vars(self.flat.layout(), &flat)?;
                 drop(flat);
                 let input_var = if first {
                     None
@@ -473,7 +472,7 @@ impl FsdpUnit {
             (Some(g), Some(v)) => g.get(v).map(Tensor::detach),
             _ => None,
         };
-        let flat_grad = collectives::flatten_grads(&self.flat.layout, grads, &params)?;
+        let flat_grad = collectives::flatten_grads(self.flat.layout(), grads, &params)?;
         drop(params);
         self.params = ParamState::Sharded;
         self.training = TrainingState::Idle;
@@ -518,7 +517,7 @@ impl FsdpUnit {
 
     /// Drops the gradient shard and any unsynchronised accumulated gradient.
     pub(crate) fn zero_grad(&mut self) {
-        self.flat.grad = None;
+        self.flat.clear_grad();
         self.unsharded_grad = None;
     }
 
@@ -526,7 +525,7 @@ impl FsdpUnit {
     /// forward (no autograd) and runs it.
     pub(crate) fn forward_eval(&self, h: Tensor, flat: &Tensor, device: &Device) -> Result<Tensor> {
         let module = self.bind(
-            collectives::param_views(&self.flat.layout, flat)?,
+            collectives::param_views(self.flat.layout(), flat)?,
             true,
             device,
         )?;

@@ -1,0 +1,297 @@
+//! Device kernels (`candle_fsdp::ops`) on the CPU: bitwise equal to the host loops they replaced
+//! (the reference loops below are those loops, verbatim), in place (a clone of the tensor sees
+//! the update), without allocation proportional to the tensor, and refusing bad arguments with
+//! errors that name them.
+
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Tensor};
+use candle_fsdp::ops::{self, AdamWHyper, SgdHyper};
+
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
+
+use counting_alloc::{Counting, LIVE, PEAK};
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Tests of this file run one at a time: the allocation test reads process-wide counters.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Deterministic values in about [-scale, scale] (an LCG), with a few exact zeros.
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|i| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            if i % 17 == 0 {
+                0.0
+            } else {
+                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            }
+        })
+        .collect()
+}
+
+fn t(v: &[f32]) -> Tensor {
+    Tensor::new(v, &Device::Cpu).unwrap()
+}
+
+fn v(t: &Tensor) -> Vec<f32> {
+    t.to_vec1::<f32>().unwrap()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn adamw_hyper(step: i32, lr: f64, wd: f64) -> AdamWHyper {
+    let (beta1, beta2, eps) = (0.9f64, 0.999f64, 1e-8f64);
+    AdamWHyper {
+        beta1: beta1 as f32,
+        beta2: beta2 as f32,
+        one_minus_beta1: (1.0 - beta1) as f32,
+        one_minus_beta2: (1.0 - beta2) as f32,
+        bias_correction1: (1.0 / (1.0 - beta1.powi(step))) as f32,
+        bias_correction2: (1.0 / (1.0 - beta2.powi(step))) as f32,
+        decay: (1.0 - lr * wd) as f32,
+        lr: lr as f32,
+        eps: eps as f32,
+    }
+}
+
+#[test]
+fn adamw_step_is_bitwise_the_host_loop_and_in_place() {
+    let _s = serial();
+    let n = 1037;
+    let (mut p, mut m, mut s) = (values(n, 1, 1.0), vec![0.0f32; n], vec![0.0f32; n]);
+    let (tp, tm, ts) = (t(&p), t(&m), t(&s));
+    let held = tp.clone();
+    for step in 1..=5 {
+        let g = values(n, 10 + step as u64, 0.1);
+        let h = adamw_hyper(step, 1e-3, 0.01);
+        ops::adamw_step(&tp, &t(&g), &tm, &ts, &h).unwrap();
+        // The loop of src/optim.rs before the kernels, verbatim.
+        let (b1, b2, one_b1, one_b2) = (h.beta1, h.beta2, h.one_minus_beta1, h.one_minus_beta2);
+        let (scale_m, scale_v, decay, lr, eps) =
+            (h.bias_correction1, h.bias_correction2, h.decay, h.lr, h.eps);
+        for (((p, &g), m), v) in p.iter_mut().zip(&g).zip(&mut m).zip(&mut s) {
+            *m = *m * b1 + g * one_b1;
+            *v = *v * b2 + (g * g) * one_b2;
+            let m_hat = *m * scale_m;
+            let v_hat = *v * scale_v;
+            *p *= decay;
+            *p -= (m_hat / (v_hat.sqrt() + eps)) * lr;
+        }
+        assert_eq!(bits(&v(&tp)), bits(&p), "param after step {step}");
+        assert_eq!(bits(&v(&tm)), bits(&m), "exp_avg after step {step}");
+        assert_eq!(bits(&v(&ts)), bits(&s), "exp_avg_sq after step {step}");
+    }
+    assert_eq!(
+        bits(&v(&held)),
+        bits(&p),
+        "a clone shares the updated storage"
+    );
+    assert!(p.iter().zip(values(n, 1, 1.0)).any(|(a, b)| *a != b));
+}
+
+#[test]
+fn sgd_step_is_bitwise_the_host_loop_for_every_option() {
+    let _s = serial();
+    let n = 515;
+    for (momentum, dampening, wd, nesterov) in [
+        (0.0f64, 0.0f64, 0.0f64, false),
+        (0.0, 0.0, 1e-2, false),
+        (0.9, 0.0, 0.0, false),
+        (0.9, 0.1, 1e-2, false),
+        (0.9, 0.0, 1e-2, true),
+    ] {
+        let mut p = values(n, 3, 1.0);
+        let mut buf = vec![0.0f32; n];
+        let (tp, tb) = (t(&p), t(&buf));
+        for step in 0..4u64 {
+            let g = values(n, 20 + step, 0.5);
+            let h = SgdHyper {
+                lr: 0.05,
+                momentum: momentum as f32,
+                one_minus_dampening: (1.0 - dampening) as f32,
+                weight_decay: wd as f32,
+                nesterov,
+                first_step: step == 0,
+            };
+            let b = (momentum != 0.0).then_some(&tb);
+            ops::sgd_step(&tp, &t(&g), b, &h).unwrap();
+            // The loop of src/optim.rs before the kernels, verbatim.
+            let (lr, mu, damp, wd) = (h.lr, h.momentum, h.one_minus_dampening, h.weight_decay);
+            let first = step == 0;
+            for (j, (p, &g)) in p.iter_mut().zip(&g).enumerate() {
+                let mut d = g;
+                if wd != 0.0 {
+                    d += wd * *p;
+                }
+                if mu != 0.0 {
+                    let b = &mut buf[j];
+                    *b = if first { d } else { mu * *b + damp * d };
+                    d = if nesterov { d + mu * *b } else { *b };
+                }
+                *p -= lr * d;
+            }
+            let what = format!("momentum {momentum}, nesterov {nesterov}, step {step}");
+            assert_eq!(bits(&v(&tp)), bits(&p), "param, {what}");
+            assert_eq!(bits(&v(&tb)), bits(&buf), "momentum buffer, {what}");
+        }
+    }
+}
+
+#[test]
+fn norms_scaling_and_finiteness() {
+    let _s = serial();
+    let x = values(999, 5, 3.0);
+    let tx = t(&x);
+    // The f64 sum of squares of src/clip.rs before the kernels.
+    let expected = x.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+    assert_eq!(ops::sum_squares(&tx).unwrap().to_bits(), expected.to_bits());
+    assert_eq!(ops::sum_squares(&t(&[3.0, 4.0])).unwrap(), 25.0);
+    assert!(ops::all_finite(&tx).unwrap());
+
+    ops::scale_(&tx, 0.3).unwrap();
+    let scaled: Vec<f32> = x.iter().map(|x| x * 0.3).collect();
+    assert_eq!(bits(&v(&tx)), bits(&scaled));
+
+    // Unscale with the inf/NaN check in one pass.
+    let g = t(&[2.0, -4.0, 8.0]);
+    assert!(ops::scale_and_check_finite_(&g, 0.25).unwrap());
+    assert_eq!(v(&g), [0.5, -1.0, 2.0]);
+    let g = t(&[2.0, f32::INFINITY, 8.0]);
+    assert!(!ops::scale_and_check_finite_(&g, 0.5).unwrap());
+    assert_eq!(v(&g)[2], 4.0, "every element is scaled, also after an inf");
+    // Finite values that overflow when scaled count as non-finite.
+    let g = t(&[f32::MAX, 1.0]);
+    assert!(!ops::scale_and_check_finite_(&g, 4.0).unwrap());
+    assert!(!ops::all_finite(&t(&[1.0, f32::NAN])).unwrap());
+    // Empty tensors: nothing to do.
+    let e = Tensor::zeros(0, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(ops::sum_squares(&e).unwrap(), 0.0);
+    assert!(ops::scale_and_check_finite_(&e, 2.0).unwrap());
+}
+
+#[test]
+fn add_widens_half_precision_sources_exactly() {
+    let _s = serial();
+    let dst = t(&[1.0, 2.0, 3.0]);
+    ops::add_(&dst, &t(&[0.5, 0.25, -3.0])).unwrap();
+    assert_eq!(v(&dst), [1.5, 2.25, 0.0]);
+    let bf = t(&[0.1, 1.0, 2.0]).to_dtype(DType::BF16).unwrap();
+    ops::add_(&dst, &bf).unwrap();
+    assert_eq!(v(&dst), [1.5 + (205.0 / 2048.0), 3.25, 2.0]);
+    let h = t(&[0.1, 0.0, 0.0]).to_dtype(DType::F16).unwrap();
+    ops::add_(&dst, &h).unwrap();
+    assert_eq!(v(&dst)[0], 1.5 + (205.0 / 2048.0) + (1638.0 / 16384.0));
+    // A contiguous view with an offset reads (and writes) only its own elements.
+    let big = t(&[1.0, 2.0, 3.0, 4.0]);
+    let part = big.narrow(0, 2, 2).unwrap();
+    ops::add_(&part, &t(&[10.0, 20.0])).unwrap();
+    assert_eq!(v(&big), [1.0, 2.0, 13.0, 24.0]);
+}
+
+#[test]
+fn bad_arguments_are_refused_naming_kernel_and_tensor() {
+    let _s = serial();
+    let (p, g, m, s) = (t(&[1.0; 4]), t(&[1.0; 4]), t(&[0.0; 4]), t(&[0.0; 4]));
+    let h = adamw_hyper(1, 1e-3, 0.0);
+    let err = |r: candle_fsdp::Result<()>| r.unwrap_err().to_string();
+    // Length.
+    let e = err(ops::adamw_step(&p, &t(&[1.0; 3]), &m, &s, &h));
+    assert!(
+        e.contains("adamw_step") && e.contains("grad has 3 elements, expected 4"),
+        "{e}"
+    );
+    // Dtype.
+    let bf = g.to_dtype(DType::BF16).unwrap();
+    let e = err(ops::adamw_step(&p, &bf, &m, &s, &h));
+    assert!(e.contains("grad must be F32, found BF16"), "{e}");
+    // Not contiguous.
+    let strided = Tensor::zeros((4, 2), DType::F32, &Device::Cpu)
+        .unwrap()
+        .narrow(1, 0, 1)
+        .unwrap();
+    let e = err(ops::scale_(&strided, 2.0));
+    assert!(e.contains("scale_") && e.contains("contiguous"), "{e}");
+    // Shared storage: refused (locking it twice would deadlock), nothing written.
+    let e = err(ops::adamw_step(&p, &g, &m, &m.clone(), &h));
+    assert!(
+        e.contains("exp_avg and exp_avg_sq share one storage"),
+        "{e}"
+    );
+    let e = err(ops::add_(&p, &p.narrow(0, 0, 4).unwrap()));
+    assert!(e.contains("dst and src share one storage"), "{e}");
+    assert_eq!(v(&p), [1.0; 4]);
+    // Momentum without a buffer.
+    let sh = SgdHyper {
+        lr: 0.1,
+        momentum: 0.9,
+        one_minus_dampening: 1.0,
+        weight_decay: 0.0,
+        nesterov: false,
+        first_step: true,
+    };
+    let e = err(ops::sgd_step(&p, &g, None, &sh));
+    assert!(e.contains("needs a momentum buffer"), "{e}");
+    let e = err(ops::add_(
+        &p,
+        &Tensor::zeros(4, DType::U8, &Device::Cpu).unwrap(),
+    ));
+    assert!(
+        e.contains("src must be F32 or BF16 or F16, found U8"),
+        "{e}"
+    );
+}
+
+#[test]
+fn kernels_allocate_nothing_proportional_to_the_tensor() {
+    let _s = serial();
+    let n = 1 << 20; // 4 MiB per tensor
+    let (p, g, m, s) = (
+        t(&values(n, 1, 1.0)),
+        t(&values(n, 2, 0.1)),
+        Tensor::zeros(n, DType::F32, &Device::Cpu).unwrap(),
+        Tensor::zeros(n, DType::F32, &Device::Cpu).unwrap(),
+    );
+    let bf = g.to_dtype(DType::BF16).unwrap();
+    let h = adamw_hyper(1, 1e-3, 0.01);
+    let sh = SgdHyper {
+        lr: 0.1,
+        momentum: 0.9,
+        one_minus_dampening: 1.0,
+        weight_decay: 1e-4,
+        nesterov: true,
+        first_step: false,
+    };
+    let base = LIVE.load(Ordering::SeqCst);
+    PEAK.store(base, Ordering::SeqCst);
+    ops::adamw_step(&p, &g, &m, &s, &h).unwrap();
+    ops::sgd_step(&p, &g, Some(&m), &sh).unwrap();
+    ops::scale_(&g, 0.5).unwrap();
+    assert!(ops::scale_and_check_finite_(&g, 2.0).unwrap());
+    assert!(ops::all_finite(&p).unwrap());
+    assert!(ops::sum_squares(&g).unwrap() > 0.0);
+    ops::add_(&g, &bf).unwrap();
+    ops::add_(&g, &m).unwrap();
+    let peak = PEAK.load(Ordering::SeqCst) - base;
+    // Candle's in-place entry point allocates a few bytes for its overlap check; a temporary of
+    // the tensors would be 2-4 MiB.
+    assert!(
+        peak < 4096,
+        "kernels allocated {peak} B at peak on 4 MiB tensors"
+    );
+}
