@@ -21,7 +21,7 @@ use candle_core::{DType, Tensor};
 use candle_fsdp::checkpoint;
 use candle_fsdp::clip::clip_grad_norm;
 use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
-use candle_fsdp::comm::{CommBuffer, ReduceOp};
+use candle_fsdp::comm::{ProcessGroupExt, ReduceOp};
 use candle_fsdp::data::{BatchLoader, DistributedSampler, Mnist};
 use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
 use candle_fsdp::timeline::render_timeline;
@@ -420,14 +420,7 @@ fn main() -> anyhow::Result<()> {
                 b.finish_and_clear();
             }
             // Mean train loss over all ranks' batches, reduced to rank 0.
-            let sums = pg
-                .reduce(
-                    CommBuffer::F32(vec![loss_sum as f32, batches as f32]),
-                    0,
-                    ReduceOp::Sum,
-                )
-                .wait()?
-                .into_f32()?;
+            let sums = pg.reduce_f32s(vec![loss_sum as f32, batches as f32], 0, ReduceOp::Sum)?;
             let train_time = t0.elapsed().as_secs_f64();
             // Memory of training (the evaluation below gathers in f32 and would blur it).
             train_mem = Some(model.memory_stats());
@@ -436,7 +429,7 @@ fn main() -> anyhow::Result<()> {
             if let Some(full) = full {
                 last_acc = full.accuracy(&test_x, &test_y, 1000)?;
             }
-            pg.barrier().wait()?;
+            pg.barrier_wait()?;
             if rank == 0 {
                 println!(
                     "epoch {:>2}  train loss {:.4}  test accuracy {:.2}%  epoch time {:.2}s (train {:.2}s)",

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use candle_core::Tensor;
 use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
-use candle_fsdp::comm::{CommBuffer, ProcessGroup, ReduceOp};
+use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use candle_fsdp::data::{BatchLoader, DistributedSampler, Mnist};
 use candle_fsdp::sync_batch_norm::sync_batch_norm;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer, ShardingStrategy};
@@ -193,21 +193,14 @@ fn main() -> anyhow::Result<()> {
                 batches += 1;
             }
             // Mean train loss over all ranks' batches, reduced to rank 0.
-            let sums = pg
-                .reduce(
-                    CommBuffer::F32(vec![loss_sum as f32, batches as f32]),
-                    0,
-                    ReduceOp::Sum,
-                )
-                .wait()?
-                .into_f32()?;
+            let sums = pg.reduce_f32s(vec![loss_sum as f32, batches as f32], 0, ReduceOp::Sum)?;
             let train_time = t0.elapsed().as_secs_f64();
             // Validation on rank 0 (eval mode: running statistics, no communication); the
             // others wait at the barrier.
             if let Some(full) = model.gather_full_model(true)? {
                 last_acc = full.accuracy(&test_x, &test_y, 1000)?;
             }
-            pg.barrier().wait()?;
+            pg.barrier_wait()?;
             epoch_times.push(t0.elapsed().as_secs_f64());
             if rank == 0 {
                 println!(

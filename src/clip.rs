@@ -1,6 +1,6 @@
 //! Gradient clipping by total L2 norm over all shards of all ranks.
 
-use crate::comm::{CommBuffer, ReduceOp};
+use crate::comm::{ProcessGroupExt, ReduceOp};
 use crate::error::Result;
 use crate::fsdp::{FsdpModel, ShardingStrategy};
 
@@ -28,9 +28,7 @@ pub fn total_grad_norm(model: &FsdpModel) -> Result<f32> {
     } else {
         model
             .process_group()
-            .all_reduce(CommBuffer::F32(vec![local]), ReduceOp::Sum)
-            .wait()?
-            .into_f32()?[0]
+            .all_reduce_f32s(vec![local], ReduceOp::Sum)?[0]
     };
     Ok(sq.sqrt())
 }

@@ -32,7 +32,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::ModuleT;
 
-use crate::comm::{CommBuffer, ProcessGroup, ReduceOp, Work};
+use crate::comm::{CommObserver, CommStream, ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter};
 use crate::init::init_values;
@@ -200,6 +200,10 @@ pub struct MemoryStats {
 /// is a collective: all ranks must call it, in the same order.
 pub struct FsdpModel {
     pg: Arc<dyn ProcessGroup>,
+    /// Comm stream of the parameter all-gathers.
+    ag_stream: CommStream,
+    /// Comm stream of the gradient reductions (reduce-scatter, or all-reduce under NO_SHARD).
+    rs_stream: CommStream,
     config: FsdpConfig,
     units: Vec<FsdpUnit>,
     saved: Vec<Option<Saved>>,
@@ -350,8 +354,12 @@ impl FsdpModel {
             });
         }
         let n = units.len();
+        let ag_stream = pg.new_stream("all_gather")?;
+        let rs_stream = pg.new_stream("reduce_scatter")?;
         let mut model = FsdpModel {
             pg,
+            ag_stream,
+            rs_stream,
             config,
             units,
             saved: (0..n).map(|_| None).collect(),
@@ -418,7 +426,8 @@ impl FsdpModel {
     /// Records spans of this model's compute, waits and collectives (also on the process group's
     /// comm streams) into `tracer`; `None` stops. Each training forward starts a new step.
     pub fn set_tracer(&mut self, tracer: Option<Arc<Tracer>>) {
-        self.pg.set_tracer(tracer.clone());
+        self.pg
+            .set_observer(tracer.clone().map(|t| t as Arc<dyn CommObserver>));
         self.tracer = tracer;
     }
 
@@ -446,43 +455,40 @@ impl FsdpModel {
 
     /// Issues the all-gather of unit `k` in its `param_dtype` (or completes at once when nothing
     /// needs gathering). The unsharded buffer counts as alive from here on (it is allocated now).
-    fn issue_unshard(&mut self, k: usize) -> Work<CommBuffer> {
+    fn issue_unshard(&mut self, k: usize) -> Work<Tensor> {
         self.issue_unshard_as(k, self.units[k].policy.param_dtype)
     }
 
     /// [`Self::issue_unshard`] in an explicit dtype (f32 for exact state dicts).
-    fn issue_unshard_as(&mut self, k: usize, dtype: DType) -> Work<CommBuffer> {
+    fn issue_unshard_as(&mut self, k: usize, dtype: DType) -> Work<Tensor> {
         let n = self.units[k].flat.layout.padded_numel;
         self.note_unshard(n * dtype.size_in_bytes());
         let flat = &self.units[k].flat;
+        let dev = &self.config.device;
         // Cast the local shard to param_dtype before the gather: the wire carries param_dtype.
-        let input = match CommBuffer::from_f32(&flat.shard, dtype) {
-            Ok(b) => b,
-            Err(e) => return Work::ready(Err(e)),
+        let input = match Tensor::from_slice(&flat.shard, flat.shard.len(), dev)
+            .and_then(|t| t.to_dtype(dtype))
+        {
+            Ok(t) => t,
+            Err(e) => return Work::ready(Err(e.into())),
         };
         if !self.gathers(k) {
             return Work::ready(Ok(input));
         }
-        match CommBuffer::zeros(dtype, n) {
-            Ok(out) => self.pg.all_gather(input, out),
-            Err(e) => Work::ready(Err(e)),
+        match Tensor::zeros(n, dtype, dev) {
+            Ok(out) => self.pg.all_gather(&self.ag_stream, &input, out),
+            Err(e) => Work::ready(Err(e.into())),
         }
     }
 
     /// Waits for a gathered buffer and returns it as one flat tensor of `param_dtype`
     /// (`padded_numel` elements; the buffer moves into the tensor, no copy) and its size in
     /// bytes.
-    fn finish_unshard(&self, k: usize, work: Work<CommBuffer>) -> Result<(Tensor, usize)> {
+    fn finish_unshard(&self, k: usize, work: Work<Tensor>) -> Result<(Tensor, usize)> {
         let full = work.wait()?;
-        debug_assert_eq!(full.len(), self.units[k].flat.layout.padded_numel);
-        let (n, bytes) = (full.len(), full.nbytes());
-        let dev = &self.config.device;
-        let t = match full {
-            CommBuffer::F32(v) => Tensor::from_vec(v, n, dev)?,
-            CommBuffer::BF16(v) => Tensor::from_vec(v, n, dev)?,
-            CommBuffer::F16(v) => Tensor::from_vec(v, n, dev)?,
-        };
-        Ok((t, bytes))
+        debug_assert_eq!(full.elem_count(), self.units[k].flat.layout.padded_numel);
+        let bytes = full.elem_count() * full.dtype().size_in_bytes();
+        Ok((full, bytes))
     }
 
     /// Views of each parameter inside the gathered flat tensor (no copy, no autograd).
@@ -563,7 +569,7 @@ impl FsdpModel {
     }
 
     /// Issues unit `k`'s all-gather and marks the issue in the trace.
-    fn issue_traced(&mut self, k: usize) -> Work<CommBuffer> {
+    fn issue_traced(&mut self, k: usize) -> Work<Tensor> {
         if self.gathers(k) {
             self.mark_issue(|| format!("FSDP::all_gather {}", self.units[k].spec.name));
         }
@@ -577,7 +583,7 @@ impl FsdpModel {
     }
 
     /// Waits for unit `k`'s all-gather, recording the wait as exposed communication.
-    fn wait_traced(&self, k: usize, work: Work<CommBuffer>) -> Result<(Tensor, usize)> {
+    fn wait_traced(&self, k: usize, work: Work<Tensor>) -> Result<(Tensor, usize)> {
         if !self.gathers(k) {
             return self.finish_unshard(k, work);
         }
@@ -739,7 +745,7 @@ impl FsdpModel {
         }
         // The all-gather of the next unit to recompute, issued ahead (backward prefetch): the
         // first one before the loss's own backward, so that it runs during it.
-        let mut prefetched: Option<(usize, Work<CommBuffer>)> = None;
+        let mut prefetched: Option<(usize, Work<Tensor>)> = None;
         let prefetch_mode = self.config.backward_prefetch;
         if prefetch_mode != BackwardPrefetch::None && self.may_prefetch() {
             if let Some(j) = self.next_recompute(n) {
@@ -753,7 +759,7 @@ impl FsdpModel {
             Some(loss.backward()?)
         };
         let mut grad_out: Option<Tensor> = None;
-        let mut pending: Vec<(usize, Work<CommBuffer>)> = Vec::with_capacity(n);
+        let mut pending: Vec<(usize, Work<Tensor>)> = Vec::with_capacity(n);
         for k in (0..n).rev() {
             let saved = self.saved[k].take().expect("checked above");
             let name = self.units[k].spec.name.clone();
@@ -865,10 +871,7 @@ impl FsdpModel {
             let _w = self.span(SpanKind::Wait, || {
                 format!("FSDP::wait reduce_scatter {}", self.units[k].spec.name)
             });
-            let reduced = match work.wait()? {
-                CommBuffer::F32(v) => v,
-                other => other.to_f32_vec(),
-            };
+            let reduced = work.wait()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             self.units[k].flat.accumulate_grad(reduced);
         }
         Ok(())
@@ -899,27 +902,27 @@ impl FsdpModel {
 
     /// Issues the gradient reduction of unit `k`: reduce-scatter (average) when sharded,
     /// all-reduce (average) under NO_SHARD.
-    fn issue_reduce(&self, k: usize, flat_grad: Vec<f32>) -> Work<CommBuffer> {
+    fn issue_reduce(&self, k: usize, flat_grad: Vec<f32>) -> Work<Tensor> {
         let layout = &self.units[k].flat.layout;
         let dtype = self.units[k].policy.reduce_dtype;
+        let dev = &self.config.device;
         // Cast to reduce_dtype before the collective: the wire carries reduce_dtype.
-        let input = if dtype == DType::F32 {
-            CommBuffer::F32(flat_grad)
-        } else {
-            match CommBuffer::from_f32(&flat_grad, dtype) {
-                Ok(b) => b,
-                Err(e) => return Work::ready(Err(e)),
-            }
+        let n = flat_grad.len();
+        let input = match Tensor::from_vec(flat_grad, n, dev).and_then(|t| t.to_dtype(dtype)) {
+            Ok(t) => t,
+            Err(e) => return Work::ready(Err(e.into())),
         };
         if self.pg.world_size() == 1 {
             return Work::ready(Ok(input));
         }
         if layout.world_size == 1 {
-            return self.pg.all_reduce(input, ReduceOp::Avg);
+            return self.pg.all_reduce(&self.rs_stream, input, ReduceOp::Avg);
         }
-        match CommBuffer::zeros(dtype, layout.shard_numel) {
-            Ok(out) => self.pg.reduce_scatter(input, out, ReduceOp::Avg),
-            Err(e) => Work::ready(Err(e)),
+        match Tensor::zeros(layout.shard_numel, dtype, dev) {
+            Ok(out) => self
+                .pg
+                .reduce_scatter(&self.rs_stream, &input, out, ReduceOp::Avg),
+            Err(e) => Work::ready(Err(e.into())),
         }
     }
 

@@ -9,7 +9,7 @@
 
 use candle_core::Tensor;
 
-use crate::comm::{CommBuffer, ReduceOp};
+use crate::comm::{ProcessGroupExt, ReduceOp};
 use crate::error::{Error, Result};
 use crate::fsdp::FsdpModel;
 use crate::optim::ShardedOptimizer;
@@ -125,13 +125,8 @@ impl ShardedGradScaler {
                 }
             }
         }
-        let flag = CommBuffer::F32(vec![if local_inf { 1.0 } else { 0.0 }]);
-        let found = model
-            .process_group()
-            .all_reduce(flag, ReduceOp::Max)
-            .wait()?
-            .into_f32()?[0]
-            > 0.0;
+        let flag = vec![if local_inf { 1.0 } else { 0.0 }];
+        let found = model.process_group().all_reduce_f32s(flag, ReduceOp::Max)?[0] > 0.0;
         self.unscaled = Some(found);
         Ok(found)
     }

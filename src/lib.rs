@@ -50,6 +50,7 @@ pub mod flat_param;
 pub mod fsdp;
 pub mod grad_scaler;
 pub mod init;
+pub mod launch;
 pub mod mixed_precision;
 pub mod models;
 pub mod optim;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
-use candle_fsdp::comm::ProcessGroup;
+use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt};
 use candle_fsdp::{FsdpConfig, FsdpModel};
 
 #[path = "common/counting_alloc.rs"]
@@ -32,9 +32,9 @@ fn build(pg: Arc<dyn ProcessGroup>) -> candle_fsdp::Result<FsdpModel> {
 /// Both ranks quiet: a collective's input buffer is freed by its comm stream just after the
 /// collective completed, so give the streams a moment before reading the counters.
 fn settle(pg: &dyn ProcessGroup) -> candle_fsdp::Result<()> {
-    pg.barrier().wait()?;
+    pg.barrier_wait()?;
     std::thread::sleep(std::time::Duration::from_millis(50));
-    pg.barrier().wait()
+    pg.barrier_wait()
 }
 
 #[test]
@@ -51,13 +51,13 @@ fn full_shard_frees_unsharded_parameters_after_each_unit() {
         settle(pg.as_ref())?;
         let base = LIVE.load(Ordering::SeqCst);
         PEAK.store(base, Ordering::SeqCst);
-        pg.barrier().wait()?;
+        pg.barrier_wait()?;
         model.reset_peak();
         let y = model.forward(&x)?;
         settle(pg.as_ref())?;
         let after_forward = LIVE.load(Ordering::SeqCst) - base;
         let peak_forward = PEAK.load(Ordering::SeqCst) - base;
-        pg.barrier().wait()?;
+        pg.barrier_wait()?;
         model.backward(&y.sum_all()?)?;
         drop(y);
         settle(pg.as_ref())?;
@@ -65,7 +65,7 @@ fn full_shard_frees_unsharded_parameters_after_each_unit() {
         let after_step = LIVE.load(Ordering::SeqCst) - base;
         let stats = model.memory_stats();
         // Nobody drops its model (and so its shards) before everyone has read the counters.
-        pg.barrier().wait()?;
+        pg.barrier_wait()?;
         Ok((after_forward, peak_forward, peak_step, after_step, stats))
     })
     .unwrap();

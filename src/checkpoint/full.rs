@@ -16,7 +16,7 @@ use safetensors::Dtype;
 
 use super::io::{candle_dtype, st_dtype, MappedFile, SafetensorsWriter, TensorSpec};
 use super::{agree, ReadStats, FORMAT_VERSION};
-use crate::comm::{CommBuffer, ProcessGroup};
+use crate::comm::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
 use crate::flat_param::FlatParameter;
 use crate::fsdp::{FsdpConfig, FsdpModel};
@@ -35,13 +35,7 @@ pub(crate) fn gather_f32<'a>(
     if l.world_size == 1 || l.padded_numel == 0 {
         return Ok(Cow::Borrowed(&flat.shard));
     }
-    let out = pg
-        .all_gather(
-            CommBuffer::F32(flat.shard.clone()),
-            CommBuffer::F32(vec![0.0; l.padded_numel]),
-        )
-        .wait()?
-        .into_f32()?;
+    let out = pg.all_gather_f32s(&flat.shard)?;
     Ok(Cow::Owned(out))
 }
 
