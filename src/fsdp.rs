@@ -247,9 +247,11 @@ impl FsdpModelBuilder {
     }
 
     /// Records every unit, lays out and initialises its shard, one unit at a time (the peak is
-    /// one unit's largest parameter, never the model).
+    /// one unit's largest parameter, never the model), then creates the model's comm streams
+    /// (`"all_gather"`, `"reduce_scatter"`: a collective, so every rank builds its models in the
+    /// same order).
     ///
-    /// Errors: no unit, duplicate unit names, a constructor that fails.
+    /// Errors: no unit, duplicate unit names, a constructor that fails, stream creation.
     pub fn build(self) -> Result<FsdpModel> {
         let FsdpModelBuilder { pg, config, specs } = self;
         let seed = config.seed;
