@@ -22,7 +22,7 @@ use candle_fsdp::checkpoint::{
     build_from_full, load_full, load_sharded, save_full, save_sharded, TrainState,
 };
 use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
-use candle_fsdp::comm::ProcessGroup;
+use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt};
 use candle_fsdp::unit::UnitSpec;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer};
 
@@ -56,10 +56,10 @@ fn timed<T>(
     pg: &dyn ProcessGroup,
     f: impl FnOnce() -> candle_fsdp::Result<T>,
 ) -> candle_fsdp::Result<(T, f64)> {
-    pg.barrier().wait()?;
+    pg.barrier_wait()?;
     let t0 = Instant::now();
     let out = f()?;
-    pg.barrier().wait()?;
+    pg.barrier_wait()?;
     Ok((out, t0.elapsed().as_secs_f64()))
 }
 

@@ -1,12 +1,13 @@
 //! Throughput of the in-process thread backend: all-gather of a 64 MiB output and
 //! reduce-scatter (f32, Avg) of a 64 MiB input, at world sizes 2 and 4.
 //!
-//! The group and the buffers are created once per benchmark. Each rank lives in a persistent
-//! worker thread; `iter_custom` sends every worker the number of iterations to run and gets back
-//! the time each one spent inside the collectives (issue to `wait` return, after a barrier that
-//! lines the ranks up); the slowest rank's time is reported. Consumed inputs are re-created
-//! (cloned from a template) outside the timed region. The worker checks the output it timed
-//! after every batch, and the main thread asserts that check.
+//! The group, its comm stream and the tensors are created once per benchmark. Each rank lives in
+//! a persistent worker thread; `iter_custom` sends every worker the number of iterations to run
+//! and gets back the time each one spent inside the collectives (issue to `wait` return, after a
+//! barrier on the default stream that lines the ranks up); the slowest rank's time is reported.
+//! The output tensor moves into each collective and comes back out of `wait`, so it is reused.
+//! The worker checks the output it timed after every batch, and the main thread asserts that
+//! check.
 //!
 //! Throughput is bytes of the 64 MiB buffer per collective (output for all-gather, input for
 //! reduce-scatter).
@@ -15,8 +16,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use candle_core::{DType, Device, Tensor};
 use candle_fsdp::comm::threads::{new_group, ThreadGroupConfig, ThreadProcessGroup};
-use candle_fsdp::comm::{CommBuffer, ProcessGroup, ReduceOp};
+use candle_fsdp::comm::{CommStream, ProcessGroup, ProcessGroupExt, ReduceOp};
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
@@ -38,9 +40,10 @@ fn value(rank: usize, i: usize) -> f32 {
 
 struct Worker {
     pg: Arc<ThreadProcessGroup>,
+    stream: CommStream,
     op: Op,
-    template: CommBuffer,
-    output: Option<CommBuffer>,
+    input: Tensor,
+    output: Option<Tensor>,
 }
 
 impl Worker {
@@ -51,12 +54,21 @@ impl Worker {
             Op::AllGather => (ELEMS / ws, ELEMS),
             Op::ReduceScatter => (ELEMS, ELEMS / ws),
         };
-        let template = CommBuffer::F32((0..in_len).map(|i| value(r, i)).collect());
-        let output = Some(CommBuffer::F32(vec![0.0; out_len]));
+        let input: Vec<f32> = (0..in_len).map(|i| value(r, i)).collect();
+        let input = Tensor::from_vec(input, in_len, &Device::Cpu).expect("input");
+        let output = Some(Tensor::zeros(out_len, DType::F32, &Device::Cpu).expect("output"));
+        // A collective: every worker creates it at the same time.
+        let stream = pg
+            .new_stream(match op {
+                Op::AllGather => "all_gather",
+                Op::ReduceScatter => "reduce_scatter",
+            })
+            .expect("stream");
         Worker {
             pg,
+            stream,
             op,
-            template,
+            input,
             output,
         }
     }
@@ -66,13 +78,13 @@ impl Worker {
     fn run(&mut self, iters: u64) -> (Duration, bool) {
         let mut total = Duration::ZERO;
         for _ in 0..iters {
-            let input = self.template.clone();
             let output = self.output.take().expect("output buffer");
-            self.pg.barrier().wait().expect("barrier");
+            self.pg.barrier_wait().expect("barrier");
             let start = Instant::now();
+            let (s, input) = (&self.stream, &self.input);
             let out = match self.op {
-                Op::AllGather => self.pg.all_gather(input, output),
-                Op::ReduceScatter => self.pg.reduce_scatter(input, output, ReduceOp::Avg),
+                Op::AllGather => self.pg.all_gather(s, input, output),
+                Op::ReduceScatter => self.pg.reduce_scatter(s, input, output, ReduceOp::Avg),
             }
             .wait()
             .expect("collective");
@@ -85,9 +97,8 @@ impl Worker {
     fn check(&self) -> bool {
         let ws = self.pg.world_size();
         let r = self.pg.rank();
-        let out = match self.output.as_ref() {
-            Some(CommBuffer::F32(v)) => v,
-            _ => return false,
+        let Some(Ok(out)) = self.output.as_ref().map(|t| t.to_vec1::<f32>()) else {
+            return false;
         };
         match self.op {
             Op::AllGather => {

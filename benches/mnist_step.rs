@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
+use candle_fsdp::comm::ProcessGroupExt;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer, ShardingStrategy};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use criterion::{BenchmarkId, Criterion};
@@ -63,7 +64,7 @@ fn fsdp_steps(strategy: ShardingStrategy, steps: u64) -> Duration {
             Ok(())
         };
         step(&mut model)?;
-        pg.barrier().wait()?;
+        pg.barrier_wait()?;
         let t0 = Instant::now();
         for _ in 0..steps {
             step(&mut model)?;

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Module, Tensor};
 use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
-use candle_fsdp::comm::ProcessGroup;
+use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt};
 use candle_fsdp::fsdp::BackwardPrefetch;
 use candle_fsdp::timeline::render_timeline;
 use candle_fsdp::trace::{overlap_summary, Span, TraceSession};
@@ -119,14 +119,14 @@ fn timed_steps(ws: usize, prefetch: bool, steps: u64) -> Duration {
     let times = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
         let mut r = Rank::new(pg.clone(), prefetch)?;
         r.step()?;
-        pg.barrier().wait()?;
+        pg.barrier_wait()?;
         let start = Instant::now();
         for _ in 0..steps {
             r.step()?;
         }
         let t = start.elapsed();
         // Stop the clock before the barrier, so a rank does not count waiting for the others.
-        pg.barrier().wait()?;
+        pg.barrier_wait()?;
         Ok(t)
     })
     .expect("timed run");
@@ -143,7 +143,7 @@ fn traced_spans(ws: usize, prefetch: bool) -> Vec<Span> {
         }
         // The barriers that line the ranks up stay out of the trace (they would be counted as
         // a step of their own, or as communication of the last step).
-        pg.barrier().wait()?;
+        pg.barrier_wait()?;
         let tracer = session.tracer(pg.rank());
         r.model.set_tracer(Some(tracer.clone()));
         for _ in 0..TRACED_STEPS {
@@ -151,7 +151,7 @@ fn traced_spans(ws: usize, prefetch: bool) -> Vec<Span> {
         }
         r.model.set_tracer(None);
         // Backward waited for every reduce-scatter: nothing traced is still running.
-        pg.barrier().wait()?;
+        pg.barrier_wait()?;
         Ok(tracer.spans())
     })
     .expect("traced run");

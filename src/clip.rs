@@ -3,7 +3,7 @@
 //! The gradients are read and scaled through the model's accessor ([`FsdpModel::shards`]) with
 //! the kernels of [`crate::ops`], in place on their device.
 
-use crate::comm::{CommBuffer, ProcessGroup, ReduceOp};
+use crate::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use crate::error::Result;
 use crate::fsdp::{FsdpModel, ShardingStrategy};
 use crate::ops;
@@ -23,10 +23,7 @@ fn local_sq_norm(model: &FsdpModel) -> Result<f32> {
 
 /// Sum all-reduce of one f32 across the group (the one collective of clipping).
 fn all_reduce_sum(pg: &dyn ProcessGroup, v: f32) -> Result<f32> {
-    Ok(pg
-        .all_reduce(CommBuffer::F32(vec![v]), ReduceOp::Sum)
-        .wait()?
-        .into_f32()?[0])
+    Ok(pg.all_reduce_f32s(vec![v], ReduceOp::Sum)?[0])
 }
 
 /// Total L2 norm of all gradients of the model, over every rank's shards (a collective: one

@@ -9,7 +9,7 @@
 
 use candle_core::Tensor;
 
-use crate::comm::{CommBuffer, ProcessGroup, ReduceOp};
+use crate::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use crate::error::{Error, Result};
 use crate::fsdp::FsdpModel;
 use crate::ops;
@@ -17,10 +17,7 @@ use crate::optim::ShardedOptimizer;
 
 /// Max all-reduce of one f32 across the group (the scaler's one collective: the inf/NaN flag).
 fn all_reduce_max(pg: &dyn ProcessGroup, v: f32) -> Result<f32> {
-    Ok(pg
-        .all_reduce(CommBuffer::F32(vec![v]), ReduceOp::Max)
-        .wait()?
-        .into_f32()?[0])
+    Ok(pg.all_reduce_f32s(vec![v], ReduceOp::Max)?[0])
 }
 
 /// Scaler configuration (PyTorch defaults).

@@ -50,6 +50,7 @@ pub mod flat_param;
 pub mod fsdp;
 pub mod grad_scaler;
 pub mod init;
+pub mod launch;
 #[cfg(feature = "mnist")]
 pub mod metrics;
 pub mod mixed_precision;

@@ -15,8 +15,8 @@
 //! running_var_c  ← (1 − momentum) · running_var_c  + momentum · var_c · n / (n − 1)   (unbiased)
 //! ```
 //!
-//! One training forward issues **one** all-reduce (sum, f32, on the
-//! [`Stream::Collective`](crate::comm::Stream) stream) of each rank's per-channel count, sum and
+//! One training forward issues **one** all-reduce (sum, f32, on the process group's
+//! [default stream](crate::comm::ProcessGroup::default_stream)) of each rank's per-channel count, sum and
 //! centred sum of squares, each rank in its own row of a `(world_size, 2C + 1)` buffer; every
 //! rank combines the rows with the parallel-variance formula, as PyTorch's SyncBatchNorm does
 //! with its gathered per-rank statistics (this avoids the cancellation of `E[x²] − E[x]²`; see
@@ -39,14 +39,17 @@ use std::sync::Arc;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
 use candle_nn::{BatchNormConfig, Init, ModuleT, VarBuilder};
 
-use crate::comm::{CommBuffer, ProcessGroup, ReduceOp};
+use crate::comm::{ProcessGroup, ReduceOp};
+use crate::error::Error;
 
 /// A Candle custom op that sums a tensor over every rank of a process group (a blocking
-/// all-reduce on the rank's collective stream); its backward sums the incoming gradient over the
+/// all-reduce on the group's default stream); its backward sums the incoming gradient over the
 /// ranks in the same way. Use it through [`all_reduce_sum`].
 ///
 /// CPU only (f32, contiguous); the CUDA and Metal forwards are Candle's "no implementation"
-/// errors.
+/// errors. A communication error comes back out of the Candle op as our own variant (it travels
+/// through Candle wrapped by [`Error::into_candle`]; `Error::from` unwraps it), e.g.
+/// [`Error::PeerFailed`].
 #[derive(Clone)]
 pub struct AllReduceSum {
     pg: Arc<dyn ProcessGroup>,
@@ -75,12 +78,13 @@ impl CustomOp1 for AllReduceSum {
         let Some((start, end)) = layout.contiguous_offsets() else {
             bail!("all-reduce-sum: expects a contiguous tensor")
         };
+        let buf = Tensor::from_slice(&data[start..end], end - start, self.pg.device())?;
         let out = self
             .pg
-            .all_reduce(CommBuffer::F32(data[start..end].to_vec()), ReduceOp::Sum)
+            .all_reduce(&self.pg.default_stream(), buf, ReduceOp::Sum)
             .wait()
-            .and_then(|b| b.into_f32())
-            .map_err(candle_core::Error::wrap)?;
+            .map_err(Error::into_candle)?
+            .to_vec1::<f32>()?;
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
 
@@ -103,7 +107,7 @@ impl CustomOp1 for AllReduceSum {
 /// f32 input unchanged, with no communication.
 ///
 /// Errors: a collective failure (a peer failed, timed out, or passed another length), wrapped in
-/// a Candle error.
+/// a Candle error that `crate::Error::from` turns back into the collective's own variant.
 pub fn all_reduce_sum(x: &Tensor, pg: &Arc<dyn ProcessGroup>) -> candle_core::Result<Tensor> {
     let x = x.to_dtype(DType::F32)?;
     if pg.world_size() == 1 {

@@ -9,39 +9,72 @@
 //!
 //! Exposed communication is the time the compute thread spends waiting on a [`crate::comm::Work`]
 //! (the `Wait` spans): communication that was not hidden behind compute.
+//!
+//! Comm-stream spans come from the process group through [`CommObserver`], which [`Tracer`]
+//! implements: install it with [`crate::comm::ProcessGroup::set_observer`] (the FSDP runtime's
+//! `set_tracer` does). Each comm stream is a lane named after the stream.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use parking_lot::Mutex;
 use serde::Serialize;
 
-use crate::comm::Stream;
+use crate::comm::{CommObserver, OpKind, DEFAULT_STREAM};
 
 /// The lane (Chrome trace "thread") a span belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub enum Lane {
     /// The rank's compute thread.
     Compute,
-    /// A comm stream.
-    Comm(Stream),
+    /// A comm stream, by name (see [`Lane::comm`]).
+    Comm(&'static str),
+}
+
+/// Lane names of the streams every FSDP run has, in thread-id order after compute.
+const KNOWN_STREAMS: [&str; 3] = ["all_gather", "reduce_scatter", DEFAULT_STREAM];
+
+/// Names of the other streams seen so far, in order of first appearance (ids 4, 5, …). Stream
+/// names are few and live as long as their group; each distinct name is stored once.
+static OTHER_STREAMS: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+
+/// The interned copy of a stream name, and its position after the known ones.
+fn intern(name: &str) -> (&'static str, u32) {
+    if let Some(i) = KNOWN_STREAMS.iter().position(|&k| k == name) {
+        return (KNOWN_STREAMS[i], i as u32);
+    }
+    let mut others = OTHER_STREAMS.lock();
+    let i = match others.iter().position(|&o| o == name) {
+        Some(i) => i,
+        None => {
+            others.push(Box::leak(name.to_string().into_boxed_str()));
+            others.len() - 1
+        }
+    };
+    (others[i], (KNOWN_STREAMS.len() + i) as u32)
 }
 
 impl Lane {
-    /// Chrome trace thread id: 0 compute, 1 all-gather, 2 reduce-scatter, 3 collective.
+    /// The lane of the comm stream named `stream`.
+    pub fn comm(stream: &str) -> Lane {
+        Lane::Comm(intern(stream).0)
+    }
+
+    /// Chrome trace thread id: 0 compute, 1 `all_gather`, 2 `reduce_scatter`, 3 `collective`
+    /// (the default stream), then other streams in order of first appearance in this process.
     pub fn tid(self) -> u32 {
         match self {
             Lane::Compute => 0,
-            Lane::Comm(s) => 1 + s.index() as u32,
+            Lane::Comm(s) => 1 + intern(s).1,
         }
     }
 
-    /// Lane name shown in the viewer.
+    /// Lane name shown in the viewer: `compute`, or the stream's name.
     pub fn name(self) -> &'static str {
         match self {
             Lane::Compute => "compute",
-            Lane::Comm(s) => s.name(),
+            Lane::Comm(s) => s,
         }
     }
 }
@@ -126,7 +159,8 @@ impl TraceSession {
 
     /// A tracer for `rank` on this session's clock.
     pub fn tracer(&self, rank: usize) -> Arc<Tracer> {
-        Arc::new(Tracer {
+        Arc::new_cyclic(|me| Tracer {
+            me: me.clone(),
             rank,
             origin: self.origin,
             spans: Mutex::new(Vec::new()),
@@ -139,6 +173,8 @@ impl TraceSession {
 /// One rank's span recorder. Cheap when disabled; thread safe (comm streams record into it).
 #[derive(Debug)]
 pub struct Tracer {
+    /// This tracer, for the span guards its `&self` methods hand out.
+    me: Weak<Tracer>,
     rank: usize,
     origin: Instant,
     spans: Mutex<Vec<Span>>,
@@ -249,6 +285,22 @@ impl Tracer {
     /// Drops every recorded span.
     pub fn clear(&self) {
         self.spans.lock().clear();
+    }
+}
+
+impl CommObserver for Tracer {
+    /// Records the collective as a span on the lane of its stream, named after the operation
+    /// (`all_gather #12 (stream all_gather)`); all-reduce, broadcast, reduce and barrier are
+    /// [`SpanKind::Collective`].
+    fn op_started(&self, stream: &str, kind: OpKind, op: &str) -> Option<Box<dyn Send>> {
+        let span_kind = match kind {
+            OpKind::AllGather => SpanKind::AllGather,
+            OpKind::ReduceScatter => SpanKind::ReduceScatter,
+            _ => SpanKind::Collective,
+        };
+        let me = self.me.upgrade()?;
+        me.span(Lane::comm(stream), span_kind, op)
+            .map(|g| Box::new(g) as Box<dyn Send>)
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_fsdp::checkpoint::{load_full, load_sharded, save_full, save_sharded, TrainState};
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
-use candle_fsdp::comm::ProcessGroup;
+use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt};
 use candle_fsdp::optim::{Sgd, SgdConfig};
 use candle_fsdp::{FsdpConfig, FsdpModel};
 
@@ -35,21 +35,21 @@ fn build(pg: Arc<dyn ProcessGroup>) -> candle_fsdp::Result<FsdpModel> {
 /// Both ranks quiet (comm streams free their buffers just after a collective completes), then
 /// rank 0 resets the peak to the live count.
 fn start(pg: &dyn ProcessGroup) -> candle_fsdp::Result<isize> {
-    pg.barrier().wait()?;
+    pg.barrier_wait()?;
     std::thread::sleep(std::time::Duration::from_millis(50));
     let base = LIVE.load(Ordering::SeqCst);
     if pg.rank() == 0 {
         PEAK.store(base, Ordering::SeqCst);
     }
-    pg.barrier().wait()?;
+    pg.barrier_wait()?;
     Ok(base)
 }
 
 /// Waits until both ranks are done and quiet, then returns the peak above `base`.
 fn peak_since(pg: &dyn ProcessGroup, base: isize) -> candle_fsdp::Result<isize> {
-    pg.barrier().wait()?;
+    pg.barrier_wait()?;
     std::thread::sleep(std::time::Duration::from_millis(50));
-    pg.barrier().wait()?;
+    pg.barrier_wait()?;
     Ok(PEAK.load(Ordering::SeqCst) - base)
 }
 

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
-use candle_fsdp::comm::{CommBuffer, ReduceOp};
+use candle_fsdp::comm::{ProcessGroupExt, ReduceOp};
 use candle_fsdp::init::{seeded_var_builder, varmap_values};
 use candle_fsdp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, ShardedOptimizer};
 use candle_fsdp::{BackwardPrefetch, FsdpConfig, FsdpModel, ShardingStrategy};
@@ -135,8 +135,7 @@ fn fsdp(
             model.backward(&loss)?;
             optim.step(&mut model)?;
             model.zero_grad();
-            let l = CommBuffer::F32(vec![loss.to_scalar::<f32>()?]);
-            let l = pg.all_reduce(l, ReduceOp::Avg).wait()?.into_f32()?;
+            let l = pg.all_reduce_f32s(vec![loss.to_scalar::<f32>()?], ReduceOp::Avg)?;
             losses.push(l[0]);
         }
         let params = model.gather_full_params(false)?.expect("all ranks gather");
@@ -225,7 +224,7 @@ fn initial_parameters_equal_the_seeded_single_process_model() {
             for u in units() {
                 b = b.unit_spec(u);
             }
-            let mut model = b.build()?;
+            let model = b.build()?;
             model.gather_full_params(true)
         })
         .unwrap();

@@ -9,7 +9,7 @@ use candle_fsdp::{FsdpConfig, FsdpModel};
 fn accuracy_counts_argmax_matches_and_checks_its_inputs() {
     let (acc, one_batch, empty, errors) = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
         // No parameters: the logits are the input rows themselves.
-        let mut m = FsdpModel::builder(pg, FsdpConfig::default())
+        let m = FsdpModel::builder(pg, FsdpConfig::default())
             .unit("id", |_vb| Ok(candle_nn::func(|x| Ok(x.clone()))))
             .build()?;
         let full = m.gather_full_model(false)?.expect("every rank asked");

@@ -192,8 +192,9 @@ fn trace_has_comm_lanes_and_exports_chrome_json_and_overlap_figures() {
         .count();
     // 8 gathers in forward + 7 in backward (the last unit keeps its graph).
     assert_eq!(ag, 2 * UNITS - 1);
-    assert!(spans.iter().any(|s| s.kind == SpanKind::ReduceScatter
-        && s.lane == Lane::Comm(candle_fsdp::comm::Stream::ReduceScatter)));
+    assert!(spans
+        .iter()
+        .any(|s| s.kind == SpanKind::ReduceScatter && s.lane == Lane::comm("reduce_scatter")));
     assert!(spans.iter().any(|s| s.kind == SpanKind::OptimizerStep));
     let json: serde_json::Value = serde_json::from_str(&chrome_trace_json(&spans)).unwrap();
     let events = json["traceEvents"].as_array().unwrap();

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use candle_fsdp::comm::threads::{run_ranks, run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::comm::ProcessGroupExt;
 use candle_fsdp::error::Phase;
 use candle_fsdp::{Error, FsdpConfig, FsdpModel};
 
@@ -35,7 +36,7 @@ fn a_timeout_names_unit_phase_and_step() {
             let y = m.forward(&x)?;
             m.backward(&y.sum_all()?)?;
         }
-        pg.barrier().wait()?;
+        pg.barrier_wait()?;
         Ok(())
     });
     let elapsed = t0.elapsed();

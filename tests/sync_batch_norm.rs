@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fsdp::comm::threads::{run_ranks, run_ranks_ok, ThreadGroupConfig};
-use candle_fsdp::comm::{CommBuffer, ProcessGroup, ReduceOp};
+use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use candle_fsdp::init::{seeded_var_builder, varmap_values};
 use candle_fsdp::optim::{AdamW, AdamWConfig, ShardedOptimizer};
 use candle_fsdp::sync_batch_norm::{all_reduce_sum, sync_batch_norm};
@@ -613,8 +613,8 @@ fn cnn_fsdp(
             model.backward(&loss)?;
             opt.step(&mut model)?;
             model.zero_grad();
-            let l = CommBuffer::F32(vec![loss.to_scalar::<f32>()?]);
-            losses.push(pg.all_reduce(l, ReduceOp::Avg).wait()?.into_f32()?[0]);
+            let l = vec![loss.to_scalar::<f32>()?];
+            losses.push(pg.all_reduce_f32s(l, ReduceOp::Avg)?[0]);
         }
         // Eval through the sharded model and the gathered full model agree (running stats).
         let x = images(&data[0].0.narrow(0, 0, PER_RANK)?);

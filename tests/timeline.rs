@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 
-use candle_fsdp::comm::Stream;
 use candle_fsdp::timeline::{
     render_timeline, render_timeline_to_svg_string, span_color, timeline_dimensions, TIMELINE_WIDTH,
 };
@@ -24,8 +23,8 @@ fn span(rank: usize, lane: Lane, kind: SpanKind, name: &str, start_ms: f64, dur_
 /// Two ranks, one step of a 2-unit model: forward, backward, gathers, reduce-scatters, a wait,
 /// issue markers, the optimizer step.
 fn synthetic() -> Vec<Span> {
-    let ag = Lane::Comm(Stream::AllGather);
-    let rs = Lane::Comm(Stream::ReduceScatter);
+    let ag = Lane::comm("all_gather");
+    let rs = Lane::comm("reduce_scatter");
     let c = Lane::Compute;
     let mut spans = Vec::new();
     for r in 0..2 {

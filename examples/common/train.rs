@@ -21,7 +21,7 @@ use candle_core::{DType, Tensor};
 use candle_fsdp::checkpoint::{self, RngState, SamplerState, TrainState};
 use candle_fsdp::clip::clip_grad_norm;
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
-use candle_fsdp::comm::{CommBuffer, ProcessGroup, ReduceOp};
+use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use candle_fsdp::data::{Batch, BatchLoader, DistributedSampler};
 use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
 use candle_fsdp::timeline::render_timeline;
@@ -375,10 +375,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
     /// Sums two values over the ranks onto rank 0 (every rank gets a vector; only rank 0's is
     /// the sum).
     fn sum_to_rank0(&self, a: f32, b: f32) -> Result<Vec<f32>> {
-        self.pg
-            .reduce(CommBuffer::F32(vec![a, b]), 0, ReduceOp::Sum)
-            .wait()?
-            .into_f32()
+        self.pg.reduce_f32s(vec![a, b], 0, ReduceOp::Sum)
     }
 
     /// The example's evaluation of the gathered full model on rank 0 (`Some` there, `None`
@@ -388,7 +385,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
             Some(full) => Some((self.job.evaluate)(&full)?),
             None => None,
         };
-        self.pg.barrier().wait()?;
+        self.pg.barrier_wait()?;
         Ok(accuracy)
     }
 

@@ -15,35 +15,14 @@ use safetensors::Dtype;
 
 use super::io::{candle_dtype, st_dtype, MappedFile, SafetensorsWriter, TensorSpec};
 use super::{agree, ReadStats, FORMAT_VERSION};
-use crate::comm::{CommBuffer, ProcessGroup};
+use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::fsdp::{FsdpConfig, FsdpModel};
 use crate::ops::with_host_f32;
-use crate::shard_view::ShardView;
 use crate::unit::{record_unit, UnitSpec};
 
 /// Value of the `format` entry of a full state-dict file's safetensors metadata.
 pub const FULL_FORMAT: &str = "candle-fsdp/full";
-
-/// The full f32 flat buffer of one unit, `padded_numel` elements on the shard's device (a
-/// collective all-gather unless the unit is not sharded: then the shard itself, not a copy).
-/// Every rank holds it until the caller drops it: one unit, never the model.
-pub(crate) fn gather_f32(pg: &dyn ProcessGroup, unit: &ShardView) -> Result<Tensor> {
-    let l = unit.layout;
-    if l.world_size == 1 || l.padded_numel == 0 {
-        return Ok(unit.param.clone());
-    }
-    let input = with_host_f32(unit.param, |s| CommBuffer::F32(s.to_vec()))?;
-    let out = all_gather_f32(pg, input, l.padded_numel)?;
-    Ok(Tensor::from_vec(out, l.padded_numel, unit.param.device())?)
-}
-
-/// All-gather of f32 values into `n` elements (the one collective of a full save).
-fn all_gather_f32(pg: &dyn ProcessGroup, input: CommBuffer, n: usize) -> Result<Vec<f32>> {
-    pg.all_gather(input, CommBuffer::F32(vec![0.0; n]))
-        .wait()?
-        .into_f32()
-}
 
 fn full_specs(model: &FsdpModel) -> Result<Vec<TensorSpec>> {
     let mut specs = Vec::new();
@@ -96,7 +75,7 @@ pub fn save_full(path: &Path, model: &FsdpModel) -> Result<Option<u64>> {
     agree(pg.as_ref(), "saving the full state dict", path, local)?;
     let mut local = Ok(());
     for u in model.shards() {
-        let full = gather_f32(pg.as_ref(), &u)?;
+        let full = model.gather_unit_f32(u.unit_index)?;
         if let Some(w) = writer.as_mut() {
             let written = (|| -> Result<()> {
                 with_host_f32(&full, |full| -> Result<()> {

@@ -59,7 +59,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::comm::{CommBuffer, ProcessGroup, ReduceOp};
+use crate::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
 
@@ -511,9 +511,7 @@ pub fn agree_on_latest(pg: &dyn ProcessGroup, root: &Path) -> Result<Option<Path
     let b = if pg.world_size() == 1 {
         pieces
     } else {
-        pg.broadcast(CommBuffer::F32(pieces), 0)
-            .wait()?
-            .into_f32()?
+        pg.broadcast_f32s(pieces, 0)?
     };
     let step = (0..4).fold(0u64, |acc, i| acc | ((b[i] as u64) << (16 * i)));
     Ok((step != u64::MAX).then(|| root.join(step_dir_name(step))))
@@ -536,10 +534,7 @@ pub(crate) fn agree(
     if local.is_err() {
         flags[rank] = 1.0;
     }
-    let flags = pg
-        .all_reduce(CommBuffer::F32(flags), ReduceOp::Sum)
-        .wait()?
-        .into_f32()?;
+    let flags = pg.all_reduce_f32s(flags, ReduceOp::Sum)?;
     local?;
     let failed: Vec<usize> = (0..ws).filter(|&r| flags[r] > 0.0).collect();
     if failed.is_empty() {

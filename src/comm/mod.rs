@@ -1,363 +1,260 @@
-//! Process groups: ranks, world size and asynchronous collectives.
+//! Process groups: ranks, world size, comm streams and asynchronous collectives over device
+//! buffers.
 //!
-//! A [`ProcessGroup`] is one rank's handle on a group of `world_size` ranks. Every collective is
-//! *asynchronous*: it is enqueued on one of the rank's **comm streams** and returns a [`Work`]
-//! handle at once; [`Work::wait`] blocks until the collective finished and hands back the buffer.
-//! Buffers move into the collective and come back out of `wait`, so a preallocated output is
-//! reused with no copy and no aliasing while the operation is in flight.
+//! A [`ProcessGroup`] is one rank's handle on a group of `world_size` ranks. Buffers are Candle
+//! [`Tensor`]s on the group's [`ProcessGroup::device`]: 1-D, contiguous, of a supported dtype
+//! (f32, bf16, f16, f64 for data; u8, u32, i16, i32, i64 for metadata that ranks must agree on).
 //!
-//! Streams (the same contract as a CUDA stream: ops on one stream run in issue order, ops on
-//! different streams may overlap):
-//! - [`Stream::AllGather`]: parameter all-gathers (unshard).
-//! - [`Stream::ReduceScatter`]: gradient reduce-scatters, so they never queue behind an all-gather.
-//! - [`Stream::Collective`]: all-reduce, broadcast, reduce and barrier.
+//! Every collective is *asynchronous*: it is enqueued on a **comm stream** ([`CommStream`]) and
+//! returns a [`Work`] at once. Output and in-place buffers are *moved into* the collective and
+//! handed back, filled, by [`Work::wait`] (or [`Work::wait_compute`]): a preallocated output is
+//! reused with no copy, and nothing aliases it while the operation is in flight. Inputs are
+//! borrowed at issue; the collective keeps its own reference until it completed, and the caller
+//! must not write them in place meanwhile.
 //!
-//! Every rank must issue the same collectives in the same order on each stream. Backends:
-//! [`threads`] (N ranks as N threads of one process, shared memory).
+//! Streams have the semantics of CUDA streams with one communicator each (NCCL's model):
+//! operations on one stream run in issue order, operations on different streams are independent
+//! and may overlap. The runtime creates the streams it wants with [`ProcessGroup::new_stream`]
+//! (FSDP: `"all_gather"` and `"reduce_scatter"`) and chooses the stream of every collective;
+//! [`ProcessGroup::default_stream`] (named [`DEFAULT_STREAM`]) serves callers that do not choose
+//! one (clipping, the grad scaler, checkpoints, SyncBatchNorm; [`ProcessGroupExt`] wraps it in
+//! one-line host helpers).
+//!
+//! # The contract every backend keeps
+//!
+//! - Every rank issues the same collectives, in the same order, on each stream, with the same
+//!   element counts, dtypes, reduce ops and roots; stream creation ([`ProcessGroup::new_stream`])
+//!   and sub-group creation ([`ProcessGroup::new_group`]) are collectives too, called by every
+//!   rank in the same order. What happens when ranks disagree is backend-defined (an error or a
+//!   hang until a timeout).
+//! - `all_gather(input, output)`: `output.len() == world_size * input.len()`; rank r's input lands
+//!   at `output[r*n .. (r+1)*n]`.
+//! - `reduce_scatter(input, output, op)`: `input.len() == world_size * output.len()`; rank r gets
+//!   `op` over ranks of `input[r*n .. (r+1)*n]`.
+//! - `all_reduce(buf, op)` and `broadcast(buf, root)` are in place; `reduce(buf, root, op)`
+//!   leaves the non-root buffers unchanged.
+//! - Output and input must not share storage.
+//! - [`ReduceOp::Avg`] is defined for floating-point dtypes only; on integers it is an error.
+//!   Integer sums wrap on overflow.
+//! - A failure on one rank, reported with [`ProcessGroup::abort`], makes the pending and later
+//!   collectives of the other ranks fail instead of hanging (how promptly is backend-defined).
+//!
+//! Backends: [`threads`] (N ranks as N threads of one process, shared memory; its docs list the
+//! stronger guarantees only shared memory can give). Statistics are counted once for every
+//! backend by the [`stats::Instrumented`] wrapper that launchers put around it.
 
+pub mod host;
+pub mod stats;
 pub mod threads;
+pub mod work;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::any::Any;
 use std::sync::Arc;
 
-use candle_core::DType;
-use half::{bf16, f16};
-use parking_lot::{Condvar, Mutex};
+use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
 
-/// A flat, typed buffer exchanged by collectives (1-D, `len()` elements).
-#[derive(Debug, Clone, PartialEq)]
-pub enum CommBuffer {
-    /// 32-bit floats (master shards, f32 gradients).
-    F32(Vec<f32>),
-    /// bfloat16 (mixed-precision all-gather / reduce-scatter).
-    BF16(Vec<bf16>),
-    /// IEEE half (mixed-precision all-gather / reduce-scatter).
-    F16(Vec<f16>),
-}
+pub use host::ProcessGroupExt;
+pub use stats::{CommStatsSnapshot, Instrumented};
+pub use work::{Completion, Work, WorkCompleter};
 
-impl CommBuffer {
-    /// A zero-filled buffer of `len` elements of `dtype` (F32, BF16 or F16; others are an error).
-    pub fn zeros(dtype: DType, len: usize) -> Result<Self> {
-        Ok(match dtype {
-            DType::F32 => CommBuffer::F32(vec![0.0; len]),
-            DType::BF16 => CommBuffer::BF16(vec![bf16::ZERO; len]),
-            DType::F16 => CommBuffer::F16(vec![f16::ZERO; len]),
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "collectives support f32, bf16 and f16 buffers, not {other:?}"
-                )))
-            }
-        })
-    }
-
-    /// Converts f32 values to a buffer of `dtype` (round to nearest even for the half types).
-    pub fn from_f32(values: &[f32], dtype: DType) -> Result<Self> {
-        Ok(match dtype {
-            DType::F32 => CommBuffer::F32(values.to_vec()),
-            DType::BF16 => CommBuffer::BF16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
-            DType::F16 => CommBuffer::F16(values.iter().map(|&v| f16::from_f32(v)).collect()),
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "collectives support f32, bf16 and f16 buffers, not {other:?}"
-                )))
-            }
-        })
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match self {
-            CommBuffer::F32(v) => v.len(),
-            CommBuffer::BF16(v) => v.len(),
-            CommBuffer::F16(v) => v.len(),
-        }
-    }
-
-    /// True when the buffer holds no element.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Element dtype.
-    pub fn dtype(&self) -> DType {
-        match self {
-            CommBuffer::F32(_) => DType::F32,
-            CommBuffer::BF16(_) => DType::BF16,
-            CommBuffer::F16(_) => DType::F16,
-        }
-    }
-
-    /// Size in bytes (`len() * dtype.size_in_bytes()`).
-    pub fn nbytes(&self) -> usize {
-        self.len() * self.dtype().size_in_bytes()
-    }
-
-    /// Element `i` widened to f32.
-    pub fn get_f32(&self, i: usize) -> f32 {
-        match self {
-            CommBuffer::F32(v) => v[i],
-            CommBuffer::BF16(v) => v[i].to_f32(),
-            CommBuffer::F16(v) => v[i].to_f32(),
-        }
-    }
-
-    /// All elements widened to f32 (a copy).
-    pub fn to_f32_vec(&self) -> Vec<f32> {
-        match self {
-            CommBuffer::F32(v) => v.clone(),
-            CommBuffer::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            CommBuffer::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-        }
-    }
-
-    /// The f32 vector inside, or an error naming the dtype found.
-    pub fn into_f32(self) -> Result<Vec<f32>> {
-        match self {
-            CommBuffer::F32(v) => Ok(v),
-            other => Err(Error::InvalidArgument(format!(
-                "expected an f32 buffer, found {:?}",
-                other.dtype()
-            ))),
-        }
-    }
-}
+/// Name of the stream every group has from its creation ([`ProcessGroup::default_stream`]).
+pub const DEFAULT_STREAM: &str = "collective";
 
 /// Reduction applied by reduce-scatter, all-reduce and reduce.
-///
-/// Sums are accumulated in f32 in rank order 0, 1, …, world_size-1 (deterministic, the same on
-/// every rank) and rounded once to the buffer's dtype. `Avg` is the sum multiplied by
-/// `1 / world_size` (so world size 1 is an exact identity).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {
-    /// Element-wise sum.
+    /// Element-wise sum (integers wrap on overflow).
     Sum,
-    /// Element-wise mean over ranks.
+    /// Element-wise mean over ranks: the sum times `1 / world_size` (floating-point dtypes only).
     Avg,
-    /// Element-wise maximum (NaN propagates).
+    /// Element-wise maximum.
     Max,
-    /// Element-wise minimum (NaN propagates).
+    /// Element-wise minimum.
     Min,
 }
 
-/// The comm stream an operation runs on; see the module docs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-pub enum Stream {
-    /// Parameter all-gathers.
+/// Kind of a collective, as reported to a [`CommObserver`] and counted by [`stats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// [`ProcessGroup::all_gather`].
     AllGather,
-    /// Gradient reduce-scatters.
+    /// [`ProcessGroup::reduce_scatter`].
     ReduceScatter,
-    /// All-reduce, broadcast, reduce, barrier.
-    Collective,
+    /// [`ProcessGroup::all_reduce`].
+    AllReduce,
+    /// [`ProcessGroup::broadcast`].
+    Broadcast,
+    /// [`ProcessGroup::reduce`].
+    Reduce,
+    /// [`ProcessGroup::barrier`].
+    Barrier,
 }
 
-impl Stream {
-    /// All streams, in index order.
-    pub const ALL: [Stream; 3] = [Stream::AllGather, Stream::ReduceScatter, Stream::Collective];
-
-    /// Dense index (0..3).
-    pub fn index(self) -> usize {
-        match self {
-            Stream::AllGather => 0,
-            Stream::ReduceScatter => 1,
-            Stream::Collective => 2,
-        }
-    }
-
-    /// Stable name used in errors and traces.
+impl OpKind {
+    /// Stable name used in operation names and errors (`all_gather`, `reduce_scatter`,
+    /// `all_reduce`, `broadcast`, `reduce`, `barrier`).
     pub fn name(self) -> &'static str {
         match self {
-            Stream::AllGather => "all_gather",
-            Stream::ReduceScatter => "reduce_scatter",
-            Stream::Collective => "collective",
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllReduce => "all_reduce",
+            OpKind::Broadcast => "broadcast",
+            OpKind::Reduce => "reduce",
+            OpKind::Barrier => "barrier",
         }
     }
 }
 
-/// Counters of what a rank sent through its process group.
+/// An opaque handle on one comm stream of one rank's process group (cheap to clone).
 ///
-/// `*_bytes` count the bytes this rank *contributed* (its input buffer), the quantity NCCL's
-/// "algorithm bandwidth" is based on (nccl-tests `PERFORMANCE.md`).
-#[derive(Debug, Default)]
-pub struct CommStats {
-    /// Number of all-gathers issued.
-    pub all_gather_calls: AtomicU64,
-    /// Bytes of all-gather inputs (this rank's shards).
-    pub all_gather_bytes: AtomicU64,
-    /// Number of reduce-scatters issued.
-    pub reduce_scatter_calls: AtomicU64,
-    /// Bytes of reduce-scatter inputs (this rank's unsharded gradients).
-    pub reduce_scatter_bytes: AtomicU64,
-    /// Number of all-reduce / broadcast / reduce / barrier calls.
-    pub other_calls: AtomicU64,
-    /// Bytes of all-reduce / broadcast / reduce buffers.
-    pub other_bytes: AtomicU64,
+/// Created by [`ProcessGroup::new_stream`] or [`ProcessGroup::default_stream`] and usable only
+/// with the group that created it (anything else is an error of the collective). The handle
+/// carries the stream's name and the backend's own state, which only the backend reads.
+#[derive(Clone)]
+pub struct CommStream {
+    name: Arc<str>,
+    backend: Arc<dyn Any + Send + Sync>,
 }
 
-/// A plain copy of [`CommStats`] at one moment.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CommStatsSnapshot {
-    /// Number of all-gathers issued.
-    pub all_gather_calls: u64,
-    /// Bytes of all-gather inputs.
-    pub all_gather_bytes: u64,
-    /// Number of reduce-scatters issued.
-    pub reduce_scatter_calls: u64,
-    /// Bytes of reduce-scatter inputs.
-    pub reduce_scatter_bytes: u64,
-    /// Number of other collectives.
-    pub other_calls: u64,
-    /// Bytes of other collectives.
-    pub other_bytes: u64,
-}
-
-impl CommStats {
-    /// Reads all counters.
-    pub fn snapshot(&self) -> CommStatsSnapshot {
-        CommStatsSnapshot {
-            all_gather_calls: self.all_gather_calls.load(Ordering::Relaxed),
-            all_gather_bytes: self.all_gather_bytes.load(Ordering::Relaxed),
-            reduce_scatter_calls: self.reduce_scatter_calls.load(Ordering::Relaxed),
-            reduce_scatter_bytes: self.reduce_scatter_bytes.load(Ordering::Relaxed),
-            other_calls: self.other_calls.load(Ordering::Relaxed),
-            other_bytes: self.other_bytes.load(Ordering::Relaxed),
+impl CommStream {
+    /// A handle named `name` around `backend`'s state (for backend implementations).
+    pub fn new(name: impl Into<Arc<str>>, backend: Arc<dyn Any + Send + Sync>) -> Self {
+        CommStream {
+            name: name.into(),
+            backend,
         }
+    }
+
+    /// The name given at creation (e.g. `"all_gather"`, or [`DEFAULT_STREAM`]).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The backend state, if it is a `T` (for backend implementations).
+    pub fn backend_state<T: Any>(&self) -> Option<&T> {
+        self.backend.downcast_ref::<T>()
     }
 }
 
-struct WorkState<T> {
-    result: Mutex<Option<Result<T>>>,
-    cv: Condvar,
-    done: AtomicBool,
+impl std::fmt::Debug for CommStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("CommStream").field(&self.name).finish()
+    }
 }
 
-/// Handle on an asynchronous collective; `wait` returns its result (the output buffer).
+/// Receives the execution of collectives on comm streams (tracing hooks in through it).
 ///
-/// Dropping a `Work` without waiting is allowed: the operation still runs to completion on its
-/// stream (it must, since the other ranks take part in it).
-pub struct Work<T> {
-    state: Arc<WorkState<T>>,
-}
-
-/// The completing side of a [`Work`], held by the stream that executes the operation.
-///
-/// If it is dropped without [`WorkCompleter::complete`] (the stream thread died), the waiter
-/// gets an error naming the operation instead of hanging.
-pub struct WorkCompleter<T> {
-    state: Option<Arc<WorkState<T>>>,
-    op: String,
-}
-
-impl<T> Work<T> {
-    /// A pending operation and the completer that finishes it; `op` names it in errors.
-    pub fn pending(op: impl Into<String>) -> (Work<T>, WorkCompleter<T>) {
-        let state = Arc::new(WorkState {
-            result: Mutex::new(None),
-            cv: Condvar::new(),
-            done: AtomicBool::new(false),
-        });
-        (
-            Work {
-                state: state.clone(),
-            },
-            WorkCompleter {
-                state: Some(state),
-                op: op.into(),
-            },
-        )
-    }
-
-    /// An already completed operation.
-    pub fn ready(result: Result<T>) -> Self {
-        let (work, completer) = Work::pending("");
-        completer.complete(result);
-        work
-    }
-
-    /// True once the operation finished (successfully or not); never blocks.
-    pub fn is_completed(&self) -> bool {
-        self.state.done.load(Ordering::Acquire)
-    }
-
-    /// Blocks until the operation finished and returns its result.
-    ///
-    /// Errors: whatever the collective reported ([`Error::PeerFailed`], [`Error::Timeout`], …).
-    pub fn wait(self) -> Result<T> {
-        let mut guard = self.state.result.lock();
-        loop {
-            if let Some(r) = guard.take() {
-                return r;
-            }
-            self.state.cv.wait(&mut guard);
-        }
-    }
-}
-
-impl<T> WorkCompleter<T> {
-    /// Publishes the result and wakes the waiter.
-    pub fn complete(mut self, result: Result<T>) {
-        if let Some(state) = self.state.take() {
-            *state.result.lock() = Some(result);
-            state.done.store(true, Ordering::Release);
-            state.cv.notify_all();
-        }
-    }
-}
-
-impl<T> Drop for WorkCompleter<T> {
-    fn drop(&mut self) {
-        if let Some(state) = self.state.take() {
-            *state.result.lock() = Some(Err(Error::InvalidArgument(format!(
-                "{}: the comm stream stopped before completing it",
-                self.op
-            ))));
-            state.done.store(true, Ordering::Release);
-            state.cv.notify_all();
-        }
-    }
+/// `op_started` is called on the comm stream's own thread (or host-side worker) when the
+/// operation starts running there; the returned guard, if any, is dropped on the same thread
+/// when it ends. Implementations must be cheap: they sit on the communication path.
+pub trait CommObserver: Send + Sync {
+    /// An operation named `op` (e.g. `all_gather #12 (stream all_gather)`) of kind `kind`
+    /// starts on the stream named `stream`.
+    fn op_started(&self, stream: &str, kind: OpKind, op: &str) -> Option<Box<dyn Send>>;
 }
 
 /// One rank's handle on a process group. Object safe; shared as `Arc<dyn ProcessGroup>`.
 ///
-/// Buffer rules (checked on every rank; a violation is [`Error::BadBuffer`] or
-/// [`Error::CollectiveMismatch`] on every rank, never a hang):
-/// - `all_gather(input, output)`: `output.len() == world_size * input.len()`, same dtype; rank r's
-///   input lands at `output[r*n .. (r+1)*n]`.
-/// - `reduce_scatter(input, output, op)`: `input.len() == world_size * output.len()`; rank r gets
-///   `op` over ranks of `input[r*n .. (r+1)*n]`.
-/// - `all_reduce(buf, op)`, `broadcast(buf, root)`, `reduce(buf, root, op)`: same length and dtype
-///   on every rank; `reduce` leaves non-root buffers unchanged.
+/// See the [module docs](self) for the contract (buffer rules, ordering). Collectives return
+/// a [`Work`]; argument and communication errors are reported by its `wait`, e.g.
+/// [`Error::BadBuffer`], [`Error::CollectiveMismatch`], [`Error::PeerFailed`],
+/// [`Error::PeerExited`], [`Error::Timeout`], [`Error::StreamStopped`].
 pub trait ProcessGroup: Send + Sync {
     /// This rank, `0..world_size`.
     fn rank(&self) -> usize;
     /// Number of ranks.
     fn world_size(&self) -> usize;
-    /// All-gather on [`Stream::AllGather`]; returns the filled `output`.
-    fn all_gather(&self, input: CommBuffer, output: CommBuffer) -> Work<CommBuffer>;
-    /// Reduce-scatter on [`Stream::ReduceScatter`]; returns the filled `output` shard.
+    /// Backend name: `"threads"` (later `"mpi"`, `"nccl"`).
+    fn backend(&self) -> &'static str;
+    /// Device the buffers of collectives must live on (`Device::Cpu` for `threads`).
+    fn device(&self) -> &Device;
+    /// Creates a comm stream named `name` (a collective: every rank creates its streams in the
+    /// same order, with the same names).
+    ///
+    /// Errors: ranks disagree (backend-defined, see [`threads`]), the backend cannot start the
+    /// stream ([`Error::SpawnFailed`]), a peer failed.
+    fn new_stream(&self, name: &str) -> Result<CommStream>;
+    /// The stream for collectives whose caller does not choose one, named [`DEFAULT_STREAM`];
+    /// it exists from the group's creation.
+    fn default_stream(&self) -> CommStream;
+    /// All-gather of `input` (`n` elements) into `output` (`world_size * n` elements, same
+    /// dtype) on `stream`; returns the filled `output`.
+    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor>;
+    /// Reduce-scatter of `input` (`world_size * n` elements) into `output` (`n` elements, same
+    /// dtype) on `stream`; returns the filled `output`.
     fn reduce_scatter(
         &self,
-        input: CommBuffer,
-        output: CommBuffer,
+        stream: &CommStream,
+        input: &Tensor,
+        output: Tensor,
         op: ReduceOp,
-    ) -> Work<CommBuffer>;
-    /// In-place all-reduce on [`Stream::Collective`].
-    fn all_reduce(&self, buf: CommBuffer, op: ReduceOp) -> Work<CommBuffer>;
-    /// In-place broadcast from `root` on [`Stream::Collective`].
-    fn broadcast(&self, buf: CommBuffer, root: usize) -> Work<CommBuffer>;
-    /// In-place reduce to `root` on [`Stream::Collective`].
-    fn reduce(&self, buf: CommBuffer, root: usize, op: ReduceOp) -> Work<CommBuffer>;
-    /// Barrier on [`Stream::Collective`].
-    fn barrier(&self) -> Work<()>;
-    /// Marks this rank as failed with `reason`: every pending and later collective of every rank
-    /// fails promptly with [`Error::PeerFailed`] naming this rank.
+    ) -> Work<Tensor>;
+    /// In-place all-reduce of `buf` on `stream`; returns it.
+    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor>;
+    /// In-place broadcast of the root's `buf` on `stream`; returns it.
+    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor>;
+    /// In-place reduce into the root's `buf` on `stream` (other ranks' buffers unchanged);
+    /// returns it.
+    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor>;
+    /// Barrier on `stream`: completes once every rank reached it on that stream.
+    fn barrier(&self, stream: &CommStream) -> Work<()>;
+    /// Creates a sub-group (PyTorch `new_group` semantics): every rank of this group calls it,
+    /// in the same order, with the same list of distinct ranks of this group. Members get
+    /// `Some(group)`, in which their rank is their position in `ranks`; the others get `None`.
+    /// The sub-group has its own streams, starting with its default stream.
+    ///
+    /// Errors: an empty list, a duplicate or out-of-range rank ([`Error::InvalidArgument`]),
+    /// ranks passing different lists (backend-defined), a peer failure.
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>>;
+    /// Marks this rank as failed with `reason`: the pending and later collectives of the other
+    /// ranks fail (with [`Error::PeerFailed`] naming this rank, in the thread backend) instead of
+    /// waiting for it.
     fn abort(&self, reason: &str);
-    /// Counters of calls and bytes issued by this rank.
-    fn stats(&self) -> CommStatsSnapshot;
-    /// Records every later collective's execution on its comm stream as a span of `tracer`
-    /// (`None` stops recording). Backends without tracing ignore it.
-    fn set_tracer(&self, tracer: Option<Arc<crate::trace::Tracer>>) {
-        let _ = tracer;
+    /// Reports every later collective's execution to `observer` (`None` stops).
+    fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>);
+    /// Calls and bytes issued by this rank, counted by [`stats::Instrumented`] (which every
+    /// launcher puts around the backend); a bare backend reports zeros.
+    fn stats(&self) -> CommStatsSnapshot {
+        CommStatsSnapshot::default()
+    }
+}
+
+/// Collects the per-rank results of a run: every rank's value (index = rank), or one error, the
+/// root cause of the failure rather than its echoes on the other ranks.
+///
+/// Errors are compared through [`Error::root_cause`] (so a failure wrapped in
+/// [`Error::InStep`] is recognised) and returned whole. The error chosen is, in order of
+/// preference: the error of the rank that failed first (as named by the [`Error::PeerFailed`] /
+/// [`Error::PeersFailed`] echoes) when that error is not itself an echo; otherwise the lowest
+/// rank's error that is neither [`Error::PeerFailed`], [`Error::PeerExited`] nor
+/// [`Error::PeersFailed`]; otherwise the lowest rank's error.
+pub fn collect_rank_results<T>(results: Vec<Result<T>>) -> Result<Vec<T>> {
+    let is_echo = |r: &Result<T>| {
+        r.as_ref().err().is_some_and(|e| {
+            matches!(
+                e.root_cause(),
+                Error::PeerFailed { .. } | Error::PeerExited { .. } | Error::PeersFailed { .. }
+            )
+        })
+    };
+    let first_failed = results
+        .iter()
+        .find_map(|r| match r.as_ref().err()?.root_cause() {
+            Error::PeerFailed { failed_rank, .. } => Some(*failed_rank),
+            Error::PeersFailed { failed_ranks, .. } => failed_ranks.first().copied(),
+            _ => None,
+        });
+    let chosen = first_failed
+        .filter(|&f| results.get(f).is_some_and(|r| r.is_err() && !is_echo(r)))
+        .or_else(|| results.iter().position(|r| r.is_err() && !is_echo(r)))
+        .or_else(|| results.iter().position(|r| r.is_err()));
+    match chosen {
+        None => results.into_iter().collect(),
+        Some(i) => match results.into_iter().nth(i) {
+            Some(Err(e)) => Err(e),
+            _ => unreachable!("rank {i} was chosen for its error"),
+        },
     }
 }

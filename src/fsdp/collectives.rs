@@ -6,46 +6,60 @@
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use super::storage;
-use crate::comm::{CommBuffer, ProcessGroup, ReduceOp, Work};
-use crate::error::{Error, Result};
+use crate::comm::{CommStream, ProcessGroup, ReduceOp, Work};
+use crate::error::Result;
 use crate::flat_param::{FlatParamLayout, FlatParameter};
-use crate::ops::with_host_f32;
 
-/// Issues the all-gather of `flat`'s shard in `dtype` (copy-in: the f32 master shard is cast to
-/// `dtype` first, so the wire carries `dtype`). When `real` is false (world size 1 or an empty
-/// unit: see `FsdpUnit::gathers`) the cast shard *is* the unsharded buffer and no collective runs.
+/// The comm streams FSDP runs its collectives on (FSDP2's comm context): the runtime creates
+/// them from the group when the model is built and decides which op runs where.
+pub(crate) struct CommContext {
+    /// Parameter all-gathers (unshard), in issue order.
+    pub all_gather: CommStream,
+    /// Gradient reductions (reduce-scatter; all-reduce under NO_SHARD), so that they never
+    /// queue behind an all-gather.
+    pub reduce_scatter: CommStream,
+}
+
+impl CommContext {
+    /// Creates the two streams (a collective: every rank builds its models in the same order).
+    pub(crate) fn new(pg: &dyn ProcessGroup) -> Result<Self> {
+        Ok(Self {
+            all_gather: pg.new_stream("all_gather")?,
+            reduce_scatter: pg.new_stream("reduce_scatter")?,
+        })
+    }
+}
+
+/// Issues the all-gather of `flat`'s shard in `dtype` on `stream` (copy-in: the f32 master
+/// shard is cast to `dtype` on its device first, so the wire carries `dtype`; in f32 the shard
+/// itself is the input, no copy). When `real` is false (world size 1 or an empty unit: see
+/// `FsdpUnit::gathers`) the cast shard *is* the unsharded buffer and no collective runs.
 pub(crate) fn all_gather_shard(
     pg: &dyn ProcessGroup,
+    stream: &CommStream,
     flat: &FlatParameter,
     dtype: DType,
     real: bool,
-) -> Work<CommBuffer> {
-    let input = match with_host_f32(flat.shard(), |s| CommBuffer::from_f32(s, dtype)) {
-        Ok(Ok(b)) => b,
-        Ok(Err(e)) | Err(e) => return Work::ready(Err(e)),
+) -> Work<Tensor> {
+    let input = match flat.shard().to_dtype(dtype) {
+        Ok(t) => t,
+        Err(e) => return Work::ready(Err(e.into())),
     };
     if !real {
         return Work::ready(Ok(input));
     }
-    match CommBuffer::zeros(dtype, flat.layout().padded_numel) {
-        Ok(out) => pg.all_gather(input, out),
-        Err(e) => Work::ready(Err(e)),
+    match Tensor::zeros(flat.layout().padded_numel, dtype, flat.shard().device()) {
+        Ok(out) => pg.all_gather(stream, &input, out),
+        Err(e) => Work::ready(Err(e.into())),
     }
 }
 
-/// Waits for a gather and returns the unsharded flat buffer as one 1-D tensor of
-/// `padded_numel` elements on `device` (the buffer moves into the tensor: no copy on CPU).
-pub(crate) fn wait_gathered(work: Work<CommBuffer>, device: &Device) -> Result<Tensor> {
-    let full = work.wait()?;
-    let n = full.len();
-    Ok(match full {
-        CommBuffer::F32(v) => Tensor::from_vec(v, n, device)?,
-        CommBuffer::BF16(v) => Tensor::from_vec(v, n, device)?,
-        CommBuffer::F16(v) => Tensor::from_vec(v, n, device)?,
-    })
+/// Waits for a gather and returns the unsharded flat buffer (1-D, `padded_numel` elements).
+pub(crate) fn wait_gathered(work: Work<Tensor>) -> Result<Tensor> {
+    work.wait()
 }
 
 /// Copy-out without a copy: each parameter as a view (narrow + reshape) of the gathered flat
@@ -102,101 +116,63 @@ pub(crate) fn free_params(params: &[Tensor]) -> Result<()> {
 }
 
 /// Copy-in: the parameter gradients of one unit (from `grads`, for the variables `params` in
-/// layout order) into one padded flat f32 buffer of `padded_numel` elements; zeros where a
-/// parameter got no gradient and in gaps and padding. `None` for a unit without parameters.
+/// layout order) into one padded flat f32 buffer of `padded_numel` elements on `flat`'s device
+/// (device ops: a zeroed buffer, each gradient widened to f32 and copied to its offset); zeros
+/// where a parameter got no gradient and in gaps and padding. `None` for a unit without
+/// parameters.
 pub(crate) fn flatten_grads(
-    layout: &FlatParamLayout,
+    flat: &FlatParameter,
     grads: Option<&GradStore>,
     params: &[Tensor],
-) -> Result<Option<Vec<f32>>> {
+) -> Result<Option<Tensor>> {
+    let layout = flat.layout();
     if layout.padded_numel == 0 {
         return Ok(None);
     }
-    let mut flat = vec![0.0f32; layout.padded_numel];
+    let out = Tensor::zeros(layout.padded_numel, DType::F32, flat.shard().device())?;
     if let Some(grads) = grads {
         for (p, t) in layout.params.iter().zip(params) {
             if let Some(g) = grads.get(t) {
-                copy_into(g, &mut flat[p.offset..p.offset + p.numel])?;
+                let g = g.to_dtype(DType::F32)?.flatten_all()?;
+                let g = if g.is_contiguous() {
+                    g
+                } else {
+                    g.contiguous()?
+                };
+                out.slice_set(&g, 0, p.offset)?;
             }
         }
     }
-    Ok(Some(flat))
+    Ok(Some(out))
 }
 
-/// Issues the reduction of one unit's flat gradient in `dtype` (cast first: the wire carries
-/// `reduce_dtype`): reduce-scatter (average) into this rank's shard when the unit is sharded,
-/// all-reduce (average) under NO_SHARD, nothing at world size 1.
+/// Issues the reduction of one unit's flat f32 gradient in `dtype` on `stream` (cast on the
+/// device first: the wire carries `reduce_dtype`): reduce-scatter (average) into this rank's
+/// shard when the unit is sharded, all-reduce (average) under NO_SHARD, nothing at world size 1.
 pub(crate) fn reduce_grads(
     pg: &dyn ProcessGroup,
+    stream: &CommStream,
     layout: &FlatParamLayout,
-    flat_grad: Vec<f32>,
+    flat_grad: Tensor,
     dtype: DType,
-) -> Work<CommBuffer> {
-    let input = if dtype == DType::F32 {
-        CommBuffer::F32(flat_grad)
-    } else {
-        match CommBuffer::from_f32(&flat_grad, dtype) {
-            Ok(b) => b,
-            Err(e) => return Work::ready(Err(e)),
-        }
+) -> Work<Tensor> {
+    let input = match flat_grad.to_dtype(dtype) {
+        Ok(t) => t,
+        Err(e) => return Work::ready(Err(e.into())),
     };
     if pg.world_size() == 1 {
         return Work::ready(Ok(input));
     }
     if layout.world_size == 1 {
-        return pg.all_reduce(input, ReduceOp::Avg);
+        return pg.all_reduce(stream, input, ReduceOp::Avg);
     }
-    match CommBuffer::zeros(dtype, layout.shard_numel) {
-        Ok(out) => pg.reduce_scatter(input, out, ReduceOp::Avg),
-        Err(e) => Work::ready(Err(e)),
+    match Tensor::zeros(layout.shard_numel, dtype, input.device()) {
+        Ok(out) => pg.reduce_scatter(stream, &input, out, ReduceOp::Avg),
+        Err(e) => Work::ready(Err(e.into())),
     }
 }
 
-/// Waits for a gradient reduction and returns the reduced shard (in `reduce_dtype`) as a 1-D
-/// tensor on `device`.
-pub(crate) fn wait_reduced(work: Work<CommBuffer>, device: &Device) -> Result<Tensor> {
-    let reduced = work.wait()?;
-    let n = reduced.len();
-    Ok(match reduced {
-        CommBuffer::F32(v) => Tensor::from_vec(v, n, device)?,
-        CommBuffer::BF16(v) => Tensor::from_vec(v, n, device)?,
-        CommBuffer::F16(v) => Tensor::from_vec(v, n, device)?,
-    })
-}
-
-/// Copies a tensor's values (as f32, row-major) into `out`, whose length must be its element
-/// count.
-pub(crate) fn copy_into(t: &Tensor, out: &mut [f32]) -> Result<()> {
-    if t.elem_count() != out.len() {
-        return Err(Error::InvalidArgument(format!(
-            "gradient has {} elements, its parameter {}",
-            t.elem_count(),
-            out.len()
-        )));
-    }
-    let t = if t.dtype() == DType::F32 {
-        t.clone()
-    } else {
-        t.to_dtype(DType::F32)?
-    };
-    let t = if t.is_contiguous() {
-        t
-    } else {
-        t.contiguous()?
-    };
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        candle_core::Storage::Cpu(cpu) => {
-            let s = cpu.as_slice::<f32>()?;
-            let start = layout.start_offset();
-            out.copy_from_slice(&s[start..start + out.len()]);
-            Ok(())
-        }
-        _ => {
-            drop(storage);
-            let v = t.flatten_all()?.to_vec1::<f32>()?;
-            out.copy_from_slice(&v);
-            Ok(())
-        }
-    }
+/// Waits for a gradient reduction and returns the reduced shard (1-D, in `reduce_dtype`).
+pub(crate) fn wait_reduced(work: Work<Tensor>) -> Result<Tensor> {
+    work.wait()
 }

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::ModuleT;
 
-use super::collectives;
+use super::collectives::{self, CommContext};
 use super::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
 use super::memory::{MemoryAccount, MemoryStats};
 use super::scheduler::Scheduler;
 use super::unit_state::{ForwardMode, FsdpUnit, TrainingState};
-use crate::comm::ProcessGroup;
+use crate::comm::{CommObserver, ProcessGroup};
 use crate::error::{Error, Phase, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter};
 use crate::init::init_values;
@@ -27,6 +27,8 @@ use crate::unit::{record_unit, RecordedParam, UnitSpec};
 /// the unit, the phase and the step ([`Error::InStep`]).
 pub struct FsdpModel {
     pub(super) pg: Arc<dyn ProcessGroup>,
+    /// The comm streams of this model's all-gathers and reductions.
+    pub(super) comm: CommContext,
     pub(super) config: FsdpConfig,
     pub(crate) units: Vec<FsdpUnit>,
     pub(super) mem: MemoryAccount,
@@ -98,8 +100,11 @@ impl FsdpModel {
 
     /// Builds the model, filling each shard piece with `fill(param, range_in_param, out)`.
     ///
+    /// A collective: it creates the model's comm streams ("all_gather", "reduce_scatter") on the
+    /// group, so every rank builds its models in the same order.
+    ///
     /// Errors: no unit, two units of one name, two tensors of one name, a constructor that
-    /// fails, an invalid mixed-precision policy.
+    /// fails, an invalid mixed-precision policy, a stream that cannot be created.
     pub fn build_with(
         pg: Arc<dyn ProcessGroup>,
         config: FsdpConfig,
@@ -177,8 +182,10 @@ impl FsdpModel {
                 })?;
             units.push(FsdpUnit::new(spec, recorded, flat, buffers, policy));
         }
+        let comm = CommContext::new(pg.as_ref())?;
         Ok(FsdpModel {
             scheduler: Scheduler::new(&config),
+            comm,
             pg,
             config,
             units,
@@ -235,7 +242,8 @@ impl FsdpModel {
     /// Records spans of this model's compute, waits and collectives (also on the process group's
     /// comm streams) into `tracer`; `None` stops. Each training forward starts a new step.
     pub fn set_tracer(&mut self, tracer: Option<Arc<Tracer>>) {
-        self.pg.set_tracer(tracer.clone());
+        self.pg
+            .set_observer(tracer.clone().map(|t| t as Arc<dyn CommObserver>));
         self.tracer = tracer;
     }
 
@@ -274,8 +282,14 @@ impl FsdpModel {
         if self.units[k].gathers() && self.units[k].is_sharded() {
             self.mark_issue(|| format!("FSDP::all_gather {}", self.units[k].name()));
         }
-        let FsdpModel { pg, mem, units, .. } = self;
-        units[k].unshard(pg.as_ref(), mem, None);
+        let FsdpModel {
+            pg,
+            comm,
+            mem,
+            units,
+            ..
+        } = self;
+        units[k].unshard(pg.as_ref(), &comm.all_gather, mem);
     }
 
     /// Waits for unit `k`'s all-gather (issuing it if needed), recording the wait as exposed
@@ -289,12 +303,12 @@ impl FsdpModel {
         });
         let FsdpModel {
             pg,
+            comm,
             mem,
             units,
-            config,
             ..
         } = self;
-        units[k].wait_for_unshard(pg.as_ref(), mem, &config.device)
+        units[k].wait_for_unshard(pg.as_ref(), &comm.all_gather, mem)
     }
 
     /// How unit `k`'s forward keeps what its backward needs (see `unit_state`).
@@ -479,11 +493,16 @@ impl FsdpModel {
                 self.unshard(j);
             }
             if let Some(fg) = flat_grad {
-                if let Some(fg) = self.units[k].merge_unsynced(fg, self.requires_gradient_sync) {
+                let sync = self.requires_gradient_sync;
+                let merged = self.units[k]
+                    .merge_unsynced(fg, sync)
+                    .map_err(|e| self.at(e, Some(k), phase))?;
+                if let Some(fg) = merged {
                     self.mark_issue(|| format!("FSDP::reduce_scatter {}", self.units[k].name()));
                     let u = &self.units[k];
                     let work = collectives::reduce_grads(
                         self.pg.as_ref(),
+                        &self.comm.reduce_scatter,
                         u.flat().layout(),
                         fg,
                         u.policy().reduce_dtype,
@@ -496,8 +515,7 @@ impl FsdpModel {
             let _w = self.span(SpanKind::Wait, || {
                 format!("FSDP::wait reduce_scatter {}", self.units[k].name())
             });
-            let device = self.config.device.clone();
-            let result = collectives::wait_reduced(work, &device)
+            let result = collectives::wait_reduced(work)
                 .and_then(|reduced| self.units[k].flat_mut().accumulate_grad(reduced));
             result.map_err(|e| self.at(e, Some(k), Phase::Backward))?;
         }

@@ -8,7 +8,9 @@
 use super::config::{BackwardPrefetch, FsdpConfig};
 use super::memory::MemoryAccount;
 use super::unit_state::FsdpUnit;
-use crate::comm::{CommBuffer, Work};
+use candle_core::Tensor;
+
+use crate::comm::Work;
 
 /// Prefetch policy plus the reductions in flight.
 pub(crate) struct Scheduler {
@@ -16,7 +18,7 @@ pub(crate) struct Scheduler {
     backward_prefetch: BackwardPrefetch,
     limit: Option<usize>,
     /// Gradient reductions issued by this backward, in issue order (unit index, work).
-    reductions: Vec<(usize, Work<CommBuffer>)>,
+    reductions: Vec<(usize, Work<Tensor>)>,
 }
 
 impl Scheduler {
@@ -78,12 +80,12 @@ impl Scheduler {
     }
 
     /// Records a gradient reduction in flight.
-    pub(crate) fn push_reduction(&mut self, unit: usize, work: Work<CommBuffer>) {
+    pub(crate) fn push_reduction(&mut self, unit: usize, work: Work<Tensor>) {
         self.reductions.push((unit, work));
     }
 
     /// Takes every reduction in flight, in issue order.
-    pub(crate) fn take_reductions(&mut self) -> Vec<(usize, Work<CommBuffer>)> {
+    pub(crate) fn take_reductions(&mut self) -> Vec<(usize, Work<Tensor>)> {
         std::mem::take(&mut self.reductions)
     }
 }

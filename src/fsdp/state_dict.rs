@@ -7,37 +7,38 @@ use std::collections::HashMap;
 use candle_core::{DType, Tensor};
 use candle_nn::ModuleT;
 
+use super::collectives;
 use super::model::FsdpModel;
 use crate::error::{Error, Phase, Result};
 
 impl FsdpModel {
     /// Gathers unit `k`'s flat parameter in f32 (exact master values, whatever the policy's
-    /// `param_dtype`): a 1-D tensor of `padded_numel` elements, on every rank (a collective).
-    /// The unit is resharded again before this returns; only the returned tensor stays.
+    /// `param_dtype`): a 1-D tensor of `padded_numel` elements, on every rank (a collective, on
+    /// the model's all-gather stream). The one f32 unit gather of state dicts and the full
+    /// checkpoint: the unit itself stays sharded; the returned buffer counts as unsharded
+    /// memory while the gather runs.
     ///
     /// Errors ([`Error::InStep`], phase checkpoint): any collective error; a unit in the middle
     /// of a training step (gather state dicts between steps).
-    pub fn gather_unit_f32(&mut self, k: usize) -> Result<Tensor> {
-        if !self.units[k].is_sharded() {
+    pub fn gather_unit_f32(&self, k: usize) -> Result<Tensor> {
+        let u = &self.units[k];
+        if !u.is_sharded() {
             let e = Error::InvalidArgument(
                 "gathering a state dict during a training step (call it between steps)".into(),
             );
             return Err(self.at(e, Some(k), Phase::Checkpoint));
         }
-        let result = (|| {
-            let FsdpModel {
-                pg,
-                mem,
-                units,
-                config,
-                ..
-            } = &mut *self;
-            units[k].unshard(pg.as_ref(), mem, Some(DType::F32));
-            let flat = units[k].wait_for_unshard(pg.as_ref(), mem, &config.device)?;
-            units[k].reshard()?;
-            Ok(flat)
-        })();
-        result.map_err(|e| self.at(e, Some(k), Phase::Checkpoint))
+        let _guard = self
+            .mem
+            .unshard(u.flat().layout().padded_numel * DType::F32.size_in_bytes());
+        let work = collectives::all_gather_shard(
+            self.pg.as_ref(),
+            &self.comm.all_gather,
+            u.flat(),
+            DType::F32,
+            u.gathers(),
+        );
+        collectives::wait_gathered(work).map_err(|e| self.at(e, Some(k), Phase::Checkpoint))
     }
 
     /// Gathers every unit's full parameters (a collective, one unit at a time). With
@@ -47,10 +48,7 @@ impl FsdpModel {
     /// unit's buffers, unit by unit.
     ///
     /// Errors: see [`FsdpModel::gather_unit_f32`].
-    pub fn gather_full_params(
-        &mut self,
-        rank0_only: bool,
-    ) -> Result<Option<Vec<(String, Tensor)>>> {
+    pub fn gather_full_params(&self, rank0_only: bool) -> Result<Option<Vec<(String, Tensor)>>> {
         let keep = !rank0_only || self.pg.rank() == 0;
         let mut out = Vec::new();
         for k in 0..self.units.len() {
@@ -76,7 +74,7 @@ impl FsdpModel {
     /// plain unsharded copy that runs without communication (for evaluation or export).
     ///
     /// Errors: see [`FsdpModel::gather_unit_f32`]; a constructor's error.
-    pub fn gather_full_model(&mut self, rank0_only: bool) -> Result<Option<FullModel>> {
+    pub fn gather_full_model(&self, rank0_only: bool) -> Result<Option<FullModel>> {
         let Some(params) = self.gather_full_params(rank0_only)? else {
             return Ok(None);
         };

@@ -28,12 +28,12 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use candle_nn::ModuleT;
 
 use super::collectives;
 use super::memory::{MemoryAccount, UnshardGuard};
-use crate::comm::{CommBuffer, ProcessGroup, Work};
+use crate::comm::{CommStream, ProcessGroup, Work};
 use crate::error::{Error, Result};
 use crate::flat_param::FlatParameter;
 use crate::mixed_precision::MixedPrecision;
@@ -54,7 +54,7 @@ pub(crate) struct ForwardMode {
 enum ParamState {
     Sharded,
     Unsharding {
-        work: Work<CommBuffer>,
+        work: Work<Tensor>,
         guard: UnshardGuard,
     },
     /// The guard is held (not read) until reshard.
@@ -103,7 +103,7 @@ pub(crate) struct FsdpUnit {
     policy: MixedPrecision,
     /// Unsharded f32 gradient accumulated while gradient sync is off (`no_sync`), padded flat
     /// layout; reduced together with the next synchronised backward.
-    unsharded_grad: Option<Vec<f32>>,
+    unsharded_grad: Option<Tensor>,
     params: ParamState,
     pub(crate) saved: Option<Saved>,
     training: TrainingState,
@@ -152,7 +152,7 @@ impl FsdpUnit {
 
     /// Bytes of the unsynchronised accumulated gradient (no_sync), f32.
     pub(crate) fn unsharded_grad_bytes(&self) -> usize {
-        4 * self.unsharded_grad.as_ref().map_or(0, Vec::len)
+        4 * self.unsharded_grad.as_ref().map_or(0, Tensor::elem_count)
     }
 
     /// Mutable FlatParameter (loading).
@@ -188,20 +188,20 @@ impl FsdpUnit {
         matches!(self.params, ParamState::Sharded)
     }
 
-    /// Transition `Sharded → Unsharding`: issues the all-gather in `param_dtype` (or in `dtype`
-    /// when given: f32 for exact state dicts). A no-op when not sharded.
+    /// Transition `Sharded → Unsharding`: issues the all-gather in `param_dtype` on `stream`.
+    /// A no-op when not sharded.
     pub(crate) fn unshard(
         &mut self,
         pg: &dyn ProcessGroup,
+        stream: &CommStream,
         acct: &MemoryAccount,
-        dtype: Option<DType>,
     ) {
         if !self.is_sharded() {
             return;
         }
-        let dtype = dtype.unwrap_or(self.policy.param_dtype);
+        let dtype = self.policy.param_dtype;
         let guard = acct.unshard(self.flat.layout().padded_numel * dtype.size_in_bytes());
-        let work = collectives::all_gather_shard(pg, &self.flat, dtype, self.gathers());
+        let work = collectives::all_gather_shard(pg, stream, &self.flat, dtype, self.gathers());
         self.params = ParamState::Unsharding { work, guard };
     }
 
@@ -212,13 +212,13 @@ impl FsdpUnit {
     pub(crate) fn wait_for_unshard(
         &mut self,
         pg: &dyn ProcessGroup,
+        stream: &CommStream,
         acct: &MemoryAccount,
-        device: &Device,
     ) -> Result<Tensor> {
-        self.unshard(pg, acct, None);
+        self.unshard(pg, stream, acct);
         match std::mem::replace(&mut self.params, ParamState::Sharded) {
             ParamState::Unsharding { work, guard } => {
-                let flat = collectives::wait_gathered(work, device)?;
+                let flat = collectives::wait_gathered(work)?;
                 self.params = ParamState::Unsharded { _guard: guard };
                 Ok(flat)
             }
@@ -458,7 +458,7 @@ impl FsdpUnit {
     pub(crate) fn post_backward(
         &mut self,
         grads: Option<&candle_core::backprop::GradStore>,
-    ) -> Result<(Option<Vec<f32>>, Option<Tensor>)> {
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let Some(Saved::Graph {
             input_var, params, ..
         }) = self.saved.take()
@@ -472,7 +472,7 @@ impl FsdpUnit {
             (Some(g), Some(v)) => g.get(v).map(Tensor::detach),
             _ => None,
         };
-        let flat_grad = collectives::flatten_grads(self.flat.layout(), grads, &params)?;
+        let flat_grad = collectives::flatten_grads(&self.flat, grads, &params)?;
         drop(params);
         self.params = ParamState::Sharded;
         self.training = TrainingState::Idle;
@@ -499,19 +499,21 @@ impl FsdpUnit {
 
     /// Adds `flat_grad` to the unsynchronised accumulated gradient (or returns the sum with it
     /// when `sync`): no_sync accumulation.
+    ///
+    /// Errors: the in-place add's (a device without kernels).
     pub(crate) fn merge_unsynced(
         &mut self,
-        mut flat_grad: Vec<f32>,
+        flat_grad: Tensor,
         sync: bool,
-    ) -> Option<Vec<f32>> {
+    ) -> Result<Option<Tensor>> {
         if let Some(acc) = self.unsharded_grad.take() {
-            flat_grad.iter_mut().zip(acc).for_each(|(a, b)| *a += b);
+            crate::ops::add_(&flat_grad, &acc)?;
         }
         if sync {
-            Some(flat_grad)
+            Ok(Some(flat_grad))
         } else {
             self.unsharded_grad = Some(flat_grad);
-            None
+            Ok(None)
         }
     }
 

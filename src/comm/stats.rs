@@ -1,0 +1,184 @@
+//! Communication statistics, counted once for every backend by a wrapper.
+//!
+//! [`Instrumented`] wraps any [`ProcessGroup`] and counts, at issue, the calls and the bytes this
+//! rank contributes to each collective; launchers put it around the backend they create, so
+//! [`ProcessGroup::stats`] works on every handle they give out. Sub-groups created through it are
+//! wrapped (and counted separately) too.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+
+use super::{CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work};
+use crate::error::Result;
+
+/// Calls and bytes issued by one rank, by kind of collective.
+///
+/// `*_bytes` count the bytes this rank *contributed* (its input buffer, or its in-place buffer),
+/// the quantity NCCL's "algorithm bandwidth" is based on (nccl-tests `PERFORMANCE.md`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommStatsSnapshot {
+    /// Number of all-gathers issued.
+    pub all_gather_calls: u64,
+    /// Bytes of all-gather inputs (this rank's shards).
+    pub all_gather_bytes: u64,
+    /// Number of reduce-scatters issued.
+    pub reduce_scatter_calls: u64,
+    /// Bytes of reduce-scatter inputs (this rank's unsharded buffers).
+    pub reduce_scatter_bytes: u64,
+    /// Number of all-reduce / broadcast / reduce / barrier calls.
+    pub other_calls: u64,
+    /// Bytes of all-reduce / broadcast / reduce buffers.
+    pub other_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    all_gather_calls: AtomicU64,
+    all_gather_bytes: AtomicU64,
+    reduce_scatter_calls: AtomicU64,
+    reduce_scatter_bytes: AtomicU64,
+    other_calls: AtomicU64,
+    other_bytes: AtomicU64,
+}
+
+impl Counters {
+    fn count(&self, kind: OpKind, bytes: usize) {
+        let (calls, total) = match kind {
+            OpKind::AllGather => (&self.all_gather_calls, &self.all_gather_bytes),
+            OpKind::ReduceScatter => (&self.reduce_scatter_calls, &self.reduce_scatter_bytes),
+            _ => (&self.other_calls, &self.other_bytes),
+        };
+        calls.fetch_add(1, Ordering::Relaxed);
+        total.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> CommStatsSnapshot {
+        CommStatsSnapshot {
+            all_gather_calls: self.all_gather_calls.load(Ordering::Relaxed),
+            all_gather_bytes: self.all_gather_bytes.load(Ordering::Relaxed),
+            reduce_scatter_calls: self.reduce_scatter_calls.load(Ordering::Relaxed),
+            reduce_scatter_bytes: self.reduce_scatter_bytes.load(Ordering::Relaxed),
+            other_calls: self.other_calls.load(Ordering::Relaxed),
+            other_bytes: self.other_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn nbytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+/// A [`ProcessGroup`] that counts every collective issued through it, then forwards it to the
+/// wrapped group unchanged.
+pub struct Instrumented<P: ProcessGroup + ?Sized = dyn ProcessGroup> {
+    inner: Arc<P>,
+    counters: Counters,
+}
+
+impl<P: ProcessGroup + ?Sized> Instrumented<P> {
+    /// Wraps `inner`, with every counter at zero.
+    pub fn new(inner: Arc<P>) -> Self {
+        Instrumented {
+            inner,
+            counters: Counters::default(),
+        }
+    }
+
+    /// The wrapped group.
+    pub fn inner(&self) -> &Arc<P> {
+        &self.inner
+    }
+}
+
+impl<P: ProcessGroup + ?Sized> std::fmt::Debug for Instrumented<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Instrumented")
+            .field("backend", &self.inner.backend())
+            .field("rank", &self.inner.rank())
+            .field("world_size", &self.inner.world_size())
+            .field("stats", &self.counters.snapshot())
+            .finish()
+    }
+}
+
+impl<P: ProcessGroup + ?Sized> ProcessGroup for Instrumented<P> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    fn new_stream(&self, name: &str) -> Result<CommStream> {
+        self.inner.new_stream(name)
+    }
+
+    fn default_stream(&self) -> CommStream {
+        self.inner.default_stream()
+    }
+
+    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
+        self.counters.count(OpKind::AllGather, nbytes(input));
+        self.inner.all_gather(stream, input, output)
+    }
+
+    fn reduce_scatter(
+        &self,
+        stream: &CommStream,
+        input: &Tensor,
+        output: Tensor,
+        op: ReduceOp,
+    ) -> Work<Tensor> {
+        self.counters.count(OpKind::ReduceScatter, nbytes(input));
+        self.inner.reduce_scatter(stream, input, output, op)
+    }
+
+    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
+        self.counters.count(OpKind::AllReduce, nbytes(&buf));
+        self.inner.all_reduce(stream, buf, op)
+    }
+
+    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
+        self.counters.count(OpKind::Broadcast, nbytes(&buf));
+        self.inner.broadcast(stream, buf, root)
+    }
+
+    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
+        self.counters.count(OpKind::Reduce, nbytes(&buf));
+        self.inner.reduce(stream, buf, root, op)
+    }
+
+    fn barrier(&self, stream: &CommStream) -> Work<()> {
+        self.counters.count(OpKind::Barrier, 0);
+        self.inner.barrier(stream)
+    }
+
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
+        Ok(self.inner.new_group(ranks)?.map(|sub| {
+            Arc::new(Instrumented::<dyn ProcessGroup>::new(sub)) as Arc<dyn ProcessGroup>
+        }))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason)
+    }
+
+    fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
+        self.inner.set_observer(observer)
+    }
+
+    fn stats(&self) -> CommStatsSnapshot {
+        self.counters.snapshot()
+    }
+}
