@@ -4,7 +4,7 @@
 //! the kernels of [`crate::ops`], in place on their device.
 
 use crate::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
-use crate::error::Result;
+use crate::error::{Phase, Result};
 use crate::fsdp::{FsdpModel, ShardingStrategy};
 use crate::ops;
 
@@ -38,7 +38,8 @@ pub fn total_grad_norm(model: &FsdpModel) -> Result<f32> {
     {
         local
     } else {
-        all_reduce_sum(model.process_group().as_ref(), local)?
+        all_reduce_sum(model.process_group().as_ref(), local)
+            .map_err(|e| model.at(e, None, Phase::Optimizer))?
     };
     Ok(sq.sqrt())
 }

@@ -233,6 +233,31 @@ impl Error {
         }
     }
 
+    /// True when the root cause is a collective's failure (a peer failed or left, a timeout,
+    /// mismatched or bad buffers, a stopped stream): the errors that need a place to be
+    /// understood.
+    pub fn is_comm(&self) -> bool {
+        matches!(
+            self.root_cause(),
+            Error::PeerFailed { .. }
+                | Error::PeerExited { .. }
+                | Error::Timeout { .. }
+                | Error::CollectiveMismatch { .. }
+                | Error::BadBuffer { .. }
+                | Error::StreamStopped { .. }
+        )
+    }
+
+    /// Adds the checkpoint phase and `step` to a collective's error (see [`Error::is_comm`]);
+    /// other errors of a checkpoint already name their file and are returned unchanged.
+    pub fn in_checkpoint(self, step: u64) -> Self {
+        if self.is_comm() {
+            self.in_step(None, Phase::Checkpoint, step)
+        } else {
+            self
+        }
+    }
+
     /// The error under any [`Error::InStep`] context: the variant that says what went wrong
     /// (e.g. [`Error::PeerFailed`] or [`Error::Timeout`]).
     pub fn root_cause(&self) -> &Error {

@@ -10,7 +10,7 @@
 use candle_core::Tensor;
 
 use crate::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::{Error, Phase, Result};
 use crate::fsdp::FsdpModel;
 use crate::ops;
 use crate::optim::ShardedOptimizer;
@@ -133,7 +133,9 @@ impl ShardedGradScaler {
             }
         }
         let flag = if local_inf { 1.0 } else { 0.0 };
-        let found = all_reduce_max(model.process_group().as_ref(), flag)? > 0.0;
+        let found = all_reduce_max(model.process_group().as_ref(), flag)
+            .map_err(|e| model.at(e, None, Phase::Optimizer))?
+            > 0.0;
         self.unscaled = Some(found);
         Ok(found)
     }

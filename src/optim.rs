@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Phase, Result};
 use crate::fsdp::FsdpModel;
 use crate::ops::{self, AdamWHyper, SgdHyper};
 use crate::trace::SpanKind;
@@ -211,13 +211,15 @@ impl ShardedOptimizer for AdamW {
         let _span = model.span(SpanKind::OptimizerStep, || {
             "FSDP::optimizer_step".to_string()
         });
-        ensure_state(&mut self.exp_avg, model, "exp_avg", self.step)?;
-        ensure_state(&mut self.exp_avg_sq, model, "exp_avg_sq", self.step)?;
+        let ctx = |e: Error| model.at(e, None, Phase::Optimizer);
+        ensure_state(&mut self.exp_avg, model, "exp_avg", self.step).map_err(ctx)?;
+        ensure_state(&mut self.exp_avg_sq, model, "exp_avg_sq", self.step).map_err(ctx)?;
         self.step += 1;
         let h = self.config.hyper(self.step);
         for ((v, m), s) in model.shards().zip(&self.exp_avg).zip(&self.exp_avg_sq) {
             if let Some(g) = v.grad {
-                ops::adamw_step(v.param, g, m, s, &h)?;
+                ops::adamw_step(v.param, g, m, s, &h)
+                    .map_err(|e| model.at(e, Some(v.unit_index), Phase::Optimizer))?;
             }
         }
         Ok(())
@@ -339,13 +341,15 @@ impl ShardedOptimizer for Sgd {
                 model,
                 "momentum_buffer",
                 self.step,
-            )?;
+            )
+            .map_err(|e| model.at(e, None, Phase::Optimizer))?;
         }
         self.step += 1;
         for v in model.shards() {
             if let Some(g) = v.grad {
                 let buf = self.momentum_buffer.get(v.unit_index);
-                ops::sgd_step(v.param, g, buf.filter(|_| h.momentum != 0.0), &h)?;
+                ops::sgd_step(v.param, g, buf.filter(|_| h.momentum != 0.0), &h)
+                    .map_err(|e| model.at(e, Some(v.unit_index), Phase::Optimizer))?;
             }
         }
         Ok(())

@@ -63,12 +63,12 @@ fn a_timeout_names_unit_phase_and_step() {
             && text.contains("timed out after 3s"),
         "{text}"
     );
-    // Rank 1 waited in a barrier outside any step: it fails because rank 0 gave up.
+    // Rank 1 waited in a barrier outside any step: it fails because rank 0 gave up, or times
+    // out itself at the same moment, waiting for rank 0.
+    let e1 = results[1].as_ref().unwrap_err().root_cause();
     assert!(
-        matches!(
-            results[1].as_ref().unwrap_err().root_cause(),
-            Error::PeerFailed { failed_rank: 0, .. }
-        ),
+        matches!(e1, Error::PeerFailed { failed_rank: 0, .. })
+            || matches!(e1, Error::Timeout { rank: 1, missing, .. } if missing == &[0]),
         "{:?}",
         results[1]
     );
@@ -139,4 +139,47 @@ fn a_unit_error_names_the_unit_and_the_model_recovers() {
         Ok(())
     })
     .unwrap();
+}
+
+/// A peer that fails before the optimizer's collectives (clipping) or a checkpoint's: the other
+/// rank's error says optimizer step / checkpoint and the step.
+#[test]
+fn optimizer_and_checkpoint_collectives_name_their_phase() {
+    let dir = std::env::temp_dir().join(format!("step-errors-ckpt-{}", std::process::id()));
+    for (phase, which) in [(Phase::Optimizer, 0), (Phase::Checkpoint, 1)] {
+        let dir = dir.clone();
+        let results = run_ranks(2, ThreadGroupConfig::default(), move |pg| {
+            let mut m = model(pg.clone())?;
+            let opt = candle_fsdp::AdamW::new(candle_fsdp::AdamWConfig::default());
+            let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+            let y = m.forward(&x)?;
+            m.backward(&y.sum_all()?)?;
+            if pg.rank() == 1 {
+                return Err(Error::InvalidArgument("rank 1 gives up".into()));
+            }
+            if which == 0 {
+                candle_fsdp::clip::clip_grad_norm(&mut m, 1.0)?;
+            } else {
+                let state = candle_fsdp::checkpoint::TrainState::default();
+                candle_fsdp::checkpoint::save_sharded(&dir, &m, &opt, &state, 0)?;
+            }
+            Ok(())
+        });
+        match results[0].as_ref().unwrap_err() {
+            Error::InStep {
+                unit: None,
+                phase: p,
+                step: 0,
+                source,
+            } => {
+                assert_eq!(*p, phase);
+                assert!(
+                    matches!(**source, Error::PeerFailed { failed_rank: 1, .. }),
+                    "{source:?}"
+                );
+            }
+            other => panic!("{phase}: rank 0: {other:?}"),
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -58,53 +58,57 @@ fn full_specs(model: &FsdpModel) -> Result<Vec<TensorSpec>> {
 /// Errors (on every rank): the file cannot be created or written on rank 0 (naming it), or a
 /// collective fails.
 pub fn save_full(path: &Path, model: &FsdpModel) -> Result<Option<u64>> {
-    let pg = model.process_group().clone();
-    let mut writer = None;
-    let mut local = Ok(());
-    if pg.rank() == 0 {
-        let meta = HashMap::from([
-            ("format".to_string(), FULL_FORMAT.to_string()),
-            ("format_version".to_string(), FORMAT_VERSION.to_string()),
-            ("dtype".to_string(), "F32".to_string()),
-        ]);
-        match full_specs(model).and_then(|specs| SafetensorsWriter::create(path, specs, meta)) {
-            Ok(w) => writer = Some(w),
-            Err(e) => local = Err(e),
-        }
-    }
-    agree(pg.as_ref(), "saving the full state dict", path, local)?;
-    let mut local = Ok(());
-    for u in model.shards() {
-        let full = model.gather_unit_f32(u.unit_index)?;
-        if let Some(w) = writer.as_mut() {
-            let written = (|| -> Result<()> {
-                with_host_f32(&full, |full| -> Result<()> {
-                    for p in &u.layout.params {
-                        w.write_f32(&p.name, &full[p.offset..p.offset + p.numel])?;
-                    }
-                    Ok(())
-                })??;
-                for (name, var) in u.buffers {
-                    w.write_tensor(name, var.as_tensor())?;
-                }
-                Ok(())
-            })();
-            if let Err(e) = written {
-                // Dropping the writer removes its temporary file.
-                writer = None;
-                local = Err(e);
+    let step = model.step();
+    let result = (|| -> Result<Option<u64>> {
+        let pg = model.process_group().clone();
+        let mut writer = None;
+        let mut local = Ok(());
+        if pg.rank() == 0 {
+            let meta = HashMap::from([
+                ("format".to_string(), FULL_FORMAT.to_string()),
+                ("format_version".to_string(), FORMAT_VERSION.to_string()),
+                ("dtype".to_string(), "F32".to_string()),
+            ]);
+            match full_specs(model).and_then(|specs| SafetensorsWriter::create(path, specs, meta)) {
+                Ok(w) => writer = Some(w),
+                Err(e) => local = Err(e),
             }
         }
-    }
-    let mut size = None;
-    if let Some(w) = writer {
-        match w.finish() {
-            Ok(n) => size = Some(n),
-            Err(e) => local = Err(e),
+        agree(pg.as_ref(), "saving the full state dict", path, local)?;
+        let mut local = Ok(());
+        for u in model.shards() {
+            let full = model.gather_unit_f32(u.unit_index)?;
+            if let Some(w) = writer.as_mut() {
+                let written = (|| -> Result<()> {
+                    with_host_f32(&full, |full| -> Result<()> {
+                        for p in &u.layout.params {
+                            w.write_f32(&p.name, &full[p.offset..p.offset + p.numel])?;
+                        }
+                        Ok(())
+                    })??;
+                    for (name, var) in u.buffers {
+                        w.write_tensor(name, var.as_tensor())?;
+                    }
+                    Ok(())
+                })();
+                if let Err(e) = written {
+                    // Dropping the writer removes its temporary file.
+                    writer = None;
+                    local = Err(e);
+                }
+            }
         }
-    }
-    agree(pg.as_ref(), "saving the full state dict", path, local)?;
-    Ok(size)
+        let mut size = None;
+        if let Some(w) = writer {
+            match w.finish() {
+                Ok(n) => size = Some(n),
+                Err(e) => local = Err(e),
+            }
+        }
+        agree(pg.as_ref(), "saving the full state dict", path, local)?;
+        Ok(size)
+    })();
+    result.map_err(|e| e.in_checkpoint(step))
 }
 
 /// One tensor a full file must hold.
@@ -230,33 +234,37 @@ fn load_buffers(file: &MappedFile, model: &FsdpModel, stats: &mut ReadStats) -> 
 /// corrupt file; a parameter or buffer missing from the file, or a tensor of the file the model
 /// does not have; a shape mismatch (expected vs found); a non-float dtype.
 pub fn load_full(path: &Path, model: &mut FsdpModel) -> Result<ReadStats> {
-    let pg = model.process_group().clone();
-    let mut stats = ReadStats::default();
-    let opened = MappedFile::open(path, None, &mut stats)
-        .and_then(|f| check_full(&f, &expected_of_model(model)).map(|_| f));
-    let (file, local) = match opened {
-        Ok(f) => (Some(f), Ok(())),
-        Err(e) => (None, Err(e)),
-    };
-    agree(pg.as_ref(), "loading the full state dict", path, local)?;
-    let file = file.expect("checked on every rank");
-    let device = model.config().device.clone();
-    let units = model.shards().len();
-    for k in 0..units {
-        let u = model.shard(k).expect("k < number of units");
-        let layout = u.layout;
-        let mut shard = vec![0.0f32; layout.shard_numel];
-        for e in layout.shard_table(u.shard_index) {
-            let p = &layout.params[e.param_index];
-            let out = &mut shard[e.offset_in_shard..e.offset_in_shard + e.numel_in_shard];
-            file.read_f32(&p.name, e.range_in_param.clone(), out, &mut stats)?;
+    let step = model.step();
+    let result = (|| -> Result<ReadStats> {
+        let pg = model.process_group().clone();
+        let mut stats = ReadStats::default();
+        let opened = MappedFile::open(path, None, &mut stats)
+            .and_then(|f| check_full(&f, &expected_of_model(model)).map(|_| f));
+        let (file, local) = match opened {
+            Ok(f) => (Some(f), Ok(())),
+            Err(e) => (None, Err(e)),
+        };
+        agree(pg.as_ref(), "loading the full state dict", path, local)?;
+        let file = file.expect("checked on every rank");
+        let device = model.config().device.clone();
+        let units = model.shards().len();
+        for k in 0..units {
+            let u = model.shard(k).expect("k < number of units");
+            let layout = u.layout;
+            let mut shard = vec![0.0f32; layout.shard_numel];
+            for e in layout.shard_table(u.shard_index) {
+                let p = &layout.params[e.param_index];
+                let out = &mut shard[e.offset_in_shard..e.offset_in_shard + e.numel_in_shard];
+                file.read_f32(&p.name, e.range_in_param.clone(), out, &mut stats)?;
+            }
+            let n = shard.len();
+            model.set_unit_shard(k, Tensor::from_vec(shard, n, &device)?)?;
         }
-        let n = shard.len();
-        model.set_unit_shard(k, Tensor::from_vec(shard, n, &device)?)?;
-    }
-    load_buffers(&file, model, &mut stats)?;
-    model.zero_grad();
-    Ok(stats)
+        load_buffers(&file, model, &mut stats)?;
+        model.zero_grad();
+        Ok(stats)
+    })();
+    result.map_err(|e| e.in_checkpoint(step))
 }
 
 /// Builds an [`FsdpModel`] from `specs` with its parameters read from a full state-dict file

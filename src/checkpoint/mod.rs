@@ -500,20 +500,16 @@ pub fn agree_on_latest(pg: &dyn ProcessGroup, root: &Path) -> Result<Option<Path
     } else {
         None
     };
-    // The step, or u64::MAX for none, as four exact 16-bit pieces (f32 holds them exactly).
+    // The step, or u64::MAX for none, broadcast as an exact integer.
     let step = latest
         .as_ref()
         .and_then(|p| parse_step_dir(p.file_name()?.to_str()?))
         .unwrap_or(u64::MAX);
-    let pieces: Vec<f32> = (0..4)
-        .map(|i| ((step >> (16 * i)) & 0xffff) as f32)
-        .collect();
-    let b = if pg.world_size() == 1 {
-        pieces
+    let step = if pg.world_size() == 1 {
+        step
     } else {
-        pg.broadcast_f32s(pieces, 0)?
+        pg.broadcast_u64s(vec![step], 0)?[0]
     };
-    let step = (0..4).fold(0u64, |acc, i| acc | ((b[i] as u64) << (16 * i)));
     Ok((step != u64::MAX).then(|| root.join(step_dir_name(step))))
 }
 

@@ -249,90 +249,95 @@ pub fn save_sharded(
     state: &TrainState,
     keep_last: usize,
 ) -> Result<PathBuf> {
-    let pg = model.process_group().clone();
-    let (rank, ws) = (pg.rank(), pg.world_size());
-    let name = step_dir_name(state.step);
-    let final_dir = root.join(&name);
-    let staging = root.join(format!(".{name}.partial"));
-    let prep = if rank == 0 {
-        prepare_staging(root, &staging)
-    } else {
-        Ok(())
-    };
-    agree(
-        pg.as_ref(),
-        "preparing the checkpoint directory",
-        &staging,
-        prep,
-    )?;
-    let file = staging.join(shard_file_name(rank, ws));
-    let (written, obufs, optim_step) = match optim.state() {
-        Ok(ostate) => {
-            let obufs = classify_optim(model, &ostate);
-            let written = write_rank_file(&file, model, &ostate, &obufs, rank, ws).map(|_| ());
-            (written, obufs, ostate.step)
-        }
-        Err(e) => (Err(e), Vec::new(), 0),
-    };
-    let cleanup = |staging: &Path| {
-        if rank == 0 && !fault::crash_mode() {
-            let _ = fs::remove_dir_all(staging);
-        }
-    };
-    if let Err(e) = agree(
-        pg.as_ref(),
-        "writing the checkpoint shards",
-        &staging,
-        written,
-    ) {
-        cleanup(&staging);
-        return Err(e);
-    }
-    let finished = if rank == 0 {
-        (|| -> Result<()> {
-            let files = (0..ws)
-                .map(|r| {
-                    let name = shard_file_name(r, ws);
-                    let p = staging.join(&name);
-                    let bytes = fs::metadata(&p).map_err(|e| Error::io(&p, e))?.len();
-                    Ok(FileMeta {
-                        rank: r,
-                        name,
-                        bytes,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let mut train = state.clone();
-            if train.mixed_precision.is_none() {
-                train.mixed_precision = serde_json::to_value(model.config().mixed_precision).ok();
+    let step = model.step();
+    let result = (|| -> Result<PathBuf> {
+        let pg = model.process_group().clone();
+        let (rank, ws) = (pg.rank(), pg.world_size());
+        let name = step_dir_name(state.step);
+        let final_dir = root.join(&name);
+        let staging = root.join(format!(".{name}.partial"));
+        let prep = if rank == 0 {
+            prepare_staging(root, &staging)
+        } else {
+            Ok(())
+        };
+        agree(
+            pg.as_ref(),
+            "preparing the checkpoint directory",
+            &staging,
+            prep,
+        )?;
+        let file = staging.join(shard_file_name(rank, ws));
+        let (written, obufs, optim_step) = match optim.state() {
+            Ok(ostate) => {
+                let obufs = classify_optim(model, &ostate);
+                let written = write_rank_file(&file, model, &ostate, &obufs, rank, ws).map(|_| ());
+                (written, obufs, ostate.step)
             }
-            let meta = CheckpointMeta {
-                format_version: FORMAT_VERSION,
-                world_size: ws,
-                train,
-                dtype: "F32".into(),
-                units: unit_metas(model)?,
-                optimizer: Some(OptimizerMeta {
-                    step: optim_step,
-                    buffers: obufs.clone(),
-                }),
-                files,
-            };
-            publish(root, &staging, &final_dir, &meta, keep_last)
-        })()
-    } else {
-        Ok(())
-    };
-    if finished.is_err() {
-        cleanup(&staging);
-    }
-    agree(
-        pg.as_ref(),
-        "completing the checkpoint",
-        &final_dir,
-        finished,
-    )?;
-    Ok(final_dir)
+            Err(e) => (Err(e), Vec::new(), 0),
+        };
+        let cleanup = |staging: &Path| {
+            if rank == 0 && !fault::crash_mode() {
+                let _ = fs::remove_dir_all(staging);
+            }
+        };
+        if let Err(e) = agree(
+            pg.as_ref(),
+            "writing the checkpoint shards",
+            &staging,
+            written,
+        ) {
+            cleanup(&staging);
+            return Err(e);
+        }
+        let finished = if rank == 0 {
+            (|| -> Result<()> {
+                let files = (0..ws)
+                    .map(|r| {
+                        let name = shard_file_name(r, ws);
+                        let p = staging.join(&name);
+                        let bytes = fs::metadata(&p).map_err(|e| Error::io(&p, e))?.len();
+                        Ok(FileMeta {
+                            rank: r,
+                            name,
+                            bytes,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let mut train = state.clone();
+                if train.mixed_precision.is_none() {
+                    train.mixed_precision =
+                        serde_json::to_value(model.config().mixed_precision).ok();
+                }
+                let meta = CheckpointMeta {
+                    format_version: FORMAT_VERSION,
+                    world_size: ws,
+                    train,
+                    dtype: "F32".into(),
+                    units: unit_metas(model)?,
+                    optimizer: Some(OptimizerMeta {
+                        step: optim_step,
+                        buffers: obufs.clone(),
+                    }),
+                    files,
+                };
+                publish(root, &staging, &final_dir, &meta, keep_last)
+            })()
+        } else {
+            Ok(())
+        };
+        if finished.is_err() {
+            cleanup(&staging);
+        }
+        agree(
+            pg.as_ref(),
+            "completing the checkpoint",
+            &final_dir,
+            finished,
+        )?;
+        Ok(final_dir)
+    })();
+    result.map_err(|e| e.in_checkpoint(step))
 }
 
 /// A contiguous range of one saved shard to copy into the new shard.
@@ -733,20 +738,24 @@ pub fn load_sharded(
     model: &mut FsdpModel,
     optim: &mut dyn ShardedOptimizer,
 ) -> Result<Loaded> {
-    let pg = model.process_group().clone();
-    let mut stats = ReadStats::default();
-    let (reader, local) = match Reader::prepare(dir, model, &mut stats) {
-        Ok(r) => (Some(r), Ok(())),
-        Err(e) => (None, Err(e)),
-    };
-    agree(pg.as_ref(), "loading the checkpoint", dir, local)?;
-    let reader = reader.expect("prepared on every rank");
-    reader.apply(model, optim, &mut stats)?;
-    Ok(Loaded {
-        dir: dir.to_path_buf(),
-        meta: reader.meta,
-        stats,
-    })
+    let step = model.step();
+    let result = (|| -> Result<Loaded> {
+        let pg = model.process_group().clone();
+        let mut stats = ReadStats::default();
+        let (reader, local) = match Reader::prepare(dir, model, &mut stats) {
+            Ok(r) => (Some(r), Ok(())),
+            Err(e) => (None, Err(e)),
+        };
+        agree(pg.as_ref(), "loading the checkpoint", dir, local)?;
+        let reader = reader.expect("prepared on every rank");
+        reader.apply(model, optim, &mut stats)?;
+        Ok(Loaded {
+            dir: dir.to_path_buf(),
+            meta: reader.meta,
+            stats,
+        })
+    })();
+    result.map_err(|e| e.in_checkpoint(step))
 }
 
 /// Loads the newest complete checkpoint under `root`, if any (a collective: rank 0 picks it and
@@ -756,9 +765,13 @@ pub fn load_latest(
     model: &mut FsdpModel,
     optim: &mut dyn ShardedOptimizer,
 ) -> Result<Option<Loaded>> {
-    let pg = model.process_group().clone();
-    match agree_on_latest(pg.as_ref(), root)? {
-        Some(dir) => load_sharded(&dir, model, optim).map(Some),
-        None => Ok(None),
-    }
+    let step = model.step();
+    let result = (|| -> Result<Option<Loaded>> {
+        let pg = model.process_group().clone();
+        match agree_on_latest(pg.as_ref(), root)? {
+            Some(dir) => load_sharded(&dir, model, optim).map(Some),
+            None => Ok(None),
+        }
+    })();
+    result.map_err(|e| e.in_checkpoint(step))
 }

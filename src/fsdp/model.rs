@@ -273,7 +273,7 @@ impl FsdpModel {
     }
 
     /// Wraps an error with unit `k`, `phase` and the current step ([`Error::InStep`]).
-    pub(super) fn at(&self, e: Error, k: Option<usize>, phase: Phase) -> Error {
+    pub(crate) fn at(&self, e: Error, k: Option<usize>, phase: Phase) -> Error {
         e.in_step(k.map(|k| self.units[k].name()), phase, self.step())
     }
 

@@ -1,0 +1,109 @@
+//! The runtime chooses the comm stream of each collective (FSDP2's comm context) and the choice
+//! reaches the backend; a `CommObserver` sees every collective the model issues, and the
+//! model's tracer (an observer too) records them on the comm lanes.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Tensor};
+use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::comm::{CommObserver, OpKind, ProcessGroup};
+use candle_fsdp::trace::{Lane, SpanKind, TraceSession};
+use candle_fsdp::{FsdpConfig, FsdpModel, ShardingStrategy};
+
+/// Records (stream, kind) of every collective that starts on this rank.
+#[derive(Default)]
+struct Recorder(Mutex<Vec<(String, OpKind)>>);
+
+impl CommObserver for Recorder {
+    fn op_started(&self, stream: &str, kind: OpKind, _op: &str) -> Option<Box<dyn Send>> {
+        self.0.lock().unwrap().push((stream.to_string(), kind));
+        None
+    }
+}
+
+fn model(pg: Arc<dyn ProcessGroup>, strategy: ShardingStrategy) -> candle_fsdp::Result<FsdpModel> {
+    let config = FsdpConfig {
+        sharding_strategy: strategy,
+        ..FsdpConfig::default()
+    };
+    FsdpModel::builder(pg, config)
+        .unit("a", |vb| candle_nn::linear(4, 8, vb))
+        .unit("b", |vb| candle_nn::linear(8, 8, vb))
+        .unit("c", |vb| candle_nn::linear(8, 2, vb))
+        .build()
+}
+
+fn one_step(strategy: ShardingStrategy) -> Vec<(String, OpKind)> {
+    run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+        let mut m = model(pg.clone(), strategy)?;
+        let rec = Arc::new(Recorder::default());
+        pg.set_observer(Some(rec.clone()));
+        let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+        let y = m.forward(&x)?;
+        m.backward(&y.sum_all()?)?;
+        pg.set_observer(None);
+        let ops = rec.0.lock().unwrap().clone();
+        Ok(ops)
+    })
+    .unwrap()
+    .remove(0)
+}
+
+#[test]
+fn all_gathers_and_reductions_run_on_the_streams_fsdp_chose() {
+    let ops = one_step(ShardingStrategy::FullShard);
+    let on = |stream: &str, kind: OpKind| {
+        ops.iter()
+            .filter(|(s, k)| s == stream && *k == kind)
+            .count()
+    };
+    // 3 gathers in forward, 2 in backward (the last unit keeps its parameters), 3 reductions.
+    assert_eq!(on("all_gather", OpKind::AllGather), 5, "{ops:?}");
+    assert_eq!(on("reduce_scatter", OpKind::ReduceScatter), 3, "{ops:?}");
+    assert_eq!(ops.len(), 8, "nothing else runs: {ops:?}");
+
+    // SHARD_GRAD_OP gathers each unit once.
+    let ops = one_step(ShardingStrategy::ShardGradOp);
+    assert_eq!(
+        ops.iter().filter(|(s, _)| s == "all_gather").count(),
+        3,
+        "{ops:?}"
+    );
+
+    // NO_SHARD all-reduces gradients, on the reduction stream, and gathers nothing.
+    let ops = one_step(ShardingStrategy::NoShard);
+    assert!(
+        ops.iter()
+            .all(|(s, k)| s == "reduce_scatter" && *k == OpKind::AllReduce),
+        "{ops:?}"
+    );
+    assert_eq!(ops.len(), 3, "{ops:?}");
+}
+
+#[test]
+fn the_models_tracer_receives_the_comm_spans_on_its_streams_lanes() {
+    let session = TraceSession::new();
+    let spans = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg.clone(), ShardingStrategy::FullShard)?;
+        let tracer = session.tracer(pg.rank());
+        m.set_tracer(Some(tracer.clone()));
+        let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+        let y = m.forward(&x)?;
+        m.backward(&y.sum_all()?)?;
+        m.set_tracer(None);
+        Ok(tracer.spans())
+    })
+    .unwrap()
+    .remove(0);
+    let count = |lane: &str, kind: SpanKind| {
+        spans
+            .iter()
+            .filter(|s| s.lane == Lane::comm(lane) && s.kind == kind)
+            .count()
+    };
+    assert_eq!(count("all_gather", SpanKind::AllGather), 5);
+    assert_eq!(count("reduce_scatter", SpanKind::ReduceScatter), 3);
+    assert!(spans
+        .iter()
+        .any(|s| s.kind == SpanKind::Forward && s.name == "FSDP::forward a"));
+}
