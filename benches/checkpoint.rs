@@ -21,8 +21,9 @@ use candle_core::{Device, Tensor};
 use candle_fsdp::checkpoint::{
     build_from_full, load_full, load_sharded, save_full, save_sharded, TrainState,
 };
-use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
+use candle_fsdp::comm::threads::{set_intra_op_threads, ThreadGroupConfig};
 use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt};
+use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::unit::UnitSpec;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer};
 
@@ -84,50 +85,68 @@ fn run_once(b: &Bench, root: &Path) -> (usize, u64, u64, Times) {
     let sharded_root = root.join(format!("{}-sharded", b.name));
     let config = ThreadGroupConfig::default();
     // Build, one step, save full and sharded.
-    let saved = run_ranks_ok(2, config, |pg| {
-        let mut m = build(pg.clone(), (b.specs)())?;
-        let params: usize = m.shards().map(|u| u.layout.param_numel()).sum();
-        let mut opt = AdamW::new(AdamWConfig::default());
-        let x = Tensor::ones((4, b.input), candle_core::DType::F32, &Device::Cpu)?;
-        let y = Tensor::zeros(4, candle_core::DType::U32, &Device::Cpu)?;
-        let loss = candle_nn::loss::cross_entropy(&m.forward(&x)?, &y)?;
-        m.backward(&loss)?;
-        opt.step(&mut m)?;
-        m.zero_grad();
-        let (size, t_full) = timed(pg.as_ref(), || save_full(&full, &m))?;
-        let state = TrainState {
-            step: 1,
-            ..Default::default()
-        };
-        let (dir, t_sharded) = timed(pg.as_ref(), || {
-            save_sharded(&sharded_root, &m, &opt, &state, 1)
-        })?;
-        Ok((params, size, t_full, dir, t_sharded))
-    })
+    let saved = launch(
+        &Launcher::Threads {
+            world_size: 2,
+            config: config,
+        },
+        |pg| {
+            let mut m = build(pg.clone(), (b.specs)())?;
+            let params: usize = m.shards().map(|u| u.layout.param_numel()).sum();
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let x = Tensor::ones((4, b.input), candle_core::DType::F32, &Device::Cpu)?;
+            let y = Tensor::zeros(4, candle_core::DType::U32, &Device::Cpu)?;
+            let loss = candle_nn::loss::cross_entropy(&m.forward(&x)?, &y)?;
+            m.backward(&loss)?;
+            opt.step(&mut m)?;
+            m.zero_grad();
+            let (size, t_full) = timed(pg.as_ref(), || save_full(&full, &m))?;
+            let state = TrainState {
+                step: 1,
+                ..Default::default()
+            };
+            let (dir, t_sharded) = timed(pg.as_ref(), || {
+                save_sharded(&sharded_root, &m, &opt, &state, 1)
+            })?;
+            Ok((params, size, t_full, dir, t_sharded))
+        },
+    )
     .unwrap();
     let (params, full_size, t_save_full, ckpt, t_save_sharded) = saved.into_iter().next().unwrap();
     let full_size = full_size.unwrap();
     let sharded_size = dir_bytes(&ckpt);
     // Loads at world size 2.
-    let loads = run_ranks_ok(2, config, |pg| {
-        let mut m = build(pg.clone(), (b.specs)())?;
-        let mut opt = AdamW::new(AdamWConfig::default());
-        let (_, t_full) = timed(pg.as_ref(), || load_full(&full, &mut m))?;
-        let (_, t_sharded) = timed(pg.as_ref(), || load_sharded(&ckpt, &mut m, &mut opt))?;
-        drop((m, opt));
-        let (_, t_build) = timed(pg.as_ref(), || {
-            build_from_full(pg.clone(), FsdpConfig::default(), (b.specs)(), &full)
-        })?;
-        Ok((t_full, t_sharded, t_build))
-    })
+    let loads = launch(
+        &Launcher::Threads {
+            world_size: 2,
+            config: config,
+        },
+        |pg| {
+            let mut m = build(pg.clone(), (b.specs)())?;
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let (_, t_full) = timed(pg.as_ref(), || load_full(&full, &mut m))?;
+            let (_, t_sharded) = timed(pg.as_ref(), || load_sharded(&ckpt, &mut m, &mut opt))?;
+            drop((m, opt));
+            let (_, t_build) = timed(pg.as_ref(), || {
+                build_from_full(pg.clone(), FsdpConfig::default(), (b.specs)(), &full)
+            })?;
+            Ok((t_full, t_sharded, t_build))
+        },
+    )
     .unwrap();
     let (t_load_full, t_load_sharded, t_build) = loads[0];
     // Resharded load at world size 1.
-    let t_reshard = run_ranks_ok(1, config, |pg| {
-        let mut m = build(pg.clone(), (b.specs)())?;
-        let mut opt = AdamW::new(AdamWConfig::default());
-        Ok(timed(pg.as_ref(), || load_sharded(&ckpt, &mut m, &mut opt))?.1)
-    })
+    let t_reshard = launch(
+        &Launcher::Threads {
+            world_size: 1,
+            config: config,
+        },
+        |pg| {
+            let mut m = build(pg.clone(), (b.specs)())?;
+            let mut opt = AdamW::new(AdamWConfig::default());
+            Ok(timed(pg.as_ref(), || load_sharded(&ckpt, &mut m, &mut opt))?.1)
+        },
+    )
     .unwrap()[0];
     (
         params,

@@ -8,8 +8,9 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
+use candle_fsdp::comm::threads::{set_intra_op_threads, ThreadGroupConfig};
 use candle_fsdp::comm::ProcessGroupExt;
+use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer, ShardingStrategy};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use criterion::{BenchmarkId, Criterion};
@@ -42,35 +43,41 @@ fn mlp(vb: VarBuilder) -> candle_core::Result<Vec<Box<dyn candle_nn::ModuleT>>> 
 
 /// Wall time of `steps` FSDP steps on every rank (the slowest rank's), after one warm-up step.
 fn fsdp_steps(strategy: ShardingStrategy, steps: u64) -> Duration {
-    let times = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
-        let rank = pg.rank();
-        let mut model = FsdpModel::builder(
-            pg.clone(),
-            FsdpConfig {
-                sharding_strategy: strategy,
-                ..Default::default()
-            },
-        )
-        .units(candle_fsdp::models::mnist_mlp())
-        .build()?;
-        let mut opt = AdamW::new(AdamWConfig::default());
-        let (x, y) = batch(rank);
-        let mut step = |model: &mut FsdpModel| -> candle_fsdp::Result<()> {
-            let logits = model.forward(&x)?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
-            model.backward(&loss)?;
-            opt.step(model)?;
-            model.zero_grad();
-            Ok(())
-        };
-        step(&mut model)?;
-        pg.barrier_wait()?;
-        let t0 = Instant::now();
-        for _ in 0..steps {
+    let times = launch(
+        &Launcher::Threads {
+            world_size: 2,
+            config: ThreadGroupConfig::default(),
+        },
+        |pg| {
+            let rank = pg.rank();
+            let mut model = FsdpModel::builder(
+                pg.clone(),
+                FsdpConfig {
+                    sharding_strategy: strategy,
+                    ..Default::default()
+                },
+            )
+            .units(candle_fsdp::models::mnist_mlp())
+            .build()?;
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let (x, y) = batch(rank);
+            let mut step = |model: &mut FsdpModel| -> candle_fsdp::Result<()> {
+                let logits = model.forward(&x)?;
+                let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+                model.backward(&loss)?;
+                opt.step(model)?;
+                model.zero_grad();
+                Ok(())
+            };
             step(&mut model)?;
-        }
-        Ok(t0.elapsed())
-    })
+            pg.barrier_wait()?;
+            let t0 = Instant::now();
+            for _ in 0..steps {
+                step(&mut model)?;
+            }
+            Ok(t0.elapsed())
+        },
+    )
     .expect("FSDP steps");
     times.into_iter().max().unwrap()
 }

@@ -6,7 +6,7 @@
 //! `forward_prefetch = false`, `BackwardPrefetch::None` (every all-gather issued when its unit is
 //! needed).
 //!
-//! Timed: `iter_custom` runs all ranks in `run_ranks_ok`; each rank builds the model, runs one
+//! Timed: `iter_custom` runs all ranks through `launch` (thread ranks); each rank builds the model, runs one
 //! untimed warm-up step, lines up on a barrier and runs the requested number of steps; the
 //! slowest rank's time is reported (per step).
 //!
@@ -31,9 +31,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Module, Tensor};
-use candle_fsdp::comm::threads::{run_ranks_ok, set_intra_op_threads, ThreadGroupConfig};
+use candle_fsdp::comm::threads::{set_intra_op_threads, ThreadGroupConfig};
 use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt};
 use candle_fsdp::fsdp::BackwardPrefetch;
+use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::timeline::render_timeline;
 use candle_fsdp::trace::{overlap_summary, Span, TraceSession};
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer};
@@ -116,19 +117,25 @@ impl Rank {
 
 /// Wall time of `steps` training steps on `ws` ranks (slowest rank), after one warm-up step.
 fn timed_steps(ws: usize, prefetch: bool, steps: u64) -> Duration {
-    let times = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
-        let mut r = Rank::new(pg.clone(), prefetch)?;
-        r.step()?;
-        pg.barrier_wait()?;
-        let start = Instant::now();
-        for _ in 0..steps {
+    let times = launch(
+        &Launcher::Threads {
+            world_size: ws,
+            config: ThreadGroupConfig::default(),
+        },
+        |pg| {
+            let mut r = Rank::new(pg.clone(), prefetch)?;
             r.step()?;
-        }
-        let t = start.elapsed();
-        // Stop the clock before the barrier, so a rank does not count waiting for the others.
-        pg.barrier_wait()?;
-        Ok(t)
-    })
+            pg.barrier_wait()?;
+            let start = Instant::now();
+            for _ in 0..steps {
+                r.step()?;
+            }
+            let t = start.elapsed();
+            // Stop the clock before the barrier, so a rank does not count waiting for the others.
+            pg.barrier_wait()?;
+            Ok(t)
+        },
+    )
     .expect("timed run");
     times.into_iter().max().unwrap_or_default()
 }
@@ -136,24 +143,30 @@ fn timed_steps(ws: usize, prefetch: bool, steps: u64) -> Duration {
 /// Spans of `TRACED_STEPS` steps on `ws` ranks, after `WARMUP_STEPS` untraced ones.
 fn traced_spans(ws: usize, prefetch: bool) -> Vec<Span> {
     let session = TraceSession::new();
-    let per_rank = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
-        let mut r = Rank::new(pg.clone(), prefetch)?;
-        for _ in 0..WARMUP_STEPS {
-            r.step()?;
-        }
-        // The barriers that line the ranks up stay out of the trace (they would be counted as
-        // a step of their own, or as communication of the last step).
-        pg.barrier_wait()?;
-        let tracer = session.tracer(pg.rank());
-        r.model.set_tracer(Some(tracer.clone()));
-        for _ in 0..TRACED_STEPS {
-            r.step()?;
-        }
-        r.model.set_tracer(None);
-        // Backward waited for every reduce-scatter: nothing traced is still running.
-        pg.barrier_wait()?;
-        Ok(tracer.spans())
-    })
+    let per_rank = launch(
+        &Launcher::Threads {
+            world_size: ws,
+            config: ThreadGroupConfig::default(),
+        },
+        |pg| {
+            let mut r = Rank::new(pg.clone(), prefetch)?;
+            for _ in 0..WARMUP_STEPS {
+                r.step()?;
+            }
+            // The barriers that line the ranks up stay out of the trace (they would be counted as
+            // a step of their own, or as communication of the last step).
+            pg.barrier_wait()?;
+            let tracer = session.tracer(pg.rank());
+            r.model.set_tracer(Some(tracer.clone()));
+            for _ in 0..TRACED_STEPS {
+                r.step()?;
+            }
+            r.model.set_tracer(None);
+            // Backward waited for every reduce-scatter: nothing traced is still running.
+            pg.barrier_wait()?;
+            Ok(tracer.spans())
+        },
+    )
     .expect("traced run");
     per_rank.into_iter().flatten().collect()
 }

@@ -20,10 +20,11 @@ use anyhow::Context;
 use candle_core::{DType, Tensor};
 use candle_fsdp::checkpoint::{self, RngState, SamplerState, TrainState};
 use candle_fsdp::clip::clip_grad_norm;
-use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::comm::threads::ThreadGroupConfig;
 use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use candle_fsdp::data::{Batch, BatchLoader, DistributedSampler};
 use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
+use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::timeline::render_timeline;
 use candle_fsdp::trace::{
     chrome_trace_json, overlap_summary, peak_rss_bytes, OverlapSummary, Span, TraceSession, Tracer,
@@ -85,9 +86,13 @@ pub fn train<O: ShardedOptimizer + 'static>(
         timeout: Duration::from_secs(args.timeout_s),
     };
     let session = TraceSession::new();
-    let finals = run_ranks_ok(args.world_size, group, |pg| {
-        Rank::new(args, job, pg, &session)?.run()
-    })?;
+    let finals = launch(
+        &Launcher::Threads {
+            world_size: args.world_size,
+            config: group,
+        },
+        |pg| Rank::new(args, job, pg, &session)?.run(),
+    )?;
     let (mut outcomes, mut spans) = (Vec::new(), Vec::new());
     for (outcome, rank_spans) in finals {
         outcomes.push(outcome);
