@@ -51,7 +51,10 @@ pub(crate) fn all_gather_shard(
     if !real {
         return Work::ready(Ok(input));
     }
-    match Tensor::zeros(flat.layout().padded_numel, dtype, flat.shard().device()) {
+    // SAFETY: the all-gather writes every element of its output (world_size shards of
+    // `shard_numel` each, checked by the backend) before `wait` hands it out; on error the
+    // buffer is dropped unread. Skipping the zero-fill saves a pass over the unit per gather.
+    match unsafe { Tensor::empty(flat.layout().padded_numel, dtype, flat.shard().device()) } {
         Ok(out) => pg.all_gather(stream, &input, out),
         Err(e) => Work::ready(Err(e.into())),
     }
@@ -116,10 +119,10 @@ pub(crate) fn free_params(params: &[Tensor]) -> Result<()> {
 }
 
 /// Copy-in: the parameter gradients of one unit (from `grads`, for the variables `params` in
-/// layout order) into one padded flat f32 buffer of `padded_numel` elements on `flat`'s device
-/// (device ops: a zeroed buffer, each gradient widened to f32 and copied to its offset); zeros
-/// where a parameter got no gradient and in gaps and padding. `None` for a unit without
-/// parameters.
+/// layout order) into one padded flat f32 buffer of `padded_numel` elements on `flat`'s device:
+/// one device concatenation of each gradient widened to f32 and the zero gaps between them
+/// (zeros too where a parameter got no gradient, and for the final padding), so each element is
+/// written once. `None` for a unit without parameters.
 pub(crate) fn flatten_grads(
     flat: &FlatParameter,
     grads: Option<&GradStore>,
@@ -129,21 +132,24 @@ pub(crate) fn flatten_grads(
     if layout.padded_numel == 0 {
         return Ok(None);
     }
-    let out = Tensor::zeros(layout.padded_numel, DType::F32, flat.shard().device())?;
-    if let Some(grads) = grads {
-        for (p, t) in layout.params.iter().zip(params) {
-            if let Some(g) = grads.get(t) {
-                let g = g.to_dtype(DType::F32)?.flatten_all()?;
-                let g = if g.is_contiguous() {
-                    g
-                } else {
-                    g.contiguous()?
-                };
-                out.slice_set(&g, 0, p.offset)?;
-            }
+    let device = flat.shard().device();
+    let zeros = |n: usize| Tensor::zeros(n, DType::F32, device);
+    let mut pieces = Vec::with_capacity(2 * layout.params.len() + 1);
+    let mut at = 0;
+    for (p, t) in layout.params.iter().zip(params) {
+        if p.offset > at {
+            pieces.push(zeros(p.offset - at)?);
         }
+        pieces.push(match grads.and_then(|g| g.get(t)) {
+            Some(g) => g.to_dtype(DType::F32)?.flatten_all()?,
+            None => zeros(p.numel)?,
+        });
+        at = p.offset + p.numel;
     }
-    Ok(Some(out))
+    if layout.padded_numel > at {
+        pieces.push(zeros(layout.padded_numel - at)?);
+    }
+    Ok(Some(Tensor::cat(&pieces, 0)?))
 }
 
 /// Issues the reduction of one unit's flat f32 gradient in `dtype` on `stream` (cast on the
@@ -166,7 +172,9 @@ pub(crate) fn reduce_grads(
     if layout.world_size == 1 {
         return pg.all_reduce(stream, input, ReduceOp::Avg);
     }
-    match Tensor::zeros(layout.shard_numel, dtype, input.device()) {
+    // SAFETY: the reduce-scatter writes every element of its output before `wait` hands it
+    // out; on error the buffer is dropped unread.
+    match unsafe { Tensor::empty(layout.shard_numel, dtype, input.device()) } {
         Ok(out) => pg.reduce_scatter(stream, &input, out, ReduceOp::Avg),
         Err(e) => Work::ready(Err(e.into())),
     }
