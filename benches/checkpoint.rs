@@ -88,7 +88,7 @@ fn run_once(b: &Bench, root: &Path) -> (usize, u64, u64, Times) {
     let saved = launch(
         &Launcher::Threads {
             world_size: 2,
-            config: config,
+            config,
         },
         |pg| {
             let mut m = build(pg.clone(), (b.specs)())?;
@@ -119,7 +119,7 @@ fn run_once(b: &Bench, root: &Path) -> (usize, u64, u64, Times) {
     let loads = launch(
         &Launcher::Threads {
             world_size: 2,
-            config: config,
+            config,
         },
         |pg| {
             let mut m = build(pg.clone(), (b.specs)())?;
@@ -139,7 +139,7 @@ fn run_once(b: &Bench, root: &Path) -> (usize, u64, u64, Times) {
     let t_reshard = launch(
         &Launcher::Threads {
             world_size: 1,
-            config: config,
+            config,
         },
         |pg| {
             let mut m = build(pg.clone(), (b.specs)())?;

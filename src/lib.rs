@@ -11,11 +11,11 @@
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
-//! use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+//! use candle_fsdp::launch::{launch, Launcher};
 //! use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer};
 //!
 //! // Two ranks as two threads of this process; each runs the closure with its process group.
-//! let losses = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+//! let losses = launch(&Launcher::threads(2), |pg| {
 //!     let mut model = FsdpModel::builder(pg.clone(), FsdpConfig::default())
 //!         .unit("fc1", |vb| candle_nn::linear(8, 16, vb))
 //!         .unit("fc2", |vb| candle_nn::linear(16, 4, vb))

@@ -76,7 +76,7 @@ impl MixedPrecision {
 
     /// Parses a preset name: `f32`, `bf16`, `f16`, `bf16-f32-reduce`.
     pub fn from_name(name: &str) -> Result<Self> {
-        match name {
+        match name.to_ascii_lowercase().replace('_', "-").as_str() {
             "f32" | "fp32" => Ok(Self::full_f32()),
             "bf16" => Ok(Self::bf16()),
             "f16" | "fp16" => Ok(Self::f16()),

@@ -201,8 +201,9 @@ fn bytes_resident_after_forward_per_unit_kind() {
                 .broadcast_add(&self.b)
         }
     }
-    type Make = fn() -> UnitSpec;
-    let kinds: [(&str, Make, fn() -> Tensor, usize); 5] = [
+    /// (name, unit, input, parameter bytes)
+    type Kind = (&'static str, fn() -> UnitSpec, fn() -> Tensor, usize);
+    let kinds: [Kind; 5] = [
         (
             "Linear(512, 512)",
             || UnitSpec::new("u", |vb| candle_nn::linear(512, 512, vb)),

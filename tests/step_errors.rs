@@ -187,3 +187,50 @@ fn optimizer_and_checkpoint_collectives_name_their_phase() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Misuse that used to be silent or to hang gets an immediate error on every rank.
+#[test]
+fn ranks_building_different_models_fail_at_build_not_at_the_timeout() {
+    let t0 = Instant::now();
+    let results = run_ranks(2, ThreadGroupConfig::default(), |pg| {
+        let mut b = FsdpModel::builder(pg.clone(), FsdpConfig::default())
+            .unit("pre", |vb| candle_nn::linear(4, 8, vb));
+        if pg.rank() == 1 {
+            b = b.unit("extra", |vb| candle_nn::linear(8, 8, vb));
+        }
+        b.build().map(|_| ())
+    });
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    for r in &results {
+        let e = r.as_ref().unwrap_err().to_string();
+        assert!(e.contains("the ranks built different models"), "{e}");
+    }
+}
+
+#[test]
+fn eval_during_a_pending_forward_unrelated_losses_and_bad_unit_indices_are_errors() {
+    run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+        let y = m.forward(&x)?;
+        let e = m.forward_eval(&x).unwrap_err().to_string();
+        assert!(e.contains("awaits its backward"), "{e}");
+        // The pending forward is intact: its backward still runs.
+        m.backward(&y.sum_all()?)?;
+        // A loss that does not come from the model's output.
+        let _y = m.forward(&x)?;
+        let unrelated = candle_core::Var::new(&[1f32, 2.0], &Device::Cpu)?;
+        let e = m
+            .backward(&unrelated.as_tensor().sum_all()?)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("does not depend on the output"), "{e}");
+        let e = m.gather_unit_f32(7).unwrap_err().to_string();
+        assert!(
+            e.contains("unit index 7 out of range: the model has 3 units"),
+            "{e}"
+        );
+        Ok(())
+    })
+    .unwrap();
+}

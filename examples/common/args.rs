@@ -123,8 +123,16 @@ pub fn setup(args: &TrainArgs) -> anyhow::Result<usize> {
 }
 
 /// The flag checks, each naming the flag and the value found.
+/// Most in-process thread ranks the examples start (each rank has 3 comm-stream threads).
+const MAX_THREAD_RANKS: usize = 256;
+
 fn validate(args: &TrainArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.world_size >= 1, "--world-size must be at least 1");
+    anyhow::ensure!(
+        (1..=MAX_THREAD_RANKS).contains(&args.world_size),
+        "--world-size must be between 1 and {MAX_THREAD_RANKS} (in-process thread ranks, each \
+         with its own comm-stream threads), found {}",
+        args.world_size
+    );
     anyhow::ensure!(args.batch_size >= 1, "--batch-size must be at least 1");
     anyhow::ensure!(args.grad_accum >= 1, "--grad-accum must be at least 1");
     anyhow::ensure!(

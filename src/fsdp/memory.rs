@@ -1,8 +1,8 @@
 //! Memory accounting of unsharded parameters, tied to buffer lifetimes.
 //!
-//! Every unshard of a unit holds one [`UnshardGuard`] from the moment its all-gather output is
+//! Every unshard of a unit holds one `UnshardGuard` from the moment its all-gather output is
 //! allocated (the gather is issued) until its parameters are freed again (reshard). The guard adds
-//! the unit's unsharded bytes to the shared [`MemoryAccount`] when created and removes them when
+//! the unit's unsharded bytes to the shared `MemoryAccount` when created and removes them when
 //! dropped, so the counters cannot drift: an error half way through a step drops the guards with
 //! the state that owned them.
 

@@ -12,7 +12,7 @@ use super::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
 use super::memory::{MemoryAccount, MemoryStats};
 use super::scheduler::Scheduler;
 use super::unit_state::{ForwardMode, FsdpUnit, TrainingState};
-use crate::comm::{CommObserver, ProcessGroup};
+use crate::comm::{CommObserver, ProcessGroup, ProcessGroupExt, ReduceOp};
 use crate::error::{Error, Phase, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter};
 use crate::init::init_values;
@@ -182,6 +182,7 @@ impl FsdpModel {
                 })?;
             units.push(FsdpUnit::new(spec, recorded, flat, buffers, policy));
         }
+        agree_on_model(pg.as_ref(), &units, config.sharding_strategy)?;
         let comm = CommContext::new(pg.as_ref())?;
         Ok(FsdpModel {
             scheduler: Scheduler::new(&config),
@@ -329,6 +330,13 @@ impl FsdpModel {
         drop(self.scheduler.take_reductions());
     }
 
+    /// True when a training forward ran and its backward has not.
+    fn forward_pending(&self) -> bool {
+        self.units
+            .iter()
+            .all(|u| u.training_state() == TrainingState::Forward)
+    }
+
     /// Drops what the last training forward kept for its backward (to run another training
     /// forward without back-propagating the previous one).
     pub fn discard_forward(&mut self) {
@@ -350,11 +358,7 @@ impl FsdpModel {
     /// training forward was not back-propagated (call [`FsdpModel::backward`] or
     /// [`FsdpModel::discard_forward`] first); a unit's error; any collective error.
     pub fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
-        if self
-            .units
-            .iter()
-            .all(|u| u.training_state() == TrainingState::Forward)
-        {
+        if self.forward_pending() {
             return Err(Error::InvalidArgument(
                 "forward called while the previous training forward was not back-propagated: \
                  its saved state would be lost and a loss using both outputs would get wrong \
@@ -402,6 +406,14 @@ impl FsdpModel {
     ///
     /// Errors ([`Error::InStep`], phase eval): a unit's error; any collective error.
     pub fn forward_eval(&mut self, x: &Tensor) -> Result<Tensor> {
+        if self.forward_pending() {
+            return Err(Error::InvalidArgument(
+                "forward_eval called while a training forward awaits its backward: it would \
+                 drop that forward's saved state; call backward first, or discard_forward() \
+                 to drop it"
+                    .into(),
+            ));
+        }
         self.release_step();
         let n = self.units.len();
         let mut h = x.detach();
@@ -556,7 +568,15 @@ impl FsdpModel {
             }
         });
         if k + 1 == n {
-            return Ok(Some(loss.backward()?));
+            let grads = loss.backward()?;
+            if !self.units[k].reached_by(&grads) {
+                return Err(Error::InvalidArgument(
+                    "the loss passed to backward does not depend on the output of the last \
+                     training forward (no gradient reaches the model)"
+                        .into(),
+                ));
+            }
+            return Ok(Some(grads));
         }
         match (grad_out, self.units[k].saved_output()) {
             (Some(go), Some(output)) if self.units[k].has_backward() => Ok(Some(
@@ -567,4 +587,52 @@ impl FsdpModel {
             _ => Ok(None),
         }
     }
+}
+
+/// Checks that every rank built the same model (a collective: one all-reduce of two integers on
+/// the default stream). Ranks that disagree would otherwise issue different collectives and
+/// hang until the timeout; here every rank fails at once with the same error.
+///
+/// The fingerprint is FNV-1a (64-bit) over the strategy and each unit's name, parameter names
+/// and shapes, and buffer names, in order.
+fn agree_on_model(
+    pg: &dyn ProcessGroup,
+    units: &[FsdpUnit],
+    strategy: ShardingStrategy,
+) -> Result<()> {
+    if pg.world_size() == 1 {
+        return Ok(());
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for b in bytes.iter().chain(&[0xff]) {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    eat(format!("{strategy:?}").as_bytes());
+    for u in units {
+        eat(u.name().as_bytes());
+        for p in &u.flat().layout().params {
+            eat(p.name.as_bytes());
+            eat(format!("{:?}", p.shape.dims()).as_bytes());
+        }
+        for (b, _) in u.buffers() {
+            eat(b.as_bytes());
+        }
+    }
+    // Max of h and of (M - h) give the largest and the smallest fingerprint in one all-reduce.
+    let m = u64::MAX >> 1;
+    let fp = h & m;
+    let r = pg.all_reduce_u64s(vec![fp, m - fp], ReduceOp::Max)?;
+    let (max, min) = (r[0], m - r[1]);
+    if max != min {
+        return Err(Error::InvalidArgument(format!(
+            "the ranks built different models (unit names, parameter names or shapes, buffers or \
+             sharding strategy differ; rank {} has {} units): every rank must build the same model \
+             in the same order",
+            pg.rank(),
+            units.len()
+        )));
+    }
+    Ok(())
 }

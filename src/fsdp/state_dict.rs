@@ -18,15 +18,20 @@ impl FsdpModel {
     /// checkpoint: the unit itself stays sharded; the returned buffer counts as unsharded
     /// memory while the gather runs.
     ///
-    /// Errors ([`Error::InStep`], phase checkpoint): any collective error; a unit in the middle
-    /// of a training step (gather state dicts between steps).
+    /// Errors: `k` out of range; ([`Error::InStep`], phase checkpoint) any collective error, or
+    /// a training step in progress (gather state dicts between steps).
     pub fn gather_unit_f32(&self, k: usize) -> Result<Tensor> {
-        let u = &self.units[k];
-        if !u.is_sharded() {
+        let Some(u) = self.units.get(k) else {
+            return Err(Error::InvalidArgument(format!(
+                "unit index {k} out of range: the model has {} units",
+                self.units.len()
+            )));
+        };
+        if !u.is_sharded() || u.saved.is_some() {
             let e = Error::InvalidArgument(
                 "gathering a state dict during a training step (call it between steps)".into(),
             );
-            return Err(self.at(e, Some(k), Phase::Checkpoint));
+            return Err(self.at(e, None, Phase::Checkpoint));
         }
         let _guard = self
             .mem

@@ -487,6 +487,21 @@ impl FsdpUnit {
         }
     }
 
+    /// False when `grads` holds a gradient for none of the unit's parameter and input variables
+    /// although it has some: the loss did not depend on the unit's output. (Candle keeps
+    /// gradients of variables only, so the output itself cannot be asked.)
+    pub(crate) fn reached_by(&self, grads: &candle_core::backprop::GradStore) -> bool {
+        match &self.saved {
+            Some(Saved::Graph {
+                input_var, params, ..
+            }) => {
+                let vars: Vec<&Tensor> = params.iter().chain(input_var.as_ref()).collect();
+                vars.is_empty() || vars.iter().any(|v| grads.get(v).is_some())
+            }
+            _ => true,
+        }
+    }
+
     /// True when the unit has parameter variables or an input variable to differentiate.
     pub(crate) fn has_backward(&self) -> bool {
         match &self.saved {
