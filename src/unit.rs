@@ -139,7 +139,8 @@ pub struct UnitSpec {
     /// autograd and keeps only the unit's input; backward recomputes the unit's forward with
     /// autograd. Saves the unit's internal activations at the cost of one more forward. A unit
     /// whose forward is random (dropout) must not be checkpointed: its recompute would draw
-    /// other random numbers than the forward that produced the loss.
+    /// other random numbers than the forward that produced the loss. Ignored for the last unit,
+    /// whose output feeds the caller's loss (its graph must exist when the loss backward runs).
     pub activation_checkpointing: bool,
 }
 

@@ -339,3 +339,37 @@ fn dropout_trains_correctly_without_a_flag() {
     let (out, grad) = dropout_step(true);
     assert!(!gradient_matches_forward(&out, &grad));
 }
+
+/// Checkpointing asked for on every unit, the last included: the last unit's output feeds the
+/// loss, so it is not checkpointed, and the gradients equal those without checkpointing.
+#[test]
+fn checkpointing_every_unit_including_the_last_gives_the_same_gradients() {
+    let grads = |checkpoint: bool| {
+        run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+            let config = FsdpConfig {
+                seed: SEED,
+                ..FsdpConfig::default()
+            };
+            let specs = [8, 16, 16, 3].windows(2).enumerate().map(|(i, w)| {
+                let (a, b) = (w[0], w[1]);
+                UnitSpec::new(format!("l{i}"), move |vb| candle_nn::linear(a, b, vb))
+                    .with_activation_checkpointing(checkpoint)
+            });
+            let mut model = FsdpModel::builder(pg, config).units(specs).build()?;
+            let out = model.forward(&x_2d(8))?;
+            model.backward(&loss(&out)?)?;
+            model
+                .shards()
+                .map(|v| {
+                    Ok(v.grad
+                        .expect("every unit has a gradient")
+                        .to_vec1::<f32>()?)
+                })
+                .collect::<candle_fsdp::Result<Vec<_>>>()
+        })
+        .unwrap()
+    };
+    let (on, off) = (grads(true), grads(false));
+    assert_eq!(on, off);
+    assert!(on[0][0].iter().any(|g| *g != 0.0));
+}

@@ -315,10 +315,13 @@ impl FsdpModel {
     /// How unit `k`'s forward keeps what its backward needs (see `unit_state`).
     fn forward_mode(&self, k: usize) -> ForwardMode {
         let spec = self.units[k].spec();
+        let last = k + 1 == self.units.len();
         ForwardMode {
-            checkpoint: spec.activation_checkpointing,
+            // The last unit's output feeds the caller's loss, whose backward must reach the
+            // unit's graph: it is never checkpointed (nor resharded, its backward comes next).
+            checkpoint: spec.activation_checkpointing && !last,
             reshard: self.config.sharding_strategy == ShardingStrategy::FullShard
-                && k + 1 != self.units.len()
+                && !last
                 && spec.reshard_after_forward,
         }
     }
