@@ -11,7 +11,7 @@ use candle_core::{DType, Tensor, Var};
 use super::storage;
 use crate::comm::{CommStream, ProcessGroup, ReduceOp, Work};
 use crate::error::Result;
-use crate::flat_param::{FlatParamLayout, FlatParameter};
+use crate::flat_param::{FlatParamLayout, FlatParameter, ParamInfo};
 
 /// The comm streams FSDP runs its collectives on (FSDP2's comm context): the runtime creates
 /// them from the group when the model is built and decides which op runs where.
@@ -65,8 +65,15 @@ pub(crate) fn wait_gathered(work: Work<Tensor>) -> Result<Tensor> {
     work.wait()
 }
 
-/// Copy-out without a copy: each parameter as a view (narrow + reshape) of the gathered flat
-/// buffer, keyed by full name. For forwards without autograd (eval, activation checkpointing).
+/// One parameter as a view (narrow + reshape, no copy) of the gathered flat buffer.
+fn view(p: &ParamInfo, flat: &Tensor) -> Result<Tensor> {
+    Ok(flat
+        .narrow(0, p.offset, p.numel)?
+        .reshape(p.shape.clone())?)
+}
+
+/// Copy-out without a copy: each parameter as a view of the gathered flat buffer, keyed by full
+/// name. For forwards without autograd (eval, activation checkpointing).
 pub(crate) fn param_views(
     layout: &FlatParamLayout,
     flat: &Tensor,
@@ -74,12 +81,7 @@ pub(crate) fn param_views(
     layout
         .params
         .iter()
-        .map(|p| {
-            let view = flat
-                .narrow(0, p.offset, p.numel)?
-                .reshape(p.shape.clone())?;
-            Ok((p.name.clone(), view))
-        })
+        .map(|p| Ok((p.name.clone(), view(p, flat)?)))
         .collect()
 }
 
@@ -91,12 +93,7 @@ pub(crate) fn param_vars(layout: &FlatParamLayout, flat: &Tensor) -> Result<Vec<
     layout
         .params
         .iter()
-        .map(|p| {
-            let view = flat
-                .narrow(0, p.offset, p.numel)?
-                .reshape(p.shape.clone())?;
-            Ok(Var::from_tensor(&view)?.into_inner())
-        })
+        .map(|p| Ok(Var::from_tensor(&view(p, flat)?)?.into_inner()))
         .collect()
 }
 
