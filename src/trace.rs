@@ -84,7 +84,7 @@ impl Lane {
 pub enum SpanKind {
     /// A unit's forward compute.
     Forward,
-    /// A unit's backward compute (recompute + autograd + gradient flattening).
+    /// A unit's backward compute (refill or recompute, autograd, gradient flattening).
     Backward,
     /// An all-gather running on its stream.
     AllGather,
