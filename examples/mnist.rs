@@ -71,10 +71,10 @@ fn main() -> anyhow::Result<()> {
         println!(
             "nothing to train: --epochs {} {}",
             train.epochs,
-            if train.resume {
-                "is already covered by the checkpoint"
-            } else {
+            if train.epochs == 0 {
                 "asks for none"
+            } else {
+                "is already covered by the checkpoint"
             }
         );
     }
