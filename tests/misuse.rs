@@ -2,63 +2,10 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, ModuleT, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::ProcessGroup;
-use candle_fsdp::unit::UnitSpec;
 use candle_fsdp::{FsdpConfig, FsdpModel};
-use candle_nn::{Dropout, Linear};
-
-/// Linear(4, 64, no bias) then dropout(0.5): a random forward.
-struct LinDrop(Linear, Dropout);
-
-impl ModuleT for LinDrop {
-    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        self.1.forward_t(&self.0.forward(x)?, train)
-    }
-}
-
-#[test]
-fn a_random_unit_kept_unsharded_gets_the_gradient_of_its_own_forward() {
-    // World size 1: the gradient shard is the whole flat gradient (W is 64 × 4 at offset 0).
-    let (out, grad) = run_ranks_ok(1, ThreadGroupConfig::default(), |pg| {
-        let mut m = FsdpModel::builder(pg, FsdpConfig::default())
-            .unit_spec(
-                UnitSpec::new("drop", |vb| {
-                    Ok(LinDrop(
-                        candle_nn::linear_no_bias(4, 64, vb)?,
-                        Dropout::new(0.5),
-                    ))
-                })
-                .with_reshard_after_forward(false),
-            )
-            .unit("id", |_vb| Ok(candle_nn::func(|x| Ok(x.clone()))))
-            .build()?;
-        let x = Tensor::ones((1, 4), DType::F32, &Device::Cpu)?;
-        let out = m.forward(&x)?;
-        m.backward(&out.sum_all()?)?;
-        let out: Vec<f32> = out.flatten_all()?.to_vec1()?;
-        let grad = m.shard(0).unwrap().grad.unwrap().to_vec1::<f32>()?;
-        Ok((out, grad))
-    })
-    .unwrap()
-    .remove(0);
-    // d sum(dropout(W·1)) / dW[i, :] = mask_i / (1 - p): non-zero exactly where the forward kept
-    // row i (and then out[i] = 2·(W·1)[i] ≠ 0).
-    let kept = out.iter().filter(|o| **o != 0.0).count();
-    assert!(kept > 0 && kept < 64, "dropout kept {kept} of 64");
-    for (i, o) in out.iter().enumerate() {
-        let row = &grad[i * 4..i * 4 + 4];
-        if *o != 0.0 {
-            assert!(
-                row.iter().all(|g| (g - 2.0).abs() < 1e-6),
-                "row {i}: {row:?}"
-            );
-        } else {
-            assert!(row.iter().all(|g| *g == 0.0), "row {i}: {row:?}");
-        }
-    }
-}
 
 fn three_linears(pg: Arc<dyn ProcessGroup>) -> candle_fsdp::Result<FsdpModel> {
     FsdpModel::builder(pg, FsdpConfig::default())

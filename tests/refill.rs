@@ -285,16 +285,15 @@ impl ModuleT for LinDrop {
     }
 }
 
-/// The dropout unit's output and gradient (world size 1), checkpointed or not.
-fn dropout_step(checkpoint: bool) -> (Vec<f32>, Vec<f32>) {
+/// The dropout unit's output and gradient (world size 1), with `options` applied to its spec.
+fn dropout_step(options: fn(UnitSpec) -> UnitSpec) -> (Vec<f32>, Vec<f32>) {
     run_ranks_ok(1, ThreadGroupConfig::default(), |pg| {
-        let drop = UnitSpec::new("drop", |vb| {
+        let drop = options(UnitSpec::new("drop", |vb| {
             Ok(LinDrop(
                 candle_nn::linear_no_bias(4, 64, vb)?,
                 Dropout::new(0.5),
             ))
-        })
-        .with_activation_checkpointing(checkpoint);
+        }));
         let mut m = FsdpModel::builder(pg, FsdpConfig::default())
             .unit_spec(drop)
             .unit("id", |_vb| Ok(candle_nn::func(|x| Ok(x.clone()))))
@@ -325,18 +324,23 @@ fn gradient_matches_forward(out: &[f32], grad: &[f32]) -> bool {
 
 #[test]
 fn dropout_trains_correctly_without_a_flag() {
-    // FULL_SHARD with refill keeps the forward's graph (and its mask): no flag needed.
-    let (out, grad) = dropout_step(false);
-    let kept = out.iter().filter(|o| **o != 0.0).count();
-    assert!(kept > 0 && kept < 64, "dropout kept {kept} of 64");
-    assert!(
-        gradient_matches_forward(&out, &grad),
-        "out {out:?}\ngrad {grad:?}"
-    );
+    // FULL_SHARD with refill keeps the forward's graph (and its mask): no flag needed. Keeping
+    // the unit unsharded (`reshard_after_forward(false)`) keeps it too.
+    let plain: fn(UnitSpec) -> UnitSpec = |s| s;
+    let kept: fn(UnitSpec) -> UnitSpec = |s| s.with_reshard_after_forward(false);
+    for options in [plain, kept] {
+        let (out, grad) = dropout_step(options);
+        let kept = out.iter().filter(|o| **o != 0.0).count();
+        assert!(kept > 0 && kept < 64, "dropout kept {kept} of 64");
+        assert!(
+            gradient_matches_forward(&out, &grad),
+            "out {out:?}\ngrad {grad:?}"
+        );
+    }
     // With activation checkpointing the recompute draws another mask (the documented reason not
     // to checkpoint a random unit): the gradient is not the forward's (all 64 rows agreeing by
     // chance has probability 2^-64).
-    let (out, grad) = dropout_step(true);
+    let (out, grad) = dropout_step(|s| s.with_activation_checkpointing(true));
     assert!(!gradient_matches_forward(&out, &grad));
 }
 

@@ -283,14 +283,7 @@ impl FsdpModel {
         if self.units[k].gathers() && self.units[k].is_sharded() {
             self.mark_issue(|| format!("FSDP::all_gather {}", self.units[k].name()));
         }
-        let FsdpModel {
-            pg,
-            comm,
-            mem,
-            units,
-            ..
-        } = self;
-        units[k].unshard(pg.as_ref(), &comm.all_gather, mem);
+        self.units[k].unshard(self.pg.as_ref(), &self.comm.all_gather, &self.mem);
     }
 
     /// Waits for unit `k`'s all-gather (issuing it if needed), recording the wait as exposed
@@ -302,14 +295,7 @@ impl FsdpModel {
                 format!("FSDP::wait all_gather {}", self.units[k].name())
             })
         });
-        let FsdpModel {
-            pg,
-            comm,
-            mem,
-            units,
-            ..
-        } = self;
-        units[k].wait_for_unshard(pg.as_ref(), &comm.all_gather, mem)
+        self.units[k].wait_for_unshard(self.pg.as_ref(), &self.comm.all_gather, &self.mem)
     }
 
     /// How unit `k`'s forward keeps what its backward needs (see `unit_state`).
@@ -479,14 +465,13 @@ impl FsdpModel {
         let n = self.units.len();
         // The first gather of backward is issued before the loss's own backward (any prefetch
         // mode but None), so that it runs during it.
-        if self.scheduler.backward_mode() != BackwardPrefetch::None {
-            let mode = self.scheduler.backward_mode();
-            if let Some(j) = self
-                .scheduler
-                .backward_prefetch(&self.units, n, mode, &self.mem)
-            {
-                self.unshard(j);
-            }
+        // (`backward_prefetch` answers None under `BackwardPrefetch::None`.)
+        let mode = self.scheduler.backward_mode();
+        if let Some(j) = self
+            .scheduler
+            .backward_prefetch(&self.units, n, mode, &self.mem)
+        {
+            self.unshard(j);
         }
         let mut grad_out: Option<Tensor> = None;
         for k in (0..n).rev() {
