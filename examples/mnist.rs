@@ -38,19 +38,23 @@ fn main() -> anyhow::Result<()> {
         checkpoint_dir: "checkpoints/mnist",
     });
     let train = &args.train;
-    let intra_op = common::setup(train)?;
+    let setup = common::setup(train)?;
     let mnist = common::load_mnist(&args.data_dir)?;
-    println!(
-        "MNIST: {} train / {} test images; world size {}, batch {} per rank, {:?}, {} compute thread(s) per rank",
-        mnist.train_len(),
-        mnist.test_len(),
-        train.world_size,
-        train.batch_size,
-        train.strategy,
-        intra_op
-    );
+    if setup.prints() {
+        println!(
+            "MNIST: {} train / {} test images; world size {} ({}), batch {} per rank, {:?}, {} compute thread(s) per rank",
+            mnist.train_len(),
+            mnist.test_len(),
+            setup.launcher.world_size(),
+            setup.launcher.backend(),
+            train.batch_size,
+            train.strategy,
+            setup.intra_op
+        );
+    }
     let outcome = common::train(
         train,
+        &setup.launcher,
         &common::Job {
             data: &mnist.train,
             units: &|_pg| models::mnist_mlp(),
@@ -65,6 +69,10 @@ fn main() -> anyhow::Result<()> {
             evaluate: &|full| metrics::accuracy(full, &mnist.test_x, &mnist.test_y, 1000),
         },
     )?;
+    let Some(outcome) = outcome else {
+        // Not rank 0's process (mpirun): rank 0 reports.
+        return Ok(());
+    };
     if outcome.accuracy.is_finite() {
         println!("final test accuracy {:.2}%", outcome.accuracy);
     } else {

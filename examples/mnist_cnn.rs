@@ -99,14 +99,17 @@ fn main() -> anyhow::Result<()> {
         checkpoint_dir: "checkpoints/mnist_cnn",
     });
     let train = &args.train;
-    let intra_op = common::setup(train)?;
+    let setup = common::setup(train)?;
     let mnist = common::load_mnist(&args.data_dir)?;
-    println!(
+    let world_size = setup.launcher.world_size();
+    let intra_op = setup.intra_op;
+    if setup.prints() {
+        println!(
         "MNIST CNN: {} train / {} test images; world size {}, batch {} per rank, channels {}/{}, \
          hidden {}, {:?}, {} compute thread(s) per rank",
         mnist.train_len(),
         mnist.test_len(),
-        train.world_size,
+        world_size,
         train.batch_size,
         args.channels1,
         args.channels2,
@@ -114,8 +117,10 @@ fn main() -> anyhow::Result<()> {
         train.strategy,
         intra_op
     );
+    }
     let outcome = common::train(
         train,
+        &setup.launcher,
         &common::Job {
             data: &mnist.train,
             units: &|pg| units(&args, pg),
@@ -130,6 +135,10 @@ fn main() -> anyhow::Result<()> {
             evaluate: &|full| metrics::accuracy(full, &mnist.test_x, &mnist.test_y, 1000),
         },
     )?;
+    let Some(outcome) = outcome else {
+        // Not rank 0's process (mpirun): rank 0 reports.
+        return Ok(());
+    };
     let times = &outcome.epoch_times;
     let mean_time = times.iter().sum::<f64>() / times.len().max(1) as f64;
     println!(

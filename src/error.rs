@@ -132,6 +132,19 @@ pub enum Error {
         /// The OS error.
         error: std::io::Error,
     },
+    /// A call into the MPI library failed (the MPI backend sets errors to return, so failures
+    /// come back as codes instead of aborting the job).
+    #[error("{call} on rank {rank} failed: MPI error {code}: {message}")]
+    Mpi {
+        /// The MPI function (and what it was for), e.g. `MPI_Isend (all_gather #3)`.
+        call: String,
+        /// This rank (in `MPI_COMM_WORLD`).
+        rank: usize,
+        /// The MPI error code.
+        code: i32,
+        /// `MPI_Error_string` of the code.
+        message: String,
+    },
     /// An error raised during one phase of a training step, with where it happened: the unit
     /// (when one was running), the phase and the step (counted from 0 by training forwards).
     #[error("{phase} of {} at step {step}: {source}", unit.as_deref().map_or("the model".to_string(), |u| format!("unit {u}")))]
@@ -245,6 +258,7 @@ impl Error {
                 | Error::CollectiveMismatch { .. }
                 | Error::BadBuffer { .. }
                 | Error::StreamStopped { .. }
+                | Error::Mpi { .. }
         )
     }
 

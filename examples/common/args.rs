@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use candle_fsdp::checkpoint;
 use candle_fsdp::comm::threads::set_intra_op_threads;
+use candle_fsdp::launch::{LaunchEnv, Launcher};
 use candle_fsdp::{MixedPrecision, ShardingStrategy};
 use clap::{Parser, ValueEnum};
 
@@ -23,9 +24,10 @@ pub enum AccumMode {
 /// example gives its own through [`parse`].
 #[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
-    /// Number of ranks (threads).
-    #[arg(long, default_value_t = 2)]
-    pub world_size: usize,
+    /// Number of ranks: threads of this process (default 2). Under `mpirun` the job's process
+    /// count is the world size, and a --world-size that disagrees with it is an error.
+    #[arg(long)]
+    pub world_size: Option<usize>,
     /// Epochs to train (in total, counting resumed ones).
     #[arg(long)]
     pub epochs: u64,
@@ -113,25 +115,54 @@ pub fn parse<A: Parser>(defaults: &Defaults) -> A {
     A::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit())
 }
 
+/// Ranks of a plain (thread) run without --world-size.
+const DEFAULT_WORLD_SIZE: usize = 2;
+
+/// How the job runs, decided by [`setup`].
+pub struct Setup {
+    /// Threads of this process, or this process's rank of an `mpirun` job.
+    pub launcher: Launcher,
+    /// Compute threads per rank.
+    pub intra_op: usize,
+}
+
+impl Setup {
+    /// True in the process that runs rank 0 (the one that prints).
+    pub fn prints(&self) -> bool {
+        self.launcher.local_ranks().contains(&0)
+    }
+}
+
 /// Checks every flag and output path before any work (so a typo fails now, not after an epoch),
-/// says what `--resume` will find, and splits the cores between the ranks
-/// (`set_intra_op_threads`). Returns the compute threads per rank.
-pub fn setup(args: &TrainArgs) -> anyhow::Result<usize> {
-    validate(args)?;
-    check_checkpoint_dir(args)?;
-    Ok(set_intra_op_threads(args.world_size))
+/// picks the launcher from how the process was started (threads, or `mpirun`), says what
+/// `--resume` will find, and splits this machine's cores between the ranks on it
+/// (`set_intra_op_threads`).
+pub fn setup(args: &TrainArgs) -> anyhow::Result<Setup> {
+    let env = LaunchEnv::detect()?;
+    let world_size = env.world_size_for(args.world_size, DEFAULT_WORLD_SIZE)?;
+    validate(args, &env, world_size)?;
+    // Before MPI starts its threads: the environment is only read afterwards.
+    let intra_op = set_intra_op_threads(env.ranks_on_this_machine(world_size));
+    let launcher = Launcher::from_env(
+        args.world_size,
+        DEFAULT_WORLD_SIZE,
+        std::time::Duration::from_secs(args.timeout_s),
+    )?;
+    if launcher.local_ranks().contains(&0) {
+        check_checkpoint_dir(args)?;
+    }
+    Ok(Setup { launcher, intra_op })
 }
 
 /// The flag checks, each naming the flag and the value found.
 /// Most in-process thread ranks the examples start (each rank has 3 comm-stream threads).
 const MAX_THREAD_RANKS: usize = 256;
 
-fn validate(args: &TrainArgs) -> anyhow::Result<()> {
+fn validate(args: &TrainArgs, env: &LaunchEnv, world_size: usize) -> anyhow::Result<()> {
     anyhow::ensure!(
-        (1..=MAX_THREAD_RANKS).contains(&args.world_size),
+        *env != LaunchEnv::Local || (1..=MAX_THREAD_RANKS).contains(&world_size),
         "--world-size must be between 1 and {MAX_THREAD_RANKS} (in-process thread ranks, each \
-         with its own comm-stream threads), found {}",
-        args.world_size
+         with its own comm-stream threads), found {world_size}"
     );
     anyhow::ensure!(args.batch_size >= 1, "--batch-size must be at least 1");
     anyhow::ensure!(args.grad_accum >= 1, "--grad-accum must be at least 1");

@@ -1,5 +1,6 @@
-//! The training loop both examples run: `world_size` ranks as threads of this process, each
-//! training its FSDP shards on its share of every epoch.
+//! The training loop both examples run: `world_size` ranks, as threads of this process or one
+//! per process under `mpirun` (the launcher `setup` chose), each training its FSDP shards on its
+//! share of every epoch.
 //!
 //! One optimizer step of a rank, in order: for each of `--grad-accum` micro-batches, forward,
 //! cross-entropy, backward of `loss / k` (scaled by the grad scaler under f16; under
@@ -14,13 +15,12 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::{DType, Tensor};
 use candle_fsdp::checkpoint::{self, RngState, SamplerState, TrainState};
 use candle_fsdp::clip::clip_grad_norm;
-use candle_fsdp::comm::threads::ThreadGroupConfig;
 use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use candle_fsdp::data::{Batch, BatchLoader, DistributedSampler};
 use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
@@ -76,32 +76,33 @@ pub struct Outcome {
     pub epoch_times: Vec<f64>,
 }
 
-/// Trains `job` as `args` say, then writes the trace (with `--trace`); returns rank 0's
-/// [`Outcome`]. Prints on rank 0 one line per epoch and a memory summary at the end.
+/// Trains `job` as `args` say on the ranks of `launcher`, then writes the trace (with
+/// `--trace`); returns rank 0's [`Outcome`] in the process that runs rank 0 (`None` in the
+/// others, under `mpirun`). Prints on rank 0 one line per epoch and a memory summary at the end.
 pub fn train<O: ShardedOptimizer + 'static>(
     args: &TrainArgs,
+    launcher: &Launcher,
     job: &Job<'_, O>,
-) -> anyhow::Result<Outcome> {
-    let group = ThreadGroupConfig {
-        timeout: Duration::from_secs(args.timeout_s),
-    };
+) -> anyhow::Result<Option<Outcome>> {
     let session = TraceSession::new();
-    let finals = launch(
-        &Launcher::Threads {
-            world_size: args.world_size,
-            config: group,
-        },
-        |pg| Rank::new(args, job, pg, &session)?.run(),
-    )?;
+    let finals = launch(launcher, |pg| Rank::new(args, job, pg, &session)?.run())?;
     let (mut outcomes, mut spans) = (Vec::new(), Vec::new());
     for (outcome, rank_spans) in finals {
         outcomes.push(outcome);
         spans.extend(rank_spans);
     }
     if let Some(path) = &args.trace {
-        write_trace(path, spans)?;
+        // One process per rank: each writes its own ranks' trace.
+        let path = match launcher.local_ranks() {
+            r if r.len() < launcher.world_size() => {
+                path.with_extension(format!("rank{}.json", r.start))
+            }
+            _ => path.clone(),
+        };
+        write_trace(&path, spans)?;
     }
-    Ok(outcomes.swap_remove(0))
+    let has_rank0 = launcher.local_ranks().start == 0;
+    Ok(has_rank0.then(|| outcomes.swap_remove(0)))
 }
 
 /// One rank's training state.

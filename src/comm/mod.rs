@@ -40,10 +40,15 @@
 //!   collectives of the other ranks fail instead of hanging (how promptly is backend-defined).
 //!
 //! Backends: [`threads`] (N ranks as N threads of one process, shared memory; its docs list the
-//! stronger guarantees only shared memory can give). Statistics are counted once for every
+//! stronger guarantees only shared memory can give) and `mpi` (feature `mpi`: one rank per
+//! process, started by `mpirun`; bitwise the same reductions as `threads`). Statistics are counted once for every
 //! backend by the [`stats::Instrumented`] wrapper that launchers put around it.
 
+pub(crate) mod buffer;
 pub mod host;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub(crate) mod reduce;
 pub mod stats;
 pub mod threads;
 pub mod work;

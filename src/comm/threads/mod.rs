@@ -78,11 +78,12 @@ use candle_core::{Device, Tensor};
 use crossbeam::channel::{unbounded, Sender};
 use parking_lot::Mutex;
 
-use self::rendezvous::{validate, Communicator, Ctx, Kind, RawBytes, Shared};
+use self::rendezvous::{Communicator, Ctx, Shared};
 use super::{
     collect_rank_results, CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp,
     Work, DEFAULT_STREAM,
 };
+use crate::comm::buffer::{validate, Kind, RawBytes};
 use crate::error::{Error, Result};
 
 /// Configuration of a thread process group.
@@ -302,7 +303,7 @@ impl ThreadProcessGroup {
     fn setup_rendezvous<T>(
         &self,
         ctx: &Ctx,
-        post: rendezvous::Post,
+        post: crate::comm::buffer::Post,
         then: impl FnOnce(Result<()>) -> Result<T>,
     ) -> Result<T> {
         let (generation, posts) = ctx.rendezvous(post)?;
@@ -314,7 +315,7 @@ impl ThreadProcessGroup {
 }
 
 /// Checks the rank list of `new_group` (the same on every rank once lists agree).
-fn check_ranks(op: &str, ranks: &[usize], world_size: usize) -> Result<()> {
+pub(crate) fn check_ranks(op: &str, ranks: &[usize], world_size: usize) -> Result<()> {
     if ranks.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "{op}: a sub-group needs at least one rank"
@@ -534,7 +535,7 @@ pub fn new_group(
 }
 
 /// The text of a panic payload (`&str` or `String`), or a placeholder.
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {
@@ -598,7 +599,7 @@ where
     })
 }
 
-fn run_one<T, F>(rank: usize, pg: Arc<dyn ProcessGroup>, f: &F) -> Result<T>
+pub(crate) fn run_one<T, F>(rank: usize, pg: Arc<dyn ProcessGroup>, f: &F) -> Result<T>
 where
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
 {

@@ -1,0 +1,277 @@
+//! Bandwidth sweep of the collectives FSDP uses, nccl-tests style: all-gather and reduce-scatter
+//! (f32, sum) from 4 KiB to 256 MiB, at world sizes 2 and 4, on every backend of the build, next
+//! to a single-thread memcpy of the same size, in one run:
+//! - `threads`: the in-process backend (ranks as threads);
+//! - `mpi` (feature `mpi`, `mpirun` on PATH): this backend's collectives, one process per rank;
+//! - `mpi-native`: OpenMPI's own `MPI_Allgather` / `MPI_Reduce_scatter_block` on the same
+//!   processes, for reference.
+//!
+//! `cargo bench --bench bandwidth [--features mpi]`. The MPI rows come from this same binary
+//! started by `mpirun -n <ws> <this binary> --mpi-worker`. `BW_MAX_MIB` caps the largest size.
+//!
+//! Definitions (nccl-tests, `doc/PERFORMANCE.md`): `size` is the whole buffer (the all-gather's
+//! output, the reduce-scatter's input, as in nccl-tests); `time` is the mean per operation of the
+//! slowest rank, each operation waited for before the next is issued; algorithm bandwidth
+//! `algbw = size / time`; bus bandwidth `busbw = algbw · (n - 1) / n` for both operations.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
+use candle_fsdp::launch::{launch, Launcher};
+
+const OPS: [&str; 2] = ["all_gather", "reduce_scatter"];
+
+fn sizes() -> Vec<usize> {
+    let max_mib: usize = std::env::var("BW_MAX_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    (0..9)
+        .map(|k| 4096usize << (2 * k))
+        .filter(|&s| s <= max_mib << 20)
+        .collect()
+}
+
+/// Operations timed for `size` bytes (about 1 GiB moved, 3 to 200 operations).
+fn iters(size: usize) -> usize {
+    ((1usize << 30) / size).clamp(3, 200)
+}
+
+/// One measured point: (op, size in bytes, seconds per operation of the slowest rank).
+type Row = (String, usize, f64);
+
+/// Times every op and size on `pg`; every rank returns the same rows.
+fn sweep(pg: &Arc<dyn ProcessGroup>) -> candle_fsdp::Result<Vec<Row>> {
+    let ws = pg.world_size();
+    let stream = pg.new_stream("bench")?;
+    let mut rows = Vec::new();
+    for op in OPS {
+        for size in sizes() {
+            let whole = size / 4 / ws * ws;
+            let part = whole / ws;
+            let input = Tensor::ones(
+                if op == "all_gather" { part } else { whole },
+                DType::F32,
+                &Device::Cpu,
+            )?;
+            let mut out = Some(Tensor::zeros(
+                if op == "all_gather" { whole } else { part },
+                DType::F32,
+                &Device::Cpu,
+            )?);
+            let mut run = |n: usize| -> candle_fsdp::Result<f64> {
+                pg.barrier_wait()?;
+                let start = Instant::now();
+                for _ in 0..n {
+                    let o = out.take().expect("output");
+                    let w = if op == "all_gather" {
+                        pg.all_gather(&stream, &input, o)
+                    } else {
+                        pg.reduce_scatter(&stream, &input, o, ReduceOp::Sum)
+                    };
+                    out = Some(w.wait()?);
+                }
+                Ok(start.elapsed().as_secs_f64() / n as f64)
+            };
+            run(2)?;
+            let t = run(iters(size))?;
+            let slowest = pg.all_reduce_f32s(vec![t as f32], ReduceOp::Max)?[0] as f64;
+            let o = out.expect("output").to_vec1::<f32>()?;
+            let expect = if op == "all_gather" { 1.0 } else { ws as f32 };
+            assert!(o.iter().all(|&x| x == expect), "{op} {size}: wrong result");
+            rows.push((op.to_string(), size, slowest));
+        }
+    }
+    Ok(rows)
+}
+
+/// OpenMPI's own collectives on `MPI_COMM_WORLD`, timed the same way.
+#[cfg(feature = "mpi")]
+fn native_sweep(rank: usize, ws: usize) -> Vec<Row> {
+    use mpi::ffi;
+    let mut rows = Vec::new();
+    // SAFETY: plain MPI calls on live buffers; MPI was initialised by the launcher.
+    unsafe {
+        let world = ffi::RSMPI_COMM_WORLD;
+        let slowest = |t: f64| {
+            let mut m = 0f64;
+            ffi::MPI_Allreduce(
+                &t as *const f64 as *const _,
+                &mut m as *mut f64 as *mut _,
+                1,
+                ffi::RSMPI_DOUBLE,
+                ffi::RSMPI_MAX,
+                world,
+            );
+            m
+        };
+        for op in OPS {
+            for size in sizes() {
+                let whole = size / 4 / ws * ws;
+                let part = whole / ws;
+                let input = vec![1.0f32; if op == "all_gather" { part } else { whole }];
+                let mut out = vec![0.0f32; if op == "all_gather" { whole } else { part }];
+                let mut run = |n: usize| {
+                    ffi::MPI_Barrier(world);
+                    let start = Instant::now();
+                    for _ in 0..n {
+                        if op == "all_gather" {
+                            ffi::MPI_Allgather(
+                                input.as_ptr() as *const _,
+                                part as i32,
+                                ffi::RSMPI_FLOAT,
+                                out.as_mut_ptr() as *mut _,
+                                part as i32,
+                                ffi::RSMPI_FLOAT,
+                                world,
+                            );
+                        } else {
+                            ffi::MPI_Reduce_scatter_block(
+                                input.as_ptr() as *const _,
+                                out.as_mut_ptr() as *mut _,
+                                part as i32,
+                                ffi::RSMPI_FLOAT,
+                                ffi::RSMPI_SUM,
+                                world,
+                            );
+                        }
+                    }
+                    start.elapsed().as_secs_f64() / n as f64
+                };
+                run(2);
+                let t = slowest(run(iters(size)));
+                rows.push((op.to_string(), size, t));
+            }
+        }
+    }
+    let _ = rank;
+    rows
+}
+
+/// Under `mpirun`: rank 0 prints `ROW backend op size seconds` lines.
+#[cfg(feature = "mpi")]
+fn mpi_worker() {
+    let launcher = Launcher::mpi(Default::default()).expect("MPI starts");
+    let rows = launch(&launcher, |pg| sweep(&pg)).expect("MPI sweep");
+    let (rank, ws) = (launcher.local_ranks().start, launcher.world_size());
+    let native = native_sweep(rank, ws);
+    if rank == 0 {
+        for (backend, rows) in [("mpi", &rows[0]), ("mpi-native", &native)] {
+            for (op, size, t) in rows {
+                println!("ROW {backend} {op} {size} {t}");
+            }
+        }
+    }
+}
+
+/// The MPI backends' rows at `ws` processes, or why there are none.
+fn mpi_rows(ws: usize) -> Result<Vec<(String, Row)>, String> {
+    if !cfg!(feature = "mpi") {
+        return Err("built without the `mpi` feature".into());
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let out = Command::new("mpirun")
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-n",
+            &ws.to_string(),
+        ])
+        .arg(exe)
+        .arg("--mpi-worker")
+        .output()
+        .map_err(|e| format!("mpirun: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "mpirun failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            match f.as_slice() {
+                ["ROW", backend, op, size, t] => Some((
+                    backend.to_string(),
+                    (op.to_string(), size.parse().ok()?, t.parse().ok()?),
+                )),
+                _ => None,
+            }
+        })
+        .collect())
+}
+
+/// Seconds per single-thread copy of `size` bytes (mean of several).
+fn memcpy_time(size: usize) -> f64 {
+    let src = vec![1u8; size];
+    let mut dst = vec![0u8; size];
+    dst.copy_from_slice(&src);
+    let n = ((1usize << 31) / size).clamp(3, 100_000);
+    let start = Instant::now();
+    for _ in 0..n {
+        dst.copy_from_slice(std::hint::black_box(&src));
+    }
+    std::hint::black_box(&dst);
+    start.elapsed().as_secs_f64() / n as f64
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--mpi-worker") {
+        #[cfg(feature = "mpi")]
+        mpi_worker();
+        return;
+    }
+    // `cargo test --benches` runs bench binaries with `--test`: nothing to check quickly here.
+    if std::env::args().any(|a| a == "--test") {
+        return;
+    }
+    let mut rows: Vec<(usize, String, Row)> = Vec::new();
+    for ws in [2usize, 4] {
+        let threads = launch(&Launcher::threads(ws), |pg| sweep(&pg)).expect("thread sweep");
+        for r in threads.into_iter().next().expect("rank 0") {
+            rows.push((ws, "threads".into(), r));
+        }
+        match mpi_rows(ws) {
+            Ok(mpi) => rows.extend(mpi.into_iter().map(|(b, r)| (ws, b, r))),
+            Err(why) => eprintln!("no MPI rows at ws {ws}: {why}"),
+        }
+    }
+    println!(
+        "| op | ws | size | backend | time (us) | algbw (GB/s) | busbw (GB/s) | memcpy (GB/s) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut memcpy = std::collections::HashMap::new();
+    for op in OPS {
+        for ws in [2usize, 4] {
+            for size in sizes() {
+                let mc = *memcpy
+                    .entry(size)
+                    .or_insert_with(|| size as f64 / memcpy_time(size) / 1e9);
+                for (w, backend, (o, s, t)) in &rows {
+                    if *w != ws || o != op || *s != size {
+                        continue;
+                    }
+                    let algbw = size as f64 / t / 1e9;
+                    let busbw = algbw * (ws - 1) as f64 / ws as f64;
+                    println!(
+                        "| {op} | {ws} | {} | {backend} | {:.1} | {algbw:.2} | {busbw:.2} | {mc:.2} |",
+                        human(size),
+                        t * 1e6
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,472 @@
+//! Local buffers of a collective and the checks every backend runs on them: what one rank posts
+//! for a collective ([`Post`]: kind, sequence number, buffer lengths and dtypes, reduce op, root,
+//! setup argument, local problem), the deterministic validation of every rank's post
+//! ([`validate`]; the same verdict on every rank), and access to a CPU tensor's storage under
+//! Candle's in-place op locks ([`WithStorage`]).
+//!
+//! The thread backend posts these through shared memory; the MPI backend encodes them into a
+//! small descriptor message exchanged before the data moves. Both therefore fail the same way, with
+//! the same [`Error::BadBuffer`] or [`Error::CollectiveMismatch`] on every rank.
+
+use std::cell::RefCell;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, DeviceLocation, InplaceOp1, InplaceOp2, Layout, Tensor};
+
+use crate::comm::{OpKind, ReduceOp};
+use crate::error::{Error, Result};
+
+/// Kind of a rendezvous: a collective, or one of the setup operations run on the caller's thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Op(OpKind),
+    NewStream,
+    NewGroup,
+}
+
+impl Kind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::Op(k) => k.name(),
+            Kind::NewStream => "new_stream",
+            Kind::NewGroup => "new_group",
+        }
+    }
+}
+
+/// Address, length and dtype of one rank's buffer, as posted to the communicator.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawBuf {
+    pub ptr: *mut u8,
+    pub len: usize,
+    pub dtype: DType,
+}
+
+// SAFETY: a `RawBuf` is a plain address; it is only dereferenced by the collective code, under
+// the rendezvous protocol that keeps the buffer alive, unmoved and free of conflicting accesses
+// while peers use it (see `Ctx::rendezvous` and the SAFETY comments at each access).
+unsafe impl Send for RawBuf {}
+// SAFETY: as above; sharing the address itself is harmless.
+unsafe impl Sync for RawBuf {}
+
+impl RawBuf {
+    pub(crate) fn typed<T>(self) -> *mut T {
+        self.ptr as *mut T
+    }
+}
+
+/// Address and length in bytes of a setup argument (a stream name, a list of ranks).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawBytes {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: as for `RawBuf`: read by peers only between the two barriers of a setup rendezvous,
+// while the posting rank keeps the bytes alive.
+unsafe impl Send for RawBytes {}
+// SAFETY: as above.
+unsafe impl Sync for RawBytes {}
+
+impl RawBytes {
+    pub(crate) fn of<T: Copy>(values: &[T]) -> RawBytes {
+        RawBytes {
+            ptr: values.as_ptr() as *const u8,
+            len: std::mem::size_of_val(values),
+        }
+    }
+
+    /// # Safety
+    ///
+    /// The posting rank must keep the bytes alive and unmodified (it does until the second
+    /// barrier of the setup rendezvous).
+    unsafe fn bytes<'a>(self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: per the function contract.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// A buffer this rank cannot take part with, detected locally and reported through the
+/// rendezvous so that every rank fails the same way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Problem {
+    NotOnCpu {
+        which: &'static str,
+        found: DeviceLocation,
+    },
+    NotOneD {
+        which: &'static str,
+        dims: usize,
+    },
+    NotContiguous {
+        which: &'static str,
+    },
+    Dtype {
+        which: &'static str,
+        dtype: DType,
+    },
+    /// Candle refused in-place access: the output shares storage with the input.
+    Aliased,
+}
+
+impl Problem {
+    /// (buffer, expected, found) for [`Error::BadBuffer`].
+    fn describe(self) -> (&'static str, String, String) {
+        match self {
+            Problem::NotOnCpu { which, found } => {
+                (which, "a tensor on the CPU".into(), format!("{found:?}"))
+            }
+            Problem::NotOneD { which, dims } => (
+                which,
+                "a 1-D tensor".into(),
+                format!("a tensor of {dims} dimensions"),
+            ),
+            Problem::NotContiguous { which } => {
+                (which, "a contiguous tensor".into(), "a strided view".into())
+            }
+            Problem::Dtype { which, dtype } => (
+                which,
+                "f32, bf16, f16, f64, u8, u32, i16, i32 or i64".into(),
+                format!("{dtype:?}"),
+            ),
+            Problem::Aliased => (
+                "output",
+                "storage distinct from the input's".into(),
+                "the input's storage".into(),
+            ),
+        }
+    }
+}
+
+/// What one rank published for one rendezvous.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Post {
+    pub kind: Kind,
+    pub seq: u64,
+    pub input: Option<RawBuf>,
+    pub output: Option<RawBuf>,
+    pub op: Option<ReduceOp>,
+    pub root: Option<usize>,
+    /// Setup argument: the stream name (`NewStream`) or the ranks (`NewGroup`).
+    pub bytes: Option<RawBytes>,
+    /// `NewStream`: index of the stream among the streams this rank created.
+    pub index: Option<usize>,
+    pub problem: Option<Problem>,
+}
+
+impl Post {
+    pub(crate) fn new(kind: Kind, seq: u64) -> Post {
+        Post {
+            kind,
+            seq,
+            input: None,
+            output: None,
+            op: None,
+            root: None,
+            bytes: None,
+            index: None,
+            problem: None,
+        }
+    }
+}
+
+/// The dtypes the thread backend moves and reduces.
+pub(crate) fn supported(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::F32
+            | DType::BF16
+            | DType::F16
+            | DType::F64
+            | DType::U8
+            | DType::U32
+            | DType::I16
+            | DType::I32
+            | DType::I64
+    )
+}
+
+fn describe_call(p: &Post) -> String {
+    format!("{} #{}", p.kind.name(), p.seq)
+}
+
+/// A setup argument as text, for mismatch errors.
+fn describe_bytes(kind: Kind, b: Option<RawBytes>) -> String {
+    // SAFETY: called between the barriers of a setup rendezvous, while every poster keeps its
+    // argument alive and unmodified.
+    let bytes = b.map_or(&[][..], |b| unsafe { b.bytes() });
+    match kind {
+        Kind::NewGroup => {
+            let ranks: Vec<usize> = bytes
+                .chunks_exact(std::mem::size_of::<usize>())
+                .map(|c| usize::from_ne_bytes(c.try_into().expect("usize-sized chunk")))
+                .collect();
+            format!("ranks {ranks:?}")
+        }
+        _ => format!("name {:?}", String::from_utf8_lossy(bytes)),
+    }
+}
+
+/// Checks every rank's post; deterministic, so every rank reaches the same verdict.
+///
+/// Must run between the two barriers of a rendezvous (it reads peers' setup arguments).
+pub(crate) fn validate(op: &str, world_size: usize, posts: &[Post]) -> Result<()> {
+    let p0 = &posts[0];
+    let mismatch = |rank: usize, found: String, expected: String| Error::CollectiveMismatch {
+        op: op.to_string(),
+        rank,
+        found,
+        other_rank: 0,
+        expected,
+    };
+    for (j, p) in posts.iter().enumerate().skip(1) {
+        if p.kind != p0.kind || p.seq != p0.seq {
+            return Err(mismatch(j, describe_call(p), describe_call(p0)));
+        }
+    }
+    // Buffers a rank could not take part with.
+    if let Some((j, problem)) = posts
+        .iter()
+        .enumerate()
+        .find_map(|(j, p)| p.problem.map(|pr| (j, pr)))
+    {
+        let (which, expected, found) = problem.describe();
+        return Err(Error::BadBuffer {
+            op: op.to_string(),
+            rank: j,
+            what: format!("{} {which}", p0.kind.name()),
+            expected,
+            found,
+        });
+    }
+    for (j, p) in posts.iter().enumerate() {
+        // This rank's own buffers must be consistent with each other.
+        if let (Some(input), Some(output)) = (&p.input, &p.output) {
+            let what = p.kind.name();
+            if output.dtype != input.dtype {
+                return Err(Error::BadBuffer {
+                    op: op.to_string(),
+                    rank: j,
+                    what: format!("{what} output dtype"),
+                    expected: format!("{:?} (the input dtype)", input.dtype),
+                    found: format!("{:?}", output.dtype),
+                });
+            }
+            let (whole, shard, whole_name, shard_name) = match p.kind {
+                Kind::Op(OpKind::AllGather) => (output, input, "output", "input"),
+                _ => (input, output, "input", "output"),
+            };
+            if world_size.checked_mul(shard.len) != Some(whole.len) {
+                return Err(Error::BadBuffer {
+                    op: op.to_string(),
+                    rank: j,
+                    what: format!("{what} {whole_name} length"),
+                    expected: format!(
+                        "{} elements (world_size {world_size} x {shard_name} {})",
+                        world_size.saturating_mul(shard.len),
+                        shard.len
+                    ),
+                    found: format!("{} elements", whole.len),
+                });
+            }
+        }
+        if j == 0 {
+            continue;
+        }
+        // ... and agree with rank 0's.
+        if let (Some(a), Some(b)) = (&p.input, &p0.input) {
+            if a.dtype != b.dtype {
+                return Err(mismatch(
+                    j,
+                    format!("{:?} buffers", a.dtype),
+                    format!("{:?} buffers", b.dtype),
+                ));
+            }
+            if a.len != b.len {
+                return Err(mismatch(
+                    j,
+                    format!("an input of {} elements", a.len),
+                    format!("an input of {} elements", b.len),
+                ));
+            }
+        }
+        if p.op != p0.op {
+            return Err(mismatch(
+                j,
+                format!("ReduceOp::{:?}", p.op),
+                format!("ReduceOp::{:?}", p0.op),
+            ));
+        }
+        if p.root != p0.root {
+            return Err(mismatch(
+                j,
+                format!("root {:?}", p.root),
+                format!("root {:?}", p0.root),
+            ));
+        }
+        if p.index != p0.index {
+            return Err(mismatch(
+                j,
+                format!("stream index {:?}", p.index),
+                format!("stream index {:?}", p0.index),
+            ));
+        }
+        // SAFETY: between the barriers of the rendezvous, peers keep their arguments alive.
+        let same_bytes = match (p.bytes, p0.bytes) {
+            (Some(a), Some(b)) => unsafe { a.bytes() == b.bytes() },
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        if !same_bytes {
+            return Err(mismatch(
+                j,
+                describe_bytes(p.kind, p.bytes),
+                describe_bytes(p0.kind, p0.bytes),
+            ));
+        }
+    }
+    if let Some(root) = p0.root {
+        if root >= world_size {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: root {root} is out of range for world size {world_size}"
+            )));
+        }
+    }
+    if let (Some(ReduceOp::Avg), Some(b)) = (p0.op, &p0.input) {
+        if !b.dtype.is_float() {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: ReduceOp::Avg is not defined for {:?} buffers (integer dtypes support \
+                 Sum, Max and Min)",
+                b.dtype
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The first reason `t` cannot be posted as `which`, if any.
+pub(crate) fn check(t: &Tensor, which: &'static str) -> Option<Problem> {
+    let location = t.device().location();
+    if location != DeviceLocation::Cpu {
+        return Some(Problem::NotOnCpu {
+            which,
+            found: location,
+        });
+    }
+    if t.rank() != 1 {
+        return Some(Problem::NotOneD {
+            which,
+            dims: t.rank(),
+        });
+    }
+    if !t.is_contiguous() {
+        return Some(Problem::NotContiguous { which });
+    }
+    if !supported(t.dtype()) {
+        return Some(Problem::Dtype {
+            which,
+            dtype: t.dtype(),
+        });
+    }
+    None
+}
+
+/// Start address and length (elements) of a storage's vector.
+macro_rules! storage_vec {
+    ($storage:expr, $as_ptr:ident) => {
+        match $storage {
+            CpuStorage::U8(v) => (v.$as_ptr() as *mut u8, v.len()),
+            CpuStorage::U32(v) => (v.$as_ptr() as *mut u8, v.len()),
+            CpuStorage::I16(v) => (v.$as_ptr() as *mut u8, v.len()),
+            CpuStorage::I32(v) => (v.$as_ptr() as *mut u8, v.len()),
+            CpuStorage::I64(v) => (v.$as_ptr() as *mut u8, v.len()),
+            CpuStorage::BF16(v) => (v.$as_ptr() as *mut u8, v.len()),
+            CpuStorage::F16(v) => (v.$as_ptr() as *mut u8, v.len()),
+            CpuStorage::F32(v) => (v.$as_ptr() as *mut u8, v.len()),
+            CpuStorage::F64(v) => (v.$as_ptr() as *mut u8, v.len()),
+            // Refused by `check` (unsupported dtypes) before any storage access.
+            _ => (std::ptr::null_mut(), 0),
+        }
+    };
+}
+
+/// The tensor's elements inside `storage`: the address of element `layout.start_offset()`.
+fn raw(base: *mut u8, vec_len: usize, storage: &CpuStorage, layout: &Layout) -> RawBuf {
+    let dtype = storage.dtype();
+    let (start, end) = layout
+        .contiguous_offsets()
+        .expect("contiguity checked before the storage is accessed");
+    assert!(
+        end <= vec_len,
+        "layout {start}..{end} beyond storage {vec_len}"
+    );
+    RawBuf {
+        // In bounds of the allocation (start <= end <= vec_len).
+        ptr: base.wrapping_add(start * dtype.size_in_bytes()),
+        len: end - start,
+        dtype,
+    }
+}
+
+/// A buffer this rank only reads (and peers read).
+fn raw_read(storage: &CpuStorage, layout: &Layout) -> RawBuf {
+    let (base, len) = storage_vec!(storage, as_ptr);
+    raw(base, len, storage, layout)
+}
+
+/// A buffer this rank writes.
+fn raw_write(storage: &mut CpuStorage, layout: &Layout) -> RawBuf {
+    let (base, len) = storage_vec!(&mut *storage, as_mut_ptr);
+    raw(base, len, storage, layout)
+}
+
+/// A Candle in-place op that runs a collective body with the raw buffers of its tensors.
+pub(crate) struct WithStorage<F> {
+    body: RefCell<Option<F>>,
+    pub(crate) result: RefCell<Option<Result<()>>>,
+}
+
+impl<F: FnOnce(RawBuf, Option<RawBuf>) -> Result<()>> WithStorage<F> {
+    pub(crate) fn new(body: F) -> Self {
+        WithStorage {
+            body: RefCell::new(Some(body)),
+            result: RefCell::new(None),
+        }
+    }
+
+    fn run(&self, dst: RawBuf, src: Option<RawBuf>) {
+        if let Some(body) = self.body.borrow_mut().take() {
+            *self.result.borrow_mut() = Some(body(dst, src));
+        }
+    }
+}
+
+impl<F: FnOnce(RawBuf, Option<RawBuf>) -> Result<()>> InplaceOp1 for WithStorage<F> {
+    fn name(&self) -> &'static str {
+        "thread-collective"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        self.run(raw_write(storage, layout), None);
+        Ok(())
+    }
+}
+
+impl<F: FnOnce(RawBuf, Option<RawBuf>) -> Result<()>> InplaceOp2 for WithStorage<F> {
+    fn name(&self) -> &'static str {
+        "thread-collective"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> candle_core::Result<()> {
+        self.run(raw_write(dst, dst_l), Some(raw_read(src, src_l)));
+        Ok(())
+    }
+}

@@ -1,0 +1,505 @@
+//! The collectives of the MPI backend, run on a comm stream's thread: descriptor exchange and
+//! validation, then the data movement as non-blocking point-to-point messages on the stream's
+//! own communicator, completed by a polling wait with a deadline ([`super::runtime::wait_all`]).
+//!
+//! Algorithms (`ws` ranks, `n` elements per rank's share, this rank `r`):
+//! - **all-gather**: every rank sends its input to every other rank, received straight into
+//!   `output[j*n..]`; its own part is a local copy.
+//! - **reduce-scatter**: every rank sends `input[j*n..(j+1)*n]` to rank `j` and receives its own
+//!   share from every peer into a scratch buffer, then reduces the `ws` shares *in rank order*
+//!   with the thread backend's kernel ([`crate::comm::reduce::reduce_into`]): f32, bf16 and f16
+//!   accumulate in f32 and round once. bf16/f16 travel at their own width; nothing is widened on
+//!   the wire and no MPI reduction op is involved, so the result is bitwise the thread
+//!   backend's, for every dtype and op.
+//! - **all-reduce**: the reduce-scatter above on `ws` nearly equal chunks, in place, then the
+//!   all-gather of the chunks.
+//! - **broadcast**: the root sends to every rank. **reduce**: every rank sends to the root, which
+//!   reduces in rank order into its buffer. **barrier**: the descriptor exchange alone.
+//!
+//! Each rank sends and receives `(ws - 1) · n` elements per reduce-scatter or all-gather, as the
+//! ring algorithms do (bandwidth-optimal), in `ws - 1` messages each way (latency grows with the
+//! world size, which suits the few-to-tens of processes this backend targets). Messages larger
+//! than 1 GiB are split (MPI counts are 32-bit).
+
+use std::ffi::c_int;
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use mpi::ffi;
+
+use super::runtime::{check, wait_all, Comm, Runtime, WaitFor};
+use super::wire;
+use crate::comm::buffer::{check as check_buf, validate, Kind, Post, Problem, RawBuf, WithStorage};
+use crate::comm::reduce::{chunk, reduce_into, with_elem};
+use crate::comm::{OpKind, ReduceOp};
+use crate::error::Result;
+
+/// Tag of descriptors.
+const TAG_DESC: c_int = 1;
+/// Tag of data messages.
+const TAG_DATA: c_int = 2;
+/// Largest single message (bytes).
+const MAX_MESSAGE: usize = 1 << 30;
+
+/// One collective (or setup operation) on one rank.
+pub(super) struct OpCtx<'a> {
+    pub rt: &'static Runtime,
+    pub comm: Comm,
+    pub rank: usize,
+    pub world_size: usize,
+    pub seq: u64,
+    pub op: &'a str,
+    pub timeout: Duration,
+    /// Reused receive space of the stream (8-byte aligned for every element type).
+    pub scratch: &'a mut Vec<u64>,
+    /// Largest descriptor expected from a peer.
+    pub desc_max: usize,
+}
+
+/// A message to post: peer, address, length in bytes.
+struct Msg {
+    peer: usize,
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+impl OpCtx<'_> {
+    fn wait_for(&self, deadline: Instant) -> WaitFor<'_> {
+        WaitFor {
+            op: self.op,
+            rank: self.rank,
+            deadline,
+            timeout: self.timeout,
+        }
+    }
+
+    /// Posts `recvs` then `sends` (split into messages of at most 1 GiB) and waits for all.
+    fn transfer(&self, recvs: &[Msg], sends: &[Msg], tag: c_int, deadline: Instant) -> Result<()> {
+        let mut reqs: Vec<ffi::MPI_Request> = Vec::new();
+        let mut peers = Vec::new();
+        for (is_send, m) in recvs
+            .iter()
+            .map(|m| (false, m))
+            .chain(sends.iter().map(|m| (true, m)))
+        {
+            let mut off = 0;
+            while off < m.bytes {
+                let len = (m.bytes - off).min(MAX_MESSAGE);
+                // SAFETY: a null request before the call; filled by MPI.
+                let mut req: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
+                // SAFETY: `m.ptr[off..off + len]` lies in a buffer the caller keeps alive (and,
+                // for receives, writable and otherwise untouched) until the wait returns, or
+                // forever if it gives up.
+                let rc = unsafe {
+                    let p = m.ptr.add(off);
+                    if is_send {
+                        ffi::MPI_Isend(
+                            p as *const _,
+                            len as c_int,
+                            ffi::RSMPI_UINT8_T,
+                            m.peer as c_int,
+                            tag,
+                            self.comm.0,
+                            &mut req,
+                        )
+                    } else {
+                        ffi::MPI_Irecv(
+                            p.cast(),
+                            len as c_int,
+                            ffi::RSMPI_UINT8_T,
+                            m.peer as c_int,
+                            tag,
+                            self.comm.0,
+                            &mut req,
+                        )
+                    }
+                };
+                check(
+                    rc,
+                    || {
+                        format!(
+                            "{} to rank {} ({})",
+                            if is_send { "MPI_Isend" } else { "MPI_Irecv" },
+                            m.peer,
+                            self.op
+                        )
+                    },
+                    self.rt.world_rank,
+                )?;
+                reqs.push(req);
+                peers.push(m.peer);
+                off += len;
+            }
+        }
+        if reqs.is_empty() {
+            return Ok(());
+        }
+        wait_all(self.rt, &mut reqs, &peers, &self.wait_for(deadline))
+    }
+
+    /// Sends this rank's descriptor to every peer, receives theirs, and validates all of them
+    /// (the same verdict on every rank). Returns the posts (index = rank).
+    pub(super) fn exchange(&self, post: Post, setup_bytes: &[u8], deadline: Instant) -> Result<()> {
+        let ws = self.world_size;
+        self.rt.poll_failures();
+        if let Some((failed_rank, reason)) = self.rt.failure() {
+            return Err(crate::error::Error::PeerFailed {
+                op: self.op.to_string(),
+                rank: self.rank,
+                failed_rank,
+                reason,
+            });
+        }
+        let mine = wire::encode(&post, setup_bytes);
+        let mut bufs: Vec<Vec<u8>> = (0..ws).map(|_| vec![0u8; self.desc_max]).collect();
+        let recvs: Vec<Msg> = (0..ws)
+            .filter(|&j| j != self.rank)
+            .map(|j| Msg {
+                peer: j,
+                ptr: bufs[j].as_mut_ptr(),
+                bytes: self.desc_max,
+            })
+            .collect();
+        // Receives of `desc_max` bytes accept shorter descriptors; the actual length is the
+        // descriptor's own business (it is self-delimiting), trailing zeros are ignored.
+        let sends: Vec<Msg> = (0..ws)
+            .filter(|&j| j != self.rank)
+            .map(|j| Msg {
+                peer: j,
+                ptr: mine.as_ptr() as *mut u8,
+                bytes: mine.len(),
+            })
+            .collect();
+        if let Err(e) = self.transfer(&recvs, &sends, TAG_DESC, deadline) {
+            // Abandoned receives may still land: keep their buffers.
+            std::mem::forget(bufs);
+            std::mem::forget(mine);
+            return Err(e);
+        }
+        let mut posts = Vec::with_capacity(ws);
+        for (j, buf) in bufs.iter().enumerate() {
+            if j == self.rank {
+                let mut own = post;
+                if post.bytes.is_some() {
+                    own.bytes = Some(crate::comm::buffer::RawBytes::of(setup_bytes));
+                }
+                posts.push(own);
+                continue;
+            }
+            let Some(p) = wire::decode(buf) else {
+                return Err(crate::error::Error::CollectiveMismatch {
+                    op: self.op.to_string(),
+                    rank: j,
+                    found: "a descriptor this version cannot read".into(),
+                    other_rank: self.rank,
+                    expected: "a candle-fsdp collective descriptor".into(),
+                });
+            };
+            posts.push(p);
+        }
+        validate(self.op, ws, &posts)
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.timeout
+    }
+
+    /// Reports a local `problem` through the exchange (every rank fails the same way).
+    fn fail_with(&self, kind: Kind, problem: Problem) -> crate::error::Error {
+        let mut post = Post::new(kind, self.seq);
+        post.problem = Some(problem);
+        match self.exchange(post, &[], self.deadline()) {
+            Err(e) => e,
+            Ok(()) => unreachable!("validation fails on a post with a problem"),
+        }
+    }
+
+    /// Runs `body(dst, src)` with `dst` write-locked and `src` read-locked for the whole call,
+    /// or takes part in the exchange only to report why it cannot.
+    fn with_storage(
+        &mut self,
+        kind: OpKind,
+        dst: &Tensor,
+        which: &'static str,
+        src: Option<&Tensor>,
+        body: impl FnOnce(&mut Self, RawBuf, Option<RawBuf>) -> Result<()>,
+    ) -> Result<()> {
+        if let Some(problem) = src
+            .and_then(|s| check_buf(s, "input"))
+            .or_else(|| check_buf(dst, which))
+        {
+            return Err(self.fail_with(Kind::Op(kind), problem));
+        }
+        let this = std::cell::RefCell::new(&mut *self);
+        let op = WithStorage::new(|d, s| body(&mut this.borrow_mut(), d, s));
+        let _refused = match src {
+            Some(s) => dst.inplace_op2(s, &op),
+            None => dst.inplace_op1(&op),
+        };
+        let result = op.result.into_inner();
+        let result = match result {
+            Some(r) => r,
+            None => Err(self.fail_with(Kind::Op(kind), Problem::Aliased)),
+        };
+        if result.is_err() && self.rt.is_poisoned() {
+            // Abandoned messages may still read or write these buffers.
+            std::mem::forget(dst.clone());
+            std::mem::forget(src.cloned());
+            std::mem::forget(std::mem::take(self.scratch));
+        }
+        result
+    }
+
+    /// Scratch space for `slots` buffers of `bytes` bytes each, 8-byte aligned; returns the
+    /// address of slot 0 and the slot stride in bytes.
+    fn scratch(&mut self, slots: usize, bytes: usize) -> (*mut u8, usize) {
+        let stride = bytes.div_ceil(8) * 8;
+        let words = slots * stride / 8;
+        if self.scratch.len() < words {
+            self.scratch.resize(words, 0);
+        }
+        (self.scratch.as_mut_ptr() as *mut u8, stride)
+    }
+
+    pub(super) fn all_gather(&mut self, input: &Tensor, output: &Tensor) -> Result<()> {
+        let kind = OpKind::AllGather;
+        self.with_storage(kind, output, "output", Some(input), |ctx, out, src| {
+            let src = src.expect("all-gather has an input");
+            let mut post = Post::new(Kind::Op(kind), ctx.seq);
+            post.input = Some(src);
+            post.output = Some(out);
+            let deadline = ctx.deadline();
+            ctx.exchange(post, &[], deadline)?;
+            let bytes = src.len * src.dtype.size_in_bytes();
+            let peers = (0..ctx.world_size).filter(|&j| j != ctx.rank);
+            let recvs: Vec<Msg> = peers
+                .clone()
+                .map(|j| Msg {
+                    peer: j,
+                    ptr: out.ptr.wrapping_add(j * bytes),
+                    bytes,
+                })
+                .collect();
+            let sends: Vec<Msg> = peers
+                .map(|j| Msg {
+                    peer: j,
+                    ptr: src.ptr,
+                    bytes,
+                })
+                .collect();
+            ctx.transfer(&recvs, &sends, TAG_DATA, deadline)?;
+            // SAFETY: validated lengths (out holds ws * n elements); distinct storages.
+            unsafe { std::ptr::copy_nonoverlapping(src.ptr, out.ptr.add(ctx.rank * bytes), bytes) };
+            Ok(())
+        })
+    }
+
+    pub(super) fn reduce_scatter(
+        &mut self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let kind = OpKind::ReduceScatter;
+        self.with_storage(kind, output, "output", Some(input), |ctx, out, src| {
+            let src = src.expect("reduce-scatter has an input");
+            let mut post = Post::new(Kind::Op(kind), ctx.seq);
+            post.input = Some(src);
+            post.output = Some(out);
+            post.op = Some(op);
+            let deadline = ctx.deadline();
+            ctx.exchange(post, &[], deadline)?;
+            let es = out.dtype.size_in_bytes();
+            let bytes = out.len * es;
+            let (ws, rank) = (ctx.world_size, ctx.rank);
+            let (scratch, stride) = ctx.scratch(ws, bytes);
+            let peers = (0..ws).filter(|&j| j != rank);
+            let recvs: Vec<Msg> = peers
+                .clone()
+                .map(|j| Msg {
+                    peer: j,
+                    ptr: scratch.wrapping_add(j * stride),
+                    bytes,
+                })
+                .collect();
+            let sends: Vec<Msg> = peers
+                .map(|j| Msg {
+                    peer: j,
+                    ptr: src.ptr.wrapping_add(j * bytes),
+                    bytes,
+                })
+                .collect();
+            ctx.transfer(&recvs, &sends, TAG_DATA, deadline)?;
+            let srcs: Vec<*const u8> = (0..ws)
+                .map(|j| {
+                    if j == rank {
+                        src.ptr.wrapping_add(rank * bytes) as *const u8
+                    } else {
+                        scratch.wrapping_add(j * stride) as *const u8
+                    }
+                })
+                .collect();
+            with_elem!(out.dtype, T => {
+                let srcs: Vec<*const T> = srcs.iter().map(|&p| p as *const T).collect();
+                // SAFETY: every source holds `out.len` received or local elements of T (8-byte
+                // aligned scratch, or the input at an element boundary); `out` is this rank's
+                // write-locked output, disjoint from every source.
+                unsafe { reduce_into::<T>(&srcs, out.ptr as *mut T, out.len, op, ws) }
+            });
+            Ok(())
+        })
+    }
+
+    pub(super) fn all_reduce(&mut self, buf: &Tensor, op: ReduceOp) -> Result<()> {
+        let kind = OpKind::AllReduce;
+        self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
+            let mut post = Post::new(Kind::Op(kind), ctx.seq);
+            post.input = Some(mine);
+            post.op = Some(op);
+            let deadline = ctx.deadline();
+            ctx.exchange(post, &[], deadline)?;
+            let es = mine.dtype.size_in_bytes();
+            let (ws, rank) = (ctx.world_size, ctx.rank);
+            let (my_start, my_n) = chunk(mine.len, ws, rank);
+            let (scratch, stride) = ctx.scratch(ws, my_n * es);
+            let peers: Vec<usize> = (0..ws).filter(|&j| j != rank).collect();
+            let at = |start: usize| mine.ptr.wrapping_add(start * es);
+            // Phase 1: reduce-scatter of the chunks.
+            let recvs: Vec<Msg> = peers
+                .iter()
+                .map(|&j| Msg {
+                    peer: j,
+                    ptr: scratch.wrapping_add(j * stride),
+                    bytes: my_n * es,
+                })
+                .collect();
+            let sends: Vec<Msg> = peers
+                .iter()
+                .map(|&j| {
+                    let (s, n) = chunk(mine.len, ws, j);
+                    Msg {
+                        peer: j,
+                        ptr: at(s),
+                        bytes: n * es,
+                    }
+                })
+                .collect();
+            ctx.transfer(&recvs, &sends, TAG_DATA, deadline)?;
+            let srcs: Vec<*const u8> = (0..ws)
+                .map(|j| {
+                    if j == rank {
+                        at(my_start) as *const u8
+                    } else {
+                        scratch.wrapping_add(j * stride) as *const u8
+                    }
+                })
+                .collect();
+            with_elem!(mine.dtype, T => {
+                let srcs: Vec<*const T> = srcs.iter().map(|&p| p as *const T).collect();
+                // SAFETY: `my_n` elements at each source; the destination is exactly this
+                // rank's own source (allowed in place), the scratch slots are disjoint from it.
+                unsafe { reduce_into::<T>(&srcs, at(my_start) as *mut T, my_n, op, ws) }
+            });
+            // Phase 2: all-gather of the reduced chunks.
+            let recvs: Vec<Msg> = peers
+                .iter()
+                .map(|&j| {
+                    let (s, n) = chunk(mine.len, ws, j);
+                    Msg {
+                        peer: j,
+                        ptr: at(s),
+                        bytes: n * es,
+                    }
+                })
+                .collect();
+            let sends: Vec<Msg> = peers
+                .iter()
+                .map(|&j| Msg {
+                    peer: j,
+                    ptr: at(my_start),
+                    bytes: my_n * es,
+                })
+                .collect();
+            ctx.transfer(&recvs, &sends, TAG_DATA, deadline)
+        })
+    }
+
+    pub(super) fn broadcast(&mut self, buf: &Tensor, root: usize) -> Result<()> {
+        let kind = OpKind::Broadcast;
+        self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
+            let mut post = Post::new(Kind::Op(kind), ctx.seq);
+            post.input = Some(mine);
+            post.root = Some(root);
+            let deadline = ctx.deadline();
+            ctx.exchange(post, &[], deadline)?;
+            let bytes = mine.len * mine.dtype.size_in_bytes();
+            let msg = |peer| Msg {
+                peer,
+                ptr: mine.ptr,
+                bytes,
+            };
+            if ctx.rank == root {
+                let sends: Vec<Msg> = (0..ctx.world_size)
+                    .filter(|&j| j != root)
+                    .map(msg)
+                    .collect();
+                ctx.transfer(&[], &sends, TAG_DATA, deadline)
+            } else {
+                ctx.transfer(&[msg(root)], &[], TAG_DATA, deadline)
+            }
+        })
+    }
+
+    pub(super) fn reduce(&mut self, buf: &Tensor, root: usize, op: ReduceOp) -> Result<()> {
+        let kind = OpKind::Reduce;
+        self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
+            let mut post = Post::new(Kind::Op(kind), ctx.seq);
+            post.input = Some(mine);
+            post.op = Some(op);
+            post.root = Some(root);
+            let deadline = ctx.deadline();
+            ctx.exchange(post, &[], deadline)?;
+            let bytes = mine.len * mine.dtype.size_in_bytes();
+            let ws = ctx.world_size;
+            if ctx.rank != root {
+                let send = Msg {
+                    peer: root,
+                    ptr: mine.ptr,
+                    bytes,
+                };
+                return ctx.transfer(&[], &[send], TAG_DATA, deadline);
+            }
+            let (scratch, stride) = ctx.scratch(ws, bytes);
+            let recvs: Vec<Msg> = (0..ws)
+                .filter(|&j| j != root)
+                .map(|j| Msg {
+                    peer: j,
+                    ptr: scratch.wrapping_add(j * stride),
+                    bytes,
+                })
+                .collect();
+            ctx.transfer(&recvs, &[], TAG_DATA, deadline)?;
+            let srcs: Vec<*const u8> = (0..ws)
+                .map(|j| {
+                    if j == root {
+                        mine.ptr as *const u8
+                    } else {
+                        scratch.wrapping_add(j * stride) as *const u8
+                    }
+                })
+                .collect();
+            with_elem!(mine.dtype, T => {
+                let srcs: Vec<*const T> = srcs.iter().map(|&p| p as *const T).collect();
+                // SAFETY: `mine.len` elements at each source; the destination is the root's own
+                // source (in place), the scratch slots are disjoint from it.
+                unsafe { reduce_into::<T>(&srcs, mine.ptr as *mut T, mine.len, op, ws) }
+            });
+            Ok(())
+        })
+    }
+
+    pub(super) fn barrier(&mut self) -> Result<()> {
+        let post = Post::new(Kind::Op(OpKind::Barrier), self.seq);
+        self.exchange(post, &[], self.deadline())
+    }
+}

@@ -1,0 +1,183 @@
+//! Whole MPI jobs started with `mpirun` from a plain `cargo test --features mpi` (feature `mpi`;
+//! needs `mpirun` on PATH): a rank that fails ends every process with its message, and a world
+//! size that disagrees with the launcher is an error.
+//!
+//! Each job runs one `#[ignore]`d helper test of this binary under `mpirun`.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use candle_core::Module;
+use candle_fsdp::launch::{launch, Launcher};
+use candle_fsdp::optim::{AdamW, AdamWConfig, ShardedOptimizer};
+use candle_fsdp::unit::UnitSpec;
+use candle_fsdp::{FsdpConfig, FsdpModel};
+use common::*;
+
+/// Runs `helper` of this test binary under `mpirun -n <n>`; returns (success, output, seconds).
+/// A job still running after 120 s is killed and fails the test.
+fn mpirun(n: usize, helper: &str) -> (bool, String, f64) {
+    let exe = std::env::current_exe().expect("test binary path");
+    let start = Instant::now();
+    let mut child = Command::new("mpirun")
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-n",
+            &n.to_string(),
+        ])
+        .arg(&exe)
+        .args([
+            "--ignored",
+            "--exact",
+            helper,
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun on PATH (Debian: apt-get install openmpi-bin)");
+    let deadline = start + Duration::from_secs(120);
+    loop {
+        if child.try_wait().expect("waitpid").is_some() {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("mpirun -n {n} {helper} still running after 120 s: a rank hangs");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("mpirun output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text, start.elapsed().as_secs_f64())
+}
+
+/// Forward calls of the failing unit in this process (one rank per process under MPI).
+static FORWARDS: AtomicU64 = AtomicU64::new(0);
+
+/// A unit that multiplies by 1 and fails at its 6th forward (step 5) on rank `fail_rank`.
+struct FailAt {
+    rank: usize,
+    fail_rank: usize,
+}
+
+impl Module for FailAt {
+    fn forward(&self, xs: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        let n = FORWARDS.fetch_add(1, Ordering::SeqCst);
+        if self.rank == self.fail_rank && n == 5 {
+            candle_core::bail!("injected failure in the user's module");
+        }
+        Ok(xs.clone())
+    }
+}
+
+#[test]
+#[ignore = "a rank of an MPI job: run by rank_error_ends_every_process"]
+fn helper_rank1_fails_at_step5() {
+    let launcher = Launcher::from_env(None, 1, Duration::from_secs(60)).unwrap();
+    let result = launch(&launcher, |pg| {
+        let rank = pg.rank();
+        let mut b = FsdpModel::builder(pg.clone(), FsdpConfig::default());
+        for (i, u) in units().into_iter().enumerate() {
+            b = b.unit_spec(u);
+            if i == 2 {
+                b = b.unit_spec(UnitSpec::new("user_block", move |_vb| {
+                    Ok(FailAt { rank, fail_rank: 1 })
+                }));
+            }
+        }
+        let mut model = b.build()?;
+        let mut optim = AdamW::new(AdamWConfig::default());
+        for (x, y) in batches(20, 4 * pg.world_size(), 3) {
+            let x = x.narrow(0, rank * 4, 4)?;
+            let y = y.narrow(0, rank * 4, 4)?;
+            let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
+            model.backward(&loss)?;
+            optim.step(&mut model)?;
+            model.zero_grad();
+        }
+        Ok(())
+    });
+    let rank = launcher.local_ranks().start;
+    if let Err(e) = result {
+        eprintln!("rank {rank}: error: {e}");
+        std::process::exit(1);
+    }
+}
+
+#[test]
+fn rank_error_ends_every_process() {
+    let (ok, out, secs) = mpirun(2, "helper_rank1_fails_at_step5");
+    assert!(!ok, "the job must fail:\n{out}");
+    assert!(secs < 30.0, "the job took {secs:.1} s to end:\n{out}");
+    // The failing rank names its unit, phase and step...
+    assert!(
+        out.contains(
+            "rank 1: error: forward of unit user_block at step 5: injected failure in the user's \
+             module"
+        ),
+        "{out}"
+    );
+    // ... and the other rank says which rank failed, with that message.
+    let rank0 = out
+        .lines()
+        .find(|l| l.starts_with("rank 0: error: "))
+        .unwrap_or_else(|| panic!("rank 0 printed no error:\n{out}"));
+    assert!(
+        rank0.contains(
+            "aborted: rank 1 failed: forward of unit user_block at step 5: injected failure"
+        ),
+        "{rank0}"
+    );
+    // No process of the job is left.
+    let exe = std::env::current_exe().unwrap();
+    let left = Command::new("pgrep")
+        .args([
+            "-f",
+            &format!("{} --ignored --exact helper_rank1_fails", exe.display()),
+        ])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "processes left: {left}");
+}
+
+#[test]
+#[ignore = "a rank of an MPI job: run by world_size_flag_must_match_mpirun"]
+fn helper_world_size_3() {
+    match Launcher::from_env(Some(3), 2, Duration::from_secs(60)) {
+        Ok(l) => {
+            eprintln!("accepted world size {}", l.world_size());
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+#[test]
+fn world_size_flag_must_match_mpirun() {
+    let (ok, out, _) = mpirun(2, "helper_world_size_3");
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains(
+            "error: invalid argument: --world-size 3 disagrees with the launcher (mpirun \
+             started 2 processes); drop --world-size or make them agree"
+        ),
+        "{out}"
+    );
+    let (ok, out, _) = mpirun(3, "helper_world_size_3");
+    assert!(ok, "{out}");
+    assert!(out.contains("accepted world size 3"), "{out}");
+}
