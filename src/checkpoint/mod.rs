@@ -49,6 +49,7 @@
 mod full;
 mod io;
 mod sharded;
+pub mod tools;
 
 #[doc(hidden)]
 pub mod fault;
@@ -255,6 +256,10 @@ pub struct CheckpointMeta {
     pub format_version: u32,
     /// World size at save time (number of shard files).
     pub world_size: usize,
+    /// Sharding strategy at save time, as `--strategy` spells it (`full-shard`, `shard-grad-op`,
+    /// `no-shard`; [`strategy_name`]). `None` in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<String>,
     /// Training state (step, epoch, sampler, RNG, grad scaler, mixed precision, extra); its
     /// fields appear at the top level of the JSON.
     #[serde(flatten)]
@@ -281,6 +286,16 @@ impl CheckpointMeta {
     /// Epochs completed (`train.epoch`).
     pub fn epoch(&self) -> u64 {
         self.train.epoch
+    }
+}
+
+/// The name a [`crate::ShardingStrategy`] is recorded under in [`CheckpointMeta::strategy`]
+/// (the spelling its `FromStr` parses: `full-shard`, `shard-grad-op`, `no-shard`).
+pub fn strategy_name(strategy: crate::ShardingStrategy) -> &'static str {
+    match strategy {
+        crate::ShardingStrategy::FullShard => "full-shard",
+        crate::ShardingStrategy::ShardGradOp => "shard-grad-op",
+        crate::ShardingStrategy::NoShard => "no-shard",
     }
 }
 
