@@ -420,3 +420,355 @@ fn offline_reshard_writes_what_a_live_reshard_writes() {
     reshard_case(1, 3, ShardingStrategy::FullShard);
     reshard_case(2, 3, ShardingStrategy::NoShard);
 }
+
+/// `fsdp-ckpt inspect` on a checkpoint whose every number is known: the test model (8
+/// tensors, 396 parameter elements) trained 3 steps at world size 2 under SHARD_GRAD_OP with
+/// AdamW, saved with a sampler position and a seed. Optimizer state: 2 kinds × 6 units (empty
+/// ones included) × 2 ranks = 24 tensors of the padded unit sizes 274 + 100 + 28 + 2 = 404
+/// elements, 2 × 404 × 4 = 3232 bytes. The file sizes are pinned by the format (headers and
+/// metadata are deterministic) and checked against `meta.json` too.
+#[test]
+fn inspect_output_on_a_known_checkpoint() {
+    let dir = tmp("inspect");
+    let ckpt_dir = trained_checkpoint(&dir, 2, ShardingStrategy::ShardGradOp, 3);
+    let out = ckpt_ok(&["inspect", s(&dir)]);
+    let want = r#"checkpoint DIR
+  format version    2
+  step              3
+  epochs completed  1
+  world size        2
+  strategy          shard-grad-op
+  master dtype      F32
+  mixed precision   {"buffer_dtype":"f32","cast_forward_inputs":true,"param_dtype":"f32","reduce_dtype":"f32"}
+  sampler           epoch 1, 4 entries of each rank's list consumed at world size 2
+  seed              7
+  grad scaler       none
+  extra             none
+  optimizer         AdamW (exp_avg, exp_avg_sq); step 3; 24 tensors, 3232 bytes over all ranks
+tensors (parameters: 7 tensors, 396 elements, 1584 bytes; buffers: 1 tensor, 7 elements, 28 bytes):
+  fc1.weight          [13, 20]  F32   1040 bytes
+  fc1.bias            [13]      F32     52 bytes
+  fc2.weight          [7, 13]   F32    364 bytes
+  fc2.bias            [7]       F32     28 bytes
+  shift.running_mean  [7]       F32     28 bytes  buffer
+  head.weight         [3, 7]    F32     84 bytes
+  head.bias           [3]       F32     12 bytes
+  scale.w             [1]       F32      4 bytes
+files:
+  meta.json                         3904 bytes
+  shard-00000-of-00002.safetensors  3916 bytes
+  shard-00001-of-00002.safetensors  3808 bytes
+total on disk: 11628 bytes (11.4 KiB)
+"#
+    .replace("DIR", s(&ckpt_dir));
+    assert_eq!(out, want);
+    let meta = candle_fsdp::checkpoint::read_meta(&ckpt_dir).unwrap();
+    let sizes: Vec<u64> = meta.files.iter().map(|f| f.bytes).collect();
+    assert_eq!(sizes, [3916, 3808]);
+    assert_eq!(
+        std::fs::metadata(ckpt_dir.join("meta.json")).unwrap().len(),
+        3904
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs `fsdp-ckpt args…`, expects exit status 1 and one error line; returns it without the
+/// `fsdp-ckpt: error: ` prefix.
+fn ckpt_err(args: &[&str]) -> String {
+    let (code, out, err) = ckpt(args);
+    assert_eq!(code, 1, "fsdp-ckpt {args:?} should fail:\n{out}\n{err}");
+    assert_eq!(out, "", "{args:?}");
+    err.strip_prefix("fsdp-ckpt: error: ")
+        .and_then(|e| e.strip_suffix('\n'))
+        .unwrap_or_else(|| panic!("{args:?}: unexpected stderr {err:?}"))
+        .to_string()
+}
+
+/// Byte range of tensor `name`'s data in safetensors file `path`.
+fn data_range(path: &Path, name: &str) -> std::ops::Range<usize> {
+    let bytes = std::fs::read(path).unwrap();
+    let (n, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let (a, b) = header.info(name).unwrap().data_offsets;
+    8 + n + a..8 + n + b
+}
+
+/// Rewrites one shard file without tensor `drop` (and records its new size in `meta.json`).
+fn drop_tensor(ckpt: &Path, file: &str, drop: &str) {
+    let path = ckpt.join(file);
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let tensors: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != drop)
+        .collect();
+    let out = safetensors::serialize(tensors, header.metadata().clone()).unwrap();
+    std::fs::write(&path, &out).unwrap();
+    let meta_path = ckpt.join("meta.json");
+    let mut meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&meta_path).unwrap()).unwrap();
+    for f in meta["files"].as_array_mut().unwrap() {
+        if f["name"] == file {
+            f["bytes"] = serde_json::json!(out.len());
+        }
+    }
+    std::fs::write(&meta_path, serde_json::to_vec_pretty(&meta).unwrap()).unwrap();
+}
+
+#[test]
+fn bad_input_gives_errors_naming_the_file_and_the_problem() {
+    let dir = tmp("bad");
+    let out = dir.join("out.safetensors");
+    let o = s(&out);
+    let r = s(&dir);
+    // A missing directory, a file, an empty directory, one with only an interrupted save.
+    let missing = dir.join("missing");
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(empty.join(".step-00000005.partial")).unwrap();
+    std::fs::create_dir_all(dir.join("empty2")).unwrap();
+    let file = dir.join("file.txt");
+    std::fs::write(&file, "not a checkpoint").unwrap();
+    let m = s(&missing);
+    for args in [
+        vec!["inspect", m],
+        vec!["export", m, "--out", o],
+        vec!["reshard", m, "--world-size", "2", "--out", r],
+        vec!["verify", m],
+    ] {
+        assert_eq!(
+            ckpt_err(&args),
+            format!("{m}: no such directory"),
+            "{args:?}"
+        );
+    }
+    assert_eq!(
+        ckpt_err(&["export", s(&file), "--out", o]),
+        format!(
+            "{}: not a directory: expected a checkpoint directory (holding meta.json) or a \
+             checkpoint root (holding step-N directories)",
+            file.display()
+        )
+    );
+    assert_eq!(
+        ckpt_err(&["inspect", s(&dir.join("empty2"))]),
+        format!(
+            "{}: not a checkpoint: no meta.json in it and no complete checkpoint \
+             (step-N/meta.json) under it",
+            dir.join("empty2").display()
+        )
+    );
+    assert_eq!(
+        ckpt_err(&["verify", s(&empty)]),
+        format!(
+            "{}: not a checkpoint: no meta.json in it and no complete checkpoint \
+             (step-N/meta.json) under it; interrupted saves found (no meta.json written): \
+             .step-00000005.partial",
+            empty.display()
+        )
+    );
+    // Damaged metadata.
+    let bad_meta = dir.join("bad-meta");
+    std::fs::create_dir_all(&bad_meta).unwrap();
+    std::fs::write(bad_meta.join("meta.json"), "{not json").unwrap();
+    assert_eq!(
+        ckpt_err(&["inspect", s(&bad_meta)]),
+        format!(
+            "{}: not valid checkpoint metadata (JSON): key must be a string at line 1 column 2",
+            bad_meta.join("meta.json").display()
+        )
+    );
+    // Damaged shard files: truncated, a corrupt header of the recorded size, missing.
+    let ckpt_dir = trained_checkpoint(&dir.join("ckpt"), 2, ShardingStrategy::FullShard, 1);
+    let f1 = ckpt_dir.join("shard-00001-of-00002.safetensors");
+    let good = std::fs::read(&f1).unwrap();
+    std::fs::write(&f1, &good[..good.len() - 10]).unwrap();
+    assert_eq!(
+        ckpt_err(&["export", s(&ckpt_dir), "--out", o]),
+        format!(
+            "{}: truncated or corrupt: expected {} bytes (as recorded in meta.json), found {}",
+            f1.display(),
+            good.len(),
+            good.len() - 10
+        )
+    );
+    let mut corrupt = good.clone();
+    corrupt[8..12].copy_from_slice(b"oops");
+    std::fs::write(&f1, &corrupt).unwrap();
+    let e = ckpt_err(&["reshard", s(&ckpt_dir), "--world-size", "3", "--out", r]);
+    assert!(
+        e.starts_with(&format!(
+            "{}: corrupt or truncated safetensors file: InvalidHeaderDeserialization",
+            f1.display()
+        )),
+        "{e}"
+    );
+    std::fs::remove_file(&f1).unwrap();
+    assert_eq!(
+        ckpt_err(&["export", s(&ckpt_dir), "--out", o]),
+        format!("{}: No such file or directory (os error 2)", f1.display())
+    );
+    std::fs::write(&f1, &good).unwrap();
+    // A tensor the metadata lists, missing from its file.
+    drop_tensor(&ckpt_dir, "shard-00000-of-00002.safetensors", "param.1");
+    assert_eq!(
+        ckpt_err(&["export", s(&ckpt_dir), "--out", o]),
+        format!(
+            "{}: tensor param.1 is missing (expected F32 of shape [137])",
+            ckpt_dir.join("shard-00000-of-00002.safetensors").display()
+        )
+    );
+    assert!(!out.exists(), "nothing written on error");
+    // Outputs: a directory that does not exist; a checkpoint that already exists.
+    let ok_dir = trained_checkpoint(&dir.join("ok"), 2, ShardingStrategy::FullShard, 1);
+    let nowhere = dir.join("nowhere").join("model.safetensors");
+    assert_eq!(
+        ckpt_err(&["export", s(&ok_dir), "--out", s(&nowhere)]),
+        format!(
+            "{}: No such file or directory (os error 2)",
+            nowhere.display()
+        )
+    );
+    assert_eq!(
+        ckpt_err(&[
+            "reshard",
+            s(&ok_dir),
+            "--world-size",
+            "3",
+            "--out",
+            s(&dir.join("ok"))
+        ]),
+        format!(
+            "{}: already exists: remove it or choose another output directory",
+            ok_dir.display()
+        )
+    );
+    assert_eq!(
+        ckpt_err(&["reshard", s(&ok_dir), "--world-size", "0", "--out", r]),
+        "invalid argument: world size must be at least 1"
+    );
+    // Import: a missing file, a directory, not safetensors, an integer tensor.
+    assert_eq!(
+        ckpt_err(&["import", m, "--out", r, "--world-size", "2"]),
+        format!("{m}: No such file or directory (os error 2)")
+    );
+    assert_eq!(
+        ckpt_err(&["import", r, "--out", r, "--world-size", "2"]),
+        format!("{r}: is a directory: expected a safetensors model file")
+    );
+    let e = ckpt_err(&["import", s(&file), "--out", r, "--world-size", "2"]);
+    assert!(
+        e.starts_with(&format!(
+            "{}: corrupt or truncated safetensors file: ",
+            file.display()
+        )),
+        "{e}"
+    );
+    let ints = dir.join("ints.safetensors");
+    let t = Tensor::new(&[1i64, 2], &Device::Cpu).unwrap();
+    let w = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+    candle_core::safetensors::save(
+        &std::collections::HashMap::from([
+            ("bn.num_batches_tracked".to_string(), t),
+            ("bn.weight".to_string(), w),
+        ]),
+        &ints,
+    )
+    .unwrap();
+    assert_eq!(
+        ckpt_err(&["import", s(&ints), "--out", r, "--world-size", "2"]),
+        format!(
+            "{}: tensor bn.num_batches_tracked: expected a float dtype (F32, BF16, F16, F64), \
+             found I64 (a model file holds float parameters and buffers only)",
+            ints.display()
+        )
+    );
+    // Nothing was left behind by the failed writes.
+    let mut left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        [
+            "bad-meta",
+            "ckpt",
+            "empty",
+            "empty2",
+            "file.txt",
+            "ints.safetensors",
+            "ok"
+        ]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn verify_reports_every_problem_and_exits_non_zero() {
+    let dir = tmp("verify");
+    let ckpt_dir = trained_checkpoint(&dir, 3, ShardingStrategy::FullShard, 1);
+    // Sound: every tensor read (6 units × (param + 2 optimizer kinds) × 3 ranks + 1 buffer).
+    let (code, out, _) = ckpt(&["verify", s(&dir)]);
+    let data: u64 = (0..3)
+        .map(|r| {
+            let f = ckpt_dir.join(format!("shard-0000{r}-of-00003.safetensors"));
+            let bytes = std::fs::read(&f).unwrap();
+            let (n, _) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+            (bytes.len() - 8 - n) as u64
+        })
+        .sum();
+    assert_eq!(
+        (code, out),
+        (
+            0,
+            format!(
+                "checkpoint {}: 3 shard files, 55 tensors, {data} bytes of tensor data read\n\
+                 no problem found\n",
+                ckpt_dir.display()
+            )
+        )
+    );
+    // Three problems in three files: a NaN in a parameter shard (same size), a missing
+    // optimizer tensor, a truncated file. At world size 3, fc1's 273 elements are shards of 91,
+    // fc2's 99 of 33. The truncated file is not read; the other two are, all but the missing
+    // tensor (35 tensors).
+    let f0 = ckpt_dir.join("shard-00000-of-00003.safetensors");
+    let f1 = ckpt_dir.join("shard-00001-of-00003.safetensors");
+    let f2 = ckpt_dir.join("shard-00002-of-00003.safetensors");
+    let mut bytes = std::fs::read(&f2).unwrap();
+    let at = data_range(&f2, "param.2").start + 5 * 4;
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&f2, &bytes).unwrap();
+    drop_tensor(
+        &ckpt_dir,
+        "shard-00001-of-00003.safetensors",
+        "optim.exp_avg.1",
+    );
+    let good = std::fs::read(&f0).unwrap();
+    std::fs::write(&f0, &good[..100]).unwrap();
+    let (code, out, _) = ckpt(&["verify", s(&ckpt_dir)]);
+    assert_eq!(code, 1, "{out}");
+    let data_left = data - (good.len() as u64) + 8 + {
+        let (n, _) = safetensors::SafeTensors::read_metadata(&good).unwrap();
+        n as u64
+    } - 4 * 91;
+    assert_eq!(
+        out,
+        format!(
+            "checkpoint {}: 2 shard files, 35 tensors, {data_left} bytes of tensor data read\n\
+             problem: {}: truncated or corrupt: expected {} bytes (as recorded in meta.json), \
+             found 100\n\
+             problem: {}: tensor optim.exp_avg.1 is missing (expected F32 of shape [91])\n\
+             problem: {}: tensor param.2: 1 non-finite value(s) of 33 (the first, NaN, at \
+             element 5)\n\
+             3 problems found\n",
+            ckpt_dir.display(),
+            f0.display(),
+            good.len(),
+            f1.display(),
+            f2.display(),
+        )
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

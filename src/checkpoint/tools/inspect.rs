@@ -219,7 +219,11 @@ impl fmt::Display for Inspection {
                 .map(|t| t.shape.iter().product::<usize>() as u64)
                 .sum();
             let bytes: u64 = ts.iter().map(|t| t.bytes).sum();
-            format!("{} tensors, {elems} elements, {bytes} bytes", ts.len())
+            let plural = if ts.len() == 1 { "" } else { "s" };
+            format!(
+                "{} tensor{plural}, {elems} elements, {bytes} bytes",
+                ts.len()
+            )
         };
         writeln!(
             f,
@@ -260,10 +264,16 @@ impl fmt::Display for Inspection {
             writeln!(f, "  {name:<wf$}  {bytes:>wb$} bytes")?;
         }
         let total = self.total_bytes();
-        write!(
-            f,
-            "total on disk: {total} bytes ({:.1} MiB)",
-            total as f64 / (1u64 << 20) as f64
-        )
+        write!(f, "total on disk: {total} bytes ({})", human(total))
+    }
+}
+
+/// `bytes` in KiB, MiB or GiB, one decimal.
+fn human(bytes: u64) -> String {
+    let b = bytes as f64;
+    match bytes {
+        0..0x10_0000 => format!("{:.1} KiB", b / 1024.0),
+        0x10_0000..0x4000_0000 => format!("{:.1} MiB", b / (1u64 << 20) as f64),
+        _ => format!("{:.1} GiB", b / (1u64 << 30) as f64),
     }
 }
