@@ -828,6 +828,7 @@ fn synthetic_full(path: &Path, layers: usize, d: usize) -> (u64, u64, u64) {
 /// Runs `fsdp-ckpt args…` as a child and returns its peak resident set size in bytes
 /// (`ru_maxrss` of that child alone, from `wait4`).
 #[cfg(target_os = "linux")]
+#[allow(clippy::zombie_processes)] // reaped by `wait4` below, which also gives its rusage
 fn peak_rss_of(args: &[&str]) -> u64 {
     use std::io::Read;
     let mut child = Command::new(BIN)

@@ -25,7 +25,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 /// Inspect, export, import, reshard and verify candle-fsdp sharded checkpoints.
 #[derive(Debug, Parser)]
-#[command(name = "fsdp-ckpt", version, about)]
+#[command(name = "fsdp-ckpt", version)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -53,6 +53,13 @@ pub use inspect::{inspect, Inspection, TensorRow};
 pub use reshard::{import_full, reshard, ImportOptions};
 pub use verify::{verify, Problem, VerifyReport};
 
+/// Where streamed bytes go (e.g. the next part of a tensor being written).
+pub(crate) type Sink<'a> = dyn FnMut(&[u8]) -> Result<()> + 'a;
+
+/// Streams a piece of one parameter (its index, an element range of it) to a sink.
+type ReadPiece<'a> =
+    dyn for<'s, 't> FnMut(usize, Range<usize>, &'t mut Sink<'s>) -> Result<()> + 'a;
+
 /// Elements read, converted and written at a time (1 MiB of f32).
 pub const CHUNK_ELEMS: usize = 256 * 1024;
 
@@ -203,7 +210,7 @@ impl SourceFile {
         name: &str,
         range: Range<usize>,
         dst: Dtype,
-        sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+        sink: &mut Sink<'_>,
     ) -> Result<()> {
         let info = self.info(name)?;
         let src = info.dtype;
@@ -283,8 +290,8 @@ fn convert(src: Dtype, dst: Dtype, bytes: &[u8], out: &mut Vec<u8>) {
 }
 
 /// Sends `nbytes` zero bytes to `sink`.
-fn zeros(nbytes: usize, sink: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
-    const Z: [u8; 64 << 10] = [0; 64 << 10];
+fn zeros(nbytes: usize, sink: &mut Sink<'_>) -> Result<()> {
+    static Z: [u8; 64 << 10] = [0; 64 << 10];
     let mut left = nbytes;
     while left > 0 {
         let n = left.min(Z.len());
@@ -320,8 +327,8 @@ fn stream_flat(
     params: &[(usize, usize)],
     range: Range<usize>,
     elem: usize,
-    sink: &mut dyn FnMut(&[u8]) -> Result<()>,
-    read: &mut dyn FnMut(usize, Range<usize>, &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+    sink: &mut Sink<'_>,
+    read: &mut ReadPiece<'_>,
 ) -> Result<()> {
     let mut at = range.start;
     for (i, &(off, numel)) in params.iter().enumerate() {
@@ -347,7 +354,7 @@ fn write_sharded<T>(
     root: &Path,
     mut meta: CheckpointMeta,
     plan: Vec<Vec<(TensorSpec, T)>>,
-    fill: &mut dyn FnMut(usize, &T, &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+    fill: &mut dyn FnMut(usize, &T, &mut Sink<'_>) -> Result<()>,
 ) -> Result<PathBuf> {
     let name = step_dir_name(meta.train.step);
     let final_dir = root.join(&name);
