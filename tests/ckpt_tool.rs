@@ -297,8 +297,8 @@ fn import_then_training_gives_the_first_loss_of_build_from_full() {
         assert_eq!(n, wn);
         assert_eq!(bits(&to_vec(t)), bits(&to_vec(wt)), "{n} after 2 steps");
     }
-    // An import of the exported file gives back the same model; under NO_SHARD every unit is
-    // one shard in rank 0's file.
+    // Under NO_SHARD every unit is one shard in rank 0's file; exported back, the model is the
+    // file's, value for value.
     let root2 = dir.join("imported-no-shard");
     ckpt_ok(&[
         "import",
@@ -320,6 +320,26 @@ fn import_then_training_gives_the_first_loss_of_build_from_full() {
     assert_eq!(a.len(), b.len());
     for (name, t) in &b {
         assert_eq!(bits(&to_vec(&a[name])), bits(&to_vec(t)), "{name}");
+    }
+    // A bf16 model file: parameters imported as f32 masters (exact widening), buffers kept in
+    // their dtype; exported back as saved.
+    let bf16 = dir.join("bf16.safetensors");
+    ckpt_ok(&["export", s(&root), "--out", s(&bf16), "--dtype", "bf16"]);
+    let root3 = dir.join("imported-bf16");
+    ckpt_ok(&["import", s(&bf16), "--out", s(&root3), "--world-size", "2"]);
+    let widened = dir.join("widened.safetensors");
+    ckpt_ok(&["export", s(&root3), "--out", s(&widened)]);
+    let a = candle_core::safetensors::load(&widened, &Device::Cpu).unwrap();
+    assert_eq!(a.len(), b.len());
+    for (name, t) in &b {
+        let dtype = if name.ends_with("running_mean") {
+            DType::BF16
+        } else {
+            DType::F32
+        };
+        assert_eq!(a[name].dtype(), dtype, "{name}");
+        let want = t.to_dtype(DType::BF16).unwrap();
+        assert_eq!(bits(&to_vec(&a[name])), bits(&to_vec(&want)), "{name}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -281,7 +281,12 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
         None => discover_optimizer(&meta, &files[0].header),
     };
     let no_shard = match meta.strategy.as_deref() {
-        Some(s) => s.parse::<ShardingStrategy>()? == ShardingStrategy::NoShard,
+        Some(s) => {
+            let strategy: ShardingStrategy = s
+                .parse()
+                .map_err(|e| Error::file(&meta_path, format!("strategy {s:?}: {e}")))?;
+            strategy == ShardingStrategy::NoShard
+        }
         // Not recorded: NO_SHARD shows as one shard at a larger world size.
         None => meta.world_size > 1 && meta.units.iter().all(|u| u.world_size == 1),
     };
@@ -399,15 +404,15 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
             plan[0].push((spec, source));
         }
     }
+    // Every other field (training state, strategy, and whatever later versions record) is
+    // carried over unchanged.
     let out = CheckpointMeta {
         format_version: FORMAT_VERSION,
         world_size,
-        strategy: meta.strategy.clone(),
-        train: meta.train.clone(),
-        dtype: "F32".into(),
         units: units.clone(),
         optimizer: Some(optimizer.clone()),
         files: Vec::new(),
+        ..meta.clone()
     };
     write_sharded(out_root, out, plan, &mut |rank, source, sink| {
         match source {
