@@ -21,14 +21,14 @@
 //! <root>/step-00000938/shard-00001-of-00002.safetensors   rank 1
 //! <root>/step-00000938/meta.json                          CheckpointMeta: written last
 //! ```
-//! `meta.json` ([`CheckpointMeta`]) records the format version, world size and sharding
-//! strategy, every unit's layout
-//! (parameter names, shapes, offsets, padding, shard size), the optimizer's buffers, each file's
-//! size, and the training state ([`TrainState`]: step, epoch, sampler position, RNG seed, grad
-//! scaler state, mixed-precision policy). A parameter's offset in its unit's flat buffer does not
-//! depend on the world size (only the final padding and the shard boundaries do), so a rank of a
-//! group of any size finds which saved shards cover its new shard and copies just those element
-//! ranges out of the memory-mapped files: loading works at the saved world size or any other.
+//! `meta.json` ([`CheckpointMeta`]) records the format version, world size, sharding strategy,
+//! every unit's layout (parameter names, shapes, offsets, padding, shard size), the optimizer's
+//! buffers, each file's size, and the training state ([`TrainState`]: step, epoch, sampler
+//! position, RNG seed, grad scaler state, mixed-precision policy). A parameter's offset in its
+//! unit's flat buffer does not depend on the world size (only the final padding and the shard
+//! boundaries do), so a rank of a group of any size finds which saved shards cover its new shard
+//! and copies just those element ranges out of the memory-mapped files: loading works at the
+//! saved world size or any other.
 //!
 //! **Offline tools** ([`tools`], the `fsdp-ckpt` binary): inspect, export to one full file,
 //! import from one, reshard and verify a sharded checkpoint without a process group or the
