@@ -3,7 +3,7 @@
 //! byte-identical to `save_full`); `import` then training gives the first loss of
 //! `build_from_full`; an offline `reshard` writes the files a live reshard writes; `inspect`
 //! output on a known checkpoint; `verify` reporting every problem; each bad-input error; the
-//! peak memory of `export`.
+//! peak memory of `export`; version-1 checkpoints.
 
 mod common;
 
@@ -944,4 +944,103 @@ fn export_memory_of_a_100m_parameter_checkpoint() {
     assert!(4 * bound < size);
     assert!(export < bound, "export peak RSS {export} ≥ {bound}");
     assert!(import < bound, "import peak RSS {import} ≥ {bound}");
+}
+
+/// Version-1 checkpoints (no strategy, no optimizer list, no file sizes in `meta.json`): export,
+/// reshard and verify give what they give for the same checkpoint in version 2; inspect finds
+/// the optimizer from the files.
+#[test]
+fn version_1_checkpoints_work_too() {
+    let dir = tmp("v1");
+    let data = batches(2, 8, 6);
+    let v2 = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut b = FsdpModel::builder(pg, FsdpConfig::default());
+        for u in units() {
+            b = b.unit_spec(u);
+        }
+        let mut m = b.build()?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        train(&mut m, &mut opt, &data)?;
+        save_sharded(
+            &dir.join("v2"),
+            &m,
+            &opt,
+            &TrainState {
+                step: 2,
+                ..Default::default()
+            },
+            0,
+        )
+    })
+    .unwrap()
+    .remove(0);
+    // The same files with meta.json as version 1 wrote it.
+    let v1 = dir.join("v1").join("step-00000002");
+    std::fs::create_dir_all(&v1).unwrap();
+    for f in [
+        "shard-00000-of-00002.safetensors",
+        "shard-00001-of-00002.safetensors",
+    ] {
+        std::fs::copy(v2.join(f), v1.join(f)).unwrap();
+    }
+    let meta = candle_fsdp::checkpoint::read_meta(&v2).unwrap();
+    let json = serde_json::json!({
+        "format_version": 1,
+        "world_size": 2,
+        "step": 2,
+        "epoch": 0,
+        "units": meta.units.iter().map(|u| serde_json::json!({
+            "name": u.name,
+            "padded_numel": u.padded_numel,
+            "shard_numel": u.shard_numel,
+            "params": u.params.iter().map(|p| serde_json::json!({
+                "name": p.name, "shape": p.shape, "offset": p.offset,
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "extra": {},
+    });
+    std::fs::write(
+        v1.join("meta.json"),
+        serde_json::to_vec_pretty(&json).unwrap(),
+    )
+    .unwrap();
+    let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+    ckpt_ok(&["export", s(&v2), "--out", s(&a)]);
+    ckpt_ok(&["export", s(&v1), "--out", s(&b)]);
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let (r2, r1) = (dir.join("r2"), dir.join("r1"));
+    ckpt_ok(&["reshard", s(&v2), "--world-size", "3", "--out", s(&r2)]);
+    ckpt_ok(&["reshard", s(&v1), "--world-size", "3", "--out", s(&r1)]);
+    let (f2, f1) = (
+        files_of(&r2.join("step-00000002")),
+        files_of(&r1.join("step-00000002")),
+    );
+    let shards = |f: &[(String, Vec<u8>)]| -> Vec<(String, Vec<u8>)> {
+        f.iter()
+            .filter(|(n, _)| n != "meta.json")
+            .cloned()
+            .collect()
+    };
+    assert_eq!(shards(&f1).len(), 3);
+    assert!(shards(&f1) == shards(&f2), "resharded shard files differ");
+    // 5 units × (param + 2 optimizer kinds) × 2 files, read whole in both versions.
+    let out = ckpt_ok(&["verify", s(&v1)]);
+    assert_eq!(
+        out.replace(s(&v1), "DIR"),
+        ckpt_ok(&["verify", s(&v2)]).replace(s(&v2), "DIR")
+    );
+    assert!(out.contains(": 2 shard files, 30 tensors, "), "{out}");
+    assert!(out.ends_with("\nno problem found\n"), "{out}");
+    let out = ckpt_ok(&["inspect", s(&v1)]);
+    assert!(
+        out.contains(
+            "  strategy          not recorded (full-shard or shard-grad-op: parameters sharded)\n"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("  optimizer         AdamW (exp_avg, exp_avg_sq); step 2; 20 tensors, "),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
