@@ -6,7 +6,9 @@
 //! epoch (epoch, mean train loss, test accuracy, epoch time), evaluates on the 10 000 test images
 //! while the other ranks wait at a barrier, and a sharded checkpoint is saved at the end of every
 //! epoch (and every `--save-every` steps); `--resume` continues from the newest one, mid-epoch
-//! ones where the sampler stopped. The loop and its flags are `examples/common/`'s.
+//! ones where the sampler stopped. The last lines name the newest checkpoint and the
+//! `fsdp-ckpt export` command that makes one safetensors model file of it. The loop and its
+//! flags are `examples/common/`'s.
 //!
 //! ```text
 //! cargo run --release --example mnist -- --world-size 2 --epochs 5
@@ -86,5 +88,6 @@ fn main() -> anyhow::Result<()> {
             }
         );
     }
+    common::print_checkpoint(train)?;
     Ok(())
 }

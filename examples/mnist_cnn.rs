@@ -146,5 +146,6 @@ fn main() -> anyhow::Result<()> {
         outcome.accuracy,
         times.len()
     );
+    common::print_checkpoint(train)?;
     Ok(())
 }

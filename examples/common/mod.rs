@@ -9,7 +9,8 @@
 //!   [`parse`] with per-example defaults, and [`setup`], which checks every flag and output path
 //!   before any work and splits the cores between the ranks;
 //! - [`train`](mod@train): [`Job`] (the example's part) and [`train()`], the loop every rank runs,
-//!   which returns rank 0's [`train::Outcome`];
+//!   which returns rank 0's [`train::Outcome`]; [`print_checkpoint`], the last lines (the newest
+//!   checkpoint and the `fsdp-ckpt export` command for it);
 //! - [`data`]: [`load_mnist`], MNIST as the loop and the evaluation want it.
 //!
 //! Each example includes this folder with `mod common;`.
@@ -20,7 +21,7 @@ pub mod train;
 
 pub use args::{parse, setup, Defaults, TrainArgs};
 pub use data::load_mnist;
-pub use train::{train, Job};
+pub use train::{print_checkpoint, train, Job};
 
 // Every step allocates and frees MB-sized buffers (gathered parameters, gradients); glibc's
 // malloc returns them to the kernel and pays page faults on each reuse, mimalloc keeps them

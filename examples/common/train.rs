@@ -105,6 +105,24 @@ pub fn train<O: ShardedOptimizer + 'static>(
     Ok(has_rank0.then(|| outcomes.swap_remove(0)))
 }
 
+/// Prints the newest checkpoint under `--checkpoint-dir` and the `fsdp-ckpt export` command
+/// that makes one model file of it (plain Candle and PyTorch load that file by name); nothing
+/// when there is none.
+pub fn print_checkpoint(args: &TrainArgs) -> anyhow::Result<()> {
+    let root = &args.checkpoint_dir;
+    let Some(latest) = checkpoint::list_complete(root)?.pop() else {
+        return Ok(());
+    };
+    let name = root.file_name().and_then(|n| n.to_str()).unwrap_or("model");
+    println!("checkpoint: {}", latest.display());
+    println!(
+        "one model file from it: cargo run --release --bin fsdp-ckpt -- export {} --out \
+         {name}.safetensors",
+        latest.display()
+    );
+    Ok(())
+}
+
 /// One rank's training state.
 struct Rank<'a, O> {
     args: &'a TrainArgs,

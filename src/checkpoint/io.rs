@@ -204,6 +204,8 @@ pub(crate) struct SafetensorsWriter {
     file: AtomicFile,
     specs: Vec<TensorSpec>,
     next: usize,
+    /// Bytes still owed to the tensor started by [`SafetensorsWriter::begin_tensor`].
+    pending: usize,
 }
 
 impl SafetensorsWriter {
@@ -247,10 +249,29 @@ impl SafetensorsWriter {
             file,
             specs,
             next: 0,
+            pending: 0,
         })
     }
 
+    /// Errors if the tensor started by [`SafetensorsWriter::begin_tensor`] is incomplete.
+    fn check_complete(&self) -> Result<()> {
+        if self.pending > 0 {
+            let spec = &self.specs[self.next - 1];
+            return Err(Error::file(
+                self.file.path(),
+                format!(
+                    "tensor {} is incomplete: {} of its {} bytes missing",
+                    spec.name,
+                    self.pending,
+                    spec.nbytes()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn expect(&mut self, name: &str, dtype: Dtype, nbytes: usize) -> Result<()> {
+        self.check_complete()?;
         let spec = self.specs.get(self.next).ok_or_else(|| {
             Error::file(
                 self.file.path(),
@@ -287,8 +308,39 @@ impl SafetensorsWriter {
         self.file.write_all(&bytes)
     }
 
+    /// Starts the next tensor, `name`, of `nbytes` bytes in `dtype`, whose bytes then follow in
+    /// parts ([`SafetensorsWriter::write_part`]), so that no tensor need be in memory whole.
+    pub fn begin_tensor(&mut self, name: &str, dtype: Dtype, nbytes: usize) -> Result<()> {
+        self.expect(name, dtype, nbytes)?;
+        self.pending = nbytes;
+        Ok(())
+    }
+
+    /// Appends the next `bytes` of the tensor started by [`SafetensorsWriter::begin_tensor`].
+    ///
+    /// Errors: more bytes than the tensor has left (naming it), or an I/O error.
+    pub fn write_part(&mut self, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > self.pending {
+            let name = self
+                .specs
+                .get(self.next.wrapping_sub(1))
+                .map_or("?", |s| &s.name);
+            return Err(Error::file(
+                self.file.path(),
+                format!(
+                    "tensor {name}: {} bytes written where {} were left",
+                    bytes.len(),
+                    self.pending
+                ),
+            ));
+        }
+        self.pending -= bytes.len();
+        self.file.write_all(bytes)
+    }
+
     /// Checks that every tensor was written and commits the file; returns its size in bytes.
     pub fn finish(self) -> Result<u64> {
+        self.check_complete()?;
         if self.next != self.specs.len() {
             return Err(Error::file(
                 self.file.path(),
@@ -436,6 +488,15 @@ impl MappedFile {
     /// The header entry of `name`.
     pub fn info(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.get(name)
+    }
+
+    /// Where the bytes of tensor `name` lie in the file (absolute byte offsets), for readers
+    /// that read the file instead of the map (the offline tools, whose memory must not grow
+    /// with the pages they touched).
+    pub fn byte_range(&self, name: &str) -> Option<Range<u64>> {
+        self.tensors.get(name).map(|i| {
+            (self.data_start + i.data_offsets.0) as u64..(self.data_start + i.data_offsets.1) as u64
+        })
     }
 
     /// Checks that `name` exists with `dtype` and `shape`.

@@ -21,13 +21,18 @@
 //! <root>/step-00000938/shard-00001-of-00002.safetensors   rank 1
 //! <root>/step-00000938/meta.json                          CheckpointMeta: written last
 //! ```
-//! `meta.json` ([`CheckpointMeta`]) records the format version, world size, every unit's layout
-//! (parameter names, shapes, offsets, padding, shard size), the optimizer's buffers, each file's
-//! size, and the training state ([`TrainState`]: step, epoch, sampler position, RNG seed, grad
-//! scaler state, mixed-precision policy). A parameter's offset in its unit's flat buffer does not
-//! depend on the world size (only the final padding and the shard boundaries do), so a rank of a
-//! group of any size finds which saved shards cover its new shard and copies just those element
-//! ranges out of the memory-mapped files: loading works at the saved world size or any other.
+//! `meta.json` ([`CheckpointMeta`]) records the format version, world size, sharding strategy,
+//! every unit's layout (parameter names, shapes, offsets, padding, shard size), the optimizer's
+//! buffers, each file's size, and the training state ([`TrainState`]: step, epoch, sampler
+//! position, RNG seed, grad scaler state, mixed-precision policy). A parameter's offset in its
+//! unit's flat buffer does not depend on the world size (only the final padding and the shard
+//! boundaries do), so a rank of a group of any size finds which saved shards cover its new shard
+//! and copies just those element ranges out of the memory-mapped files: loading works at the
+//! saved world size or any other.
+//!
+//! **Offline tools** ([`tools`], the `fsdp-ckpt` binary): inspect, export to one full file,
+//! import from one, reshard and verify a sharded checkpoint without a process group or the
+//! model, streaming tensor data in constant memory.
 //!
 //! **Safe writes.** Every file is written to a temporary name in its final directory, flushed,
 //! fsynced and renamed ([`AtomicFile`]). A sharded checkpoint is first assembled in a hidden
@@ -49,6 +54,7 @@
 mod full;
 mod io;
 mod sharded;
+pub mod tools;
 
 #[doc(hidden)]
 pub mod fault;
@@ -255,6 +261,10 @@ pub struct CheckpointMeta {
     pub format_version: u32,
     /// World size at save time (number of shard files).
     pub world_size: usize,
+    /// Sharding strategy at save time, as `--strategy` spells it (`full-shard`, `shard-grad-op`,
+    /// `no-shard`; [`strategy_name`]). `None` in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<String>,
     /// Training state (step, epoch, sampler, RNG, grad scaler, mixed precision, extra); its
     /// fields appear at the top level of the JSON.
     #[serde(flatten)]
@@ -281,6 +291,16 @@ impl CheckpointMeta {
     /// Epochs completed (`train.epoch`).
     pub fn epoch(&self) -> u64 {
         self.train.epoch
+    }
+}
+
+/// The name a [`crate::ShardingStrategy`] is recorded under in [`CheckpointMeta::strategy`]
+/// (the spelling its `FromStr` parses: `full-shard`, `shard-grad-op`, `no-shard`).
+pub fn strategy_name(strategy: crate::ShardingStrategy) -> &'static str {
+    match strategy {
+        crate::ShardingStrategy::FullShard => "full-shard",
+        crate::ShardingStrategy::ShardGradOp => "shard-grad-op",
+        crate::ShardingStrategy::NoShard => "no-shard",
     }
 }
 

@@ -159,7 +159,7 @@ fn write_rank_file(
 }
 
 /// Rank 0: removes a stale staging directory of the same step and creates a fresh one.
-fn prepare_staging(root: &Path, staging: &Path) -> Result<()> {
+pub(crate) fn prepare_staging(root: &Path, staging: &Path) -> Result<()> {
     fs::create_dir_all(root).map_err(|e| Error::io(root, e))?;
     if staging.exists() {
         fs::remove_dir_all(staging).map_err(|e| Error::io(staging, e))?;
@@ -171,7 +171,7 @@ fn prepare_staging(root: &Path, staging: &Path) -> Result<()> {
 
 /// Rank 0: writes `meta.json` into the staging directory, renames it to its final name
 /// (replacing a checkpoint of the same step) and rotates.
-fn publish(
+pub(crate) fn publish(
     root: &Path,
     staging: &Path,
     final_dir: &Path,
@@ -312,6 +312,9 @@ pub fn save_sharded(
                 let meta = CheckpointMeta {
                     format_version: FORMAT_VERSION,
                     world_size: ws,
+                    strategy: Some(
+                        super::strategy_name(model.config().sharding_strategy).to_string(),
+                    ),
                     train,
                     dtype: "F32".into(),
                     units: unit_metas(model)?,
@@ -374,7 +377,7 @@ fn meta_err(dir: &Path, msg: String) -> Error {
 }
 
 /// Version-1 checkpoints do not list the optimizer buffers: find them in rank 0's file.
-fn discover_optimizer(meta: &CheckpointMeta, file0: &MappedFile) -> OptimizerMeta {
+pub(crate) fn discover_optimizer(meta: &CheckpointMeta, file0: &MappedFile) -> OptimizerMeta {
     let mut buffers: Vec<OptimBufferMeta> = file0
         .names()
         .filter_map(|n| n.strip_prefix("optim."))

@@ -1,0 +1,180 @@
+//! `fsdp-ckpt`: look inside, export, import, reshard and verify candle-fsdp checkpoints from the
+//! command line, without a process group or the model's code (cargo feature `cli`).
+//!
+//! ```text
+//! fsdp-ckpt inspect checkpoints/mnist
+//! fsdp-ckpt export checkpoints/mnist --out mnist.safetensors [--dtype bf16]
+//! fsdp-ckpt import mnist.safetensors --out checkpoints/from-file --world-size 4
+//! fsdp-ckpt reshard checkpoints/mnist --world-size 3 --out checkpoints/mnist-ws3
+//! fsdp-ckpt verify checkpoints/mnist
+//! ```
+//!
+//! A checkpoint `DIR` is a checkpoint directory (`step-00001875/`, holding `meta.json`) or a
+//! checkpoint root (`--checkpoint-dir` of the examples), whose newest complete checkpoint is
+//! used. Exit status: 0 on success; 1 on an error (printed on stderr, naming the file and the
+//! problem) or when `verify` found a problem; 2 on a usage error.
+//! The work is done by `candle_fsdp::checkpoint::tools`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use candle_core::DType;
+use candle_fsdp::checkpoint::tools::{self, ImportOptions};
+use candle_fsdp::ShardingStrategy;
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// Inspect, export, import, reshard and verify candle-fsdp sharded checkpoints.
+#[derive(Debug, Parser)]
+#[command(name = "fsdp-ckpt", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Dtype of an exported model file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ExportDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl From<ExportDtype> for DType {
+    fn from(d: ExportDtype) -> Self {
+        match d {
+            ExportDtype::F32 => DType::F32,
+            ExportDtype::Bf16 => DType::BF16,
+            ExportDtype::F16 => DType::F16,
+        }
+    }
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show a checkpoint: format, step, epoch, world size, strategy, every tensor (name, shape,
+    /// dtype, bytes), the optimizer and its state's size, the files and their total size.
+    Inspect {
+        /// Checkpoint directory, or a checkpoint root (its newest checkpoint).
+        dir: PathBuf,
+    },
+    /// Write the full model as one safetensors file (loads in plain Candle and PyTorch by
+    /// name), streamed tensor by tensor, from a checkpoint saved at any world size.
+    Export {
+        /// Checkpoint directory, or a checkpoint root (its newest checkpoint).
+        dir: PathBuf,
+        /// The model file to write (atomically).
+        #[arg(long)]
+        out: PathBuf,
+        /// Convert every tensor to this dtype (default: as saved, f32 parameters; the file is
+        /// then identical to `checkpoint::save_full`'s).
+        #[arg(long, value_enum)]
+        dtype: Option<ExportDtype>,
+    },
+    /// Make a sharded checkpoint from a full safetensors model file, to start FSDP training
+    /// from it (`--resume --checkpoint-dir OUT`).
+    Import {
+        /// The safetensors model file.
+        file: PathBuf,
+        /// Checkpoint root to write `step-00000000/` into.
+        #[arg(long)]
+        out: PathBuf,
+        /// World size of the checkpoint.
+        #[arg(long)]
+        world_size: usize,
+        /// Sharding strategy recorded (no-shard keeps each unit whole in rank 0's file).
+        #[arg(long, default_value = "full-shard")]
+        strategy: ShardingStrategy,
+        /// Name suffix of buffers (replicated tensors kept in their dtype); repeat for several
+        /// [default: running_mean, running_var, num_batches_tracked].
+        #[arg(long = "buffer-suffix")]
+        buffer_suffixes: Vec<String>,
+    },
+    /// Reshard a checkpoint to another world size offline (the same files a live load and save
+    /// at that world size write).
+    Reshard {
+        /// Checkpoint directory, or a checkpoint root (its newest checkpoint).
+        dir: PathBuf,
+        /// World size of the new checkpoint.
+        #[arg(long)]
+        world_size: usize,
+        /// Checkpoint root to write `step-<step>/` into.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Read the whole checkpoint and check sizes, headers, tensors and values; report every
+    /// problem found and exit with status 1 if there is one.
+    Verify {
+        /// Checkpoint directory, or a checkpoint root (its newest checkpoint).
+        dir: PathBuf,
+    },
+}
+
+fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
+    match cli.command {
+        Command::Inspect { dir } => println!("{}", tools::inspect(&dir)?),
+        Command::Export { dir, out, dtype } => {
+            let s = tools::export_full(&dir, &out, dtype.map(DType::from))?;
+            println!(
+                "exported {} to {}: {} tensors, {} bytes (largest tensor {} bytes)",
+                s.checkpoint.display(),
+                s.path.display(),
+                s.tensors,
+                s.bytes,
+                s.largest_tensor_bytes
+            );
+        }
+        Command::Import {
+            file,
+            out,
+            world_size,
+            strategy,
+            buffer_suffixes,
+        } => {
+            let mut opts = ImportOptions {
+                world_size,
+                strategy,
+                ..Default::default()
+            };
+            if !buffer_suffixes.is_empty() {
+                opts.buffer_suffixes = buffer_suffixes;
+            }
+            let dir = tools::import_full(&file, &out, &opts)?;
+            println!(
+                "imported {} to {} (world size {world_size})",
+                file.display(),
+                dir.display()
+            );
+        }
+        Command::Reshard {
+            dir,
+            world_size,
+            out,
+        } => {
+            let dir = tools::resolve_checkpoint(&dir)?;
+            let new = tools::reshard(&dir, &out, world_size)?;
+            println!(
+                "resharded {} to {} (world size {world_size})",
+                dir.display(),
+                new.display()
+            );
+        }
+        Command::Verify { dir } => {
+            let report = tools::verify(&dir)?;
+            println!("{report}");
+            if !report.is_ok() {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("fsdp-ckpt: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
