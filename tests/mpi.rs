@@ -68,12 +68,16 @@ fn input(rank: usize, dtype: DType, len: usize) -> Tensor {
         .unwrap()
 }
 
-/// Every collective of rank `pg.rank()` on `dtype`, as f64 vectors (exact for every dtype).
-fn collectives(pg: &Arc<dyn ProcessGroup>, dtype: DType) -> candle_fsdp::Result<Vec<Vec<f64>>> {
+/// Every collective of rank `pg.rank()` on `dtype`, as f64 vectors (exact for every dtype):
+/// shards of `n` elements, in-place buffers of `odd` elements.
+fn collectives(
+    pg: &Arc<dyn ProcessGroup>,
+    dtype: DType,
+    n: usize,
+    odd: usize,
+) -> candle_fsdp::Result<Vec<Vec<f64>>> {
     let (rank, ws) = (pg.rank(), pg.world_size());
     let s = pg.default_stream();
-    let n = 1000;
-    let odd = 1001;
     let f64s = |t: Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
     let mut out = Vec::new();
     let x = input(rank, dtype, n);
@@ -104,18 +108,24 @@ fn collectives(pg: &Arc<dyn ProcessGroup>, dtype: DType) -> candle_fsdp::Result<
     Ok(out)
 }
 
+/// Small buffers for every dtype, and buffers of several 256 KiB segments with uneven chunks
+/// for the float dtypes.
 fn collectives_equal_the_thread_backend(launcher: &Launcher) {
     let ws = launcher.world_size();
-    for dtype in DTYPES {
+    let cases = DTYPES
+        .iter()
+        .map(|&d| (d, 1000, 1001))
+        .chain([DType::F32, DType::BF16, DType::F16].map(|d| (d, 70_001, 300_007)));
+    for (dtype, n, odd) in cases {
         let threads = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
-            collectives(&pg, dtype)
+            collectives(&pg, dtype, n, odd)
         })
         .unwrap();
-        let mine = launch(launcher, |pg| collectives(&pg, dtype)).unwrap();
+        let mine = launch(launcher, |pg| collectives(&pg, dtype, n, odd)).unwrap();
         let rank = launcher.local_ranks().start;
-        assert_eq!(
-            mine[0], threads[rank],
-            "{dtype:?}: MPI rank {rank} differs from the thread backend"
+        assert!(
+            mine[0] == threads[rank],
+            "{dtype:?} (n {n}, odd {odd}): MPI rank {rank} differs from the thread backend"
         );
     }
 }

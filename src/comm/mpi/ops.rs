@@ -6,15 +6,17 @@
 //! - **all-gather**: every rank sends its input to every other rank, received straight into
 //!   `output[j*n..]`; its own part is a local copy.
 //! - **reduce-scatter**: every rank sends `input[j*n..(j+1)*n]` to rank `j` and receives its own
-//!   share from every peer into a scratch buffer, then reduces the `ws` shares *in rank order*
-//!   with the thread backend's kernel ([`crate::comm::reduce::reduce_into`]): f32, bf16 and f16
-//!   accumulate in f32 and round once. bf16/f16 travel at their own width; nothing is widened on
+//!   share from every peer, then reduces the `ws` shares *in rank order* with the thread
+//!   backend's kernel ([`crate::comm::reduce::reduce_into`]): f32, bf16 and f16 accumulate in f32
+//!   and round once. It runs in segments of 256 KiB per peer (lockstep rounds): the scratch
+//!   space is one segment per peer whatever the buffer size, and each segment is reduced while
+//!   it is still in cache. bf16/f16 travel at their own width; nothing is widened on
 //!   the wire and no MPI reduction op is involved, so the result is bitwise the thread
 //!   backend's, for every dtype and op.
 //! - **all-reduce**: the reduce-scatter above on `ws` nearly equal chunks, in place, then the
 //!   all-gather of the chunks.
 //! - **broadcast**: the root sends to every rank. **reduce**: every rank sends to the root, which
-//!   reduces in rank order into its buffer. **barrier**: the descriptor exchange alone.
+//!   reduces in rank order into its buffer (segmented like reduce-scatter). **barrier**: the descriptor exchange alone.
 //!
 //! Each rank sends and receives `(ws - 1) · n` elements per reduce-scatter or all-gather, as the
 //! ring algorithms do (bandwidth-optimal), in `ws - 1` messages each way (latency grows with the
@@ -27,7 +29,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use mpi::ffi;
 
-use super::runtime::{check, wait_all, Comm, Runtime, WaitFor};
+use super::runtime::{abandon, check, wait_all, Comm, Runtime, WaitFor};
 use super::wire;
 use crate::comm::buffer::{check as check_buf, validate, Kind, Post, Problem, RawBuf, WithStorage};
 use crate::comm::reduce::{chunk, reduce_into, with_elem};
@@ -40,6 +42,8 @@ const TAG_DESC: c_int = 1;
 const TAG_DATA: c_int = 2;
 /// Largest single message (bytes).
 const MAX_MESSAGE: usize = 1 << 30;
+/// Segment of the reduction exchanges (bytes per peer and round).
+const SEGMENT_BYTES: usize = 256 << 10;
 
 /// One collective (or setup operation) on one rank.
 pub(super) struct OpCtx<'a> {
@@ -54,6 +58,12 @@ pub(super) struct OpCtx<'a> {
     pub scratch: &'a mut Vec<u64>,
     /// Largest descriptor expected from a peer.
     pub desc_max: usize,
+}
+
+/// Messages posted and not yet waited for, with the peer of each.
+struct Pending {
+    reqs: Vec<ffi::MPI_Request>,
+    peers: Vec<usize>,
 }
 
 /// A message to post: peer, address, length in bytes.
@@ -73,10 +83,13 @@ impl OpCtx<'_> {
         }
     }
 
-    /// Posts `recvs` then `sends` (split into messages of at most 1 GiB) and waits for all.
-    fn transfer(&self, recvs: &[Msg], sends: &[Msg], tag: c_int, deadline: Instant) -> Result<()> {
-        let mut reqs: Vec<ffi::MPI_Request> = Vec::new();
-        let mut peers = Vec::new();
+    /// Posts `recvs` then `sends` (split into messages of at most 1 GiB). On an error the
+    /// messages already posted are abandoned (see [`abandon`]).
+    fn post(&self, recvs: &[Msg], sends: &[Msg], tag: c_int) -> Result<Pending> {
+        let mut p = Pending {
+            reqs: Vec::new(),
+            peers: Vec::new(),
+        };
         for (is_send, m) in recvs
             .iter()
             .map(|m| (false, m))
@@ -91,10 +104,10 @@ impl OpCtx<'_> {
                 // for receives, writable and otherwise untouched) until the wait returns, or
                 // forever if it gives up.
                 let rc = unsafe {
-                    let p = m.ptr.add(off);
+                    let ptr = m.ptr.add(off);
                     if is_send {
                         ffi::MPI_Isend(
-                            p as *const _,
+                            ptr as *const _,
                             len as c_int,
                             ffi::RSMPI_UINT8_T,
                             m.peer as c_int,
@@ -104,7 +117,7 @@ impl OpCtx<'_> {
                         )
                     } else {
                         ffi::MPI_Irecv(
-                            p.cast(),
+                            ptr.cast(),
                             len as c_int,
                             ffi::RSMPI_UINT8_T,
                             m.peer as c_int,
@@ -114,7 +127,7 @@ impl OpCtx<'_> {
                         )
                     }
                 };
-                check(
+                let checked = check(
                     rc,
                     || {
                         format!(
@@ -125,16 +138,31 @@ impl OpCtx<'_> {
                         )
                     },
                     self.rt.world_rank,
-                )?;
-                reqs.push(req);
-                peers.push(m.peer);
+                );
+                if let Err(e) = checked {
+                    abandon(self.rt, &mut p.reqs);
+                    return Err(e);
+                }
+                p.reqs.push(req);
+                p.peers.push(m.peer);
                 off += len;
             }
         }
-        if reqs.is_empty() {
+        Ok(p)
+    }
+
+    /// Waits for every message of `p` (see [`wait_all`]).
+    fn complete(&self, p: &mut Pending, deadline: Instant) -> Result<()> {
+        if p.reqs.is_empty() {
             return Ok(());
         }
-        wait_all(self.rt, &mut reqs, &peers, &self.wait_for(deadline))
+        wait_all(self.rt, &mut p.reqs, &p.peers, &self.wait_for(deadline))
+    }
+
+    /// Posts `recvs` then `sends` and waits for all.
+    fn transfer(&self, recvs: &[Msg], sends: &[Msg], tag: c_int, deadline: Instant) -> Result<()> {
+        let mut p = self.post(recvs, sends, tag)?;
+        self.complete(&mut p, deadline)
     }
 
     /// Sends this rank's descriptor to every peer, receives theirs, and validates all of them
@@ -294,6 +322,105 @@ impl OpCtx<'_> {
         })
     }
 
+    /// The reduction exchange behind reduce-scatter, all-reduce and reduce, in segments of
+    /// [`SEGMENT_BYTES`]: in round k every rank sends segment k of each `sends` entry to its peer
+    /// and receives segment k of its own share (`recv_elems` elements) from every rank in
+    /// `recv_from`, then reduces segment k over all ranks in rank order (its own contribution
+    /// read at `own`) into `dst`. Round k+1's messages are posted before segment k is reduced
+    /// (two scratch buffers of one segment per peer), so peers are never held up by this rank's
+    /// arithmetic, and a segment is reduced while it is still in cache. Every rank runs the same
+    /// number of rounds (the longest share's segments), so the rounds cannot deadlock.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_exchange(
+        &mut self,
+        sends: &[(usize, *const u8, usize)],
+        recv_from: &[usize],
+        recv_elems: usize,
+        own: *const u8,
+        dst: *mut u8,
+        dtype: candle_core::DType,
+        op: ReduceOp,
+        deadline: Instant,
+    ) -> Result<()> {
+        let es = dtype.size_in_bytes();
+        // TODO-REMOVE experiment knob
+        let seg_bytes = std::env::var("SEGB")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(SEGMENT_BYTES);
+        let seg = (seg_bytes / es).max(1);
+        let longest = sends
+            .iter()
+            .map(|s| s.2)
+            .chain(std::iter::once(recv_elems))
+            .max()
+            .unwrap_or(0);
+        let rounds = longest.div_ceil(seg);
+        let ws = self.world_size;
+        let (scratch, stride) = self.scratch(2 * ws, seg * es);
+        // Scratch slot of peer `j` for round `k` (two buffers, alternating).
+        let slot = |k: usize, j: usize| scratch.wrapping_add(((k % 2) * ws + j) * stride);
+        let piece = |k: usize, elems: usize| elems.saturating_sub(k * seg).min(seg);
+        let post_round = |ctx: &Self, k: usize| -> Result<Pending> {
+            let recv_n = piece(k, recv_elems);
+            let recvs: Vec<Msg> = recv_from
+                .iter()
+                .filter(|_| recv_n > 0)
+                .map(|&j| Msg {
+                    peer: j,
+                    ptr: slot(k, j),
+                    bytes: recv_n * es,
+                })
+                .collect();
+            let sends: Vec<Msg> = sends
+                .iter()
+                .filter(|s| piece(k, s.2) > 0)
+                .map(|&(peer, ptr, elems)| Msg {
+                    peer,
+                    ptr: ptr.wrapping_add(k * seg * es) as *mut u8,
+                    bytes: piece(k, elems) * es,
+                })
+                .collect();
+            ctx.post(&recvs, &sends, TAG_DATA)
+        };
+        let mut next = if rounds > 0 {
+            Some(post_round(self, 0)?)
+        } else {
+            None
+        };
+        for k in 0..rounds {
+            let mut current = next.take().expect("round k was posted");
+            self.complete(&mut current, deadline)?;
+            if k + 1 < rounds {
+                next = Some(post_round(self, k + 1)?);
+            }
+            let recv_n = piece(k, recv_elems);
+            if recv_n == 0 {
+                continue;
+            }
+            let srcs: Vec<*const u8> = (0..ws)
+                .map(|j| {
+                    if j == self.rank {
+                        own.wrapping_add(k * seg * es)
+                    } else {
+                        slot(k, j) as *const u8
+                    }
+                })
+                .collect();
+            let out = dst.wrapping_add(k * seg * es);
+            with_elem!(dtype, T => {
+                let srcs: Vec<*const T> = srcs.iter().map(|&p| p as *const T).collect();
+                // SAFETY: each source holds `recv_n` elements of T (a received segment in an
+                // 8-byte aligned scratch slot that round k+1 does not touch, or this rank's own
+                // share at an element boundary); `out` is this rank's write-locked destination,
+                // equal to its own source or disjoint from every source, and disjoint from the
+                // scratch and from every segment round k+1 sends.
+                unsafe { reduce_into::<T>(&srcs, out as *mut T, recv_n, op, ws) }
+            });
+        }
+        Ok(())
+    }
+
     pub(super) fn reduce_scatter(
         &mut self,
         input: &Tensor,
@@ -309,44 +436,15 @@ impl OpCtx<'_> {
             post.op = Some(op);
             let deadline = ctx.deadline();
             ctx.exchange(post, &[], deadline)?;
-            let es = out.dtype.size_in_bytes();
-            let bytes = out.len * es;
+            let (n, es) = (out.len, out.dtype.size_in_bytes());
             let (ws, rank) = (ctx.world_size, ctx.rank);
-            let (scratch, stride) = ctx.scratch(ws, bytes);
-            let peers = (0..ws).filter(|&j| j != rank);
-            let recvs: Vec<Msg> = peers
-                .clone()
-                .map(|j| Msg {
-                    peer: j,
-                    ptr: scratch.wrapping_add(j * stride),
-                    bytes,
-                })
+            let peers: Vec<usize> = (0..ws).filter(|&j| j != rank).collect();
+            let sends: Vec<(usize, *const u8, usize)> = peers
+                .iter()
+                .map(|&j| (j, src.ptr.wrapping_add(j * n * es) as *const u8, n))
                 .collect();
-            let sends: Vec<Msg> = peers
-                .map(|j| Msg {
-                    peer: j,
-                    ptr: src.ptr.wrapping_add(j * bytes),
-                    bytes,
-                })
-                .collect();
-            ctx.transfer(&recvs, &sends, TAG_DATA, deadline)?;
-            let srcs: Vec<*const u8> = (0..ws)
-                .map(|j| {
-                    if j == rank {
-                        src.ptr.wrapping_add(rank * bytes) as *const u8
-                    } else {
-                        scratch.wrapping_add(j * stride) as *const u8
-                    }
-                })
-                .collect();
-            with_elem!(out.dtype, T => {
-                let srcs: Vec<*const T> = srcs.iter().map(|&p| p as *const T).collect();
-                // SAFETY: every source holds `out.len` received or local elements of T (8-byte
-                // aligned scratch, or the input at an element boundary); `out` is this rank's
-                // write-locked output, disjoint from every source.
-                unsafe { reduce_into::<T>(&srcs, out.ptr as *mut T, out.len, op, ws) }
-            });
-            Ok(())
+            let own = src.ptr.wrapping_add(rank * n * es) as *const u8;
+            ctx.reduce_exchange(&sends, &peers, n, own, out.ptr, out.dtype, op, deadline)
         })
     }
 
@@ -361,45 +459,18 @@ impl OpCtx<'_> {
             let es = mine.dtype.size_in_bytes();
             let (ws, rank) = (ctx.world_size, ctx.rank);
             let (my_start, my_n) = chunk(mine.len, ws, rank);
-            let (scratch, stride) = ctx.scratch(ws, my_n * es);
             let peers: Vec<usize> = (0..ws).filter(|&j| j != rank).collect();
             let at = |start: usize| mine.ptr.wrapping_add(start * es);
-            // Phase 1: reduce-scatter of the chunks.
-            let recvs: Vec<Msg> = peers
-                .iter()
-                .map(|&j| Msg {
-                    peer: j,
-                    ptr: scratch.wrapping_add(j * stride),
-                    bytes: my_n * es,
-                })
-                .collect();
-            let sends: Vec<Msg> = peers
+            // Phase 1: reduce-scatter of the chunks, in place.
+            let sends: Vec<(usize, *const u8, usize)> = peers
                 .iter()
                 .map(|&j| {
                     let (s, n) = chunk(mine.len, ws, j);
-                    Msg {
-                        peer: j,
-                        ptr: at(s),
-                        bytes: n * es,
-                    }
+                    (j, at(s) as *const u8, n)
                 })
                 .collect();
-            ctx.transfer(&recvs, &sends, TAG_DATA, deadline)?;
-            let srcs: Vec<*const u8> = (0..ws)
-                .map(|j| {
-                    if j == rank {
-                        at(my_start) as *const u8
-                    } else {
-                        scratch.wrapping_add(j * stride) as *const u8
-                    }
-                })
-                .collect();
-            with_elem!(mine.dtype, T => {
-                let srcs: Vec<*const T> = srcs.iter().map(|&p| p as *const T).collect();
-                // SAFETY: `my_n` elements at each source; the destination is exactly this
-                // rank's own source (allowed in place), the scratch slots are disjoint from it.
-                unsafe { reduce_into::<T>(&srcs, at(my_start) as *mut T, my_n, op, ws) }
-            });
+            let own = at(my_start);
+            ctx.reduce_exchange(&sends, &peers, my_n, own, own, mine.dtype, op, deadline)?;
             // Phase 2: all-gather of the reduced chunks.
             let recvs: Vec<Msg> = peers
                 .iter()
@@ -416,7 +487,7 @@ impl OpCtx<'_> {
                 .iter()
                 .map(|&j| Msg {
                     peer: j,
-                    ptr: at(my_start),
+                    ptr: own,
                     bytes: my_n * es,
                 })
                 .collect();
@@ -459,42 +530,16 @@ impl OpCtx<'_> {
             post.root = Some(root);
             let deadline = ctx.deadline();
             ctx.exchange(post, &[], deadline)?;
-            let bytes = mine.len * mine.dtype.size_in_bytes();
-            let ws = ctx.world_size;
+            let (ws, len) = (ctx.world_size, mine.len);
             if ctx.rank != root {
-                let send = Msg {
-                    peer: root,
-                    ptr: mine.ptr,
-                    bytes,
-                };
-                return ctx.transfer(&[], &[send], TAG_DATA, deadline);
+                let sends = [(root, mine.ptr as *const u8, len)];
+                return ctx.reduce_exchange(
+                    &sends, &[], 0, mine.ptr, mine.ptr, mine.dtype, op, deadline,
+                );
             }
-            let (scratch, stride) = ctx.scratch(ws, bytes);
-            let recvs: Vec<Msg> = (0..ws)
-                .filter(|&j| j != root)
-                .map(|j| Msg {
-                    peer: j,
-                    ptr: scratch.wrapping_add(j * stride),
-                    bytes,
-                })
-                .collect();
-            ctx.transfer(&recvs, &[], TAG_DATA, deadline)?;
-            let srcs: Vec<*const u8> = (0..ws)
-                .map(|j| {
-                    if j == root {
-                        mine.ptr as *const u8
-                    } else {
-                        scratch.wrapping_add(j * stride) as *const u8
-                    }
-                })
-                .collect();
-            with_elem!(mine.dtype, T => {
-                let srcs: Vec<*const T> = srcs.iter().map(|&p| p as *const T).collect();
-                // SAFETY: `mine.len` elements at each source; the destination is the root's own
-                // source (in place), the scratch slots are disjoint from it.
-                unsafe { reduce_into::<T>(&srcs, mine.ptr as *mut T, mine.len, op, ws) }
-            });
-            Ok(())
+            let peers: Vec<usize> = (0..ws).filter(|&j| j != root).collect();
+            let own = mine.ptr as *const u8;
+            ctx.reduce_exchange(&[], &peers, len, own, mine.ptr, mine.dtype, op, deadline)
         })
     }
 

@@ -482,7 +482,7 @@ fn pending_peers(reqs: &mut [ffi::MPI_Request], peers: &[usize]) -> Vec<usize> {
 }
 
 /// Gives up on `reqs`: cancels them (best effort, never waits) and poisons the runtime.
-fn abandon(rt: &Runtime, reqs: &mut [ffi::MPI_Request]) {
+pub(super) fn abandon(rt: &Runtime, reqs: &mut [ffi::MPI_Request]) {
     rt.poison();
     for req in reqs.iter_mut() {
         // SAFETY: cancelling our own request; a null request is ignored by the check.
