@@ -534,7 +534,14 @@ impl OpCtx<'_> {
             if ctx.rank != root {
                 let sends = [(root, mine.ptr as *const u8, len)];
                 return ctx.reduce_exchange(
-                    &sends, &[], 0, mine.ptr, mine.ptr, mine.dtype, op, deadline,
+                    &sends,
+                    &[],
+                    0,
+                    mine.ptr,
+                    mine.ptr,
+                    mine.dtype,
+                    op,
+                    deadline,
                 );
             }
             let peers: Vec<usize> = (0..ws).filter(|&j| j != root).collect();
