@@ -97,7 +97,7 @@ pub fn total_grad_norm(model: &FsdpModel) -> Result<f32> {
 /// NaN); a collective error; a gradient the kernels cannot read (see [`ops::sum_squares`]).
 pub fn total_grad_norm_p(model: &FsdpModel, norm_type: f64) -> Result<f32> {
     check_synced(model).map_err(|e| model.at(e, None, Phase::Optimizer))?;
-    if !(norm_type > 0.0) {
+    if norm_type.is_nan() || norm_type <= 0.0 {
         return Err(Error::InvalidArgument(format!(
             "gradient norm_type must be > 0 or infinity, found {norm_type}"
         )));

@@ -101,7 +101,10 @@ fn fwd_bwd(m: &mut FsdpModel, rank: usize) -> candle_fsdp::Result<()> {
 /// The case: world size 2, AdamW lr 0.1. Step 1 uses only `a`, step 2 both. Returns
 /// per rank: (b before, b after step 1, b after step 2) for `b.weight` and `b.bias`
 /// concatenated, and each parameter's step count.
-fn experts_run(weight_decay: f64) -> Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<u64>)> {
+/// Per rank: `b` before, after step 1, after step 2, and every parameter's step count.
+type ExpertsRun = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<u64>);
+
+fn experts_run(weight_decay: f64) -> Vec<ExpertsRun> {
     run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
         let rank = pg.rank();
         let use_b = Arc::new(AtomicBool::new(false));

@@ -22,9 +22,11 @@
 //! <root>/step-00000938/meta.json                          CheckpointMeta: written last
 //! ```
 //! `meta.json` ([`CheckpointMeta`]) records the format version, world size, every unit's layout
-//! (parameter names, shapes, offsets, padding, shard size), the optimizer's buffers, each file's
-//! size, and the training state ([`TrainState`]: step, epoch, sampler position, RNG seed, grad
-//! scaler state, mixed-precision policy). A parameter's offset in its unit's flat buffer does not
+//! (parameter names, shapes, offsets, padding, shard size), the optimizer (kind, every group's
+//! hyper-parameters, buffer kinds, per-parameter step counts by name), each file's size and the
+//! CRC-32C of each of its tensors, the save time, and the training state ([`TrainState`]: step,
+//! epoch, sampler position, RNG seed, LR scheduler and grad scaler states, mixed-precision
+//! policy, run id). A parameter's offset in its unit's flat buffer does not
 //! depend on the world size (only the final padding and the shard boundaries do), so a rank of a
 //! group of any size finds which saved shards cover its new shard and copies just those element
 //! ranges out of the memory-mapped files: loading works at the saved world size or any other.
@@ -36,6 +38,13 @@
 //! `meta.json` exists ([`list_complete`]), so a crash or an error at any point of a save leaves
 //! the previous checkpoints untouched and loadable; `keep_last` rotation deletes older ones only
 //! after the new one is complete.
+//!
+//! **Runs, damage, checksums.** A checkpoint belongs to the run named by
+//! [`TrainState::run_id`]: `keep_last` rotation deletes only that run's older checkpoints, and
+//! [`load_latest`] refuses a root holding several runs ([`load_latest_of_run`] picks one).
+//! [`load_latest`] passes over a damaged checkpoint (truncated or missing file, bad header or
+//! metadata, checksum mismatch), renaming it `step-<n>.damaged` and reporting it in
+//! [`Loaded::skipped`]. Every tensor a load reads from is checked against its CRC-32C first.
 //!
 //! **Collectives.** Saving and loading are collectives (every rank calls them, in the same
 //! order as its other collectives): the ranks agree on success with one small all-reduce, so
@@ -50,8 +59,27 @@ mod full;
 mod io;
 mod sharded;
 
+/// Test-only fault injection (cargo feature `fault-injection`, which only the tests enable).
+#[cfg(feature = "fault-injection")]
 #[doc(hidden)]
 pub mod fault;
+
+/// Without the `fault-injection` feature the production path asks nothing: writes are never
+/// failed and clean-up always runs.
+#[cfg(not(feature = "fault-injection"))]
+mod fault {
+    /// Never a simulated crash.
+    #[inline(always)]
+    pub(crate) fn crash_mode() -> bool {
+        false
+    }
+
+    /// Every write is allowed.
+    #[inline(always)]
+    pub(crate) fn allow(_len: usize) -> Result<(), usize> {
+        Ok(())
+    }
+}
 
 use std::collections::BTreeMap;
 use std::fs;

@@ -464,20 +464,20 @@ struct Piece {
 /// checkpoint of the run would either).
 #[derive(Debug)]
 struct LoadError {
-    error: Error,
+    error: Box<Error>,
     damaged: bool,
 }
 
 fn damaged(error: Error) -> LoadError {
     LoadError {
-        error,
+        error: Box::new(error),
         damaged: true,
     }
 }
 
 fn mismatch(error: Error) -> LoadError {
     LoadError {
-        error,
+        error: Box::new(error),
         damaged: false,
     }
 }
@@ -739,7 +739,7 @@ fn classify_optimizer(
     };
     if let Some(h) = &hyper {
         check_loadable(optim.kind(), &optim.hyper(), h)
-            .map_err(|e| meta_err(dir, format!("{}", root_message(e))))?;
+            .map_err(|e| meta_err(dir, root_message(e)))?;
     }
     let steps = if kinds.is_empty() && by_name.is_empty() {
         Vec::new()
@@ -837,7 +837,7 @@ impl Reader {
         stats: &mut ReadStats,
     ) -> std::result::Result<Self, LoadError> {
         let meta = read_meta(dir).map_err(|e| LoadError {
-            error: e,
+            error: Box::new(e),
             damaged: !newer_format(dir),
         })?;
         match_names(dir, &meta, model).map_err(mismatch)?;
@@ -959,12 +959,12 @@ fn agree_load(
         Ok(())
     } else {
         Err(LoadError {
-            error: Error::PeersFailed {
+            error: Box::new(Error::PeersFailed {
                 what: "loading the checkpoint".into(),
                 path: dir.to_path_buf(),
                 rank,
                 failed_ranks: failed,
-            },
+            }),
             damaged: any_damaged,
         })
     }
@@ -1116,7 +1116,7 @@ fn load_first_good(
                     error: e.error.to_string(),
                 });
             }
-            Err(e) => return Err(e.error),
+            Err(e) => return Err(*e.error),
         }
     }
     if skipped.is_empty() {
