@@ -329,3 +329,29 @@ fn a_flipped_bit_in_tensor_data_is_an_error_naming_file_and_tensor() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn unit_metadata_converts_to_and_from_the_flat_parameter_layout() {
+    run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let m = model(pg)?;
+        for v in m.shards() {
+            let meta =
+                candle_fsdp::checkpoint::UnitMeta::from_layout(v.unit_name, v.layout, v.buffers)?;
+            assert_eq!(&meta.to_layout()?, v.layout, "unit {}", v.unit_name);
+            // A recorded offset that is not the layout's is refused, naming unit and parameter.
+            if meta.params.len() >= 2 {
+                let mut bad = meta.clone();
+                bad.params[1].offset += 4;
+                let e = bad.to_layout().unwrap_err().to_string();
+                assert!(
+                    e.contains(&format!("unit {}", v.unit_name))
+                        && e.contains(&bad.params[1].name)
+                        && e.contains("its layout puts it at"),
+                    "{e}"
+                );
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+}

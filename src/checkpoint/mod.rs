@@ -318,22 +318,45 @@ impl UnitMeta {
             .map(|p| (p.name.clone(), candle_core::Shape::from(p.shape.clone())))
             .collect();
         let layout = crate::flat_param::FlatParamLayout::new(&named, self.world_size.max(1))?;
+        let unit = &self.name;
+        let mut prev: Option<&ParamMeta> = None;
         for (p, q) in self.params.iter().zip(&layout.params) {
-            if p.offset != q.offset {
+            if p.numel != q.numel {
                 return Err(Error::InvalidArgument(format!(
-                    "unit {}: parameter {} recorded at offset {}, its layout puts it at {}",
-                    self.name, p.name, p.offset, q.offset
+                    "unit {unit}: parameter {} of shape {:?} recorded with {} elements, not {}",
+                    p.name, p.shape, p.numel, q.numel
                 )));
             }
+            if p.offset != q.offset {
+                let msg = match prev.filter(|r| p.offset < r.offset + r.numel) {
+                    Some(r) => format!(
+                        "unit {unit}: parameters {} (elements {}..{}) and {} (from {}) overlap",
+                        r.name,
+                        r.offset,
+                        r.offset + r.numel,
+                        p.name,
+                        p.offset
+                    ),
+                    None => format!(
+                        "unit {unit}: parameter {} recorded at offset {}, its layout puts it at {}",
+                        p.name, p.offset, q.offset
+                    ),
+                };
+                return Err(Error::InvalidArgument(msg));
+            }
+            prev = Some(p);
         }
-        if (layout.padded_numel, layout.shard_numel) != (self.padded_numel, self.shard_numel) {
+        let recorded = (self.unpadded_numel, self.padded_numel, self.shard_numel);
+        let derived = (
+            layout.unpadded_numel,
+            layout.padded_numel,
+            layout.shard_numel,
+        );
+        if recorded != derived {
             return Err(Error::InvalidArgument(format!(
-                "unit {}: recorded padded/shard sizes {}/{}, its layout has {}/{}",
-                self.name,
-                self.padded_numel,
-                self.shard_numel,
-                layout.padded_numel,
-                layout.shard_numel
+                "unit {unit}: recorded unpadded/padded/shard sizes {recorded:?} over {} shards, \
+                 its parameters lay out as {derived:?}",
+                self.world_size
             )));
         }
         Ok(layout)
@@ -622,12 +645,6 @@ fn validate_meta(meta: &CheckpointMeta, path: &Path) -> Result<()> {
                 u.name, u.world_size, meta.world_size
             ));
         }
-        if u.shard_numel * u.world_size != u.padded_numel || u.unpadded_numel > u.padded_numel {
-            return bad(format!(
-                "unit {}: shard {} × {} shards ≠ padded {} (unpadded {})",
-                u.name, u.shard_numel, u.world_size, u.padded_numel, u.unpadded_numel
-            ));
-        }
         if u.dtype != "F32" {
             return bad(format!(
                 "unit {}: dtype expected F32, found {}",
@@ -635,31 +652,16 @@ fn validate_meta(meta: &CheckpointMeta, path: &Path) -> Result<()> {
             ));
         }
         for p in &u.params {
-            if p.numel != p.shape.iter().product::<usize>() || p.offset + p.numel > u.unpadded_numel
-            {
-                return bad(format!(
-                    "unit {}: parameter {} (shape {:?}, offset {}, numel {}) does not fit its \
-                     unit (unpadded {})",
-                    u.name, p.name, p.shape, p.offset, p.numel, u.unpadded_numel
-                ));
-            }
             if !seen.insert(p.name.as_str()) {
                 return bad(format!("parameter {} appears twice", p.name));
             }
         }
-        let mut spans: Vec<(usize, usize, &str)> = u
-            .params
-            .iter()
-            .map(|p| (p.offset, p.offset + p.numel, p.name.as_str()))
-            .collect();
-        spans.sort_unstable();
-        for w in spans.windows(2) {
-            if w[1].0 < w[0].1 {
-                return bad(format!(
-                    "unit {}: parameters {} (elements {}..{}) and {} (from {}) overlap",
-                    u.name, w[0].2, w[0].0, w[0].1, w[1].2, w[1].0
-                ));
-            }
+        // Offsets, sizes, overlaps: the metadata must be the layout of its parameters.
+        if let Err(e) = u.to_layout() {
+            return bad(match e {
+                Error::InvalidArgument(m) => m,
+                other => other.to_string(),
+            });
         }
         for b in &u.buffers {
             if !seen.insert(b.name.as_str()) {

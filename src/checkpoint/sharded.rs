@@ -26,6 +26,7 @@ use super::{
 };
 use crate::comm::{ProcessGroupExt, ReduceOp};
 use crate::error::{Error, Result};
+use crate::flat_param::FlatParamLayout;
 use crate::fsdp::FsdpModel;
 use crate::ops::with_host_f32;
 use crate::optim::{
@@ -257,6 +258,14 @@ fn publish(
         .unwrap_or("step");
     let replaced = root.join(format!(".{name}.replaced"));
     let had_old = final_dir.exists();
+    if had_old && run_of(final_dir) != meta.train.run_id {
+        tracing::warn!(
+            "checkpoint {} of run {:?} is replaced by the same step of run {:?}",
+            final_dir.display(),
+            run_of(final_dir),
+            meta.train.run_id
+        );
+    }
     if had_old {
         if replaced.exists() {
             fs::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
@@ -631,12 +640,13 @@ fn match_names(dir: &Path, meta: &CheckpointMeta, model: &FsdpModel) -> Result<(
 }
 
 /// Step 2: the pieces of every new shard: each part of a parameter in this rank's shard, as
-/// contiguous ranges of saved shards (names matched by [`match_names`]).
-fn plan_pieces(meta: &CheckpointMeta, model: &FsdpModel) -> Vec<Vec<Piece>> {
-    let mut saved: HashMap<&str, (usize, &ParamMeta)> = HashMap::new();
-    for (j, u) in meta.units.iter().enumerate() {
-        for p in &u.params {
-            saved.insert(&p.name, (j, p));
+/// contiguous ranges of saved shards, from the saved units' layouts (names matched by
+/// [`match_names`]).
+fn plan_pieces(saved: &[FlatParamLayout], model: &FsdpModel) -> Vec<Vec<Piece>> {
+    let mut by_name: HashMap<&str, (usize, usize)> = HashMap::new();
+    for (j, l) in saved.iter().enumerate() {
+        for p in &l.params {
+            by_name.insert(&p.name, (j, p.offset));
         }
     }
     model
@@ -646,9 +656,9 @@ fn plan_pieces(meta: &CheckpointMeta, model: &FsdpModel) -> Vec<Vec<Piece>> {
             let mut pieces = Vec::new();
             for e in layout.shard_table(u.shard_index) {
                 let p = &layout.params[e.param_index];
-                let (j, sp) = saved[p.name.as_str()];
-                let n = meta.units[j].shard_numel;
-                let mut flat = sp.offset + e.range_in_param.start;
+                let (j, offset) = by_name[p.name.as_str()];
+                let n = saved[j].shard_numel;
+                let mut flat = offset + e.range_in_param.start;
                 let mut done = 0;
                 while done < e.numel_in_shard {
                     let (s, off) = (flat / n, flat % n);
@@ -841,7 +851,13 @@ impl Reader {
             damaged: !newer_format(dir),
         })?;
         match_names(dir, &meta, model).map_err(mismatch)?;
-        let plans = plan_pieces(&meta, model);
+        let saved = meta
+            .units
+            .iter()
+            .map(UnitMeta::to_layout)
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| damaged(meta_err(dir, root_message(e))))?;
+        let plans = plan_pieces(&saved, model);
         let files = open_files(dir, &meta, &plans, model, stats).map_err(damaged)?;
         let optim = classify_optimizer(dir, &meta, &files, model, optim).map_err(mismatch)?;
         check_tensors(dir, &meta, &files, &plans, &optim.kinds, model).map_err(damaged)?;
