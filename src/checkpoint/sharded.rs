@@ -308,19 +308,25 @@ fn rotate(root: &Path, keep: &Path, keep_last: usize, run_id: Option<&str>) -> R
     Ok(())
 }
 
-/// The run id recorded in a complete checkpoint's `meta.json` (`None`: anonymous or
-/// unreadable; an unreadable one is reported when it is loaded).
-fn run_of(dir: &Path) -> Option<String> {
+/// The run id recorded in a complete checkpoint's `meta.json`: `Some(None)` for an anonymous
+/// run, `None` when the metadata cannot be read (damaged: reported when it is loaded).
+fn read_run(dir: &Path) -> Option<Option<String>> {
     let bytes = fs::read(dir.join(META_FILE)).ok()?;
     let v: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
-    v.get("run_id")?.as_str().map(str::to_string)
+    Some(v.get("run_id").and_then(|r| r.as_str()).map(str::to_string))
 }
 
-/// Complete checkpoints under `root` of run `run_id`, oldest first.
+/// The run id of a checkpoint (`None`: anonymous or unreadable).
+fn run_of(dir: &Path) -> Option<String> {
+    read_run(dir).flatten()
+}
+
+/// Complete checkpoints under `root` of run `run_id`, oldest first (one whose metadata cannot
+/// be read belongs to no run: never rotated away, never loaded as this run's).
 fn list_run(root: &Path, run_id: Option<&str>) -> Result<Vec<PathBuf>> {
     Ok(list_complete(root)?
         .into_iter()
-        .filter(|d| run_of(d).as_deref() == run_id)
+        .filter(|d| read_run(d).is_some_and(|r| r.as_deref() == run_id))
         .collect())
 }
 
@@ -1061,6 +1067,9 @@ fn agree_on_candidates(
         steps
     } else {
         let n = pg.broadcast_u64s(vec![steps.len() as u64], 0)?[0] as usize;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         let mut v = steps;
         v.resize(n, 0);
         pg.broadcast_u64s(v, 0)?
@@ -1174,9 +1183,13 @@ pub fn load_latest(
         let pg = model.process_group().clone();
         let candidates = agree_on_candidates(pg.as_ref(), root, || {
             let all = list_complete(root)?;
+            // Unreadable metadata names no run: such a checkpoint stays a candidate (it will
+            // be found damaged and passed over).
             let mut runs: BTreeMap<Option<String>, PathBuf> = BTreeMap::new();
             for d in &all {
-                runs.insert(run_of(d), d.clone());
+                if let Some(r) = read_run(d) {
+                    runs.insert(r, d.clone());
+                }
             }
             if runs.len() > 1 {
                 let list: Vec<String> = runs
