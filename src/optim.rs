@@ -263,8 +263,8 @@ pub(crate) fn check_loadable(
 ) -> Result<()> {
     if state.kind() != kind {
         return Err(Error::InvalidArgument(format!(
-            "optimizer state of kind {} cannot be loaded into a {kind} optimizer (expected {kind}, \
-             found {})",
+            "optimizer state of kind {} cannot be loaded into an optimizer of kind {kind} \
+             (expected {kind}, found {})",
             state.kind(),
             state.kind()
         )));
