@@ -159,6 +159,10 @@ pub struct FlatParameter {
     shard_index: usize,
     shard: Tensor,
     grad: Option<Tensor>,
+    /// Per parameter (layout order): whether the gradient shard holds a gradient of it (it
+    /// received one on some rank in some backward since the last clear), as opposed to the
+    /// zeros that stand in for a parameter without gradient.
+    grad_present: Vec<bool>,
 }
 
 impl FlatParameter {
@@ -180,11 +184,13 @@ impl FlatParameter {
             fill(e.param_index, e.range_in_param.clone(), out)?;
         }
         let n = shard.len();
+        let grad_present = vec![false; layout.params.len()];
         Ok(Self {
             layout,
             shard_index,
             shard: Tensor::from_vec(shard, n, device)?,
             grad: None,
+            grad_present,
         })
     }
 
@@ -209,6 +215,13 @@ impl FlatParameter {
         self.grad.as_ref()
     }
 
+    /// Per parameter in layout order: whether the gradient shard holds a gradient of it
+    /// (`false`: the parameter received no gradient, its elements of the gradient shard are
+    /// zeros standing in for "absent"). All `false` without a gradient shard.
+    pub fn grad_present(&self) -> &[bool] {
+        &self.grad_present
+    }
+
     /// Device of the shard.
     pub fn device(&self) -> &Device {
         self.shard.device()
@@ -221,6 +234,23 @@ impl FlatParameter {
     ///
     /// Errors: wrong element count, device or dtype (naming expected and found).
     pub fn accumulate_grad(&mut self, reduced: Tensor) -> Result<()> {
+        let all = vec![true; self.layout.params.len()];
+        self.accumulate_grad_of(reduced, &all)
+    }
+
+    /// As [`FlatParameter::accumulate_grad`], for a gradient that holds only the parameters
+    /// flagged in `present` (layout order; the others' elements are zeros standing in for
+    /// "no gradient"). The presence flags are OR-ed into [`FlatParameter::grad_present`].
+    ///
+    /// Errors: as [`FlatParameter::accumulate_grad`]; `present` of the wrong length.
+    pub fn accumulate_grad_of(&mut self, reduced: Tensor, present: &[bool]) -> Result<()> {
+        if present.len() != self.layout.params.len() {
+            return Err(Error::InvalidArgument(format!(
+                "gradient presence flags: expected one per parameter ({}), found {}",
+                self.layout.params.len(),
+                present.len()
+            )));
+        }
         let n = self.layout.shard_numel;
         if reduced.elem_count() != n
             || !reduced.device().same_device(self.shard.device())
@@ -241,7 +271,7 @@ impl FlatParameter {
             reduced.flatten_all()?
         };
         match &self.grad {
-            Some(g) => crate::ops::add_(g, &reduced),
+            Some(g) => crate::ops::add_(g, &reduced)?,
             None => {
                 let g = reduced.to_dtype(DType::F32)?;
                 self.grad = Some(if g.is_contiguous() {
@@ -249,14 +279,18 @@ impl FlatParameter {
                 } else {
                     g.contiguous()?
                 });
-                Ok(())
             }
         }
+        for (have, new) in self.grad_present.iter_mut().zip(present) {
+            *have |= *new;
+        }
+        Ok(())
     }
 
     /// Drops the gradient shard (PyTorch's `zero_grad(set_to_none=True)`).
     pub fn clear_grad(&mut self) {
         self.grad = None;
+        self.grad_present.iter_mut().for_each(|p| *p = false);
     }
 
     /// Replaces the master shard (e.g. when loading a checkpoint); the gradient is kept.
@@ -273,10 +307,12 @@ impl FlatParameter {
         Ok(())
     }
 
-    /// Replaces (or with `None` drops) the gradient shard.
+    /// Replaces (or with `None` drops) the gradient shard. A gradient set this way counts as a
+    /// gradient of every parameter ([`FlatParameter::grad_present`]).
     ///
     /// Errors: as [`FlatParameter::set_shard`].
     pub fn set_grad(&mut self, grad: Option<Tensor>) -> Result<()> {
+        let present = grad.is_some();
         self.grad = match grad {
             None => None,
             Some(g) => {
@@ -288,6 +324,7 @@ impl FlatParameter {
                 })
             }
         };
+        self.grad_present.iter_mut().for_each(|p| *p = present);
         Ok(())
     }
 

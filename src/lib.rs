@@ -51,6 +51,7 @@ pub mod fsdp;
 pub mod grad_scaler;
 pub mod init;
 pub mod launch;
+pub mod lr_scheduler;
 #[cfg(feature = "mnist")]
 pub mod metrics;
 pub mod mixed_precision;
@@ -67,7 +68,11 @@ pub mod unit;
 
 pub use error::{Error, Result};
 pub use fsdp::{BackwardPrefetch, FsdpConfig, FsdpModel, FullModel, MemoryStats, ShardingStrategy};
+pub use lr_scheduler::{LrSchedule, LrScheduler, LrSchedulerState};
 pub use mixed_precision::MixedPrecision;
-pub use optim::{AdamW, AdamWConfig, OptimizerState, Sgd, SgdConfig, ShardedOptimizer};
+pub use optim::{
+    AdamW, AdamWConfig, BufferKind, OptimizerHyper, OptimizerKind, OptimizerState, ParamGroup, Sgd,
+    SgdConfig, ShardedOptimizer, UnitOptimState,
+};
 pub use shard_view::ShardView;
 pub use sync_batch_norm::{sync_batch_norm, SyncBatchNorm};

@@ -1,81 +1,545 @@
 //! Sharded optimizers: each rank steps only its f32 master shards with its reduced gradient
 //! shards, and keeps optimizer state for those shards alone (ZeRO stage 1+).
 //!
-//! State is device-resident: one f32 tensor per unit shard and kind (`exp_avg`, `exp_avg_sq`,
-//! `momentum_buffer`) on the shard's device, allocated at the first step and updated in place,
-//! with the parameter shard, by one kernel of [`crate::ops`] per unit. A step sees the model only
-//! through its accessor ([`FsdpModel::shards`]). Host copies are made only for checkpoints
-//! ([`OptimizerState`]).
+//! **Per-parameter state** (as `torch.optim` and FSDP2): every parameter has its own step
+//! count `t` (AdamW's bias corrections, SGD's first-step momentum set-up) and its own moments.
+//! Moments are stored per unit shard: one f32 tensor per unit and [`BufferKind`] on the shard's
+//! device, laid out like the shard (a parameter's moments sit at its elements), allocated at
+//! the first step and updated in place, with the parameter shard, by the kernels of
+//! [`crate::ops`]. Step counts are kept for every parameter on every rank (they are equal on
+//! all ranks).
 //!
-//! Padding and alignment gaps of a shard have zero parameter and zero gradient, so they stay zero
-//! under both updates below; stepping the whole shard therefore equals stepping each parameter.
+//! **Parameters without a gradient are skipped.** The gradient store tells "absent" from
+//! "zero" ([`crate::ShardView::grad_present`], agreed over the ranks in backward): a parameter
+//! that received no gradient since the last `zero_grad` is not stepped at all: no weight decay,
+//! no moment update, no step count. A step when no parameter of the model has a gradient is an
+//! error ([`Error::InvalidArgument`], "optimizer step without any gradient") that changes
+//! nothing, neither parameters nor counters.
+//!
+//! **Parameter groups** ([`ParamGroup`]): each parameter belongs to the first group whose name
+//! pattern matches its full name (`*` any run of characters, `?` one), else to the default
+//! group (index 0); each group has its own hyper-parameters (lr, weight decay, betas,
+//! momentum, …), as `torch.optim`'s `param_groups`. The usual case, no weight decay on biases
+//! and norm weights: `ParamGroup::new("no_decay", ["*.bias", "*norm*.weight"], cfg)` with
+//! `weight_decay: 0.0`.
+//!
+//! A step sees the model only through its accessor ([`FsdpModel::shards`]). Host copies are
+//! made only for checkpoints ([`OptimizerState`], a typed contract: kinds and units, no names
+//! to parse back).
+//!
+//! When every parameter of a unit shard has a gradient, the same step count and the same group,
+//! the whole shard is stepped by one kernel call; padding and alignment gaps have zero
+//! parameter and zero gradient, so they stay zero. Otherwise each present parameter's range of
+//! the shard is stepped on its own with its own constants; the arithmetic per element is the
+//! same, so both paths give bit-identical parameters.
 
 use std::collections::BTreeMap;
+use std::fmt;
 
 use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Phase, Result};
 use crate::fsdp::FsdpModel;
 use crate::ops::{self, AdamWHyper, SgdHyper};
+use crate::shard_view::ShardView;
 use crate::trace::SpanKind;
 
-/// An optimizer's local state as host copies, for checkpoints: its step count and named f32
-/// buffers (one per unit shard and kind, e.g. `exp_avg.3` for unit 3).
+/// Which optimizer algorithm ([`ShardedOptimizer::kind`]); saved in checkpoints, where loading
+/// into another kind is an error naming both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum OptimizerKind {
+    /// [`AdamW`].
+    AdamW,
+    /// [`Sgd`].
+    Sgd,
+}
+
+impl fmt::Display for OptimizerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OptimizerKind::AdamW => "AdamW",
+            OptimizerKind::Sgd => "SGD",
+        })
+    }
+}
+
+/// One kind of per-element optimizer buffer, laid out like a unit's shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferKind {
+    /// AdamW's first moment `m`.
+    ExpAvg,
+    /// AdamW's second moment `v`.
+    ExpAvgSq,
+    /// SGD's momentum buffer `b`.
+    MomentumBuffer,
+}
+
+impl BufferKind {
+    /// The `torch.optim` name (`exp_avg`, `exp_avg_sq`, `momentum_buffer`); checkpoint files
+    /// store the buffer of unit `k` as tensor `optim.<name>.<k>`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BufferKind::ExpAvg => "exp_avg",
+            BufferKind::ExpAvgSq => "exp_avg_sq",
+            BufferKind::MomentumBuffer => "momentum_buffer",
+        }
+    }
+}
+
+impl fmt::Display for BufferKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A parameter group: the parameters whose full name matches one of `patterns` (glob: `*`
+/// matches any run of characters, `?` one character; the whole name must match), stepped with
+/// `config`. Groups are tried in order; parameters no group matches belong to the default
+/// group (index 0, named `default`, whose patterns are empty).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParamGroup<C> {
+    /// Name of the group (in errors and checkpoints).
+    pub name: String,
+    /// Name patterns selecting the group's parameters.
+    pub patterns: Vec<String>,
+    /// The group's hyper-parameters.
+    pub config: C,
+}
+
+impl<C> ParamGroup<C> {
+    /// A group named `name` of the parameters matching any of `patterns`.
+    pub fn new(
+        name: impl Into<String>,
+        patterns: impl IntoIterator<Item = impl Into<String>>,
+        config: C,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            patterns: patterns.into_iter().map(Into::into).collect(),
+            config,
+        }
+    }
+
+    /// Whether `param` (a full parameter name) matches one of the group's patterns.
+    pub fn matches(&self, param: &str) -> bool {
+        self.patterns.iter().any(|p| glob_match(p, param))
+    }
+}
+
+/// Glob match of the whole of `name` against `pattern` (`*`: any run, `?`: one character).
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    let (mut i, mut j) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while j < n.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some((i, j));
+            i += 1;
+        } else if let Some((si, sj)) = star {
+            i = si + 1;
+            j = sj + 1;
+            star = Some((si, sj + 1));
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
+}
+
+/// The hyper-parameters of every group of an optimizer, tagged with its kind.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "groups")]
+pub enum OptimizerHyper {
+    /// AdamW groups (index 0 the default group).
+    AdamW(Vec<ParamGroup<AdamWConfig>>),
+    /// SGD groups (index 0 the default group).
+    Sgd(Vec<ParamGroup<SgdConfig>>),
+}
+
+impl OptimizerHyper {
+    /// The optimizer kind.
+    pub fn kind(&self) -> OptimizerKind {
+        match self {
+            OptimizerHyper::AdamW(_) => OptimizerKind::AdamW,
+            OptimizerHyper::Sgd(_) => OptimizerKind::Sgd,
+        }
+    }
+
+    /// `(name, patterns)` of each group.
+    pub fn group_names(&self) -> Vec<(String, Vec<String>)> {
+        fn names<C>(g: &[ParamGroup<C>]) -> Vec<(String, Vec<String>)> {
+            g.iter()
+                .map(|g| (g.name.clone(), g.patterns.clone()))
+                .collect()
+        }
+        match self {
+            OptimizerHyper::AdamW(g) => names(g),
+            OptimizerHyper::Sgd(g) => names(g),
+        }
+    }
+
+    /// The learning rate of each group.
+    pub fn learning_rates(&self) -> Vec<f64> {
+        match self {
+            OptimizerHyper::AdamW(g) => g.iter().map(|g| g.config.lr).collect(),
+            OptimizerHyper::Sgd(g) => g.iter().map(|g| g.config.lr).collect(),
+        }
+    }
+}
+
+/// One unit's optimizer state on this rank, as host copies.
 #[derive(Debug, Clone, Default, PartialEq)]
+pub struct UnitOptimState {
+    /// Updates taken by each parameter of the unit (layout order); 0 for a parameter never
+    /// stepped.
+    pub steps: Vec<u64>,
+    /// Buffers laid out like the unit's shard (`shard_numel` elements each).
+    pub buffers: BTreeMap<BufferKind, Vec<f32>>,
+}
+
+/// An optimizer's local state as host copies, for checkpoints: kind and hyper-parameters of
+/// every group, steps taken, and per unit the per-parameter step counts and buffers.
+#[derive(Debug, Clone, PartialEq)]
 pub struct OptimizerState {
-    /// Steps taken.
+    /// Kind and per-group hyper-parameters.
+    pub hyper: OptimizerHyper,
+    /// Optimizer steps taken (calls of [`ShardedOptimizer::step`] that stepped something).
     pub step: u64,
-    /// Named buffers, each the length of its unit's shard.
-    pub buffers: BTreeMap<String, Vec<f32>>,
-}
-
-/// Copies `bufs` to the host as `<kind>.<unit>` entries of `out`.
-fn export(kind: &str, bufs: &[Tensor], out: &mut BTreeMap<String, Vec<f32>>) -> Result<()> {
-    for (i, b) in bufs.iter().enumerate() {
-        out.insert(
-            format!("{kind}.{i}"),
-            ops::with_host_f32(b, <[f32]>::to_vec)?,
-        );
-    }
-    Ok(())
-}
-
-/// Takes the `<kind>.0`, `<kind>.1`, … entries of `state` as CPU tensors (moved, not copied);
-/// the next step moves them to the shards' device and checks their lengths.
-fn import(kind: &str, state: &mut OptimizerState) -> Result<Vec<Tensor>> {
-    let mut out = Vec::new();
-    while let Some(b) = state.buffers.remove(&format!("{kind}.{}", out.len())) {
-        let n = b.len();
-        out.push(Tensor::from_vec(b, n, &Device::Cpu)?);
-    }
-    Ok(out)
+    /// Per unit in model order; empty before the first step.
+    pub units: Vec<UnitOptimState>,
 }
 
 /// An optimizer over the local shards of an [`FsdpModel`].
 pub trait ShardedOptimizer {
-    /// One update of every shard that has a gradient (shards without one are skipped, as PyTorch
-    /// skips parameters whose `.grad` is `None`), in place on the shards' device. Local: no
-    /// communication. Reads the model through [`FsdpModel::shards`] only.
+    /// One update of every parameter that has a gradient ([`crate::ShardView::grad_present`]);
+    /// parameters without one are skipped entirely (no decay, no moment update, no step
+    /// count), as PyTorch skips parameters whose `.grad` is `None`. In place on the shards'
+    /// device; local: no communication. Reads the model through [`FsdpModel::shards`] only.
+    ///
+    /// Errors ([`Error::InStep`], phase optimizer): no parameter has a gradient (nothing is
+    /// changed); state that does not match the model (loaded from another model).
     fn step(&mut self, model: &mut FsdpModel) -> Result<()>;
-    /// Current learning rate.
+    /// The algorithm.
+    fn kind(&self) -> OptimizerKind;
+    /// Learning rate of the default group (group 0).
     fn learning_rate(&self) -> f64;
-    /// Sets the learning rate (for schedulers).
+    /// Sets the learning rate of every group to `lr` (see
+    /// [`ShardedOptimizer::set_group_learning_rate`] for one group).
     fn set_learning_rate(&mut self, lr: f64);
-    /// Copies out the local state (step and buffers) to the host.
+    /// Learning rate of each group, in group order.
+    fn group_learning_rates(&self) -> Vec<f64>;
+    /// Sets group `group`'s learning rate.
+    ///
+    /// Errors: no such group.
+    fn set_group_learning_rate(&mut self, group: usize, lr: f64) -> Result<()>;
+    /// Kind and hyper-parameters of every group.
+    fn hyper(&self) -> OptimizerHyper;
+    /// Copies out the local state (hyper-parameters, step counts and buffers) to the host.
     ///
     /// Errors: a failed device-to-host copy.
     fn state(&self) -> Result<OptimizerState>;
-    /// Replaces the local state. Buffer lengths are checked against the model, and buffers moved
-    /// to the shards' device, at the next step.
+    /// Replaces the hyper-parameters and the local state. Buffer lengths are checked against
+    /// the model, and buffers moved to the shards' device, at the next step.
     ///
-    /// Errors: a failed tensor creation.
+    /// Errors (the optimizer is then unchanged): `state` is of another optimizer kind (the
+    /// message names both), or its groups differ from this optimizer's (names or patterns).
     fn load_state(&mut self, state: OptimizerState) -> Result<()>;
+    /// Drops the local state (step counts and buffers), keeping the hyper-parameters.
+    fn clear_state(&mut self);
     /// Bytes of optimizer state held by this rank (f32: 4 bytes an element).
     fn state_bytes(&self) -> usize;
 }
 
+/// Checks that `state` may be loaded into an optimizer of `kind` with `ours` groups.
+pub(crate) fn check_loadable(
+    kind: OptimizerKind,
+    ours: &OptimizerHyper,
+    state: &OptimizerHyper,
+) -> Result<()> {
+    if state.kind() != kind {
+        return Err(Error::InvalidArgument(format!(
+            "optimizer state of kind {} cannot be loaded into an optimizer of kind {kind} \
+             (expected {kind}, found {})",
+            state.kind(),
+            state.kind()
+        )));
+    }
+    let (a, b) = (ours.group_names(), state.group_names());
+    if a != b {
+        return Err(Error::InvalidArgument(format!(
+            "optimizer parameter groups differ: this {kind} optimizer has {a:?}, the state has \
+             {b:?} (name, patterns)"
+        )));
+    }
+    Ok(())
+}
+
+/// The default group index 0 followed by `groups`.
+fn with_default<C>(default: C, groups: Vec<ParamGroup<C>>) -> Vec<ParamGroup<C>> {
+    let mut all = vec![ParamGroup {
+        name: "default".into(),
+        patterns: Vec::new(),
+        config: default,
+    }];
+    all.extend(groups);
+    all
+}
+
+/// The group of parameter `name`: the first group after the default whose patterns match it,
+/// else 0.
+fn group_of<C>(groups: &[ParamGroup<C>], name: &str) -> usize {
+    groups
+        .iter()
+        .enumerate()
+        .skip(1)
+        .find(|(_, g)| g.matches(name))
+        .map_or(0, |(i, _)| i)
+}
+
+/// One unit's device state.
+#[derive(Debug)]
+struct UnitSlot {
+    /// Per parameter: updates taken.
+    steps: Vec<u64>,
+    /// Per parameter: its group.
+    group: Vec<usize>,
+    /// Buffers in the optimizer's kinds order (`shard_numel` elements each).
+    bufs: Vec<Tensor>,
+}
+
+/// Per-parameter steps and per-unit buffers of one optimizer: allocated at the first step,
+/// loaded from host copies, checked against the model before every step.
+#[derive(Debug)]
+struct ShardState {
+    kinds: &'static [BufferKind],
+    units: Vec<UnitSlot>,
+    /// Loaded state not yet checked against a model.
+    pending: Option<Vec<UnitOptimState>>,
+}
+
+impl ShardState {
+    fn new(kinds: &'static [BufferKind]) -> Self {
+        Self {
+            kinds,
+            units: Vec::new(),
+            pending: None,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        let dev: usize = self
+            .units
+            .iter()
+            .flat_map(|u| &u.bufs)
+            .map(Tensor::elem_count)
+            .sum();
+        let host: usize = self
+            .pending
+            .iter()
+            .flatten()
+            .flat_map(|u| u.buffers.values())
+            .map(Vec::len)
+            .sum();
+        4 * (dev + host)
+    }
+
+    fn clear(&mut self) {
+        self.units.clear();
+        self.pending = None;
+    }
+
+    fn export(&self) -> Result<Vec<UnitOptimState>> {
+        if let Some(p) = &self.pending {
+            return Ok(p.clone());
+        }
+        self.units
+            .iter()
+            .map(|u| {
+                let buffers = self
+                    .kinds
+                    .iter()
+                    .zip(&u.bufs)
+                    .map(|(k, b)| Ok((*k, ops::with_host_f32(b, <[f32]>::to_vec)?)))
+                    .collect::<Result<_>>()?;
+                Ok(UnitOptimState {
+                    steps: u.steps.clone(),
+                    buffers,
+                })
+            })
+            .collect()
+    }
+
+    fn import(&mut self, units: Vec<UnitOptimState>) {
+        self.units.clear();
+        self.pending = (!units.is_empty()).then_some(units);
+    }
+
+    /// Makes the state match `model` (allocating zeroed buffers at the first step, moving
+    /// loaded ones to the shards' device) and assigns each parameter its group.
+    fn ensure(&mut self, model: &FsdpModel, group: impl Fn(&str) -> usize) -> Result<()> {
+        let n_units = model.shards().len();
+        if let Some(loaded) = self.pending.take() {
+            let units = self.adopt(model, loaded)?;
+            self.units = units;
+        }
+        if self.units.is_empty() {
+            self.units = model
+                .shards()
+                .map(|v| {
+                    Ok(UnitSlot {
+                        steps: vec![0; v.layout.params.len()],
+                        group: Vec::new(),
+                        bufs: self
+                            .kinds
+                            .iter()
+                            .map(|_| {
+                                Tensor::zeros(v.layout.shard_numel, DType::F32, v.param.device())
+                            })
+                            .collect::<candle_core::Result<_>>()?,
+                    })
+                })
+                .collect::<Result<_>>()?;
+        }
+        if self.units.len() != n_units {
+            return Err(Error::InvalidArgument(format!(
+                "optimizer state covers {} units, the model has {n_units}",
+                self.units.len()
+            )));
+        }
+        for (v, u) in model.shards().zip(&mut self.units) {
+            if u.group.len() != v.layout.params.len() {
+                u.group = v.layout.params.iter().map(|p| group(&p.name)).collect();
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks loaded host state against the model and moves it to the shards' device.
+    fn adopt(&self, model: &FsdpModel, loaded: Vec<UnitOptimState>) -> Result<Vec<UnitSlot>> {
+        if loaded.len() != model.shards().len() {
+            return Err(Error::InvalidArgument(format!(
+                "optimizer state covers {} units, the model has {}",
+                loaded.len(),
+                model.shards().len()
+            )));
+        }
+        model
+            .shards()
+            .zip(loaded)
+            .map(|(v, mut u)| {
+                if u.steps.len() != v.layout.params.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "optimizer state of unit {} has step counts for {} parameters, the unit \
+                         has {}",
+                        v.unit_name,
+                        u.steps.len(),
+                        v.layout.params.len()
+                    )));
+                }
+                let max_step = u.steps.iter().copied().max().unwrap_or(0);
+                let bufs =
+                    self.kinds
+                        .iter()
+                        .map(|k| match u.buffers.remove(k) {
+                            None if max_step > 0 => Err(Error::InvalidArgument(format!(
+                            "optimizer at step {max_step} has no {k} state for unit {} (loaded \
+                             from a checkpoint without it?)",
+                            v.unit_name
+                        ))),
+                            None => Ok(Tensor::zeros(
+                                v.layout.shard_numel,
+                                DType::F32,
+                                v.param.device(),
+                            )?),
+                            Some(b) if b.len() != v.layout.shard_numel => {
+                                Err(Error::InvalidArgument(format!(
+                                    "optimizer state {k} of unit {} has {} elements, its shard {}",
+                                    v.unit_name,
+                                    b.len(),
+                                    v.layout.shard_numel
+                                )))
+                            }
+                            Some(b) => {
+                                let n = b.len();
+                                Ok(Tensor::from_vec(b, n, &Device::Cpu)?
+                                    .to_device(v.param.device())?)
+                            }
+                        })
+                        .collect::<Result<_>>()?;
+                if let Some(k) = u.buffers.keys().next() {
+                    return Err(Error::InvalidArgument(format!(
+                        "optimizer state of unit {} has a {k} buffer, which this optimizer does \
+                         not use",
+                        v.unit_name
+                    )));
+                }
+                Ok(UnitSlot {
+                    steps: u.steps,
+                    group: Vec::new(),
+                    bufs,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The error of a step without any gradient.
+fn no_gradient() -> Error {
+    Error::InvalidArgument(
+        "optimizer step without any gradient: no parameter received a gradient since the last \
+         zero_grad (was gradient sync left off for every micro-batch?); nothing was changed"
+            .into(),
+    )
+}
+
+fn any_gradient(model: &FsdpModel) -> bool {
+    model
+        .shards()
+        .any(|v| v.grad.is_some() && v.grad_present.iter().any(|&p| p))
+}
+
+/// Calls `f(param range of the shard, param index)` for every parameter that has a gradient:
+/// once for the whole shard (index `None`) when every parameter has one and `same(i, j)` holds
+/// for all of them, else once per piece of a present parameter in this rank's shard. Then
+/// returns the indices of the present parameters (the ones whose counts advance).
+fn for_present(
+    v: &ShardView<'_>,
+    same: impl Fn(usize, usize) -> bool,
+    mut f: impl FnMut(std::ops::Range<usize>, usize) -> Result<()>,
+) -> Result<Vec<usize>> {
+    let n = v.layout.params.len();
+    let present: Vec<usize> = (0..n).filter(|&i| v.grad_present[i]).collect();
+    if present.is_empty() {
+        return Ok(present);
+    }
+    if present.len() == n && (1..n).all(|i| same(0, i)) {
+        f(0..v.layout.shard_numel, 0)?;
+    } else {
+        for e in v.layout.shard_table(v.shard_index) {
+            if v.grad_present[e.param_index] && e.numel_in_shard > 0 {
+                let r = e.offset_in_shard..e.offset_in_shard + e.numel_in_shard;
+                f(r, e.param_index)?;
+            }
+        }
+    }
+    Ok(present)
+}
+
+fn narrow(t: &Tensor, r: &std::ops::Range<usize>) -> Result<Tensor> {
+    if r.start == 0 && r.len() == t.elem_count() {
+        Ok(t.clone())
+    } else {
+        Ok(t.narrow(0, r.start, r.len())?)
+    }
+}
+
 /// AdamW hyper-parameters (defaults as PyTorch's `torch.optim.AdamW`, except weight decay 0).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct AdamWConfig {
     /// Learning rate.
     pub lr: f64,
@@ -119,87 +583,92 @@ impl AdamWConfig {
     }
 }
 
+const ADAMW_BUFFERS: &[BufferKind] = &[BufferKind::ExpAvg, BufferKind::ExpAvgSq];
+const SGD_BUFFERS: &[BufferKind] = &[BufferKind::MomentumBuffer];
+
 /// Sharded AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019),
-/// computed exactly as candle-nn's `AdamW` and PyTorch's `torch.optim.AdamW`:
+/// computed as candle-nn's `AdamW` and PyTorch's `torch.optim.AdamW` (docs: "Algorithm"):
+/// per parameter, with its own update count `t`,
 /// `θ ← θ(1 − lr·λ)`, `m ← β1 m + (1 − β1) g`, `v ← β2 v + (1 − β2) g²`,
-/// `θ ← θ − lr · (m / (1 − β1ᵗ)) / (sqrt(v / (1 − β2ᵗ)) + ε)`, all in f32 ([`ops::adamw_step`]).
-/// Moments `m`, `v`: one f32 tensor per unit shard on its device (8 bytes per shard element).
+/// `θ ← θ − lr · (m / (1 − β1ᵗ)) / (sqrt(v / (1 − β2ᵗ)) + ε)`, all in f32 ([`ops::adamw_step`]),
+/// with the hyper-parameters of the parameter's group. Moments `m`, `v`: one f32 tensor per
+/// unit shard on its device (8 bytes per shard element).
 ///
 /// Not `Clone`: a clone would share the moment tensors, which steps update in place.
 #[derive(Debug)]
 pub struct AdamW {
-    /// Hyper-parameters.
-    pub config: AdamWConfig,
-    /// Steps taken (t).
-    step: u64,
-    /// First moments, one tensor per unit shard (empty until the first step).
-    exp_avg: Vec<Tensor>,
-    /// Second moments, one tensor per unit shard.
-    exp_avg_sq: Vec<Tensor>,
+    groups: Vec<ParamGroup<AdamWConfig>>,
+    steps_taken: u64,
+    state: ShardState,
 }
 
 impl AdamW {
-    /// A new optimizer; state is allocated at the first step.
+    /// An optimizer with one group (every parameter); state is allocated at the first step.
     pub fn new(config: AdamWConfig) -> Self {
+        Self::with_groups(config, Vec::new())
+    }
+
+    /// An optimizer with a default group (`default`, index 0) and `groups` (indices 1…), see
+    /// [`ParamGroup`].
+    pub fn with_groups(default: AdamWConfig, groups: Vec<ParamGroup<AdamWConfig>>) -> Self {
         Self {
-            config,
-            step: 0,
-            exp_avg: Vec::new(),
-            exp_avg_sq: Vec::new(),
+            groups: with_default(default, groups),
+            steps_taken: 0,
+            state: ShardState::new(ADAMW_BUFFERS),
         }
+    }
+
+    /// The groups (index 0 the default).
+    pub fn groups(&self) -> &[ParamGroup<AdamWConfig>] {
+        &self.groups
+    }
+
+    /// The groups, to change hyper-parameters between steps.
+    pub fn groups_mut(&mut self) -> &mut [ParamGroup<AdamWConfig>] {
+        &mut self.groups
+    }
+
+    /// The default group's hyper-parameters.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.groups[0].config
     }
 
     /// Bytes of optimizer state held by this rank.
     pub fn state_bytes(&self) -> usize {
-        4 * (self.exp_avg.iter().chain(&self.exp_avg_sq))
-            .map(Tensor::elem_count)
-            .sum::<usize>()
+        self.state.bytes()
     }
-}
 
-/// Allocates zeroed state on the shards' device at the first step; afterwards checks it
-/// matches the model's shards and moves loaded (host) state to their device. `kind` and `step`
-/// name the buffer and the optimizer step in errors (state missing after step 0 means a
-/// checkpoint without it was loaded: silently restarting it would change training).
-fn ensure_state(state: &mut Vec<Tensor>, model: &FsdpModel, kind: &str, step: u64) -> Result<()> {
-    if state.is_empty() && step > 0 {
-        return Err(Error::InvalidArgument(format!(
-            "optimizer at step {step} has no {kind} state (loaded from a checkpoint without it?)"
-        )));
-    }
-    if state.is_empty() {
-        *state = model
-            .shards()
-            .map(|v| {
-                Ok(Tensor::zeros(
-                    v.layout.shard_numel,
-                    DType::F32,
-                    v.param.device(),
-                )?)
-            })
-            .collect::<Result<_>>()?;
-    }
-    for (v, s) in model.shards().zip(state.iter_mut()) {
-        if s.elem_count() != v.layout.shard_numel {
-            return Err(Error::InvalidArgument(format!(
-                "optimizer state {kind} of unit {} has {} elements, its shard {}",
-                v.unit_name,
-                s.elem_count(),
-                v.layout.shard_numel
-            )));
+    fn step_inner(&mut self, model: &FsdpModel) -> Result<()> {
+        if !any_gradient(model) {
+            return Err(no_gradient());
         }
-        if !s.device().same_device(v.param.device()) {
-            *s = s.to_device(v.param.device())?;
+        let groups = &self.groups;
+        self.state.ensure(model, |n| group_of(groups, n))?;
+        for (v, u) in model.shards().zip(&mut self.state.units) {
+            let Some(g) = v.grad else { continue };
+            let (steps, group) = (&u.steps, &u.group);
+            let present = for_present(
+                &v,
+                |i, j| steps[i] == steps[j] && group[i] == group[j],
+                |r, i| {
+                    let h = groups[group[i]].config.hyper(steps[i] + 1);
+                    ops::adamw_step(
+                        &narrow(v.param, &r)?,
+                        &narrow(g, &r)?,
+                        &narrow(&u.bufs[0], &r)?,
+                        &narrow(&u.bufs[1], &r)?,
+                        &h,
+                    )
+                    .map_err(|e| model.at(e, Some(v.unit_index), Phase::Optimizer))
+                },
+            )?;
+            for i in present {
+                u.steps[i] += 1;
+            }
         }
+        self.steps_taken += 1;
+        Ok(())
     }
-    if state.len() != model.shards().len() {
-        return Err(Error::InvalidArgument(format!(
-            "optimizer state {kind} covers {} units, the model has {}",
-            state.len(),
-            model.shards().len()
-        )));
-    }
-    Ok(())
 }
 
 impl ShardedOptimizer for AdamW {
@@ -211,51 +680,67 @@ impl ShardedOptimizer for AdamW {
         let _span = model.span(SpanKind::OptimizerStep, || {
             "FSDP::optimizer_step".to_string()
         });
-        let ctx = |e: Error| model.at(e, None, Phase::Optimizer);
-        ensure_state(&mut self.exp_avg, model, "exp_avg", self.step).map_err(ctx)?;
-        ensure_state(&mut self.exp_avg_sq, model, "exp_avg_sq", self.step).map_err(ctx)?;
-        self.step += 1;
-        let h = self.config.hyper(self.step);
-        for ((v, m), s) in model.shards().zip(&self.exp_avg).zip(&self.exp_avg_sq) {
-            if let Some(g) = v.grad {
-                ops::adamw_step(v.param, g, m, s, &h)
-                    .map_err(|e| model.at(e, Some(v.unit_index), Phase::Optimizer))?;
-            }
-        }
-        Ok(())
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.config.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.config.lr = lr;
-    }
-
-    fn state(&self) -> Result<OptimizerState> {
-        let mut buffers = BTreeMap::new();
-        export("exp_avg", &self.exp_avg, &mut buffers)?;
-        export("exp_avg_sq", &self.exp_avg_sq, &mut buffers)?;
-        Ok(OptimizerState {
-            step: self.step,
-            buffers,
+        self.step_inner(model).map_err(|e| match e {
+            e @ Error::InStep { .. } => e,
+            e => model.at(e, None, Phase::Optimizer),
         })
     }
 
-    fn load_state(&mut self, mut state: OptimizerState) -> Result<()> {
-        // Release the old state before the new one is taken over.
-        self.exp_avg.clear();
-        self.exp_avg_sq.clear();
-        self.step = state.step;
-        self.exp_avg = import("exp_avg", &mut state)?;
-        self.exp_avg_sq = import("exp_avg_sq", &mut state)?;
+    fn kind(&self) -> OptimizerKind {
+        OptimizerKind::AdamW
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.groups[0].config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.groups.iter_mut().for_each(|g| g.config.lr = lr);
+    }
+
+    fn group_learning_rates(&self) -> Vec<f64> {
+        self.groups.iter().map(|g| g.config.lr).collect()
+    }
+
+    fn set_group_learning_rate(&mut self, group: usize, lr: f64) -> Result<()> {
+        let n = self.groups.len();
+        let g = self.groups.get_mut(group).ok_or_else(|| {
+            Error::InvalidArgument(format!("no parameter group {group}: the optimizer has {n}"))
+        })?;
+        g.config.lr = lr;
         Ok(())
+    }
+
+    fn hyper(&self) -> OptimizerHyper {
+        OptimizerHyper::AdamW(self.groups.clone())
+    }
+
+    fn state(&self) -> Result<OptimizerState> {
+        Ok(OptimizerState {
+            hyper: self.hyper(),
+            step: self.steps_taken,
+            units: self.state.export()?,
+        })
+    }
+
+    fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        check_loadable(self.kind(), &self.hyper(), &state.hyper)?;
+        let OptimizerHyper::AdamW(groups) = state.hyper else {
+            unreachable!("kind checked")
+        };
+        self.groups = groups;
+        self.steps_taken = state.step;
+        self.state.import(state.units);
+        Ok(())
+    }
+
+    fn clear_state(&mut self) {
+        self.state.clear();
     }
 }
 
 /// SGD hyper-parameters (PyTorch's `torch.optim.SGD`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SgdConfig {
     /// Learning rate.
     pub lr: f64,
@@ -281,39 +766,110 @@ impl Default for SgdConfig {
     }
 }
 
-/// Sharded SGD with momentum, PyTorch's algorithm (`torch.optim.SGD` docs):
-/// `g ← g + λθ`; `b ← g` at the first step, else `b ← μ b + (1 − τ) g`; `g ← g + μ b` if
-/// Nesterov else `g ← b`; `θ ← θ − lr · g`, in f32 ([`ops::sgd_step`]). Momentum buffers: one
-/// f32 tensor per unit shard on its device, only with momentum ≠ 0.
+impl SgdConfig {
+    fn hyper(&self, first_step: bool) -> SgdHyper {
+        SgdHyper {
+            lr: self.lr as f32,
+            momentum: self.momentum as f32,
+            one_minus_dampening: (1.0 - self.dampening) as f32,
+            weight_decay: self.weight_decay as f32,
+            nesterov: self.nesterov,
+            first_step,
+        }
+    }
+}
+
+/// Sharded SGD with momentum, PyTorch's algorithm (`torch.optim.SGD` docs), per parameter:
+/// `g ← g + λθ`; `b ← g` at the parameter's first update, else `b ← μ b + (1 − τ) g`;
+/// `g ← g + μ b` if Nesterov else `g ← b`; `θ ← θ − lr · g`, in f32 ([`ops::sgd_step`]), with
+/// the hyper-parameters of the parameter's group. Momentum buffers: one f32 tensor per unit
+/// shard on its device.
 ///
 /// Not `Clone`, for the reason given at [`AdamW`].
 #[derive(Debug)]
 pub struct Sgd {
-    /// Hyper-parameters.
-    pub config: SgdConfig,
-    /// Momentum buffers, one per unit shard (empty until the first step with momentum).
-    momentum_buffer: Vec<Tensor>,
-    /// Steps taken.
-    step: u64,
+    groups: Vec<ParamGroup<SgdConfig>>,
+    steps_taken: u64,
+    state: ShardState,
 }
 
 impl Sgd {
-    /// A new optimizer.
+    /// An optimizer with one group (every parameter).
     pub fn new(config: SgdConfig) -> Self {
+        Self::with_groups(config, Vec::new())
+    }
+
+    /// An optimizer with a default group (`default`, index 0) and `groups` (indices 1…), see
+    /// [`ParamGroup`].
+    pub fn with_groups(default: SgdConfig, groups: Vec<ParamGroup<SgdConfig>>) -> Self {
         Self {
-            config,
-            momentum_buffer: Vec::new(),
-            step: 0,
+            groups: with_default(default, groups),
+            steps_taken: 0,
+            state: ShardState::new(SGD_BUFFERS),
         }
+    }
+
+    /// The groups (index 0 the default).
+    pub fn groups(&self) -> &[ParamGroup<SgdConfig>] {
+        &self.groups
+    }
+
+    /// The groups, to change hyper-parameters between steps.
+    pub fn groups_mut(&mut self) -> &mut [ParamGroup<SgdConfig>] {
+        &mut self.groups
+    }
+
+    /// The default group's hyper-parameters.
+    pub fn config(&self) -> &SgdConfig {
+        &self.groups[0].config
     }
 
     /// Bytes of optimizer state held by this rank.
     pub fn state_bytes(&self) -> usize {
-        4 * self
-            .momentum_buffer
-            .iter()
-            .map(Tensor::elem_count)
-            .sum::<usize>()
+        self.state.bytes()
+    }
+
+    fn step_inner(&mut self, model: &FsdpModel) -> Result<()> {
+        if !any_gradient(model) {
+            return Err(no_gradient());
+        }
+        let groups = &self.groups;
+        // Momentum buffers exist only when some group uses momentum.
+        if self.state.units.is_empty() && self.state.pending.is_none() {
+            self.state.kinds = if groups.iter().any(|g| g.config.momentum != 0.0) {
+                SGD_BUFFERS
+            } else {
+                &[]
+            };
+        }
+        self.state.ensure(model, |n| group_of(groups, n))?;
+        for (v, u) in model.shards().zip(&mut self.state.units) {
+            let Some(g) = v.grad else { continue };
+            let (steps, group) = (&u.steps, &u.group);
+            let present = for_present(
+                &v,
+                |i, j| (steps[i] == 0) == (steps[j] == 0) && group[i] == group[j],
+                |r, i| {
+                    let c = groups[group[i]].config;
+                    let buf = match u.bufs.first() {
+                        Some(b) if c.momentum != 0.0 => Some(narrow(b, &r)?),
+                        _ => None,
+                    };
+                    ops::sgd_step(
+                        &narrow(v.param, &r)?,
+                        &narrow(g, &r)?,
+                        buf.as_ref(),
+                        &c.hyper(steps[i] == 0),
+                    )
+                    .map_err(|e| model.at(e, Some(v.unit_index), Phase::Optimizer))
+                },
+            )?;
+            for i in present {
+                u.steps[i] += 1;
+            }
+        }
+        self.steps_taken += 1;
+        Ok(())
     }
 }
 
@@ -326,56 +882,66 @@ impl ShardedOptimizer for Sgd {
         let _span = model.span(SpanKind::OptimizerStep, || {
             "FSDP::optimizer_step".to_string()
         });
-        let c = self.config;
-        let h = SgdHyper {
-            lr: c.lr as f32,
-            momentum: c.momentum as f32,
-            one_minus_dampening: (1.0 - c.dampening) as f32,
-            weight_decay: c.weight_decay as f32,
-            nesterov: c.nesterov,
-            first_step: self.step == 0,
-        };
-        if c.momentum != 0.0 {
-            ensure_state(
-                &mut self.momentum_buffer,
-                model,
-                "momentum_buffer",
-                self.step,
-            )
-            .map_err(|e| model.at(e, None, Phase::Optimizer))?;
-        }
-        self.step += 1;
-        for v in model.shards() {
-            if let Some(g) = v.grad {
-                let buf = self.momentum_buffer.get(v.unit_index);
-                ops::sgd_step(v.param, g, buf.filter(|_| h.momentum != 0.0), &h)
-                    .map_err(|e| model.at(e, Some(v.unit_index), Phase::Optimizer))?;
-            }
-        }
-        Ok(())
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.config.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.config.lr = lr;
-    }
-
-    fn state(&self) -> Result<OptimizerState> {
-        let mut buffers = BTreeMap::new();
-        export("momentum_buffer", &self.momentum_buffer, &mut buffers)?;
-        Ok(OptimizerState {
-            step: self.step,
-            buffers,
+        self.step_inner(model).map_err(|e| match e {
+            e @ Error::InStep { .. } => e,
+            e => model.at(e, None, Phase::Optimizer),
         })
     }
 
-    fn load_state(&mut self, mut state: OptimizerState) -> Result<()> {
-        self.momentum_buffer.clear();
-        self.step = state.step;
-        self.momentum_buffer = import("momentum_buffer", &mut state)?;
+    fn kind(&self) -> OptimizerKind {
+        OptimizerKind::Sgd
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.groups[0].config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.groups.iter_mut().for_each(|g| g.config.lr = lr);
+    }
+
+    fn group_learning_rates(&self) -> Vec<f64> {
+        self.groups.iter().map(|g| g.config.lr).collect()
+    }
+
+    fn set_group_learning_rate(&mut self, group: usize, lr: f64) -> Result<()> {
+        let n = self.groups.len();
+        let g = self.groups.get_mut(group).ok_or_else(|| {
+            Error::InvalidArgument(format!("no parameter group {group}: the optimizer has {n}"))
+        })?;
+        g.config.lr = lr;
         Ok(())
+    }
+
+    fn hyper(&self) -> OptimizerHyper {
+        OptimizerHyper::Sgd(self.groups.clone())
+    }
+
+    fn state(&self) -> Result<OptimizerState> {
+        Ok(OptimizerState {
+            hyper: self.hyper(),
+            step: self.steps_taken,
+            units: self.state.export()?,
+        })
+    }
+
+    fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        check_loadable(self.kind(), &self.hyper(), &state.hyper)?;
+        let OptimizerHyper::Sgd(groups) = state.hyper else {
+            unreachable!("kind checked")
+        };
+        self.groups = groups;
+        self.state.kinds = if self.groups.iter().any(|g| g.config.momentum != 0.0) {
+            SGD_BUFFERS
+        } else {
+            &[]
+        };
+        self.steps_taken = state.step;
+        self.state.import(state.units);
+        Ok(())
+    }
+
+    fn clear_state(&mut self) {
+        self.state.clear();
     }
 }

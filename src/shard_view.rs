@@ -30,6 +30,10 @@ pub struct ShardView<'a> {
     /// Gradient shard (same shape, dtype and device), `None` before a backward or after
     /// [`FsdpModel::zero_grad`].
     pub grad: Option<&'a Tensor>,
+    /// Per parameter of `layout.params`: whether `grad` holds a gradient of it (`false`: the
+    /// parameter received no gradient on any rank; its elements of `grad` are zeros standing
+    /// in for "absent", and optimizers skip it). All `false` when `grad` is `None`.
+    pub grad_present: &'a [bool],
     /// The unit's buffers (name, variable): replicated, in the policy's `buffer_dtype`.
     pub buffers: &'a [(String, Var)],
 }
@@ -45,6 +49,7 @@ impl FsdpModel {
             shard_index: u.flat().shard_index(),
             param: u.flat().shard(),
             grad: u.flat().grad(),
+            grad_present: u.flat().grad_present(),
             buffers: u.buffers(),
         })
     }

@@ -10,7 +10,7 @@
 //!   the gathered flat buffer, or autograd variables in backward), so the module computes with
 //!   them. Binding happens at every unshard; for candle-nn layers it only builds small structs.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor};
@@ -77,10 +77,13 @@ impl SimpleBackend for Recorder {
     }
 }
 
-/// Serves bound parameters by name, checking shapes.
+/// Serves bound parameters by name, checking shapes; parameters in the dtype asked for,
+/// buffers always as they are (their own `buffer_dtype`, the live variable: never a converted
+/// copy, whose in-place updates would be lost).
 struct Binder {
     unit: String,
     tensors: HashMap<String, Tensor>,
+    buffers: HashSet<String>,
 }
 
 impl SimpleBackend for Binder {
@@ -105,7 +108,7 @@ impl SimpleBackend for Binder {
 
     fn get_unchecked(&self, name: &str, dtype: DType, _: &Device) -> candle_core::Result<Tensor> {
         match self.tensors.get(name) {
-            Some(t) if t.dtype() == dtype => Ok(t.clone()),
+            Some(t) if t.dtype() == dtype || self.buffers.contains(name) => Ok(t.clone()),
             Some(t) => t.to_dtype(dtype),
             None => candle_core::bail!(
                 "unit {}: the constructor asked for parameter {name}, which it did not create \
@@ -188,9 +191,25 @@ impl UnitSpec {
         dtype: DType,
         device: &Device,
     ) -> Result<Box<dyn ModuleT>> {
+        self.bind_with_buffers(tensors, &HashSet::new(), dtype, device)
+    }
+
+    /// As [`UnitSpec::bind`], where the tensors named in `buffers` are served as they are,
+    /// whatever dtype the constructor asks for (a buffer keeps its `buffer_dtype` and is the
+    /// live variable the module updates in place).
+    ///
+    /// Errors: as [`UnitSpec::bind`].
+    pub fn bind_with_buffers(
+        &self,
+        tensors: HashMap<String, Tensor>,
+        buffers: &HashSet<String>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Box<dyn ModuleT>> {
         let binder = Binder {
             unit: self.name.clone(),
             tensors,
+            buffers: buffers.clone(),
         };
         let vb = VarBuilder::from_backend(Box::new(binder), dtype, device.clone());
         (self.ctor)(vb.pp(&self.name)).map_err(Error::from)

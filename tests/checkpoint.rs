@@ -16,7 +16,9 @@ use candle_fsdp::checkpoint::{
 };
 use candle_fsdp::comm::threads::{run_ranks, run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::ProcessGroup;
-use candle_fsdp::optim::{AdamW, AdamWConfig, OptimizerState, ShardedOptimizer};
+use candle_fsdp::optim::{
+    AdamW, AdamWConfig, BufferKind, OptimizerState, ShardedOptimizer, UnitOptimState,
+};
 use candle_fsdp::unit::UnitSpec;
 use candle_fsdp::{FsdpConfig, FsdpModel, ShardingStrategy};
 
@@ -147,12 +149,17 @@ fn unsharded(views: &[RankView], no_shard: bool) -> BTreeMap<String, Vec<f32>> {
             ranks.iter().map(|v| &v.0[k]).collect(),
             unpadded,
         );
-        for kind in ["exp_avg", "exp_avg_sq"] {
+        for kind in [BufferKind::ExpAvg, BufferKind::ExpAvgSq] {
             let key = format!("{kind}.{k}");
-            if views[0].1.buffers.contains_key(&key) {
+            if views[0]
+                .1
+                .units
+                .get(k)
+                .is_some_and(|u| u.buffers.contains_key(&kind))
+            {
                 add(
                     key.clone(),
-                    ranks.iter().map(|v| &v.1.buffers[&key]).collect(),
+                    ranks.iter().map(|v| &v.1.units[k].buffers[&kind]).collect(),
                     unpadded,
                 );
             }
@@ -178,6 +185,7 @@ fn sharded_round_trip_at_world_sizes_1_to_4() {
             grad_scaler: Some(serde_json::json!({"scale": 1024.0, "growth_tracker": 3})),
             mixed_precision: None,
             extra: BTreeMap::from([("note".to_string(), "hello".to_string())]),
+            ..Default::default()
         };
         let saved = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
             let mut m = model(pg)?;
@@ -882,13 +890,21 @@ fn saving_the_same_state_twice_gives_byte_identical_files() {
     for name in [
         "shard-00000-of-00002.safetensors",
         "shard-00001-of-00002.safetensors",
-        "meta.json",
     ] {
         assert!(
             std::fs::read(a.join(name)).unwrap() == std::fs::read(b.join(name)).unwrap(),
             "{name} differs"
         );
     }
+    // meta.json: byte-identical but for the save time (the one field that must differ).
+    let without_time = |d: &std::path::Path| {
+        let text = std::fs::read_to_string(d.join("meta.json")).unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert!(v["saved_at_unix_ms"].as_u64().unwrap() > 1_600_000_000_000);
+        v["saved_at_unix_ms"] = serde_json::Value::Null;
+        serde_json::to_vec_pretty(&v).unwrap()
+    };
+    assert!(without_time(a) == without_time(b), "meta.json differs");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -992,14 +1008,20 @@ fn an_optimizer_past_step_0_without_state_refuses_to_step() {
         let mut m = model(pg)?;
         let mut opt = AdamW::new(AdamWConfig::default());
         // A state that claims 5 steps but lost its second moments.
-        let mut st = OptimizerState {
+        let st = OptimizerState {
+            hyper: opt.hyper(),
             step: 5,
-            ..Default::default()
+            units: m
+                .shards()
+                .map(|u| UnitOptimState {
+                    steps: vec![5; u.layout.params.len()],
+                    buffers: BTreeMap::from([(
+                        BufferKind::ExpAvg,
+                        vec![0.0; u.layout.shard_numel],
+                    )]),
+                })
+                .collect(),
         };
-        for (i, u) in m.shards().enumerate() {
-            st.buffers
-                .insert(format!("exp_avg.{i}"), vec![0.0; u.layout.shard_numel]);
-        }
         opt.load_state(st)?;
         train(&mut m, &mut opt, &data)
     })
@@ -1080,16 +1102,24 @@ fn loaded_optimizer_state_of_the_wrong_length_is_refused_at_the_step() {
     let e = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
         let mut m = model(pg)?;
         let mut opt = AdamW::new(AdamWConfig::default());
-        let mut st = OptimizerState {
+        let st = OptimizerState {
+            hyper: opt.hyper(),
             step: 1,
-            ..Default::default()
+            units: m
+                .shards()
+                .map(|u| {
+                    // fc1's buffers one element short.
+                    let n = u.layout.shard_numel - usize::from(u.unit_name == "fc1");
+                    UnitOptimState {
+                        steps: vec![1; u.layout.params.len()],
+                        buffers: BTreeMap::from([
+                            (BufferKind::ExpAvg, vec![0.0; n]),
+                            (BufferKind::ExpAvgSq, vec![0.0; n]),
+                        ]),
+                    }
+                })
+                .collect(),
         };
-        for (i, u) in m.shards().enumerate() {
-            // fc1's buffers one element short.
-            let n = u.layout.shard_numel - usize::from(u.unit_name == "fc1");
-            st.buffers.insert(format!("exp_avg.{i}"), vec![0.0; n]);
-            st.buffers.insert(format!("exp_avg_sq.{i}"), vec![0.0; n]);
-        }
         opt.load_state(st)?;
         let before = shards(&m);
         let r = train(&mut m, &mut opt, &data);

@@ -11,8 +11,10 @@ use std::sync::Arc;
 use candle_fsdp::checkpoint::{load_latest, save_sharded, RngState, SamplerState, TrainState};
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::data::{BatchLoader, DistributedSampler};
-use candle_fsdp::optim::{AdamW, AdamWConfig, OptimizerState, ShardedOptimizer};
+use candle_fsdp::grad_scaler::{GradScalerConfig, GradScalerState, ShardedGradScaler};
+use candle_fsdp::optim::{AdamW, AdamWConfig, OptimizerState, ParamGroup, ShardedOptimizer};
 use candle_fsdp::{FsdpConfig, FsdpModel};
+use candle_fsdp::{LrSchedule, LrScheduler};
 use common::*;
 use rand::{Rng, SeedableRng};
 
@@ -38,11 +40,25 @@ fn dataset() -> (Arc<Vec<f32>>, Arc<Vec<u8>>) {
     (Arc::new(images), Arc::new(labels))
 }
 
-type Outcome = (Vec<Vec<f32>>, OptimizerState);
+/// Shards, optimizer state, and (with `rich`) the scheduler and grad scaler states.
+type Outcome = (Vec<Vec<f32>>, OptimizerState, String);
 
 /// Trains for `EPOCHS` epochs (from a checkpoint under `root` when `resume`), stopping after
 /// `stop_at` steps with a checkpoint under `root` when given.
 fn run(ws: usize, root: &Path, resume: bool, stop_at: Option<u64>) -> Vec<Outcome> {
+    run_with(ws, root, resume, stop_at, false)
+}
+
+/// As [`run`]; with `rich`, AdamW has two parameter groups (no weight decay on biases), a
+/// cosine LR scheduler steps after every optimizer step, and a grad scaler scales the loss:
+/// all three are saved and restored.
+fn run_with(
+    ws: usize,
+    root: &Path,
+    resume: bool,
+    stop_at: Option<u64>,
+    rich: bool,
+) -> Vec<Outcome> {
     let (images, labels) = dataset();
     run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
         let rank = pg.rank();
@@ -57,10 +73,44 @@ fn run(ws: usize, root: &Path, resume: bool, stop_at: Option<u64>) -> Vec<Outcom
             model = model.unit_spec(u);
         }
         let mut model = model.build()?;
-        let mut opt = AdamW::new(AdamWConfig {
+        let base = AdamWConfig {
             lr: 1e-2,
+            weight_decay: if rich { 0.05 } else { 0.0 },
             ..Default::default()
-        });
+        };
+        let mut opt = if rich {
+            let no_decay = AdamWConfig {
+                weight_decay: 0.0,
+                ..base
+            };
+            AdamW::with_groups(
+                base,
+                vec![ParamGroup::new("no_decay", ["*.bias"], no_decay)],
+            )
+        } else {
+            AdamW::new(base)
+        };
+        let total = (ITEMS.div_ceil(ws)).div_ceil(BATCH) as u64 * EPOCHS;
+        let mut sched = rich
+            .then(|| {
+                LrScheduler::new(
+                    LrSchedule::Cosine {
+                        total_steps: total,
+                        min_factor: 0.1,
+                    },
+                    &mut opt,
+                )
+            })
+            .transpose()?;
+        let mut scaler = rich
+            .then(|| {
+                ShardedGradScaler::new(GradScalerConfig {
+                    init_scale: 1024.0,
+                    growth_interval: 3,
+                    ..Default::default()
+                })
+            })
+            .transpose()?;
         let mut sampler = DistributedSampler::new(ITEMS, ws, rank, true, SEED, false)?;
         let (mut step, mut start) = (0, None);
         if resume {
@@ -69,7 +119,23 @@ fn run(ws: usize, root: &Path, resume: bool, stop_at: Option<u64>) -> Vec<Outcom
             assert_eq!(train.rng, Some(RngState { seed: SEED }));
             step = train.step;
             start = train.sampler;
+            if rich {
+                sched = Some(LrScheduler::from_state(
+                    train.lr_scheduler.expect("scheduler saved"),
+                    &mut opt,
+                )?);
+                let st: GradScalerState =
+                    serde_json::from_value(train.grad_scaler.expect("scaler saved")).unwrap();
+                scaler.as_mut().unwrap().load_state(st);
+            }
         }
+        let rich_state = |sched: &Option<LrScheduler>, scaler: &Option<ShardedGradScaler>| {
+            format!(
+                "{:?} {:?}",
+                sched.as_ref().map(LrScheduler::state),
+                scaler.as_ref().map(ShardedGradScaler::state)
+            )
+        };
         let first_epoch = start.map_or(0, |s| s.epoch);
         for epoch in first_epoch..EPOCHS {
             match start.take() {
@@ -89,8 +155,19 @@ fn run(ws: usize, root: &Path, resume: bool, stop_at: Option<u64>) -> Vec<Outcom
                 let batch = batch?;
                 let logits = model.forward(&batch.images)?;
                 let loss = candle_nn::loss::cross_entropy(&logits, &batch.labels)?;
-                model.backward(&loss)?;
-                opt.step(&mut model)?;
+                match &mut scaler {
+                    Some(sc) => {
+                        model.backward(&sc.scale_loss(&loss)?)?;
+                        sc.step(&mut model, &mut opt)?;
+                    }
+                    None => {
+                        model.backward(&loss)?;
+                        opt.step(&mut model)?;
+                    }
+                }
+                if let Some(s) = &mut sched {
+                    s.step(&mut opt)?;
+                }
                 model.zero_grad();
                 consumed += batch.len();
                 step += 1;
@@ -100,10 +177,14 @@ fn run(ws: usize, root: &Path, resume: bool, stop_at: Option<u64>) -> Vec<Outcom
                         epoch,
                         sampler: Some(SamplerState::new(&sampler, consumed)),
                         rng: Some(RngState { seed: SEED }),
+                        lr_scheduler: sched.as_ref().map(LrScheduler::state),
+                        grad_scaler: scaler
+                            .as_ref()
+                            .map(|s| serde_json::to_value(s.state()).unwrap()),
                         ..Default::default()
                     };
                     save_sharded(root, &model, &opt, &state, 0)?;
-                    return Ok((Vec::new(), opt.state()?));
+                    return Ok((Vec::new(), opt.state()?, String::new()));
                 }
             }
         }
@@ -111,7 +192,7 @@ fn run(ws: usize, root: &Path, resume: bool, stop_at: Option<u64>) -> Vec<Outcom
             .shards()
             .map(|u| u.param.to_vec1::<f32>())
             .collect::<candle_core::Result<_>>()?;
-        Ok((shards, opt.state()?))
+        Ok((shards, opt.state()?, rich_state(&sched, &scaler)))
     })
     .unwrap()
 }
@@ -129,6 +210,25 @@ fn resume_with_the_sampler_is_bitwise_exact_mid_epoch_and_at_epoch_ends() {
             let dir = tmpdir(&format!("{ws}-{stop}"));
             run(ws, &dir, false, Some(stop));
             let resumed = run(ws, &dir, true, None);
+            assert_eq!(resumed, straight, "ws {ws}, resumed after step {stop}");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+}
+
+#[test]
+fn resume_is_bitwise_exact_with_groups_a_scheduler_and_the_grad_scaler() {
+    for ws in [1, 2] {
+        let straight = run_with(ws, Path::new("/nonexistent"), false, None, true);
+        let per_epoch = (ITEMS.div_ceil(ws)).div_ceil(BATCH) as u64;
+        // The groups and the scheduler really act: the lr decayed, the bias group kept wd 0.
+        let lrs = straight[0].1.hyper.learning_rates();
+        assert!(lrs[0] < 1e-2 && lrs[0] == lrs[1], "{lrs:?}");
+        assert!(straight[0].2.contains("Cosine") && straight[0].2.contains("scale"));
+        for stop in [3, per_epoch + 1] {
+            let dir = tmpdir(&format!("rich-{ws}-{stop}"));
+            run_with(ws, &dir, false, Some(stop), true);
+            let resumed = run_with(ws, &dir, true, None, true);
             assert_eq!(resumed, straight, "ws {ws}, resumed after step {stop}");
             let _ = std::fs::remove_dir_all(&dir);
         }

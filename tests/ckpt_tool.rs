@@ -422,6 +422,20 @@ fn reshard_case(from: usize, to: usize, strategy: ShardingStrategy) {
         b.iter().map(|(n, _)| n).collect::<Vec<_>>()
     );
     for ((name, x), (_, y)) in a.iter().zip(&b) {
+        if name == "meta.json" {
+            // Equal but for the save time, which each records as its own.
+            let parse = |bytes: &[u8]| {
+                let mut v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+                let t = v.as_object_mut().unwrap().remove("saved_at_unix_ms");
+                assert!(t.is_some_and(|t| t.as_u64().is_some()), "a save time");
+                v
+            };
+            assert!(
+                parse(x) == parse(y),
+                "{from} → {to} {strategy:?}: meta.json differs"
+            );
+            continue;
+        }
         assert!(x == y, "{from} → {to} {strategy:?}: {name} differs");
     }
     // And loading the offline result equals loading the original at the new world size.
@@ -452,8 +466,14 @@ fn inspect_output_on_a_known_checkpoint() {
     let dir = tmp("inspect");
     let ckpt_dir = trained_checkpoint(&dir, 2, ShardingStrategy::ShardGradOp, 3);
     let out = ckpt_ok(&["inspect", s(&dir)]);
+    let saved_at = candle_fsdp::checkpoint::read_meta(&ckpt_dir)
+        .unwrap()
+        .saved_at_unix_ms
+        .expect("a save time");
     let want = r#"checkpoint DIR
-  format version    2
+  format version    3
+  run id            none
+  saved at          SAVED ms after the Unix epoch
   step              3
   epochs completed  1
   world size        2
@@ -462,9 +482,10 @@ fn inspect_output_on_a_known_checkpoint() {
   mixed precision   {"buffer_dtype":"f32","cast_forward_inputs":true,"param_dtype":"f32","reduce_dtype":"f32"}
   sampler           epoch 1, 4 entries of each rank's list consumed at world size 2
   seed              7
+  lr scheduler      none
   grad scaler       none
   extra             none
-  optimizer         AdamW (exp_avg, exp_avg_sq); step 3; 24 tensors, 3232 bytes over all ranks
+  optimizer         AdamW (groups: default lr 0.001); step 3; 24 tensors, 3232 bytes over all ranks
 tensors (parameters: 7 tensors, 396 elements, 1584 bytes; buffers: 1 tensor, 7 elements, 28 bytes):
   fc1.weight          [13, 20]  F32   1040 bytes
   fc1.bias            [13]      F32     52 bytes
@@ -475,19 +496,20 @@ tensors (parameters: 7 tensors, 396 elements, 1584 bytes; buffers: 1 tensor, 7 e
   head.bias           [3]       F32     12 bytes
   scale.w             [1]       F32      4 bytes
 files:
-  meta.json                         3904 bytes
+  meta.json                         5065 bytes
   shard-00000-of-00002.safetensors  3916 bytes
   shard-00001-of-00002.safetensors  3808 bytes
-total on disk: 11628 bytes (11.4 KiB)
+total on disk: 12789 bytes (12.5 KiB)
 "#
-    .replace("DIR", s(&ckpt_dir));
+    .replace("DIR", s(&ckpt_dir))
+    .replace("SAVED", &saved_at.to_string());
     assert_eq!(out, want);
     let meta = candle_fsdp::checkpoint::read_meta(&ckpt_dir).unwrap();
     let sizes: Vec<u64> = meta.files.iter().map(|f| f.bytes).collect();
     assert_eq!(sizes, [3916, 3808]);
     assert_eq!(
         std::fs::metadata(ckpt_dir.join("meta.json")).unwrap().len(),
-        3904
+        5065
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -757,9 +779,14 @@ fn verify_reports_every_problem_and_exits_non_zero() {
     let f1 = ckpt_dir.join("shard-00001-of-00003.safetensors");
     let f2 = ckpt_dir.join("shard-00002-of-00003.safetensors");
     let mut bytes = std::fs::read(&f2).unwrap();
-    let at = data_range(&f2, "param.2").start + 5 * 4;
+    let range = data_range(&f2, "param.2");
+    let at = range.start + 5 * 4;
     bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
     std::fs::write(&f2, &bytes).unwrap();
+    // The NaN also changes the tensor's CRC-32C from the one recorded at save time.
+    let recorded =
+        candle_fsdp::checkpoint::read_meta(&ckpt_dir).unwrap().files[2].crc32c["param.2"];
+    let now = crc32c::crc32c(&bytes[range]);
     drop_tensor(
         &ckpt_dir,
         "shard-00001-of-00003.safetensors",
@@ -782,11 +809,14 @@ fn verify_reports_every_problem_and_exits_non_zero() {
              problem: {}: tensor optim.exp_avg.1 is missing (expected F32 of shape [91])\n\
              problem: {}: tensor param.2: 1 non-finite value(s) of 33 (the first, NaN, at \
              element 5)\n\
-             3 problems found\n",
+             problem: {}: tensor param.2: CRC-32C {now:08x} of its data differs from the \
+             {recorded:08x} recorded in meta.json (the data changed after the save)\n\
+             4 problems found\n",
             ckpt_dir.display(),
             f0.display(),
             good.len(),
             f1.display(),
+            f2.display(),
             f2.display(),
         )
     );
@@ -1040,6 +1070,31 @@ fn version_1_checkpoints_work_too() {
     );
     assert!(
         out.contains("  optimizer         AdamW (exp_avg, exp_avg_sq); step 2; 20 tensors, "),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A flipped bit that leaves a finite value (the low mantissa bit of one element) is found by
+/// the tensor's CRC-32C alone.
+#[test]
+fn verify_finds_a_flipped_bit_by_its_checksum() {
+    let dir = tmp("verify-bit");
+    let ckpt_dir = trained_checkpoint(&dir, 2, ShardingStrategy::FullShard, 1);
+    let f1 = ckpt_dir.join("shard-00001-of-00002.safetensors");
+    let mut bytes = std::fs::read(&f1).unwrap();
+    let at = data_range(&f1, "param.1").start + 3 * 4;
+    bytes[at] ^= 1;
+    std::fs::write(&f1, &bytes).unwrap();
+    let (code, out, _) = ckpt(&["verify", s(&ckpt_dir)]);
+    assert_eq!(code, 1, "{out}");
+    let problems: Vec<&str> = out.lines().filter(|l| l.starts_with("problem: ")).collect();
+    assert_eq!(problems.len(), 1, "{out}");
+    assert!(
+        problems[0].starts_with(&format!(
+            "problem: {}: tensor param.1: CRC-32C ",
+            f1.display()
+        )) && problems[0].ends_with("recorded in meta.json (the data changed after the save)"),
         "{out}"
     );
     let _ = std::fs::remove_dir_all(&dir);

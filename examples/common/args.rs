@@ -47,6 +47,10 @@ pub struct TrainArgs {
     /// continues the epoch where it stopped); without it, training starts from scratch.
     #[arg(long)]
     pub resume: bool,
+    /// Resume from this checkpoint directory (`<dir>/step-<n>`), whatever run it belongs to
+    /// (--resume refuses a --checkpoint-dir holding several runs' checkpoints).
+    #[arg(long, value_name = "PATH", conflicts_with = "resume")]
+    pub resume_from: Option<PathBuf>,
     /// Also save a checkpoint every N optimizer steps (0: only at the end of each epoch).
     #[arg(long, default_value_t = 0)]
     pub save_every: u64,
@@ -206,6 +210,15 @@ fn check_checkpoint_dir(args: &TrainArgs) -> anyhow::Result<()> {
     std::fs::write(&probe, b"")
         .with_context(|| format!("--checkpoint-dir {}: not writable", dir.display()))?;
     let _ = std::fs::remove_file(&probe);
+    if let Some(from) = &args.resume_from {
+        anyhow::ensure!(
+            from.join(checkpoint::META_FILE).is_file(),
+            "--resume-from {}: not a complete checkpoint (no {})",
+            from.display(),
+            checkpoint::META_FILE
+        );
+        return Ok(());
+    }
     let existing = checkpoint::list_complete(dir)?;
     match (args.resume, existing.last()) {
         (true, None) => println!(

@@ -140,6 +140,8 @@ struct Rank<'a, O> {
     step: u64,
     /// Optimizer steps of the whole run (the schedule's horizon).
     total_steps: u64,
+    /// The run its checkpoints belong to: fresh, or the resumed checkpoint's.
+    run_id: Option<String>,
 }
 
 /// What a rank returns: its outcome and its traced spans.
@@ -204,6 +206,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
             sampler,
             step: 0,
             total_steps,
+            run_id: None,
         })
     }
 
@@ -264,15 +267,37 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
     /// Loads the newest checkpoint with `--resume`; returns the epoch to start in and, for a
     /// mid-epoch checkpoint, where the sampler stopped.
     fn resume(&mut self) -> Result<(u64, Option<SamplerState>)> {
-        if !self.args.resume {
-            return Ok((0, None));
-        }
-        let Some(loaded) =
-            checkpoint::load_latest(&self.args.checkpoint_dir, &mut self.model, &mut self.optim)?
-        else {
+        let loaded = match (&self.args.resume_from, self.args.resume) {
+            (Some(dir), _) => Some(checkpoint::load_sharded(
+                dir,
+                &mut self.model,
+                &mut self.optim,
+            )?),
+            (None, true) => checkpoint::load_latest(
+                &self.args.checkpoint_dir,
+                &mut self.model,
+                &mut self.optim,
+            )?,
+            (None, false) => None,
+        };
+        let Some(loaded) = loaded else {
+            self.run_id = Some(self.fresh_run_id()?);
             return Ok((0, None));
         };
+        if self.pg.rank() == 0 {
+            for s in &loaded.skipped {
+                println!(
+                    "skipped damaged checkpoint {} (left as {}): {}",
+                    s.dir.display(),
+                    s.renamed_to
+                        .as_ref()
+                        .map_or("it is".into(), |p| p.display().to_string()),
+                    s.error
+                );
+            }
+        }
         let train = loaded.meta.train;
+        self.run_id = train.run_id.clone();
         if let Some(rng) = &train.rng {
             if rng.seed != self.args.seed {
                 return Err(Error::InvalidArgument(format!(
@@ -305,6 +330,15 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
             );
         }
         Ok((start_epoch, resume_at))
+    }
+
+    /// A new run id, drawn on rank 0 and broadcast (a collective), so every rank (thread or
+    /// process) saves under the same one.
+    fn fresh_run_id(&self) -> Result<String> {
+        let id = checkpoint::new_run_id();
+        let halves = [&id[..16], &id[16..]].map(|h| u64::from_str_radix(h, 16).unwrap_or(0));
+        let v = self.pg.broadcast_u64s(halves.to_vec(), 0)?;
+        Ok(format!("{:016x}{:016x}", v[0], v[1]))
     }
 
     /// One epoch over this rank's share (from where the sampler starts); returns the sum of the
@@ -426,6 +460,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
                 .scaler
                 .as_ref()
                 .and_then(|s| serde_json::to_value(s.state()).ok()),
+            run_id: self.run_id.clone(),
             ..Default::default()
         };
         checkpoint::save_sharded(

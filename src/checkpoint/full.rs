@@ -101,7 +101,7 @@ pub fn save_full(path: &Path, model: &FsdpModel) -> Result<Option<u64>> {
         let mut size = None;
         if let Some(w) = writer {
             match w.finish() {
-                Ok(n) => size = Some(n),
+                Ok((n, _)) => size = Some(n),
                 Err(e) => local = Err(e),
             }
         }

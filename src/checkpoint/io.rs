@@ -204,6 +204,8 @@ pub(crate) struct SafetensorsWriter {
     file: AtomicFile,
     specs: Vec<TensorSpec>,
     next: usize,
+    /// CRC-32C of each tensor written so far, in header order.
+    crcs: Vec<u32>,
     /// Bytes still owed to the tensor started by [`SafetensorsWriter::begin_tensor`].
     pending: usize,
 }
@@ -249,6 +251,7 @@ impl SafetensorsWriter {
             file,
             specs,
             next: 0,
+            crcs: Vec::new(),
             pending: 0,
         })
     }
@@ -295,16 +298,30 @@ impl SafetensorsWriter {
         Ok(())
     }
 
-    /// Writes the next tensor, `name`, from f32 values.
+    /// Writes the next tensor, `name`, from f32 values (little-endian, converted 64 KiB at a
+    /// time), and records the CRC-32C of its bytes.
     pub fn write_f32(&mut self, name: &str, values: &[f32]) -> Result<()> {
         self.expect(name, Dtype::F32, values.len() * 4)?;
-        self.file.write_f32s(values)
+        let mut crc = 0u32;
+        let mut buf = Vec::with_capacity(CHUNK_ELEMS.min(values.len()) * 4);
+        for chunk in values.chunks(CHUNK_ELEMS) {
+            buf.clear();
+            for v in chunk {
+                buf.extend_from_slice(&v.to_le_bytes());
+            }
+            crc = crc32c::crc32c_append(crc, &buf);
+            self.file.write_all(&buf)?;
+        }
+        self.crcs.push(crc);
+        Ok(())
     }
 
-    /// Writes the next tensor, `name`, from a candle tensor (its own dtype).
+    /// Writes the next tensor, `name`, from a candle tensor (its own dtype), and records the
+    /// CRC-32C of its bytes.
     pub fn write_tensor(&mut self, name: &str, t: &Tensor) -> Result<()> {
         let (dtype, bytes) = tensor_bytes(t)?;
         self.expect(name, dtype, bytes.len())?;
+        self.crcs.push(crc32c::crc32c(&bytes));
         self.file.write_all(&bytes)
     }
 
@@ -313,10 +330,12 @@ impl SafetensorsWriter {
     pub fn begin_tensor(&mut self, name: &str, dtype: Dtype, nbytes: usize) -> Result<()> {
         self.expect(name, dtype, nbytes)?;
         self.pending = nbytes;
+        self.crcs.push(0);
         Ok(())
     }
 
-    /// Appends the next `bytes` of the tensor started by [`SafetensorsWriter::begin_tensor`].
+    /// Appends the next `bytes` of the tensor started by [`SafetensorsWriter::begin_tensor`]
+    /// (and folds them into its CRC-32C).
     ///
     /// Errors: more bytes than the tensor has left (naming it), or an I/O error.
     pub fn write_part(&mut self, bytes: &[u8]) -> Result<()> {
@@ -335,11 +354,15 @@ impl SafetensorsWriter {
             ));
         }
         self.pending -= bytes.len();
+        if let Some(crc) = self.crcs.last_mut() {
+            *crc = crc32c::crc32c_append(*crc, bytes);
+        }
         self.file.write_all(bytes)
     }
 
-    /// Checks that every tensor was written and commits the file; returns its size in bytes.
-    pub fn finish(self) -> Result<u64> {
+    /// Checks that every tensor was written and commits the file; returns its size in bytes
+    /// and the CRC-32C of each tensor's data, in header order.
+    pub fn finish(self) -> Result<(u64, Vec<u32>)> {
         self.check_complete()?;
         if self.next != self.specs.len() {
             return Err(Error::file(
@@ -351,7 +374,7 @@ impl SafetensorsWriter {
                 ),
             ));
         }
-        self.file.commit()
+        Ok((self.file.commit()?, self.crcs))
     }
 }
 
@@ -528,6 +551,20 @@ impl MappedFile {
             ));
         }
         Ok(())
+    }
+
+    /// CRC-32C of tensor `name`'s data bytes.
+    ///
+    /// Errors: missing tensor.
+    pub fn crc32c(&self, name: &str) -> Result<u32> {
+        let info = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::file(&self.path, format!("tensor {name} is missing")))?;
+        let (a, b) = info.data_offsets;
+        Ok(crc32c::crc32c(
+            &self.mmap[self.data_start + a..self.data_start + b],
+        ))
     }
 
     /// Copies elements `range` (row-major) of tensor `name` into `out`, converting F32, BF16,

@@ -22,13 +22,14 @@
 //! <root>/step-00000938/meta.json                          CheckpointMeta: written last
 //! ```
 //! `meta.json` ([`CheckpointMeta`]) records the format version, world size, sharding strategy,
-//! every unit's layout (parameter names, shapes, offsets, padding, shard size), the optimizer's
-//! buffers, each file's size, and the training state ([`TrainState`]: step, epoch, sampler
-//! position, RNG seed, grad scaler state, mixed-precision policy). A parameter's offset in its
-//! unit's flat buffer does not depend on the world size (only the final padding and the shard
-//! boundaries do), so a rank of a group of any size finds which saved shards cover its new shard
-//! and copies just those element ranges out of the memory-mapped files: loading works at the
-//! saved world size or any other.
+//! every unit's layout (parameter names, shapes, offsets, padding, shard size), the optimizer
+//! (kind, every group's hyper-parameters, buffer kinds, per-parameter step counts by name), each
+//! file's size and the CRC-32C of each of its tensors, the save time, and the training state
+//! ([`TrainState`]: step, epoch, sampler position, RNG seed, LR scheduler and grad scaler states,
+//! mixed-precision policy, run id). A parameter's offset in its unit's flat buffer does not
+//! depend on the world size (only the final padding and the shard boundaries do), so a rank of a
+//! group of any size finds which saved shards cover its new shard and copies just those element
+//! ranges out of the memory-mapped files: loading works at the saved world size or any other.
 //!
 //! **Offline tools** ([`tools`], the `fsdp-ckpt` binary): inspect, export to one full file,
 //! import from one, reshard and verify a sharded checkpoint without a process group or the
@@ -41,6 +42,13 @@
 //! `meta.json` exists ([`list_complete`]), so a crash or an error at any point of a save leaves
 //! the previous checkpoints untouched and loadable; `keep_last` rotation deletes older ones only
 //! after the new one is complete.
+//!
+//! **Runs, damage, checksums.** A checkpoint belongs to the run named by
+//! [`TrainState::run_id`]: `keep_last` rotation deletes only that run's older checkpoints, and
+//! [`load_latest`] refuses a root holding several runs ([`load_latest_of_run`] picks one).
+//! [`load_latest`] passes over a damaged checkpoint (truncated or missing file, bad header or
+//! metadata, checksum mismatch), renaming it `step-<n>.damaged` and reporting it in
+//! [`Loaded::skipped`]. Every tensor a load reads from is checked against its CRC-32C first.
 //!
 //! **Collectives.** Saving and loading are collectives (every rank calls them, in the same
 //! order as its other collectives): the ranks agree on success with one small all-reduce, so
@@ -56,8 +64,27 @@ mod io;
 mod sharded;
 pub mod tools;
 
+/// Test-only fault injection (cargo feature `fault-injection`, which only the tests enable).
+#[cfg(feature = "fault-injection")]
 #[doc(hidden)]
 pub mod fault;
+
+/// Without the `fault-injection` feature the production path asks nothing: writes are never
+/// failed and clean-up always runs.
+#[cfg(not(feature = "fault-injection"))]
+mod fault {
+    /// Never a simulated crash.
+    #[inline(always)]
+    pub(crate) fn crash_mode() -> bool {
+        false
+    }
+
+    /// Every write is allowed.
+    #[inline(always)]
+    pub(crate) fn allow(_len: usize) -> Result<(), usize> {
+        Ok(())
+    }
+}
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -71,12 +98,19 @@ use crate::error::{Error, Result};
 
 pub use full::{build_from_full, load_full, save_full, FULL_FORMAT};
 pub use io::{write_atomic, AtomicFile};
-pub use sharded::{load_latest, load_sharded, save_sharded, shard_file_name, SHARDED_FORMAT};
+pub use sharded::{
+    load_latest, load_latest_of_run, load_sharded, save_sharded, shard_file_name, SHARDED_FORMAT,
+};
 
 /// Version written into `meta.json` (and into each file's safetensors metadata). Version 1
 /// checkpoints (same-world-size format of the first release) are still read; a larger version
 /// is an error.
-pub const FORMAT_VERSION: u32 = 2;
+///
+/// Version 3 added: the optimizer's kind, group hyper-parameters and per-parameter step counts
+/// (typed: buffer kinds, no names to parse), a CRC-32C checksum per tensor, the run id and the
+/// save time. Version-2 metadata is still read (its optimizer buffer names are converted once,
+/// on reading).
+pub const FORMAT_VERSION: u32 = 3;
 
 /// Name of the metadata file that marks a sharded checkpoint directory complete.
 pub const META_FILE: &str = "meta.json";
@@ -171,6 +205,20 @@ pub struct TrainState {
     /// Free-form values of the caller.
     #[serde(default)]
     pub extra: BTreeMap<String, String>,
+    /// The run this checkpoint belongs to ([`new_run_id`]; `None`: an anonymous run).
+    /// `keep_last` rotation and [`load_latest_of_run`] consider only the checkpoints of one run,
+    /// and [`load_latest`] refuses a directory holding several runs.
+    #[serde(default)]
+    pub run_id: Option<String>,
+    /// State of the learning-rate scheduler.
+    #[serde(default)]
+    pub lr_scheduler: Option<crate::lr_scheduler::LrSchedulerState>,
+}
+
+/// A fresh run id: 128 random bits from the operating system's generator, as 32 hex digits.
+pub fn new_run_id() -> String {
+    let v: u128 = rand::random();
+    format!("{v:032x}")
 }
 
 /// One parameter of a unit's layout.
@@ -223,24 +271,131 @@ pub struct UnitMeta {
     pub buffers: Vec<BufferMeta>,
 }
 
-/// One optimizer buffer.
+impl UnitMeta {
+    /// The metadata of a unit's flat-parameter layout and buffers (what a save records).
+    ///
+    /// Errors: a buffer of a dtype checkpoints do not store.
+    pub fn from_layout(
+        name: &str,
+        layout: &crate::flat_param::FlatParamLayout,
+        buffers: &[(String, candle_core::Var)],
+    ) -> Result<Self> {
+        Ok(UnitMeta {
+            name: name.to_string(),
+            dtype: "F32".into(),
+            world_size: layout.world_size,
+            unpadded_numel: layout.unpadded_numel,
+            padded_numel: layout.padded_numel,
+            shard_numel: layout.shard_numel,
+            params: layout
+                .params
+                .iter()
+                .map(|p| ParamMeta {
+                    name: p.name.clone(),
+                    shape: p.shape.dims().to_vec(),
+                    offset: p.offset,
+                    numel: p.numel,
+                })
+                .collect(),
+            buffers: buffers
+                .iter()
+                .map(|(name, var)| {
+                    Ok(BufferMeta {
+                        name: name.clone(),
+                        shape: var.dims().to_vec(),
+                        dtype: format!("{:?}", io::st_dtype(var.dtype())?),
+                    })
+                })
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    /// The flat-parameter layout this metadata describes: the layout of its parameters
+    /// (names, shapes, in order) over its `world_size` shards, checked against the recorded
+    /// offsets and sizes.
+    ///
+    /// Errors: the recorded offsets or sizes are not those of that layout (naming the unit,
+    /// and the first parameter or size that differs).
+    pub fn to_layout(&self) -> Result<crate::flat_param::FlatParamLayout> {
+        let named: Vec<(String, candle_core::Shape)> = self
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), candle_core::Shape::from(p.shape.clone())))
+            .collect();
+        let layout = crate::flat_param::FlatParamLayout::new(&named, self.world_size.max(1))?;
+        let unit = &self.name;
+        let mut prev: Option<&ParamMeta> = None;
+        for (p, q) in self.params.iter().zip(&layout.params) {
+            if p.numel != q.numel {
+                return Err(Error::InvalidArgument(format!(
+                    "unit {unit}: parameter {} of shape {:?} recorded with {} elements, not {}",
+                    p.name, p.shape, p.numel, q.numel
+                )));
+            }
+            if p.offset != q.offset {
+                let msg = match prev.filter(|r| p.offset < r.offset + r.numel) {
+                    Some(r) => format!(
+                        "unit {unit}: parameters {} (elements {}..{}) and {} (from {}) overlap",
+                        r.name,
+                        r.offset,
+                        r.offset + r.numel,
+                        p.name,
+                        p.offset
+                    ),
+                    None => format!(
+                        "unit {unit}: parameter {} recorded at offset {}, its layout puts it at {}",
+                        p.name, p.offset, q.offset
+                    ),
+                };
+                return Err(Error::InvalidArgument(msg));
+            }
+            prev = Some(p);
+        }
+        let recorded = (self.unpadded_numel, self.padded_numel, self.shard_numel);
+        let derived = (
+            layout.unpadded_numel,
+            layout.padded_numel,
+            layout.shard_numel,
+        );
+        if recorded != derived {
+            return Err(Error::InvalidArgument(format!(
+                "unit {unit}: recorded unpadded/padded/shard sizes {recorded:?} over {} shards, \
+                 its parameters lay out as {derived:?}",
+                self.world_size
+            )));
+        }
+        Ok(layout)
+    }
+}
+
+/// An optimizer buffer as version-2 metadata listed it (`exp_avg.3`); read only to convert a
+/// version-2 checkpoint, never written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct OptimBufferMeta {
-    /// Name in [`crate::OptimizerState::buffers`], e.g. `exp_avg.3`.
+pub struct LegacyOptimBuffer {
+    /// `<kind>.<unit>`.
     pub name: String,
-    /// Unit whose shard this buffer is laid out like (`<kind>.<unit>` with the unit's shard
-    /// length): stored and resharded exactly as that unit's flat parameter. `None`: a rank-local
-    /// buffer of another shape, stored per rank and loadable at the saved world size only.
+    /// The unit whose shard it is laid out like; `None` for a rank-local buffer.
     pub unit: Option<usize>,
 }
 
-/// The optimizer part of the metadata.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// The optimizer part of the metadata (typed: the files hold buffer kind `kind` of unit `k` as
+/// tensor `optim.<kind>.<k>`, laid out and resharded like the unit's flat parameter).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerMeta {
     /// Optimizer steps taken ([`crate::OptimizerState::step`]).
     pub step: u64,
-    /// Buffers (empty before the first step).
-    pub buffers: Vec<OptimBufferMeta>,
+    /// Kind and per-group hyper-parameters (`None` in version 1 and 2 checkpoints).
+    #[serde(default)]
+    pub hyper: Option<crate::optim::OptimizerHyper>,
+    /// Buffer kinds saved for every unit (empty before the first step).
+    #[serde(default)]
+    pub buffer_kinds: Vec<crate::optim::BufferKind>,
+    /// Updates taken by each parameter, by full name (empty before the first step).
+    #[serde(default)]
+    pub param_steps: BTreeMap<String, u64>,
+    /// Version-2 buffer list (converted on reading; empty in version 3).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buffers: Vec<LegacyOptimBuffer>,
 }
 
 /// One rank's file of a sharded checkpoint.
@@ -252,6 +407,10 @@ pub struct FileMeta {
     pub name: String,
     /// Size in bytes (checked on load: catches truncated files).
     pub bytes: u64,
+    /// CRC-32C (Castagnoli) of each tensor's data bytes, by tensor name (checked on load for
+    /// every tensor read: catches flipped bits; empty in version 1 and 2 checkpoints).
+    #[serde(default)]
+    pub crc32c: BTreeMap<String, u32>,
 }
 
 /// Contents of a sharded checkpoint's `meta.json`.
@@ -280,6 +439,9 @@ pub struct CheckpointMeta {
     /// The files, one per rank (empty in version-1 checkpoints).
     #[serde(default)]
     pub files: Vec<FileMeta>,
+    /// When it was saved: milliseconds since the Unix epoch (`None` before version 3).
+    #[serde(default)]
+    pub saved_at_unix_ms: Option<u64>,
 }
 
 impl CheckpointMeta {
@@ -328,6 +490,19 @@ pub struct Loaded {
     pub meta: CheckpointMeta,
     /// What this rank read.
     pub stats: ReadStats,
+    /// Newer checkpoints that [`load_latest`] found damaged and skipped, newest first.
+    pub skipped: Vec<SkippedCheckpoint>,
+}
+
+/// A damaged checkpoint that [`load_latest`] passed over.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SkippedCheckpoint {
+    /// Where it was.
+    pub dir: PathBuf,
+    /// Where it is now, left for inspection (`step-<n>.damaged`), if the rename succeeded.
+    pub renamed_to: Option<PathBuf>,
+    /// Why it did not load.
+    pub error: String,
 }
 
 /// Name of the directory of the checkpoint at `step` (`step-00000938`).
@@ -400,8 +575,52 @@ pub fn read_meta(dir: &Path) -> Result<CheckpointMeta> {
     if meta.format_version < 2 {
         upgrade_v1(&mut meta);
     }
+    if meta.format_version < 3 {
+        upgrade_v2(&mut meta, &path)?;
+    }
     validate_meta(&meta, &path)?;
     Ok(meta)
+}
+
+/// Converts a version-2 optimizer buffer list (`<kind>.<unit>` names) into buffer kinds and
+/// per-parameter step counts (every parameter at the optimizer's step: version 2 had one
+/// optimizer-wide count). The only place a buffer name is parsed.
+fn upgrade_v2(meta: &mut CheckpointMeta, path: &Path) -> Result<()> {
+    let Some(o) = &mut meta.optimizer else {
+        return Ok(());
+    };
+    let mut kinds = std::collections::BTreeSet::new();
+    for b in std::mem::take(&mut o.buffers) {
+        let kind = b.name.rsplit_once('.').map_or("", |(k, _)| k);
+        let kind: crate::optim::BufferKind =
+            serde_json::from_value(serde_json::Value::String(kind.into())).map_err(|_| {
+                Error::file(
+                    path,
+                    format!("optimizer buffer {}: unknown kind {kind}", b.name),
+                )
+            })?;
+        if b.unit.is_none() {
+            return Err(Error::file(
+                path,
+                format!(
+                    "optimizer buffer {} is not laid out like a unit shard (a rank-local buffer                      of a version-2 checkpoint): not supported by this reader",
+                    b.name
+                ),
+            ));
+        }
+        kinds.insert(kind);
+    }
+    o.buffer_kinds = kinds.into_iter().collect();
+    if o.step > 0 {
+        let step = o.step;
+        o.param_steps = meta
+            .units
+            .iter()
+            .flat_map(|u| &u.params)
+            .map(|p| (p.name.clone(), step))
+            .collect();
+    }
+    Ok(())
 }
 
 /// Completes a version-1 metadata: per-unit shard counts, element counts, unpadded sizes.
@@ -445,12 +664,6 @@ fn validate_meta(meta: &CheckpointMeta, path: &Path) -> Result<()> {
                 u.name, u.world_size, meta.world_size
             ));
         }
-        if u.shard_numel * u.world_size != u.padded_numel || u.unpadded_numel > u.padded_numel {
-            return bad(format!(
-                "unit {}: shard {} × {} shards ≠ padded {} (unpadded {})",
-                u.name, u.shard_numel, u.world_size, u.padded_numel, u.unpadded_numel
-            ));
-        }
         if u.dtype != "F32" {
             return bad(format!(
                 "unit {}: dtype expected F32, found {}",
@@ -458,31 +671,16 @@ fn validate_meta(meta: &CheckpointMeta, path: &Path) -> Result<()> {
             ));
         }
         for p in &u.params {
-            if p.numel != p.shape.iter().product::<usize>() || p.offset + p.numel > u.unpadded_numel
-            {
-                return bad(format!(
-                    "unit {}: parameter {} (shape {:?}, offset {}, numel {}) does not fit its \
-                     unit (unpadded {})",
-                    u.name, p.name, p.shape, p.offset, p.numel, u.unpadded_numel
-                ));
-            }
             if !seen.insert(p.name.as_str()) {
                 return bad(format!("parameter {} appears twice", p.name));
             }
         }
-        let mut spans: Vec<(usize, usize, &str)> = u
-            .params
-            .iter()
-            .map(|p| (p.offset, p.offset + p.numel, p.name.as_str()))
-            .collect();
-        spans.sort_unstable();
-        for w in spans.windows(2) {
-            if w[1].0 < w[0].1 {
-                return bad(format!(
-                    "unit {}: parameters {} (elements {}..{}) and {} (from {}) overlap",
-                    u.name, w[0].2, w[0].0, w[0].1, w[1].2, w[1].0
-                ));
-            }
+        // Offsets, sizes, overlaps: the metadata must be the layout of its parameters.
+        if let Err(e) = u.to_layout() {
+            return bad(match e {
+                Error::InvalidArgument(m) => m,
+                other => other.to_string(),
+            });
         }
         for b in &u.buffers {
             if !seen.insert(b.name.as_str()) {
@@ -491,15 +689,10 @@ fn validate_meta(meta: &CheckpointMeta, path: &Path) -> Result<()> {
         }
     }
     if let Some(o) = &meta.optimizer {
-        for b in &o.buffers {
-            if b.unit.is_some_and(|k| k >= meta.units.len()) {
-                return bad(format!(
-                    "optimizer buffer {} refers to unit {:?} of {}",
-                    b.name,
-                    b.unit,
-                    meta.units.len()
-                ));
-            }
+        if let Some(name) = o.param_steps.keys().find(|n| !seen.contains(n.as_str())) {
+            return bad(format!(
+                "optimizer step count for parameter {name}, which no unit has"
+            ));
         }
     }
     if !meta.files.is_empty() && meta.files.len() != meta.world_size {

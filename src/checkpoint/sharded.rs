@@ -20,14 +20,18 @@ use safetensors::Dtype;
 
 use super::io::{st_dtype, sync_dir, MappedFile, SafetensorsWriter, TensorSpec};
 use super::{
-    agree, agree_on_latest, fault, list_complete, read_meta, step_dir_name, write_atomic,
-    BufferMeta, CheckpointMeta, FileMeta, Loaded, OptimBufferMeta, OptimizerMeta, ParamMeta,
-    ReadStats, TrainState, UnitMeta, FORMAT_VERSION, META_FILE,
+    agree, fault, list_complete, parse_step_dir, read_meta, step_dir_name, write_atomic,
+    BufferMeta, CheckpointMeta, FileMeta, Loaded, OptimizerMeta, ParamMeta, ReadStats,
+    SkippedCheckpoint, TrainState, UnitMeta, FORMAT_VERSION, META_FILE,
 };
+use crate::comm::{ProcessGroupExt, ReduceOp};
 use crate::error::{Error, Result};
+use crate::flat_param::FlatParamLayout;
 use crate::fsdp::FsdpModel;
 use crate::ops::with_host_f32;
-use crate::optim::{OptimizerState, ShardedOptimizer};
+use crate::optim::{
+    check_loadable, BufferKind, OptimizerHyper, OptimizerState, ShardedOptimizer, UnitOptimState,
+};
 use crate::shard_view::ShardView;
 
 /// Value of the `format` entry of a shard file's safetensors metadata.
@@ -42,95 +46,85 @@ pub fn shard_file_name(rank: usize, world_size: usize) -> String {
 fn unit_metas(model: &FsdpModel) -> Result<Vec<UnitMeta>> {
     model
         .shards()
-        .map(|u| {
-            let l = u.layout;
-            Ok(UnitMeta {
-                name: u.unit_name.to_string(),
-                dtype: "F32".into(),
-                world_size: l.world_size,
-                unpadded_numel: l.unpadded_numel,
-                padded_numel: l.padded_numel,
-                shard_numel: l.shard_numel,
-                params: l
-                    .params
-                    .iter()
-                    .map(|p| ParamMeta {
-                        name: p.name.clone(),
-                        shape: p.shape.dims().to_vec(),
-                        offset: p.offset,
-                        numel: p.numel,
-                    })
-                    .collect(),
-                buffers: u
-                    .buffers
-                    .iter()
-                    .map(|(name, var)| {
-                        Ok(BufferMeta {
-                            name: name.clone(),
-                            shape: var.dims().to_vec(),
-                            dtype: format!("{:?}", st_dtype(var.dtype())?),
-                        })
-                    })
-                    .collect::<Result<_>>()?,
-            })
-        })
+        .map(|u| UnitMeta::from_layout(u.unit_name, u.layout, u.buffers))
         .collect()
 }
 
-/// Which optimizer buffers are laid out like a unit's shard (`<kind>.<unit>` of that length).
-fn classify_optim(model: &FsdpModel, state: &OptimizerState) -> Vec<OptimBufferMeta> {
-    let shard_numels: Vec<usize> = model.shards().map(|u| u.layout.shard_numel).collect();
-    state
-        .buffers
-        .iter()
-        .map(|(name, v)| OptimBufferMeta {
-            name: name.clone(),
-            unit: name
-                .rsplit_once('.')
-                .and_then(|(_, k)| k.parse::<usize>().ok())
-                .filter(|&k| shard_numels.get(k) == Some(&v.len())),
-        })
-        .collect()
-}
-
-/// Writes this rank's file: its shards of the units it holds a shard of, the matching optimizer
-/// buffers, rank-local optimizer buffers, and (rank 0) the buffers.
-fn write_rank_file(
-    path: &Path,
+/// The tensors of rank `rank`'s file, in file order: its shards of the units it holds a shard
+/// of, the matching optimizer buffers (`kinds`, when the optimizer has state), and (rank 0)
+/// the buffers. A function of the model and the rank only, so rank 0 knows every file's
+/// tensor names (for the checksums) without asking.
+fn rank_file_specs(
     model: &FsdpModel,
-    state: &OptimizerState,
-    obufs: &[OptimBufferMeta],
+    kinds: &[BufferKind],
     rank: usize,
-    ws: usize,
-) -> Result<u64> {
-    let units: Vec<ShardView> = model.shards().collect();
-    // Shard s of a unit lives in rank s's file; under NO_SHARD (one shard) only rank 0 has it.
-    let holds = |k: usize| units[k].layout.world_size > rank;
+) -> Result<Vec<TensorSpec>> {
     let mut specs = Vec::new();
-    for (k, u) in units.iter().enumerate() {
-        if holds(k) {
-            specs.push(TensorSpec::f32(format!("param.{k}"), u.layout.shard_numel));
+    // Shard s of a unit lives in rank s's file; under NO_SHARD (one shard) only rank 0 has it.
+    for (k, u) in model.shards().enumerate() {
+        if u.layout.world_size > rank {
+            specs.push(TensorSpec::f32(param_tensor(k), u.layout.shard_numel));
         }
     }
-    for b in obufs {
-        if b.unit.is_none_or(holds) {
-            specs.push(TensorSpec::f32(
-                format!("optim.{}", b.name),
-                state.buffers[&b.name].len(),
-            ));
+    for kind in kinds {
+        for (k, u) in model.shards().enumerate() {
+            if u.layout.world_size > rank {
+                specs.push(TensorSpec::f32(
+                    optim_tensor(*kind, k),
+                    u.layout.shard_numel,
+                ));
+            }
         }
     }
     if rank == 0 {
-        for u in &units {
+        for u in model.shards() {
             for (name, var) in u.buffers {
                 specs.push(TensorSpec {
-                    name: format!("buffer.{name}"),
+                    name: buffer_tensor(name),
                     dtype: st_dtype(var.dtype())?,
                     shape: var.dims().to_vec(),
                 });
             }
         }
     }
+    Ok(specs)
+}
+
+/// Tensor name of unit `k`'s parameter shard.
+fn param_tensor(k: usize) -> String {
+    format!("param.{k}")
+}
+
+/// Tensor name of unit `k`'s optimizer buffer `kind` (written, never parsed back).
+fn optim_tensor(kind: BufferKind, k: usize) -> String {
+    format!("optim.{}.{k}", kind.name())
+}
+
+/// Tensor name of a buffer.
+fn buffer_tensor(name: &str) -> String {
+    format!("buffer.{name}")
+}
+
+/// The buffer kinds of an optimizer state (the same for every unit).
+fn state_kinds(state: &OptimizerState) -> Vec<BufferKind> {
+    state
+        .units
+        .first()
+        .map(|u| u.buffers.keys().copied().collect())
+        .unwrap_or_default()
+}
+
+/// Writes this rank's file (see [`rank_file_specs`]); returns the CRC-32C of each tensor, in
+/// file order.
+fn write_rank_file(
+    path: &Path,
+    model: &FsdpModel,
+    state: &OptimizerState,
+    rank: usize,
+    ws: usize,
+) -> Result<Vec<u32>> {
+    let kinds = state_kinds(state);
+    let specs = rank_file_specs(model, &kinds, rank)?;
     let meta = HashMap::from([
         ("format".to_string(), SHARDED_FORMAT.to_string()),
         ("format_version".to_string(), FORMAT_VERSION.to_string()),
@@ -138,24 +132,101 @@ fn write_rank_file(
         ("world_size".to_string(), ws.to_string()),
     ]);
     let mut w = SafetensorsWriter::create(path, specs, meta)?;
-    for (k, u) in units.iter().enumerate() {
-        if holds(k) {
-            with_host_f32(u.param, |s| w.write_f32(&format!("param.{k}"), s))??;
+    let holds = |u: &ShardView| u.layout.world_size > rank;
+    for (k, u) in model.shards().enumerate() {
+        if holds(&u) {
+            with_host_f32(u.param, |s| w.write_f32(&param_tensor(k), s))??;
         }
     }
-    for b in obufs {
-        if b.unit.is_none_or(holds) {
-            w.write_f32(&format!("optim.{}", b.name), &state.buffers[&b.name])?;
-        }
-    }
-    if rank == 0 {
-        for u in &units {
-            for (name, var) in u.buffers {
-                w.write_tensor(&format!("buffer.{name}"), var.as_tensor())?;
+    for kind in &kinds {
+        for (k, u) in model.shards().enumerate() {
+            if holds(&u) {
+                let b = state.units[k].buffers.get(kind).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "optimizer state: unit {} has no {kind} buffer, unit 0 has one",
+                        u.unit_name
+                    ))
+                })?;
+                w.write_f32(&optim_tensor(*kind, k), b)?;
             }
         }
     }
-    w.finish()
+    if rank == 0 {
+        for u in model.shards() {
+            for (name, var) in u.buffers {
+                w.write_tensor(&buffer_tensor(name), var.as_tensor())?;
+            }
+        }
+    }
+    Ok(w.finish()?.1)
+}
+
+/// The optimizer part of the metadata: kind, groups, buffer kinds, per-parameter steps.
+fn optimizer_meta(model: &FsdpModel, state: &OptimizerState) -> OptimizerMeta {
+    let param_steps = model
+        .shards()
+        .zip(&state.units)
+        .flat_map(|(v, u)| {
+            v.layout
+                .params
+                .iter()
+                .zip(&u.steps)
+                .map(|(p, s)| (p.name.clone(), *s))
+        })
+        .collect();
+    OptimizerMeta {
+        step: state.step,
+        hyper: Some(state.hyper.clone()),
+        buffer_kinds: state_kinds(state),
+        param_steps,
+        buffers: Vec::new(),
+    }
+}
+
+/// Every rank's tensor checksums, known to rank 0 (a collective: one sum all-reduce of one
+/// integer per tensor of every file; each rank fills its own file's slots).
+fn gather_checksums(
+    model: &FsdpModel,
+    kinds: &[BufferKind],
+    mine: &[u32],
+) -> Result<Vec<BTreeMap<String, u32>>> {
+    let pg = model.process_group();
+    let (rank, ws) = (pg.rank(), pg.world_size());
+    let names: Vec<Vec<String>> = (0..ws)
+        .map(|r| {
+            Ok(rank_file_specs(model, kinds, r)?
+                .into_iter()
+                .map(|s| s.name)
+                .collect())
+        })
+        .collect::<Result<_>>()?;
+    if names[rank].len() != mine.len() {
+        return Err(Error::InvalidArgument(format!(
+            "checkpoint checksums: rank {rank} wrote {} tensors, expected {}",
+            mine.len(),
+            names[rank].len()
+        )));
+    }
+    let total: usize = names.iter().map(Vec::len).sum();
+    let at: usize = names[..rank].iter().map(Vec::len).sum();
+    let mut v = vec![0u64; total];
+    for (slot, c) in v[at..].iter_mut().zip(mine) {
+        *slot = u64::from(*c);
+    }
+    let v = if ws == 1 {
+        v
+    } else {
+        pg.all_reduce_u64s(v, ReduceOp::Sum)?
+    };
+    let mut it = v.into_iter();
+    Ok(names
+        .into_iter()
+        .map(|ns| {
+            ns.into_iter()
+                .map(|n| (n, it.next().unwrap_or(0) as u32))
+                .collect()
+        })
+        .collect())
 }
 
 /// Rank 0: removes a stale staging directory of the same step and creates a fresh one.
@@ -187,6 +258,14 @@ pub(crate) fn publish(
         .unwrap_or("step");
     let replaced = root.join(format!(".{name}.replaced"));
     let had_old = final_dir.exists();
+    if had_old && run_of(final_dir) != meta.train.run_id {
+        tracing::warn!(
+            "checkpoint {} of run {:?} is replaced by the same step of run {:?}",
+            final_dir.display(),
+            run_of(final_dir),
+            meta.train.run_id
+        );
+    }
     if had_old {
         if replaced.exists() {
             fs::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
@@ -204,18 +283,19 @@ pub(crate) fn publish(
         let _ = fs::remove_dir_all(&replaced);
     }
     if keep_last > 0 {
-        if let Err(e) = rotate(root, final_dir, keep_last) {
+        if let Err(e) = rotate(root, final_dir, keep_last, meta.train.run_id.as_deref()) {
             tracing::warn!("checkpoint rotation under {}: {e}", root.display());
         }
     }
     Ok(())
 }
 
-/// Deletes the oldest complete checkpoints other than `keep` until `keep_last` remain
-/// (`keep` counting as one). Each is renamed to a hidden name first, so a crash during the
-/// deletion never leaves a partly deleted directory that looks complete.
-fn rotate(root: &Path, keep: &Path, keep_last: usize) -> Result<()> {
-    let mut all = list_complete(root)?;
+/// Deletes the oldest complete checkpoints of run `run_id` other than `keep` until
+/// `keep_last` remain (`keep` counting as one); other runs' checkpoints are never touched.
+/// Each is renamed to a hidden name first, so a crash during the deletion never leaves a
+/// partly deleted directory that looks complete.
+fn rotate(root: &Path, keep: &Path, keep_last: usize, run_id: Option<&str>) -> Result<()> {
+    let mut all = list_run(root, run_id)?;
     all.retain(|p| p != keep);
     while all.len() + 1 > keep_last {
         let old = all.remove(0);
@@ -226,6 +306,28 @@ fn rotate(root: &Path, keep: &Path, keep_last: usize) -> Result<()> {
     }
     sync_dir(root);
     Ok(())
+}
+
+/// The run id recorded in a complete checkpoint's `meta.json`: `Some(None)` for an anonymous
+/// run, `None` when the metadata cannot be read (damaged: reported when it is loaded).
+fn read_run(dir: &Path) -> Option<Option<String>> {
+    let bytes = fs::read(dir.join(META_FILE)).ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    Some(v.get("run_id").and_then(|r| r.as_str()).map(str::to_string))
+}
+
+/// The run id of a checkpoint (`None`: anonymous or unreadable).
+fn run_of(dir: &Path) -> Option<String> {
+    read_run(dir).flatten()
+}
+
+/// Complete checkpoints under `root` of run `run_id`, oldest first (one whose metadata cannot
+/// be read belongs to no run: never rotated away, never loaded as this run's).
+fn list_run(root: &Path, run_id: Option<&str>) -> Result<Vec<PathBuf>> {
+    Ok(list_complete(root)?
+        .into_iter()
+        .filter(|d| read_run(d).is_some_and(|r| r.as_deref() == run_id))
+        .collect())
 }
 
 /// Saves a sharded checkpoint of `model` and `optim` as `<root>/step-<state.step>/` (a
@@ -268,13 +370,16 @@ pub fn save_sharded(
             prep,
         )?;
         let file = staging.join(shard_file_name(rank, ws));
-        let (written, obufs, optim_step) = match optim.state() {
-            Ok(ostate) => {
-                let obufs = classify_optim(model, &ostate);
-                let written = write_rank_file(&file, model, &ostate, &obufs, rank, ws).map(|_| ());
-                (written, obufs, ostate.step)
-            }
-            Err(e) => (Err(e), Vec::new(), 0),
+        let (written, ostate) = match optim.state() {
+            Ok(ostate) => match write_rank_file(&file, model, &ostate, rank, ws) {
+                Ok(crcs) => (Ok(crcs), Some(ostate)),
+                Err(e) => (Err(e), None),
+            },
+            Err(e) => (Err(e), None),
+        };
+        let (written, crcs) = match written {
+            Ok(c) => (Ok(()), c),
+            Err(e) => (Err(e), Vec::new()),
         };
         let cleanup = |staging: &Path| {
             if rank == 0 && !fault::crash_mode() {
@@ -290,6 +395,14 @@ pub fn save_sharded(
             cleanup(&staging);
             return Err(e);
         }
+        let ostate = ostate.expect("written on every rank");
+        let checksums = match gather_checksums(model, &state_kinds(&ostate), &crcs) {
+            Ok(c) => c,
+            Err(e) => {
+                cleanup(&staging);
+                return Err(e);
+            }
+        };
         let finished = if rank == 0 {
             (|| -> Result<()> {
                 let files = (0..ws)
@@ -301,6 +414,7 @@ pub fn save_sharded(
                             rank: r,
                             name,
                             bytes,
+                            crc32c: checksums[r].clone(),
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -318,11 +432,9 @@ pub fn save_sharded(
                     train,
                     dtype: "F32".into(),
                     units: unit_metas(model)?,
-                    optimizer: Some(OptimizerMeta {
-                        step: optim_step,
-                        buffers: obufs.clone(),
-                    }),
+                    optimizer: Some(optimizer_meta(model, &ostate)),
                     files,
+                    saved_at_unix_ms: Some(now_unix_ms()),
                 };
                 publish(root, &staging, &final_dir, &meta, keep_last)
             })()
@@ -343,6 +455,13 @@ pub fn save_sharded(
     result.map_err(|e| e.in_checkpoint(step))
 }
 
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// A contiguous range of one saved shard to copy into the new shard.
 #[derive(Debug, Clone, Copy)]
 struct Piece {
@@ -358,167 +477,197 @@ struct Piece {
     out: usize,
 }
 
-/// A checked plan for loading one checkpoint into one rank's model.
+/// Why a checkpoint did not load: `damaged` when its files or metadata are damaged (an older
+/// checkpoint may still load), otherwise it does not fit the model or the optimizer (no other
+/// checkpoint of the run would either).
+#[derive(Debug)]
+struct LoadError {
+    error: Box<Error>,
+    damaged: bool,
+}
+
+fn damaged(error: Error) -> LoadError {
+    LoadError {
+        error: Box::new(error),
+        damaged: true,
+    }
+}
+
+fn mismatch(error: Error) -> LoadError {
+    LoadError {
+        error: Box::new(error),
+        damaged: false,
+    }
+}
+
+/// What the optimizer gets from the checkpoint.
+struct OptimPlan {
+    /// Kind and groups (`None`: a version-1/2 checkpoint; the optimizer keeps its own).
+    hyper: Option<OptimizerHyper>,
+    /// Optimizer steps taken.
+    step: u64,
+    /// Buffer kinds, resharded like the units.
+    kinds: Vec<BufferKind>,
+    /// Per model unit, the step count of each parameter (layout order).
+    steps: Vec<Vec<u64>>,
+}
+
+/// A checked plan for loading one checkpoint into one rank's model and optimizer.
 struct Reader {
     meta: CheckpointMeta,
     files: HashMap<usize, MappedFile>,
     /// Per model unit, the pieces of its new shard.
     plans: Vec<Vec<Piece>>,
-    /// Optimizer buffer kinds resharded like the units (`exp_avg`, …).
-    kinds: Vec<String>,
-    /// Rank-local optimizer buffers read as they are (same world size only).
-    local_bufs: Vec<String>,
-    /// Optimizer steps.
-    optim_step: u64,
+    optim: OptimPlan,
 }
 
 fn meta_err(dir: &Path, msg: String) -> Error {
     Error::file(dir.join(META_FILE), msg)
 }
 
-/// Version-1 checkpoints do not list the optimizer buffers: find them in rank 0's file.
-pub(crate) fn discover_optimizer(meta: &CheckpointMeta, file0: &MappedFile) -> OptimizerMeta {
-    let mut buffers: Vec<OptimBufferMeta> = file0
-        .names()
-        .filter_map(|n| n.strip_prefix("optim."))
-        .map(|name| {
-            let len = file0
-                .info(&format!("optim.{name}"))
-                .map(|i| i.shape.iter().product::<usize>());
-            let unit = name
-                .rsplit_once('.')
-                .and_then(|(_, k)| k.parse::<usize>().ok())
-                .filter(|&k| k < meta.units.len() && Some(meta.units[k].shard_numel) == len);
-            OptimBufferMeta {
-                name: name.to_string(),
-                unit,
-            }
-        })
-        .collect();
-    buffers.sort_by(|a, b| a.name.cmp(&b.name));
-    OptimizerMeta {
-        step: meta.train.step,
-        buffers,
-    }
+/// Whether `dir`'s metadata is from a newer format (not damage: a newer reader loads it).
+fn newer_format(dir: &Path) -> bool {
+    fs::read(dir.join(META_FILE))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v.get("format_version")?.as_u64())
+        .is_some_and(|v| v > u64::from(FORMAT_VERSION))
 }
 
-impl Reader {
-    /// Reads the metadata, matches it against the model, plans every copy, opens the files it
-    /// needs and checks every tensor it will read. Reads no tensor data.
-    fn prepare(dir: &Path, model: &FsdpModel, stats: &mut ReadStats) -> Result<Self> {
-        let mut meta = read_meta(dir)?;
-        let ws = model.process_group().world_size();
-        let rank = model.process_group().rank();
-        // Saved parameters and buffers by name.
-        let mut saved: HashMap<&str, (usize, &ParamMeta)> = HashMap::new();
-        let mut saved_bufs: HashMap<&str, &BufferMeta> = HashMap::new();
-        for (j, u) in meta.units.iter().enumerate() {
-            for p in &u.params {
-                saved.insert(&p.name, (j, p));
-            }
-            for b in &u.buffers {
-                saved_bufs.insert(&b.name, b);
-            }
+/// Version-1 checkpoints do not list the optimizer buffers: find their kinds in rank 0's file
+/// (reading a version-1 file is the only place tensor names are parsed).
+pub(crate) fn discover_kinds(file0: &MappedFile) -> Vec<BufferKind> {
+    let kinds: BTreeSet<BufferKind> = file0
+        .names()
+        .filter_map(|n| n.strip_prefix("optim."))
+        .filter_map(|n| n.rsplit_once('.'))
+        .filter_map(|(k, _)| serde_json::from_value(serde_json::Value::String(k.into())).ok())
+        .collect();
+    kinds.into_iter().collect()
+}
+
+/// Step 1: every parameter and buffer of the model is in the checkpoint with its shape, and
+/// the checkpoint has none the model lacks.
+fn match_names(dir: &Path, meta: &CheckpointMeta, model: &FsdpModel) -> Result<()> {
+    let mut saved: HashMap<&str, &ParamMeta> = HashMap::new();
+    let mut saved_bufs: HashMap<&str, &BufferMeta> = HashMap::new();
+    for u in &meta.units {
+        for p in &u.params {
+            saved.insert(&p.name, p);
         }
-        // Names, shapes: parameters.
-        let mut missing = Vec::new();
-        let mut known = BTreeSet::new();
-        for u in model.shards() {
-            for p in &u.layout.params {
-                known.insert(p.name.as_str());
-                match saved.get(p.name.as_str()) {
-                    None => missing.push(format!(
-                        "{} (unit {}, shape {:?})",
-                        p.name,
-                        u.unit_name,
-                        p.shape.dims()
-                    )),
-                    Some((_, sp)) if sp.shape != p.shape.dims() => {
-                        return Err(meta_err(
-                            dir,
-                            format!(
-                                "parameter {}: the model expects shape {:?}, the checkpoint has \
-                                 {:?}",
-                                p.name,
-                                p.shape.dims(),
-                                sp.shape
-                            ),
-                        ))
-                    }
-                    Some(_) => {}
+        for b in &u.buffers {
+            saved_bufs.insert(&b.name, b);
+        }
+    }
+    let mut missing = Vec::new();
+    let mut known = BTreeSet::new();
+    for u in model.shards() {
+        for p in &u.layout.params {
+            known.insert(p.name.as_str());
+            match saved.get(p.name.as_str()) {
+                None => missing.push(format!(
+                    "{} (unit {}, shape {:?})",
+                    p.name,
+                    u.unit_name,
+                    p.shape.dims()
+                )),
+                Some(sp) if sp.shape != p.shape.dims() => {
+                    return Err(meta_err(
+                        dir,
+                        format!(
+                            "parameter {}: the model expects shape {:?}, the checkpoint has {:?}",
+                            p.name,
+                            p.shape.dims(),
+                            sp.shape
+                        ),
+                    ))
                 }
+                Some(_) => {}
             }
-            for (name, var) in u.buffers {
-                known.insert(name.as_str());
-                match saved_bufs.get(name.as_str()) {
-                    None => missing.push(format!(
-                        "{name} (buffer of unit {}, shape {:?})",
-                        u.unit_name,
-                        var.dims()
-                    )),
-                    Some(b) if b.shape != var.dims() => {
-                        return Err(meta_err(
-                            dir,
-                            format!(
-                                "buffer {name}: the model expects shape {:?}, the checkpoint has \
-                                 {:?}",
-                                var.dims(),
-                                b.shape
-                            ),
-                        ))
-                    }
-                    Some(_) => {}
+        }
+        for (name, var) in u.buffers {
+            known.insert(name.as_str());
+            match saved_bufs.get(name.as_str()) {
+                None => missing.push(format!(
+                    "{name} (buffer of unit {}, shape {:?})",
+                    u.unit_name,
+                    var.dims()
+                )),
+                Some(b) if b.shape != var.dims() => {
+                    return Err(meta_err(
+                        dir,
+                        format!(
+                            "buffer {name}: the model expects shape {:?}, the checkpoint has {:?}",
+                            var.dims(),
+                            b.shape
+                        ),
+                    ))
                 }
+                Some(_) => {}
             }
         }
-        if !missing.is_empty() {
-            return Err(meta_err(
-                dir,
-                format!(
-                    "{} parameter(s)/buffer(s) of the model missing from the checkpoint: {}",
-                    missing.len(),
-                    missing.join(", ")
-                ),
-            ));
+    }
+    if !missing.is_empty() {
+        return Err(meta_err(
+            dir,
+            format!(
+                "{} parameter(s)/buffer(s) of the model missing from the checkpoint: {}",
+                missing.len(),
+                missing.join(", ")
+            ),
+        ));
+    }
+    let mut extra: Vec<String> = meta
+        .units
+        .iter()
+        .flat_map(|u| {
+            let params = u
+                .params
+                .iter()
+                .map(move |p| (p.name.as_str(), &u.name, &p.shape, "parameter"));
+            let bufs = u
+                .buffers
+                .iter()
+                .map(move |b| (b.name.as_str(), &u.name, &b.shape, "buffer"));
+            params.chain(bufs)
+        })
+        .filter(|(n, ..)| !known.contains(n))
+        .map(|(n, unit, shape, what)| format!("{n} ({what} of unit {unit}, shape {shape:?})"))
+        .collect();
+    if !extra.is_empty() {
+        extra.sort();
+        return Err(meta_err(
+            dir,
+            format!(
+                "the checkpoint has {} parameter(s)/buffer(s) the model does not have: {}",
+                extra.len(),
+                extra.join(", ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Step 2: the pieces of every new shard: each part of a parameter in this rank's shard, as
+/// contiguous ranges of saved shards, from the saved units' layouts (names matched by
+/// [`match_names`]).
+fn plan_pieces(saved: &[FlatParamLayout], model: &FsdpModel) -> Vec<Vec<Piece>> {
+    let mut by_name: HashMap<&str, (usize, usize)> = HashMap::new();
+    for (j, l) in saved.iter().enumerate() {
+        for p in &l.params {
+            by_name.insert(&p.name, (j, p.offset));
         }
-        let mut extra: Vec<String> = meta
-            .units
-            .iter()
-            .flat_map(|u| {
-                let params = u
-                    .params
-                    .iter()
-                    .map(move |p| (p.name.as_str(), &u.name, &p.shape, "parameter"));
-                let bufs = u
-                    .buffers
-                    .iter()
-                    .map(move |b| (b.name.as_str(), &u.name, &b.shape, "buffer"));
-                params.chain(bufs)
-            })
-            .filter(|(n, ..)| !known.contains(n))
-            .map(|(n, unit, shape, what)| format!("{n} ({what} of unit {unit}, shape {shape:?})"))
-            .collect();
-        if !extra.is_empty() {
-            extra.sort();
-            return Err(meta_err(
-                dir,
-                format!(
-                    "the checkpoint has {} parameter(s)/buffer(s) the model does not have: {}",
-                    extra.len(),
-                    extra.join(", ")
-                ),
-            ));
-        }
-        // Pieces of every new shard.
-        let mut plans = Vec::with_capacity(model.shards().len());
-        for u in model.shards() {
+    }
+    model
+        .shards()
+        .map(|u| {
             let layout = u.layout;
             let mut pieces = Vec::new();
             for e in layout.shard_table(u.shard_index) {
                 let p = &layout.params[e.param_index];
-                let (j, sp) = saved[p.name.as_str()];
-                let n = meta.units[j].shard_numel;
-                let mut flat = sp.offset + e.range_in_param.start;
+                let (j, offset) = by_name[p.name.as_str()];
+                let n = saved[j].shard_numel;
+                let mut flat = offset + e.range_in_param.start;
                 let mut done = 0;
                 while done < e.numel_in_shard {
                     let (s, off) = (flat / n, flat % n);
@@ -534,136 +683,214 @@ impl Reader {
                     done += len;
                 }
             }
-            plans.push(pieces);
-        }
-        // Files: those holding a piece, rank 0's for buffers, this rank's for rank-local
-        // optimizer buffers.
-        let mut needed: BTreeSet<usize> = plans.iter().flatten().map(|p| p.file).collect();
-        let has_buffers = model.shards().any(|u| !u.buffers.is_empty());
-        if has_buffers || meta.optimizer.is_none() {
-            needed.insert(0);
-        }
-        let mut files = HashMap::new();
-        let open = |s: usize, stats: &mut ReadStats| -> Result<MappedFile> {
-            let (name, bytes) = match meta.files.get(s) {
-                Some(f) => (f.name.clone(), Some(f.bytes)),
-                None => (shard_file_name(s, meta.world_size), None),
-            };
-            let f = MappedFile::open(&dir.join(name), bytes, stats)?;
-            let (r, w) = (f.metadata.get("rank"), f.metadata.get("world_size"));
-            if let (Some(r), Some(w)) = (r, w) {
-                if *r != s.to_string() || *w != meta.world_size.to_string() {
-                    return Err(Error::file(
-                        &f.path,
-                        format!(
-                            "expected the file of rank {s} of {}, found rank {r} of {w}",
-                            meta.world_size
-                        ),
-                    ));
-                }
-            }
-            Ok(f)
+            pieces
+        })
+        .collect()
+}
+
+/// Step 3: maps the files holding a piece (and rank 0's when there are buffers to read or
+/// the optimizer buffers must be discovered), checking each file's size and header.
+fn open_files(
+    dir: &Path,
+    meta: &CheckpointMeta,
+    plans: &[Vec<Piece>],
+    model: &FsdpModel,
+    stats: &mut ReadStats,
+) -> Result<HashMap<usize, MappedFile>> {
+    let mut needed: BTreeSet<usize> = plans.iter().flatten().map(|p| p.file).collect();
+    let has_buffers = model.shards().any(|u| !u.buffers.is_empty());
+    if has_buffers || meta.optimizer.is_none() {
+        needed.insert(0);
+    }
+    let mut files = HashMap::new();
+    for s in needed {
+        let (name, bytes) = match meta.files.get(s) {
+            Some(f) => (f.name.clone(), Some(f.bytes)),
+            None => (shard_file_name(s, meta.world_size), None),
         };
-        for &s in &needed {
-            files.insert(s, open(s, stats)?);
-        }
-        let optimizer = match meta.optimizer.clone() {
-            Some(o) => o,
-            None => discover_optimizer(&meta, &files[&0]),
-        };
-        let mut kinds = BTreeSet::new();
-        let mut local_bufs = Vec::new();
-        let mut by_name = BTreeSet::new();
-        for b in &optimizer.buffers {
-            by_name.insert(b.name.as_str());
-            match b.unit {
-                Some(_) => {
-                    let kind = b.name.rsplit_once('.').map_or("", |(k, _)| k);
-                    kinds.insert(kind.to_string());
-                }
-                None => local_bufs.push(b.name.clone()),
-            }
-        }
-        if !local_bufs.is_empty() {
-            if meta.world_size != ws {
-                return Err(meta_err(
-                    dir,
+        let f = MappedFile::open(&dir.join(name), bytes, stats)?;
+        let (r, w) = (f.metadata.get("rank"), f.metadata.get("world_size"));
+        if let (Some(r), Some(w)) = (r, w) {
+            if *r != s.to_string() || *w != meta.world_size.to_string() {
+                return Err(Error::file(
+                    &f.path,
                     format!(
-                        "optimizer buffer {} is not laid out like a unit shard, so it loads at \
-                         the saved world size only: saved at world size {}, loading at world size \
-                         {ws}",
-                        local_bufs[0], meta.world_size
+                        "expected the file of rank {s} of {}, found rank {r} of {w}",
+                        meta.world_size
                     ),
                 ));
             }
-            if let std::collections::hash_map::Entry::Vacant(e) = files.entry(rank) {
-                e.insert(open(rank, stats)?);
-            }
         }
-        // Check every tensor that will be read.
-        let mut checks: BTreeSet<(usize, String, usize)> = BTreeSet::new();
-        for p in plans.iter().flatten() {
-            let n = meta.units[p.unit].shard_numel;
-            checks.insert((p.file, format!("param.{}", p.unit), n));
-            for kind in &kinds {
-                let name = format!("{kind}.{}", p.unit);
-                if !by_name.contains(name.as_str()) {
-                    return Err(meta_err(
-                        dir,
-                        format!(
-                            "optimizer buffer {name} (unit {}) is missing from the checkpoint, \
-                             which has {kind} for other units",
-                            meta.units[p.unit].name
-                        ),
-                    ));
-                }
-                checks.insert((p.file, format!("optim.{name}"), n));
-            }
+        files.insert(s, f);
+    }
+    Ok(files)
+}
+
+/// Step 4: what the optimizer gets: its kind and groups must be the saved ones; per model
+/// parameter its step count, by name.
+fn classify_optimizer(
+    dir: &Path,
+    meta: &CheckpointMeta,
+    files: &HashMap<usize, MappedFile>,
+    model: &FsdpModel,
+    optim: &dyn ShardedOptimizer,
+) -> Result<OptimPlan> {
+    let (hyper, step, kinds, by_name) = match &meta.optimizer {
+        Some(o) => (
+            o.hyper.clone(),
+            o.step,
+            o.buffer_kinds.clone(),
+            o.param_steps.clone(),
+        ),
+        None => {
+            // Version 1: one optimizer-wide step, the train step.
+            let kinds = discover_kinds(&files[&0]);
+            let step = if kinds.is_empty() { 0 } else { meta.train.step };
+            let by_name = meta
+                .units
+                .iter()
+                .flat_map(|u| &u.params)
+                .filter(|_| step > 0)
+                .map(|p| (p.name.clone(), step))
+                .collect();
+            (None, step, kinds, by_name)
         }
-        for (s, name, n) in &checks {
-            files[s].check(name, Dtype::F32, &[*n])?;
+    };
+    if let Some(h) = &hyper {
+        check_loadable(optim.kind(), &optim.hyper(), h)
+            .map_err(|e| meta_err(dir, root_message(e)))?;
+    }
+    let steps = if kinds.is_empty() && by_name.is_empty() {
+        Vec::new()
+    } else {
+        model
+            .shards()
+            .map(|u| {
+                u.layout
+                    .params
+                    .iter()
+                    .map(|p| by_name.get(&p.name).copied().unwrap_or(0))
+                    .collect()
+            })
+            .collect()
+    };
+    Ok(OptimPlan {
+        hyper,
+        step,
+        kinds,
+        steps,
+    })
+}
+
+/// The message of an argument error without its variant's prefix.
+fn root_message(e: Error) -> String {
+    match e {
+        Error::InvalidArgument(m) => m,
+        other => other.to_string(),
+    }
+}
+
+/// Step 5: every tensor that will be read exists with its dtype and shape, and its data
+/// matches its recorded CRC-32C (the whole tensor is checked, also where only a range is
+/// copied).
+fn check_tensors(
+    dir: &Path,
+    meta: &CheckpointMeta,
+    files: &HashMap<usize, MappedFile>,
+    plans: &[Vec<Piece>],
+    kinds: &[BufferKind],
+    model: &FsdpModel,
+) -> Result<()> {
+    let mut checks: BTreeSet<(usize, String, Dtype, Vec<usize>)> = BTreeSet::new();
+    for p in plans.iter().flatten() {
+        let n = meta.units[p.unit].shard_numel;
+        checks.insert((p.file, param_tensor(p.unit), Dtype::F32, vec![n]));
+        for kind in kinds {
+            checks.insert((p.file, optim_tensor(*kind, p.unit), Dtype::F32, vec![n]));
         }
-        for name in &local_bufs {
-            let f = &files[&rank];
-            let t = format!("optim.{name}");
-            let info = f.info(&t).ok_or_else(|| {
-                Error::file(&f.path, format!("tensor {t} is missing (expected F32)"))
+    }
+    let saved_bufs: HashMap<&str, &BufferMeta> = meta
+        .units
+        .iter()
+        .flat_map(|u| &u.buffers)
+        .map(|b| (b.name.as_str(), b))
+        .collect();
+    for u in model.shards() {
+        for (name, _) in u.buffers {
+            let b = saved_bufs[name.as_str()];
+            let dtype: Dtype = serde_json::from_value(serde_json::Value::String(b.dtype.clone()))
+                .map_err(|_| {
+                meta_err(dir, format!("buffer {name}: unknown dtype {}", b.dtype))
             })?;
-            f.check(&t, Dtype::F32, &info.shape.clone())?;
+            checks.insert((0, buffer_tensor(name), dtype, b.shape.clone()));
         }
-        for u in model.shards() {
-            for (name, _) in u.buffers {
-                let b = saved_bufs[name.as_str()];
-                let dtype: Dtype = serde_json::from_value(serde_json::Value::String(
-                    b.dtype.clone(),
-                ))
-                .map_err(|_| meta_err(dir, format!("buffer {name}: unknown dtype {}", b.dtype)))?;
-                files[&0].check(&format!("buffer.{name}"), dtype, &b.shape)?;
+    }
+    for (s, name, dtype, shape) in &checks {
+        let f = &files[s];
+        f.check(name, *dtype, shape)?;
+        if let Some(expected) = meta.files.get(*s).and_then(|m| m.crc32c.get(name)) {
+            let found = f.crc32c(name)?;
+            if found != *expected {
+                return Err(Error::file(
+                    &f.path,
+                    format!(
+                        "tensor {name}: data damaged: CRC-32C {found:#010x}, {} recorded \
+                         {expected:#010x}",
+                        META_FILE
+                    ),
+                ));
             }
         }
-        meta.optimizer = Some(optimizer.clone());
+    }
+    Ok(())
+}
+
+impl Reader {
+    /// Reads the metadata and runs the steps: match names and shapes, plan the pieces, open
+    /// the files, classify the optimizer state, check the tensors. Reads no tensor data but
+    /// the checksummed bytes.
+    fn prepare(
+        dir: &Path,
+        model: &FsdpModel,
+        optim: &dyn ShardedOptimizer,
+        stats: &mut ReadStats,
+    ) -> std::result::Result<Self, LoadError> {
+        let meta = read_meta(dir).map_err(|e| LoadError {
+            error: Box::new(e),
+            damaged: !newer_format(dir),
+        })?;
+        match_names(dir, &meta, model).map_err(mismatch)?;
+        let saved = meta
+            .units
+            .iter()
+            .map(UnitMeta::to_layout)
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| damaged(meta_err(dir, root_message(e))))?;
+        let plans = plan_pieces(&saved, model);
+        let files = open_files(dir, &meta, &plans, model, stats).map_err(damaged)?;
+        let optim = classify_optimizer(dir, &meta, &files, model, optim).map_err(mismatch)?;
+        check_tensors(dir, &meta, &files, &plans, &optim.kinds, model).map_err(damaged)?;
         Ok(Self {
             meta,
             files,
             plans,
-            kinds: kinds.into_iter().collect(),
-            local_bufs,
-            optim_step: optimizer.step,
+            optim,
         })
     }
 
-    /// Fills a buffer of one model unit's new shard length from saved tensors `<prefix>.<unit>`.
+    /// Fills a buffer of one model unit's new shard length from the saved tensors
+    /// `tensor(saved unit)`.
     fn fill(
         &self,
         k: usize,
         shard_numel: usize,
-        prefix: &str,
+        tensor: impl Fn(usize) -> String,
         stats: &mut ReadStats,
     ) -> Result<Vec<f32>> {
         let mut out = vec![0.0f32; shard_numel];
         for p in &self.plans[k] {
             self.files[&p.file].read_f32(
-                &format!("{prefix}.{}", p.unit),
+                &tensor(p.unit),
                 p.offset..p.offset + p.len,
                 &mut out[p.out..p.out + p.len],
                 stats,
@@ -674,39 +901,35 @@ impl Reader {
 
     /// Copies everything into the model and the optimizer.
     fn apply(
-        &self,
+        self,
         model: &mut FsdpModel,
         optim: &mut dyn ShardedOptimizer,
         stats: &mut ReadStats,
-    ) -> Result<()> {
-        let rank = model.process_group().rank();
+    ) -> Result<CheckpointMeta> {
         let device = model.config().device.clone();
         // Release the old optimizer state before the new one is allocated.
-        optim.load_state(OptimizerState::default())?;
-        let mut buffers = BTreeMap::new();
+        optim.clear_state();
         let shard_numels: Vec<usize> = model.shards().map(|u| u.layout.shard_numel).collect();
+        let mut units = Vec::new();
         for (k, &n) in shard_numels.iter().enumerate() {
-            let shard = self.fill(k, n, "param", stats)?;
+            let shard = self.fill(k, n, param_tensor, stats)?;
             model.set_unit_shard(k, Tensor::from_vec(shard, n, &device)?)?;
-            for kind in &self.kinds {
-                buffers.insert(
-                    format!("{kind}.{k}"),
-                    self.fill(k, n, &format!("optim.{kind}"), stats)?,
-                );
+            if !self.optim.steps.is_empty() {
+                let mut buffers = BTreeMap::new();
+                for kind in &self.optim.kinds {
+                    let v = self.fill(k, n, |j| optim_tensor(*kind, j), stats)?;
+                    buffers.insert(*kind, v);
+                }
+                units.push(UnitOptimState {
+                    steps: self.optim.steps[k].clone(),
+                    buffers,
+                });
             }
-        }
-        for name in &self.local_bufs {
-            let f = &self.files[&rank];
-            let t = format!("optim.{name}");
-            let n = f.info(&t).map_or(0, |i| i.shape.iter().product());
-            let mut v = vec![0.0f32; n];
-            f.read_f32(&t, 0..n, &mut v, stats)?;
-            buffers.insert(name.clone(), v);
         }
         for u in model.shards() {
             for (name, var) in u.buffers {
                 let t = self.files[&0].read_tensor(
-                    &format!("buffer.{name}"),
+                    &buffer_tensor(name),
                     var.dtype(),
                     &device,
                     stats,
@@ -715,54 +938,244 @@ impl Reader {
             }
         }
         optim.load_state(OptimizerState {
-            step: self.optim_step,
-            buffers,
+            hyper: self.optim.hyper.clone().unwrap_or_else(|| optim.hyper()),
+            step: self.optim.step,
+            units,
         })?;
         model.zero_grad();
-        Ok(())
+        let mut meta = self.meta;
+        if meta.optimizer.is_none() {
+            meta.optimizer = Some(OptimizerMeta {
+                step: self.optim.step,
+                hyper: None,
+                buffer_kinds: self.optim.kinds.clone(),
+                param_steps: BTreeMap::new(),
+                buffers: Vec::new(),
+            });
+        }
+        Ok(meta)
     }
+}
+
+/// As [`agree`] for a load: also agrees on whether any rank found the checkpoint damaged.
+fn agree_load(
+    pg: &dyn crate::comm::ProcessGroup,
+    dir: &Path,
+    local: std::result::Result<(), LoadError>,
+) -> std::result::Result<(), LoadError> {
+    let (rank, ws) = (pg.rank(), pg.world_size());
+    if ws == 1 {
+        return local;
+    }
+    let mut flags = vec![0.0f32; ws];
+    if let Err(e) = &local {
+        flags[rank] = if e.damaged { 2.0 } else { 1.0 };
+    }
+    let flags = pg.all_reduce_f32s(flags, ReduceOp::Sum).map_err(mismatch)?;
+    let any_damaged = flags.iter().any(|&f| f > 1.5);
+    if let Err(e) = local {
+        return Err(LoadError {
+            error: e.error,
+            damaged: any_damaged,
+        });
+    }
+    let failed: Vec<usize> = (0..ws).filter(|&r| flags[r] > 0.0).collect();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(LoadError {
+            error: Box::new(Error::PeersFailed {
+                what: "loading the checkpoint".into(),
+                path: dir.to_path_buf(),
+                rank,
+                failed_ranks: failed,
+            }),
+            damaged: any_damaged,
+        })
+    }
+}
+
+/// One load attempt (a collective), classifying a failure.
+fn load_dir(
+    dir: &Path,
+    model: &mut FsdpModel,
+    optim: &mut dyn ShardedOptimizer,
+) -> std::result::Result<Loaded, LoadError> {
+    let pg = model.process_group().clone();
+    let mut stats = ReadStats::default();
+    let (reader, local) = match Reader::prepare(dir, model, optim, &mut stats) {
+        Ok(r) => (Some(r), Ok(())),
+        Err(e) => (None, Err(e)),
+    };
+    agree_load(pg.as_ref(), dir, local)?;
+    let reader = reader.expect("prepared on every rank");
+    let meta = reader.apply(model, optim, &mut stats).map_err(mismatch)?;
+    Ok(Loaded {
+        dir: dir.to_path_buf(),
+        meta,
+        stats,
+        skipped: Vec::new(),
+    })
 }
 
 /// Loads the sharded checkpoint in `dir` into `model` and `optim` (a collective), at the saved
 /// world size or any other, and under any sharding strategy.
 ///
-/// Each rank maps only the saved files that cover its new shard (plus rank 0's for buffers) and
-/// copies only those element ranges; gradients are dropped. The training state is in the
-/// returned metadata (`loaded.meta.train`): restoring the sampler, the grad scaler and the like
-/// is the caller's part.
+/// Each rank maps only the saved files that cover its new shard (plus rank 0's for buffers),
+/// verifies the CRC-32C of every tensor it reads from, and copies only its element ranges;
+/// gradients are dropped. The optimizer gets the saved hyper-parameters of every group (lr
+/// included), its per-parameter step counts and its buffers. The training state is in the
+/// returned metadata (`loaded.meta.train`): restoring the sampler, the LR scheduler
+/// ([`crate::LrScheduler::from_state`]), the grad scaler and the like is the caller's part.
 ///
 /// Errors (on every rank; model and optimizer unchanged), naming file, tensor and expected vs
 /// found: a missing or unreadable `meta.json` or shard file; metadata that does not parse, is
 /// inconsistent or is from a newer format version; a shard file truncated, corrupt or of the
-/// wrong rank; a parameter or buffer of the model missing from the checkpoint, or one of the
-/// checkpoint the model does not have; a shape or dtype mismatch.
+/// wrong rank; tensor data whose checksum does not match; a parameter or buffer of the model
+/// missing from the checkpoint, or one of the checkpoint the model does not have; a shape or
+/// dtype mismatch; an optimizer of another kind than the saved one (naming both) or with other
+/// parameter groups.
 pub fn load_sharded(
     dir: &Path,
     model: &mut FsdpModel,
     optim: &mut dyn ShardedOptimizer,
 ) -> Result<Loaded> {
     let step = model.step();
-    let result = (|| -> Result<Loaded> {
-        let pg = model.process_group().clone();
-        let mut stats = ReadStats::default();
-        let (reader, local) = match Reader::prepare(dir, model, &mut stats) {
-            Ok(r) => (Some(r), Ok(())),
-            Err(e) => (None, Err(e)),
-        };
-        agree(pg.as_ref(), "loading the checkpoint", dir, local)?;
-        let reader = reader.expect("prepared on every rank");
-        reader.apply(model, optim, &mut stats)?;
-        Ok(Loaded {
-            dir: dir.to_path_buf(),
-            meta: reader.meta,
-            stats,
-        })
-    })();
-    result.map_err(|e| e.in_checkpoint(step))
+    load_dir(dir, model, optim).map_err(|e| e.error.in_checkpoint(step))
 }
 
-/// Loads the newest complete checkpoint under `root`, if any (a collective: rank 0 picks it and
-/// broadcasts its step, so every rank loads the same one; see [`load_sharded`]).
+/// The candidates of a newest-first load, chosen by rank 0 and broadcast (a collective), so
+/// every rank tries the same checkpoints in the same order.
+fn agree_on_candidates(
+    pg: &dyn crate::comm::ProcessGroup,
+    root: &Path,
+    pick: impl FnOnce() -> Result<Vec<PathBuf>>,
+) -> Result<Vec<PathBuf>> {
+    let local = if pg.rank() == 0 {
+        pick()
+    } else {
+        Ok(Vec::new())
+    };
+    let (local, dirs) = match local {
+        Ok(d) => (Ok(()), d),
+        Err(e) => (Err(e), Vec::new()),
+    };
+    agree(pg, "choosing the checkpoint to load", root, local)?;
+    let steps: Vec<u64> = dirs
+        .iter()
+        .rev()
+        .filter_map(|p| parse_step_dir(p.file_name()?.to_str()?))
+        .collect();
+    let steps = if pg.world_size() == 1 {
+        steps
+    } else {
+        let n = pg.broadcast_u64s(vec![steps.len() as u64], 0)?[0] as usize;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut v = steps;
+        v.resize(n, 0);
+        pg.broadcast_u64s(v, 0)?
+    };
+    Ok(steps
+        .into_iter()
+        .map(|s| root.join(step_dir_name(s)))
+        .collect())
+}
+
+/// Renames a damaged checkpoint to `step-<n>.damaged` (or `.damaged-<i>`), out of the list of
+/// complete ones, and returns the new path.
+fn set_aside(dir: &Path) -> Option<PathBuf> {
+    let name = dir.file_name()?.to_str()?;
+    let root = dir.parent()?;
+    let target = (0..100)
+        .map(|i| match i {
+            0 => root.join(format!("{name}.damaged")),
+            i => root.join(format!("{name}.damaged-{i}")),
+        })
+        .find(|p| !p.exists())?;
+    fs::rename(dir, &target).ok()?;
+    sync_dir(root);
+    Some(target)
+}
+
+/// Tries `candidates` newest first; a damaged one is reported, renamed for inspection (rank
+/// 0) and passed over.
+fn load_first_good(
+    root: &Path,
+    candidates: Vec<PathBuf>,
+    model: &mut FsdpModel,
+    optim: &mut dyn ShardedOptimizer,
+) -> Result<Option<Loaded>> {
+    let pg = model.process_group().clone();
+    let mut skipped = Vec::new();
+    for dir in candidates {
+        match load_dir(&dir, model, optim) {
+            Ok(mut l) => {
+                l.skipped = skipped;
+                return Ok(Some(l));
+            }
+            Err(e) if e.damaged => {
+                let renamed = if pg.rank() == 0 {
+                    set_aside(&dir)
+                } else {
+                    None
+                };
+                let flag = if pg.world_size() == 1 {
+                    u64::from(renamed.is_some())
+                } else {
+                    pg.broadcast_u64s(vec![u64::from(renamed.is_some())], 0)?[0]
+                };
+                let renamed_to = (flag == 1).then(|| {
+                    renamed.unwrap_or_else(|| {
+                        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("step");
+                        root.join(format!("{name}.damaged"))
+                    })
+                });
+                tracing::warn!(
+                    "checkpoint {} is damaged and was skipped ({}); renamed to {:?}",
+                    dir.display(),
+                    e.error,
+                    renamed_to
+                );
+                skipped.push(SkippedCheckpoint {
+                    dir,
+                    renamed_to,
+                    error: e.error.to_string(),
+                });
+            }
+            Err(e) => return Err(*e.error),
+        }
+    }
+    if skipped.is_empty() {
+        return Ok(None);
+    }
+    Err(Error::file(
+        root,
+        format!(
+            "no loadable checkpoint: every candidate is damaged: {}",
+            skipped
+                .iter()
+                .map(|s| format!("{} ({})", s.dir.display(), s.error))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+    ))
+}
+
+/// Loads the newest complete checkpoint under `root`, if any (a collective: rank 0 picks the
+/// candidates and broadcasts them, so every rank loads the same one; see [`load_sharded`]).
+///
+/// When the newest fails to load because it is damaged (a truncated or missing file, a bad
+/// header or metadata, a checksum mismatch), the previous one is tried, and so on: the damaged
+/// ones are renamed to `step-<n>.damaged` for inspection and listed in
+/// [`Loaded::skipped`] (and logged with `tracing::warn!`). A checkpoint that does not fit the
+/// model or the optimizer is an error, not skipped.
+///
+/// Errors: as [`load_sharded`]; `root` holds checkpoints of more than one run (naming each run
+/// and its newest checkpoint): resuming would silently pick another run's weights, so choose
+/// with [`load_latest_of_run`] or load a directory with [`load_sharded`]; every candidate is
+/// damaged.
 pub fn load_latest(
     root: &Path,
     model: &mut FsdpModel,
@@ -771,10 +1184,60 @@ pub fn load_latest(
     let step = model.step();
     let result = (|| -> Result<Option<Loaded>> {
         let pg = model.process_group().clone();
-        match agree_on_latest(pg.as_ref(), root)? {
-            Some(dir) => load_sharded(&dir, model, optim).map(Some),
-            None => Ok(None),
-        }
+        let candidates = agree_on_candidates(pg.as_ref(), root, || {
+            let all = list_complete(root)?;
+            // Unreadable metadata names no run: such a checkpoint stays a candidate (it will
+            // be found damaged and passed over).
+            let mut runs: BTreeMap<Option<String>, PathBuf> = BTreeMap::new();
+            for d in &all {
+                if let Some(r) = read_run(d) {
+                    runs.insert(r, d.clone());
+                }
+            }
+            if runs.len() > 1 {
+                let list: Vec<String> = runs
+                    .iter()
+                    .map(|(r, d)| {
+                        format!(
+                            "run {} (newest {})",
+                            r.as_deref().unwrap_or("<anonymous>"),
+                            d.file_name().and_then(|n| n.to_str()).unwrap_or("?")
+                        )
+                    })
+                    .collect();
+                return Err(Error::file(
+                    root,
+                    format!(
+                        "holds checkpoints of {} runs: {}; loading the newest would silently \
+                         pick one of them: load one explicitly (--resume-from PATH, \
+                         load_sharded) or by run id (load_latest_of_run)",
+                        runs.len(),
+                        list.join(", ")
+                    ),
+                ));
+            }
+            Ok(all)
+        })?;
+        load_first_good(root, candidates, model, optim)
+    })();
+    result.map_err(|e| e.in_checkpoint(step))
+}
+
+/// As [`load_latest`], among the checkpoints of run `run_id` only (`None`: the anonymous run,
+/// checkpoints saved without a run id); other runs' checkpoints under `root` are ignored.
+///
+/// Errors: as [`load_latest`], without the several-runs error.
+pub fn load_latest_of_run(
+    root: &Path,
+    run_id: Option<&str>,
+    model: &mut FsdpModel,
+    optim: &mut dyn ShardedOptimizer,
+) -> Result<Option<Loaded>> {
+    let step = model.step();
+    let result = (|| -> Result<Option<Loaded>> {
+        let pg = model.process_group().clone();
+        let candidates = agree_on_candidates(pg.as_ref(), root, || list_run(root, run_id))?;
+        load_first_good(root, candidates, model, optim)
     })();
     result.map_err(|e| e.in_checkpoint(step))
 }

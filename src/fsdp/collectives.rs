@@ -116,10 +116,18 @@ pub(crate) fn free_params(params: &[Tensor]) -> Result<()> {
 }
 
 /// Copy-in: the parameter gradients of one unit (from `grads`, for the variables `params` in
-/// layout order) into one padded flat f32 buffer of `padded_numel` elements on `flat`'s device:
-/// one device concatenation of each gradient widened to f32 and the zero gaps between them
-/// (zeros too where a parameter got no gradient, and for the final padding), so each element is
-/// written once. `None` for a unit without parameters.
+/// layout order) into one flat f32 reduction buffer on `flat`'s device, in one device
+/// concatenation of each gradient widened to f32 and the zero gaps between them (zeros too
+/// where a parameter got no gradient, and for the final padding), so each element is written
+/// once. `None` for a unit without parameters.
+///
+/// The buffer carries the gradient *presence* with it: after each of the layout's
+/// `world_size` chunks of `shard_numel` elements come `F` flags (F = number of parameters,
+/// 1.0 where the parameter received a gradient, 0.0 where its zeros stand for "absent"), so
+/// the buffer has `world_size × (shard_numel + F)` elements and the reduction that gives each
+/// rank its chunk also gives it every parameter's flag summed (averaged) over the ranks: a
+/// flag > 0 means some rank produced a gradient. No extra collective, no extra copy
+/// ([`split_reduced`] takes them apart).
 pub(crate) fn flatten_grads(
     flat: &FlatParameter,
     grads: Option<&GradStore>,
@@ -131,27 +139,71 @@ pub(crate) fn flatten_grads(
     }
     let device = flat.shard().device();
     let zeros = |n: usize| Tensor::zeros(n, DType::F32, device);
-    let mut pieces = Vec::with_capacity(2 * layout.params.len() + 1);
+    let mut segments = Vec::with_capacity(2 * layout.params.len() + 1);
+    let mut present = Vec::with_capacity(layout.params.len());
     let mut at = 0;
     for (p, t) in layout.params.iter().zip(params) {
         if p.offset > at {
-            pieces.push(zeros(p.offset - at)?);
+            segments.push(zeros(p.offset - at)?);
         }
-        pieces.push(match grads.and_then(|g| g.get(t)) {
+        let g = grads.and_then(|g| g.get(t));
+        present.push(if g.is_some() { 1.0f32 } else { 0.0 });
+        segments.push(match g {
             Some(g) => g.to_dtype(DType::F32)?.flatten_all()?,
             None => zeros(p.numel)?,
         });
         at = p.offset + p.numel;
     }
     if layout.padded_numel > at {
-        pieces.push(zeros(layout.padded_numel - at)?);
+        segments.push(zeros(layout.padded_numel - at)?);
+    }
+    let flags = Tensor::from_vec(present, layout.params.len(), device)?;
+    // Cut the segments at the chunk boundaries and put the flags after each chunk.
+    let shard = layout.shard_numel;
+    let mut pieces = Vec::with_capacity(segments.len() + 2 * layout.world_size);
+    let (mut pos, mut boundary) = (0, shard);
+    for seg in segments {
+        let (mut from, len) = (0, seg.elem_count());
+        while from < len {
+            let take = (len - from).min(boundary - pos);
+            pieces.push(if from == 0 && take == len {
+                seg.clone()
+            } else {
+                seg.narrow(0, from, take)?
+            });
+            from += take;
+            pos += take;
+            if pos == boundary {
+                pieces.push(flags.clone());
+                boundary += shard;
+            }
+        }
     }
     Ok(Some(Tensor::cat(&pieces, 0)?))
 }
 
-/// Issues the reduction of one unit's flat f32 gradient in `dtype` on `stream` (cast on the
-/// device first: the wire carries `reduce_dtype`): reduce-scatter (average) into this rank's
-/// shard when the unit is sharded, all-reduce (average) under NO_SHARD, nothing at world size 1.
+/// Splits a reduced chunk of a [`flatten_grads`] buffer (`shard_numel + F` elements) into the
+/// gradient shard (`shard_numel` elements, a view) and each parameter's presence (its reduced
+/// flag > 0).
+pub(crate) fn split_reduced(
+    layout: &FlatParamLayout,
+    reduced: Tensor,
+) -> Result<(Tensor, Vec<bool>)> {
+    let (n, f) = (layout.shard_numel, layout.params.len());
+    let flags = reduced
+        .narrow(0, n, f)?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    Ok((
+        reduced.narrow(0, 0, n)?,
+        flags.into_iter().map(|v| v > 0.0).collect(),
+    ))
+}
+
+/// Issues the reduction of one unit's [`flatten_grads`] buffer in `dtype` on `stream` (cast on
+/// the device first: the wire carries `reduce_dtype`): reduce-scatter (average) into this
+/// rank's chunk (shard and presence flags) when the unit is sharded, all-reduce (average)
+/// under NO_SHARD, nothing at world size 1.
 pub(crate) fn reduce_grads(
     pg: &dyn ProcessGroup,
     stream: &CommStream,
@@ -171,7 +223,8 @@ pub(crate) fn reduce_grads(
     }
     // SAFETY: the reduce-scatter writes every element of its output before `wait` hands it
     // out; on error the buffer is dropped unread.
-    match unsafe { Tensor::empty(layout.shard_numel, dtype, input.device()) } {
+    let chunk = layout.shard_numel + layout.params.len();
+    match unsafe { Tensor::empty(chunk, dtype, input.device()) } {
         Ok(out) => pg.reduce_scatter(stream, &input, out, ReduceOp::Avg),
         Err(e) => Work::ready(Err(e.into())),
     }

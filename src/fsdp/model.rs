@@ -515,8 +515,14 @@ impl FsdpModel {
             let _w = self.span(SpanKind::Wait, || {
                 format!("FSDP::wait reduce_scatter {}", self.units[k].name())
             });
-            let result = collectives::wait_reduced(work)
-                .and_then(|reduced| self.units[k].flat_mut().accumulate_grad(reduced));
+            // The reduced chunk carries each parameter's presence flag, summed over the ranks
+            // (`collectives::flatten_grads`): a parameter has a gradient when some rank
+            // produced one.
+            let result = collectives::wait_reduced(work).and_then(|reduced| {
+                let (grad, present) =
+                    collectives::split_reduced(self.units[k].flat().layout(), reduced)?;
+                self.units[k].flat_mut().accumulate_grad_of(grad, &present)
+            });
             result.map_err(|e| self.at(e, Some(k), Phase::Backward))?;
         }
         Ok(())

@@ -287,7 +287,9 @@ impl FsdpUnit {
         device: &Device,
     ) -> Result<Box<dyn ModuleT>> {
         self.add_buffers(&mut map, live_buffers)?;
-        self.spec.bind(map, self.policy.param_dtype, device)
+        let names = self.buffers.iter().map(|(n, _)| n.clone()).collect();
+        self.spec
+            .bind_with_buffers(map, &names, self.policy.param_dtype, device)
     }
 
     fn var_map(&self, params: &[Tensor]) -> HashMap<String, Tensor> {

@@ -116,14 +116,16 @@ pub fn tmpdir(tag: &str) -> std::path::PathBuf {
     d
 }
 
-/// A unit with a buffer (a name ending in `running_mean`): subtracts it from its input.
+/// A unit with a buffer (a name ending in `running_mean`): subtracts it from its input. The
+/// buffer comes in its own `buffer_dtype` (the runtime never serves a converted copy), so it
+/// is converted to the input's dtype here.
 pub struct Shift {
     running_mean: Tensor,
 }
 
 impl Module for Shift {
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        xs.broadcast_sub(&self.running_mean)
+        xs.broadcast_sub(&self.running_mean.to_dtype(xs.dtype())?)
     }
 }
 

@@ -125,7 +125,7 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
             })?;
         }
     }
-    let bytes = w.finish()?;
+    let (bytes, _crcs) = w.finish()?;
     Ok(ExportSummary {
         checkpoint: dir,
         path: out.to_path_buf(),

@@ -4,9 +4,8 @@ use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use super::{resolve_checkpoint, SourceFile};
-use crate::checkpoint::sharded::discover_optimizer;
-use crate::checkpoint::{read_meta, CheckpointMeta, OptimizerMeta};
+use super::{optim_list, resolve_checkpoint, OptimList, SourceFile};
+use crate::checkpoint::{read_meta, CheckpointMeta};
 use crate::error::{Error, Result};
 
 /// One tensor of the full model (as [`super::export_full`] writes it).
@@ -58,6 +57,11 @@ impl Inspection {
 type Row = (&'static str, fn(&CheckpointMeta) -> Option<String>);
 const SUMMARY: &[Row] = &[
     ("format version", |m| Some(m.format_version.to_string())),
+    ("run id", |m| m.train.run_id.clone()),
+    ("saved at", |m| {
+        m.saved_at_unix_ms
+            .map(|ms| format!("{ms} ms after the Unix epoch"))
+    }),
     ("step", |m| Some(m.train.step.to_string())),
     ("epochs completed", |m| Some(m.train.epoch.to_string())),
     ("world size", |m| Some(m.world_size.to_string())),
@@ -75,6 +79,12 @@ const SUMMARY: &[Row] = &[
         })
     }),
     ("seed", |m| m.train.rng.map(|r| r.seed.to_string())),
+    ("lr scheduler", |m| {
+        m.train
+            .lr_scheduler
+            .as_ref()
+            .map(|s| serde_json::to_string(s).unwrap_or_default())
+    }),
     ("grad scaler", |m| {
         m.train.grad_scaler.as_ref().map(|v| v.to_string())
     }),
@@ -93,9 +103,18 @@ fn strategy(m: &CheckpointMeta) -> Option<String> {
     })
 }
 
-/// The optimizer's kind, from the names of its state buffers. (Once checkpoints record the
-/// kind itself, return it here first.)
-fn optimizer_kind(o: &OptimizerMeta) -> String {
+/// The optimizer's kind: recorded (format 3, with its groups), else from the names of its
+/// state buffers.
+fn optimizer_kind(o: &OptimList) -> String {
+    if let Some(h) = &o.hyper {
+        let groups: Vec<String> = h
+            .group_names()
+            .into_iter()
+            .zip(h.learning_rates())
+            .map(|((name, _), lr)| format!("{name} lr {lr}"))
+            .collect();
+        return format!("{} (groups: {})", h.kind(), groups.join(", "));
+    }
     let mut kinds: Vec<&str> = o
         .buffers
         .iter()
@@ -149,10 +168,11 @@ pub fn inspect(dir: &Path) -> Result<Inspection> {
             });
         }
     }
-    let optimizer = match &meta.optimizer {
-        Some(o) => o.clone(),
-        None => discover_optimizer(&meta, &SourceFile::open_shard(&dir, &meta, 0)?.header),
+    let file0 = match &meta.optimizer {
+        Some(_) => None,
+        None => Some(SourceFile::open_shard(&dir, &meta, 0)?.header),
     };
+    let optimizer = optim_list(&meta, file0.as_ref()).expect("rank 0's file given for version 1");
     let (mut optimizer_tensors, mut optimizer_bytes) = (0, 0u64);
     for b in &optimizer.buffers {
         match b.unit {

@@ -43,8 +43,8 @@ use safetensors::Dtype;
 use super::io::{candle_dtype, MappedFile, SafetensorsWriter, TensorSpec};
 use super::sharded::{prepare_staging, publish};
 use super::{
-    list_complete, shard_file_name, step_dir_name, CheckpointMeta, FileMeta, ReadStats,
-    FORMAT_VERSION, META_FILE, SHARDED_FORMAT,
+    list_complete, shard_file_name, step_dir_name, CheckpointMeta, FileMeta, OptimizerMeta,
+    ReadStats, FORMAT_VERSION, META_FILE, SHARDED_FORMAT,
 };
 use crate::error::{Error, Result};
 
@@ -385,11 +385,13 @@ fn write_sharded<T>(
                 w.begin_tensor(&spec.name, spec.dtype, nbytes)?;
                 fill(rank, source, &mut |b| w.write_part(b))?;
             }
-            let bytes = w.finish()?;
+            let names: Vec<String> = tensors.iter().map(|(s, _)| s.name.clone()).collect();
+            let (bytes, crcs) = w.finish()?;
             files.push(FileMeta {
                 rank,
                 name: file_name,
                 bytes,
+                crc32c: names.into_iter().zip(crcs).collect(),
             });
         }
         Ok(files)
@@ -403,4 +405,81 @@ fn write_sharded<T>(
         return Err(e);
     }
     Ok(final_dir)
+}
+
+/// One optimizer buffer of a checkpoint: its tensor name without the `optim.` prefix
+/// (`<kind>.<unit>`) and the unit whose shard it is laid out like.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OptimBuffer {
+    pub name: String,
+    pub unit: Option<usize>,
+}
+
+/// The optimizer state a checkpoint holds: its buffers and steps taken.
+#[derive(Debug, Clone)]
+pub(crate) struct OptimList {
+    /// Every buffer kind for every unit (typed metadata), or what rank 0's file holds
+    /// (version 1, whose metadata lists no optimizer).
+    pub buffers: Vec<OptimBuffer>,
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// Kind and groups, when recorded (format 3).
+    pub hyper: Option<crate::optim::OptimizerHyper>,
+    /// The buffer kinds (every unit has each).
+    pub kinds: Vec<crate::optim::BufferKind>,
+}
+
+impl OptimList {
+    /// The optimizer metadata of a checkpoint written from `meta`'s: `meta`'s own (format 3, or
+    /// format 2 converted on reading), or, for version 1, the kinds found in the file and one
+    /// optimizer-wide step count given to every parameter (what the live reader assumes).
+    pub(crate) fn to_meta(&self, meta: &CheckpointMeta) -> OptimizerMeta {
+        if let Some(o) = &meta.optimizer {
+            return o.clone();
+        }
+        let param_steps = if self.step > 0 {
+            meta.units
+                .iter()
+                .flat_map(|u| &u.params)
+                .map(|p| (p.name.clone(), self.step))
+                .collect()
+        } else {
+            Default::default()
+        };
+        OptimizerMeta {
+            step: self.step,
+            hyper: None,
+            buffer_kinds: self.kinds.clone(),
+            param_steps,
+            buffers: Vec::new(),
+        }
+    }
+}
+
+/// The optimizer state of `meta`; `file0` (rank 0's file header) is read only for version 1,
+/// whose metadata lists no optimizer (`None` then when it is not given).
+pub(crate) fn optim_list(meta: &CheckpointMeta, file0: Option<&MappedFile>) -> Option<OptimList> {
+    let (kinds, step, hyper) = match &meta.optimizer {
+        Some(o) => (o.buffer_kinds.clone(), o.step, o.hyper.clone()),
+        None => {
+            let kinds = crate::checkpoint::sharded::discover_kinds(file0?);
+            let step = if kinds.is_empty() { 0 } else { meta.train.step };
+            (kinds, step, None)
+        }
+    };
+    let buffers = kinds
+        .iter()
+        .flat_map(|kind| {
+            (0..meta.units.len()).map(move |k| OptimBuffer {
+                name: format!("{}.{k}", kind.name()),
+                unit: Some(k),
+            })
+        })
+        .collect();
+    Some(OptimList {
+        buffers,
+        step,
+        hyper,
+        kinds,
+    })
 }

@@ -7,9 +7,8 @@ use std::path::{Path, PathBuf};
 use candle_core::Shape;
 use safetensors::Dtype;
 
-use super::{parse_dtype, resolve_checkpoint, stream_flat, write_sharded, SourceFile};
+use super::{optim_list, parse_dtype, resolve_checkpoint, stream_flat, write_sharded, SourceFile};
 use crate::checkpoint::io::{candle_dtype, TensorSpec};
-use crate::checkpoint::sharded::discover_optimizer;
 use crate::checkpoint::{
     read_meta, strategy_name, BufferMeta, CheckpointMeta, OptimizerMeta, ParamMeta, TrainState,
     UnitMeta, FORMAT_VERSION, META_FILE,
@@ -208,6 +207,7 @@ pub fn import_full(file: &Path, out_root: &Path, opts: &ImportOptions) -> Result
         units: units.clone(),
         optimizer: Some(OptimizerMeta::default()),
         files: Vec::new(),
+        saved_at_unix_ms: Some(crate::checkpoint::sharded::now_unix_ms()),
     };
     write_sharded(
         out_root,
@@ -276,10 +276,7 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
     let files: Vec<SourceFile> = (0..meta.world_size)
         .map(|s| SourceFile::open_shard(&dir, &meta, s))
         .collect::<Result<_>>()?;
-    let optimizer = match &meta.optimizer {
-        Some(o) => o.clone(),
-        None => discover_optimizer(&meta, &files[0].header),
-    };
+    let optimizer = optim_list(&meta, Some(&files[0].header)).expect("rank 0's file given");
     let no_shard = match meta.strategy.as_deref() {
         Some(s) => {
             let strategy: ShardingStrategy = s
@@ -404,14 +401,16 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
             plan[0].push((spec, source));
         }
     }
-    // Every other field (training state, strategy, and whatever later versions record) is
-    // carried over unchanged.
+    // Every other field (training state with its run id, strategy, and whatever later
+    // versions record) is carried over unchanged; the save time is the reshard's, as a live
+    // save's would be.
     let out = CheckpointMeta {
         format_version: FORMAT_VERSION,
         world_size,
         units: units.clone(),
-        optimizer: Some(optimizer.clone()),
+        optimizer: Some(optimizer.to_meta(&meta)),
         files: Vec::new(),
+        saved_at_unix_ms: Some(crate::checkpoint::sharded::now_unix_ms()),
         ..meta.clone()
     };
     write_sharded(out_root, out, plan, &mut |rank, source, sink| {

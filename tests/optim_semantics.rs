@@ -1,0 +1,546 @@
+//! Optimizer semantics users bring from `torch.optim` (issue 11): per-parameter state (a
+//! parameter without gradient is not stepped; zero is not absent), a step with no gradient at
+//! all is an error that changes nothing, parameter groups, learning-rate schedulers, and
+//! clipping with any p-norm.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use candle_core::{Device, Module, Tensor};
+use candle_fsdp::clip::{clip_grad_norm_with, total_grad_norm, total_grad_norm_p, ClipOptions};
+use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::comm::ProcessGroup;
+use candle_fsdp::optim::glob_match;
+use candle_fsdp::{
+    AdamW, AdamWConfig, FsdpConfig, FsdpModel, LrSchedule, LrScheduler, ParamGroup, Sgd, SgdConfig,
+    ShardedOptimizer,
+};
+use candle_nn::{Linear, VarBuilder};
+use common::{batches, to_vec, units};
+
+/// Two expert Linears `a` and `b` in one unit; `b` runs only when the flag is set. `zero_b`:
+/// `b`'s output is multiplied by 0 (a gradient of zero, not an absent one).
+struct Experts {
+    a: Linear,
+    b: Linear,
+    use_b: Arc<AtomicBool>,
+    zero_b: bool,
+}
+
+impl Module for Experts {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = self.a.forward(x)?;
+        if self.use_b.load(Ordering::SeqCst) {
+            let yb = self.b.forward(x)?;
+            let yb = if self.zero_b {
+                yb.broadcast_mul(&Tensor::zeros(1, yb.dtype(), yb.device())?)?
+            } else {
+                yb
+            };
+            y + yb
+        } else {
+            Ok(y)
+        }
+    }
+}
+
+fn experts_model(
+    pg: Arc<dyn ProcessGroup>,
+    use_b: Arc<AtomicBool>,
+    zero_b: bool,
+) -> candle_fsdp::Result<FsdpModel> {
+    FsdpModel::builder(pg, FsdpConfig::default())
+        .unit("experts", move |vb: VarBuilder| {
+            Ok(Experts {
+                a: candle_nn::linear(4, 3, vb.pp("a"))?,
+                b: candle_nn::linear(4, 3, vb.pp("b"))?,
+                use_b: use_b.clone(),
+                zero_b,
+            })
+        })
+        .build()
+}
+
+/// This rank's elements of parameter `name` (in shard order).
+fn param_part(m: &FsdpModel, name: &str, grad: bool) -> Vec<f32> {
+    let mut out = Vec::new();
+    for v in m.shards() {
+        let t = if grad { v.grad.unwrap() } else { v.param };
+        let all = to_vec(t);
+        for e in v.layout.shard_table(v.shard_index) {
+            if v.layout.params[e.param_index].name == name {
+                out.extend_from_slice(
+                    &all[e.offset_in_shard..e.offset_in_shard + e.numel_in_shard],
+                );
+            }
+        }
+    }
+    out
+}
+
+const PARAMS: [&str; 4] = [
+    "experts.a.weight",
+    "experts.a.bias",
+    "experts.b.weight",
+    "experts.b.bias",
+];
+
+/// One forward/backward of the experts model on this rank's batch.
+fn fwd_bwd(m: &mut FsdpModel, rank: usize) -> candle_fsdp::Result<()> {
+    let x = Tensor::arange(0f32, 8.0, &Device::Cpu)?
+        .reshape((2, 4))?
+        .affine(0.3, -1.0 + rank as f64 * 0.1)?;
+    let y = m.forward(&x)?;
+    // Weights 1..6 on the outputs: every output element gets a distinct, nonzero gradient.
+    let w = Tensor::arange(1f32, 7.0, &Device::Cpu)?.reshape((2, 3))?;
+    m.backward(&(y * w)?.sum_all()?)
+}
+
+/// The issue's case: world size 2, AdamW lr 0.1. Step 1 uses only `a`, step 2 both. Returns
+/// per rank: (b before, b after step 1, b after step 2) for `b.weight` and `b.bias`
+/// concatenated, and each parameter's step count.
+/// Per rank: `b` before, after step 1, after step 2, and every parameter's step count.
+type ExpertsRun = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<u64>);
+
+fn experts_run(weight_decay: f64) -> Vec<ExpertsRun> {
+    run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+        let rank = pg.rank();
+        let use_b = Arc::new(AtomicBool::new(false));
+        let mut m = experts_model(pg, use_b.clone(), false)?;
+        let mut opt = AdamW::new(AdamWConfig {
+            lr: 0.1,
+            weight_decay,
+            ..Default::default()
+        });
+        let b = |m: &FsdpModel| {
+            let mut v = param_part(m, "experts.b.weight", false);
+            v.extend(param_part(m, "experts.b.bias", false));
+            v
+        };
+        let b0 = b(&m);
+        fwd_bwd(&mut m, rank)?;
+        // The gradient store tells absent from zero.
+        let present = m.shard(0).unwrap().grad_present.to_vec();
+        assert_eq!(present, [true, true, false, false]);
+        opt.step(&mut m)?;
+        m.zero_grad();
+        let b1 = b(&m);
+        use_b.store(true, Ordering::SeqCst);
+        fwd_bwd(&mut m, rank)?;
+        opt.step(&mut m)?;
+        let b2 = b(&m);
+        let steps = opt.state()?.units[0].steps.clone();
+        Ok((b0, b1, b2, steps))
+    })
+    .unwrap()
+}
+
+#[test]
+fn a_parameter_without_gradient_is_not_stepped_and_gets_its_own_first_adam_step() {
+    for wd in [0.0, 0.1] {
+        let r = experts_run(wd);
+        // b's 15 elements are spread over the ranks (here all on rank 1).
+        assert_eq!(r.iter().map(|x| x.0.len()).sum::<usize>(), 15);
+        for (rank, (b0, b1, b2, steps)) in r.into_iter().enumerate() {
+            // Step 1: b untouched, bit for bit (no weight decay either).
+            assert_eq!(b1, b0, "rank {rank}, wd {wd}: b moved without a gradient");
+            // Step 2 is b's first Adam step: m̂ = g, v̂ = g², so every element moves by
+            // lr · g / (|g| + ε) = ±0.1 (times 1 − lr·wd for the decay).
+            for (i, (&before, &after)) in b1.iter().zip(&b2).enumerate() {
+                let moved = after - before * (1.0 - 0.1 * wd as f32);
+                assert!(
+                    (moved.abs() - 0.1).abs() < 1e-6,
+                    "rank {rank}, wd {wd}, element {i}: moved by {moved}, expected ±0.1"
+                );
+            }
+            // Per-parameter step counts: a twice, b once (the same on every rank).
+            assert_eq!(steps, [2, 2, 1, 1], "rank {rank}");
+        }
+    }
+}
+
+#[test]
+fn a_zero_gradient_is_a_gradient_and_one_rank_using_b_makes_b_present_on_all() {
+    // b's output times 0: its gradient is exactly zero but present, so it is stepped (weight
+    // decay shrinks it by lr·wd = 1 %).
+    let r = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let rank = pg.rank();
+        let use_b = Arc::new(AtomicBool::new(true));
+        let mut m = experts_model(pg, use_b, true)?;
+        let mut opt = AdamW::new(AdamWConfig {
+            lr: 0.1,
+            weight_decay: 0.1,
+            ..Default::default()
+        });
+        let b0 = param_part(&m, "experts.b.weight", false);
+        fwd_bwd(&mut m, rank)?;
+        assert_eq!(m.shard(0).unwrap().grad_present, [true; 4]);
+        opt.step(&mut m)?;
+        Ok((b0, param_part(&m, "experts.b.weight", false)))
+    })
+    .unwrap();
+    for (b0, b1) in r {
+        for (x, y) in b0.iter().zip(&b1) {
+            assert_eq!(*y, x * (1.0f64 - 0.1 * 0.1) as f32);
+        }
+    }
+    // Only rank 0 runs b: the presence is agreed over the ranks, so b is stepped on both.
+    let steps = run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {
+        let rank = pg.rank();
+        let use_b = Arc::new(AtomicBool::new(rank == 0));
+        let mut m = experts_model(pg, use_b, false)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        fwd_bwd(&mut m, rank)?;
+        assert_eq!(m.shard(0).unwrap().grad_present, [true; 4], "rank {rank}");
+        opt.step(&mut m)?;
+        Ok(opt.state()?.units[0].steps.clone())
+    })
+    .unwrap();
+    assert_eq!(steps, vec![vec![1u64; 4]; 2]);
+}
+
+#[test]
+fn a_step_without_any_gradient_is_an_error_that_changes_nothing() {
+    for sgd in [false, true] {
+        let r = run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+            let rank = pg.rank();
+            let use_b = Arc::new(AtomicBool::new(true));
+            let mut m = experts_model(pg, use_b, false)?;
+            let mut opt: Box<dyn ShardedOptimizer> = if sgd {
+                Box::new(Sgd::new(SgdConfig {
+                    lr: 0.1,
+                    momentum: 0.9,
+                    ..Default::default()
+                }))
+            } else {
+                Box::new(AdamW::new(AdamWConfig::default()))
+            };
+            // Sync left off for the only micro-batch: no gradient was produced.
+            m.set_requires_gradient_sync(false);
+            fwd_bwd(&mut m, rank)?;
+            let before: Vec<Vec<f32>> = PARAMS.iter().map(|p| param_part(&m, p, false)).collect();
+            let e = opt.step(&mut m).unwrap_err().to_string();
+            let after: Vec<Vec<f32>> = PARAMS.iter().map(|p| param_part(&m, p, false)).collect();
+            assert_eq!(before, after);
+            let st = opt.state()?;
+            Ok((e, st.step, st.units.len()))
+        })
+        .unwrap();
+        for (e, step, units) in r {
+            assert!(e.contains("optimizer step without any gradient"), "{e}");
+            assert_eq!((step, units), (0, 0), "counters unchanged (sgd {sgd})");
+        }
+    }
+}
+
+#[test]
+fn sgd_momentum_is_set_up_at_each_parameter_s_first_step() {
+    // Dampening 0.5: a parameter's first step sets b ← g (PyTorch), later ones blend
+    // b ← μ b + (1 − τ) g. b's first step is the optimizer's second: it must still be b ← g.
+    let lr = 0.1f32;
+    let r = run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+        let rank = pg.rank();
+        let use_b = Arc::new(AtomicBool::new(false));
+        let mut m = experts_model(pg, use_b.clone(), false)?;
+        let mut opt = Sgd::new(SgdConfig {
+            lr: lr as f64,
+            momentum: 0.9,
+            dampening: 0.5,
+            ..Default::default()
+        });
+        fwd_bwd(&mut m, rank)?;
+        opt.step(&mut m)?;
+        m.zero_grad();
+        use_b.store(true, Ordering::SeqCst);
+        fwd_bwd(&mut m, rank)?;
+        let before = param_part(&m, "experts.b.weight", false);
+        let g = param_part(&m, "experts.b.weight", true);
+        opt.step(&mut m)?;
+        Ok((before, g, param_part(&m, "experts.b.weight", false)))
+    })
+    .unwrap();
+    for (before, g, after) in r {
+        for i in 0..before.len() {
+            assert_eq!(after[i], before[i] - lr * g[i], "element {i}");
+        }
+    }
+}
+
+#[test]
+fn glob_patterns_match_whole_names() {
+    assert!(glob_match("*.bias", "fc1.bias"));
+    assert!(!glob_match("*.bias", "fc1.bias_extra"));
+    assert!(glob_match("*norm*.weight", "block.norm1.weight"));
+    assert!(!glob_match("*norm*.weight", "block.norm1.bias"));
+    assert!(glob_match("fc?.weight", "fc2.weight"));
+    assert!(!glob_match("fc?.weight", "fc12.weight"));
+    assert!(glob_match("*", ""));
+}
+
+/// Trains `units()` one step at world size 2 with `opt` and returns every parameter's values
+/// on rank 0 and 1, by name.
+fn one_step(make: fn() -> AdamW) -> Vec<Vec<(String, Vec<f32>)>> {
+    let data = batches(1, 8, 5);
+    run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+        let mut m = FsdpModel::builder(pg, FsdpConfig::default())
+            .units(units())
+            .build()?;
+        let mut opt = make();
+        let (x, y) = &data[0];
+        let n = x.dim(0)? / 2;
+        let rank = m.process_group().rank();
+        let logits = m.forward(&x.narrow(0, rank * n, n)?)?;
+        let loss = candle_nn::loss::cross_entropy(&logits, &y.narrow(0, rank * n, n)?)?;
+        m.backward(&loss)?;
+        opt.step(&mut m)?;
+        let names: Vec<String> = m
+            .shards()
+            .flat_map(|v| {
+                v.layout
+                    .params
+                    .iter()
+                    .map(|p| p.name.clone())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        Ok(names
+            .into_iter()
+            .map(|n| {
+                let v = param_part(&m, &n, false);
+                (n, v)
+            })
+            .collect())
+    })
+    .unwrap()
+}
+
+#[test]
+fn parameter_groups_give_biases_their_own_weight_decay_and_lr() {
+    let grouped = one_step(|| {
+        let base = AdamWConfig {
+            lr: 0.05,
+            weight_decay: 0.1,
+            ..Default::default()
+        };
+        AdamW::with_groups(
+            base,
+            vec![
+                ParamGroup::new(
+                    "no_decay",
+                    ["*.bias"],
+                    AdamWConfig {
+                        weight_decay: 0.0,
+                        ..base
+                    },
+                ),
+                ParamGroup::new("slow", ["scale.*"], AdamWConfig { lr: 0.01, ..base }),
+            ],
+        )
+    });
+    let decayed = one_step(|| {
+        AdamW::new(AdamWConfig {
+            lr: 0.05,
+            weight_decay: 0.1,
+            ..Default::default()
+        })
+    });
+    let plain = one_step(|| {
+        AdamW::new(AdamWConfig {
+            lr: 0.05,
+            weight_decay: 0.0,
+            ..Default::default()
+        })
+    });
+    let slow = one_step(|| {
+        AdamW::new(AdamWConfig {
+            lr: 0.01,
+            weight_decay: 0.1,
+            ..Default::default()
+        })
+    });
+    let mut biases = 0;
+    for r in 0..2 {
+        for (i, (name, v)) in grouped[r].iter().enumerate() {
+            let expect = if name.ends_with(".bias") {
+                biases += 1;
+                &plain[r][i]
+            } else if name.starts_with("scale.") {
+                &slow[r][i]
+            } else {
+                &decayed[r][i]
+            };
+            assert_eq!(&expect.0, name);
+            assert_eq!(v, &expect.1, "rank {r}: {name}");
+        }
+    }
+    assert!(biases >= 3);
+    // The groups differ where they should (the test would pass vacuously otherwise).
+    assert_ne!(plain[0], decayed[0]);
+}
+
+#[test]
+fn lr_schedulers_follow_the_torch_formulas_per_group() {
+    let mut opt = AdamW::with_groups(
+        AdamWConfig {
+            lr: 0.01,
+            ..Default::default()
+        },
+        vec![ParamGroup::new(
+            "bias",
+            ["*.bias"],
+            AdamWConfig {
+                lr: 0.02,
+                ..Default::default()
+            },
+        )],
+    );
+    // Linear decay to a quarter over 3 steps (LinearLR start 1, end 0.25).
+    let mut s = LrScheduler::new(
+        LrSchedule::Linear {
+            start_factor: 1.0,
+            end_factor: 0.25,
+            total_steps: 3,
+        },
+        &mut opt,
+    )
+    .unwrap();
+    let mut lrs = vec![opt.group_learning_rates()];
+    for _ in 0..4 {
+        s.step(&mut opt).unwrap();
+        lrs.push(opt.group_learning_rates());
+    }
+    assert_eq!(
+        lrs,
+        [
+            [0.01, 0.02],
+            [0.0075, 0.015],
+            [0.005, 0.01],
+            [0.0025, 0.005],
+            [0.0025, 0.005]
+        ]
+    );
+    // Warm-up from 0.1 over 4 steps, then constant.
+    let w = LrSchedule::linear_warmup(0.1, 4);
+    let f: Vec<f64> = (0..6).map(|t| w.factor(t)).collect();
+    for (a, b) in f.iter().zip([0.1, 0.325, 0.55, 0.775, 1.0, 1.0]) {
+        assert!((a - b).abs() < 1e-12, "{f:?}");
+    }
+    // Cosine (CosineAnnealingLR): 1 → min over T, half-way at T/2.
+    let c = LrSchedule::Cosine {
+        total_steps: 10,
+        min_factor: 0.1,
+    };
+    assert_eq!(c.factor(0), 1.0);
+    assert!((c.factor(5) - 0.55).abs() < 1e-12);
+    assert!((c.factor(10) - 0.1).abs() < 1e-12 && c.factor(11) == c.factor(10));
+    assert_eq!(LrSchedule::Constant.factor(123), 1.0);
+    // A schedule of 0 steps is refused.
+    let e = LrScheduler::new(
+        LrSchedule::Cosine {
+            total_steps: 0,
+            min_factor: 0.0,
+        },
+        &mut opt,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("total_steps must be at least 1"), "{e}");
+}
+
+#[test]
+fn clipping_supports_the_inf_norm_and_any_p_and_refuses_partial_or_nonfinite() {
+    let data = batches(1, 8, 9);
+    let r = run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+        let rank = pg.rank();
+        let mut m = FsdpModel::builder(pg, FsdpConfig::default())
+            .units(units())
+            .build()?;
+        let (x, y) = &data[0];
+        let go = |m: &mut FsdpModel| -> candle_fsdp::Result<()> {
+            let logits = m.forward(&x.narrow(0, rank * 4, 4)?)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &y.narrow(0, rank * 4, 4)?)?;
+            m.backward(&loss)
+        };
+        // While sync is off the gradient is partial: an error, not 0.0.
+        m.set_requires_gradient_sync(false);
+        go(&mut m)?;
+        let partial = clip_grad_norm_with(&mut m, 1.0, ClipOptions::default())
+            .unwrap_err()
+            .to_string();
+        m.set_requires_gradient_sync(true);
+        go(&mut m)?;
+        let grads: Vec<f32> = m
+            .shards()
+            .flat_map(|v| v.grad.map(to_vec).unwrap_or_default())
+            .collect();
+        let norms = (
+            total_grad_norm_p(&m, f64::INFINITY)?,
+            total_grad_norm_p(&m, 3.0)?,
+            total_grad_norm(&m)?,
+            total_grad_norm_p(&m, 1.0)?,
+        );
+        // Clip to half the max-norm.
+        let max = norms.0 / 2.0;
+        let opts = ClipOptions {
+            norm_type: f64::INFINITY,
+            error_if_nonfinite: true,
+        };
+        let returned = clip_grad_norm_with(&mut m, max, opts)?;
+        let after = total_grad_norm_p(&m, f64::INFINITY)?;
+        // A NaN gradient: error_if_nonfinite refuses and leaves the gradients alone.
+        let mut bad = to_vec(m.shard(1).unwrap().grad.unwrap());
+        bad[0] = f32::NAN;
+        let n = bad.len();
+        m.set_unit_grad(1, Some(Tensor::from_vec(bad, n, &Device::Cpu)?))?;
+        let before: Vec<f32> = m
+            .shards()
+            .flat_map(|v| v.grad.map(to_vec).unwrap_or_default())
+            .collect();
+        let nonfinite = clip_grad_norm_with(&mut m, 1.0, opts)
+            .unwrap_err()
+            .to_string();
+        let kept: Vec<f32> = m
+            .shards()
+            .flat_map(|v| v.grad.map(to_vec).unwrap_or_default())
+            .collect();
+        assert_eq!(
+            before.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            kept.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        Ok((partial, grads, norms, returned, after, max, nonfinite))
+    })
+    .unwrap();
+    let all: Vec<f32> = r.iter().flat_map(|x| x.1.clone()).collect();
+    let inf = all.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let p = |p: f64| {
+        all.iter()
+            .map(|v| f64::from(v.abs()).powf(p))
+            .sum::<f64>()
+            .powf(1.0 / p)
+    };
+    for (partial, _, norms, returned, after, max, nonfinite) in &r {
+        assert!(partial.contains("gradient sync is off"), "{partial}");
+        assert_eq!(norms.0, inf);
+        assert!(
+            (f64::from(norms.1) - p(3.0)).abs() < 1e-5 * p(3.0),
+            "{norms:?}"
+        );
+        assert!(
+            (f64::from(norms.2) - p(2.0)).abs() < 1e-5 * p(2.0),
+            "{norms:?}"
+        );
+        assert!(
+            (f64::from(norms.3) - p(1.0)).abs() < 1e-5 * p(1.0),
+            "{norms:?}"
+        );
+        assert!(norms.0 < norms.1 && norms.1 < norms.2 && norms.2 < norms.3);
+        assert_eq!(*returned, norms.0);
+        assert!((after - max).abs() <= 1e-4 * max, "{after} vs {max}");
+        assert!(
+            nonfinite.contains("non-finite") && nonfinite.contains("inf-norm"),
+            "{nonfinite}"
+        );
+    }
+}
