@@ -105,11 +105,12 @@ fn main() -> anyhow::Result<()> {
     let intra_op = setup.intra_op;
     if setup.prints() {
         println!(
-        "MNIST CNN: {} train / {} test images; world size {}, batch {} per rank, channels {}/{}, \
+        "MNIST CNN: {} train / {} test images; world size {} ({}), batch {} per rank, channels {}/{}, \
          hidden {}, {:?}, {} compute thread(s) per rank",
         mnist.train_len(),
         mnist.test_len(),
         world_size,
+        setup.launcher.backend(),
         train.batch_size,
         args.channels1,
         args.channels2,

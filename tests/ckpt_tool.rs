@@ -1099,3 +1099,41 @@ fn verify_finds_a_flipped_bit_by_its_checksum() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `export` refuses an output inside the checkpoint it reads (it would overwrite a shard), and
+/// `verify` reports a negative Adam second moment (with the checksum it breaks).
+#[test]
+fn export_into_the_checkpoint_and_negative_second_moments_are_caught() {
+    let dir = tmp("export-into");
+    let ckpt_dir = trained_checkpoint(&dir, 2, ShardingStrategy::FullShard, 1);
+    let shard = ckpt_dir.join("shard-00000-of-00002.safetensors");
+    let before = std::fs::read(&shard).unwrap();
+    let (code, _, err) = ckpt(&["export", s(&dir), "--out", s(&shard)]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains(&format!(
+            "{}: is inside the checkpoint being exported ({}): choose an output outside it",
+            shard.display(),
+            ckpt_dir.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&shard).unwrap(), before, "shard untouched");
+
+    let mut bytes = before.clone();
+    let at = data_range(&shard, "optim.exp_avg_sq.1").start + 2 * 4;
+    bytes[at..at + 4].copy_from_slice(&(-1.0f32).to_le_bytes());
+    std::fs::write(&shard, &bytes).unwrap();
+    let (code, out, _) = ckpt(&["verify", s(&ckpt_dir)]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(
+            "tensor optim.exp_avg_sq.1: 1 negative value(s) of 137 in a second moment, which \
+             cannot be negative (the first, -1, at element 2)"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("tensor optim.exp_avg_sq.1: CRC-32C "), "{out}");
+    assert!(out.ends_with("2 problems found\n"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use candle_core::Module;
+use candle_fsdp::comm::ProcessGroupExt;
 use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::optim::{AdamW, AdamWConfig, ShardedOptimizer};
 use candle_fsdp::unit::UnitSpec;
@@ -21,9 +22,15 @@ use common::*;
 /// Runs `helper` of this test binary under `mpirun -n <n>`; returns (success, output, seconds).
 /// A job still running after 120 s is killed and fails the test.
 fn mpirun(n: usize, helper: &str) -> (bool, String, f64) {
+    mpirun_mode(n, helper, "")
+}
+
+/// [`mpirun`] with `FSDP_TEST_MODE=<mode>` in every rank's environment.
+fn mpirun_mode(n: usize, helper: &str, mode: &str) -> (bool, String, f64) {
     let exe = std::env::current_exe().expect("test binary path");
     let start = Instant::now();
     let mut child = Command::new("mpirun")
+        .env("FSDP_TEST_MODE", mode)
         .args([
             "--allow-run-as-root",
             "--oversubscribe",
@@ -157,6 +164,7 @@ fn rank_error_ends_every_process() {
 fn helper_world_size_3() {
     match Launcher::from_env(Some(3), 2, Duration::from_secs(60)) {
         Ok(l) => {
+            launch(&l, |pg| pg.barrier_wait()).unwrap();
             eprintln!("accepted world size {}", l.world_size());
         }
         Err(e) => {
@@ -180,4 +188,51 @@ fn world_size_flag_must_match_mpirun() {
     let (ok, out, _) = mpirun(3, "helper_world_size_3");
     assert!(ok, "{out}");
     assert!(out.contains("accepted world size 3"), "{out}");
+}
+
+#[test]
+#[ignore = "a rank of an MPI job: run by ranks_that_never_join_end_the_job"]
+fn helper_late_or_failed_rank() {
+    let launcher = Launcher::from_env(None, 1, Duration::from_secs(2)).unwrap();
+    let rank = launcher.local_ranks().start;
+    if rank == 1 {
+        match std::env::var("FSDP_TEST_MODE").as_deref() {
+            // An error of the program before it reaches `launch` (bad data path, say).
+            Ok("error-before-launch") => {
+                eprintln!("rank 1: error: cannot load the data");
+                std::process::exit(1);
+            }
+            // Arrives long after the others gave up waiting (a slow node).
+            _ => std::thread::sleep(Duration::from_secs(8)),
+        }
+    }
+    let result = launch(&launcher, |pg| pg.barrier_wait());
+    if let Err(e) = result {
+        eprintln!("rank {rank}: error: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// A rank that fails before `launch`, or arrives after the others' timeout, ends the job with
+/// an error on the others naming it, instead of a hang in `MPI_Finalize` or `MPI_Comm_idup`.
+#[test]
+fn ranks_that_never_join_end_the_job() {
+    let (ok, out, secs) = mpirun_mode(2, "helper_late_or_failed_rank", "error-before-launch");
+    assert!(!ok, "{out}");
+    assert!(secs < 30.0, "took {secs:.1} s:\n{out}");
+    assert!(out.contains("rank 1: error: cannot load the data"), "{out}");
+    assert!(
+        out.contains(
+            "aborted: rank 1 failed: the process of rank 1 exited before its part of the job \
+             completed"
+        ),
+        "{out}"
+    );
+    let (ok, out, secs) = mpirun_mode(2, "helper_late_or_failed_rank", "late");
+    assert!(!ok, "{out}");
+    assert!(secs < 30.0, "took {secs:.1} s:\n{out}");
+    assert!(
+        out.contains("on rank 0 timed out after 2s waiting for ranks [1]"),
+        "{out}"
+    );
 }

@@ -92,14 +92,19 @@ pub fn train<O: ShardedOptimizer + 'static>(
         spans.extend(rank_spans);
     }
     if let Some(path) = &args.trace {
-        // One process per rank: each writes its own ranks' trace.
-        let path = match launcher.local_ranks() {
-            r if r.len() < launcher.world_size() => {
-                path.with_extension(format!("rank{}.json", r.start))
-            }
-            _ => path.clone(),
+        // One process per rank (mpirun): each writes its own rank's trace, `out.json` →
+        // `out.rank<r>.json`; only rank 0 prints.
+        let ranks = launcher.local_ranks();
+        let path = if ranks.len() < launcher.world_size() {
+            let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+            let ext = path
+                .extension()
+                .map_or(String::new(), |e| format!(".{}", e.to_string_lossy()));
+            path.with_file_name(format!("{stem}.rank{}{ext}", ranks.start))
+        } else {
+            path.clone()
         };
-        write_trace(&path, spans)?;
+        write_trace(&path, spans, ranks.start == 0)?;
     }
     let has_rank0 = launcher.local_ranks().start == 0;
     Ok(has_rank0.then(|| outcomes.swap_remove(0)))
@@ -485,7 +490,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
         }
         if let Some(rss) = peak_rss_bytes() {
             println!(
-                "process peak RSS {:.1} MiB (all ranks)",
+                "process peak RSS {:.1} MiB (the ranks of this process)",
                 rss as f64 / (1 << 20) as f64
             );
         }
@@ -514,7 +519,7 @@ fn progress_bar(batches: usize, epoch: u64) -> ProgressBar {
 }
 
 /// Writes the trace JSON and the timeline pictures, and prints the overlap summary.
-fn write_trace(path: &Path, spans: Vec<Span>) -> anyhow::Result<()> {
+fn write_trace(path: &Path, spans: Vec<Span>, print: bool) -> anyhow::Result<()> {
     anyhow::ensure!(
         !spans.is_empty(),
         "no span was traced (was the epoch shorter than {TRACE_WARMUP_STEPS} steps?)"
@@ -523,6 +528,9 @@ fn write_trace(path: &Path, spans: Vec<Span>) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))?;
     for ext in ["png", "svg"] {
         render_timeline(&spans, &path.with_extension(ext))?;
+    }
+    if !print {
+        return Ok(());
     }
     let summary = overlap_summary(&spans);
     let n = summary.len() as f64;

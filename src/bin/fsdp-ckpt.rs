@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use candle_core::DType;
+use candle_fsdp::checkpoint;
 use candle_fsdp::checkpoint::tools::{self, ImportOptions};
 use candle_fsdp::ShardingStrategy;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -144,6 +145,18 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                 file.display(),
                 dir.display()
             );
+            // `--resume` takes the newest checkpoint of a root: say when that is not this one.
+            if let Some(newest) = checkpoint::list_complete(&out)?.pop() {
+                if newest != dir {
+                    eprintln!(
+                        "note: {} also holds the newer checkpoint {}, which `--resume` would \
+                         load instead; resume from this one with `--resume-from {}`",
+                        out.display(),
+                        newest.display(),
+                        dir.display()
+                    );
+                }
+            }
         }
         Command::Reshard {
             dir,

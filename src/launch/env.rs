@@ -87,18 +87,22 @@ fn check_rank(rank_var: &str, rank: usize, size_var: &str, size: usize) -> Resul
 }
 
 impl TorchrunEnv {
-    /// Reads the torchrun-style variables through `get`; `None` when none is set.
+    /// Reads the torchrun-style variables through `get`; `None` when neither `RANK` nor
+    /// `WORLD_SIZE` is set (the others alone, which some cluster shells export globally, do not
+    /// make a torchrun launch). An empty value counts as unset.
     ///
-    /// Errors: some are set but `RANK` or `WORLD_SIZE` is missing; a value is not an integer;
+    /// Errors: one of `RANK` and `WORLD_SIZE` is set without the other; a value is not an
+    /// integer;
     /// `RANK >= WORLD_SIZE`, `LOCAL_RANK >= LOCAL_WORLD_SIZE`, `LOCAL_WORLD_SIZE > WORLD_SIZE`;
-    /// `MASTER_PORT` outside 1..=65535; an empty `MASTER_ADDR`.
+    /// `MASTER_PORT` outside 1..=65535.
     pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<TorchrunEnv>> {
+        let get = &|v: &str| get(v).filter(|s| !s.trim().is_empty());
         let set: Vec<&str> = TORCHRUN_VARS
             .iter()
             .copied()
             .filter(|v| get(v).is_some())
             .collect();
-        if set.is_empty() {
+        if get("RANK").is_none() && get("WORLD_SIZE").is_none() {
             return Ok(None);
         }
         let (Some(rank), Some(world_size)) =
@@ -129,14 +133,7 @@ impl TorchrunEnv {
                  WORLD_SIZE={world_size}"
             )));
         }
-        let master_addr =
-            match get("MASTER_ADDR") {
-                Some(a) if a.trim().is_empty() => return Err(Error::InvalidArgument(
-                    "environment variable MASTER_ADDR is empty (expected a host name or address)"
-                        .into(),
-                )),
-                a => a,
-            };
+        let master_addr = get("MASTER_ADDR");
         let master_port = match get("MASTER_PORT") {
             None => None,
             Some(p) => match p.trim().parse::<u16>() {
@@ -320,8 +317,8 @@ mod tests {
             ),
             (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK=\"x\" is not"),
             (
-                &[("LOCAL_RANK", "0")],
-                "LOCAL_RANK set but RANK and WORLD_SIZE missing",
+                &[("RANK", "0"), ("LOCAL_RANK", "0")],
+                "RANK, LOCAL_RANK set but WORLD_SIZE missing",
             ),
             (
                 &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")],
@@ -336,13 +333,28 @@ mod tests {
                 "LOCAL_WORLD_SIZE=4 is larger than WORLD_SIZE=2",
             ),
             (
-                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", " ")],
-                "MASTER_ADDR is empty",
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "x")],
+                "MASTER_PORT=\"x\" is not a TCP port",
             ),
         ];
         for (vars, expected) in cases {
             let err = TorchrunEnv::from_vars(&env(vars)).unwrap_err().to_string();
             assert!(err.contains(expected), "{vars:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn stray_or_empty_variables_are_no_launch() {
+        for vars in [
+            &[("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500")][..],
+            &[("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "8")][..],
+            &[("RANK", ""), ("WORLD_SIZE", " ")][..],
+        ] {
+            assert_eq!(
+                LaunchEnv::from_vars(&env(vars)).unwrap(),
+                LaunchEnv::Local,
+                "{vars:?}"
+            );
         }
     }
 

@@ -2,6 +2,7 @@
 //! file, streamed tensor by tensor.
 
 use std::collections::HashMap;
+use std::fs;
 use std::path::{Path, PathBuf};
 
 use candle_core::DType;
@@ -10,7 +11,7 @@ use safetensors::Dtype;
 use super::{parse_dtype, resolve_checkpoint, st_float, SourceFile};
 use crate::checkpoint::io::{SafetensorsWriter, TensorSpec};
 use crate::checkpoint::{read_meta, FORMAT_VERSION, FULL_FORMAT, META_FILE};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// What [`export_full`] wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,6 +51,22 @@ pub struct ExportSummary {
 /// not writable.
 pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<ExportSummary> {
     let dir = resolve_checkpoint(dir)?;
+    // Writing into the checkpoint (e.g. over one of its shards) would destroy what is read.
+    let out_dir = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if let (Ok(a), Ok(b)) = (fs::canonicalize(out_dir), fs::canonicalize(&dir)) {
+        if a.starts_with(&b) {
+            return Err(Error::file(
+                out,
+                format!(
+                    "is inside the checkpoint being exported ({}): choose an output outside it",
+                    dir.display()
+                ),
+            ));
+        }
+    }
     let meta = read_meta(&dir)?;
     let meta_path = dir.join(META_FILE);
     let dst = dtype.map(st_float).transpose()?;

@@ -116,7 +116,44 @@ fn data_checks(
     if let Some(&expected) = recorded {
         checks.push(Box::new(Checksum { expected, crc: 0 }));
     }
+    // Adam's second moment is a running mean of squares.
+    if tensor.starts_with("optim.exp_avg_sq.") && dtype == Dtype::F32 {
+        checks.push(Box::new(Negative {
+            count: 0,
+            first: None,
+            seen: 0,
+        }));
+    }
     checks
+}
+
+/// Counts negative values (where only non-negative ones are possible: Adam's `exp_avg_sq`).
+struct Negative {
+    count: usize,
+    first: Option<(usize, f32)>,
+    seen: usize,
+}
+
+impl DataCheck for Negative {
+    fn update(&mut self, bytes: &[u8]) {
+        for c in bytes.chunks_exact(4) {
+            let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            if v < 0.0 {
+                self.count += 1;
+                self.first.get_or_insert((self.seen, v));
+            }
+            self.seen += 1;
+        }
+    }
+
+    fn finish(&self) -> Option<String> {
+        let (at, v) = self.first?;
+        Some(format!(
+            "{} negative value(s) of {} in a second moment, which cannot be negative (the \
+             first, {v}, at element {at})",
+            self.count, self.seen
+        ))
+    }
 }
 
 /// Compares the CRC-32C of the bytes with the one recorded at save time (catches flipped bits).

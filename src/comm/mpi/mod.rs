@@ -40,7 +40,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{self, JoinHandle};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use crossbeam::channel::{unbounded, Sender};
@@ -48,7 +48,7 @@ use mpi::ffi;
 use parking_lot::Mutex;
 
 use self::ops::OpCtx;
-use self::runtime::{check, runtime, wait_all, Comm, Runtime, WaitFor};
+use self::runtime::{check, deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
 use super::buffer::{Kind, Post, RawBytes};
 use super::threads::{check_ranks, panic_message};
 use super::{
@@ -137,21 +137,28 @@ impl std::fmt::Debug for MpiProcessGroup {
 }
 
 /// `MPI_Comm_idup` of `comm`, waited for with a deadline.
-fn dup(rt: &Runtime, comm: Comm, rank: usize, what: &str, timeout: Duration) -> Result<Comm> {
+fn dup(
+    rt: &Runtime,
+    comm: Comm,
+    (rank, size): (usize, usize),
+    what: &str,
+    timeout: Duration,
+) -> Result<Comm> {
     // SAFETY: out-pointers to locals; `comm` is a live communicator.
     let mut new: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
     let mut req: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
     let rc = unsafe { ffi::MPI_Comm_idup(comm.0, &mut new, &mut req) };
     check(rc, || format!("MPI_Comm_idup ({what})"), rt.world_rank)?;
     let op = format!("MPI_Comm_idup ({what})");
+    let others: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
     wait_all(
         rt,
         &mut [req],
-        &[],
+        &others,
         &WaitFor {
             op: &op,
             rank,
-            deadline: Instant::now() + timeout,
+            deadline: deadline_after(timeout),
             timeout,
         },
     )?;
@@ -179,10 +186,17 @@ impl MpiProcessGroup {
         world_size: usize,
         config: MpiConfig,
     ) -> Result<Arc<MpiProcessGroup>> {
-        let base = dup(rt, parent, rank, "group", config.timeout)?;
-        let setup_comm = dup(rt, base, rank, "setup", config.timeout)?;
+        let base = dup(rt, parent, (rank, world_size), "group", config.timeout)?;
+        let setup_comm = dup(rt, base, (rank, world_size), "setup", config.timeout)?;
         let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
-        let (stream, thread) = start_stream(rt, id, rank, base, DEFAULT_STREAM, config.timeout)?;
+        let (stream, thread) = start_stream(
+            rt,
+            id,
+            (rank, world_size),
+            base,
+            DEFAULT_STREAM,
+            config.timeout,
+        )?;
         Ok(Arc::new(MpiProcessGroup {
             id,
             rank,
@@ -284,12 +298,12 @@ impl MpiProcessGroup {
 fn start_stream(
     rt: &'static Runtime,
     owner: u64,
-    rank: usize,
+    (rank, size): (usize, usize),
     base: Comm,
     name: &str,
     timeout: Duration,
 ) -> Result<(Arc<MpiStream>, JoinHandle<()>)> {
-    let comm = dup(rt, base, rank, &format!("stream {name}"), timeout)?;
+    let comm = dup(rt, base, (rank, size), &format!("stream {name}"), timeout)?;
     let (tx, rx) = unbounded::<Job>();
     let handle = thread::Builder::new()
         .name(format!("mpi-{rank}-{name}"))
@@ -344,11 +358,11 @@ impl ProcessGroup for MpiProcessGroup {
         let mut post = Post::new(Kind::NewStream, *setup);
         post.bytes = Some(RawBytes::of(name.as_bytes()));
         post.index = Some(index);
-        ctx.exchange(post, name.as_bytes(), Instant::now() + self.config.timeout)?;
+        ctx.exchange(post, name.as_bytes(), deadline_after(self.config.timeout))?;
         let (stream, thread) = start_stream(
             self.rt,
             self.id,
-            self.rank,
+            (self.rank, self.world_size),
             self.base,
             name,
             self.config.timeout,
@@ -421,7 +435,7 @@ impl ProcessGroup for MpiProcessGroup {
         let ctx = self.setup_ctx(*setup, &op, &mut scratch);
         let mut post = Post::new(Kind::NewGroup, *setup);
         post.bytes = Some(RawBytes::of(&bytes));
-        ctx.exchange(post, &bytes, Instant::now() + self.config.timeout)?;
+        ctx.exchange(post, &bytes, deadline_after(self.config.timeout))?;
         check_ranks(&op, ranks, self.world_size)?;
         let position = ranks.iter().position(|&r| r == self.rank);
         // SAFETY: reading link-time constants.
@@ -472,24 +486,39 @@ impl Drop for MpiProcessGroup {
 }
 
 /// Runs `f` on this process's rank of `MPI_COMM_WORLD` (wrapped in [`Instrumented`]) and
-/// returns its result (one element). When `f` fails or panics, the job is aborted with the
-/// error's text (every other rank's collectives fail with [`Error::PeerFailed`]) and this rank
-/// waits up to [`LINGER`] for the others to report their own failure, so that every process
-/// gets to print its error before `mpirun` tears the job down.
+/// returns its result (one element). When `f` fails or panics (or the group cannot be made), the
+/// job is aborted with the error's text (every other rank's collectives fail with
+/// [`Error::PeerFailed`]) and this rank waits up to [`LINGER`] (at most the timeout) for the
+/// others to report their own failure, so that every process gets to print its error before
+/// `mpirun` tears the job down; ranks this rank timed out waiting for are not waited for.
 pub fn run<T, F>(config: MpiConfig, f: F) -> Vec<Result<T>>
 where
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
 {
-    let group = match MpiProcessGroup::world(config) {
-        Ok(group) => group,
+    let rt = match runtime() {
+        Ok(rt) => rt,
         Err(e) => return vec![Err(e)],
     };
-    let rank = group.rank;
-    let rt = group.rt;
-    let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
-    let result = super::threads::run_one(rank, pg, &f);
-    if result.is_err() {
-        rt.linger(LINGER.min(config.timeout));
+    rt.run_started();
+    let result = match MpiProcessGroup::world(config) {
+        Ok(group) => {
+            let rank = group.rank;
+            let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
+            super::threads::run_one(rank, pg, &f)
+        }
+        Err(e) => {
+            rt.abort(&e.to_string());
+            Err(e)
+        }
+    };
+    if let Err(e) = &result {
+        // The world group: its ranks are world ranks.
+        let hung = match e.root_cause() {
+            Error::Timeout { missing, .. } => missing.clone(),
+            _ => Vec::new(),
+        };
+        rt.linger(LINGER.min(config.timeout), &hung);
     }
+    rt.run_ended(result.is_ok());
     vec![result]
 }

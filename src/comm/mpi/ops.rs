@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use mpi::ffi;
 
-use super::runtime::{abandon, check, wait_all, Comm, Runtime, WaitFor};
+use super::runtime::{abandon, check, deadline_after, wait_all, Comm, Runtime, WaitFor};
 use super::wire;
 use crate::comm::buffer::{check as check_buf, validate, Kind, Post, Problem, RawBuf, WithStorage};
 use crate::comm::reduce::{chunk, reduce_into, with_elem};
@@ -229,7 +229,7 @@ impl OpCtx<'_> {
     }
 
     fn deadline(&self) -> Instant {
-        Instant::now() + self.timeout
+        deadline_after(self.timeout)
     }
 
     /// Reports a local `problem` through the exchange (every rank fails the same way).

@@ -18,7 +18,7 @@
 //!   whatever is left of the job.
 
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -79,6 +79,10 @@ pub(crate) struct Runtime {
     /// Some wait gave up on pending operations: `MPI_Finalize` must not run.
     poisoned: AtomicBool,
     finalized: AtomicBool,
+    /// Jobs (`comm::mpi::run`) running now.
+    runs_active: AtomicUsize,
+    /// Some job completed successfully on this rank.
+    run_ok: AtomicBool,
 }
 
 static RUNTIME: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
@@ -214,16 +218,42 @@ fn init() -> std::result::Result<Runtime, String> {
             notified: Mutex::new(vec![false; size as usize]),
             poisoned: AtomicBool::new(false),
             finalized: AtomicBool::new(false),
+            runs_active: AtomicUsize::new(0),
+            run_ok: AtomicBool::new(false),
         })
     }
 }
 
-/// Finalises MPI when the process exits normally, unless a wait abandoned operations.
+/// At process exit: finalises MPI when this rank's part of the job ended well (a job completed
+/// and none is running, nothing was abandoned). Otherwise the process is ending in the middle of
+/// the job (an error before, between or inside `run`, with peers possibly waiting in a
+/// collective for it, where `MPI_Finalize` would wait for them forever): it reports its end to
+/// every rank as a failure, lingers for their reports, and skips `MPI_Finalize`, so that
+/// `mpirun` sees it exit without finalising and ends the job.
 extern "C" fn finalize_at_exit() {
-    if let Some(Ok(rt)) = RUNTIME.get() {
+    let Some(Ok(rt)) = RUNTIME.get() else {
+        return;
+    };
+    let clean = !rt.is_poisoned()
+        && rt.runs_active.load(Ordering::Acquire) == 0
+        && rt.run_ok.load(Ordering::Acquire);
+    if clean {
         rt.finalize();
+        return;
+    }
+    if !rt.is_poisoned() {
+        // Not reported yet (a failed job was reported, and waited for, by `run`).
+        rt.abort(&format!(
+            "the process of rank {} exited before its part of the job completed (an error \
+             outside the collectives; see that rank's output)",
+            rt.world_rank
+        ));
+        rt.linger(EXIT_LINGER, &[]);
     }
 }
+
+/// How long a process ending in the middle of a job waits for the other ranks' reports.
+const EXIT_LINGER: Duration = Duration::from_secs(10);
 
 impl Runtime {
     /// Calls `MPI_Finalize` once (skipped when poisoned): cancels the failure channel's receive
@@ -262,6 +292,19 @@ impl Runtime {
             *failed = Some((world_rank, reason));
             self.failed_flag.store(true, Ordering::Release);
         }
+    }
+
+    /// A job (`comm::mpi::run`) starts on this rank.
+    pub(crate) fn run_started(&self) {
+        self.runs_active.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The job started last ended, successfully or not.
+    pub(crate) fn run_ended(&self, ok: bool) {
+        if ok {
+            self.run_ok.store(true, Ordering::Release);
+        }
+        self.runs_active.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Marks pending operations as abandoned: `MPI_Finalize` will not run.
@@ -319,16 +362,23 @@ impl Runtime {
         }
     }
 
-    /// Waits (polling, at most `limit`) until every other rank of the job has reported its
-    /// own failure, so that a failed job ends together: each rank gets to report its error
-    /// before the first one exits and `mpirun` tears the job down.
-    pub(crate) fn linger(&self, limit: Duration) {
-        let deadline = Instant::now() + limit;
+    /// Waits (polling, at most `limit`) until every other rank of the job but `hung` (world
+    /// ranks presumed stuck, which will never report) has reported its own failure, so that a
+    /// failed job ends together: each rank gets to report its error before the first one exits
+    /// and `mpirun` tears the job down.
+    pub(crate) fn linger(&self, limit: Duration, hung: &[usize]) {
+        let deadline = deadline_after(limit);
         while Instant::now() < deadline {
             self.poll_failures();
-            if self.notified.lock().iter().all(|&n| n) {
+            let notified = self.notified.lock();
+            if notified
+                .iter()
+                .enumerate()
+                .all(|(r, &n)| n || hung.contains(&r))
+            {
                 return;
             }
+            drop(notified);
             thread::sleep(Duration::from_millis(1));
         }
     }
@@ -389,6 +439,14 @@ impl Runtime {
     }
 }
 
+/// `timeout` from now; a timeout too large for the clock (e.g. `u64::MAX` seconds) means a
+/// century.
+pub(super) fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
 /// What a polling wait is for (named in its errors).
 pub(super) struct WaitFor<'a> {
     pub op: &'a str,
@@ -401,7 +459,8 @@ pub(super) struct WaitFor<'a> {
 /// Waits until every request in `reqs` completed, polling with `MPI_Testall` and backing off
 /// (spin, then yield, then short sleeps), checking the failure channel and the deadline.
 ///
-/// `peers[i]` is the group rank `reqs[i]` exchanges with (named in a timeout). On failure or
+/// `peers[i]` is the group rank `reqs[i]` exchanges with (named in a timeout); for one
+/// collective request, `peers` lists every other rank of it. On failure or
 /// timeout the receives are cancelled, the runtime is poisoned and the caller must keep every
 /// buffer of the operation allocated (see the module docs); a timeout also aborts the job.
 pub(super) fn wait_all(
@@ -466,8 +525,12 @@ pub(super) fn wait_all(
     }
 }
 
-/// The peers whose requests are still pending.
+/// The peers whose requests are still pending. A collective request (`peers` not one per
+/// request) names all of `peers`: which of them is missing is not known.
 fn pending_peers(reqs: &mut [ffi::MPI_Request], peers: &[usize]) -> Vec<usize> {
+    if peers.len() != reqs.len() {
+        return peers.to_vec();
+    }
     let mut missing = Vec::new();
     for (req, &peer) in reqs.iter_mut().zip(peers) {
         let mut flag: c_int = 0;
@@ -481,15 +544,10 @@ fn pending_peers(reqs: &mut [ffi::MPI_Request], peers: &[usize]) -> Vec<usize> {
     missing
 }
 
-/// Gives up on `reqs`: cancels them (best effort, never waits) and poisons the runtime.
+/// Gives up on `reqs`: poisons the runtime and leaves them pending. Nothing is cancelled:
+/// `MPI_Cancel` is erroneous on collective requests (`MPI_Comm_idup`) and was seen to deadlock
+/// inside OpenMPI; the caller keeps the buffers, and the process is expected to end.
 pub(super) fn abandon(rt: &Runtime, reqs: &mut [ffi::MPI_Request]) {
+    let _ = reqs;
     rt.poison();
-    for req in reqs.iter_mut() {
-        // SAFETY: cancelling our own request; a null request is ignored by the check.
-        unsafe {
-            if *req != ffi::RSMPI_REQUEST_NULL {
-                ffi::MPI_Cancel(req);
-            }
-        }
-    }
 }
