@@ -42,7 +42,9 @@ const TAG_DESC: c_int = 1;
 const TAG_DATA: c_int = 2;
 /// Largest single message (bytes).
 const MAX_MESSAGE: usize = 1 << 30;
-/// Segment of the reduction exchanges (bytes per peer and round).
+/// Segment of the reduction exchanges (bytes per peer and round). Measured (2 processes on 2
+/// cores, 64 MiB reduce-scatter): 4.8 GB/s with 256 KiB, 4.1 GB/s with 1 MiB, 3.4 GB/s with
+/// 4 MiB; one segment per peer and round must stay in cache while it is reduced.
 const SEGMENT_BYTES: usize = 256 << 10;
 
 /// One collective (or setup operation) on one rank.
@@ -343,12 +345,7 @@ impl OpCtx<'_> {
         deadline: Instant,
     ) -> Result<()> {
         let es = dtype.size_in_bytes();
-        // TODO-REMOVE experiment knob
-        let seg_bytes = std::env::var("SEGB")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(SEGMENT_BYTES);
-        let seg = (seg_bytes / es).max(1);
+        let seg = (SEGMENT_BYTES / es).max(1);
         let longest = sends
             .iter()
             .map(|s| s.2)
