@@ -280,7 +280,26 @@ impl UnitMeta {
         layout: &crate::flat_param::FlatParamLayout,
         buffers: &[(String, candle_core::Var)],
     ) -> Result<Self> {
-        Ok(UnitMeta {
+        let buffers = buffers
+            .iter()
+            .map(|(name, var)| {
+                Ok(BufferMeta {
+                    name: name.clone(),
+                    shape: var.dims().to_vec(),
+                    dtype: format!("{:?}", io::st_dtype(var.dtype())?),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self::from_layout_and_buffers(name, layout, buffers))
+    }
+
+    /// The metadata of a unit's flat-parameter layout, with its buffers' metadata as given.
+    pub fn from_layout_and_buffers(
+        name: &str,
+        layout: &crate::flat_param::FlatParamLayout,
+        buffers: Vec<BufferMeta>,
+    ) -> Self {
+        UnitMeta {
             name: name.to_string(),
             dtype: "F32".into(),
             world_size: layout.world_size,
@@ -297,17 +316,8 @@ impl UnitMeta {
                     numel: p.numel,
                 })
                 .collect(),
-            buffers: buffers
-                .iter()
-                .map(|(name, var)| {
-                    Ok(BufferMeta {
-                        name: name.clone(),
-                        shape: var.dims().to_vec(),
-                        dtype: format!("{:?}", io::st_dtype(var.dtype())?),
-                    })
-                })
-                .collect::<Result<_>>()?,
-        })
+            buffers,
+        }
     }
 
     /// The flat-parameter layout this metadata describes: the layout of its parameters

@@ -10,8 +10,8 @@ use safetensors::Dtype;
 use super::{optim_list, parse_dtype, resolve_checkpoint, stream_flat, write_sharded, SourceFile};
 use crate::checkpoint::io::{candle_dtype, TensorSpec};
 use crate::checkpoint::{
-    read_meta, strategy_name, BufferMeta, CheckpointMeta, OptimizerMeta, ParamMeta, TrainState,
-    UnitMeta, FORMAT_VERSION, META_FILE,
+    read_meta, strategy_name, BufferMeta, CheckpointMeta, OptimizerMeta, TrainState, UnitMeta,
+    FORMAT_VERSION, META_FILE,
 };
 use crate::error::{Error, Result};
 use crate::flat_param::FlatParamLayout;
@@ -57,26 +57,8 @@ fn unit_meta(
         .iter()
         .map(|(n, s)| (n.clone(), Shape::from(s.clone())))
         .collect();
-    let l = FlatParamLayout::new(&shapes, world_size)?;
-    Ok(UnitMeta {
-        name: name.to_string(),
-        dtype: "F32".into(),
-        world_size,
-        unpadded_numel: l.unpadded_numel,
-        padded_numel: l.padded_numel,
-        shard_numel: l.shard_numel,
-        params: l
-            .params
-            .iter()
-            .map(|p| ParamMeta {
-                name: p.name.clone(),
-                shape: p.shape.dims().to_vec(),
-                offset: p.offset,
-                numel: p.numel,
-            })
-            .collect(),
-        buffers,
-    })
+    let layout = FlatParamLayout::new(&shapes, world_size)?;
+    Ok(UnitMeta::from_layout_and_buffers(name, &layout, buffers))
 }
 
 /// What one tensor of an imported checkpoint is filled from.
