@@ -108,6 +108,14 @@ pub struct ParamGroup<C> {
     pub config: C,
 }
 
+/// Group `group` of `groups`, or an error naming how many there are.
+fn group_mut<C>(groups: &mut [ParamGroup<C>], group: usize) -> Result<&mut ParamGroup<C>> {
+    let n = groups.len();
+    groups.get_mut(group).ok_or_else(|| {
+        Error::InvalidArgument(format!("no parameter group {group}: the optimizer has {n}"))
+    })
+}
+
 impl<C> ParamGroup<C> {
     /// A group named `name` of the parameters matching any of `patterns`.
     pub fn new(
@@ -703,11 +711,7 @@ impl ShardedOptimizer for AdamW {
     }
 
     fn set_group_learning_rate(&mut self, group: usize, lr: f64) -> Result<()> {
-        let n = self.groups.len();
-        let g = self.groups.get_mut(group).ok_or_else(|| {
-            Error::InvalidArgument(format!("no parameter group {group}: the optimizer has {n}"))
-        })?;
-        g.config.lr = lr;
+        group_mut(&mut self.groups, group)?.config.lr = lr;
         Ok(())
     }
 
@@ -905,11 +909,7 @@ impl ShardedOptimizer for Sgd {
     }
 
     fn set_group_learning_rate(&mut self, group: usize, lr: f64) -> Result<()> {
-        let n = self.groups.len();
-        let g = self.groups.get_mut(group).ok_or_else(|| {
-            Error::InvalidArgument(format!("no parameter group {group}: the optimizer has {n}"))
-        })?;
-        g.config.lr = lr;
+        group_mut(&mut self.groups, group)?.config.lr = lr;
         Ok(())
     }
 
