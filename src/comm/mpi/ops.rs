@@ -244,15 +244,20 @@ impl OpCtx<'_> {
         }
     }
 
-    /// Runs `body(dst, src)` with `dst` write-locked and `src` read-locked for the whole call,
-    /// or takes part in the exchange only to report why it cannot.
+    /// Runs collective `kind` on `dst` (written; `which` names it) and `src` (read): locks
+    /// both for the whole call, exchanges and validates the descriptors (buffers, `op`, `root`;
+    /// `src` is the input when given, else `dst` is), then runs `body(ctx, dst, src, deadline)`.
+    /// A buffer this rank cannot use takes part in the exchange only to report why.
+    #[allow(clippy::too_many_arguments)]
     fn with_storage(
         &mut self,
         kind: OpKind,
         dst: &Tensor,
         which: &'static str,
         src: Option<&Tensor>,
-        body: impl FnOnce(&mut Self, RawBuf, Option<RawBuf>) -> Result<()>,
+        op: Option<ReduceOp>,
+        root: Option<usize>,
+        body: impl FnOnce(&mut Self, RawBuf, Option<RawBuf>, Instant) -> Result<()>,
     ) -> Result<()> {
         if let Some(problem) = src
             .and_then(|s| check_buf(s, "input"))
@@ -261,12 +266,22 @@ impl OpCtx<'_> {
             return Err(self.fail_with(Kind::Op(kind), problem));
         }
         let this = std::cell::RefCell::new(&mut *self);
-        let op = WithStorage::new(|d, s| body(&mut this.borrow_mut(), d, s));
+        let inplace = WithStorage::new(|d, s: Option<RawBuf>| {
+            let ctx = &mut **this.borrow_mut();
+            let mut post = Post::new(Kind::Op(kind), ctx.seq);
+            post.input = Some(s.unwrap_or(d));
+            post.output = s.map(|_| d);
+            post.op = op;
+            post.root = root;
+            let deadline = ctx.deadline();
+            ctx.exchange(post, &[], deadline)?;
+            body(ctx, d, s, deadline)
+        });
         let _refused = match src {
-            Some(s) => dst.inplace_op2(s, &op),
-            None => dst.inplace_op1(&op),
+            Some(s) => dst.inplace_op2(s, &inplace),
+            None => dst.inplace_op1(&inplace),
         };
-        let result = op.result.into_inner();
+        let result = inplace.result.into_inner();
         let result = match result {
             Some(r) => r,
             None => Err(self.fail_with(Kind::Op(kind), Problem::Aliased)),
@@ -293,35 +308,40 @@ impl OpCtx<'_> {
 
     pub(super) fn all_gather(&mut self, input: &Tensor, output: &Tensor) -> Result<()> {
         let kind = OpKind::AllGather;
-        self.with_storage(kind, output, "output", Some(input), |ctx, out, src| {
-            let src = src.expect("all-gather has an input");
-            let mut post = Post::new(Kind::Op(kind), ctx.seq);
-            post.input = Some(src);
-            post.output = Some(out);
-            let deadline = ctx.deadline();
-            ctx.exchange(post, &[], deadline)?;
-            let bytes = src.len * src.dtype.size_in_bytes();
-            let peers = (0..ctx.world_size).filter(|&j| j != ctx.rank);
-            let recvs: Vec<Msg> = peers
-                .clone()
-                .map(|j| Msg {
-                    peer: j,
-                    ptr: out.ptr.wrapping_add(j * bytes),
-                    bytes,
-                })
-                .collect();
-            let sends: Vec<Msg> = peers
-                .map(|j| Msg {
-                    peer: j,
-                    ptr: src.ptr,
-                    bytes,
-                })
-                .collect();
-            ctx.transfer(&recvs, &sends, TAG_DATA, deadline)?;
-            // SAFETY: validated lengths (out holds ws * n elements); distinct storages.
-            unsafe { std::ptr::copy_nonoverlapping(src.ptr, out.ptr.add(ctx.rank * bytes), bytes) };
-            Ok(())
-        })
+        self.with_storage(
+            kind,
+            output,
+            "output",
+            Some(input),
+            None,
+            None,
+            |ctx, out, src, deadline| {
+                let src = src.expect("all-gather has an input");
+                let bytes = src.len * src.dtype.size_in_bytes();
+                let peers = (0..ctx.world_size).filter(|&j| j != ctx.rank);
+                let recvs: Vec<Msg> = peers
+                    .clone()
+                    .map(|j| Msg {
+                        peer: j,
+                        ptr: out.ptr.wrapping_add(j * bytes),
+                        bytes,
+                    })
+                    .collect();
+                let sends: Vec<Msg> = peers
+                    .map(|j| Msg {
+                        peer: j,
+                        ptr: src.ptr,
+                        bytes,
+                    })
+                    .collect();
+                ctx.transfer(&recvs, &sends, TAG_DATA, deadline)?;
+                // SAFETY: validated lengths (out holds ws * n elements); distinct storages.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.ptr, out.ptr.add(ctx.rank * bytes), bytes)
+                };
+                Ok(())
+            },
+        )
     }
 
     /// The reduction exchange behind reduce-scatter, all-reduce and reduce, in segments of
@@ -425,126 +445,138 @@ impl OpCtx<'_> {
         op: ReduceOp,
     ) -> Result<()> {
         let kind = OpKind::ReduceScatter;
-        self.with_storage(kind, output, "output", Some(input), |ctx, out, src| {
-            let src = src.expect("reduce-scatter has an input");
-            let mut post = Post::new(Kind::Op(kind), ctx.seq);
-            post.input = Some(src);
-            post.output = Some(out);
-            post.op = Some(op);
-            let deadline = ctx.deadline();
-            ctx.exchange(post, &[], deadline)?;
-            let (n, es) = (out.len, out.dtype.size_in_bytes());
-            let (ws, rank) = (ctx.world_size, ctx.rank);
-            let peers: Vec<usize> = (0..ws).filter(|&j| j != rank).collect();
-            let sends: Vec<(usize, *const u8, usize)> = peers
-                .iter()
-                .map(|&j| (j, src.ptr.wrapping_add(j * n * es) as *const u8, n))
-                .collect();
-            let own = src.ptr.wrapping_add(rank * n * es) as *const u8;
-            ctx.reduce_exchange(&sends, &peers, n, own, out.ptr, out.dtype, op, deadline)
-        })
+        let r = Some(op);
+        self.with_storage(
+            kind,
+            output,
+            "output",
+            Some(input),
+            r,
+            None,
+            |ctx, out, src, deadline| {
+                let src = src.expect("reduce-scatter has an input");
+                let (n, es) = (out.len, out.dtype.size_in_bytes());
+                let (ws, rank) = (ctx.world_size, ctx.rank);
+                let peers: Vec<usize> = (0..ws).filter(|&j| j != rank).collect();
+                let sends: Vec<(usize, *const u8, usize)> = peers
+                    .iter()
+                    .map(|&j| (j, src.ptr.wrapping_add(j * n * es) as *const u8, n))
+                    .collect();
+                let own = src.ptr.wrapping_add(rank * n * es) as *const u8;
+                ctx.reduce_exchange(&sends, &peers, n, own, out.ptr, out.dtype, op, deadline)
+            },
+        )
     }
 
     pub(super) fn all_reduce(&mut self, buf: &Tensor, op: ReduceOp) -> Result<()> {
         let kind = OpKind::AllReduce;
-        self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
-            let mut post = Post::new(Kind::Op(kind), ctx.seq);
-            post.input = Some(mine);
-            post.op = Some(op);
-            let deadline = ctx.deadline();
-            ctx.exchange(post, &[], deadline)?;
-            let es = mine.dtype.size_in_bytes();
-            let (ws, rank) = (ctx.world_size, ctx.rank);
-            let (my_start, my_n) = chunk(mine.len, ws, rank);
-            let peers: Vec<usize> = (0..ws).filter(|&j| j != rank).collect();
-            let at = |start: usize| mine.ptr.wrapping_add(start * es);
-            // Phase 1: reduce-scatter of the chunks, in place.
-            let sends: Vec<(usize, *const u8, usize)> = peers
-                .iter()
-                .map(|&j| {
-                    let (s, n) = chunk(mine.len, ws, j);
-                    (j, at(s) as *const u8, n)
-                })
-                .collect();
-            let own = at(my_start);
-            ctx.reduce_exchange(&sends, &peers, my_n, own, own, mine.dtype, op, deadline)?;
-            // Phase 2: all-gather of the reduced chunks.
-            let recvs: Vec<Msg> = peers
-                .iter()
-                .map(|&j| {
-                    let (s, n) = chunk(mine.len, ws, j);
-                    Msg {
+        self.with_storage(
+            kind,
+            buf,
+            "buffer",
+            None,
+            Some(op),
+            None,
+            |ctx, mine, _, deadline| {
+                let es = mine.dtype.size_in_bytes();
+                let (ws, rank) = (ctx.world_size, ctx.rank);
+                let (my_start, my_n) = chunk(mine.len, ws, rank);
+                let peers: Vec<usize> = (0..ws).filter(|&j| j != rank).collect();
+                let at = |start: usize| mine.ptr.wrapping_add(start * es);
+                // Phase 1: reduce-scatter of the chunks, in place.
+                let sends: Vec<(usize, *const u8, usize)> = peers
+                    .iter()
+                    .map(|&j| {
+                        let (s, n) = chunk(mine.len, ws, j);
+                        (j, at(s) as *const u8, n)
+                    })
+                    .collect();
+                let own = at(my_start);
+                ctx.reduce_exchange(&sends, &peers, my_n, own, own, mine.dtype, op, deadline)?;
+                // Phase 2: all-gather of the reduced chunks.
+                let recvs: Vec<Msg> = peers
+                    .iter()
+                    .map(|&j| {
+                        let (s, n) = chunk(mine.len, ws, j);
+                        Msg {
+                            peer: j,
+                            ptr: at(s),
+                            bytes: n * es,
+                        }
+                    })
+                    .collect();
+                let sends: Vec<Msg> = peers
+                    .iter()
+                    .map(|&j| Msg {
                         peer: j,
-                        ptr: at(s),
-                        bytes: n * es,
-                    }
-                })
-                .collect();
-            let sends: Vec<Msg> = peers
-                .iter()
-                .map(|&j| Msg {
-                    peer: j,
-                    ptr: own,
-                    bytes: my_n * es,
-                })
-                .collect();
-            ctx.transfer(&recvs, &sends, TAG_DATA, deadline)
-        })
+                        ptr: own,
+                        bytes: my_n * es,
+                    })
+                    .collect();
+                ctx.transfer(&recvs, &sends, TAG_DATA, deadline)
+            },
+        )
     }
 
     pub(super) fn broadcast(&mut self, buf: &Tensor, root: usize) -> Result<()> {
         let kind = OpKind::Broadcast;
-        self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
-            let mut post = Post::new(Kind::Op(kind), ctx.seq);
-            post.input = Some(mine);
-            post.root = Some(root);
-            let deadline = ctx.deadline();
-            ctx.exchange(post, &[], deadline)?;
-            let bytes = mine.len * mine.dtype.size_in_bytes();
-            let msg = |peer| Msg {
-                peer,
-                ptr: mine.ptr,
-                bytes,
-            };
-            if ctx.rank == root {
-                let sends: Vec<Msg> = (0..ctx.world_size)
-                    .filter(|&j| j != root)
-                    .map(msg)
-                    .collect();
-                ctx.transfer(&[], &sends, TAG_DATA, deadline)
-            } else {
-                ctx.transfer(&[msg(root)], &[], TAG_DATA, deadline)
-            }
-        })
+        self.with_storage(
+            kind,
+            buf,
+            "buffer",
+            None,
+            None,
+            Some(root),
+            |ctx, mine, _, deadline| {
+                let bytes = mine.len * mine.dtype.size_in_bytes();
+                let msg = |peer| Msg {
+                    peer,
+                    ptr: mine.ptr,
+                    bytes,
+                };
+                if ctx.rank == root {
+                    let sends: Vec<Msg> = (0..ctx.world_size)
+                        .filter(|&j| j != root)
+                        .map(msg)
+                        .collect();
+                    ctx.transfer(&[], &sends, TAG_DATA, deadline)
+                } else {
+                    ctx.transfer(&[msg(root)], &[], TAG_DATA, deadline)
+                }
+            },
+        )
     }
 
     pub(super) fn reduce(&mut self, buf: &Tensor, root: usize, op: ReduceOp) -> Result<()> {
         let kind = OpKind::Reduce;
-        self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
-            let mut post = Post::new(Kind::Op(kind), ctx.seq);
-            post.input = Some(mine);
-            post.op = Some(op);
-            post.root = Some(root);
-            let deadline = ctx.deadline();
-            ctx.exchange(post, &[], deadline)?;
-            let (ws, len) = (ctx.world_size, mine.len);
-            if ctx.rank != root {
-                let sends = [(root, mine.ptr as *const u8, len)];
-                return ctx.reduce_exchange(
-                    &sends,
-                    &[],
-                    0,
-                    mine.ptr,
-                    mine.ptr,
-                    mine.dtype,
-                    op,
-                    deadline,
-                );
-            }
-            let peers: Vec<usize> = (0..ws).filter(|&j| j != root).collect();
-            let own = mine.ptr as *const u8;
-            ctx.reduce_exchange(&[], &peers, len, own, mine.ptr, mine.dtype, op, deadline)
-        })
+        let (r, at) = (Some(op), Some(root));
+        self.with_storage(
+            kind,
+            buf,
+            "buffer",
+            None,
+            r,
+            at,
+            |ctx, mine, _, deadline| {
+                let (ws, len) = (ctx.world_size, mine.len);
+                if ctx.rank != root {
+                    let sends = [(root, mine.ptr as *const u8, len)];
+                    return ctx.reduce_exchange(
+                        &sends,
+                        &[],
+                        0,
+                        mine.ptr,
+                        mine.ptr,
+                        mine.dtype,
+                        op,
+                        deadline,
+                    );
+                }
+                let peers: Vec<usize> = (0..ws).filter(|&j| j != root).collect();
+                let own = mine.ptr as *const u8;
+                ctx.reduce_exchange(&[], &peers, len, own, mine.ptr, mine.dtype, op, deadline)
+            },
+        )
     }
 
     pub(super) fn barrier(&mut self) -> Result<()> {
