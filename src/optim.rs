@@ -402,13 +402,21 @@ impl ShardState {
                     Ok(UnitSlot {
                         steps: vec![0; v.layout.params.len()],
                         group: Vec::new(),
-                        bufs: self
-                            .kinds
-                            .iter()
-                            .map(|_| {
-                                Tensor::zeros(v.layout.shard_numel, DType::F32, v.param.device())
-                            })
-                            .collect::<candle_core::Result<_>>()?,
+                        // Frozen parameters get no optimizer state.
+                        bufs: if v.frozen {
+                            Vec::new()
+                        } else {
+                            self.kinds
+                                .iter()
+                                .map(|_| {
+                                    Tensor::zeros(
+                                        v.layout.shard_numel,
+                                        DType::F32,
+                                        v.param.device(),
+                                    )
+                                })
+                                .collect::<candle_core::Result<_>>()?
+                        },
                     })
                 })
                 .collect::<Result<_>>()?;
@@ -450,6 +458,13 @@ impl ShardState {
                     )));
                 }
                 let max_step = u.steps.iter().copied().max().unwrap_or(0);
+                if v.frozen {
+                    return Ok(UnitSlot {
+                        steps: u.steps,
+                        group: Vec::new(),
+                        bufs: Vec::new(),
+                    });
+                }
                 let bufs =
                     self.kinds
                         .iter()
