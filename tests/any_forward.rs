@@ -188,8 +188,11 @@ struct FsdpRun {
     losses: Vec<f32>,
     params: HashMap<String, Vec<f32>>,
     reduce_scatter_bytes: u64,
-    /// Per unit (group) name: whether the optimizer holds state for it.
+    /// Per unit (group) name: whether its exported optimizer state is anything but zeros.
     opt_state: HashMap<String, bool>,
+    /// Bytes of optimizer state on the device, and the trainable (non-frozen) shard elements.
+    opt_bytes: usize,
+    trainable_shard_numel: usize,
 }
 
 fn fsdp(ws: usize, strategy: ShardingStrategy, freeze: &[&str]) -> FsdpRun {
@@ -227,8 +230,18 @@ fn fsdp(ws: usize, strategy: ShardingStrategy, freeze: &[&str]) -> FsdpRun {
         let opt_state = model
             .shards()
             .zip(&state.units)
-            .map(|(v, u)| (v.unit_name.to_string(), !u.buffers.is_empty()))
+            .map(|(v, u)| {
+                let nonzero = u.buffers.values().any(|b| b.iter().any(|x| *x != 0.0))
+                    || u.steps.iter().any(|s| *s > 0);
+                (v.unit_name.to_string(), nonzero)
+            })
             .collect();
+        let opt_bytes = opt.state_bytes();
+        let trainable_shard_numel = model
+            .shards()
+            .filter(|v| !v.frozen)
+            .map(|v| v.layout.shard_numel)
+            .sum();
         let params = model
             .gather_full_params(false)?
             .unwrap()
@@ -240,6 +253,8 @@ fn fsdp(ws: usize, strategy: ShardingStrategy, freeze: &[&str]) -> FsdpRun {
             params,
             reduce_scatter_bytes,
             opt_state,
+            opt_bytes,
+            trainable_shard_numel,
         })
     })
     .unwrap();
@@ -380,6 +395,8 @@ fn frozen_parameters_stay_unchanged_get_no_state_and_are_not_reduced() {
     assert_eq!(run.opt_state.get("pair[frozen]"), Some(&false));
     assert_eq!(run.opt_state.get("blk[frozen]"), Some(&false));
     assert_eq!(run.opt_state.get("pair"), Some(&true));
+    // Device-resident state: two f32 moments of the trainable shards only.
+    assert_eq!(run.opt_bytes, 8 * run.trainable_shard_numel);
     // Their share of reduce-scatter bytes is not sent: at least their f32 bytes less per step.
     let all = fsdp(2, ShardingStrategy::FullShard, &[]);
     let frozen_bytes = 4 * (DIM * DIM + DIM + DIM) as u64;
@@ -557,4 +574,72 @@ fn eval_forward_with_matches_the_training_forward_values() {
         Ok(())
     })
     .unwrap();
+}
+
+/// A model with a tied group and frozen twins saves at world size 2 and loads at world size 3
+/// bit-exactly, optimizer state included (none for the frozen twins).
+#[test]
+fn tied_and_frozen_checkpoint_reshards_across_world_sizes() {
+    use candle_fsdp::checkpoint::{load_sharded, save_sharded, TrainState};
+    let dir = std::env::temp_dir().join(format!("fsdp-any-forward-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let freeze = ["pair.b.*"];
+    let data = batches(PER_RANK * 2);
+    let saved_dir = dir.clone();
+    let saved = run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+        let r = pg.rank();
+        let mut model = builder(pg.clone(), ShardingStrategy::FullShard)
+            .freeze(freeze)
+            .build()?;
+        let mut opt = AdamW::new(AdamWConfig {
+            lr: LR,
+            ..Default::default()
+        });
+        for (ids, mask, y) in data.iter().take(2) {
+            let rows = |t: &Tensor| t.narrow(0, r * PER_RANK, PER_RANK);
+            let (ids, mask, y) = (rows(ids)?, rows(mask)?, rows(y)?);
+            let logits =
+                model.forward_with(|f| program(&mut |n, xs| f.call(n, xs), &ids, &mask))?;
+            model.backward(&loss(&logits, &y)?)?;
+            opt.step(&mut model)?;
+            model.zero_grad();
+        }
+        let state = TrainState {
+            step: 2,
+            ..Default::default()
+        };
+        let path = save_sharded(&saved_dir, &model, &opt, &state, 0)?;
+        let params = model.gather_full_params(false)?.unwrap();
+        Ok((path, params))
+    })
+    .unwrap()
+    .remove(0);
+    let (path, params) = saved;
+    let loaded = run_ranks_ok(3, ThreadGroupConfig::default(), move |pg| {
+        let mut model = builder(pg.clone(), ShardingStrategy::FullShard)
+            .freeze(freeze)
+            .build()?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        load_sharded(&path, &mut model, &mut opt)?;
+        let state = opt.state()?;
+        for (v, u) in model.shards().zip(&state.units) {
+            let zeros = u.buffers.values().all(|b| b.iter().all(|x| *x == 0.0));
+            assert!(!v.frozen || zeros, "unit {}", v.unit_name);
+            assert!(v.frozen || !zeros, "unit {}", v.unit_name);
+        }
+
+        Ok(model.gather_full_params(false)?.unwrap())
+    })
+    .unwrap()
+    .remove(0);
+    assert_eq!(params.len(), loaded.len());
+    for ((n1, t1), (n2, t2)) in params.iter().zip(&loaded) {
+        assert_eq!(n1, n2);
+        let (a, b) = (
+            t1.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            t2.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert!(a == b, "{n1} differs after resharding 2 -> 3");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
