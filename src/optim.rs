@@ -136,27 +136,11 @@ impl<C> ParamGroup<C> {
     }
 }
 
-/// Glob match of the whole of `name` against `pattern` (`*`: any run, `?`: one character).
+/// Glob match of the whole of `name` against `pattern` (`*`: any run, `?`: one character,
+/// `[abc]`: a class), with the `glob` crate's syntax, as `FsdpModelBuilder::freeze`. An invalid
+/// pattern matches nothing.
 pub fn glob_match(pattern: &str, name: &str) -> bool {
-    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
-    let (mut i, mut j) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while j < n.len() {
-        if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
-            i += 1;
-            j += 1;
-        } else if i < p.len() && p[i] == '*' {
-            star = Some((i, j));
-            i += 1;
-        } else if let Some((si, sj)) = star {
-            i = si + 1;
-            j = sj + 1;
-            star = Some((si, sj + 1));
-        } else {
-            return false;
-        }
-    }
-    p[i..].iter().all(|&c| c == '*')
+    glob::Pattern::new(pattern).is_ok_and(|p| p.matches(name))
 }
 
 /// The hyper-parameters of every group of an optimizer, tagged with its kind.

@@ -191,6 +191,13 @@ pub struct UnitSpec {
     /// other random numbers than the forward that produced the loss. Ignored for the last unit,
     /// whose output feeds the caller's loss (its graph must exist when the loss backward runs).
     pub activation_checkpointing: bool,
+    /// The unit may leave some of its trainable parameters unused in a call (default `false`,
+    /// as PyTorch DDP's `find_unused_parameters=False`): then no error is raised when a
+    /// parameter is not connected by autograd to the unit's outputs, and the parameter gets no
+    /// gradient from that call. With `false`, such a parameter is an error naming it — the sign
+    /// of an operation without backward inside the unit (candle-nn 0.11's fused `layer_norm`,
+    /// `rms_norm`, `softmax_last_dim`, rotary embeddings).
+    pub unused_parameters: bool,
 }
 
 impl UnitSpec {
@@ -221,6 +228,7 @@ impl UnitSpec {
             mixed_precision: None,
             reshard_after_forward: true,
             activation_checkpointing: false,
+            unused_parameters: false,
         }
     }
 
@@ -233,6 +241,12 @@ impl UnitSpec {
     /// Sets [`UnitSpec::activation_checkpointing`].
     pub fn with_activation_checkpointing(mut self, on: bool) -> Self {
         self.activation_checkpointing = on;
+        self
+    }
+
+    /// Sets [`UnitSpec::unused_parameters`].
+    pub fn with_unused_parameters(mut self, allowed: bool) -> Self {
+        self.unused_parameters = allowed;
         self
     }
 

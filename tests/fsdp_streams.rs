@@ -57,15 +57,20 @@ fn all_gathers_and_reductions_run_on_the_streams_fsdp_chose() {
             .filter(|(s, k)| s == stream && *k == kind)
             .count()
     };
-    // 3 gathers in forward, 2 in backward (the last unit keeps its parameters), 3 reductions.
+    // 3 gathers in forward, 2 in backward (the last unit keeps its parameters), 3 reductions,
+    // and the all-reduce that checks that the ranks gathered the same units (on the all-gather
+    // stream, behind the forward's gathers).
     assert_eq!(on("all_gather", OpKind::AllGather), 5, "{ops:?}");
     assert_eq!(on("reduce_scatter", OpKind::ReduceScatter), 3, "{ops:?}");
-    assert_eq!(ops.len(), 8, "nothing else runs: {ops:?}");
+    assert_eq!(on("all_gather", OpKind::AllReduce), 1, "{ops:?}");
+    assert_eq!(ops.len(), 9, "nothing else runs: {ops:?}");
 
     // SHARD_GRAD_OP gathers each unit once.
     let ops = one_step(ShardingStrategy::ShardGradOp);
     assert_eq!(
-        ops.iter().filter(|(s, _)| s == "all_gather").count(),
+        ops.iter()
+            .filter(|(s, k)| s == "all_gather" && *k == OpKind::AllGather)
+            .count(),
         3,
         "{ops:?}"
     );
@@ -74,10 +79,15 @@ fn all_gathers_and_reductions_run_on_the_streams_fsdp_chose() {
     let ops = one_step(ShardingStrategy::NoShard);
     assert!(
         ops.iter()
-            .all(|(s, k)| s == "reduce_scatter" && *k == OpKind::AllReduce),
+            .all(|(s, k)| *k == OpKind::AllReduce && (s == "reduce_scatter" || s == "all_gather")),
         "{ops:?}"
     );
-    assert_eq!(ops.len(), 3, "{ops:?}");
+    assert_eq!(
+        ops.iter().filter(|(s, _)| s == "reduce_scatter").count(),
+        3,
+        "{ops:?}"
+    );
+    assert_eq!(ops.len(), 4, "{ops:?}");
 }
 
 #[test]

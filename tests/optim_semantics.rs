@@ -13,6 +13,7 @@ use candle_fsdp::clip::{clip_grad_norm_with, total_grad_norm, total_grad_norm_p,
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::optim::glob_match;
+use candle_fsdp::unit::UnitSpec;
 use candle_fsdp::{
     AdamW, AdamWConfig, FsdpConfig, FsdpModel, LrSchedule, LrScheduler, ParamGroup, Sgd, SgdConfig,
     ShardedOptimizer,
@@ -51,15 +52,19 @@ fn experts_model(
     use_b: Arc<AtomicBool>,
     zero_b: bool,
 ) -> candle_fsdp::Result<FsdpModel> {
+    // Expert b is used only in some steps: the unit says so (DDP's find_unused_parameters).
     FsdpModel::builder(pg, FsdpConfig::default())
-        .unit("experts", move |vb: VarBuilder| {
-            Ok(Experts {
-                a: candle_nn::linear(4, 3, vb.pp("a"))?,
-                b: candle_nn::linear(4, 3, vb.pp("b"))?,
-                use_b: use_b.clone(),
-                zero_b,
+        .unit_spec(
+            UnitSpec::new("experts", move |vb: VarBuilder| {
+                Ok(Experts {
+                    a: candle_nn::linear(4, 3, vb.pp("a"))?,
+                    b: candle_nn::linear(4, 3, vb.pp("b"))?,
+                    use_b: use_b.clone(),
+                    zero_b,
+                })
             })
-        })
+            .with_unused_parameters(true),
+        )
         .build()
 }
 

@@ -56,6 +56,8 @@ pub(crate) struct StepHook {
     armed: Mutex<Option<Armed>>,
     /// The first error a node raised, with its context (Candle's error type cannot carry ours).
     error: Mutex<Option<Error>>,
+    /// The step is over (back-propagated or dropped): its nodes are stale.
+    ended: std::sync::atomic::AtomicBool,
 }
 
 impl StepHook {
@@ -67,6 +69,11 @@ impl StepHook {
             thread: std::thread::current().id(),
         });
         Disarm(self.clone())
+    }
+
+    /// Marks the step over: its nodes' backward now says they are stale.
+    pub(crate) fn end(&self) {
+        self.ended.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The error a node raised during the last backward, if any.
@@ -81,6 +88,11 @@ impl StepHook {
     ) -> candle_core::Result<R> {
         let ptr = match &*self.armed.lock() {
             Some(a) if a.thread == std::thread::current().id() => a.model,
+            _ if self.ended.load(std::sync::atomic::Ordering::Relaxed) => candle_core::bail!(
+                "candle-fsdp: this loss uses outputs of an earlier training forward of an \
+                 FsdpModel, whose step is over (back-propagated, dropped or replaced): compute \
+                 the loss from the outputs of the latest training forward"
+            ),
             _ => candle_core::bail!(
                 "candle-fsdp: this loss depends on the outputs of an FsdpModel training forward; \
                  back-propagate it with FsdpModel::backward(&loss) (not loss.backward()), once, \

@@ -37,14 +37,21 @@ pub(crate) struct MemoryAccount {
 impl MemoryAccount {
     /// Counts one more unit of `bytes` unsharded until the returned guard is dropped.
     pub(crate) fn unshard(&self, bytes: usize) -> UnshardGuard {
+        self.unshard_counted(bytes, true)
+    }
+
+    /// As [`MemoryAccount::unshard`]; `unit: false` counts the bytes but not a unit (a frozen
+    /// twin, gathered with its unit: the rate limiter counts units, not groups).
+    pub(crate) fn unshard_counted(&self, bytes: usize, unit: bool) -> UnshardGuard {
         let mut m = self.stats.lock();
         m.unsharded_bytes += bytes;
-        m.unsharded_units += 1;
+        m.unsharded_units += usize::from(unit);
         m.peak_unsharded_bytes = m.peak_unsharded_bytes.max(m.unsharded_bytes);
         m.peak_unsharded_units = m.peak_unsharded_units.max(m.unsharded_units);
         UnshardGuard {
             account: self.clone(),
             bytes,
+            unit,
         }
     }
 
@@ -71,12 +78,13 @@ impl MemoryAccount {
 pub(crate) struct UnshardGuard {
     account: MemoryAccount,
     bytes: usize,
+    unit: bool,
 }
 
 impl Drop for UnshardGuard {
     fn drop(&mut self) {
         let mut m = self.account.stats.lock();
         m.unsharded_bytes -= self.bytes;
-        m.unsharded_units -= 1;
+        m.unsharded_units -= usize::from(self.unit);
     }
 }

@@ -115,6 +115,8 @@ pub(crate) struct Member {
     /// Indices into `FsdpModel::units`: the group holding the trainable parameters and buffers
     /// first, then the frozen twin if any.
     pub(crate) groups: Vec<usize>,
+    /// The full names of the tensors its constructor asks for.
+    params: HashSet<String>,
 }
 
 /// A parameter group laid out but not allocated yet (see [`FsdpModel::build_with`]).
@@ -192,6 +194,8 @@ pub struct FsdpModel {
     prev_tape: [Vec<usize>; 2],
     /// The members called so far by the current forward.
     tape_now: Vec<usize>,
+    /// The groups all-gathered so far by the current forward, in issue order.
+    gathered_now: Vec<usize>,
 }
 
 /// Builder of an [`FsdpModel`]: add units (and groups) in build order, then
@@ -384,8 +388,11 @@ impl FsdpModel {
             // the group is one tensor.
             let mut all_recorded: Vec<RecordedParam> = Vec::new();
             let mut asked_by: HashMap<String, String> = HashMap::new();
+            let mut member_names: Vec<HashSet<String>> = Vec::new();
             for m in &g.members {
-                for p in record_unit(m, &g.name, DType::F32, &config.device)? {
+                let recorded = record_unit(m, &g.name, DType::F32, &config.device)?;
+                member_names.push(recorded.iter().map(|p| p.name.clone()).collect());
+                for p in recorded {
                     if let Some(other) = creator.get(&p.name) {
                         return Err(Error::InvalidArgument(format!(
                             "units {other} and {} both create a tensor named {}: full names must \
@@ -486,11 +493,12 @@ impl FsdpModel {
                 plan_unit(format!("{}[frozen]", g.name), frozen, Vec::new(), true)?;
             }
             let group_units: Vec<usize> = (base..base + 1 + usize::from(has_frozen)).collect();
-            for m in g.members {
+            for (m, names) in g.members.into_iter().zip(member_names) {
                 members.push(Member {
                     spec: m,
                     prefix: g.name.clone(),
                     groups: group_units.clone(),
+                    params: names,
                 });
             }
         }
@@ -550,6 +558,7 @@ impl FsdpModel {
             step: None,
             prev_tape: [Vec::new(), Vec::new()],
             tape_now: Vec::new(),
+            gathered_now: Vec::new(),
         })
     }
 
@@ -680,6 +689,9 @@ impl FsdpModel {
     fn unshard(&mut self, g: usize) {
         if self.units[g].gathers() && self.units[g].is_sharded() {
             self.mark_issue(|| format!("FSDP::all_gather {}", self.units[g].name()));
+            if self.step.is_some() {
+                self.gathered_now.push(g);
+            }
         }
         self.units[g].unshard(self.pg.as_ref(), &self.comm.all_gather, &self.mem);
     }
@@ -712,7 +724,9 @@ impl FsdpModel {
     /// Drops whatever a previous step left (saved graphs, gathers in flight, reductions):
     /// afterwards every group is sharded and idle, and the memory guards are released.
     fn release_step(&mut self) {
-        self.step = None;
+        if let Some(s) = self.step.take() {
+            s.hook.end();
+        }
         self.units.iter_mut().for_each(FsdpUnit::release);
         drop(self.scheduler.take_reductions());
     }
@@ -811,8 +825,8 @@ impl FsdpModel {
         let result = f(&mut Forward { model: self });
         match result {
             Ok(v) => {
-                let tape = self.tape();
-                self.prev_tape[0] = tape;
+                // The call sequence stays in `tape_now` for the backward's agreement check.
+                self.prev_tape[0] = self.tape_now.clone();
                 Ok(v)
             }
             Err(e) => {
@@ -843,6 +857,10 @@ impl FsdpModel {
         self.release_step();
         self.begin_step(false)?;
         let result = f(&mut Forward { model: self });
+        let result = result.and_then(|v| {
+            let agreement = self.issue_agreement();
+            self.finish_agreement(agreement, Phase::Eval).map(|()| v)
+        });
         let tape = self.tape();
         self.release_step();
         match result {
@@ -869,6 +887,7 @@ impl FsdpModel {
             last_groups: Vec::new(),
         });
         self.tape_now.clear();
+        self.gathered_now.clear();
         Ok(())
     }
 
@@ -1129,6 +1148,41 @@ impl FsdpModel {
             !self.units[g].is_frozen() && !self.units[g].flat().layout().params.is_empty()
         });
         let floats: Vec<&Tensor> = outputs.iter().flatten().collect();
+        let member = &self.members[m];
+        if !member.spec.unused_parameters && floats.iter().any(|o| o.track_op()) {
+            // Every trainable parameter the unit asked for must be connected by autograd to
+            // its outputs: one that is not was consumed by an operation without backward.
+            let mut reached = HashSet::new();
+            for o in &floats {
+                reached.extend(
+                    o.sorted_nodes()
+                        .into_iter()
+                        .filter(|n| n.is_variable())
+                        .map(|n| n.id()),
+                );
+            }
+            for &g in groups {
+                let u = &self.units[g];
+                if u.is_frozen() {
+                    continue;
+                }
+                let vars = u.param_tensors().unwrap_or(&[]);
+                for (p, v) in u.flat().layout().params.iter().zip(vars) {
+                    if member.params.contains(&p.name) && !reached.contains(&v.id()) {
+                        return Err(Error::InvalidArgument(format!(
+                            "unit {}: parameter {} is not connected by autograd to the unit's \
+                             outputs, so it would silently get no gradient: an operation \
+                             without backward consumed it (candle-nn 0.11's fused layer_norm, \
+                             rms_norm, softmax_last_dim and rotary embeddings have none: use \
+                             candle_fsdp::nn::layer_norm / rms_norm and candle_nn::ops::softmax), \
+                             or the unit does not use it in this call (then say so with \
+                             UnitSpec::with_unused_parameters(true))",
+                            member.spec.name, p.name
+                        )));
+                    }
+                }
+            }
+        }
         if (trainable || !input_vars.is_empty())
             && !floats.is_empty()
             && !floats.iter().any(|o| o.track_op())
@@ -1212,7 +1266,76 @@ impl FsdpModel {
         result
     }
 
+    /// Issues the check that every rank all-gathered the same units in the same order in the
+    /// forward that just ran (a collective: one all-reduce of two integers on the all-gather
+    /// stream; [`FsdpModel::finish_agreement`] waits for it). Ranks that called different units
+    /// of equal shapes would otherwise have computed on shards mixed from both. On the all-gather
+    /// stream, a rank that issued more all-gathers than another meets this all-reduce with one of
+    /// them, which the backends refuse at once as a mismatch instead of both waiting for the
+    /// timeout. (A rank may call a unit more often than another as long as the gathers match,
+    /// e.g. a second call of a unit whose parameters are still present.) `None` at world size 1.
+    fn issue_agreement(&self) -> Option<(i64, crate::comm::Work<Tensor>)> {
+        if self.pg.world_size() == 1 {
+            return None;
+        }
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &g in &self.gathered_now {
+            for b in (g as u64).to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+        let mask = i64::MAX >> 1;
+        let fp = (h & mask as u64) as i64;
+        let work = match Tensor::new(&[fp, mask - fp], &candle_core::Device::Cpu)
+            .and_then(|t| t.to_device(&self.config.device))
+        {
+            Ok(t) => self.pg.all_reduce(&self.comm.all_gather, t, ReduceOp::Max),
+            Err(e) => crate::comm::Work::ready(Err(e.into())),
+        };
+        Some((mask, work))
+    }
+
+    /// Waits for [`FsdpModel::issue_agreement`]'s all-reduce and fails when the ranks differ.
+    fn finish_agreement(
+        &self,
+        agreement: Option<(i64, crate::comm::Work<Tensor>)>,
+        phase: Phase,
+    ) -> Result<()> {
+        let Some((mask, work)) = agreement else {
+            return Ok(());
+        };
+        let r = work
+            .wait()
+            .and_then(|t| Ok(t.to_vec1::<i64>()?))
+            .map_err(|e| self.at(e, None, phase))?;
+        if r[0] != mask - r[1] {
+            let names: Vec<&str> = self
+                .tape_now
+                .iter()
+                .take(32)
+                .map(|&m| self.members[m].spec.name.as_str())
+                .collect();
+            let more = if self.tape_now.len() > 32 {
+                ", ..."
+            } else {
+                ""
+            };
+            return Err(self.at(
+                Error::InvalidArgument(format!(
+                    "the ranks all-gathered different units in this forward (every rank must \
+                     call the same units in the same order): rank {} called [{}{more}]",
+                    self.pg.rank(),
+                    names.join(", ")
+                )),
+                None,
+                phase,
+            ));
+        }
+        Ok(())
+    }
+
     fn backward_steps(&mut self, loss: &Tensor) -> Result<()> {
+        let agreement = self.issue_agreement();
         let n_calls = self.step.as_ref().map_or(0, |s| s.calls.len());
         if self.scheduler.backward_mode() != BackwardPrefetch::None {
             // The first gather of backward runs during the loss's own backward.
@@ -1232,6 +1355,8 @@ impl FsdpModel {
                 None => self.at(e.into(), None, Phase::Backward),
             });
         }
+        // Before any gradient is kept: the ranks ran the same forward.
+        self.finish_agreement(agreement, Phase::Backward)?;
         if !self.step_calls().iter().any(|c| c.done) {
             return Err(self.at(
                 Error::InvalidArgument(

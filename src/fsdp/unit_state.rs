@@ -167,7 +167,10 @@ impl FsdpUnit {
             return;
         }
         let dtype = self.policy.param_dtype;
-        let guard = acct.unshard(self.flat.layout().padded_numel * dtype.size_in_bytes());
+        let guard = acct.unshard_counted(
+            self.flat.layout().padded_numel * dtype.size_in_bytes(),
+            !self.frozen,
+        );
         let work = collectives::all_gather_shard(pg, stream, &self.flat, dtype, self.gathers());
         self.params = ParamState::Unsharding { work, guard };
     }
@@ -304,6 +307,11 @@ impl FsdpUnit {
                 )))
             }
         }
+    }
+
+    /// The step's parameter tensors (layout order), when the step has created them.
+    pub(crate) fn param_tensors(&self) -> Option<&[Tensor]> {
+        self.vars.as_deref()
     }
 
     /// True when `t` shares storage with one of the step's parameter tensors.
