@@ -247,7 +247,7 @@ impl<'a> LmRank<'a> {
     /// position's logits at `--temperature` (the context is the last `--seq-len` bytes). Every
     /// rank draws the same bytes (same seed): the forwards are collectives.
     fn generate(&mut self) -> Result<String> {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(self.args.train.seed ^ 0x5a4d_504c_45);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.args.train.seed ^ 0x5341_4d50_4c45);
         let mut tokens: Vec<u32> = self.args.prompt.bytes().map(u32::from).collect();
         let t_max = self.args.seq_len;
         for _ in 0..self.args.sample_len {
