@@ -34,7 +34,7 @@ fn batch(rank: usize) -> (Tensor, Tensor) {
 }
 
 /// The same units as plain Candle modules, run in order.
-fn mlp(vb: VarBuilder) -> candle_core::Result<Vec<Box<dyn candle_nn::ModuleT>>> {
+fn mlp(vb: VarBuilder) -> candle_core::Result<Vec<Box<dyn candle_fsdp::unit::UnitModule>>> {
     candle_fsdp::models::mnist_mlp()
         .iter()
         .map(|u| (u.ctor)(vb.pp(&u.name)))
@@ -91,7 +91,7 @@ fn plain_steps(steps: u64) -> Duration {
     for _ in 0..steps {
         let logits = model
             .iter()
-            .try_fold(x.clone(), |h, m| m.forward_t(&h, true))
+            .try_fold(x.clone(), |h, m| m.forward1(&h, true))
             .unwrap();
         let loss = candle_nn::loss::cross_entropy(&logits, &y).unwrap();
         opt.backward_step(&loss).unwrap();

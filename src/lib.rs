@@ -57,6 +57,7 @@ pub mod metrics;
 pub mod mixed_precision;
 #[cfg(any(feature = "mnist", feature = "gpt"))]
 pub mod models;
+pub mod nn;
 pub mod ops;
 pub mod optim;
 pub mod shard_view;

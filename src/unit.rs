@@ -20,8 +20,52 @@ use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 
+/// A unit's module with any number of input and output tensors (attention masks, position
+/// ids, caches): what [`UnitSpec::multi`] wraps. A candle-nn [`ModuleT`] (one tensor in, one
+/// out) is wrapped by [`UnitSpec::new`] instead.
+///
+/// `xs` are the tensors passed to [`crate::fsdp::Forward::call`], in order; the returned
+/// tensors are handed back to the caller in the same order. Float outputs carry gradients;
+/// integer outputs are returned as they are.
+pub trait UnitModule {
+    /// Runs the module; `train` selects training behaviour (dropout, batch statistics).
+    ///
+    /// Errors: the module's own (shape mismatches, a wrong number of inputs).
+    fn forward_t(&self, xs: &[Tensor], train: bool) -> candle_core::Result<Vec<Tensor>>;
+}
+
+impl dyn UnitModule {
+    /// Runs a unit of one input and one output (a wrapped candle-nn module) on `x`.
+    ///
+    /// Errors: the module's; a unit that does not return exactly one output.
+    pub fn forward1(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        let mut out = self.forward_t(std::slice::from_ref(x), train)?;
+        match out.len() {
+            1 => Ok(out.pop().expect("one output")),
+            n => candle_core::bail!("forward1: the unit returned {n} outputs, not one"),
+        }
+    }
+}
+
+/// A [`ModuleT`] seen as a [`UnitModule`] of one input and one output.
+struct One<M>(M);
+
+impl<M: ModuleT> UnitModule for One<M> {
+    fn forward_t(&self, xs: &[Tensor], train: bool) -> candle_core::Result<Vec<Tensor>> {
+        match xs {
+            [x] => Ok(vec![self.0.forward_t(x, train)?]),
+            _ => candle_core::bail!(
+                "this unit takes one input tensor (a candle-nn module), found {}: wrap a module \
+                 of several inputs with UnitSpec::multi",
+                xs.len()
+            ),
+        }
+    }
+}
+
 /// A type-erased unit constructor.
-pub type UnitCtor = Arc<dyn Fn(VarBuilder) -> candle_core::Result<Box<dyn ModuleT>> + Send + Sync>;
+pub type UnitCtor =
+    Arc<dyn Fn(VarBuilder) -> candle_core::Result<Box<dyn UnitModule>> + Send + Sync>;
 
 /// A recorded parameter: name, shape, init hint.
 #[derive(Debug, Clone)]
@@ -126,7 +170,9 @@ impl SimpleBackend for Binder {
 /// A named unit constructor.
 #[derive(Clone)]
 pub struct UnitSpec {
-    /// Unit name; prefixes its parameter names (`<name>.weight`).
+    /// Unit name: what [`crate::fsdp::Forward::call`] calls it by, and the prefix of its
+    /// parameter names (`<name>.weight`), unless the unit is a member of a group
+    /// ([`crate::FsdpModelBuilder::group`]), whose name is the prefix instead.
     pub name: String,
     /// The constructor.
     pub ctor: UnitCtor,
@@ -148,13 +194,27 @@ pub struct UnitSpec {
 }
 
 impl UnitSpec {
-    /// Wraps a candle-nn style constructor.
+    /// Wraps a candle-nn style constructor of a module of one input and one output tensor.
     pub fn new<M, F>(name: impl Into<String>, f: F) -> Self
     where
         M: ModuleT + 'static,
         F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
     {
-        let ctor: UnitCtor = Arc::new(move |vb| Ok(Box::new(f(vb)?) as Box<dyn ModuleT>));
+        let ctor: UnitCtor = Arc::new(move |vb| Ok(Box::new(One(f(vb)?)) as Box<dyn UnitModule>));
+        Self::from_ctor(name, ctor)
+    }
+
+    /// Wraps a constructor of a module of several input or output tensors ([`UnitModule`]).
+    pub fn multi<M, F>(name: impl Into<String>, f: F) -> Self
+    where
+        M: UnitModule + 'static,
+        F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
+    {
+        let ctor: UnitCtor = Arc::new(move |vb| Ok(Box::new(f(vb)?) as Box<dyn UnitModule>));
+        Self::from_ctor(name, ctor)
+    }
+
+    fn from_ctor(name: impl Into<String>, ctor: UnitCtor) -> Self {
         Self {
             name: name.into(),
             ctor,
@@ -182,16 +242,18 @@ impl UnitSpec {
         self
     }
 
-    /// Calls the constructor with the parameters `tensors` (keyed by full name), in `dtype`.
+    /// Calls the constructor with the parameters `tensors` (keyed by full name), in `dtype`,
+    /// under the prefix `prefix` (the unit's name, or its group's).
     ///
     /// Errors: the constructor's own, or a parameter asked for that is not in `tensors`.
     pub fn bind(
         &self,
+        prefix: &str,
         tensors: HashMap<String, Tensor>,
         dtype: DType,
         device: &Device,
-    ) -> Result<Box<dyn ModuleT>> {
-        self.bind_with_buffers(tensors, &HashSet::new(), dtype, device)
+    ) -> Result<Box<dyn UnitModule>> {
+        self.bind_with_buffers(prefix, tensors, &HashSet::new(), dtype, device)
     }
 
     /// As [`UnitSpec::bind`], where the tensors named in `buffers` are served as they are,
@@ -201,27 +263,36 @@ impl UnitSpec {
     /// Errors: as [`UnitSpec::bind`].
     pub fn bind_with_buffers(
         &self,
+        prefix: &str,
         tensors: HashMap<String, Tensor>,
         buffers: &HashSet<String>,
         dtype: DType,
         device: &Device,
-    ) -> Result<Box<dyn ModuleT>> {
+    ) -> Result<Box<dyn UnitModule>> {
         let binder = Binder {
             unit: self.name.clone(),
             tensors,
             buffers: buffers.clone(),
         };
         let vb = VarBuilder::from_backend(Box::new(binder), dtype, device.clone());
-        (self.ctor)(vb.pp(&self.name)).map_err(Error::from)
+        (self.ctor)(vb.pp(prefix)).map_err(Error::from)
     }
 }
 
-/// Runs the constructor once with a recording backend and returns its parameters in creation
-/// order. Allocates no parameter memory.
-pub fn record_unit(spec: &UnitSpec, dtype: DType, device: &Device) -> Result<Vec<RecordedParam>> {
+/// Runs the constructor once with a recording backend under `prefix` (the unit's name, or its
+/// group's) and returns its parameters in creation order. Allocates no parameter memory.
+///
+/// Errors: the constructor's (named with the unit), e.g. one parameter asked for twice with
+/// different shapes.
+pub fn record_unit(
+    spec: &UnitSpec,
+    prefix: &str,
+    dtype: DType,
+    device: &Device,
+) -> Result<Vec<RecordedParam>> {
     let rec = Recorder::default();
     let vb = VarBuilder::from_backend(Box::new(rec.clone()), dtype, device.clone());
-    let module = (spec.ctor)(vb.pp(&spec.name)).map_err(|e| {
+    let module = (spec.ctor)(vb.pp(prefix)).map_err(|e| {
         Error::InvalidArgument(format!("unit {}: constructor failed: {e}", spec.name))
     })?;
     drop(module);

@@ -166,7 +166,7 @@ fn full_round_trip_at_world_sizes_1_to_4() {
 fn plain_forward(vb: VarBuilder, x: &Tensor) -> candle_core::Result<Tensor> {
     let mut h = x.clone();
     for u in specs() {
-        h = (u.ctor)(vb.pp(&u.name))?.forward_t(&h, false)?;
+        h = (u.ctor)(vb.pp(&u.name))?.forward1(&h, false)?;
     }
     Ok(h)
 }

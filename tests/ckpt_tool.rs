@@ -139,7 +139,7 @@ fn trained_checkpoint(root: &Path, ws: usize, strategy: ShardingStrategy, steps:
 fn plain_forward(vb: VarBuilder, x: &Tensor) -> candle_core::Result<Tensor> {
     let mut h = x.clone();
     for u in units_with_buffer() {
-        h = (u.ctor)(vb.pp(&u.name))?.forward_t(&h, false)?;
+        h = (u.ctor)(vb.pp(&u.name))?.forward1(&h, false)?;
     }
     Ok(h)
 }

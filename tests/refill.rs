@@ -87,7 +87,7 @@ fn fsdp_grads(
 fn plain_grads(case: &Case) -> HashMap<String, Vec<f32>> {
     let varmap = VarMap::new();
     let vb: VarBuilder = seeded_var_builder(&varmap, SEED, case.policy.param_dtype, &Device::Cpu);
-    let modules: Vec<Box<dyn ModuleT>> = (case.units)()
+    let modules: Vec<Box<dyn candle_fsdp::unit::UnitModule>> = (case.units)()
         .iter()
         .map(|u| (u.ctor)(vb.pp(&u.name)).unwrap())
         .collect();
@@ -96,7 +96,7 @@ fn plain_grads(case: &Case) -> HashMap<String, Vec<f32>> {
         h = h.to_dtype(case.policy.param_dtype).unwrap();
     }
     for m in &modules {
-        h = m.forward_t(&h, true).unwrap();
+        h = m.forward1(&h, true).unwrap();
     }
     let grads = loss(&h).unwrap().backward().unwrap();
     let vars = varmap.data().lock().unwrap().clone();

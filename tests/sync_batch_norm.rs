@@ -490,9 +490,9 @@ fn bf16_compute_keeps_f32_running_stats_live() {
         let spec = UnitSpec::new("u", move |vb| {
             sync_batch_norm(C, c.config, pg2.clone(), vb.pp("bn"))
         });
-        let module = spec.bind(map, DType::BF16, &Device::Cpu)?;
+        let module = spec.bind("u", map, DType::BF16, &Device::Cpu)?;
         let offset = if r == 0 { 0 } else { 3 };
-        let y = module.forward_t(&x_bf16.narrow(0, offset, c.batches[r])?, true)?;
+        let y = module.forward_t(&[x_bf16.narrow(0, offset, c.batches[r])?], true)?[0].clone();
         assert_eq!(y.dtype(), DType::BF16);
         assert_eq!(rm.dtype(), DType::F32);
         Ok((to_vec(&y), to_vec(rm.as_tensor()), to_vec(rv.as_tensor())))
@@ -577,7 +577,7 @@ fn cnn_reference(ws: usize) -> (Vec<f32>, std::collections::HashMap<String, Vec<
     for (x, y) in batches(FSDP_STEPS, PER_RANK * ws, 5) {
         let mut h = images(&x);
         for m in &model {
-            h = m.forward_t(&h, true).unwrap();
+            h = m.forward1(&h, true).unwrap();
         }
         let loss = candle_nn::loss::cross_entropy(&h, &y).unwrap();
         losses.push(loss.to_scalar::<f32>().unwrap());

@@ -10,16 +10,16 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use safetensors::Dtype;
 
 use super::io::{candle_dtype, st_dtype, MappedFile, SafetensorsWriter, TensorSpec};
 use super::{agree, ReadStats, FORMAT_VERSION};
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
+use crate::fsdp::ModelSpec;
 use crate::fsdp::{FsdpConfig, FsdpModel};
 use crate::ops::with_host_f32;
-use crate::unit::{record_unit, UnitSpec};
 
 /// Value of the `format` entry of a full state-dict file's safetensors metadata.
 pub const FULL_FORMAT: &str = "candle-fsdp/full";
@@ -278,20 +278,19 @@ pub fn load_full(path: &Path, model: &mut FsdpModel) -> Result<ReadStats> {
 pub fn build_from_full(
     pg: Arc<dyn ProcessGroup>,
     config: FsdpConfig,
-    specs: Vec<UnitSpec>,
+    specs: impl Into<ModelSpec>,
     path: &Path,
 ) -> Result<(FsdpModel, ReadStats)> {
+    let specs: ModelSpec = specs.into();
     let mut stats = ReadStats::default();
     let checked = (|| -> Result<MappedFile> {
         let mut expected = Vec::new();
-        for spec in &specs {
-            for p in record_unit(spec, DType::F32, &config.device)? {
-                expected.push(Expected {
-                    name: p.name,
-                    shape: p.shape.dims().to_vec(),
-                    what: "parameter or buffer",
-                });
-            }
+        for p in specs.record(&config.device)? {
+            expected.push(Expected {
+                name: p.name,
+                shape: p.shape.dims().to_vec(),
+                what: "parameter or buffer",
+            });
         }
         let file = MappedFile::open(path, None, &mut stats)?;
         check_full(&file, &expected)?;

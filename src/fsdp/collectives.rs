@@ -97,6 +97,16 @@ pub(crate) fn param_vars(layout: &FlatParamLayout, flat: &Tensor) -> Result<Vec<
         .collect()
 }
 
+/// Copy-out into plain tensors without gradient (frozen parameters), one compact copy per
+/// parameter (in layout order), whose storage can be freed and refilled like a variable's.
+pub(crate) fn param_copies(layout: &FlatParamLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
+    layout
+        .params
+        .iter()
+        .map(|p| Ok(view(p, flat)?.force_contiguous()?))
+        .collect()
+}
+
 /// Refills the freed storage of `params` (variables from [`param_vars`], in layout order) from
 /// the gathered buffer, in place: the autograd graph that references them sees the values again.
 pub(crate) fn refill_params(
@@ -116,7 +126,7 @@ pub(crate) fn free_params(params: &[Tensor]) -> Result<()> {
 }
 
 /// Copy-in: the parameter gradients of one unit (from `grads`, for the variables `params` in
-/// layout order) into one flat f32 reduction buffer on `flat`'s device, in one device
+/// layout order; parameters past the end of `params` have none) into one flat f32 reduction buffer on `flat`'s device, in one device
 /// concatenation of each gradient widened to f32 and the zero gaps between them (zeros too
 /// where a parameter got no gradient, and for the final padding), so each element is written
 /// once. `None` for a unit without parameters.
@@ -142,11 +152,11 @@ pub(crate) fn flatten_grads(
     let mut segments = Vec::with_capacity(2 * layout.params.len() + 1);
     let mut present = Vec::with_capacity(layout.params.len());
     let mut at = 0;
-    for (p, t) in layout.params.iter().zip(params) {
+    for (i, p) in layout.params.iter().enumerate() {
         if p.offset > at {
             segments.push(zeros(p.offset - at)?);
         }
-        let g = grads.and_then(|g| g.get(t));
+        let g = grads.zip(params.get(i)).and_then(|(g, t)| g.get(t));
         present.push(if g.is_some() { 1.0f32 } else { 0.0 });
         segments.push(match g {
             Some(g) => g.to_dtype(DType::F32)?.flatten_all()?,

@@ -32,6 +32,7 @@
 //! SHARD_GRAD_OP and NO_SHARD keep the parameters from forward to backward instead; a unit with
 //! activation checkpointing runs its forward without autograd and is recomputed in backward.
 
+mod call;
 mod collectives;
 pub mod config;
 pub mod memory;
@@ -43,6 +44,6 @@ pub(crate) mod unit_state;
 
 pub use config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
 pub use memory::MemoryStats;
-pub use model::{FsdpModel, FsdpModelBuilder};
+pub use model::{Forward, FsdpModel, FsdpModelBuilder, ModelSpec};
 pub use state_dict::FullModel;
 pub(crate) use unit_state::FsdpUnit;

@@ -1,17 +1,33 @@
-//! [`FsdpModel`]: construction and the step's schedules. `forward`, `forward_eval` and `backward`
-//! only call unit transitions (`unshard`, `wait_for_unshard`, `reshard`, `pre_backward`,
-//! `post_backward`) and ask the [`Scheduler`] what to prefetch.
+//! [`FsdpModel`]: construction, the training and eval forwards (any Rust code that calls units
+//! through [`Forward`]), and the backward. The schedules only call group transitions
+//! (`unshard`, `unshard_wait`, `reshard`, `finish_backward_call`) and ask the [`Scheduler`] what
+//! may be prefetched.
+//!
+//! The algorithm (design/architecture.md, "Any forward"):
+//! - **forward**: each [`Forward::call`] unshards the unit's groups just in time (the next call's
+//!   gather is issued before this one computes: forward prefetch, predicted from the previous
+//!   step's call sequence), runs the unit with autograd on the step's parameter variables and
+//!   on a variable copy of each input that carries gradient, and joins it to the caller's
+//!   graph as one node ([`super::call`]). The groups of a call are resharded when the next call
+//!   starts (FULL_SHARD), so the last call's parameters stay for the backward that follows.
+//! - **backward**: one `loss.backward()` of Candle over the caller's graph; each call's node runs
+//!   the unit's backward when the gradients of all its outputs are complete — refill (the gather
+//!   was prefetched one call ahead in reverse call order), back-propagate through the unit's
+//!   own graph, copy the gradients into the group's flat gradient — and, after the group's last
+//!   call, issues its reduce-scatter without waiting. The reductions are waited for at the end.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor, Var};
 use candle_nn::ModuleT;
 
+use super::call::{self, StepHook};
 use super::collectives::{self, CommContext};
 use super::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
 use super::memory::{MemoryAccount, MemoryStats};
 use super::scheduler::Scheduler;
-use super::unit_state::{ForwardMode, FsdpUnit, TrainingState};
+use super::unit_state::FsdpUnit;
 use crate::comm::{CommObserver, ProcessGroup, ProcessGroupExt, ReduceOp};
 use crate::error::{Error, Phase, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter};
@@ -20,17 +36,138 @@ use crate::mixed_precision::MixedPrecision;
 use crate::trace::{Lane, SpanGuard, SpanKind, Tracer};
 use crate::unit::{record_unit, RecordedParam, UnitSpec};
 
+/// What a model is built from: groups of units in order, and the freeze patterns. Built by
+/// [`FsdpModelBuilder`]; a `Vec<UnitSpec>` converts into a chain of single-unit groups.
+#[derive(Clone, Default)]
+pub struct ModelSpec {
+    groups: Vec<GroupSpec>,
+    freeze: Vec<String>,
+}
+
+#[derive(Clone)]
+struct GroupSpec {
+    /// The prefix of the members' parameter names.
+    name: String,
+    members: Vec<UnitSpec>,
+}
+
+impl From<Vec<UnitSpec>> for ModelSpec {
+    fn from(specs: Vec<UnitSpec>) -> Self {
+        let mut m = ModelSpec::default();
+        for s in specs {
+            m.push_unit(s);
+        }
+        m
+    }
+}
+
+impl ModelSpec {
+    /// An empty model.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a unit of its own (its parameters are named `<unit name>.<path>`).
+    pub fn push_unit(&mut self, spec: UnitSpec) {
+        self.groups.push(GroupSpec {
+            name: spec.name.clone(),
+            members: vec![spec],
+        });
+    }
+
+    /// Adds a group (see [`FsdpModelBuilder::group`]).
+    pub fn push_group(&mut self, name: impl Into<String>, members: Vec<UnitSpec>) {
+        self.groups.push(GroupSpec {
+            name: name.into(),
+            members,
+        });
+    }
+
+    /// Adds freeze patterns (see [`FsdpModelBuilder::freeze`]).
+    pub fn push_freeze(&mut self, patterns: impl IntoIterator<Item = impl Into<String>>) {
+        self.freeze.extend(patterns.into_iter().map(Into::into));
+    }
+
+    /// Every tensor the constructors create (parameters and buffers, each once), in build
+    /// order: what a full state dict of this model holds.
+    ///
+    /// Errors: a constructor that fails.
+    pub fn record(&self, device: &candle_core::Device) -> Result<Vec<RecordedParam>> {
+        let mut out: Vec<RecordedParam> = Vec::new();
+        for g in &self.groups {
+            for m in &g.members {
+                for p in record_unit(m, &g.name, DType::F32, device)? {
+                    if !out.iter().any(|q| q.name == p.name) {
+                        out.push(p);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A callable unit: a constructor bound under its group's prefix to the parameters of its
+/// groups (its own or its tied group's, plus a frozen twin when some are frozen).
+pub(crate) struct Member {
+    pub(crate) spec: UnitSpec,
+    pub(crate) prefix: String,
+    /// Indices into `FsdpModel::units`: the group holding the trainable parameters and buffers
+    /// first, then the frozen twin if any.
+    pub(crate) groups: Vec<usize>,
+}
+
+/// A training or eval forward in progress, and what its backward needs.
+struct StepState {
+    train: bool,
+    hook: Arc<StepHook>,
+    /// The scalar variable every call node hangs from.
+    anchor: Tensor,
+    calls: Vec<CallRecord>,
+    /// Groups of the latest call (resharded when the next call starts).
+    last_groups: Vec<usize>,
+}
+
+/// One call of a unit in a training forward.
+struct CallRecord {
+    member: usize,
+    groups: Vec<usize>,
+    /// Activation checkpointing: recompute in backward from `saved_inputs`.
+    checkpoint: bool,
+    /// The unit's inputs as it received them (cast, detached): kept for a recompute.
+    saved_inputs: Vec<Tensor>,
+    /// Which inputs carry gradient (indices into the call's inputs), and their dtypes as the
+    /// caller passed them.
+    tracked: Vec<(usize, DType)>,
+    /// The unit graph's variables of the tracked inputs (empty when checkpointed).
+    input_vars: Vec<Tensor>,
+    /// The unit's outputs attached to its graph (`None`: not differentiable, or checkpointed).
+    outputs: Vec<Option<Tensor>>,
+    /// For each output whose storage was freed after the forward: the output node holding the
+    /// same values, to refill it from before the backward.
+    refill_from: Vec<Option<Tensor>>,
+    /// Gradients of the outputs, stored by the output nodes.
+    out_grads: Vec<Option<Tensor>>,
+    /// Gradients of the tracked inputs, handed out by the input nodes.
+    in_grads: Vec<Option<Tensor>>,
+    done: bool,
+}
+
 /// A model whose units' parameters are sharded over a process group.
 ///
-/// Every method that communicates (`forward`, `forward_eval`, `backward`, `gather_full_params`)
-/// is a collective: all ranks must call it, in the same order. Errors raised during a step name
-/// the unit, the phase and the step ([`Error::InStep`]).
+/// Every method that communicates (`forward`, `forward_with`, `forward_eval`, `backward`,
+/// `gather_full_params`) is a collective: all ranks must call it, and call the same units in
+/// the same order. Errors raised during a step name the unit, the phase and the step
+/// ([`Error::InStep`]).
 pub struct FsdpModel {
     pub(super) pg: Arc<dyn ProcessGroup>,
     /// The comm streams of this model's all-gathers and reductions.
     pub(super) comm: CommContext,
     pub(super) config: FsdpConfig,
+    /// Parameter groups, in build order (what checkpoints and optimizers see as units).
     pub(crate) units: Vec<FsdpUnit>,
+    pub(crate) members: Vec<Member>,
+    by_name: HashMap<String, usize>,
     pub(super) mem: MemoryAccount,
     scheduler: Scheduler,
     requires_gradient_sync: bool,
@@ -38,53 +175,132 @@ pub struct FsdpModel {
     /// Training forwards started (the step number of errors and traces is `steps_started - 1`
     /// during a step).
     steps_started: u64,
+    step: Option<StepState>,
+    /// The members called by the previous training and eval forwards, in order (the forward
+    /// prefetch's prediction).
+    prev_tape: [Vec<usize>; 2],
+    /// The members called so far by the current forward.
+    tape_now: Vec<usize>,
 }
 
-/// Builder of an [`FsdpModel`]: add units in forward order, then [`FsdpModelBuilder::build`].
+/// Builder of an [`FsdpModel`]: add units (and groups) in build order, then
+/// [`FsdpModelBuilder::build`].
 pub struct FsdpModelBuilder {
     pg: Arc<dyn ProcessGroup>,
     config: FsdpConfig,
-    specs: Vec<UnitSpec>,
+    spec: ModelSpec,
 }
 
 impl FsdpModelBuilder {
-    /// Adds a unit built by a candle-nn style constructor, e.g.
-    /// `.unit("fc1", |vb| candle_nn::linear(784, 128, vb))`. Its parameters are named
-    /// `<name>.<path>`. Units run in the order they are added, each taking the previous one's
-    /// output.
+    /// Adds a unit built by a candle-nn style constructor of a module of one input and one
+    /// output tensor, e.g. `.unit("fc1", |vb| candle_nn::linear(784, 128, vb))`. Its parameters
+    /// are named `<name>.<path>`. [`FsdpModel::forward`] runs the units in the order they are
+    /// added, each taking the previous one's output; [`FsdpModel::forward_with`] calls them by
+    /// name in any order.
     pub fn unit<M, F>(mut self, name: impl Into<String>, ctor: F) -> Self
     where
         M: ModuleT + 'static,
         F: Fn(candle_nn::VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
     {
-        self.specs.push(UnitSpec::new(name, ctor));
+        self.spec.push_unit(UnitSpec::new(name, ctor));
         self
     }
 
-    /// Adds an already wrapped unit.
+    /// Adds an already wrapped unit (e.g. [`UnitSpec::multi`], several inputs and outputs).
     pub fn unit_spec(mut self, spec: UnitSpec) -> Self {
-        self.specs.push(spec);
+        self.spec.push_unit(spec);
         self
     }
 
     /// Adds several wrapped units, in order (e.g. `models::mnist_mlp`).
     pub fn units(mut self, specs: impl IntoIterator<Item = UnitSpec>) -> Self {
-        self.specs.extend(specs);
+        specs.into_iter().for_each(|s| self.spec.push_unit(s));
         self
     }
 
-    /// Records every unit, lays out and initialises its shard, one unit at a time (the peak is
+    /// Adds units that share parameters, as one group (FSDP2's `fully_shard([emb, head])`):
+    /// one FlatParameter, gathered for each member's call and reduced once per step with the sum
+    /// of every call's gradient. Each member's constructor gets the *group's* prefix, so a
+    /// tensor both ask for by the same name is one tensor: with group `"wte"`, an embedding
+    /// member and an LM-head member that both call `vb.get((vocab, d), "weight")` share
+    /// `wte.weight` (GPT-2's tied weights). Members are called by their own names; a tensor asked
+    /// for twice must have one shape. The group takes its mixed-precision policy,
+    /// `reshard_after_forward` and buffers from its first member.
+    pub fn group(
+        mut self,
+        name: impl Into<String>,
+        members: impl IntoIterator<Item = UnitSpec>,
+    ) -> Self {
+        self.spec.push_group(name, members.into_iter().collect());
+        self
+    }
+
+    /// Freezes the parameters whose full name matches one of `patterns` (glob syntax: `*` any
+    /// run of characters, `?` one, `[abc]` a class; e.g. `"wpe.*"`, `"blk*.ln1.weight"`).
+    /// Frozen parameters get no gradient and no optimizer state, never change, and take no part
+    /// in the reduce-scatter: a unit's frozen parameters form a group of their own (its
+    /// *frozen twin*, named `<unit>[frozen]` in checkpoints), gathered with the unit and never
+    /// reduced.
+    ///
+    /// [`FsdpModelBuilder::build`] fails on an invalid pattern or one that matches nothing.
+    pub fn freeze(mut self, patterns: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.spec.push_freeze(patterns);
+        self
+    }
+
+    /// Records every unit, lays out and initialises its shard, one group at a time (the peak is
     /// one unit's largest parameter, never the model).
     ///
-    /// Errors: no unit, duplicate unit names, a constructor that fails.
+    /// Errors: see [`FsdpModel::build_with`].
     pub fn build(self) -> Result<FsdpModel> {
-        let FsdpModelBuilder { pg, config, specs } = self;
+        let FsdpModelBuilder { pg, config, spec } = self;
         let seed = config.seed;
-        FsdpModel::build_with(pg, config, specs, |p, range, out| {
+        FsdpModel::build_with(pg, config, spec, |p, range, out| {
             let values = init_values(&p.name, &p.shape, p.hint, seed);
             out.copy_from_slice(&values[range]);
             Ok(())
         })
+    }
+}
+
+/// The handle through which a forward calls units (see [`FsdpModel::forward_with`]).
+pub struct Forward<'a> {
+    model: &'a mut FsdpModel,
+}
+
+impl Forward<'_> {
+    /// Calls unit `unit` on `xs` and returns its outputs: all-gathers its parameters (if they
+    /// are not already there), runs it, and — in a training forward — joins it to the autograd
+    /// graph so that [`FsdpModel::backward`] runs its backward when its outputs' gradients are
+    /// complete. Float outputs carry gradients; integer outputs come back as they are. Float
+    /// inputs are cast to the unit's `param_dtype` (when its policy says so); those with
+    /// autograd history receive gradients.
+    ///
+    /// Errors ([`Error::InStep`] naming the unit): no unit of that name; the unit's own error;
+    /// any collective error; an output not connected by autograd to the unit's parameters or
+    /// inputs (an operation without backward inside, e.g. candle-nn 0.11's fused `layer_norm`:
+    /// use [`crate::nn`]'s).
+    pub fn call(&mut self, unit: &str, xs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let m = self.model.member_index(unit)?;
+        self.model.call(m, xs)
+    }
+
+    /// [`Forward::call`] of a unit of one input and one output (e.g. any candle-nn module).
+    ///
+    /// Errors: as [`Forward::call`]; the unit returned another number of outputs.
+    pub fn call1(&mut self, unit: &str, x: &Tensor) -> Result<Tensor> {
+        let m = self.model.member_index(unit)?;
+        self.model.call1(m, x)
+    }
+
+    /// True in a training forward ([`FsdpModel::forward_with`]), false in an eval forward.
+    pub fn is_training(&self) -> bool {
+        self.model.step.as_ref().is_some_and(|s| s.train)
+    }
+
+    /// The model's process group (e.g. for the rank in a data-dependent forward).
+    pub fn process_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.model.pg
     }
 }
 
@@ -94,7 +310,7 @@ impl FsdpModel {
         FsdpModelBuilder {
             pg,
             config,
-            specs: Vec::new(),
+            spec: ModelSpec::default(),
         }
     }
 
@@ -103,55 +319,113 @@ impl FsdpModel {
     /// A collective: it creates the model's comm streams ("all_gather", "reduce_scatter") on the
     /// group, so every rank builds its models in the same order.
     ///
-    /// Errors: no unit, two units of one name, two tensors of one name, a constructor that
-    /// fails, an invalid mixed-precision policy, a stream that cannot be created.
+    /// Errors: no unit; two units of one name; two units (not in one group) that create a tensor
+    /// of one name; members of a group that ask for one tensor with two shapes; an invalid
+    /// freeze pattern or one that matches no parameter; a constructor that fails; an invalid
+    /// mixed-precision policy; ranks that built different models; a stream that cannot be
+    /// created.
     pub fn build_with(
         pg: Arc<dyn ProcessGroup>,
         config: FsdpConfig,
-        specs: Vec<UnitSpec>,
+        spec: impl Into<ModelSpec>,
         mut fill: impl FnMut(&RecordedParam, std::ops::Range<usize>, &mut [f32]) -> Result<()>,
     ) -> Result<FsdpModel> {
-        if specs.is_empty() {
+        let spec: ModelSpec = spec.into();
+        if spec.groups.iter().all(|g| g.members.is_empty()) {
             return Err(Error::InvalidArgument(
                 "a model needs at least one unit".into(),
             ));
         }
+        let patterns = spec
+            .freeze
+            .iter()
+            .map(|p| {
+                glob::Pattern::new(p).map_err(|e| {
+                    Error::InvalidArgument(format!("freeze pattern {p:?} is not a valid glob: {e}"))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut pattern_used = vec![false; patterns.len()];
         let (shard_world, shard_index) = match config.sharding_strategy {
             ShardingStrategy::NoShard => (1, 0),
             _ => (pg.world_size(), pg.rank()),
         };
-        let mut units: Vec<FsdpUnit> = Vec::with_capacity(specs.len());
-        for spec in specs {
-            if units.iter().any(|u| u.name() == spec.name) {
+        let mut units: Vec<FsdpUnit> = Vec::new();
+        let mut members: Vec<Member> = Vec::new();
+        // Which unit created each tensor name (for the clash error).
+        let mut creator: HashMap<String, String> = HashMap::new();
+        for g in spec.groups {
+            let Some(first) = g.members.first() else {
                 return Err(Error::InvalidArgument(format!(
-                    "two units are named {}",
-                    spec.name
+                    "group {} has no unit",
+                    g.name
                 )));
-            }
-            let all_recorded = record_unit(&spec, DType::F32, &config.device)?;
-            for p in &all_recorded {
-                let clash = units.iter().find(|u| {
-                    u.recorded().iter().any(|q| q.name == p.name)
-                        || u.buffers().iter().any(|(b, _)| b == &p.name)
-                });
-                if let Some(other) = clash {
+            };
+            for m in &g.members {
+                if members.iter().any(|o| o.spec.name == m.name) {
                     return Err(Error::InvalidArgument(format!(
-                        "units {} and {} both create a tensor named {}: full names must be unique \
-                         (checkpoints and state dicts are keyed by them)",
-                        other.name(),
-                        spec.name,
-                        p.name
+                        "two units are named {}",
+                        m.name
                     )));
                 }
             }
-            let (buffer_recs, recorded): (Vec<_>, Vec<_>) =
-                all_recorded.into_iter().partition(|p| {
-                    config
-                        .buffer_suffixes
-                        .iter()
-                        .any(|s| p.name.rsplit('.').next() == Some(s.as_str()))
-                });
-            let policy = match spec.mixed_precision {
+            // Record every member under the group's prefix; a name asked for by two members of
+            // the group is one tensor.
+            let mut all_recorded: Vec<RecordedParam> = Vec::new();
+            let mut asked_by: HashMap<String, String> = HashMap::new();
+            for m in &g.members {
+                for p in record_unit(m, &g.name, DType::F32, &config.device)? {
+                    if let Some(other) = creator.get(&p.name) {
+                        return Err(Error::InvalidArgument(format!(
+                            "units {other} and {} both create a tensor named {}: full names must \
+                             be unique (checkpoints and state dicts are keyed by them); to share \
+                             one tensor between units (tied weights), put them in one group: \
+                             builder.group(\"<prefix>\", [UnitSpec::new(\"{other}\", ..), \
+                             UnitSpec::new(\"{}\", ..)])",
+                            m.name, p.name, m.name
+                        )));
+                    }
+                    match all_recorded.iter().find(|q| q.name == p.name) {
+                        Some(q) if q.shape != p.shape => {
+                            return Err(Error::InvalidArgument(format!(
+                                "units {} and {} of group {} both ask for {} but with different \
+                                 shapes: {:?} and {:?}",
+                                asked_by[&p.name],
+                                m.name,
+                                g.name,
+                                p.name,
+                                q.shape.dims(),
+                                p.shape.dims()
+                            )))
+                        }
+                        Some(_) => {}
+                        None => {
+                            asked_by.insert(p.name.clone(), m.name.clone());
+                            all_recorded.push(p);
+                        }
+                    }
+                }
+            }
+            for p in &all_recorded {
+                creator.insert(p.name.clone(), asked_by[&p.name].clone());
+            }
+            let (buffer_recs, params): (Vec<_>, Vec<_>) = all_recorded.into_iter().partition(|p| {
+                config
+                    .buffer_suffixes
+                    .iter()
+                    .any(|s| p.name.rsplit('.').next() == Some(s.as_str()))
+            });
+            let (frozen, trainable): (Vec<_>, Vec<_>) = params.into_iter().partition(|p| {
+                let mut hit = false;
+                for (i, pat) in patterns.iter().enumerate() {
+                    if pat.matches(&p.name) {
+                        pattern_used[i] = true;
+                        hit = true;
+                    }
+                }
+                hit
+            });
+            let policy = match first.mixed_precision {
                 Some(p) => p,
                 None if buffer_recs.iter().any(|b| b.name.ends_with("running_mean")) => {
                     MixedPrecision {
@@ -171,29 +445,81 @@ impl FsdpModel {
                     Ok((p.name.clone(), Var::from_tensor(&t)?))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let named: Vec<_> = recorded
+            let reshard = config.sharding_strategy == ShardingStrategy::FullShard
+                && first.reshard_after_forward;
+            let mut make = |name: String,
+                            recorded: Vec<RecordedParam>,
+                            buffers: Vec<(String, Var)>,
+                            is_frozen: bool|
+             -> Result<FsdpUnit> {
+                let named: Vec<_> = recorded
+                    .iter()
+                    .map(|p| (p.name.clone(), p.shape.clone()))
+                    .collect();
+                let layout = FlatParamLayout::new(&named, shard_world)?;
+                let flat = FlatParameter::from_fn(
+                    layout,
+                    shard_index,
+                    &config.device,
+                    |i, range, out| fill(&recorded[i], range, out),
+                )?;
+                let mut u = FsdpUnit::new(name, flat, buffers, policy, is_frozen);
+                u.reshard_after_forward = reshard;
+                Ok(u)
+            };
+            let mut group_units = vec![units.len()];
+            units.push(make(g.name.clone(), trainable, buffers, false)?);
+            if !frozen.is_empty() {
+                group_units.push(units.len());
+                units.push(make(
+                    format!("{}[frozen]", g.name),
+                    frozen,
+                    Vec::new(),
+                    true,
+                )?);
+            }
+            for m in g.members {
+                members.push(Member {
+                    spec: m,
+                    prefix: g.name.clone(),
+                    groups: group_units.clone(),
+                });
+            }
+        }
+        if let Some(i) = pattern_used.iter().position(|u| !u) {
+            let mut names: Vec<&str> = units
                 .iter()
-                .map(|p| (p.name.clone(), p.shape.clone()))
+                .flat_map(|u| u.flat().layout().params.iter().map(|p| p.name.as_str()))
                 .collect();
-            let layout = FlatParamLayout::new(&named, shard_world)?;
-            let flat =
-                FlatParameter::from_fn(layout, shard_index, &config.device, |i, range, out| {
-                    fill(&recorded[i], range, out)
-                })?;
-            units.push(FsdpUnit::new(spec, recorded, flat, buffers, policy));
+            names.sort_unstable();
+            return Err(Error::InvalidArgument(format!(
+                "freeze pattern {:?} matches no parameter; the parameters are: {}",
+                spec.freeze[i],
+                names.join(", ")
+            )));
         }
         agree_on_model(pg.as_ref(), &units, config.sharding_strategy)?;
         let comm = CommContext::new(pg.as_ref())?;
+        let by_name = members
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.spec.name.clone(), i))
+            .collect();
         Ok(FsdpModel {
             scheduler: Scheduler::new(&config),
             comm,
             pg,
             config,
             units,
+            members,
+            by_name,
             mem: MemoryAccount::default(),
             requires_gradient_sync: true,
             tracer: None,
             steps_started: 0,
+            step: None,
+            prev_tape: [Vec::new(), Vec::new()],
+            tape_now: Vec::new(),
         })
     }
 
@@ -205,6 +531,11 @@ impl FsdpModel {
     /// The configuration.
     pub fn config(&self) -> &FsdpConfig {
         &self.config
+    }
+
+    /// The names of the units that can be called, in build order.
+    pub fn unit_names(&self) -> impl Iterator<Item = &str> {
+        self.members.iter().map(|m| m.spec.name.as_str())
     }
 
     /// Memory counters of this rank.
@@ -273,57 +604,73 @@ impl FsdpModel {
         }
     }
 
-    /// Wraps an error with unit `k`, `phase` and the current step ([`Error::InStep`]).
+    /// Wraps an error with unit (group) `k`, `phase` and the current step ([`Error::InStep`]).
     pub(crate) fn at(&self, e: Error, k: Option<usize>, phase: Phase) -> Error {
         e.in_step(k.map(|k| self.units[k].name()), phase, self.step())
     }
 
-    /// Unshards unit `k` (issues its all-gather) and marks the issue in the trace.
-    fn unshard(&mut self, k: usize) {
-        if self.units[k].gathers() && self.units[k].is_sharded() {
-            self.mark_issue(|| format!("FSDP::all_gather {}", self.units[k].name()));
-        }
-        self.units[k].unshard(self.pg.as_ref(), &self.comm.all_gather, &self.mem);
+    /// Wraps an error with the unit called `name`, `phase` and the current step.
+    fn at_name(&self, e: Error, name: &str, phase: Phase) -> Error {
+        e.in_step(Some(name), phase, self.step())
     }
 
-    /// Waits for unit `k`'s all-gather (issuing it if needed), recording the wait as exposed
-    /// communication, and returns the gathered flat buffer.
-    fn wait_for_unshard(&mut self, k: usize) -> Result<Tensor> {
-        self.unshard(k);
-        let _w = self.units[k].gathers().then(|| {
+    /// The index of the unit called `name`.
+    fn member_index(&self, name: &str) -> Result<usize> {
+        self.by_name.get(name).copied().ok_or_else(|| {
+            let names: Vec<&str> = self.unit_names().collect();
+            Error::InvalidArgument(format!(
+                "no unit named {name:?}; the model's units are: {}",
+                names.join(", ")
+            ))
+        })
+    }
+
+    /// Unshards group `g` (issues its all-gather) and marks the issue in the trace.
+    fn unshard(&mut self, g: usize) {
+        if self.units[g].gathers() && self.units[g].is_sharded() {
+            self.mark_issue(|| format!("FSDP::all_gather {}", self.units[g].name()));
+        }
+        self.units[g].unshard(self.pg.as_ref(), &self.comm.all_gather, &self.mem);
+    }
+
+    /// Makes group `g`'s parameters present (waiting for its all-gather, issuing it if needed),
+    /// recording the wait as exposed communication.
+    fn unshard_wait(&mut self, g: usize) -> Result<()> {
+        if self.units[g].is_present() {
+            return Ok(());
+        }
+        self.unshard(g);
+        let _w = self.units[g].gathers().then(|| {
             self.span(SpanKind::Wait, || {
-                format!("FSDP::wait all_gather {}", self.units[k].name())
+                format!("FSDP::wait all_gather {}", self.units[g].name())
             })
         });
-        self.units[k].wait_for_unshard(self.pg.as_ref(), &self.comm.all_gather, &self.mem)
+        self.units[g].unshard_wait(self.pg.as_ref(), &self.comm.all_gather, &self.mem)
     }
 
-    /// How unit `k`'s forward keeps what its backward needs (see `unit_state`).
-    fn forward_mode(&self, k: usize) -> ForwardMode {
-        let spec = self.units[k].spec();
-        let last = k + 1 == self.units.len();
-        ForwardMode {
-            // The last unit's output feeds the caller's loss, whose backward must reach the
-            // unit's graph: it is never checkpointed (nor resharded, its backward comes next).
-            checkpoint: spec.activation_checkpointing && !last,
-            reshard: self.config.sharding_strategy == ShardingStrategy::FullShard
-                && !last
-                && spec.reshard_after_forward,
+    /// Issues the gathers of `groups` that are neither present nor in flight, as far as
+    /// `limit_all_gathers` allows.
+    fn prefetch_groups(&mut self, groups: &[usize]) {
+        for &g in groups {
+            if self.units[g].is_sharded() && self.scheduler.may_prefetch(&self.mem) {
+                self.unshard(g);
+            }
         }
     }
 
     /// Drops whatever a previous step left (saved graphs, gathers in flight, reductions):
-    /// afterwards every unit is sharded and idle, and the memory guards are released.
+    /// afterwards every group is sharded and idle, and the memory guards are released.
     fn release_step(&mut self) {
+        self.step = None;
         self.units.iter_mut().for_each(FsdpUnit::release);
         drop(self.scheduler.take_reductions());
     }
 
     /// True when a training forward ran and its backward has not.
     fn forward_pending(&self) -> bool {
-        self.units
-            .iter()
-            .all(|u| u.training_state() == TrainingState::Forward)
+        self.step
+            .as_ref()
+            .is_some_and(|s| s.train && !s.calls.is_empty())
     }
 
     /// Drops what the last training forward kept for its backward (to run another training
@@ -332,21 +679,70 @@ impl FsdpModel {
         self.release_step();
     }
 
-    /// Sharded training forward (a collective). Returns the last unit's output, attached to the
-    /// autograd graph of the last unit so that a loss computed from it can be passed to
-    /// [`FsdpModel::backward`]. The output is in the last unit's `param_dtype`.
+    /// Sharded training forward of a chain (a collective): runs every unit in build order, each
+    /// on the previous one's output, and returns the last output, ready for a loss that
+    /// [`FsdpModel::backward`] back-propagates. The output is in the last unit's `param_dtype`.
+    /// The same as [`FsdpModel::forward_with`] calling each unit in turn.
     ///
     /// `x`: the first unit's input, any shape the first unit accepts.
     ///
-    /// Under FULL_SHARD each unit's parameters are freed right after its forward (their storage
-    /// is emptied in place under the live autograd graph) and refilled by an all-gather just
-    /// before its backward: no unit is recomputed, unless it asks for activation checkpointing
-    /// ([`UnitSpec::with_activation_checkpointing`]).
-    ///
-    /// Errors ([`Error::InStep`] with phase forward, the unit and the step): the previous
-    /// training forward was not back-propagated (call [`FsdpModel::backward`] or
-    /// [`FsdpModel::discard_forward`] first); a unit's error; any collective error.
+    /// Errors: a model with a group of several units (call them with
+    /// [`FsdpModel::forward_with`]); as [`FsdpModel::forward_with`].
     pub fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.check_chain()?;
+        let n = self.members.len();
+        self.forward_with(|f| {
+            let mut h = x.clone();
+            for m in 0..n {
+                h = f.model.call1(m, &h)?;
+            }
+            Ok(h)
+        })
+    }
+
+    /// Sharded inference forward of a chain (a collective): every unit gathered, run with
+    /// `train = false` and resharded; nothing kept for backward.
+    ///
+    /// Errors: as [`FsdpModel::forward`], phase eval.
+    pub fn forward_eval(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.check_chain()?;
+        let n = self.members.len();
+        self.forward_eval_with(|f| {
+            let mut h = x.detach();
+            for m in 0..n {
+                h = f.model.call1(m, &h)?;
+            }
+            Ok(h)
+        })
+    }
+
+    fn check_chain(&self) -> Result<()> {
+        if self.members.len() != self.units.iter().filter(|u| !u.is_frozen()).count() {
+            return Err(Error::InvalidArgument(
+                "forward(x) runs the units as a chain, but this model has a group of several \
+                 units (tied weights): write the forward with forward_with(|f| ...) and \
+                 f.call(unit, inputs)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sharded training forward written as ordinary Rust (a collective): `f` calls units by name
+    /// through [`Forward::call`] / [`Forward::call1`], in any order and any number of times,
+    /// with the caller's own tensor operations in between (residuals across units,
+    /// concatenations, masks), and returns whatever it computes — typically the logits or the
+    /// loss. [`FsdpModel::backward`] then back-propagates a loss computed from it.
+    ///
+    /// Each call all-gathers the unit's parameters just in time (the next call's gather, as
+    /// predicted from the previous step's call sequence, is issued before this call computes)
+    /// and, under FULL_SHARD, frees them when the next call starts (the last call keeps them
+    /// for the backward that follows). See `design/architecture.md`, "Any forward".
+    ///
+    /// Errors ([`Error::InStep`] with phase forward and the unit): the previous training forward
+    /// was not back-propagated (call [`FsdpModel::backward`] or [`FsdpModel::discard_forward`]
+    /// first); whatever `f` returns; a unit's error; any collective error.
+    pub fn forward_with<T>(&mut self, f: impl FnOnce(&mut Forward<'_>) -> Result<T>) -> Result<T> {
         if self.forward_pending() {
             return Err(Error::InvalidArgument(
                 "forward called while the previous training forward was not back-propagated: \
@@ -360,41 +756,31 @@ impl FsdpModel {
             t.set_step(self.steps_started);
         }
         self.steps_started += 1;
-        let result = self.forward_units(x);
-        if result.is_err() {
-            self.release_step();
-        }
-        result
-    }
-
-    fn forward_units(&mut self, x: &Tensor) -> Result<Tensor> {
-        let n = self.units.len();
-        let mut h = x.clone();
-        for k in 0..n {
-            let flat = self
-                .wait_for_unshard(k)
-                .map_err(|e| self.at(e, Some(k), Phase::Forward))?;
-            // Forward prefetch: unit k+1's all-gather runs while unit k computes.
-            if let Some(j) = self.scheduler.forward_prefetch(&self.units, k, &self.mem) {
-                self.unshard(j);
+        self.begin_step(true)?;
+        let result = f(&mut Forward { model: self });
+        match result {
+            Ok(v) => {
+                let tape = self.tape();
+                self.prev_tape[0] = tape;
+                Ok(v)
             }
-            let mode = self.forward_mode(k);
-            let _span = self.span(SpanKind::Forward, || {
-                format!("FSDP::forward {}", self.units[k].name())
-            });
-            let device = self.config.device.clone();
-            h = self.units[k]
-                .forward(&h, flat, mode, k == 0, &device)
-                .map_err(|e| self.at(e, Some(k), Phase::Forward))?;
+            Err(e) => {
+                self.release_step();
+                Err(self.at_name_opt(e, Phase::Forward))
+            }
         }
-        Ok(h)
     }
 
-    /// Sharded inference forward (a collective): every unit gathered, run with `train = false`
-    /// and resharded; nothing kept for backward.
+    /// Sharded inference forward written as ordinary Rust (a collective): as
+    /// [`FsdpModel::forward_with`], but every call gathers, runs with `train = false` and
+    /// frees at once; no autograd, nothing kept.
     ///
-    /// Errors ([`Error::InStep`], phase eval): a unit's error; any collective error.
-    pub fn forward_eval(&mut self, x: &Tensor) -> Result<Tensor> {
+    /// Errors ([`Error::InStep`], phase eval): a training forward awaits its backward; whatever
+    /// `f` returns; a unit's error; any collective error.
+    pub fn forward_eval_with<T>(
+        &mut self,
+        f: impl FnOnce(&mut Forward<'_>) -> Result<T>,
+    ) -> Result<T> {
         if self.forward_pending() {
             return Err(Error::InvalidArgument(
                 "forward_eval called while a training forward awaits its backward: it would \
@@ -404,182 +790,674 @@ impl FsdpModel {
             ));
         }
         self.release_step();
-        let n = self.units.len();
-        let mut h = x.detach();
-        for k in 0..n {
-            let result = (|| {
-                let flat = self.wait_for_unshard(k)?;
-                if let Some(j) = self.scheduler.forward_prefetch(&self.units, k, &self.mem) {
-                    self.unshard(j);
-                }
-                let _span = self.span(SpanKind::Forward, || {
-                    format!("FSDP::forward_eval {}", self.units[k].name())
-                });
-                let out = self.units[k].forward_eval(h.clone(), &flat, &self.config.device)?;
-                drop(flat);
-                self.units[k].reshard()?;
-                Ok(out)
-            })();
-            match result {
-                Ok(out) => h = out,
-                Err(e) => {
-                    self.release_step();
-                    return Err(self.at(e, Some(k), Phase::Eval));
-                }
+        self.begin_step(false)?;
+        let result = f(&mut Forward { model: self });
+        let tape = self.tape();
+        self.release_step();
+        match result {
+            Ok(v) => {
+                self.prev_tape[1] = tape;
+                Ok(v)
             }
+            Err(e) => Err(self.at_name_opt(e, Phase::Eval)),
         }
-        Ok(h)
     }
 
-    /// Sharded backward (a collective) of `loss`, a scalar computed from the output of the last
-    /// [`FsdpModel::forward`]. On return every unit's gradient shard holds the gradient averaged
-    /// over ranks (added to what it held, so calling forward/backward several times accumulates).
-    ///
-    /// For each unit from the last: `pre_backward` (refill its freed parameters from an
-    /// all-gather issued one unit ahead — backward prefetch — or recompute a checkpointed unit),
-    /// its gradients (`loss.backward()` for the last unit, `sum(output · grad_output)` for the
-    /// others), `post_backward` (flat gradient, parameters freed), then its reduce-scatter is
-    /// issued on the reduce-scatter stream without waiting. All reductions are waited for at the
-    /// end and added into the f32 gradient shards.
-    ///
-    /// Errors ([`Error::InStep`], phase backward): no forward to back-propagate; any collective
-    /// error.
-    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
-        if self
-            .units
+    /// Wraps an error of a forward closure that carries no place yet (the caller's own
+    /// operations) with the phase and step.
+    fn at_name_opt(&self, e: Error, phase: Phase) -> Error {
+        e.in_step(None, phase, self.step())
+    }
+
+    fn begin_step(&mut self, train: bool) -> Result<()> {
+        self.step = Some(StepState {
+            train,
+            hook: Arc::new(StepHook::default()),
+            anchor: Var::zeros((), DType::F32, &self.config.device)?.into_inner(),
+            calls: Vec::new(),
+            last_groups: Vec::new(),
+        });
+        self.tape_now.clear();
+        Ok(())
+    }
+
+    fn tape(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.tape_now)
+    }
+
+    /// The member predicted to follow call number `pos` (member `m`): the previous forward's
+    /// next call when its sequence matched so far, the next unit in build order without one.
+    fn predicted_next(&self, m: usize, pos: usize, train: bool) -> Option<usize> {
+        let prev = &self.prev_tape[usize::from(!train)];
+        if prev.is_empty() {
+            return (m + 1 < self.members.len()).then_some(m + 1);
+        }
+        (prev.get(pos) == Some(&m))
+            .then(|| prev.get(pos + 1).copied())
+            .flatten()
+    }
+
+    /// One call of member `m` with one input and one output.
+    fn call1(&mut self, m: usize, x: &Tensor) -> Result<Tensor> {
+        let mut out = self.call(m, &[x])?;
+        match out.len() {
+            1 => Ok(out.pop().expect("one output")),
+            n => Err(self.at_name(
+                Error::InvalidArgument(format!(
+                    "call1 expects one output, but the unit returned {n}: use call"
+                )),
+                &self.members[m].spec.name.clone(),
+                self.phase(),
+            )),
+        }
+    }
+
+    fn phase(&self) -> Phase {
+        match &self.step {
+            Some(s) if !s.train => Phase::Eval,
+            _ => Phase::Forward,
+        }
+    }
+
+    /// One call of member `m` (see [`Forward::call`]).
+    fn call(&mut self, m: usize, xs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let Some(train) = self.step.as_ref().map(|s| s.train) else {
+            return Err(Error::InvalidArgument(
+                "units are called inside forward_with or forward_eval_with".into(),
+            ));
+        };
+        let result = if train {
+            self.call_train(m, xs)
+        } else {
+            self.call_eval(m, xs)
+        };
+        self.tape_now.push(m);
+        result.map_err(|e| {
+            let name = self.members[m].spec.name.clone();
+            self.at_name(e, &name, self.phase())
+        })
+    }
+
+    /// Gathers the groups of call number `pos` (member `m`) and issues the predicted next
+    /// call's gathers (forward prefetch) before waiting for its own.
+    fn gather_for_call(&mut self, m: usize, pos: usize, train: bool) -> Result<Vec<usize>> {
+        let groups = self.members[m].groups.clone();
+        for &g in &groups {
+            self.unshard(g);
+        }
+        if self.config.forward_prefetch {
+            if let Some(next) = self.predicted_next(m, pos, train) {
+                let next_groups: Vec<usize> = self.members[next]
+                    .groups
+                    .iter()
+                    .copied()
+                    .filter(|g| !groups.contains(g))
+                    .collect();
+                self.prefetch_groups(&next_groups);
+            }
+        }
+        Ok(groups)
+    }
+
+    /// A float input cast to the policy's `param_dtype` when the policy says so.
+    fn cast_input(policy: &MixedPrecision, x: &Tensor) -> Result<Tensor> {
+        if policy.cast_forward_inputs && x.dtype().is_float() && x.dtype() != policy.param_dtype {
+            Ok(x.to_dtype(policy.param_dtype)?)
+        } else {
+            Ok(x.clone())
+        }
+    }
+
+    fn buffer_names(&self, groups: &[usize]) -> HashSet<String> {
+        groups
             .iter()
-            .any(|u| u.training_state() != TrainingState::Forward)
+            .flat_map(|&g| self.units[g].buffers().iter().map(|(n, _)| n.clone()))
+            .collect()
+    }
+
+    fn call_train(&mut self, m: usize, xs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let step = self.step.as_mut().expect("a training step");
+        let pos = step.calls.len();
+        let last = std::mem::take(&mut step.last_groups);
+        let own = self.members[m].groups.clone();
+        // The previous call's groups are freed now that the next call starts (FULL_SHARD).
+        for g in last {
+            if !own.contains(&g) && self.units[g].reshard_after_forward {
+                self.units[g].reshard()?;
+            }
+        }
+        let groups = self.gather_for_call(m, pos, true)?;
+        for &g in &groups {
+            self.unshard_wait(g)?;
+        }
+        for &g in &groups {
+            self.units[g].add_call();
+        }
+        let policy = *self.units[groups[0]].policy();
+        let checkpoint = self.members[m].spec.activation_checkpointing;
+        let mut tracked = Vec::new();
+        let mut tracked_orig = Vec::new();
+        let mut input_vars = Vec::new();
+        let mut inputs = Vec::with_capacity(xs.len());
+        for (i, &x) in xs.iter().enumerate() {
+            let xc = Self::cast_input(&policy, x)?;
+            if x.dtype().is_float() && x.track_op() {
+                tracked.push((i, x.dtype()));
+                tracked_orig.push(x.clone());
+                if checkpoint {
+                    inputs.push(xc.detach());
+                } else {
+                    let v = Var::from_tensor(&xc)?.into_inner();
+                    input_vars.push(v.clone());
+                    inputs.push(v);
+                }
+            } else {
+                inputs.push(xc.detach());
+            }
+        }
+        let device = self.config.device.clone();
+        let mut map = HashMap::new();
+        for &g in &groups {
+            self.units[g].add_to_map(&mut map, checkpoint, true)?;
+        }
+        let buffers = self.buffer_names(&groups);
+        let member = &self.members[m];
+        let module = member.spec.bind_with_buffers(
+            &member.prefix,
+            map,
+            &buffers,
+            policy.param_dtype,
+            &device,
+        )?;
+        let outs = {
+            let _span = self.span(SpanKind::Forward, || {
+                format!("FSDP::forward {}", self.members[m].spec.name)
+            });
+            module.forward_t(&inputs, true)?
+        };
+        drop(module);
+        let inputs_for_alias = if checkpoint {
+            Vec::new()
+        } else {
+            inputs.clone()
+        };
+        let saved_inputs = if checkpoint { inputs } else { Vec::new() };
+        let mut outputs = Vec::with_capacity(outs.len());
+        let mut values = Vec::with_capacity(outs.len());
+        let mut differentiable = Vec::with_capacity(outs.len());
+        for o in outs {
+            let diff = o.dtype().is_float();
+            let o = if diff
+                && !checkpoint
+                && groups.iter().any(|&g| self.units[g].is_view_of_param(&o))
+            {
+                // The output is a view of a parameter: give it storage of its own before the
+                // parameter is freed.
+                o.force_contiguous()?
+            } else {
+                o
+            };
+            outputs.push((diff && !checkpoint).then(|| o.clone()));
+            differentiable.push(diff);
+            values.push(o);
+        }
+        if !checkpoint {
+            self.check_connected(m, &groups, &input_vars, &outputs)?;
+        }
+        let n_out = values.len();
+        let step = self.step.as_mut().expect("a training step");
+        let returned = call::stitch(
+            &step.hook,
+            pos,
+            &step.anchor,
+            &tracked_orig,
+            values,
+            &differentiable,
+        )?;
+        let n_in = tracked.len();
+        // The outputs' values now live in the output nodes: free the unit's own copies until
+        // its backward refills them (one activation less per output between forward and
+        // backward). Only outputs that own their whole buffer and are no buffer of the unit.
+        // An output that shares storage with an input (the caller's tensor), a buffer or
+        // another output is left alone.
+        let mut refill_from = Vec::with_capacity(n_out);
+        for (j, (o, node)) in outputs.iter().zip(&returned).enumerate() {
+            let same = super::storage::same_storage;
+            let keep = match o {
+                None => true,
+                Some(o) => {
+                    inputs_for_alias.iter().any(|x| same(x, o))
+                        || outputs
+                            .iter()
+                            .enumerate()
+                            .any(|(k, p)| k != j && p.as_ref().is_some_and(|p| same(p, o)))
+                        || groups.iter().any(|&g| {
+                            self.units[g]
+                                .buffers()
+                                .iter()
+                                .any(|(_, b)| same(b.as_tensor(), o))
+                        })
+                }
+            };
+            let freed = match o {
+                Some(o) if !keep => super::storage::free_whole(o)?,
+                _ => false,
+            };
+            refill_from.push(freed.then(|| node.clone()));
+        }
+        let step = self.step.as_mut().expect("a training step");
+        step.calls.push(CallRecord {
+            member: m,
+            groups: groups.clone(),
+            checkpoint,
+            saved_inputs,
+            tracked,
+            input_vars,
+            outputs,
+            refill_from,
+            out_grads: vec![None; n_out],
+            in_grads: vec![None; n_in],
+            done: false,
+        });
+        step.last_groups = groups;
+        Ok(returned)
+    }
+
+    /// Fails when a unit that has trainable parameters or inputs with gradient returned float
+    /// outputs none of which autograd connects to them: an operation without backward inside
+    /// (candle-nn 0.11's fused `layer_norm` / `rms_norm`) would give every unit below a silent
+    /// zero gradient.
+    fn check_connected(
+        &self,
+        m: usize,
+        groups: &[usize],
+        input_vars: &[Tensor],
+        outputs: &[Option<Tensor>],
+    ) -> Result<()> {
+        let trainable = groups.iter().any(|&g| {
+            !self.units[g].is_frozen() && !self.units[g].flat().layout().params.is_empty()
+        });
+        let floats: Vec<&Tensor> = outputs.iter().flatten().collect();
+        if (trainable || !input_vars.is_empty())
+            && !floats.is_empty()
+            && !floats.iter().any(|o| o.track_op())
         {
+            return Err(Error::InvalidArgument(format!(
+                "unit {}: none of its outputs is connected by autograd to its parameters or \
+                 inputs, so they and every unit before it would silently get no gradient: an \
+                 operation inside has no backward (candle-nn 0.11's layer_norm and rms_norm are \
+                 fused ops without one: use candle_fsdp::nn::layer_norm / rms_norm)",
+                self.members[m].spec.name
+            )));
+        }
+        Ok(())
+    }
+
+    fn call_eval(&mut self, m: usize, xs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let pos = self.tape_now.len();
+        let groups = self.gather_for_call(m, pos, false)?;
+        let mut gathered = Vec::with_capacity(groups.len());
+        for &g in &groups {
+            let _w = self.units[g].gathers().then(|| {
+                self.span(SpanKind::Wait, || {
+                    format!("FSDP::wait all_gather {}", self.units[g].name())
+                })
+            });
+            gathered.push(self.units[g].gather_for_eval(
+                self.pg.as_ref(),
+                &self.comm.all_gather,
+                &self.mem,
+            )?);
+        }
+        let policy = *self.units[groups[0]].policy();
+        let mut map = HashMap::new();
+        for (&g, (flat, _)) in groups.iter().zip(&gathered) {
+            self.units[g].add_views_to_map(&mut map, flat)?;
+        }
+        let inputs = xs
+            .iter()
+            .map(|&x| Ok(Self::cast_input(&policy, x)?.detach()))
+            .collect::<Result<Vec<_>>>()?;
+        let buffers = self.buffer_names(&groups);
+        let member = &self.members[m];
+        let module = member.spec.bind_with_buffers(
+            &member.prefix,
+            map,
+            &buffers,
+            policy.param_dtype,
+            &self.config.device,
+        )?;
+        let _span = self.span(SpanKind::Forward, || {
+            format!("FSDP::forward_eval {}", self.members[m].spec.name)
+        });
+        let outs = module.forward_t(&inputs, false)?;
+        Ok(outs.into_iter().map(|o| o.detach()).collect())
+    }
+
+    /// Sharded backward (a collective) of `loss`, a scalar computed from the outputs of the last
+    /// training forward ([`FsdpModel::forward`] or [`FsdpModel::forward_with`]). On return every
+    /// unit's gradient shard holds the gradient averaged over ranks (added to what it held, so
+    /// calling forward/backward several times accumulates).
+    ///
+    /// One `loss.backward()` of Candle over the whole graph; each unit call's backward runs
+    /// when its outputs' gradients are complete: its parameters are refilled from an all-gather
+    /// issued one call ahead (backward prefetch; the first is issued before the loss's own
+    /// backward), its gradients are copied into its group's flat gradient, and after the
+    /// group's last call the reduce-scatter is issued on the reduce-scatter stream without
+    /// waiting. All reductions are waited for at the end and added into the f32 gradient
+    /// shards. Gradients of variables outside the model's units are not kept.
+    ///
+    /// Errors ([`Error::InStep`], phase backward): no training forward to back-propagate; a loss
+    /// that depends on no output of it; an input of a unit that received no gradient although
+    /// its outputs did (an operation without backward inside the unit); any collective error.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        if !self.forward_pending() {
             return Err(Error::InvalidArgument(
                 "backward called without a preceding training forward".into(),
             ));
         }
-        let result = self.backward_units(loss);
-        if result.is_err() {
-            self.release_step();
-        }
+        let result = self.backward_steps(loss);
+        self.release_step();
         result
     }
 
-    fn backward_units(&mut self, loss: &Tensor) -> Result<()> {
-        let n = self.units.len();
-        // The first gather of backward is issued before the loss's own backward (any prefetch
-        // mode but None), so that it runs during it.
-        // (`backward_prefetch` answers None under `BackwardPrefetch::None`.)
-        let mode = self.scheduler.backward_mode();
-        if let Some(j) = self
-            .scheduler
-            .backward_prefetch(&self.units, n, mode, &self.mem)
-        {
-            self.unshard(j);
-        }
-        let mut grad_out: Option<Tensor> = None;
-        for k in (0..n).rev() {
-            let phase = Phase::Backward;
-            let grads = self
-                .backward_unit(k, loss, grad_out.take())
-                .map_err(|e| self.at(e, Some(k), phase))?;
-            let (flat_grad, grad_in) = self.units[k]
-                .post_backward(grads.as_ref())
-                .map_err(|e| self.at(e, Some(k), phase))?;
-            drop(grads);
-            grad_out = grad_in;
-            if let Some(j) = self.scheduler.backward_prefetch(
-                &self.units,
-                k,
-                BackwardPrefetch::BackwardPost,
-                &self.mem,
-            ) {
-                self.unshard(j);
-            }
-            if let Some(fg) = flat_grad {
-                let sync = self.requires_gradient_sync;
-                let merged = self.units[k]
-                    .merge_unsynced(fg, sync)
-                    .map_err(|e| self.at(e, Some(k), phase))?;
-                if let Some(fg) = merged {
-                    self.mark_issue(|| format!("FSDP::reduce_scatter {}", self.units[k].name()));
-                    let u = &self.units[k];
-                    let work = collectives::reduce_grads(
-                        self.pg.as_ref(),
-                        &self.comm.reduce_scatter,
-                        u.flat().layout(),
-                        fg,
-                        u.policy().reduce_dtype,
-                    );
-                    self.scheduler.push_reduction(k, work);
-                }
+    fn backward_steps(&mut self, loss: &Tensor) -> Result<()> {
+        let n_calls = self.step.as_ref().map_or(0, |s| s.calls.len());
+        if self.scheduler.backward_mode() != BackwardPrefetch::None {
+            // The first gather of backward runs during the loss's own backward.
+            if let Some(c) = self.next_gathering_call(n_calls) {
+                let groups = self.step_calls()[c].groups.clone();
+                self.prefetch_groups(&groups);
             }
         }
-        for (k, work) in self.scheduler.take_reductions() {
+        let hook = self.step.as_ref().expect("a training step").hook.clone();
+        let result = {
+            let _armed = hook.arm(self as *mut FsdpModel);
+            loss.backward()
+        };
+        if let Err(e) = result {
+            return Err(match hook.take_error() {
+                Some(e) => e,
+                None => self.at(e.into(), None, Phase::Backward),
+            });
+        }
+        if !self.step_calls().iter().any(|c| c.done) {
+            return Err(self.at(
+                Error::InvalidArgument(
+                    "the loss passed to backward does not depend on the output of the last \
+                     training forward (no gradient reaches the model)"
+                        .into(),
+                ),
+                None,
+                Phase::Backward,
+            ));
+        }
+        // Groups with calls whose outputs did not reach the loss: reduce what they have (every
+        // rank issues the same reductions).
+        for g in 0..self.units.len() {
+            let grad = self.units[g]
+                .finish_unreached()
+                .map_err(|e| self.at(e, Some(g), Phase::Backward))?;
+            if let Some(fg) = grad {
+                self.issue_reduction(g, fg)
+                    .map_err(|e| self.at(e, Some(g), Phase::Backward))?;
+            }
+        }
+        for (g, work) in self.scheduler.take_reductions() {
             let _w = self.span(SpanKind::Wait, || {
-                format!("FSDP::wait reduce_scatter {}", self.units[k].name())
+                format!("FSDP::wait reduce_scatter {}", self.units[g].name())
             });
             // The reduced chunk carries each parameter's presence flag, summed over the ranks
             // (`collectives::flatten_grads`): a parameter has a gradient when some rank
             // produced one.
             let result = collectives::wait_reduced(work).and_then(|reduced| {
                 let (grad, present) =
-                    collectives::split_reduced(self.units[k].flat().layout(), reduced)?;
-                self.units[k].flat_mut().accumulate_grad_of(grad, &present)
+                    collectives::split_reduced(self.units[g].flat().layout(), reduced)?;
+                self.units[g].flat_mut().accumulate_grad_of(grad, &present)
             });
-            result.map_err(|e| self.at(e, Some(k), Phase::Backward))?;
+            result.map_err(|e| self.at(e, Some(g), Phase::Backward))?;
         }
         Ok(())
     }
 
-    /// `pre_backward` of unit `k`, then its gradients: `loss.backward()` for the last unit, the
-    /// surrogate `sum(output · grad_out)` for the others. `None` when there is nothing to
-    /// differentiate.
-    fn backward_unit(
-        &mut self,
-        k: usize,
-        loss: &Tensor,
-        grad_out: Option<Tensor>,
-    ) -> Result<Option<candle_core::backprop::GradStore>> {
-        let n = self.units.len();
-        let gathered = if self.units[k].needs_gather_for_backward() {
-            Some(self.wait_for_unshard(k)?)
-        } else {
-            None
+    fn step_calls(&self) -> &[CallRecord] {
+        self.step.as_ref().map_or(&[], |s| &s.calls)
+    }
+
+    /// The latest call before call number `before` whose backward has not run.
+    fn next_backward_call(&self, before: usize) -> Option<usize> {
+        let calls = self.step_calls();
+        (0..before.min(calls.len())).rev().find(|&c| !calls[c].done)
+    }
+
+    /// The latest call before `before`, not yet back-propagated, that needs a gather (some group
+    /// neither present nor in flight).
+    fn next_gathering_call(&self, before: usize) -> Option<usize> {
+        let calls = self.step_calls();
+        (0..before.min(calls.len())).rev().find(|&c| {
+            !calls[c].done && calls[c].groups.iter().any(|&g| self.units[g].is_sharded())
+        })
+    }
+
+    /// Stores the gradient of output `j` of call `c` (called by the output node).
+    pub(crate) fn set_output_grad(&mut self, c: usize, j: usize, grad: Tensor) -> Result<()> {
+        let call = self
+            .step
+            .as_mut()
+            .and_then(|s| s.calls.get_mut(c))
+            .ok_or_else(|| Error::InvalidArgument("a call node outlived its step".into()))?;
+        call.out_grads[j] = Some(grad);
+        Ok(())
+    }
+
+    /// Hands out the gradient of tracked input `i` of call `c` (called by the input nodes, after
+    /// the call's backward).
+    pub(crate) fn take_input_grad(&mut self, c: usize, i: usize) -> Result<Option<Tensor>> {
+        let call = self
+            .step
+            .as_mut()
+            .and_then(|s| s.calls.get_mut(c))
+            .ok_or_else(|| Error::InvalidArgument("a call node outlived its step".into()))?;
+        Ok(call.in_grads[i].take())
+    }
+
+    /// The backward of call `c` (run by its top node, see [`super::call`]): makes its groups'
+    /// parameters present, prefetches the next call's, back-propagates `sum_j sum(o_j · g_j)`
+    /// through the unit's own graph (recomputed first when checkpointed), copies the parameter
+    /// gradients into the groups' flat gradients, keeps the inputs' gradients for the input
+    /// nodes, and finishes the groups: after a group's last call its variables are dropped and
+    /// its reduction issued; otherwise FULL_SHARD frees the parameters again.
+    pub(crate) fn backward_call(&mut self, c: usize) -> Result<()> {
+        let m = self.step_calls()[c].member;
+        let name = self.members[m].spec.name.clone();
+        self.backward_call_steps(c)
+            .map_err(|e| self.at_name(e, &name, Phase::Backward))
+    }
+
+    fn backward_call_steps(&mut self, c: usize) -> Result<()> {
+        let (m, groups) = {
+            let call = &self.step_calls()[c];
+            (call.member, call.groups.clone())
         };
-        let device = self.config.device.clone();
-        self.units[k].pre_backward(gathered, k == 0, &device)?;
-        // BACKWARD_PRE: the next gather is issued before this unit computes.
-        if let Some(j) = self.scheduler.backward_prefetch(
-            &self.units,
-            k,
-            BackwardPrefetch::BackwardPre,
-            &self.mem,
-        ) {
-            self.unshard(j);
+        for &g in &groups {
+            self.unshard(g);
         }
-        let _span = self.span(SpanKind::Backward, || {
-            if k + 1 == n {
-                format!("FSDP::backward {} (loss)", self.units[k].name())
-            } else {
-                format!("FSDP::backward {}", self.units[k].name())
+        for &g in &groups {
+            self.unshard_wait(g)?;
+        }
+        let mode = self.scheduler.backward_mode();
+        if mode == BackwardPrefetch::BackwardPre {
+            self.prefetch_backward(c, &groups);
+        }
+        {
+            let _span = self.span(SpanKind::Backward, || {
+                format!("FSDP::backward {}", self.members[m].spec.name)
+            });
+            self.backward_compute(c, m, &groups)?;
+        }
+        let next = self.next_backward_call(c);
+        for &g in &groups {
+            let (last, grad) = self.units[g].finish_backward_call();
+            if let Some(fg) = grad {
+                self.issue_reduction(g, fg)?;
+            } else if !last && self.units[g].reshard_after_forward {
+                let needed_next = next.is_some_and(|n| self.step_calls()[n].groups.contains(&g));
+                if !needed_next {
+                    self.units[g].reshard()?;
+                }
             }
-        });
-        if k + 1 == n {
-            let grads = loss.backward()?;
-            if !self.units[k].reached_by(&grads) {
-                return Err(Error::InvalidArgument(
-                    "the loss passed to backward does not depend on the output of the last \
-                     training forward (no gradient reaches the model)"
-                        .into(),
-                ));
+        }
+        if mode == BackwardPrefetch::BackwardPost {
+            self.prefetch_backward(c, &groups);
+        }
+        Ok(())
+    }
+
+    /// Issues the gathers of the next call in reverse call order (nothing when they are present
+    /// or in flight already: one call ahead, as FSDP's backward prefetch).
+    fn prefetch_backward(&mut self, c: usize, current: &[usize]) {
+        if let Some(n) = self.next_backward_call(c) {
+            let groups: Vec<usize> = self.step_calls()[n]
+                .groups
+                .iter()
+                .copied()
+                .filter(|g| !current.contains(g))
+                .collect();
+            self.prefetch_groups(&groups);
+        }
+    }
+
+    /// The autograd part of call `c`'s backward (see [`FsdpModel::backward_call`]).
+    fn backward_compute(&mut self, c: usize, m: usize, groups: &[usize]) -> Result<()> {
+        let call = &mut self.step.as_mut().expect("a training step").calls[c];
+        let out_grads = std::mem::take(&mut call.out_grads);
+        let refill_from = std::mem::take(&mut call.refill_from);
+        let (outputs, input_vars) = if call.checkpoint {
+            let saved = std::mem::take(&mut call.saved_inputs);
+            let tracked: Vec<usize> = call.tracked.iter().map(|(i, _)| *i).collect();
+            self.recompute(m, groups, saved, &tracked)?
+        } else {
+            (
+                std::mem::take(&mut call.outputs),
+                std::mem::take(&mut call.input_vars),
+            )
+        };
+        for (o, node) in outputs.iter().zip(&refill_from) {
+            if let (Some(o), Some(node)) = (o, node) {
+                super::storage::refill(o, &node.detach())?;
             }
-            return Ok(Some(grads));
         }
-        match (grad_out, self.units[k].saved_output()) {
-            (Some(go), Some(output)) if self.units[k].has_backward() => Ok(Some(
-                (output * go.to_dtype(output.dtype())?)?
-                    .sum_all()?
-                    .backward()?,
-            )),
-            _ => Ok(None),
+        drop(refill_from);
+        let mut surrogate: Option<Tensor> = None;
+        for (o, g) in outputs.iter().zip(&out_grads) {
+            if let (Some(o), Some(g)) = (o, g) {
+                let term = (o * g.to_dtype(o.dtype())?)?.sum_all()?;
+                surrogate = Some(match surrogate {
+                    Some(s) => (s + term.to_dtype(DType::F32)?)?,
+                    None => term.to_dtype(DType::F32)?,
+                });
+            }
         }
+        let grads = match surrogate {
+            Some(s) if s.track_op() => Some(s.backward()?),
+            _ => None,
+        };
+        let call = &self.step.as_ref().expect("a training step").calls[c];
+        let mut in_grads = Vec::with_capacity(input_vars.len());
+        for (k, v) in input_vars.iter().enumerate() {
+            let (index, dtype) = call.tracked[k];
+            match grads.as_ref().and_then(|g| g.get(v)) {
+                Some(g) => in_grads.push(Some(g.to_dtype(dtype)?)),
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "input {index} of unit {} carries gradient, and the unit's outputs \
+                         received gradients, but the input got none: an operation inside has no \
+                         backward (candle-nn 0.11's layer_norm and rms_norm are fused ops \
+                         without one: use candle_fsdp::nn::layer_norm / rms_norm), so every unit \
+                         before it would silently get no gradient. If the unit is not meant to \
+                         differentiate through this input, pass it detached (x.detach())",
+                        self.members[m].spec.name
+                    )))
+                }
+            }
+        }
+        for &g in groups {
+            self.units[g].add_call_grads(grads.as_ref())?;
+        }
+        drop(grads);
+        drop(outputs);
+        drop(input_vars);
+        let call = &mut self.step.as_mut().expect("a training step").calls[c];
+        call.in_grads = in_grads;
+        call.done = true;
+        Ok(())
+    }
+
+    /// Recomputes a checkpointed call with autograd; returns its outputs and the variables of
+    /// its tracked inputs.
+    fn recompute(
+        &mut self,
+        m: usize,
+        groups: &[usize],
+        saved: Vec<Tensor>,
+        tracked: &[usize],
+    ) -> Result<(Vec<Option<Tensor>>, Vec<Tensor>)> {
+        let mut input_vars = Vec::new();
+        let inputs = saved
+            .into_iter()
+            .enumerate()
+            .map(|(i, x)| {
+                if tracked.contains(&i) {
+                    let v = Var::from_tensor(&x)?.into_inner();
+                    input_vars.push(v.clone());
+                    Ok(v)
+                } else {
+                    Ok(x)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut map = HashMap::new();
+        for &g in groups {
+            // The forward already updated the buffers: the recompute's updates are made on
+            // copies and discarded.
+            self.units[g].add_to_map(&mut map, false, false)?;
+        }
+        let policy = *self.units[groups[0]].policy();
+        let buffers = self.buffer_names(groups);
+        let member = &self.members[m];
+        let module = member.spec.bind_with_buffers(
+            &member.prefix,
+            map,
+            &buffers,
+            policy.param_dtype,
+            &self.config.device,
+        )?;
+        let outs = module.forward_t(&inputs, true)?;
+        let outputs: Vec<Option<Tensor>> = outs
+            .into_iter()
+            .map(|o| o.dtype().is_float().then_some(o))
+            .collect();
+        self.check_connected(m, groups, &input_vars, &outputs)?;
+        Ok((outputs, input_vars))
+    }
+
+    /// Issues the reduction of group `g`'s step gradient (merged with the no_sync accumulation;
+    /// nothing while gradient sync is off).
+    fn issue_reduction(&mut self, g: usize, flat_grad: Tensor) -> Result<()> {
+        let sync = self.requires_gradient_sync;
+        if let Some(fg) = self.units[g].merge_unsynced(flat_grad, sync)? {
+            self.mark_issue(|| format!("FSDP::reduce_scatter {}", self.units[g].name()));
+            let u = &self.units[g];
+            let work = collectives::reduce_grads(
+                self.pg.as_ref(),
+                &self.comm.reduce_scatter,
+                u.flat().layout(),
+                fg,
+                u.policy().reduce_dtype,
+            );
+            self.scheduler.push_reduction(g, work);
+        }
+        Ok(())
     }
 }
 

@@ -7,14 +7,12 @@
 
 use super::config::{BackwardPrefetch, FsdpConfig};
 use super::memory::MemoryAccount;
-use super::unit_state::FsdpUnit;
 use candle_core::Tensor;
 
 use crate::comm::Work;
 
 /// Prefetch policy plus the reductions in flight.
 pub(crate) struct Scheduler {
-    forward_prefetch: bool,
     backward_prefetch: BackwardPrefetch,
     limit: Option<usize>,
     /// Gradient reductions issued by this backward, in issue order (unit index, work).
@@ -24,7 +22,6 @@ pub(crate) struct Scheduler {
 impl Scheduler {
     pub(crate) fn new(config: &FsdpConfig) -> Self {
         Self {
-            forward_prefetch: config.forward_prefetch,
             backward_prefetch: config.backward_prefetch,
             limit: config.limit_all_gathers,
             reductions: Vec::new(),
@@ -33,45 +30,9 @@ impl Scheduler {
 
     /// True when one more unit may be unsharded ahead of need (the rate limiter,
     /// [`FsdpConfig::limit_all_gathers`]).
-    fn may_prefetch(&self, acct: &MemoryAccount) -> bool {
+    pub(crate) fn may_prefetch(&self, acct: &MemoryAccount) -> bool {
         self.limit
             .is_none_or(|limit| acct.unsharded_units() < limit)
-    }
-
-    /// The unit whose gather forward should issue now, ahead of unit `k`'s compute: `k + 1`
-    /// when forward prefetch is on, the limiter allows it and it is still sharded.
-    pub(crate) fn forward_prefetch(
-        &self,
-        units: &[FsdpUnit],
-        k: usize,
-        acct: &MemoryAccount,
-    ) -> Option<usize> {
-        let j = k + 1;
-        (self.forward_prefetch
-            && j < units.len()
-            && units[j].is_sharded()
-            && self.may_prefetch(acct))
-        .then_some(j)
-    }
-
-    /// The next unit below `from` (exclusive) whose backward needs an all-gather and whose gather
-    /// is not issued yet, if the mode `when` is the configured one and the limiter allows it.
-    /// `when` is `BackwardPre` before a unit's backward computes and `BackwardPost` after its
-    /// gradients exist; the loss's own backward counts as `BackwardPre` of the last unit.
-    pub(crate) fn backward_prefetch(
-        &self,
-        units: &[FsdpUnit],
-        from: usize,
-        when: BackwardPrefetch,
-        acct: &MemoryAccount,
-    ) -> Option<usize> {
-        if self.backward_prefetch != when || when == BackwardPrefetch::None {
-            return None;
-        }
-        let j = (0..from)
-            .rev()
-            .find(|&j| units[j].needs_gather_for_backward())?;
-        (units[j].is_sharded() && self.may_prefetch(acct)).then_some(j)
     }
 
     /// The configured [`BackwardPrefetch`] mode.

@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 
+use crate::unit::UnitModule;
 use candle_core::{DType, Tensor};
-use candle_nn::ModuleT;
 
 use super::collectives;
 use super::model::FsdpModel;
@@ -27,7 +27,7 @@ impl FsdpModel {
                 self.units.len()
             )));
         };
-        if !u.is_sharded() || u.saved.is_some() {
+        if !u.is_sharded() || u.in_step() {
             let e = Error::InvalidArgument(
                 "gathering a state dict during a training step (call it between steps)".into(),
             );
@@ -64,7 +64,7 @@ impl FsdpModel {
                     let t = full
                         .narrow(0, p.offset, p.numel)?
                         .reshape(p.shape.clone())?
-                        .copy()?;
+                        .force_contiguous()?;
                     out.push((p.name.clone(), t));
                 }
                 for (name, var) in u.buffers() {
@@ -85,26 +85,52 @@ impl FsdpModel {
         };
         let map: HashMap<String, Tensor> = params.into_iter().collect();
         let modules = self
-            .units
+            .members
             .iter()
-            .map(|u| u.spec().bind(map.clone(), DType::F32, &self.config.device))
+            .map(|m| {
+                let module =
+                    m.spec
+                        .bind(&m.prefix, map.clone(), DType::F32, &self.config.device)?;
+                Ok((m.spec.name.clone(), module))
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Some(FullModel { modules }))
     }
 }
 
-/// An unsharded copy of a model's units (see [`FsdpModel::gather_full_model`]).
+/// An unsharded copy of a model's units (see [`FsdpModel::gather_full_model`]), in f32.
 pub struct FullModel {
-    modules: Vec<Box<dyn ModuleT>>,
+    modules: Vec<(String, Box<dyn UnitModule>)>,
 }
 
 impl FullModel {
-    /// Runs every unit in order.
+    /// Runs every unit in build order, each on the previous one's output (a chain model).
+    ///
+    /// Errors: a unit's own; a unit of several outputs.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let mut h = x.clone();
-        for m in &self.modules {
-            h = m.forward_t(&h, train)?;
+        for (name, m) in &self.modules {
+            let mut out = m.forward_t(std::slice::from_ref(&h), train)?;
+            if out.len() != 1 {
+                return Err(Error::InvalidArgument(format!(
+                    "unit {name} returned {} outputs: call units of a model that is not a chain \
+                     with FullModel::call",
+                    out.len()
+                )));
+            }
+            h = out.pop().expect("one output");
         }
         Ok(h)
+    }
+
+    /// Calls unit `unit` on `xs` (the unsharded counterpart of [`crate::fsdp::Forward::call`]).
+    ///
+    /// Errors: no unit of that name; the unit's own.
+    pub fn call(&self, unit: &str, xs: &[&Tensor], train: bool) -> Result<Vec<Tensor>> {
+        let Some((_, m)) = self.modules.iter().find(|(n, _)| n == unit) else {
+            return Err(Error::InvalidArgument(format!("no unit named {unit:?}")));
+        };
+        let xs: Vec<Tensor> = xs.iter().map(|&x| x.clone()).collect();
+        Ok(m.forward_t(&xs, train)?)
     }
 }

@@ -47,6 +47,41 @@ impl candle_core::InplaceOp1 for Free {
     }
 }
 
+/// Empties a storage's buffer when the tensor covers all of it (contiguous, from offset 0, as
+/// many elements as the buffer): a view of part of a larger buffer is left alone.
+struct FreeWhole {
+    freed: std::sync::atomic::AtomicBool,
+}
+
+fn buffer_len(storage: &CpuStorage) -> Option<usize> {
+    Some(match storage {
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::BF16(v) => v.len(),
+        CpuStorage::F16(v) => v.len(),
+        CpuStorage::F64(v) => v.len(),
+        _ => return None,
+    })
+}
+
+impl candle_core::InplaceOp1 for FreeWhole {
+    fn name(&self) -> &'static str {
+        "fsdp-free-whole-storage"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let n = layout.shape().elem_count();
+        if n > 0
+            && layout.is_contiguous()
+            && layout.start_offset() == 0
+            && buffer_len(storage) == Some(n)
+        {
+            Free.cpu_fwd(storage, layout)?;
+            self.freed.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
 /// Replaces the destination's buffer with a copy of the source's elements (the source layout's
 /// contiguous range). The destination must have a contiguous layout starting at offset 0 (a
 /// variable) and the same dtype and element count as the source.
@@ -97,6 +132,18 @@ impl candle_core::InplaceOp2 for Refill {
 /// Errors: a device without an implementation (CUDA comes with the GPU path).
 pub(crate) fn free(t: &Tensor) -> Result<()> {
     t.inplace_op1(&Free).map_err(Error::from)
+}
+
+/// Frees `t`'s storage in place when `t` covers all of it (see [`FreeWhole`]); returns whether
+/// it did. Used for unit outputs whose values are kept elsewhere until backward.
+///
+/// Errors: a device without an implementation.
+pub(crate) fn free_whole(t: &Tensor) -> Result<bool> {
+    let op = FreeWhole {
+        freed: std::sync::atomic::AtomicBool::new(false),
+    };
+    t.inplace_op1(&op)?;
+    Ok(op.freed.load(std::sync::atomic::Ordering::Relaxed))
 }
 
 /// Refills `t`'s storage in place with the elements of `src` (same dtype and element count,

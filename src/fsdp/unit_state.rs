@@ -1,35 +1,32 @@
-//! One unit of an FSDP model (FSDP2's `FSDPParamGroup`): its constructor, its FlatParameter shard,
-//! its buffers, and the small state machine that moves its parameters between sharded and
-//! unsharded form.
+//! One parameter group of an FSDP model (FSDP2's `FSDPParamGroup`): one FlatParameter shard, the
+//! buffers, the mixed-precision policy, and the small state machine that moves the parameters
+//! between sharded and unsharded form.
+//!
+//! A group is what is gathered and reduced as one: the parameters of one unit, of several units
+//! that share a tensor ([`crate::FsdpModelBuilder::group`], tied weights), or the frozen
+//! parameters of a unit (a *frozen twin*: gathered with the unit, never reduced).
 //!
 //! Parameter states and the transitions between them:
 //!
 //! ```text
-//!            unshard()                wait_for_unshard()
-//! Sharded ──────────────▶ Unsharding ───────────────────▶ Unsharded ──┐
-//!    ▲        (all-gather issued,       (gathered buffer               │ reshard()
-//!    │         output allocated)         handed out once)              │ (free the parameters'
+//!            unshard()                unshard_wait()
+//! Sharded ──────────────▶ Unsharding ───────────────────▶ Present ─────┐
+//!    ▲        (all-gather issued,       (copy-out into the             │ reshard()
+//!    │         output allocated)         step's variables)             │ (free the variables'
 //!    └─────────────────────────────────────────────────────────────────┘  storage, drop guard)
 //! ```
 //!
-//! Training states (explicit, FSDP2's `TrainingState`): `Idle` → `Forward` (its forward ran and
-//! left [`Saved`] state) → `PreBackward` (parameters present again: refilled, kept, or recomputed)
-//! → `Idle` after `post_backward` (gradients copied into the flat gradient, parameters freed).
-//!
-//! How a unit's forward keeps what its backward needs ([`ForwardMode`]):
-//! - `Free` (FULL_SHARD, the default): forward runs with autograd on per-parameter variables;
-//!   `reshard` then frees their storage in place while the graph keeps referencing it, and
-//!   `pre_backward` refills it from a new all-gather ([`super::storage`]). No recompute.
-//! - `Keep` (SHARD_GRAD_OP, NO_SHARD, the last unit, `reshard_after_forward = false`): the
-//!   variables keep their values until the unit's backward.
-//! - `Checkpoint` (activation checkpointing, [`crate::unit::UnitSpec::with_activation_checkpointing`]):
-//!   forward runs without autograd on views of the gathered buffer and keeps only the unit's
-//!   input; `pre_backward` gathers again (FULL_SHARD) and recomputes the forward with autograd.
+//! The step's variables (one per parameter, [`collectives::param_vars`]) are created by the
+//! first unshard of a training step and **kept for the whole step**: every call of the group's
+//! units binds the same variables, `reshard` empties their storage in place while the autograd
+//! graphs keep referencing them, and the next unshard refills that storage
+//! ([`super::storage`]). No unit is recomputed to get its parameters back. The variables are
+//! dropped when the last call of the group in the step has run its backward
+//! ([`FsdpUnit::finish_backward_call`]).
 
 use std::collections::HashMap;
 
-use candle_core::{Device, Tensor, Var};
-use candle_nn::ModuleT;
+use candle_core::{Tensor, Var};
 
 use super::collectives;
 use super::memory::{MemoryAccount, UnshardGuard};
@@ -37,112 +34,71 @@ use crate::comm::{CommStream, ProcessGroup, Work};
 use crate::error::{Error, Result};
 use crate::flat_param::FlatParameter;
 use crate::mixed_precision::MixedPrecision;
-use crate::unit::{RecordedParam, UnitSpec};
 
-/// How a unit's forward keeps what its backward needs (see the module docs): `Free` is
-/// `reshard` without `checkpoint`, `Keep` neither, `Checkpoint` is `checkpoint` (resharded or
-/// not).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ForwardMode {
-    /// Run without autograd and recompute in backward (activation checkpointing).
-    pub checkpoint: bool,
-    /// Free the unsharded parameters after forward (gather them again for backward).
-    pub reshard: bool,
-}
-
-/// Where a unit's parameters are (see the module docs).
+/// Where a group's parameters are (see the module docs).
 enum ParamState {
     Sharded,
     Unsharding {
         work: Work<Tensor>,
         guard: UnshardGuard,
     },
-    /// The guard is held (not read) until reshard.
-    Unsharded {
+    /// The step's variables hold the values; the guard is held (not read) until reshard.
+    Present {
         _guard: UnshardGuard,
     },
 }
 
-/// A unit's place in a training step (FSDP2's `TrainingState`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum TrainingState {
-    /// No step in progress for this unit.
-    Idle,
-    /// Its training forward ran; [`Saved`] holds what backward needs.
-    Forward,
-    /// Its parameters are present for its backward.
-    PreBackward,
-}
-
-/// What a training forward kept of a unit for its backward.
-pub(crate) enum Saved {
-    /// The unit ran with autograd; its graph is alive.
-    Graph {
-        /// The unit's input as an autograd variable (its gradient is the previous unit's output
-        /// gradient); `None` for the first unit.
-        input_var: Option<Tensor>,
-        /// The unit's output, attached to its graph.
-        output: Tensor,
-        /// The unit's parameter variables, in layout order.
-        params: Vec<Tensor>,
-        /// Whether `params`' storage is freed (to be refilled before backward).
-        freed: bool,
-    },
-    /// The unit ran without autograd and is recomputed from `input`; `kept` is the gathered flat
-    /// buffer when the parameters were not resharded.
-    Checkpoint { input: Tensor, kept: Option<Tensor> },
-}
-
-/// One unit of an [`super::FsdpModel`]: constructor, this rank's FlatParameter shard, buffers,
-/// mixed-precision policy, and its parameter and training states.
+/// One parameter group of an [`super::FsdpModel`]: this rank's FlatParameter shard, buffers,
+/// mixed-precision policy, and its parameter state.
 pub(crate) struct FsdpUnit {
-    spec: UnitSpec,
-    recorded: Vec<RecordedParam>,
+    name: String,
     flat: FlatParameter,
     buffers: Vec<(String, Var)>,
     policy: MixedPrecision,
+    /// Frozen twin: parameters without gradient (plain tensors, never reduced).
+    frozen: bool,
+    /// Free the parameters after each forward call (FULL_SHARD and the unit's
+    /// `reshard_after_forward`).
+    pub(crate) reshard_after_forward: bool,
     /// Unsharded f32 gradient accumulated while gradient sync is off (`no_sync`), padded flat
     /// layout; reduced together with the next synchronised backward.
     unsharded_grad: Option<Tensor>,
     params: ParamState,
-    pub(crate) saved: Option<Saved>,
-    training: TrainingState,
+    /// The step's parameter tensors (layout order): variables, or plain tensors when frozen.
+    vars: Option<Vec<Tensor>>,
+    /// Training calls of this step whose backward has not run.
+    pending_calls: usize,
+    /// The step's flat gradient (the [`collectives::flatten_grads`] form), summed over the
+    /// calls whose backward ran.
+    grad_acc: Option<Tensor>,
 }
 
 impl FsdpUnit {
     pub(crate) fn new(
-        spec: UnitSpec,
-        recorded: Vec<RecordedParam>,
+        name: String,
         flat: FlatParameter,
         buffers: Vec<(String, Var)>,
         policy: MixedPrecision,
+        frozen: bool,
     ) -> Self {
         Self {
-            spec,
-            recorded,
+            name,
             flat,
             buffers,
             policy,
+            frozen,
+            reshard_after_forward: true,
             unsharded_grad: None,
             params: ParamState::Sharded,
-            saved: None,
-            training: TrainingState::Idle,
+            vars: None,
+            pending_calls: 0,
+            grad_acc: None,
         }
     }
 
-    /// The unit's name (prefix of its parameter names).
+    /// The group's name (a unit's name, a tied group's, or `<unit>[frozen]`).
     pub fn name(&self) -> &str {
-        &self.spec.name
-    }
-
-    /// The constructor and per-unit options.
-    pub fn spec(&self) -> &UnitSpec {
-        &self.spec
-    }
-
-    /// Recorded parameters (names, shapes, init hints), in layout order.
-    pub fn recorded(&self) -> &[RecordedParam] {
-        &self.recorded
+        &self.name
     }
 
     /// This rank's FlatParameter (layout, master shard, gradient shard).
@@ -150,14 +106,19 @@ impl FsdpUnit {
         &self.flat
     }
 
+    /// Mutable FlatParameter (loading, gradient accumulation).
+    pub(crate) fn flat_mut(&mut self) -> &mut FlatParameter {
+        &mut self.flat
+    }
+
+    /// Whether this is a frozen twin (no gradient, no reduction, no optimizer state).
+    pub(crate) fn is_frozen(&self) -> bool {
+        self.frozen
+    }
+
     /// Bytes of the unsynchronised accumulated gradient (no_sync), f32.
     pub(crate) fn unsharded_grad_bytes(&self) -> usize {
         4 * self.unsharded_grad.as_ref().map_or(0, Tensor::elem_count)
-    }
-
-    /// Mutable FlatParameter (loading).
-    pub(crate) fn flat_mut(&mut self) -> &mut FlatParameter {
-        &mut self.flat
     }
 
     /// Buffers: full values in the policy's `buffer_dtype`, replicated, updated in place by
@@ -166,30 +127,36 @@ impl FsdpUnit {
         &self.buffers
     }
 
-    /// The mixed-precision policy this unit runs under.
+    /// The mixed-precision policy this group runs under.
     pub fn policy(&self) -> &MixedPrecision {
         &self.policy
     }
 
-    /// True when this unit's unshard is a real all-gather (it has parameters and is sharded over
-    /// more than one rank); otherwise the cast shard is the unsharded buffer. The one place that
-    /// decides it.
+    /// True when this group's unshard is a real all-gather (it has parameters and is sharded
+    /// over more than one rank); otherwise the cast shard is the unsharded buffer. The one place
+    /// that decides it.
     pub(crate) fn gathers(&self) -> bool {
         let layout = self.flat.layout();
         layout.world_size > 1 && layout.padded_numel > 0
     }
 
-    pub(crate) fn training_state(&self) -> TrainingState {
-        self.training
-    }
-
-    /// True when the parameters are only sharded (no gather in flight, nothing unsharded).
+    /// True when the parameters are only sharded (no gather in flight, nothing present).
     pub(crate) fn is_sharded(&self) -> bool {
         matches!(self.params, ParamState::Sharded)
     }
 
+    /// True when the step's parameter tensors hold their values.
+    pub(crate) fn is_present(&self) -> bool {
+        matches!(self.params, ParamState::Present { .. })
+    }
+
+    /// True while a step holds state of this group (variables, calls awaiting backward).
+    pub(crate) fn in_step(&self) -> bool {
+        self.vars.is_some() || self.pending_calls > 0
+    }
+
     /// Transition `Sharded → Unsharding`: issues the all-gather in `param_dtype` on `stream`.
-    /// A no-op when not sharded.
+    /// A no-op unless sharded.
     pub(crate) fn unshard(
         &mut self,
         pg: &dyn ProcessGroup,
@@ -205,71 +172,94 @@ impl FsdpUnit {
         self.params = ParamState::Unsharding { work, guard };
     }
 
-    /// Transition `Unsharding → Unsharded`: waits for the all-gather and returns the gathered flat
-    /// buffer (`padded_numel` elements). Issues the gather first if nobody did.
+    /// Transition `→ Present`: waits for the all-gather (issuing it if nobody did) and copies
+    /// the gathered buffer into the step's parameter tensors (created on the first unshard of
+    /// the step, refilled in place afterwards). A no-op when present.
     ///
-    /// Errors: the collective's; called while already unsharded (a schedule bug).
-    pub(crate) fn wait_for_unshard(
+    /// Errors: the collective's; a refill error.
+    pub(crate) fn unshard_wait(
         &mut self,
         pg: &dyn ProcessGroup,
         stream: &CommStream,
         acct: &MemoryAccount,
-    ) -> Result<Tensor> {
+    ) -> Result<()> {
+        if self.is_present() {
+            return Ok(());
+        }
         self.unshard(pg, stream, acct);
-        match std::mem::replace(&mut self.params, ParamState::Sharded) {
-            ParamState::Unsharding { work, guard } => {
-                let flat = collectives::wait_gathered(work)?;
-                self.params = ParamState::Unsharded { _guard: guard };
-                Ok(flat)
-            }
-            other => {
-                self.params = other;
-                Err(Error::InvalidArgument(format!(
-                    "unit {}: wait_for_unshard while its parameters are already unsharded",
-                    self.spec.name
-                )))
-            }
-        }
-    }
-
-    /// Transition `→ Sharded`: frees whatever unsharded form the parameters have (the storage of
-    /// graph-held variables is emptied in place) and releases the memory guard. Idempotent.
-    pub(crate) fn reshard(&mut self) -> Result<()> {
-        if let Some(Saved::Graph { params, freed, .. }) = &mut self.saved {
-            if !*freed {
-                collectives::free_params(params)?;
-                *freed = true;
+        let ParamState::Unsharding { work, guard } =
+            std::mem::replace(&mut self.params, ParamState::Sharded)
+        else {
+            unreachable!("unshard leaves the parameters unsharding")
+        };
+        let flat = collectives::wait_gathered(work)?;
+        let layout = self.flat.layout();
+        match &self.vars {
+            Some(vars) => collectives::refill_params(layout, &flat, vars)?,
+            None => {
+                self.vars = Some(if self.frozen {
+                    collectives::param_copies(layout, &flat)?
+                } else {
+                    collectives::param_vars(layout, &flat)?
+                })
             }
         }
-        if let Some(Saved::Checkpoint { kept, .. }) = &mut self.saved {
-            *kept = None;
-        }
-        self.params = ParamState::Sharded;
+        self.params = ParamState::Present { _guard: guard };
         Ok(())
     }
 
-    /// Drops any step state (saved graph, gathers in flight, guards): back to `Sharded`/`Idle`.
-    pub(crate) fn release(&mut self) {
-        self.saved = None;
-        self.params = ParamState::Sharded;
-        self.training = TrainingState::Idle;
-    }
-
-    /// Casts a floating-point input to `param_dtype` when the policy says so.
-    pub(crate) fn cast_input(&self, h: Tensor) -> Result<Tensor> {
-        let p = &self.policy;
-        if p.cast_forward_inputs && h.dtype().is_float() && h.dtype() != p.param_dtype {
-            Ok(h.to_dtype(p.param_dtype)?)
-        } else {
-            Ok(h)
+    /// Transition `Present → Sharded`: frees the step's parameter tensors' storage in place
+    /// (graphs keep referencing them; the next unshard refills them) and releases the memory
+    /// guard. A gather in flight is left alone. Idempotent.
+    ///
+    /// Errors: the in-place free's (a device without an implementation).
+    pub(crate) fn reshard(&mut self) -> Result<()> {
+        if self.is_present() {
+            if let Some(vars) = &self.vars {
+                collectives::free_params(vars)?;
+            }
+            self.params = ParamState::Sharded;
         }
+        Ok(())
     }
 
-    /// Adds the buffers to a binding map: the live variables (updated in place by a training
-    /// forward), or copies whose updates are discarded (for a recompute).
-    fn add_buffers(&self, map: &mut HashMap<String, Tensor>, live: bool) -> Result<()> {
+    /// Drops any step state (variables, gathers in flight, guards, the step's gradient): back
+    /// to `Sharded`.
+    pub(crate) fn release(&mut self) {
+        self.vars = None;
+        self.params = ParamState::Sharded;
+        self.pending_calls = 0;
+        self.grad_acc = None;
+    }
+
+    /// Adds this group's tensors to a binding map: the step's parameter tensors (detached when
+    /// `detached`, for forwards without autograd) and the buffers (the live variables, or
+    /// copies whose in-place updates are discarded, for a recompute).
+    ///
+    /// Errors: called while the parameters are not present (a schedule bug).
+    pub(crate) fn add_to_map(
+        &self,
+        map: &mut HashMap<String, Tensor>,
+        detached: bool,
+        live_buffers: bool,
+    ) -> Result<()> {
+        let vars = match (&self.vars, self.is_present()) {
+            (Some(vars), true) => vars,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "unit {}: its parameters are not present (a schedule bug)",
+                    self.name
+                )))
+            }
+        };
+        for (p, t) in self.flat.layout().params.iter().zip(vars) {
+            map.insert(
+                p.name.clone(),
+                if detached { t.detach() } else { t.clone() },
+            );
+        }
         for (name, var) in &self.buffers {
-            let t = if live {
+            let t = if live_buffers {
                 var.as_tensor().clone()
             } else {
                 Var::from_tensor(&var.as_tensor().detach())?.into_inner()
@@ -279,239 +269,107 @@ impl FsdpUnit {
         Ok(())
     }
 
-    /// Binds the constructor to `params` (keyed by name) and the buffers.
-    fn bind(
+    /// Adds this group's parameters as views of a gathered flat buffer, and its live buffers,
+    /// to a binding map (eval forwards: no variables).
+    pub(crate) fn add_views_to_map(
         &self,
-        mut map: HashMap<String, Tensor>,
-        live_buffers: bool,
-        device: &Device,
-    ) -> Result<Box<dyn ModuleT>> {
-        self.add_buffers(&mut map, live_buffers)?;
-        let names = self.buffers.iter().map(|(n, _)| n.clone()).collect();
-        self.spec
-            .bind_with_buffers(map, &names, self.policy.param_dtype, device)
-    }
-
-    fn var_map(&self, params: &[Tensor]) -> HashMap<String, Tensor> {
-        self.flat
-            .layout()
-            .params
-            .iter()
-            .zip(params)
-            .map(|(p, t)| (p.name.clone(), t.clone()))
-            .collect()
-    }
-
-    /// Runs the unit's training forward on `h` with the gathered buffer `flat`, keeping what its
-    /// backward needs according to `mode`, and reshards when the mode says so. `first`: the unit
-    /// has no input gradient to compute. Returns the output.
-    pub(crate) fn forward(
-        &mut self,
-        h: &Tensor,
-        flat: Tensor,
-        mode: ForwardMode,
-        first: bool,
-        device: &Device,
-    ) -> Result<Tensor> {
-        let output = if mode.checkpoint {
-            {
-                let input = self.cast_input(h.detach())?;
-                let module = self.bind(
-                    collectives::param_views(self.flat.layout(), &flat)?,
-                    true,
-                    device,
-                )?;
-                let output = module.forward_t(&input, true)?;
-                drop(module);
-                // The gathered buffer is kept for backward unless the unit reshards.
-                let kept = (!mode.reshard).then_some(flat);
-                self.saved = Some(Saved::Checkpoint { input, kept });
-                if mode.reshard {
-                    self.reshard()?;
-                }
-                output.detach()
-            }
-        } else {
-            {
-                let input_var = if first {
-                    None
-                } else {
-                    let x = self.cast_input(h.detach())?;
-                    Some(Var::from_tensor(&x)?.into_inner())
-                };
-                let input = match &input_var {
-                    Some(v) => v.clone(),
-                    None => self.cast_input(h.clone())?,
-                };
-                let params = collectives::param_vars(self.flat.layout(), &flat)?;
-                drop(flat);
-                let module = self.bind(self.var_map(&params), true, device)?;
-                let mut output = module.forward_t(&input, true)?;
-                drop(module);
-                if mode.reshard
-                    && params
-                        .iter()
-                        .any(|p| super::storage::same_storage(p, &output))
-                {
-                    // The output is a view of a parameter: give it storage of its own before
-                    // the parameter is freed.
-                    output = output.copy()?;
-                }
-                self.saved = Some(Saved::Graph {
-                    input_var,
-                    output: output.clone(),
-                    params,
-                    freed: false,
-                });
-                if mode.reshard {
-                    self.reshard()?;
-                }
-                output
-            }
-        };
-        self.training = TrainingState::Forward;
-        Ok(output)
-    }
-
-    /// Whether this unit's backward needs an all-gather first (its parameters were resharded
-    /// after forward and it has any).
-    pub(crate) fn needs_gather_for_backward(&self) -> bool {
-        match &self.saved {
-            Some(Saved::Graph { freed, params, .. }) => *freed && !params.is_empty(),
-            Some(Saved::Checkpoint { kept, .. }) => kept.is_none(),
-            None => false,
-        }
-    }
-
-    /// `Forward → PreBackward`: makes the parameters present for the unit's backward — refills
-    /// freed variables from a (possibly prefetched) all-gather, or recomputes a checkpointed
-    /// forward with autograd. Afterwards `saved` is a `Graph` with live parameters.
-    ///
-    /// `gathered`: the unit's gathered flat buffer when [`Self::needs_gather_for_backward`].
-    pub(crate) fn pre_backward(
-        &mut self,
-        gathered: Option<Tensor>,
-        first: bool,
-        device: &Device,
+        map: &mut HashMap<String, Tensor>,
+        gathered: &Tensor,
     ) -> Result<()> {
-        let missing = || {
-            Error::InvalidArgument(format!(
-                "unit {}: pre_backward needs the gathered parameters",
-                self.spec.name
-            ))
-        };
-        match self.saved.take() {
-            Some(Saved::Graph {
-                input_var,
-                output,
-                params,
-                freed,
-            }) => {
-                if freed && !params.is_empty() {
-                    let flat = gathered.ok_or_else(missing)?;
-                    collectives::refill_params(self.flat.layout(), &flat, &params)?;
-                }
-                self.saved = Some(Saved::Graph {
-                    input_var,
-                    output,
-                    params,
-                    freed: false,
-                });
-            }
-            Some(Saved::Checkpoint { input, kept }) => {
-                let flat = match kept {
-                    Some(flat) => flat,
-                    None => gathered.ok_or_else(missing)?,
-                };
-                let params = collectives::param_vars(self.flat.layout(), &flat)?;
-                drop(flat);
-                let input_var = if first {
-                    None
-                } else {
-                    Some(Var::from_tensor(&input)?.into_inner())
-                };
-                // The forward already updated the buffers: the recompute's updates are made on
-                // copies and discarded.
-                let module = self.bind(self.var_map(&params), false, device)?;
-                let output = module.forward_t(input_var.as_ref().unwrap_or(&input), true)?;
-                self.saved = Some(Saved::Graph {
-                    input_var,
-                    output,
-                    params,
-                    freed: false,
-                });
-            }
-            None => {
-                return Err(Error::InvalidArgument(format!(
-                    "unit {}: backward without a saved forward",
-                    self.spec.name
-                )))
-            }
+        map.extend(collectives::param_views(self.flat.layout(), gathered)?);
+        for (name, var) in &self.buffers {
+            map.insert(name.clone(), var.as_tensor().clone());
         }
-        self.training = TrainingState::PreBackward;
         Ok(())
     }
 
-    /// `PreBackward → Idle`: copies the parameter gradients out of `grads` into one flat f32
-    /// buffer (copy-in), frees the parameters and the graph (reshard), and returns the flat
-    /// gradient (`None` for a unit without parameters) and the input gradient for the previous
-    /// unit (detached: Candle records backward ops on variables, so an attached gradient would
-    /// drag this unit's backward graph into the previous unit's backward).
-    pub(crate) fn post_backward(
+    /// Waits for the eval gather (issuing it if needed) and returns the gathered flat buffer;
+    /// the group is `Sharded` again afterwards (the buffer's lifetime is the caller's).
+    pub(crate) fn gather_for_eval(
+        &mut self,
+        pg: &dyn ProcessGroup,
+        stream: &CommStream,
+        acct: &MemoryAccount,
+    ) -> Result<(Tensor, UnshardGuard)> {
+        self.unshard(pg, stream, acct);
+        match std::mem::replace(&mut self.params, ParamState::Sharded) {
+            ParamState::Unsharding { work, guard } => {
+                Ok((collectives::wait_gathered(work)?, guard))
+            }
+            other => {
+                self.params = other;
+                Err(Error::InvalidArgument(format!(
+                    "unit {}: gathered twice in one eval call (a schedule bug)",
+                    self.name
+                )))
+            }
+        }
+    }
+
+    /// True when `t` shares storage with one of the step's parameter tensors.
+    pub(crate) fn is_view_of_param(&self, t: &Tensor) -> bool {
+        self.vars
+            .iter()
+            .flatten()
+            .any(|p| super::storage::same_storage(p, t))
+    }
+
+    /// A training call of this group started (its backward will come).
+    pub(crate) fn add_call(&mut self) {
+        self.pending_calls += 1;
+    }
+
+    /// Copy-in of one call's gradients: the gradients of the step's variables in `grads`, added
+    /// into the step's flat gradient. Frozen twins have none.
+    ///
+    /// Errors: the flatten's or the add's.
+    pub(crate) fn add_call_grads(
         &mut self,
         grads: Option<&candle_core::backprop::GradStore>,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let Some(Saved::Graph {
-            input_var, params, ..
-        }) = self.saved.take()
-        else {
-            return Err(Error::InvalidArgument(format!(
-                "unit {}: post_backward before pre_backward",
-                self.spec.name
-            )));
-        };
-        let grad_in = match (grads, &input_var) {
-            (Some(g), Some(v)) => g.get(v).map(Tensor::detach),
-            _ => None,
-        };
-        let flat_grad = collectives::flatten_grads(&self.flat, grads, &params)?;
-        drop(params);
-        self.params = ParamState::Sharded;
-        self.training = TrainingState::Idle;
-        Ok((flat_grad, grad_in))
-    }
-
-    /// The output kept by this unit's forward (for the surrogate backward).
-    pub(crate) fn saved_output(&self) -> Option<&Tensor> {
-        match &self.saved {
-            Some(Saved::Graph { output, .. }) => Some(output),
-            _ => None,
+    ) -> Result<()> {
+        if self.frozen {
+            return Ok(());
         }
-    }
-
-    /// False when `grads` holds a gradient for none of the unit's parameter and input variables
-    /// although it has some: the loss did not depend on the unit's output. (Candle keeps
-    /// gradients of variables only, so the output itself cannot be asked.)
-    pub(crate) fn reached_by(&self, grads: &candle_core::backprop::GradStore) -> bool {
-        match &self.saved {
-            Some(Saved::Graph {
-                input_var, params, ..
-            }) => {
-                let vars: Vec<&Tensor> = params.iter().chain(input_var.as_ref()).collect();
-                vars.is_empty() || vars.iter().any(|v| grads.get(v).is_some())
+        let vars = self.vars.as_deref().unwrap_or(&[]);
+        if let Some(fg) = collectives::flatten_grads(&self.flat, grads, vars)? {
+            match &self.grad_acc {
+                Some(acc) => crate::ops::add_(acc, &fg)?,
+                None => self.grad_acc = Some(fg),
             }
-            _ => true,
         }
+        Ok(())
     }
 
-    /// True when the unit has parameter variables or an input variable to differentiate.
-    pub(crate) fn has_backward(&self) -> bool {
-        match &self.saved {
-            Some(Saved::Graph {
-                input_var, params, ..
-            }) => input_var.is_some() || !params.is_empty(),
-            _ => false,
+    /// One call's backward is done. Returns whether it was the group's last pending call of the
+    /// step — then the step's variables are dropped (their memory returns), the group is
+    /// `Sharded`, and the step's flat gradient comes with it for reduction (`None` for frozen
+    /// twins and groups without parameters); otherwise the caller decides whether to reshard.
+    pub(crate) fn finish_backward_call(&mut self) -> (bool, Option<Tensor>) {
+        self.pending_calls = self.pending_calls.saturating_sub(1);
+        if self.pending_calls > 0 {
+            return (false, None);
         }
+        self.vars = None;
+        self.params = ParamState::Sharded;
+        (true, self.grad_acc.take())
+    }
+
+    /// The step's flat gradient of a group whose calls did not all run their backward (their
+    /// outputs did not reach the loss): zeros with absent flags where nothing ran, so that every
+    /// rank issues the same reductions. Drops the step state.
+    ///
+    /// Errors: the flatten's.
+    pub(crate) fn finish_unreached(&mut self) -> Result<Option<Tensor>> {
+        if self.pending_calls == 0 {
+            return Ok(None);
+        }
+        let grad = match self.grad_acc.take() {
+            Some(g) => Some(g),
+            None if !self.frozen => collectives::flatten_grads(&self.flat, None, &[])?,
+            None => None,
+        };
+        self.release();
+        Ok(if self.frozen { None } else { grad })
     }
 
     /// Adds `flat_grad` to the unsynchronised accumulated gradient (or returns the sum with it
@@ -538,16 +396,5 @@ impl FsdpUnit {
     pub(crate) fn zero_grad(&mut self) {
         self.flat.clear_grad();
         self.unsharded_grad = None;
-    }
-
-    /// Binds the constructor to the views of a gathered f32/param-dtype buffer for an eval
-    /// forward (no autograd) and runs it.
-    pub(crate) fn forward_eval(&self, h: Tensor, flat: &Tensor, device: &Device) -> Result<Tensor> {
-        let module = self.bind(
-            collectives::param_views(self.flat.layout(), flat)?,
-            true,
-            device,
-        )?;
-        Ok(module.forward_t(&self.cast_input(h)?, false)?)
     }
 }

@@ -48,17 +48,19 @@ pub fn units() -> Vec<UnitSpec> {
 }
 
 /// The same units built as a plain Candle model from `vb`.
-pub fn reference_model(vb: VarBuilder) -> candle_core::Result<Vec<Box<dyn candle_nn::ModuleT>>> {
+pub fn reference_model(
+    vb: VarBuilder,
+) -> candle_core::Result<Vec<Box<dyn candle_fsdp::unit::UnitModule>>> {
     units().iter().map(|u| (u.ctor)(vb.pp(&u.name))).collect()
 }
 
 pub fn reference_forward(
-    model: &[Box<dyn candle_nn::ModuleT>],
+    model: &[Box<dyn candle_fsdp::unit::UnitModule>],
     x: &Tensor,
 ) -> candle_core::Result<Tensor> {
     let mut h = x.clone();
     for m in model {
-        h = m.forward_t(&h, true)?;
+        h = m.forward1(&h, true)?;
     }
     Ok(h)
 }
