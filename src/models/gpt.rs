@@ -14,11 +14,13 @@
 //! another dtype (the blocks then compute in it; the attention mask follows the scores' dtype).
 //! Token ids are u32 in `[0, V)`.
 //!
-//! **Units.** The model is [`GptConfig::n_layer`] + 4 units, each its own FlatParameter:
-//! `wte`, `wpe`, `blk0` … `blk{L-1}`, `lnf`, `head`. Parameter names are
-//! `wte.weight`, `wpe.weight`, `blk{i}.ln1.weight`, `blk{i}.attn.qkv.weight`, …, `lnf.weight`,
-//! `head.weight`. With tied weights ([`GptConfig::tied`], the GPT-2 default) the head has no
-//! weight of its own: it multiplies by `wte.weight`.
+//! **Units** ([`FsdpGpt`]): the token embedding (unit `emb` of group `wte`), the position
+//! embedding `wpe`, each block `blk0` … `blk{L-1}`, the final norm `lnf` and the LM head
+//! `head`; [`GptConfig::n_layer`] + 3 FlatParameters when tied, + 4 untied. Parameter names are
+//! `wte.weight`, `wpe.weight`, `blk{i}.ln1.weight`, `blk{i}.attn.qkv.weight`, …, `lnf.weight`
+//! and, untied, `head.weight`. With tied weights ([`GptConfig::tied`], the GPT-2 default) the
+//! head is a second member of group `wte` and multiplies by `wte.weight`: one FlatParameter
+//! for both uses, as FSDP2's `fully_shard([emb, head])`.
 //!
 //! [`Gpt`] is the same model as plain Candle code (one process, parameters from any
 //! `VarBuilder`, e.g. [`crate::init::seeded_var_builder`], which gives the values the FSDP
@@ -27,13 +29,16 @@
 //! Initialisation as GPT-2: every weight matrix and embedding N(0, 0.02), the two residual
 //! projections of each block N(0, 0.02/√(2L)), biases 0, norms 1 and 0.
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Module, Shape, Tensor, D,
+};
 use candle_nn::{Embedding, Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use self::norm::{layer_norm, LayerNorm};
 use crate::error::{Error, Result};
-use crate::fsdp::{FsdpModel, FsdpModelBuilder};
+use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder};
+use crate::nn::{layer_norm, LayerNorm};
 use crate::unit::UnitSpec;
 
 /// Standard deviation of GPT-2's weight initialisation.
@@ -286,7 +291,7 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.proj.forward(&self.fc.forward(x)?.gelu()?)
+        self.proj.forward(&gelu(&self.fc.forward(x)?)?)
     }
 }
 
@@ -409,12 +414,6 @@ impl FsdpGpt {
     /// Errors: an invalid `cfg` ([`GptConfig::validate`]).
     pub fn new(cfg: GptConfig) -> Result<Self> {
         cfg.validate()?;
-        if cfg.tied {
-            return Err(Error::InvalidArgument(
-                "tied GPT weights need the unit-group API (not merged yet): pass tied = false"
-                    .into(),
-            ));
-        }
         Ok(Self {
             cfg,
             mask: causal_mask(cfg.seq_len, &Device::Cpu)?,
@@ -426,34 +425,42 @@ impl FsdpGpt {
         &self.cfg
     }
 
-    /// Adds the units to `builder`, in forward order: `embed` (token + position embeddings),
-    /// `blk0` … `blk{L-1}`, `lnf`, `head`.
+    /// Adds the units to `builder` (see the module docs), each its own FlatParameter:
+    /// - group `wte` (parameter `wte.weight`): unit `emb`, the token embedding, and, with tied
+    ///   weights, unit `head`, the LM head, which asks for the same `weight` (FSDP2's
+    ///   `fully_shard([emb, head])`: one FlatParameter, gathered for each call, its gradient the
+    ///   sum of both uses);
+    /// - `wpe`, `blk0` … `blk{L-1}`, `lnf`;
+    /// - untied: `head` (parameter `head.weight`).
     pub fn add_units(&self, builder: FsdpModelBuilder) -> FsdpModelBuilder {
         let cfg = self.cfg;
-        let mut b = builder.unit_spec(UnitSpec::new("embed", move |vb| {
-            let wte = token_embedding(&cfg, vb.pp("wte"))?;
-            let wpe = position_embedding(&cfg, vb.pp("wpe"))?;
-            Ok(candle_nn::func(move |ids| {
-                let (_, t) = ids.dims2()?;
-                let pos = wpe.forward(&positions(t, ids.device())?)?;
-                wte.forward(ids)?.broadcast_add(&pos)
-            }))
-        }));
+        let emb = UnitSpec::new("emb", move |vb| token_embedding(&cfg, vb));
+        let head = UnitSpec::new("head", move |vb| lm_head(&cfg, vb));
+        let mut b = if cfg.tied {
+            builder.group("wte", [emb, head.clone()])
+        } else {
+            builder.group("wte", [emb])
+        };
+        b = b.unit_spec(UnitSpec::new("wpe", move |vb| position_embedding(&cfg, vb)));
         for i in 0..cfg.n_layer {
             let mask = self.mask.clone();
             b = b.unit_spec(UnitSpec::new(block_name(i), move |vb| {
                 Block::new(&cfg, mask.to_device(vb.device())?, vb)
             }));
         }
-        b.unit_spec(UnitSpec::new("lnf", move |vb| final_norm(&cfg, vb)))
-            .unit_spec(UnitSpec::new("head", move |vb| lm_head(&cfg, vb)))
+        b = b.unit_spec(UnitSpec::new("lnf", move |vb| final_norm(&cfg, vb)));
+        if cfg.tied {
+            b
+        } else {
+            b.unit_spec(head)
+        }
     }
 
-    /// Logits `(B, T, V)` of token ids `(B, T)` u32 (T ≤ `seq_len`): a training forward
-    /// (`train`, to be followed by [`FsdpModel::backward`]) or an inference one. A collective.
+    /// The forward through the units: logits `(B, T, V)` of token ids `(B, T)` u32,
+    /// T ≤ `seq_len`, in the head's `param_dtype` (f32 without a mixed-precision policy).
     ///
-    /// Errors: a longer context; the model's.
-    pub fn logits(&self, model: &mut FsdpModel, ids: &Tensor, train: bool) -> Result<Tensor> {
+    /// Errors: a longer context; the units'.
+    pub fn forward(&self, f: &mut Forward<'_>, ids: &Tensor) -> Result<Tensor> {
         let (_, t) = ids.dims2()?;
         if t > self.cfg.seq_len {
             return Err(Error::InvalidArgument(format!(
@@ -461,10 +468,26 @@ impl FsdpGpt {
                 self.cfg.seq_len
             )));
         }
+        let tok = f.call1("emb", ids)?;
+        let pos = f.call1("wpe", &positions(t, ids.device())?)?;
+        let mut h = tok.broadcast_add(&pos)?;
+        for i in 0..self.cfg.n_layer {
+            h = f.call1(&block_name(i), &h)?;
+        }
+        let h = f.call1("lnf", &h)?;
+        f.call1("head", &h)
+    }
+
+    /// [`FsdpGpt::forward`] as a training forward of `model` (`train`: to be followed by
+    /// [`FsdpModel::backward`] of a loss computed from the logits) or an inference one. A
+    /// collective.
+    ///
+    /// Errors: as [`FsdpGpt::forward`]; the model's.
+    pub fn logits(&self, model: &mut FsdpModel, ids: &Tensor, train: bool) -> Result<Tensor> {
         if train {
-            model.forward(ids)
+            model.forward_with(|f| self.forward(f, ids))
         } else {
-            model.forward_eval(ids)
+            model.forward_eval_with(|f| self.forward(f, ids))
         }
     }
 }
@@ -481,58 +504,172 @@ pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     )?)
 }
 
-/// A differentiable LayerNorm with candle-nn's signature, until `crate::nn::layer_norm` lands
-/// (candle-nn's own takes a fused kernel without backward on contiguous inputs).
-mod norm {
-    use candle_core::{DType, Module, Tensor, D};
-    use candle_nn::{Init, LayerNormConfig, VarBuilder};
+/// GELU with the tanh approximation (GPT-2's), `x ↦ x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`,
+/// elementwise, any shape: [`Tensor::gelu`]'s values, faster. On the CPU, for f32, bf16 and f16
+/// (computed in f32), the forward is one pass and its backward a second one (Candle's own
+/// evaluates `tanh` per element in the forward and composes a dozen tensor ops, `powf`
+/// included, in the backward: on a 2-core machine that was most of a GPT block's step).
+/// Elsewhere it is [`Tensor::gelu`].
+///
+/// Errors: Candle's.
+pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
+    let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    if fused {
+        x.contiguous()?.apply_op1(GeluOp)
+    } else {
+        x.gelu()
+    }
+}
 
-    /// `y = (x − mean) / √(var + eps) · weight + bias` over the last dimension, computed in f32
-    /// for f16 / bf16 inputs.
-    #[derive(Debug, Clone)]
-    pub struct LayerNorm {
-        weight: Tensor,
-        bias: Option<Tensor>,
-        eps: f64,
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_C: f32 = 0.044_715;
+
+/// `tanh(u)` as `1 − 2 / (1 + e^{2u})`: one `exp` (faster than libm's `tanhf`), ±1 at the
+/// extremes (no NaN: `e^{2u}` is ∞ or 0 there), absolute error a few f32 ulps.
+#[inline]
+fn tanh_fast(u: f32) -> f32 {
+    1.0 - 2.0 / (1.0 + (2.0 * u).exp())
+}
+
+#[inline]
+fn gelu_f32(x: f32) -> f32 {
+    let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
+    0.5 * x * (1.0 + t)
+}
+
+/// d gelu / dx = (1 + t)/2 + x/2 · (1 − t²) · √(2/π) · (1 + 3 · 0.044715 x²).
+#[inline]
+fn gelu_grad_f32(x: f32) -> f32 {
+    let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
+}
+
+/// The contiguous elements of a CPU storage as a slice.
+fn contiguous_slice<'a, T: candle_core::WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+) -> candle_core::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+        None => bail!("gelu: the input must be contiguous"),
+    }
+}
+
+/// `f` of each element, computed in f32, in the storage's dtype.
+fn map_f32(
+    s: &CpuStorage,
+    l: &Layout,
+    f: impl Fn(f32) -> f32,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let out = match s.dtype() {
+        DType::F32 => CpuStorage::F32(
+            contiguous_slice::<f32>(s, l)?
+                .iter()
+                .map(|&x| f(x))
+                .collect(),
+        ),
+        DType::BF16 => CpuStorage::BF16(
+            contiguous_slice::<half::bf16>(s, l)?
+                .iter()
+                .map(|&x| half::bf16::from_f32(f(x.to_f32())))
+                .collect(),
+        ),
+        DType::F16 => CpuStorage::F16(
+            contiguous_slice::<half::f16>(s, l)?
+                .iter()
+                .map(|&x| half::f16::from_f32(f(x.to_f32())))
+                .collect(),
+        ),
+        dt => bail!("gelu: no CPU kernel for {dt:?}"),
+    };
+    Ok((out, l.shape().clone()))
+}
+
+/// The fused forward of [`gelu`].
+struct GeluOp;
+
+impl CustomOp1 for GeluOp {
+    fn name(&self) -> &'static str {
+        "gelu-tanh-fused"
     }
 
-    pub fn layer_norm<C: Into<LayerNormConfig>>(
-        size: usize,
-        config: C,
-        vb: VarBuilder,
-    ) -> candle_core::Result<LayerNorm> {
-        let config = config.into();
-        let weight = vb.get_with_hints(size, "weight", Init::Const(1.0))?;
-        let bias = if config.affine {
-            Some(vb.get_with_hints(size, "bias", Init::Const(0.0))?)
-        } else {
-            None
-        };
-        Ok(LayerNorm {
-            weight,
-            bias,
-            eps: config.eps,
-        })
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        map_f32(s, l, gelu_f32)
     }
 
-    impl Module for LayerNorm {
-        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-            let dtype = x.dtype();
-            let x = match dtype {
-                DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
-                _ => x.clone(),
-            };
-            let n = x.dim(D::Minus1)? as f64;
-            let x = x.broadcast_sub(&(x.sum_keepdim(D::Minus1)? / n)?)?;
-            let var = (x.sqr()?.sum_keepdim(D::Minus1)? / n)?;
-            let y = x
-                .broadcast_div(&(var + self.eps)?.sqrt()?)?
-                .to_dtype(dtype)?
-                .broadcast_mul(&self.weight)?;
-            match &self.bias {
-                Some(b) => y.broadcast_add(b),
-                None => Ok(y),
-            }
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(
+            arg.apply_op2_no_bwd(&grad_res.contiguous()?, &GeluGradOp)?,
+        ))
+    }
+}
+
+/// The backward of [`gelu`]: `grad · gelu'(x)`, inputs `(x, grad)` of one shape and dtype.
+struct GeluGradOp;
+
+impl CustomOp2 for GeluGradOp {
+    fn name(&self) -> &'static str {
+        "gelu-tanh-fused-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if l1.shape() != l2.shape() || s1.dtype() != s2.dtype() {
+            bail!(
+                "gelu backward: input {:?} {:?} and gradient {:?} {:?} differ",
+                l1.shape(),
+                s1.dtype(),
+                l2.shape(),
+                s2.dtype()
+            );
         }
+        fn zip<T: candle_core::WithDType>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+            to: impl Fn(T) -> f32,
+            from: impl Fn(f32) -> T,
+        ) -> candle_core::Result<Vec<T>> {
+            let (x, g) = (
+                contiguous_slice::<T>(s1, l1)?,
+                contiguous_slice::<T>(s2, l2)?,
+            );
+            Ok(x.iter()
+                .zip(g)
+                .map(|(&x, &g)| from(to(g) * gelu_grad_f32(to(x))))
+                .collect())
+        }
+        let out = match s1.dtype() {
+            DType::F32 => CpuStorage::F32(zip(s1, l1, s2, l2, |v: f32| v, |v| v)?),
+            DType::BF16 => CpuStorage::BF16(zip(
+                s1,
+                l1,
+                s2,
+                l2,
+                |v: half::bf16| v.to_f32(),
+                half::bf16::from_f32,
+            )?),
+            DType::F16 => CpuStorage::F16(zip(
+                s1,
+                l1,
+                s2,
+                l2,
+                |v: half::f16| v.to_f32(),
+                half::f16::from_f32,
+            )?),
+            dt => bail!("gelu backward: no CPU kernel for {dt:?}"),
+        };
+        Ok((out, l1.shape().clone()))
     }
 }
