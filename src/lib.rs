@@ -68,7 +68,10 @@ pub mod trace;
 pub mod unit;
 
 pub use error::{Error, Result};
-pub use fsdp::{BackwardPrefetch, FsdpConfig, FsdpModel, FullModel, MemoryStats, ShardingStrategy};
+pub use fsdp::{
+    BackwardPrefetch, Forward, FsdpConfig, FsdpModel, FsdpModelBuilder, FullModel, MemoryStats,
+    ModelSpec, ShardingStrategy,
+};
 pub use lr_scheduler::{LrSchedule, LrScheduler, LrSchedulerState};
 pub use mixed_precision::MixedPrecision;
 pub use optim::{
@@ -77,3 +80,4 @@ pub use optim::{
 };
 pub use shard_view::ShardView;
 pub use sync_batch_norm::{sync_batch_norm, SyncBatchNorm};
+pub use unit::{UnitModule, UnitSpec};

@@ -316,8 +316,11 @@ struct UnitSlot {
     steps: Vec<u64>,
     /// Per parameter: its group.
     group: Vec<usize>,
-    /// Buffers in the optimizer's kinds order (`shard_numel` elements each).
+    /// Buffers in the optimizer's kinds order (`shard_numel` elements each); none for a frozen
+    /// twin.
     bufs: Vec<Tensor>,
+    /// A frozen twin's `shard_numel` (its state exports as zeros, see [`ShardState::export`]).
+    frozen_numel: Option<usize>,
 }
 
 /// Per-parameter steps and per-unit buffers of one optimizer: allocated at the first step,
@@ -368,12 +371,17 @@ impl ShardState {
         self.units
             .iter()
             .map(|u| {
-                let buffers = self
-                    .kinds
-                    .iter()
-                    .zip(&u.bufs)
-                    .map(|(k, b)| Ok((*k, ops::with_host_f32(b, <[f32]>::to_vec)?)))
-                    .collect::<Result<_>>()?;
+                // A frozen twin holds no state; it exports zeros so that every unit of a
+                // checkpoint has every buffer kind (the format's invariant).
+                let buffers = match u.frozen_numel {
+                    Some(n) => self.kinds.iter().map(|k| (*k, vec![0.0; n])).collect(),
+                    None => self
+                        .kinds
+                        .iter()
+                        .zip(&u.bufs)
+                        .map(|(k, b)| Ok((*k, ops::with_host_f32(b, <[f32]>::to_vec)?)))
+                        .collect::<Result<_>>()?,
+                };
                 Ok(UnitOptimState {
                     steps: u.steps.clone(),
                     buffers,
@@ -400,15 +408,24 @@ impl ShardState {
                 .shards()
                 .map(|v| {
                     Ok(UnitSlot {
+                        frozen_numel: v.frozen.then_some(v.layout.shard_numel),
                         steps: vec![0; v.layout.params.len()],
                         group: Vec::new(),
-                        bufs: self
-                            .kinds
-                            .iter()
-                            .map(|_| {
-                                Tensor::zeros(v.layout.shard_numel, DType::F32, v.param.device())
-                            })
-                            .collect::<candle_core::Result<_>>()?,
+                        // Frozen parameters get no optimizer state.
+                        bufs: if v.frozen {
+                            Vec::new()
+                        } else {
+                            self.kinds
+                                .iter()
+                                .map(|_| {
+                                    Tensor::zeros(
+                                        v.layout.shard_numel,
+                                        DType::F32,
+                                        v.param.device(),
+                                    )
+                                })
+                                .collect::<candle_core::Result<_>>()?
+                        },
                     })
                 })
                 .collect::<Result<_>>()?;
@@ -450,6 +467,14 @@ impl ShardState {
                     )));
                 }
                 let max_step = u.steps.iter().copied().max().unwrap_or(0);
+                if v.frozen {
+                    return Ok(UnitSlot {
+                        frozen_numel: Some(v.layout.shard_numel),
+                        steps: u.steps,
+                        group: Vec::new(),
+                        bufs: Vec::new(),
+                    });
+                }
                 let bufs =
                     self.kinds
                         .iter()
@@ -487,6 +512,7 @@ impl ShardState {
                     )));
                 }
                 Ok(UnitSlot {
+                    frozen_numel: None,
                     steps: u.steps,
                     group: Vec::new(),
                     bufs,

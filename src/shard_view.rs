@@ -36,6 +36,9 @@ pub struct ShardView<'a> {
     pub grad_present: &'a [bool],
     /// The unit's buffers (name, variable): replicated, in the policy's `buffer_dtype`.
     pub buffers: &'a [(String, Var)],
+    /// A frozen twin ([`crate::FsdpModelBuilder::freeze`]): parameters that never get a
+    /// gradient; optimizers keep no state for them.
+    pub frozen: bool,
 }
 
 impl FsdpModel {
@@ -51,6 +54,7 @@ impl FsdpModel {
             grad: u.flat().grad(),
             grad_present: u.flat().grad_present(),
             buffers: u.buffers(),
+            frozen: u.is_frozen(),
         })
     }
 
