@@ -349,6 +349,8 @@ struct MiniArgs {
     untied: bool,
     #[arg(long, default_value = "hello")]
     prompt: String,
+    #[arg(long, default_value = "full-shard")]
+    strategy: candle_fsdp::ShardingStrategy,
 }
 
 fn parse_mini(argv: &[&str]) -> anyhow::Result<MiniArgs> {
@@ -407,8 +409,12 @@ fn config_settings_become_flags_and_the_command_line_wins() {
         e.contains("d_model") && e.contains("no flag --d-model"),
         "{e}"
     );
-    // A value clap refuses: the error names the file.
+    // A value of the wrong TOML type, and a value clap refuses: the errors name the file.
     std::fs::write(&path, "lr = \"fast\"\n").unwrap();
-    let e = parse_mini(&["gpt", "--config", p]).unwrap_err();
-    assert!(e.to_string().contains("c.toml"), "{e:#}");
+    let e = parse_mini(&["gpt", "--config", p]).unwrap_err().to_string();
+    assert!(e.contains("c.toml") && e.contains("lr"), "{e}");
+    std::fs::write(&path, "strategy = \"fast\"\n").unwrap();
+    let e = parse_mini(&["gpt", "--config", p]).unwrap_err().to_string();
+    assert!(e.contains("c.toml") && e.contains("--strategy"), "{e}");
+    assert!(parse_mini(&["gpt", "--config", p, "--strategy", "no-shard"]).is_ok());
 }

@@ -117,8 +117,8 @@ impl ConfigFile {
 /// appends the file's settings whose flags the command line did not give, and parses again.
 ///
 /// Errors: clap's, as a [`clap::Error`] for the command line itself (so the caller can exit
-/// with clap's message, or print `--help`) and with the file named as context for a value of
-/// the file; the file's ([`ConfigFile::load`]); a key with no flag of that name in `command`.
+/// with clap's message, or print `--help`), as a message naming the file for a value of the
+/// file; the file's ([`ConfigFile::load`]); a key with no flag of that name in `command`.
 pub fn parse_with_config(command: &mut Command, argv: Vec<OsString>) -> anyhow::Result<ArgMatches> {
     let matches = command.try_get_matches_from_mut(argv.clone())?;
     let Some(path) = matches.get_one::<PathBuf>("config").cloned() else {
@@ -142,7 +142,10 @@ pub fn parse_with_config(command: &mut Command, argv: Vec<OsString>) -> anyhow::
             Some(v) => format!("{flag}={v}").into(),
         });
     }
-    command
-        .try_get_matches_from_mut(full)
-        .map_err(|e| anyhow::Error::new(e).context(format!("in config file {}", path.display())))
+    command.try_get_matches_from_mut(full).map_err(|e| {
+        // Not a clap::Error any more: the caller would print clap's message without the file.
+        let message = e.to_string();
+        let message = message.trim_start_matches("error: ").trim_end();
+        anyhow::anyhow!("config file {}: {message}", path.display())
+    })
 }

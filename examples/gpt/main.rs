@@ -37,9 +37,10 @@ use candle_fsdp::data::text::{Split, TextCorpus, VOCAB_SIZE};
 use candle_fsdp::models::gpt::GptConfig;
 use clap::{FromArgMatches, Parser};
 
-/// Train a GPT on Shakespeare (bytes) with FSDP over in-process ranks.
+/// Train a GPT-2-style decoder on Shakespeare (bytes as tokens) with FSDP over in-process ranks
+/// (or the processes of an `mpirun` job).
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version)]
 pub struct Args {
     /// TOML file of flags (keys are the long flag names with `_`, e.g. `n_layer = 6`); flags on
     /// the command line override it, and an unknown key is an error.

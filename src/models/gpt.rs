@@ -400,6 +400,27 @@ impl Gpt {
 
 /// The GPT as FSDP units: [`FsdpGpt::add_units`] puts them in a model builder,
 /// [`FsdpGpt::logits`] runs them.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_fsdp::launch::{launch, Launcher};
+/// use candle_fsdp::models::gpt::{lm_loss, FsdpGpt, GptConfig};
+/// use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer};
+///
+/// let cfg = GptConfig { n_layer: 1, n_head: 2, d_model: 16, seq_len: 8, ..GptConfig::default() };
+/// launch(&Launcher::threads(2), |pg| {
+///     let gpt = FsdpGpt::new(cfg)?;
+///     let mut model = gpt.add_units(FsdpModel::builder(pg, FsdpConfig::default())).build()?;
+///     let mut opt = AdamW::new(AdamWConfig::default());
+///     let ids = Tensor::new(&[[1u32, 2, 3, 4, 5, 6, 7, 8]], &Device::Cpu)?; // (B, T)
+///     let targets = Tensor::new(&[[2u32, 3, 4, 5, 6, 7, 8, 9]], &Device::Cpu)?;
+///     let logits = gpt.logits(&mut model, &ids, true)?; // (1, 8, 256)
+///     model.backward(&lm_loss(&logits, &targets)?)?;
+///     opt.step(&mut model)?;
+///     Ok(())
+/// })?;
+/// # Ok::<(), candle_fsdp::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct FsdpGpt {
     cfg: GptConfig,
