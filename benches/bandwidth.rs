@@ -1,10 +1,10 @@
-//! Bandwidth sweep of the collectives FSDP uses, nccl-tests style: all-gather and reduce-scatter
-//! (f32, sum) from 4 KiB to 256 MiB, at world sizes 2 and 4, on every backend of the build, next
+//! Bandwidth sweep of the collectives FSDP uses, nccl-tests style: all-gather, reduce-scatter
+//! and all-reduce (f32, sum) from 4 KiB to 256 MiB, at world sizes 2 and 4, on every backend of the build, next
 //! to a single-thread memcpy of the same size, in one run:
 //! - `threads`: the in-process backend (ranks as threads);
 //! - `mpi` (feature `mpi`, `mpirun` on PATH): this backend's collectives, one process per rank;
-//! - `mpi-native`: OpenMPI's own `MPI_Allgather` / `MPI_Reduce_scatter_block` on the same
-//!   processes, for reference.
+//! - `mpi-native`: OpenMPI's own `MPI_Allgather` / `MPI_Reduce_scatter_block` / `MPI_Allreduce`
+//!   on the same processes, for reference.
 //!
 //! `cargo bench --bench bandwidth [--features mpi]`. The MPI rows come from this same binary
 //! started by `mpirun -n <ws> <this binary> --mpi-worker`. `BW_MAX_MIB` caps the largest size.
@@ -12,7 +12,9 @@
 //! Definitions (nccl-tests, `doc/PERFORMANCE.md`): `size` is the whole buffer (the all-gather's
 //! output, the reduce-scatter's input, as in nccl-tests); `time` is the mean per operation of the
 //! slowest rank, each operation waited for before the next is issued; algorithm bandwidth
-//! `algbw = size / time`; bus bandwidth `busbw = algbw · (n - 1) / n` for both operations.
+//! `algbw = size / time`; bus bandwidth `busbw = algbw · (n - 1) / n` for all-gather and
+//! reduce-scatter, `busbw = algbw · 2(n - 1) / n` for all-reduce (its buffer is `size` on every
+//! rank, input and output).
 
 use std::process::Command;
 use std::sync::Arc;
@@ -22,7 +24,18 @@ use candle_core::{DType, Device, Tensor};
 use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use candle_fsdp::launch::{launch, Launcher};
 
-const OPS: [&str; 2] = ["all_gather", "reduce_scatter"];
+const OPS: [&str; 3] = ["all_gather", "reduce_scatter", "all_reduce"];
+
+/// Elements of (input, output) of `op` for a `size`-byte buffer at world size `ws`.
+fn lengths(op: &str, size: usize, ws: usize) -> (usize, usize) {
+    let whole = size / 4 / ws * ws;
+    let part = whole / ws;
+    match op {
+        "all_gather" => (part, whole),
+        "reduce_scatter" => (whole, part),
+        _ => (whole, whole),
+    }
+}
 
 fn sizes() -> Vec<usize> {
     let max_mib: usize = std::env::var("BW_MAX_MIB")
@@ -50,27 +63,20 @@ fn sweep(pg: &Arc<dyn ProcessGroup>) -> candle_fsdp::Result<Vec<Row>> {
     let mut rows = Vec::new();
     for op in OPS {
         for size in sizes() {
-            let whole = size / 4 / ws * ws;
-            let part = whole / ws;
-            let input = Tensor::ones(
-                if op == "all_gather" { part } else { whole },
-                DType::F32,
-                &Device::Cpu,
-            )?;
-            let mut out = Some(Tensor::zeros(
-                if op == "all_gather" { whole } else { part },
-                DType::F32,
-                &Device::Cpu,
-            )?);
+            let (n_in, n_out) = lengths(op, size, ws);
+            let input = Tensor::ones(n_in, DType::F32, &Device::Cpu)?;
+            let mut out = Some(Tensor::zeros(n_out, DType::F32, &Device::Cpu)?);
             let mut run = |n: usize| -> candle_fsdp::Result<f64> {
                 pg.barrier_wait()?;
                 let start = Instant::now();
                 for _ in 0..n {
                     let o = out.take().expect("output");
-                    let w = if op == "all_gather" {
-                        pg.all_gather(&stream, &input, o)
-                    } else {
-                        pg.reduce_scatter(&stream, &input, o, ReduceOp::Sum)
+                    let w = match op {
+                        "all_gather" => pg.all_gather(&stream, &input, o),
+                        "reduce_scatter" => pg.reduce_scatter(&stream, &input, o, ReduceOp::Sum),
+                        // In place on a buffer of zeros (which stay zeros however often
+                        // they are summed): no copy inside the timing.
+                        _ => pg.all_reduce(&stream, o, ReduceOp::Sum),
                     };
                     out = Some(w.wait()?);
                 }
@@ -80,7 +86,11 @@ fn sweep(pg: &Arc<dyn ProcessGroup>) -> candle_fsdp::Result<Vec<Row>> {
             let t = run(iters(size))?;
             let slowest = pg.all_reduce_f32s(vec![t as f32], ReduceOp::Max)?[0] as f64;
             let o = out.expect("output").to_vec1::<f32>()?;
-            let expect = if op == "all_gather" { 1.0 } else { ws as f32 };
+            let expect = match op {
+                "all_gather" => 1.0,
+                "reduce_scatter" => ws as f32,
+                _ => 0.0,
+            };
             assert!(o.iter().all(|&x| x == expect), "{op} {size}: wrong result");
             rows.push((op.to_string(), size, slowest));
         }
@@ -110,10 +120,10 @@ fn native_sweep(rank: usize, ws: usize) -> Vec<Row> {
         };
         for op in OPS {
             for size in sizes() {
-                let whole = size / 4 / ws * ws;
-                let part = whole / ws;
-                let input = vec![1.0f32; if op == "all_gather" { part } else { whole }];
-                let mut out = vec![0.0f32; if op == "all_gather" { whole } else { part }];
+                let (n_in, n_out) = lengths(op, size, ws);
+                let part = size / 4 / ws;
+                let input = vec![1.0f32; n_in];
+                let mut out = vec![0.0f32; n_out];
                 let mut run = |n: usize| {
                     ffi::MPI_Barrier(world);
                     let start = Instant::now();
@@ -126,6 +136,15 @@ fn native_sweep(rank: usize, ws: usize) -> Vec<Row> {
                                 out.as_mut_ptr() as *mut _,
                                 part as i32,
                                 ffi::RSMPI_FLOAT,
+                                world,
+                            );
+                        } else if op == "all_reduce" {
+                            ffi::MPI_Allreduce(
+                                input.as_ptr() as *const _,
+                                out.as_mut_ptr() as *mut _,
+                                n_in as i32,
+                                ffi::RSMPI_FLOAT,
+                                ffi::RSMPI_SUM,
                                 world,
                             );
                         } else {
@@ -264,7 +283,8 @@ fn main() {
                         continue;
                     }
                     let algbw = size as f64 / t / 1e9;
-                    let busbw = algbw * (ws - 1) as f64 / ws as f64;
+                    let factor = if op == "all_reduce" { 2.0 } else { 1.0 };
+                    let busbw = algbw * factor * (ws - 1) as f64 / ws as f64;
                     println!(
                         "| {op} | {ws} | {} | {backend} | {:.1} | {algbw:.2} | {busbw:.2} | {mc:.2} |",
                         human(size),

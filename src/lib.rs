@@ -41,6 +41,7 @@
 
 #![warn(missing_docs)]
 
+pub mod alloc;
 pub mod checkpoint;
 pub mod clip;
 pub mod comm;
@@ -69,8 +70,8 @@ pub mod unit;
 
 pub use error::{Error, Result};
 pub use fsdp::{
-    BackwardPrefetch, Forward, FsdpConfig, FsdpModel, FsdpModelBuilder, FullModel, MemoryStats,
-    ModelSpec, ShardingStrategy,
+    BackwardPrefetch, Forward, FsdpConfig, FsdpModel, FsdpModelBuilder, FullModel, MemoryBudget,
+    MemoryPlan, MemoryStats, ModelSpec, ShardingStrategy,
 };
 pub use lr_scheduler::{LrSchedule, LrScheduler, LrSchedulerState};
 pub use mixed_precision::MixedPrecision;

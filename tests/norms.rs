@@ -614,7 +614,7 @@ fn fsdp_unit_with_layer_norm_trains_like_single_process() {
     for (x, y) in &data {
         let mut h = x.clone();
         for u in &units {
-            h = u.forward_t(&h, true).unwrap();
+            h = u.forward1(&h, true).unwrap();
         }
         let loss = candle_nn::loss::cross_entropy(&h, y).unwrap();
         opt.step(&loss.backward().unwrap()).unwrap();

@@ -79,6 +79,9 @@ pub struct FsdpConfig {
     /// (a `running_mean` buffer) keep f32 compute unless they set their own policy, as PyTorch
     /// FSDP does for batch norm.
     pub mixed_precision: MixedPrecision,
+    /// A per-rank memory budget checked before any shard is allocated (`None`: no check). See
+    /// [`super::MemoryBudget`] and [`super::FsdpModel::memory_plan`].
+    pub memory_budget: Option<super::MemoryBudget>,
 }
 
 impl Default for FsdpConfig {
@@ -94,6 +97,7 @@ impl Default for FsdpConfig {
                 .map(String::from)
                 .to_vec(),
             mixed_precision: MixedPrecision::default(),
+            memory_budget: None,
         }
     }
 }

@@ -32,6 +32,7 @@
 //! SHARD_GRAD_OP and NO_SHARD keep the parameters from forward to backward instead; a unit with
 //! activation checkpointing runs its forward without autograd and is recomputed in backward.
 
+pub mod budget;
 mod call;
 mod collectives;
 pub mod config;
@@ -42,6 +43,7 @@ mod state_dict;
 mod storage;
 pub(crate) mod unit_state;
 
+pub use budget::{MemoryBudget, MemoryPlan};
 pub use config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
 pub use memory::MemoryStats;
 pub use model::{Forward, FsdpModel, FsdpModelBuilder, ModelSpec};

@@ -117,6 +117,17 @@ pub(crate) struct Member {
     pub(crate) groups: Vec<usize>,
 }
 
+/// A parameter group laid out but not allocated yet (see [`FsdpModel::build_with`]).
+struct PlannedUnit {
+    name: String,
+    recorded: Vec<RecordedParam>,
+    layout: FlatParamLayout,
+    buffers: Vec<(String, Var)>,
+    policy: MixedPrecision,
+    frozen: bool,
+    reshard: bool,
+}
+
 /// A training or eval forward in progress, and what its backward needs.
 struct StepState {
     train: bool,
@@ -350,7 +361,7 @@ impl FsdpModel {
             ShardingStrategy::NoShard => (1, 0),
             _ => (pg.world_size(), pg.rank()),
         };
-        let mut units: Vec<FsdpUnit> = Vec::new();
+        let mut planned: Vec<PlannedUnit> = Vec::new();
         let mut members: Vec<Member> = Vec::new();
         // Which unit created each tensor name (for the clash error).
         let mut creator: HashMap<String, String> = HashMap::new();
@@ -447,37 +458,34 @@ impl FsdpModel {
                 .collect::<Result<Vec<_>>>()?;
             let reshard = config.sharding_strategy == ShardingStrategy::FullShard
                 && first.reshard_after_forward;
-            let mut make = |name: String,
-                            recorded: Vec<RecordedParam>,
-                            buffers: Vec<(String, Var)>,
-                            is_frozen: bool|
-             -> Result<FsdpUnit> {
+            // Laid out now, allocated after the budget check (below).
+            let base = planned.len();
+            let mut plan_unit = |name: String,
+                                 recorded: Vec<RecordedParam>,
+                                 buffers: Vec<(String, Var)>,
+                                 is_frozen: bool|
+             -> Result<()> {
                 let named: Vec<_> = recorded
                     .iter()
                     .map(|p| (p.name.clone(), p.shape.clone()))
                     .collect();
-                let layout = FlatParamLayout::new(&named, shard_world)?;
-                let flat = FlatParameter::from_fn(
-                    layout,
-                    shard_index,
-                    &config.device,
-                    |i, range, out| fill(&recorded[i], range, out),
-                )?;
-                let mut u = FsdpUnit::new(name, flat, buffers, policy, is_frozen);
-                u.reshard_after_forward = reshard;
-                Ok(u)
+                planned.push(PlannedUnit {
+                    layout: FlatParamLayout::new(&named, shard_world)?,
+                    name,
+                    recorded,
+                    buffers,
+                    policy,
+                    frozen: is_frozen,
+                    reshard,
+                });
+                Ok(())
             };
-            let mut group_units = vec![units.len()];
-            units.push(make(g.name.clone(), trainable, buffers, false)?);
-            if !frozen.is_empty() {
-                group_units.push(units.len());
-                units.push(make(
-                    format!("{}[frozen]", g.name),
-                    frozen,
-                    Vec::new(),
-                    true,
-                )?);
+            let has_frozen = !frozen.is_empty();
+            plan_unit(g.name.clone(), trainable, buffers, false)?;
+            if has_frozen {
+                plan_unit(format!("{}[frozen]", g.name), frozen, Vec::new(), true)?;
             }
+            let group_units: Vec<usize> = (base..base + 1 + usize::from(has_frozen)).collect();
             for m in g.members {
                 members.push(Member {
                     spec: m,
@@ -487,9 +495,9 @@ impl FsdpModel {
             }
         }
         if let Some(i) = pattern_used.iter().position(|u| !u) {
-            let mut names: Vec<&str> = units
+            let mut names: Vec<&str> = planned
                 .iter()
-                .flat_map(|u| u.flat().layout().params.iter().map(|p| p.name.as_str()))
+                .flat_map(|u| u.layout.params.iter().map(|p| p.name.as_str()))
                 .collect();
             names.sort_unstable();
             return Err(Error::InvalidArgument(format!(
@@ -498,6 +506,28 @@ impl FsdpModel {
                 names.join(", ")
             )));
         }
+        if let Some(budget) = &config.memory_budget {
+            let groups: Vec<super::budget::GroupSize> = planned
+                .iter()
+                .map(|u| super::budget::GroupSize::of(&u.layout, &u.policy, u.frozen))
+                .collect();
+            super::budget::check(&groups, &config, pg.world_size(), budget)?;
+        }
+        let units = planned
+            .into_iter()
+            .map(|u| {
+                let recorded = u.recorded;
+                let flat = FlatParameter::from_fn(
+                    u.layout,
+                    shard_index,
+                    &config.device,
+                    |i, range, out| fill(&recorded[i], range, out),
+                )?;
+                let mut unit = FsdpUnit::new(u.name, flat, u.buffers, u.policy, u.frozen);
+                unit.reshard_after_forward = u.reshard;
+                Ok(unit)
+            })
+            .collect::<Result<Vec<_>>>()?;
         agree_on_model(pg.as_ref(), &units, config.sharding_strategy)?;
         let comm = CommContext::new(pg.as_ref())?;
         let by_name = members
@@ -544,6 +574,27 @@ impl FsdpModel {
         m.sharded_bytes = self.units.iter().map(|u| u.flat().sharded_bytes()).sum();
         m.unsharded_grad_bytes = self.units.iter().map(FsdpUnit::unsharded_grad_bytes).sum();
         m
+    }
+
+    /// This model's per-rank memory plan for one training step (see [`super::budget`]): its
+    /// sharded state with `optimizer_bytes_per_element` bytes of optimizer state per trainable
+    /// element (8 for AdamW), the unsharded units in flight, and `activation_bytes`.
+    pub fn memory_plan(
+        &self,
+        optimizer_bytes_per_element: usize,
+        activation_bytes: usize,
+    ) -> super::MemoryPlan {
+        let groups: Vec<super::budget::GroupSize> = self
+            .units
+            .iter()
+            .map(|u| super::budget::GroupSize::of(u.flat().layout(), u.policy(), u.is_frozen()))
+            .collect();
+        let budget = super::MemoryBudget {
+            max_bytes_per_rank: usize::MAX,
+            optimizer_bytes_per_element,
+            activation_bytes,
+        };
+        super::budget::plan(&groups, &self.config, self.pg.world_size(), &budget)
     }
 
     /// Resets the peak counters to the current values.
