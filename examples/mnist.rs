@@ -25,6 +25,9 @@ use clap::Parser;
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
+    /// Epochs to train (in total, counting resumed ones).
+    #[arg(long, default_value_t = 5)]
+    epochs: u64,
     #[command(flatten)]
     train: common::TrainArgs,
     /// Directory with the four MNIST IDX files (gzipped).
@@ -34,7 +37,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args: Args = common::parse(&common::Defaults {
-        epochs: "5",
+        batch_size: "32",
         lr: "1e-3",
         lr_help: "Learning rate",
         checkpoint_dir: "checkpoints/mnist",
@@ -58,6 +61,7 @@ fn main() -> anyhow::Result<()> {
         train,
         &setup.launcher,
         &common::Job {
+            epochs: args.epochs,
             data: &mnist.train,
             units: &|_pg| models::mnist_mlp(),
             optimizer: &|| {
@@ -80,8 +84,8 @@ fn main() -> anyhow::Result<()> {
     } else {
         println!(
             "nothing to train: --epochs {} {}",
-            train.epochs,
-            if train.epochs == 0 {
+            args.epochs,
+            if args.epochs == 0 {
                 "asks for none"
             } else {
                 "is already covered by the checkpoint"

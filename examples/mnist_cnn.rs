@@ -31,6 +31,9 @@ use clap::Parser;
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
+    /// Epochs to train (in total, counting resumed ones).
+    #[arg(long, default_value_t = 2)]
+    epochs: u64,
     #[command(flatten)]
     train: common::TrainArgs,
     /// Output channels of the first convolution.
@@ -93,7 +96,7 @@ fn cosine(peak: f64, step: u64, total: u64) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let args: Args = common::parse(&common::Defaults {
-        epochs: "2",
+        batch_size: "32",
         lr: "3e-3",
         lr_help: "Peak learning rate (cosine decay to 0 over the run)",
         checkpoint_dir: "checkpoints/mnist_cnn",
@@ -123,6 +126,7 @@ fn main() -> anyhow::Result<()> {
         train,
         &setup.launcher,
         &common::Job {
+            epochs: args.epochs,
             data: &mnist.train,
             units: &|pg| units(&args, pg),
             optimizer: &|| {

@@ -56,7 +56,7 @@ pub mod lr_scheduler;
 #[cfg(feature = "mnist")]
 pub mod metrics;
 pub mod mixed_precision;
-#[cfg(feature = "mnist")]
+#[cfg(any(feature = "mnist", feature = "gpt"))]
 pub mod models;
 pub mod nn;
 pub mod ops;

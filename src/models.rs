@@ -1,13 +1,19 @@
-//! Reference models used by the examples, tests and benchmarks, written as FSDP units (cargo
-//! feature `mnist`).
+//! Reference models used by the examples, tests and benchmarks, written as FSDP units: the
+//! MNIST MLP (cargo feature `mnist`) and a GPT-2-style decoder ([`gpt`], cargo feature `gpt`).
 
+#[cfg(feature = "gpt")]
+pub mod gpt;
+
+#[cfg(feature = "mnist")]
 use candle_nn::Activation;
 
+#[cfg(feature = "mnist")]
 use crate::unit::UnitSpec;
 
 /// The seed recipe's MNIST MLP as four units: `flatten` (no parameters: (B, 1, 28, 28) →
 /// (B, 784)), `fc1` Linear(784, 128) + ReLU, `fc2` Linear(128, 64) + ReLU, `fc3`
 /// Linear(64, 10) → logits (B, 10), f32. Parameters are named `fc1.weight`, `fc1.bias`, ….
+#[cfg(feature = "mnist")]
 pub fn mnist_mlp() -> Vec<UnitSpec> {
     vec![
         UnitSpec::new("flatten", |_vb| Ok(candle_nn::func(|x| x.flatten_from(1)))),

@@ -20,22 +20,20 @@ pub enum AccumMode {
 }
 
 /// The flags of the training loop, flattened into each example's own `Args`
-/// (`#[command(flatten)]`). `--epochs`, `--lr` and `--checkpoint-dir` have no default here: each
-/// example gives its own through [`parse`].
+/// (`#[command(flatten)]`). `--batch-size`, `--lr` and `--checkpoint-dir` have no default here:
+/// each example gives its own through [`parse`]. How long to train is the example's own flag
+/// (MNIST's `--epochs`, the GPT's `--max-steps`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
     /// Number of ranks: threads of this process (default 2). Under `mpirun` the job's process
     /// count is the world size, and a --world-size that disagrees with it is an error.
     #[arg(long)]
     pub world_size: Option<usize>,
-    /// Epochs to train (in total, counting resumed ones).
-    #[arg(long)]
-    pub epochs: u64,
     /// Seed of initialisation and shuffling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Batch size per rank.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long)]
     pub batch_size: usize,
     /// Learning rate.
     #[arg(long)]
@@ -51,7 +49,8 @@ pub struct TrainArgs {
     /// (--resume refuses a --checkpoint-dir holding several runs' checkpoints).
     #[arg(long, value_name = "PATH", conflicts_with = "resume")]
     pub resume_from: Option<PathBuf>,
-    /// Also save a checkpoint every N optimizer steps (0: only at the end of each epoch).
+    /// Also save a checkpoint every N optimizer steps (0: only at the end of each epoch, or of
+    /// the run).
     #[arg(long, default_value_t = 0)]
     pub save_every: u64,
     /// Complete checkpoints to keep (0 keeps all).
@@ -80,7 +79,7 @@ pub struct TrainArgs {
     /// timeline picture next to it (same name, .png and .svg), and print overlap figures.
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// Number of steps traced (after 8 warm-up steps of the first epoch trained).
+    /// Number of steps traced (after 8 warm-up steps of the first epoch, or of the run, trained).
     #[arg(long, default_value_t = 4)]
     pub trace_steps: usize,
     /// Collective timeout in seconds.
@@ -90,8 +89,8 @@ pub struct TrainArgs {
 
 /// An example's defaults for the flags of [`TrainArgs`] that have none.
 pub struct Defaults {
-    /// `--epochs`.
-    pub epochs: &'static str,
+    /// `--batch-size` (per rank).
+    pub batch_size: &'static str,
     /// `--lr`.
     pub lr: &'static str,
     /// Help line of `--lr` (say how the example schedules it; no final period, as clap's).
@@ -103,9 +102,17 @@ pub struct Defaults {
 /// Parses the command line into an example's `Args` (which flattens [`TrainArgs`]), with that
 /// example's [`Defaults`]; exits with clap's message on a parse error or for `--help`.
 pub fn parse<A: Parser>(defaults: &Defaults) -> A {
-    let mut command = A::command()
-        .mut_arg("epochs", |a| {
-            a.default_value(defaults.epochs).required(false)
+    let mut command = command::<A>(defaults);
+    let matches = command.get_matches_mut();
+    A::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit())
+}
+
+/// The command of an example's `Args` (which flattens [`TrainArgs`]) with that example's
+/// [`Defaults`].
+pub fn command<A: Parser>(defaults: &Defaults) -> clap::Command {
+    A::command()
+        .mut_arg("batch_size", |a| {
+            a.default_value(defaults.batch_size).required(false)
         })
         .mut_arg("lr", |a| {
             a.default_value(defaults.lr)
@@ -114,9 +121,7 @@ pub fn parse<A: Parser>(defaults: &Defaults) -> A {
         })
         .mut_arg("checkpoint_dir", |a| {
             a.default_value(defaults.checkpoint_dir).required(false)
-        });
-    let matches = command.get_matches_mut();
-    A::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit())
+        })
 }
 
 /// Ranks of a plain (thread) run without --world-size.

@@ -1,27 +1,34 @@
-//! What the MNIST examples share: the training loop, its command-line flags and the data.
+//! What the examples share: the training loop's pieces, its command-line flags and the MNIST
+//! data.
 //!
 //! An example supplies only what is its own: its model's units, its optimizer and learning-rate
 //! schedule, its evaluation, its banner and final line. Everything else lives here and uses the
 //! crate's public API only:
 //!
-//! - [`args`]: [`TrainArgs`], the flags every example takes (world size, epochs, seed, batch,
-//!   learning rate, strategy, precision, accumulation, clipping, prefetch, trace, checkpoints),
-//!   [`parse`] with per-example defaults, and [`setup`], which checks every flag and output path
-//!   before any work and splits the cores between the ranks;
-//! - [`train`](mod@train): [`Job`] (the example's part) and [`train()`], the loop every rank runs,
-//!   which returns rank 0's [`train::Outcome`]; [`print_checkpoint`], the last lines (the newest
+//! - [`args`]: [`TrainArgs`], the flags every example takes (world size, seed, batch, learning
+//!   rate, strategy, precision, accumulation, clipping, prefetch, trace, checkpoints), [`parse`]
+//!   with per-example defaults, and [`setup`], which checks every flag and output path before
+//!   any work and splits the cores between the ranks;
+//! - [`trainer`]: what any loop needs, [`trainer::Trainer`] (one rank's model, optimizer, grad
+//!   scaler, tracer and step, with resume, micro-batch, optimizer step, save and report),
+//!   [`trainer::run_job`] (ranks + trace) and [`print_checkpoint`], the last lines (the newest
 //!   checkpoint and the `fsdp-ckpt export` command for it);
+//! - [`train`](mod@train): the MNIST examples' epoch loop, [`Job`] (the example's part) and
+//!   [`train()`], which returns rank 0's [`train::Outcome`];
 //! - [`data`]: [`load_mnist`], MNIST as the loop and the evaluation want it.
 //!
-//! Each example includes this folder with `mod common;`.
+//! The MNIST examples include this folder with `mod common;`, the GPT example (a folder itself)
+//! with `#[path = "../common/mod.rs"]`.
 
 pub mod args;
 pub mod data;
 pub mod train;
+pub mod trainer;
 
 pub use args::{parse, setup, Defaults, TrainArgs};
 pub use data::load_mnist;
-pub use train::{print_checkpoint, train, Job};
+pub use train::{train, Job};
+pub use trainer::print_checkpoint;
 
 // Every step allocates and frees MB-sized buffers (gathered parameters, gradients); glibc's
 // malloc returns them to the kernel and pays page faults on each reuse, mimalloc keeps them

@@ -12,9 +12,9 @@
 //!
 //! Built with the cargo feature `mnist` (on by default), which brings flate2.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
+use super::gz::read_maybe_gz;
 use crate::error::{Error, Result};
 
 /// Magic number of an IDX file of unsigned bytes with 3 dimensions (images).
@@ -26,29 +26,6 @@ pub const NUM_CLASSES: usize = 10;
 
 const IMAGES_HEADER: usize = 16;
 const LABELS_HEADER: usize = 8;
-
-/// Reads a whole file, gunzipping it when it starts with the gzip magic bytes.
-fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
-    let raw = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    if raw.len() >= 2 && raw[0] == 0x1f && raw[1] == 0x8b {
-        let mut out = Vec::with_capacity(raw.len() * 4);
-        let mut dec = flate2::read::GzDecoder::new(raw.as_slice());
-        if let Err(e) = dec.read_to_end(&mut out) {
-            return Err(Error::file(
-                path,
-                format!(
-                    "gzip decompression failed after {} decompressed bytes \
-                     ({} compressed bytes in file): {e}",
-                    out.len(),
-                    raw.len()
-                ),
-            ));
-        }
-        Ok(out)
-    } else {
-        Ok(raw)
-    }
-}
 
 fn be_u32(bytes: &[u8], at: usize) -> u32 {
     u32::from_be_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])

@@ -1,5 +1,6 @@
-//! Data loading: a distributed sampler and a prefetching batch loader (runtime), and the MNIST
-//! IDX reader (cargo feature `mnist`).
+//! Data loading: a distributed sampler and a prefetching batch loader (runtime), the MNIST
+//! IDX reader (cargo feature `mnist`) and the byte-level text corpus of language models
+//! ([`text`], cargo feature `gpt`).
 //!
 //! The pieces compose the same way as PyTorch's `Dataset` / `DistributedSampler` / `DataLoader`:
 //!
@@ -12,10 +13,14 @@
 //! 3. A [`BatchLoader`] turns that index list into `(B, C, H, W)` image / `(B,)` label tensors,
 //!    assembling the next batches on a background thread.
 
+#[cfg(any(feature = "mnist", feature = "gpt"))]
+mod gz;
 pub mod loader;
 #[cfg(feature = "mnist")]
 pub mod mnist;
 pub mod sampler;
+#[cfg(feature = "gpt")]
+pub mod text;
 
 pub use loader::{Batch, BatchLoader, DEFAULT_PREFETCH_DEPTH};
 #[cfg(feature = "mnist")]

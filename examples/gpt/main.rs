@@ -1,0 +1,240 @@
+//! A GPT-2-style decoder trained on the works of Shakespeare, byte by byte, with FSDP
+//! (FULL_SHARD by default) over N ranks running as threads of this process (or one per process
+//! under `mpirun`).
+//!
+//! Token (256 bytes) and position embeddings → `--n-layer` pre-norm blocks (causal multi-head
+//! attention with `--n-head` heads, MLP 4× with GELU) → final LayerNorm → LM head, tied to the
+//! token embedding unless `--untied` (`candle_fsdp::models::gpt`). Units: the embeddings, each
+//! block, the norm and the head. AdamW (lr 3e-4, betas 0.9 / 0.95, weight decay 0.1 on the
+//! weight matrices only) with a linear warm-up and a cosine decay to `--min-lr-factor` · lr at
+//! `--max-steps`. Each rank trains on its own random windows of the first 95 % of
+//! `data/shakespeare/shakespeare.txt.gz` (`--seq-len` bytes, `--batch-size` per rank), drawn
+//! from `(seed, rank, step)`, so a resumed run sees the batches an uninterrupted one would.
+//!
+//! Rank 0 prints a loss line every `--log-interval` steps (mean over the ranks' micro-batches
+//! since the last line, learning rate, step time, tokens per second over all ranks), the
+//! validation loss on the last 5 % every `--eval-interval` steps and at the end, and a sample
+//! generated from `--prompt`. Checkpoints, resume, precision, accumulation, clipping, trace and
+//! strategy are the MNIST examples' flags (`examples/common/`). Every flag can also come from a
+//! TOML file (`--config FILE`, see `config.rs`); flags on the command line win.
+//!
+//! ```text
+//! cargo run --release --example gpt -- --world-size 2
+//! cargo run --release --example gpt -- --world-size 2 --n-layer 6 --d-model 512 --n-head 8 \
+//!     --seq-len 256 --batch-size 4 --untied --max-steps 20
+//! ```
+
+#[path = "../common/mod.rs"]
+#[allow(dead_code, unused_imports)] // the MNIST examples' data and epoch loop are not used here
+mod common;
+mod config;
+mod run;
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use candle_fsdp::data::text::{Split, TextCorpus, VOCAB_SIZE};
+use candle_fsdp::models::gpt::GptConfig;
+use clap::{FromArgMatches, Parser};
+
+/// Train a GPT-2-style decoder on Shakespeare (bytes as tokens) with FSDP over in-process ranks
+/// (or the processes of an `mpirun` job).
+#[derive(Debug, Parser)]
+#[command(version)]
+pub struct Args {
+    /// TOML file of flags (keys are the long flag names with `_`, e.g. `n_layer = 6`); flags on
+    /// the command line override it, and an unknown key is an error.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 4)]
+    pub n_layer: usize,
+    /// Attention heads per block (must divide --d-model).
+    #[arg(long, default_value_t = 4)]
+    pub n_head: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 128)]
+    pub d_model: usize,
+    /// Context length in bytes (training windows and the position table).
+    #[arg(long, default_value_t = 64)]
+    pub seq_len: usize,
+    /// Give the LM head its own weight instead of the token embedding's.
+    #[arg(long)]
+    pub untied: bool,
+    /// Optimizer steps to train (in total, counting resumed ones).
+    #[arg(long, default_value_t = 300)]
+    pub max_steps: u64,
+    /// Linear warm-up steps of the learning rate (then a cosine decay to --max-steps).
+    #[arg(long, default_value_t = 30)]
+    pub warmup_steps: u64,
+    /// Learning rate at --max-steps, as a fraction of --lr.
+    #[arg(long, default_value_t = 0.1)]
+    pub min_lr_factor: f64,
+    /// AdamW weight decay of the weight matrices and embeddings (biases and norms get none).
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    /// AdamW beta1.
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f64,
+    /// AdamW beta2.
+    #[arg(long, default_value_t = 0.95)]
+    pub beta2: f64,
+    /// Steps between loss lines.
+    #[arg(long, default_value_t = 10)]
+    pub log_interval: u64,
+    /// Steps between validation losses (0: only at the end).
+    #[arg(long, default_value_t = 100)]
+    pub eval_interval: u64,
+    /// Validation batches per rank (the same windows at every evaluation).
+    #[arg(long, default_value_t = 8)]
+    pub eval_batches: u64,
+    /// Bytes to generate at the end (0: no sample).
+    #[arg(long, default_value_t = 300)]
+    pub sample_len: usize,
+    /// Sampling temperature of the generated sample.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Text the sample continues.
+    #[arg(long, default_value = "ROMEO:")]
+    pub prompt: String,
+    /// The corpus: a text file, plain or gzipped (the last 5 % is the validation split).
+    #[arg(long, default_value = "data/shakespeare/shakespeare.txt.gz")]
+    pub data: PathBuf,
+    /// Memory budget of one rank in bytes, to be checked by the runtime (accepted, not checked
+    /// yet).
+    #[arg(long, value_name = "BYTES")]
+    pub max_memory_per_rank: Option<u64>,
+    #[command(flatten)]
+    pub train: common::TrainArgs,
+}
+
+impl Args {
+    /// The model's shape.
+    pub fn gpt_config(&self) -> GptConfig {
+        GptConfig {
+            vocab_size: VOCAB_SIZE,
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            d_model: self.d_model,
+            seq_len: self.seq_len,
+            tied: !self.untied,
+            ..GptConfig::default()
+        }
+    }
+
+    /// The GPT's own flag checks (the loop's are `common::setup`'s).
+    fn validate(&self) -> anyhow::Result<()> {
+        self.gpt_config()
+            .validate()
+            .context("--n-layer / --n-head / --d-model / --seq-len")?;
+        anyhow::ensure!(self.log_interval >= 1, "--log-interval must be at least 1");
+        anyhow::ensure!(self.eval_batches >= 1, "--eval-batches must be at least 1");
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.min_lr_factor),
+            "--min-lr-factor must be in [0, 1], found {}",
+            self.min_lr_factor
+        );
+        anyhow::ensure!(
+            self.weight_decay.is_finite() && self.weight_decay >= 0.0,
+            "--weight-decay must be a finite number >= 0, found {}",
+            self.weight_decay
+        );
+        for (flag, b) in [("--beta1", self.beta1), ("--beta2", self.beta2)] {
+            anyhow::ensure!(
+                (0.0..1.0).contains(&b),
+                "{flag} must be in [0, 1), found {b}"
+            );
+        }
+        anyhow::ensure!(
+            self.temperature.is_finite() && self.temperature > 0.0,
+            "--temperature must be a positive finite number, found {}",
+            self.temperature
+        );
+        anyhow::ensure!(
+            !self.prompt.is_empty() || self.sample_len == 0,
+            "--prompt must not be empty (the sample continues it)"
+        );
+        Ok(())
+    }
+}
+
+/// Parses the command line (and the `--config` file it names).
+fn parse() -> anyhow::Result<Args> {
+    let mut command = common::args::command::<Args>(&common::Defaults {
+        batch_size: "8",
+        lr: "3e-4",
+        lr_help: "Peak learning rate (linear warm-up, then cosine decay to --min-lr-factor · lr)",
+        checkpoint_dir: "checkpoints/gpt",
+    });
+    let matches = match config::parse_with_config(&mut command, std::env::args_os().collect()) {
+        Ok(m) => m,
+        // The command line's own errors, --help and --version: clap's message and exit code.
+        Err(e) => match e.downcast::<clap::Error>() {
+            Ok(clap_error) => clap_error.format(&mut command).exit(),
+            Err(e) => return Err(e),
+        },
+    };
+    Ok(Args::from_arg_matches(&matches)?)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = parse()?;
+    args.validate()?;
+    let train = &args.train;
+    let setup = common::setup(train)?;
+    let corpus = TextCorpus::load(&args.data)
+        .with_context(|| format!("loading the corpus {}", args.data.display()))?;
+    corpus.check_seq_len(Split::Train, args.seq_len)?;
+    corpus.check_seq_len(Split::Val, args.seq_len)?;
+    let cfg = args.gpt_config();
+    if setup.prints() {
+        println!(
+            "GPT: {} layers, d {}, {} heads, context {}, {}, {:.2} M parameters; {}: {} train / {} \
+             validation bytes; world size {} ({}), batch {} × {} tokens per rank, {:?}, {} \
+             compute thread(s) per rank",
+            cfg.n_layer,
+            cfg.d_model,
+            cfg.n_head,
+            cfg.seq_len,
+            if cfg.tied { "tied" } else { "untied" },
+            cfg.num_params() as f64 / 1e6,
+            args.data.display(),
+            corpus.split(Split::Train).len(),
+            corpus.split(Split::Val).len(),
+            setup.launcher.world_size(),
+            setup.launcher.backend(),
+            train.batch_size,
+            cfg.seq_len,
+            train.strategy,
+            setup.intra_op
+        );
+        if let Some(b) = args.max_memory_per_rank {
+            println!("note: --max-memory-per-rank {b} is accepted but not checked yet");
+        }
+    }
+    let outcome = run::train(&args, cfg, &corpus, &setup.launcher)?;
+    let Some(outcome) = outcome else {
+        // Not rank 0's process (mpirun): rank 0 reports.
+        return Ok(());
+    };
+    if outcome.steps_trained == 0 {
+        println!(
+            "nothing to train: --max-steps {} {}",
+            args.max_steps,
+            if args.max_steps == 0 {
+                "asks for none"
+            } else {
+                "is already covered by the checkpoint"
+            }
+        );
+    }
+    if let Some(sample) = &outcome.sample {
+        println!(
+            "sample ({} bytes after {:?}):",
+            args.sample_len, args.prompt
+        );
+        println!("{sample}");
+    }
+    common::print_checkpoint(train)?;
+    Ok(())
+}
