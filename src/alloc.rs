@@ -2,26 +2,27 @@
 //! process) and the process's peak resident set size.
 //!
 //! A binary opts in to the counter with
-//! `#[global_allocator] static A: candle_fsdp::alloc::Counting = candle_fsdp::alloc::Counting;`
-//! (it forwards to the system allocator). Without it, [`live_bytes`] and [`peak_bytes`] stay 0
+//! `#[global_allocator] static A: candle_fsdp::alloc::Counting = candle_fsdp::alloc::Counting(std::alloc::System);`
+//! (it forwards to the allocator it wraps, e.g. `Counting(mimalloc::MiMalloc)`). Without it, [`live_bytes`] and [`peak_bytes`] stay 0
 //! and [`is_counting`] is false. The GPT example measures its activation estimate with it
 //! ([`crate::fsdp::MemoryBudget`]).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 
-/// A global allocator that forwards to [`System`] and counts live and peak bytes.
-pub struct Counting;
+/// A global allocator that forwards to the allocator it wraps (the system's by default) and
+/// counts live and peak bytes.
+pub struct Counting<A = System>(pub A);
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 static PEAK: AtomicIsize = AtomicIsize::new(0);
 static USED: AtomicBool = AtomicBool::new(false);
 
 // SAFETY: every call is forwarded unchanged to the system allocator; the counters are atomics.
-unsafe impl GlobalAlloc for Counting {
+unsafe impl<A: GlobalAlloc> GlobalAlloc for Counting<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: forwarded unchanged.
-        let p = unsafe { System.alloc(layout) };
+        let p = unsafe { self.0.alloc(layout) };
         if !p.is_null() {
             let size = layout.size() as isize;
             let now = LIVE.fetch_add(size, Ordering::Relaxed) + size;
@@ -33,7 +34,7 @@ unsafe impl GlobalAlloc for Counting {
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: `ptr` came from `alloc` with this `layout`.
-        unsafe { System.dealloc(ptr, layout) };
+        unsafe { self.0.dealloc(ptr, layout) };
         LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
     }
 }

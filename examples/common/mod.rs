@@ -33,5 +33,8 @@ pub use trainer::print_checkpoint;
 // Every step allocates and frees MB-sized buffers (gathered parameters, gradients); glibc's
 // malloc returns them to the kernel and pays page faults on each reuse, mimalloc keeps them
 // (design/architecture.md, decision 10).
+// Counted, so that the GPT example can measure its activation estimate
+// (`candle_fsdp::alloc`).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: candle_fsdp::alloc::Counting<mimalloc::MiMalloc> =
+    candle_fsdp::alloc::Counting(mimalloc::MiMalloc);

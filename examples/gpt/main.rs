@@ -100,8 +100,9 @@ pub struct Args {
     /// The corpus: a text file, plain or gzipped (the last 5 % is the validation split).
     #[arg(long, default_value = "data/shakespeare/shakespeare.txt.gz")]
     pub data: PathBuf,
-    /// Memory budget of one rank in bytes, to be checked by the runtime (accepted, not checked
-    /// yet).
+    /// Memory budget of one rank in bytes: the runtime checks its plan (sharded state, units in
+    /// flight, and the activations measured on a small probe before training) against it and
+    /// fails at once, with the numbers, when the configuration cannot fit.
     #[arg(long, value_name = "BYTES")]
     pub max_memory_per_rank: Option<u64>,
     #[command(flatten)]
@@ -208,11 +209,37 @@ fn main() -> anyhow::Result<()> {
             train.strategy,
             setup.intra_op
         );
-        if let Some(b) = args.max_memory_per_rank {
-            println!("note: --max-memory-per-rank {b} is accepted but not checked yet");
-        }
     }
-    let outcome = run::train(&args, cfg, &corpus, &setup.launcher)?;
+    let budget = match args.max_memory_per_rank {
+        Some(max) => {
+            let activation_bytes = run::measure_activation_bytes(&cfg, train.batch_size)?;
+            if setup.prints() {
+                println!(
+                    "memory budget {max} B per rank; measured activation estimate \
+                     {activation_bytes} B per rank"
+                );
+            }
+            Some(candle_fsdp::MemoryBudget {
+                max_bytes_per_rank: usize::try_from(max).unwrap_or(usize::MAX),
+                optimizer_bytes_per_element: 8,
+                activation_bytes,
+            })
+        }
+        None => None,
+    };
+    let outcome = run::train(&args, cfg, &corpus, &setup.launcher, budget);
+    // Every process reports its own peak (under mpirun: one line per rank).
+    if let Some(rss) = candle_fsdp::alloc::peak_rss_bytes() {
+        let ranks = setup.launcher.local_ranks();
+        println!(
+            "ranks {}..{} of this process: peak RSS {} B ({:.1} MiB)",
+            ranks.start,
+            ranks.end,
+            rss,
+            rss as f64 / (1 << 20) as f64
+        );
+    }
+    let outcome = outcome?;
     let Some(outcome) = outcome else {
         // Not rank 0's process (mpirun): rank 0 reports.
         return Ok(());

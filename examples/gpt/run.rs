@@ -19,7 +19,7 @@ use candle_fsdp::launch::Launcher;
 use candle_fsdp::lr_scheduler::LrSchedule;
 use candle_fsdp::models::gpt::{lm_loss, FsdpGpt, GptConfig};
 use candle_fsdp::trace::{Span, TraceSession};
-use candle_fsdp::{AdamW, AdamWConfig, ParamGroup, Result};
+use candle_fsdp::{AdamW, AdamWConfig, MemoryBudget, ParamGroup, Result};
 use rand::{Rng, SeedableRng};
 
 use super::common::trainer::{run_job, Trainer, TRACE_WARMUP_STEPS};
@@ -40,10 +40,45 @@ pub fn train(
     cfg: GptConfig,
     corpus: &TextCorpus,
     launcher: &Launcher,
+    budget: Option<MemoryBudget>,
 ) -> anyhow::Result<Option<Outcome>> {
     run_job(&args.train, launcher, |pg, session| {
-        LmRank::new(args, cfg, corpus, pg, session)?.run()
+        LmRank::new(args, cfg, corpus, pg, session, budget)?.run()
     })
+}
+
+/// Activations one training step keeps per rank, measured on plain-Candle probes under the
+/// counting allocator (`candle_fsdp::alloc`): a 1-layer and a 2-layer GPT of this shape run a
+/// forward and the loss at the per-rank batch, in f32; the bytes still held by their graphs
+/// give one block's activations (the difference) and the rest (embeddings, final norm, logits).
+/// Estimate: `rest + n_layer · block` bytes.
+///
+/// Errors: the counting allocator is not installed; Candle's.
+pub fn measure_activation_bytes(cfg: &GptConfig, batch: usize) -> anyhow::Result<usize> {
+    use candle_fsdp::alloc;
+    use candle_fsdp::models::gpt::Gpt;
+    anyhow::ensure!(
+        alloc::is_counting(),
+        "the activation probe needs candle_fsdp::alloc::Counting as the global allocator"
+    );
+    let held = |layers: usize| -> anyhow::Result<usize> {
+        let probe = GptConfig {
+            n_layer: layers,
+            ..cfg.clone()
+        };
+        let varmap = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let gpt = Gpt::new(probe, vb)?;
+        let ids = Tensor::zeros((batch, cfg.seq_len), DType::U32, &Device::Cpu)?;
+        let before = alloc::live_bytes();
+        let loss = lm_loss(&gpt.forward(&ids)?, &ids)?;
+        let after = alloc::live_bytes();
+        drop(loss);
+        Ok(after.saturating_sub(before))
+    };
+    let (one, two) = (held(1)?, held(2)?);
+    let block = two.saturating_sub(one);
+    Ok(one.saturating_sub(block) + cfg.n_layer * block)
 }
 
 /// AdamW of the flags, with no weight decay on biases and LayerNorm weights.
@@ -82,6 +117,7 @@ impl<'a> LmRank<'a> {
         corpus: &'a TextCorpus,
         pg: std::sync::Arc<dyn candle_fsdp::comm::ProcessGroup>,
         session: &TraceSession,
+        budget: Option<MemoryBudget>,
     ) -> Result<Self> {
         let gpt = FsdpGpt::new(cfg)?;
         let device = pg.device().clone();
@@ -89,9 +125,19 @@ impl<'a> LmRank<'a> {
             &args.train,
             pg,
             session,
-            |b| gpt.add_units(b),
+            |b| {
+                let b = gpt.add_units(b);
+                match budget {
+                    Some(budget) => b.memory_budget(budget),
+                    None => b,
+                }
+            },
             optimizer(args),
         )?;
+        if t.pg.rank() == 0 {
+            let activations = budget.map_or(0, |b| b.activation_bytes);
+            println!("memory plan: {}", t.model.memory_plan(8, activations));
+        }
         Ok(Self {
             args,
             gpt,

@@ -263,6 +263,13 @@ impl FsdpModelBuilder {
         self
     }
 
+    /// Sets [`FsdpConfig::memory_budget`]: [`FsdpModelBuilder::build`] then fails before any
+    /// shard is allocated when the model's plan exceeds it.
+    pub fn memory_budget(mut self, budget: super::MemoryBudget) -> Self {
+        self.config.memory_budget = Some(budget);
+        self
+    }
+
     /// Records every unit, lays out and initialises its shard, one group at a time (the peak is
     /// one unit's largest parameter, never the model).
     ///
