@@ -1,10 +1,16 @@
-//! The fused causal softmax of `candle_fsdp::nn`: values and input gradients equal the composed
-//! reference (`candle_nn::ops::softmax` of `scale · s` plus a −∞ mask above the diagonal) for
-//! f32, bf16, f16 and f64, rank-3 and rank-4 inputs and non-contiguous inputs; entries above the
-//! diagonal are exactly 0 and get exactly 0 gradient.
+//! The fused ops of attention blocks in `candle_fsdp::nn`.
+//!
+//! - `causal_softmax`: values and input gradients equal the composed reference
+//!   (`candle_nn::ops::softmax` of `scale · s` plus a −∞ mask above the diagonal) for f32, bf16,
+//!   f16 and f64, rank-3 and rank-4 inputs and non-contiguous inputs; entries above the diagonal
+//!   are exactly 0 and get exactly 0 gradient.
+//! - `linear_forward`: values and gradients of input, weight and bias equal `candle_nn::Linear`'s,
+//!   with and without a bias, rank 2 to 4, f32 (the kernel) and f64 (candle-nn's path);
+//!   strided input and weight.
 
+use candle_core::Module;
 use candle_core::{DType, Device, Tensor, Var, D};
-use candle_fsdp::nn::{causal_softmax, causal_softmax_composed};
+use candle_fsdp::nn::{causal_softmax, causal_softmax_composed, linear_forward};
 use rand::{Rng, SeedableRng};
 
 const SCALE: f64 = 0.35;
@@ -161,4 +167,109 @@ fn bad_shapes_are_errors() {
     assert!(e.contains("(…, T, T)"), "{e}");
     assert!(causal_softmax(&random(7, &[5], 1.0), 1.0).is_err());
     assert!(causal_softmax_composed(&x, 1.0).is_err());
+}
+
+/// Output and gradients of `(x, w, b)` of `f` for the loss `Σ y · r`.
+fn linear_run(
+    f: &dyn Fn(&Tensor, &Tensor, Option<&Tensor>) -> Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    dtype: DType,
+) -> Vec<Vec<f64>> {
+    let to = |t: &Tensor| Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap();
+    let (xv, wv, bv) = (to(x), to(w), b.map(to));
+    let y = f(
+        xv.as_tensor(),
+        wv.as_tensor(),
+        bv.as_ref().map(|b| b.as_tensor()),
+    );
+    assert_eq!(y.dtype(), dtype);
+    let r = random(77, y.dims(), 1.0).to_dtype(dtype).unwrap();
+    let grads = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut out = vec![values(&y), values(grads.get(xv.as_tensor()).unwrap())];
+    out.push(values(grads.get(wv.as_tensor()).unwrap()));
+    if let Some(b) = &bv {
+        out.push(values(grads.get(b.as_tensor()).unwrap()));
+    }
+    out
+}
+
+#[test]
+fn linear_forward_matches_candle_nn_linear() {
+    let reference = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| {
+        candle_nn::Linear::new(w.clone(), b.cloned())
+            .forward(x)
+            .unwrap()
+    };
+    let fused = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| linear_forward(x, w, b).unwrap();
+    let (inp, out) = (7, 5);
+    for shape in [&[6usize, inp][..], &[2, 3, inp], &[2, 2, 3, inp]] {
+        for with_bias in [true, false] {
+            for dtype in [DType::F32, DType::F64] {
+                let x = random(10, shape, 2.0);
+                let w = random(11, &[out, inp], 1.0);
+                let b = random(12, &[out], 1.0);
+                let b = with_bias.then_some(&b);
+                let r = linear_run(&reference, &x, &w, b, dtype);
+                let f = linear_run(&fused, &x, &w, b, dtype);
+                assert_eq!(r.len(), f.len());
+                for (i, (r, f)) in r.iter().zip(&f).enumerate() {
+                    let e = max_abs_diff(f, r);
+                    assert!(
+                        e < 1e-5,
+                        "{shape:?} bias {with_bias} {dtype:?} part {i}: {e:e}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn linear_forward_takes_strided_input_and_weight() {
+    // x (2, 3, 7) as a transpose, the weight as the transpose of an (in, out) tensor.
+    let x = random(13, &[2, 7, 3], 2.0).transpose(1, 2).unwrap();
+    let w = random(14, &[7, 5], 1.0).t().unwrap();
+    let b = random(15, &[5], 1.0);
+    assert!(!x.is_contiguous() && !w.is_contiguous());
+    let (xv, wv, bv) = (
+        Var::from_tensor(&random(13, &[2, 7, 3], 2.0)).unwrap(),
+        Var::from_tensor(&random(14, &[7, 5], 1.0)).unwrap(),
+        Var::from_tensor(&b).unwrap(),
+    );
+    let views = |xv: &Var, wv: &Var| {
+        (
+            xv.as_tensor().transpose(1, 2).unwrap(),
+            wv.as_tensor().t().unwrap(),
+        )
+    };
+    let (xs, ws) = views(&xv, &wv);
+    let y = linear_forward(&xs, &ws, Some(bv.as_tensor())).unwrap();
+    let yr = candle_nn::Linear::new(w.contiguous().unwrap(), Some(b.clone()))
+        .forward(&x.contiguous().unwrap())
+        .unwrap();
+    assert!(max_abs_diff(&values(&y), &values(&yr)) < 1e-5);
+    assert_eq!(y.dims(), &[2, 3, 5]);
+    let grads = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    // d/dx Σ y² = 2 y · W, through the transpose.
+    let dx = grads.get(xv.as_tensor()).unwrap();
+    let want = (yr * 2.0)
+        .unwrap()
+        .matmul(&w.contiguous().unwrap().broadcast_left(2).unwrap())
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap();
+    assert!(max_abs_diff(&values(dx), &values(&want)) < 1e-4);
+    assert_eq!(grads.get(wv.as_tensor()).unwrap().dims(), &[7, 5]);
+}
+
+#[test]
+fn linear_forward_rejects_mismatched_shapes() {
+    let x = random(16, &[2, 7], 1.0);
+    let w = random(17, &[5, 6], 1.0);
+    assert!(linear_forward(&x, &w, None).is_err());
+    let w = random(17, &[5, 7], 1.0);
+    let b = random(18, &[4], 1.0);
+    assert!(linear_forward(&x, &w, Some(&b)).is_err());
 }

@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder};
-use crate::nn::{causal_softmax, layer_norm, LayerNorm};
+use crate::nn::{causal_softmax, layer_norm, linear_forward, LayerNorm};
 use crate::unit::UnitSpec;
 
 /// Standard deviation of GPT-2's weight initialisation.
@@ -179,6 +179,12 @@ fn linear(
     Ok(Linear::new(w, b))
 }
 
+/// `l` applied to `x` `(…, in)` → `(…, out)` as [`linear_forward`]: one graph node, the
+/// weight gradient one gemm over all rows.
+fn apply(l: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
+    linear_forward(x, l.weight(), l.bias())
+}
+
 /// An embedding table `(rows, d)` named `weight`, N(0, 0.02).
 fn embedding(rows: usize, d: usize, vb: VarBuilder) -> candle_core::Result<Embedding> {
     let w = vb.get_with_hints(
@@ -244,9 +250,7 @@ impl Module for CausalSelfAttention {
         let (b, t, d) = x.dims3()?;
         let (h, hd) = (self.n_head, d / self.n_head);
         // (B, T, 3d) → 3 × (B, h, T, hd)
-        let qkv = self
-            .qkv
-            .forward(x)?
+        let qkv = apply(&self.qkv, x)?
             .reshape((b, t, 3, h, hd))?
             .permute((2, 0, 3, 1, 4))?;
         let q = qkv.get(0)?.contiguous()?;
@@ -258,7 +262,7 @@ impl Module for CausalSelfAttention {
             .matmul(&v)? // (B, h, T, hd)
             .transpose(1, 2)?
             .reshape((b, t, d))?;
-        self.proj.forward(&y)
+        apply(&self.proj, &y)
     }
 }
 
@@ -285,7 +289,7 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.proj.forward(&gelu(&self.fc.forward(x)?)?)
+        apply(&self.proj, &gelu(&apply(&self.fc, x)?)?)
     }
 }
 
