@@ -11,7 +11,7 @@
 //! ```
 //!
 //! Every parameter and activation is f32 unless a mixed-precision policy gathers parameters in
-//! another dtype (the blocks then compute in it; the attention mask follows the scores' dtype).
+//! another dtype (the blocks then compute in it).
 //! Token ids are u32 in `[0, V)`.
 //!
 //! **Units** ([`FsdpGpt`]): the token embedding (unit `emb` of group `wte`), the position
@@ -31,14 +31,14 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Module, Shape, Tensor, D,
+    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Module, Shape, Tensor,
 };
 use candle_nn::{Embedding, Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder};
-use crate::nn::{layer_norm, LayerNorm};
+use crate::nn::{causal_softmax, layer_norm, linear_forward, LayerNorm};
 use crate::unit::UnitSpec;
 
 /// Standard deviation of GPT-2's weight initialisation.
@@ -56,7 +56,7 @@ pub struct GptConfig {
     pub n_head: usize,
     /// Model width `d`.
     pub d_model: usize,
-    /// Longest context `T_max`: rows of the position table and of the causal mask.
+    /// Longest context `T_max`: rows of the position table.
     pub seq_len: usize,
     /// The LM head multiplies by the token embedding's weight (GPT-2) instead of its own.
     pub tied: bool,
@@ -145,7 +145,8 @@ impl GptConfig {
 }
 
 /// The causal mask of `seq_len` positions: `(seq_len, seq_len)` f32, 0 where a query may see a
-/// key (key ≤ query), −∞ above the diagonal. Added to attention scores before the softmax.
+/// key (key ≤ query), −∞ above the diagonal. The attention applies it inside
+/// [`causal_softmax`]; this is the mask for code that adds it to scores itself.
 pub fn causal_mask(seq_len: usize, device: &Device) -> candle_core::Result<Tensor> {
     let values: Vec<f32> = (0..seq_len)
         .flat_map(|q| (0..seq_len).map(move |k| if k <= q { 0.0 } else { f32::NEG_INFINITY }))
@@ -176,6 +177,12 @@ fn linear(
         None
     };
     Ok(Linear::new(w, b))
+}
+
+/// `l` applied to `x` `(…, in)` → `(…, out)` as [`linear_forward`]: one graph node, the
+/// weight gradient one gemm over all rows.
+fn apply(l: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
+    linear_forward(x, l.weight(), l.bias())
 }
 
 /// An embedding table `(rows, d)` named `weight`, N(0, 0.02).
@@ -214,28 +221,26 @@ pub fn lm_head(cfg: &GptConfig, vb: VarBuilder) -> candle_core::Result<Linear> {
     linear(cfg.d_model, cfg.vocab_size, INIT_STD, false, vb)
 }
 
-/// Causal multi-head self-attention: `(B, T, d)` → `(B, T, d)`, T ≤ the mask's size.
+/// Causal multi-head self-attention: `(B, T, d)` → `(B, T, d)`, T ≤ `seq_len`.
 /// Parameters `qkv.weight` `(3d, d)`, `qkv.bias` `(3d,)` (queries, keys, values, each `d`
-/// wide, head-major), `proj.weight` `(d, d)`, `proj.bias` `(d,)`.
+/// wide, head-major), `proj.weight` `(d, d)`, `proj.bias` `(d,)`. The scores of each head are
+/// `q·kᵀ / √(d/h)`, normalised by [`causal_softmax`] (query `i` sees keys `j ≤ i`).
 #[derive(Debug, Clone)]
 pub struct CausalSelfAttention {
     qkv: Linear,
     proj: Linear,
     n_head: usize,
-    /// `(T_max, T_max)`, see [`causal_mask`].
-    mask: Tensor,
 }
 
 impl CausalSelfAttention {
-    /// Builds the layer; `mask` is [`causal_mask`]`(cfg.seq_len)` (shared, not a parameter).
-    pub fn new(cfg: &GptConfig, mask: Tensor, vb: VarBuilder) -> candle_core::Result<Self> {
+    /// Builds the layer.
+    pub fn new(cfg: &GptConfig, vb: VarBuilder) -> candle_core::Result<Self> {
         let d = cfg.d_model;
         let residual_std = INIT_STD / (2.0 * cfg.n_layer as f64).sqrt();
         Ok(Self {
             qkv: linear(d, 3 * d, INIT_STD, true, vb.pp("qkv"))?,
             proj: linear(d, d, residual_std, true, vb.pp("proj"))?,
             n_head: cfg.n_head,
-            mask,
         })
     }
 }
@@ -245,26 +250,19 @@ impl Module for CausalSelfAttention {
         let (b, t, d) = x.dims3()?;
         let (h, hd) = (self.n_head, d / self.n_head);
         // (B, T, 3d) → 3 × (B, h, T, hd)
-        let qkv = self
-            .qkv
-            .forward(x)?
+        let qkv = apply(&self.qkv, x)?
             .reshape((b, t, 3, h, hd))?
             .permute((2, 0, 3, 1, 4))?;
         let q = qkv.get(0)?.contiguous()?;
         let k = qkv.get(1)?.contiguous()?;
         let v = qkv.get(2)?.contiguous()?;
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?; // (B, h, T, T)
-        let mut mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
-        if mask.dtype() != scores.dtype() {
-            mask = mask.to_dtype(scores.dtype())?;
-        }
-        // candle-nn's fused softmax_last_dim has no backward; this one is differentiable.
-        let att = candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?;
+        let scores = q.matmul(&k.t()?)?; // (B, h, T, T)
+        let att = causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
         let y = att
             .matmul(&v)? // (B, h, T, hd)
             .transpose(1, 2)?
             .reshape((b, t, d))?;
-        self.proj.forward(&y)
+        apply(&self.proj, &y)
     }
 }
 
@@ -291,7 +289,7 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.proj.forward(&gelu(&self.fc.forward(x)?)?)
+        apply(&self.proj, &gelu(&apply(&self.fc, x)?)?)
     }
 }
 
@@ -306,13 +304,12 @@ pub struct Block {
 }
 
 impl Block {
-    /// Builds the block (parameters `ln1.*`, `attn.*`, `ln2.*`, `mlp.*` under `vb`); `mask` is
-    /// [`causal_mask`]`(cfg.seq_len)`, made once and shared by every block and every binding.
-    pub fn new(cfg: &GptConfig, mask: Tensor, vb: VarBuilder) -> candle_core::Result<Self> {
+    /// Builds the block (parameters `ln1.*`, `attn.*`, `ln2.*`, `mlp.*` under `vb`).
+    pub fn new(cfg: &GptConfig, vb: VarBuilder) -> candle_core::Result<Self> {
         let d = cfg.d_model;
         Ok(Self {
             ln1: layer_norm(d, cfg.layer_norm_eps, vb.pp("ln1"))?,
-            attn: CausalSelfAttention::new(cfg, mask, vb.pp("attn"))?,
+            attn: CausalSelfAttention::new(cfg, vb.pp("attn"))?,
             ln2: layer_norm(d, cfg.layer_norm_eps, vb.pp("ln2"))?,
             mlp: Mlp::new(cfg, vb.pp("mlp"))?,
         })
@@ -355,7 +352,6 @@ impl Gpt {
     /// Errors: an invalid `cfg` ([`GptConfig::validate`]), the `VarBuilder`'s own.
     pub fn new(cfg: GptConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
-        let mask = causal_mask(cfg.seq_len, vb.device())?;
         let head_vb = if cfg.tied {
             vb.pp("wte")
         } else {
@@ -365,7 +361,7 @@ impl Gpt {
             wte: token_embedding(&cfg, vb.pp("wte"))?,
             wpe: position_embedding(&cfg, vb.pp("wpe"))?,
             blocks: (0..cfg.n_layer)
-                .map(|i| Block::new(&cfg, mask.clone(), vb.pp(block_name(i))))
+                .map(|i| Block::new(&cfg, vb.pp(block_name(i))))
                 .collect::<candle_core::Result<_>>()?,
             lnf: final_norm(&cfg, vb.pp("lnf"))?,
             head: lm_head(&cfg, head_vb)?,
@@ -424,9 +420,6 @@ impl Gpt {
 #[derive(Debug, Clone)]
 pub struct FsdpGpt {
     cfg: GptConfig,
-    /// [`causal_mask`] on the CPU, made once and shared by every block's bindings (moved to
-    /// the model's device by each binding; a no-op on the CPU).
-    mask: Tensor,
 }
 
 impl FsdpGpt {
@@ -435,10 +428,7 @@ impl FsdpGpt {
     /// Errors: an invalid `cfg` ([`GptConfig::validate`]).
     pub fn new(cfg: GptConfig) -> Result<Self> {
         cfg.validate()?;
-        Ok(Self {
-            cfg,
-            mask: causal_mask(cfg.seq_len, &Device::Cpu)?,
-        })
+        Ok(Self { cfg })
     }
 
     /// The shape.
@@ -464,10 +454,7 @@ impl FsdpGpt {
         };
         b = b.unit_spec(UnitSpec::new("wpe", move |vb| position_embedding(&cfg, vb)));
         for i in 0..cfg.n_layer {
-            let mask = self.mask.clone();
-            b = b.unit_spec(UnitSpec::new(block_name(i), move |vb| {
-                Block::new(&cfg, mask.to_device(vb.device())?, vb)
-            }));
+            b = b.unit_spec(UnitSpec::new(block_name(i), move |vb| Block::new(&cfg, vb)));
         }
         b = b.unit_spec(UnitSpec::new("lnf", move |vb| final_norm(&cfg, vb)));
         if cfg.tied {
