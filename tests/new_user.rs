@@ -1022,14 +1022,13 @@ fn p5_direct_loss_backward_is_an_error_and_the_step_still_works() {
         let loss = model.forward_with(|f| p(&mut |n, xs| f.call(n, xs), &b, 0))?;
         let e = loss
             .backward()
-            .err()
-            .expect("loss.backward() must fail")
+            .expect_err("loss.backward() must fail")
             .to_string();
         assert!(e.contains("FsdpModel::backward(&loss)"), "{e}");
         // The user fixes the call: the same step still back-propagates correctly.
         model.backward(&loss)?;
         opt.step(&mut model)?;
-        Ok(full_params(&model)?)
+        full_params(&model)
     })
     .unwrap()
     .remove(0);
@@ -1241,7 +1240,7 @@ fn p5_candle_nn_layer_norm_as_own_unit_is_an_error_naming_it() {
         let b = batches(4, 1).remove(0);
         train_step(&c, &mut model, opt.as_mut(), &b, 0)
     });
-    let e = got[0].as_ref().err().expect("must fail").to_string();
+    let e = got[0].as_ref().expect_err("must fail").to_string();
     assert!(
         e.contains("unit ln_f") && e.contains("candle_fsdp::nn::layer_norm"),
         "{e}"
@@ -1267,8 +1266,8 @@ fn p6_checkpoint_ws2_to_ws3_continue_matches_uninterrupted() {
         let mut model = builder(&c1, pg.clone()).build()?;
         let mut opt = make_opt(false);
         let mut losses = Vec::new();
-        for s in 0..2 {
-            losses.push(train_step(&c1, &mut model, opt.as_mut(), &d1[s], s)?);
+        for (s, batch) in d1.iter().enumerate().take(2) {
+            losses.push(train_step(&c1, &mut model, opt.as_mut(), batch, s)?);
         }
         let state = TrainState {
             step: 2,
@@ -1285,8 +1284,8 @@ fn p6_checkpoint_ws2_to_ws3_continue_matches_uninterrupted() {
         let mut opt = make_opt(false);
         load_sharded(&path, &mut model, opt.as_mut())?;
         let mut losses = Vec::new();
-        for s in 2..4 {
-            losses.push(train_step(&c2, &mut model, opt.as_mut(), &data[s], s)?);
+        for (s, batch) in data.iter().enumerate().take(4).skip(2) {
+            losses.push(train_step(&c2, &mut model, opt.as_mut(), batch, s)?);
         }
         Ok((losses, full_params(&model)?))
     })

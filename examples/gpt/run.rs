@@ -64,7 +64,7 @@ pub fn measure_activation_bytes(cfg: &GptConfig, batch: usize) -> anyhow::Result
     let held = |layers: usize| -> anyhow::Result<usize> {
         let probe = GptConfig {
             n_layer: layers,
-            ..cfg.clone()
+            ..*cfg
         };
         let varmap = candle_nn::VarMap::new();
         let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
