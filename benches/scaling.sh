@@ -6,6 +6,8 @@
 #   cargo build --release --features mpi --examples
 #   bash benches/scaling.sh step      # MNIST MLP and GPT (bench config) at world sizes 1, 2, 4
 #   bash benches/scaling.sh memory    # 152 M-parameter GPT at world sizes 1, 2, 4, 8
+#   BATCH=4 SEQ=256 WS="1 2" bash benches/scaling.sh memory   # PyTorch reference's batch shape
+#   EXTRA=--activation-checkpointing BATCH=4 SEQ=256 WS="1 2" bash benches/scaling.sh memory
 #
 # Step times are the mean of the steps after the first two (warm-up); peak memory is the
 # largest per-rank peak RSS of the job. Needs mpirun (OpenMPI) and `--features mpi` binaries.
@@ -52,10 +54,10 @@ step)
 memory)
     echo "| ws | plan per rank (MiB) | of which sharded state | measured peak RSS per rank (MiB) | step (ms) |"
     echo "|---|---|---|---|---|"
-    for ws in 1 2 4 8; do
-        out=$(gpt "$ws" --n-layer 12 --d-model 1024 --n-head 16 --seq-len 128 --batch-size 1 \
+    for ws in ${WS:-1 2 4 8}; do
+        out=$(gpt "$ws" --n-layer 12 --d-model 1024 --n-head 16 --seq-len "${SEQ:-128}" --batch-size "${BATCH:-1}" \
             --untied --max-steps 3 --log-interval 1 --max-memory-per-rank 100000000000 \
-            --warmup-steps 1)
+            --warmup-steps 1 ${EXTRA:-})
         plan=$(echo "$out" | sed -n 's/^memory plan: \([0-9]*\) B.*/\1/p' | awk '{printf "%.0f", $1 / 1048576}')
         sharded=$(echo "$out" | sed -n 's/.*parameter shards \([0-9]*\) + gradient shards \([0-9]*\) + optimizer state \([0-9]*\).*/\1 \2 \3/p' | head -1 | awk '{printf "%.0f", ($1 + $2 + $3) / 1048576}')
         ms=$(echo "$out" | sed -n 's/^step .* \([0-9.]*\) ms\/step.*/\1/p' | tail -1)

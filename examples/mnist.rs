@@ -74,7 +74,10 @@ fn main() -> anyhow::Result<()> {
             learning_rate: None,
             evaluate: &|full| metrics::accuracy(full, &mnist.test_x, &mnist.test_y, 1000),
         },
-    )?;
+    );
+    // Every process reports its own peak (under mpirun: one line per rank).
+    common::print_peak_rss(&setup.launcher);
+    let outcome = outcome?;
     let Some(outcome) = outcome else {
         // Not rank 0's process (mpirun): rank 0 reports.
         return Ok(());

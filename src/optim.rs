@@ -235,6 +235,49 @@ pub trait ShardedOptimizer {
     ///
     /// Errors: a failed device-to-host copy.
     fn state(&self) -> Result<OptimizerState>;
+    /// [`ShardedOptimizer::state`] without the buffers (every unit's `buffers` empty), and the
+    /// buffer kinds every unit holds (none before the first step): what a writer that streams
+    /// the buffers one at a time ([`ShardedOptimizer::with_buffer`]) needs, so that a
+    /// checkpoint costs no second copy of the optimizer state (8 bytes a parameter for AdamW).
+    ///
+    /// The provided version copies the state once ([`ShardedOptimizer::state`]); this crate's
+    /// optimizers copy nothing.
+    ///
+    /// Errors: as [`ShardedOptimizer::state`].
+    fn state_header(&self) -> Result<(OptimizerState, Vec<BufferKind>)> {
+        let mut st = self.state()?;
+        let kinds = st
+            .units
+            .first()
+            .map(|u| u.buffers.keys().copied().collect())
+            .unwrap_or_default();
+        for u in &mut st.units {
+            u.buffers.clear();
+        }
+        Ok((st, kinds))
+    }
+    /// Calls `f` with unit `unit`'s buffer of `kind` (`shard_numel` f32 values, laid out like
+    /// the unit's shard), borrowed where it is a contiguous host tensor, otherwise a host copy
+    /// of that one buffer. A frozen twin's buffers read as zeros.
+    ///
+    /// The provided version copies the whole state ([`ShardedOptimizer::state`]) on every call.
+    ///
+    /// Errors: no such unit or buffer (the message names both); a failed device-to-host copy;
+    /// `f`'s.
+    fn with_buffer(
+        &self,
+        unit: usize,
+        kind: BufferKind,
+        f: &mut dyn FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let st = self.state()?;
+        let b = st
+            .units
+            .get(unit)
+            .and_then(|u| u.buffers.get(&kind))
+            .ok_or_else(|| missing_buffer(unit, kind))?;
+        f(b)
+    }
     /// Replaces the hyper-parameters and the local state. Buffer lengths are checked against
     /// the model, and buffers moved to the shards' device, at the next step.
     ///
@@ -245,6 +288,14 @@ pub trait ShardedOptimizer {
     fn clear_state(&mut self);
     /// Bytes of optimizer state held by this rank (f32: 4 bytes an element).
     fn state_bytes(&self) -> usize;
+}
+
+/// The error of a buffer asked for that the optimizer does not hold.
+fn missing_buffer(unit: usize, kind: BufferKind) -> Error {
+    Error::InvalidArgument(format!(
+        "optimizer state: unit {unit} has no {} buffer",
+        kind.name()
+    ))
 }
 
 /// Checks that `state` may be loaded into an optimizer of `kind` with `ours` groups.
@@ -372,6 +423,67 @@ impl ShardState {
                 })
             })
             .collect()
+    }
+
+    /// Steps of every unit, buffers left out, and the kinds every unit holds.
+    fn header(&self) -> (Vec<UnitOptimState>, Vec<BufferKind>) {
+        if let Some(p) = &self.pending {
+            let kinds = p
+                .first()
+                .map(|u| u.buffers.keys().copied().collect())
+                .unwrap_or_default();
+            let units = p
+                .iter()
+                .map(|u| UnitOptimState {
+                    steps: u.steps.clone(),
+                    buffers: BTreeMap::new(),
+                })
+                .collect();
+            return (units, kinds);
+        }
+        let kinds = if self.units.is_empty() {
+            Vec::new()
+        } else {
+            self.kinds.to_vec()
+        };
+        let units = self
+            .units
+            .iter()
+            .map(|u| UnitOptimState {
+                steps: u.steps.clone(),
+                buffers: BTreeMap::new(),
+            })
+            .collect();
+        (units, kinds)
+    }
+
+    /// See [`ShardedOptimizer::with_buffer`].
+    fn with_buffer(
+        &self,
+        unit: usize,
+        kind: BufferKind,
+        f: &mut dyn FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        if let Some(p) = &self.pending {
+            let b = p
+                .get(unit)
+                .and_then(|u| u.buffers.get(&kind))
+                .ok_or_else(|| missing_buffer(unit, kind))?;
+            return f(b);
+        }
+        let u = self
+            .units
+            .get(unit)
+            .ok_or_else(|| missing_buffer(unit, kind))?;
+        let i = self
+            .kinds
+            .iter()
+            .position(|k| *k == kind)
+            .ok_or_else(|| missing_buffer(unit, kind))?;
+        match u.frozen_numel {
+            Some(n) => f(&vec![0.0; n]),
+            None => ops::with_host_f32(&u.bufs[i], |v| f(v))?,
+        }
     }
 
     fn import(&mut self, units: Vec<UnitOptimState>) {
@@ -737,6 +849,25 @@ impl ShardedOptimizer for AdamW {
         })
     }
 
+    fn state_header(&self) -> Result<(OptimizerState, Vec<BufferKind>)> {
+        let (units, kinds) = self.state.header();
+        let st = OptimizerState {
+            hyper: self.hyper(),
+            step: self.steps_taken,
+            units,
+        };
+        Ok((st, kinds))
+    }
+
+    fn with_buffer(
+        &self,
+        unit: usize,
+        kind: BufferKind,
+        f: &mut dyn FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        self.state.with_buffer(unit, kind, f)
+    }
+
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
         check_loadable(self.kind(), &self.hyper(), &state.hyper)?;
         let OptimizerHyper::AdamW(groups) = state.hyper else {
@@ -933,6 +1064,25 @@ impl ShardedOptimizer for Sgd {
             step: self.steps_taken,
             units: self.state.export()?,
         })
+    }
+
+    fn state_header(&self) -> Result<(OptimizerState, Vec<BufferKind>)> {
+        let (units, kinds) = self.state.header();
+        let st = OptimizerState {
+            hyper: self.hyper(),
+            step: self.steps_taken,
+            units,
+        };
+        Ok((st, kinds))
+    }
+
+    fn with_buffer(
+        &self,
+        unit: usize,
+        kind: BufferKind,
+        f: &mut dyn FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        self.state.with_buffer(unit, kind, f)
     }
 
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {

@@ -402,12 +402,3 @@ pub fn overlap_summary(spans: &[Span]) -> Vec<OverlapSummary> {
         })
         .collect()
 }
-
-/// Peak resident set size of this process in bytes (`VmHWM` of `/proc/self/status`), or `None`
-/// where that file does not exist (non-Linux).
-pub fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}

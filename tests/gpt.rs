@@ -244,10 +244,10 @@ fn max_abs_diff(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> f32 {
 /// At world size 2 the units give the plain model's logits, and after one SGD step on a batch
 /// split over the ranks, the plain model's logits after the same step on the whole batch: the
 /// names, the initial values and the gradients agree, the tied `wte.weight`'s being the sum of
-/// its embedding and head uses.
+/// its embedding and head uses; with the blocks checkpointed (recomputed in the backward) too.
 #[test]
 fn fsdp_units_match_the_plain_model_before_and_after_a_step() {
-    for tied in [true, false] {
+    for (tied, checkpointed) in [(true, false), (false, false), (true, true)] {
         let cfg = small(tied);
         let (reference, vm) = plain(cfg);
         let (x, y) = (ids(4, 16, 3), ids(4, 16, 4));
@@ -258,7 +258,7 @@ fn fsdp_units_match_the_plain_model_before_and_after_a_step() {
         let after = reference.forward(&x).unwrap().to_vec3::<f32>().unwrap();
         let got = launch(&Launcher::threads(2), |pg| {
             let rank = pg.rank();
-            let gpt = FsdpGpt::new(cfg)?;
+            let gpt = FsdpGpt::new(cfg)?.with_activation_checkpointing(checkpointed);
             let mut model = gpt
                 .add_units(FsdpModel::builder(pg, fsdp_config(0)))
                 .build()?;
@@ -279,11 +279,13 @@ fn fsdp_units_match_the_plain_model_before_and_after_a_step() {
             let d1 = max_abs_diff(second, &after);
             assert!(
                 d0 < 1e-5,
-                "tied {tied}, rank {rank}: before the step |fsdp - plain| {d0}"
+                "tied {tied}, checkpointed {checkpointed}, rank {rank}: before the step \
+                 |fsdp - plain| {d0}"
             );
             assert!(
                 d1 < 1e-4,
-                "tied {tied}, rank {rank}: after the step |fsdp - plain| {d1}"
+                "tied {tied}, checkpointed {checkpointed}, rank {rank}: after the step \
+                 |fsdp - plain| {d1}"
             );
         }
         // The step moved the logits (the comparison above is not vacuous).

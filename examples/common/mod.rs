@@ -28,7 +28,7 @@ pub mod trainer;
 pub use args::{parse, setup, Defaults, TrainArgs};
 pub use data::load_mnist;
 pub use train::{train, Job};
-pub use trainer::print_checkpoint;
+pub use trainer::{print_checkpoint, print_peak_rss};
 
 // Every step allocates and frees MB-sized buffers (gathered parameters, gradients); glibc's
 // malloc returns them to the kernel and pays page faults on each reuse, mimalloc keeps them

@@ -20,7 +20,7 @@ use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
 use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::timeline::render_timeline;
 use candle_fsdp::trace::{
-    chrome_trace_json, overlap_summary, peak_rss_bytes, OverlapSummary, Span, TraceSession, Tracer,
+    chrome_trace_json, overlap_summary, OverlapSummary, Span, TraceSession, Tracer,
 };
 use candle_fsdp::{
     BackwardPrefetch, Error, FsdpConfig, FsdpModel, MemoryStats, MixedPrecision, Result,
@@ -64,6 +64,28 @@ pub fn run_job<R: Send>(
     }
     let has_rank0 = launcher.local_ranks().start == 0;
     Ok(has_rank0.then(|| values.swap_remove(0)))
+}
+
+/// Prints this process's peak resident set size (`VmHWM`, Linux), with the ranks it ran: under
+/// `mpirun` every process prints its own line, `ranks a..b of this process: peak RSS N B (M
+/// MiB)`, which `benches/scaling.sh` reads. Nothing where the kernel does not say.
+pub fn print_peak_rss(launcher: &Launcher) {
+    if let Some(rss) = candle_fsdp::alloc::peak_rss_bytes() {
+        let ranks = launcher.local_ranks();
+        let heap = if candle_fsdp::alloc::is_counting() {
+            let h = candle_fsdp::alloc::peak_bytes();
+            format!(", peak heap {h} B ({:.1} MiB)", h as f64 / (1 << 20) as f64)
+        } else {
+            String::new()
+        };
+        println!(
+            "ranks {}..{} of this process: peak RSS {} B ({:.1} MiB){heap}",
+            ranks.start,
+            ranks.end,
+            rss,
+            rss as f64 / (1 << 20) as f64
+        );
+    }
 }
 
 /// Prints the newest checkpoint under `--checkpoint-dir` and the `fsdp-ckpt export` command
@@ -321,7 +343,8 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
         Ok(())
     }
 
-    /// Rank 0's summary: training memory, peak RSS, the grad scaler.
+    /// Rank 0's summary: training memory, the grad scaler (every process prints its peak RSS
+    /// after the job, [`print_peak_rss`]).
     pub fn report(&self, train_mem: Option<MemoryStats>) {
         if let Some(m) = train_mem {
             let optimizer_bytes = self.optim.state_bytes();
@@ -329,12 +352,6 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
                 "rank 0 training memory: sharded state {} B (+ optimizer {} B), peak unsharded \
                  parameters {} B, at most {} unit(s) unsharded at once",
                 m.sharded_bytes, optimizer_bytes, m.peak_unsharded_bytes, m.peak_unsharded_units
-            );
-        }
-        if let Some(rss) = peak_rss_bytes() {
-            println!(
-                "process peak RSS {:.1} MiB (the ranks of this process)",
-                rss as f64 / (1 << 20) as f64
             );
         }
         if let Some(s) = &self.scaler {

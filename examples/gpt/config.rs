@@ -49,6 +49,7 @@ pub struct ConfigFile {
     pub temperature: Option<f64>,
     pub prompt: Option<String>,
     pub data: Option<PathBuf>,
+    pub activation_checkpointing: Option<bool>,
     pub max_memory_per_rank: Option<u64>,
     // The training loop's flags, shared with the MNIST examples.
     pub world_size: Option<usize>,

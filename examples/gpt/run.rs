@@ -51,10 +51,16 @@ pub fn train(
 /// counting allocator (`candle_fsdp::alloc`): a 1-layer and a 2-layer GPT of this shape run a
 /// forward and the loss at the per-rank batch, in f32; the bytes still held by their graphs
 /// give one block's activations (the difference) and the rest (embeddings, final norm, logits).
-/// Estimate: `rest + n_layer · block` bytes.
+/// Estimate: `rest + n_layer · block` bytes; with checkpointed blocks, `rest + n_layer · input
+/// + block`, where a block's saved input is `batch · seq_len · d_model` f32 values and one
+/// block's activations exist at a time (its recompute in the backward).
 ///
 /// Errors: the counting allocator is not installed; Candle's.
-pub fn measure_activation_bytes(cfg: &GptConfig, batch: usize) -> anyhow::Result<usize> {
+pub fn measure_activation_bytes(
+    cfg: &GptConfig,
+    batch: usize,
+    checkpointed: bool,
+) -> anyhow::Result<usize> {
     use candle_fsdp::alloc;
     use candle_fsdp::models::gpt::Gpt;
     anyhow::ensure!(
@@ -78,7 +84,12 @@ pub fn measure_activation_bytes(cfg: &GptConfig, batch: usize) -> anyhow::Result
     };
     let (one, two) = (held(1)?, held(2)?);
     let block = two.saturating_sub(one);
-    Ok(one.saturating_sub(block) + cfg.n_layer * block)
+    let rest = one.saturating_sub(block);
+    Ok(if checkpointed {
+        rest + cfg.n_layer * batch * cfg.seq_len * cfg.d_model * 4 + block
+    } else {
+        rest + cfg.n_layer * block
+    })
 }
 
 /// AdamW of the flags, with no weight decay on biases and LayerNorm weights.
@@ -119,7 +130,7 @@ impl<'a> LmRank<'a> {
         session: &TraceSession,
         budget: Option<MemoryBudget>,
     ) -> Result<Self> {
-        let gpt = FsdpGpt::new(cfg)?;
+        let gpt = FsdpGpt::new(cfg)?.with_activation_checkpointing(args.activation_checkpointing);
         let device = pg.device().clone();
         let t = Trainer::new(
             &args.train,

@@ -105,26 +105,20 @@ fn buffer_tensor(name: &str) -> String {
     format!("buffer.{name}")
 }
 
-/// The buffer kinds of an optimizer state (the same for every unit).
-fn state_kinds(state: &OptimizerState) -> Vec<BufferKind> {
-    state
-        .units
-        .first()
-        .map(|u| u.buffers.keys().copied().collect())
-        .unwrap_or_default()
-}
-
 /// Writes this rank's file (see [`rank_file_specs`]); returns the CRC-32C of each tensor, in
 /// file order.
+///
+/// The optimizer's buffers are streamed one at a time ([`ShardedOptimizer::with_buffer`]), so
+/// that saving holds no second copy of the optimizer state.
 fn write_rank_file(
     path: &Path,
     model: &FsdpModel,
-    state: &OptimizerState,
+    optim: &dyn ShardedOptimizer,
+    kinds: &[BufferKind],
     rank: usize,
     ws: usize,
 ) -> Result<Vec<u32>> {
-    let kinds = state_kinds(state);
-    let specs = rank_file_specs(model, &kinds, rank)?;
+    let specs = rank_file_specs(model, kinds, rank)?;
     let meta = HashMap::from([
         ("format".to_string(), SHARDED_FORMAT.to_string()),
         ("format_version".to_string(), FORMAT_VERSION.to_string()),
@@ -138,16 +132,20 @@ fn write_rank_file(
             with_host_f32(u.param, |s| w.write_f32(&param_tensor(k), s))??;
         }
     }
-    for kind in &kinds {
+    for kind in kinds {
         for (k, u) in model.shards().enumerate() {
             if holds(&u) {
-                let b = state.units[k].buffers.get(kind).ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "optimizer state: unit {} has no {kind} buffer, unit 0 has one",
-                        u.unit_name
-                    ))
-                })?;
-                w.write_f32(&optim_tensor(*kind, k), b)?;
+                optim
+                    .with_buffer(k, *kind, &mut |b| {
+                        w.write_f32(&optim_tensor(*kind, k), b)?;
+                        Ok(())
+                    })
+                    .map_err(|e| {
+                        Error::InvalidArgument(format!(
+                            "optimizer state of unit {} ({kind}): {e}",
+                            u.unit_name
+                        ))
+                    })?;
             }
         }
     }
@@ -162,7 +160,11 @@ fn write_rank_file(
 }
 
 /// The optimizer part of the metadata: kind, groups, buffer kinds, per-parameter steps.
-fn optimizer_meta(model: &FsdpModel, state: &OptimizerState) -> OptimizerMeta {
+fn optimizer_meta(
+    model: &FsdpModel,
+    state: &OptimizerState,
+    kinds: &[BufferKind],
+) -> OptimizerMeta {
     let param_steps = model
         .shards()
         .zip(&state.units)
@@ -177,7 +179,7 @@ fn optimizer_meta(model: &FsdpModel, state: &OptimizerState) -> OptimizerMeta {
     OptimizerMeta {
         step: state.step,
         hyper: Some(state.hyper.clone()),
-        buffer_kinds: state_kinds(state),
+        buffer_kinds: kinds.to_vec(),
         param_steps,
         buffers: Vec::new(),
     }
@@ -370,9 +372,9 @@ pub fn save_sharded(
             prep,
         )?;
         let file = staging.join(shard_file_name(rank, ws));
-        let (written, ostate) = match optim.state() {
-            Ok(ostate) => match write_rank_file(&file, model, &ostate, rank, ws) {
-                Ok(crcs) => (Ok(crcs), Some(ostate)),
+        let (written, ostate) = match optim.state_header() {
+            Ok((ostate, kinds)) => match write_rank_file(&file, model, optim, &kinds, rank, ws) {
+                Ok(crcs) => (Ok(crcs), Some((ostate, kinds))),
                 Err(e) => (Err(e), None),
             },
             Err(e) => (Err(e), None),
@@ -395,8 +397,8 @@ pub fn save_sharded(
             cleanup(&staging);
             return Err(e);
         }
-        let ostate = ostate.expect("written on every rank");
-        let checksums = match gather_checksums(model, &state_kinds(&ostate), &crcs) {
+        let (ostate, kinds) = ostate.expect("written on every rank");
+        let checksums = match gather_checksums(model, &kinds, &crcs) {
             Ok(c) => c,
             Err(e) => {
                 cleanup(&staging);
@@ -432,7 +434,7 @@ pub fn save_sharded(
                     train,
                     dtype: "F32".into(),
                     units: unit_metas(model)?,
-                    optimizer: Some(optimizer_meta(model, &ostate)),
+                    optimizer: Some(optimizer_meta(model, &ostate, &kinds)),
                     files,
                     saved_at_unix_ms: Some(now_unix_ms()),
                 };

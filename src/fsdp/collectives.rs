@@ -159,7 +159,11 @@ pub(crate) fn flatten_grads(
         let g = grads.zip(params.get(i)).and_then(|(g, t)| g.get(t));
         present.push(if g.is_some() { 1.0f32 } else { 0.0 });
         segments.push(match g {
-            Some(g) => g.to_dtype(DType::F32)?.flatten_all()?,
+            // Detached: a gradient that Candle's backward computed from tracked tensors keeps
+            // their graph (the unit's activations and gathered parameters) alive through the
+            // flat gradient otherwise; at world size 1, where the flat gradient is kept as the
+            // gradient shard, that held every block's activations to the end of the step.
+            Some(g) => g.detach().to_dtype(DType::F32)?.flatten_all()?,
             None => zeros(p.numel)?,
         });
         at = p.offset + p.numel;

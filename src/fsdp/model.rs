@@ -1550,7 +1550,8 @@ impl FsdpModel {
         for (k, v) in input_vars.iter().enumerate() {
             let (index, dtype) = call.tracked[k];
             match grads.as_ref().and_then(|g| g.get(v)) {
-                Some(g) => in_grads.push(Some(g.to_dtype(dtype)?)),
+                // Detached: the gradient would keep the unit's graph alive until taken.
+                Some(g) => in_grads.push(Some(g.detach().to_dtype(dtype)?)),
                 None => {
                     return Err(Error::InvalidArgument(format!(
                         "input {index} of unit {} carries gradient, and the unit's outputs \

@@ -420,6 +420,7 @@ impl Gpt {
 #[derive(Debug, Clone)]
 pub struct FsdpGpt {
     cfg: GptConfig,
+    activation_checkpointing: bool,
 }
 
 impl FsdpGpt {
@@ -428,7 +429,25 @@ impl FsdpGpt {
     /// Errors: an invalid `cfg` ([`GptConfig::validate`]).
     pub fn new(cfg: GptConfig) -> Result<Self> {
         cfg.validate()?;
-        Ok(Self { cfg })
+        Ok(Self {
+            cfg,
+            activation_checkpointing: false,
+        })
+    }
+
+    /// Activation checkpointing of the blocks (PyTorch's `apply_activation_checkpointing` on
+    /// each block, [`UnitSpec::with_activation_checkpointing`]): a block's forward keeps only
+    /// its input (`B·T·d` values) and is recomputed in its backward, which trades one more
+    /// forward of each block for its activations (attention scores `B·heads·T²`, MLP hidden
+    /// `B·T·4d`, …). Same values as without.
+    pub fn with_activation_checkpointing(mut self, on: bool) -> Self {
+        self.activation_checkpointing = on;
+        self
+    }
+
+    /// Whether the blocks are checkpointed ([`FsdpGpt::with_activation_checkpointing`]).
+    pub fn activation_checkpointing(&self) -> bool {
+        self.activation_checkpointing
     }
 
     /// The shape.
@@ -441,7 +460,8 @@ impl FsdpGpt {
     ///   weights, unit `head`, the LM head, which asks for the same `weight` (FSDP2's
     ///   `fully_shard([emb, head])`: one FlatParameter, gathered for each call, its gradient the
     ///   sum of both uses);
-    /// - `wpe`, `blk0` … `blk{L-1}`, `lnf`;
+    /// - `wpe`, `blk0` … `blk{L-1}` (checkpointed when
+    ///   [`FsdpGpt::with_activation_checkpointing`] is on), `lnf`;
     /// - untied: `head` (parameter `head.weight`).
     pub fn add_units(&self, builder: FsdpModelBuilder) -> FsdpModelBuilder {
         let cfg = self.cfg;
@@ -454,7 +474,10 @@ impl FsdpGpt {
         };
         b = b.unit_spec(UnitSpec::new("wpe", move |vb| position_embedding(&cfg, vb)));
         for i in 0..cfg.n_layer {
-            b = b.unit_spec(UnitSpec::new(block_name(i), move |vb| Block::new(&cfg, vb)));
+            b = b.unit_spec(
+                UnitSpec::new(block_name(i), move |vb| Block::new(&cfg, vb))
+                    .with_activation_checkpointing(self.activation_checkpointing),
+            );
         }
         b = b.unit_spec(UnitSpec::new("lnf", move |vb| final_norm(&cfg, vb)));
         if cfg.tied {
