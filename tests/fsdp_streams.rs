@@ -75,19 +75,15 @@ fn all_gathers_and_reductions_run_on_the_streams_fsdp_chose() {
         "{ops:?}"
     );
 
-    // NO_SHARD all-reduces gradients, on the reduction stream, and gathers nothing.
+    // NO_SHARD all-reduces gradients, on the reduction stream, and gathers nothing (so there
+    // is no gather sequence to check either).
     let ops = one_step(ShardingStrategy::NoShard);
     assert!(
         ops.iter()
-            .all(|(s, k)| *k == OpKind::AllReduce && (s == "reduce_scatter" || s == "all_gather")),
+            .all(|(s, k)| *k == OpKind::AllReduce && s == "reduce_scatter"),
         "{ops:?}"
     );
-    assert_eq!(
-        ops.iter().filter(|(s, _)| s == "reduce_scatter").count(),
-        3,
-        "{ops:?}"
-    );
-    assert_eq!(ops.len(), 4, "{ops:?}");
+    assert_eq!(ops.len(), 3, "{ops:?}");
 }
 
 #[test]

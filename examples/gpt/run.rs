@@ -51,9 +51,9 @@ pub fn train(
 /// counting allocator (`candle_fsdp::alloc`): a 1-layer and a 2-layer GPT of this shape run a
 /// forward and the loss at the per-rank batch, in f32; the bytes still held by their graphs
 /// give one block's activations (the difference) and the rest (embeddings, final norm, logits).
-/// Estimate: `rest + n_layer · block` bytes; with checkpointed blocks, `rest + n_layer · input
-/// + block`, where a block's saved input is `batch · seq_len · d_model` f32 values and one
-/// block's activations exist at a time (its recompute in the backward).
+/// Estimate: `rest + n_layer · block` bytes; with checkpointed blocks,
+/// `rest + n_layer · input + block`, where a block's saved input is `batch · seq_len · d_model`
+/// f32 values and one block's activations exist at a time (its recompute in the backward).
 ///
 /// Errors: the counting allocator is not installed; Candle's.
 pub fn measure_activation_bytes(

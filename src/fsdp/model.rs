@@ -1280,9 +1280,12 @@ impl FsdpModel {
     /// stream, a rank that issued more all-gathers than another meets this all-reduce with one of
     /// them, which the backends refuse at once as a mismatch instead of both waiting for the
     /// timeout. (A rank may call a unit more often than another as long as the gathers match,
-    /// e.g. a second call of a unit whose parameters are still present.) `None` at world size 1.
+    /// e.g. a second call of a unit whose parameters are still present.) `None` at world size 1
+    /// and when no group is sharded (NO_SHARD): no rank can gather anything then (the ranks
+    /// agreed on the layouts at build), and the check would cost a collective a step for nothing.
     fn issue_agreement(&self) -> Option<(i64, crate::comm::Work<Tensor>)> {
-        if self.pg.world_size() == 1 {
+        if self.pg.world_size() == 1 || self.units.iter().all(|u| u.flat().layout().world_size == 1)
+        {
             return None;
         }
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
