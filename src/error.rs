@@ -102,7 +102,7 @@ pub enum Error {
     },
     /// A phase that every rank runs (e.g. loading a checkpoint) failed on other ranks; their own
     /// errors say why. [`crate::comm::threads::run_ranks_ok`] reports theirs rather than this.
-    #[error("{path}: {what} failed on rank(s) {failed_ranks:?} (see their errors)")]
+    #[error("{path}: {what} failed on rank(s) {failed_ranks:?}: {}", reasons.join("; "))]
     PeersFailed {
         /// What failed.
         what: String,
@@ -112,6 +112,10 @@ pub enum Error {
         rank: usize,
         /// Ranks whose phase failed.
         failed_ranks: Vec<usize>,
+        /// Each failed rank's error, `rank r: <message>` (at most 480 bytes of it), in the
+        /// order of `failed_ranks`: under `mpirun` the failed rank's own output may be another
+        /// process's, so the reason travels with the error.
+        reasons: Vec<String>,
     },
     /// A comm stream's worker stopped (its thread exited or panicked) before completing an
     /// operation issued on it.

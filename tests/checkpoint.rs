@@ -982,11 +982,17 @@ fn an_error_on_rank_1_is_the_one_reported_not_rank_0s_echo() {
         let mut opt = AdamW::new(AdamWConfig::default());
         load_sharded(&ckpt2, &mut m, &mut opt).map(|_| ())
     });
-    // Rank 0 only knows that rank 1 failed …
+    // Rank 0 knows that rank 1 failed, and why (under mpirun rank 1's output may be another
+    // process's) …
     assert!(
         matches!(&results[0], Err(candle_fsdp::Error::PeersFailed { failed_ranks, .. }) if failed_ranks == &vec![1]),
         "{:?}",
         results[0]
+    );
+    let echo = results[0].as_ref().unwrap_err().to_string();
+    assert!(
+        echo.contains("rank 1: ") && echo.contains("shard-00001-of-00002.safetensors"),
+        "{echo}"
     );
     // … and run_ranks_ok reports rank 1's own error, which names its file.
     let ckpt3 = ckpt.clone();

@@ -184,6 +184,39 @@ fn load_latest_of_an_empty_root_finds_nothing() {
     assert_eq!(r, [true, true]);
 }
 
+/// A run started from scratch in a directory that holds another run's checkpoint of the same
+/// step keeps that checkpoint (renamed `step-<n>.run-<id>`, no longer a step directory), with its
+/// bytes unchanged; the same run saving a step again replaces its own.
+#[test]
+fn the_same_step_of_another_run_is_kept_not_overwritten() {
+    let dir = common::tmpdir("sem-keep");
+    save_run(&dir, Some("first".into()), &[6], 0);
+    let shard = "shard-00000-of-00002.safetensors";
+    let before = std::fs::read(dir.join("step-00000006").join(shard)).unwrap();
+    save_run(&dir, Some("second".into()), &[6], 0);
+    let kept = dir.join("step-00000006.run-first");
+    assert_eq!(std::fs::read(kept.join(shard)).unwrap(), before);
+    assert_eq!(
+        read_meta(&kept).unwrap().train.run_id.as_deref(),
+        Some("first")
+    );
+    let all = list_complete(&dir).unwrap();
+    assert_eq!(names(&all), ["step-00000006"]);
+    assert_eq!(
+        read_meta(&all[0]).unwrap().train.run_id.as_deref(),
+        Some("second")
+    );
+    // The same run again: its own step is replaced, nothing more is kept.
+    save_run(&dir, Some("second".into()), &[6], 0);
+    let mut entries: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    entries.sort();
+    assert_eq!(entries, ["step-00000006", "step-00000006.run-first"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn rotation_and_latest_consider_only_this_run() {
     let dir = common::tmpdir("sem-runs");

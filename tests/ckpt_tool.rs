@@ -1097,6 +1097,31 @@ fn verify_finds_a_flipped_bit_by_its_checksum() {
         )) && problems[0].ends_with("recorded in meta.json (the data changed after the save)"),
         "{out}"
     );
+    // `export` and `reshard` refuse it before writing anything, rather than carrying the
+    // flipped bit into files with fresh checksums that would then verify clean.
+    let out_file = dir.join("model.safetensors");
+    let e = ckpt_err(&["export", s(&ckpt_dir), "--out", s(&out_file)]);
+    assert!(
+        e.contains(&format!("{}: tensor param.1: CRC-32C ", f1.display())),
+        "{e}"
+    );
+    assert!(!out_file.exists(), "nothing written");
+    let out_root = dir.join("resharded");
+    let e = ckpt_err(&[
+        "reshard",
+        s(&ckpt_dir),
+        "--world-size",
+        "3",
+        "--out",
+        s(&out_root),
+    ]);
+    assert!(e.contains("tensor param.1: CRC-32C "), "{e}");
+    assert!(
+        candle_fsdp::checkpoint::list_complete(&out_root)
+            .unwrap()
+            .is_empty(),
+        "no checkpoint written"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -347,7 +347,7 @@ struct MiniArgs {
     n_layer: usize,
     #[arg(long, default_value_t = 3e-4)]
     lr: f64,
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     untied: bool,
     #[arg(long, default_value = "hello")]
     prompt: String,
@@ -404,6 +404,11 @@ fn config_settings_become_flags_and_the_command_line_wins() {
     );
     let a = parse_mini(&["gpt", "--n-layer", "3"]).unwrap();
     assert_eq!((a.n_layer, a.lr, a.untied), (3, 3e-4, false));
+    // A switch the file turns on, the command line turns off (`--untied=false`); alone, a
+    // switch is on.
+    let a = parse_mini(&["gpt", "--config", p, "--untied=false"]).unwrap();
+    assert_eq!((a.n_layer, a.untied), (6, false));
+    assert!(parse_mini(&["gpt", "--untied"]).unwrap().untied);
     // A key the command has no flag for (the example's struct and its flags disagree).
     std::fs::write(&path, "d_model = 64\n").unwrap();
     let e = parse_mini(&["gpt", "--config", p]).unwrap_err().to_string();

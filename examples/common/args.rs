@@ -43,7 +43,7 @@ pub struct TrainArgs {
     pub checkpoint_dir: PathBuf,
     /// Resume from the newest complete checkpoint in --checkpoint-dir (a mid-epoch one
     /// continues the epoch where it stopped); without it, training starts from scratch.
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     pub resume: bool,
     /// Resume from this checkpoint directory (`<dir>/step-<n>`), whatever run it belongs to
     /// (--resume refuses a --checkpoint-dir holding several runs' checkpoints).
@@ -60,7 +60,7 @@ pub struct TrainArgs {
     #[arg(long, default_value = "full-shard")]
     pub strategy: ShardingStrategy,
     /// Disable forward and backward prefetch.
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     pub no_prefetch: bool,
     /// Mixed precision: f32, bf16, f16 (with a dynamic loss scaler) or bf16-f32-reduce.
     #[arg(long, default_value = "f32")]
@@ -232,7 +232,8 @@ fn check_checkpoint_dir(args: &TrainArgs) -> anyhow::Result<()> {
         ),
         (false, Some(last)) => println!(
             "note: {} already holds checkpoints (newest {}); this run starts from scratch and \
-             saves beside them (pass --resume to continue from the newest)",
+             saves beside them (a checkpoint of the same step is kept, renamed \
+             step-<n>.run-<its run id>; pass --resume to continue from the newest)",
             dir.display(),
             last.display()
         ),

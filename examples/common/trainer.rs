@@ -67,8 +67,9 @@ pub fn run_job<R: Send>(
 }
 
 /// Prints this process's peak resident set size (`VmHWM`, Linux), with the ranks it ran: under
-/// `mpirun` every process prints its own line, `ranks a..b of this process: peak RSS N B (M
-/// MiB)`, which `benches/scaling.sh` reads. Nothing where the kernel does not say.
+/// `mpirun` every process prints its own line, `rank r (this process): peak RSS N B (M MiB)`
+/// (`ranks a..b of this process: …` for several), which `benches/scaling.sh` reads. Nothing
+/// where the kernel does not say.
 pub fn print_peak_rss(launcher: &Launcher) {
     if let Some(rss) = candle_fsdp::alloc::peak_rss_bytes() {
         let ranks = launcher.local_ranks();
@@ -78,10 +79,13 @@ pub fn print_peak_rss(launcher: &Launcher) {
         } else {
             String::new()
         };
+        let who = if ranks.len() == 1 {
+            format!("rank {} (this process)", ranks.start)
+        } else {
+            format!("ranks {}..{} of this process", ranks.start, ranks.end)
+        };
         println!(
-            "ranks {}..{} of this process: peak RSS {} B ({:.1} MiB){heap}",
-            ranks.start,
-            ranks.end,
+            "{who}: peak RSS {} B ({:.1} MiB){heap}",
             rss,
             rss as f64 / (1 << 20) as f64
         );

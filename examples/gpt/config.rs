@@ -3,7 +3,8 @@
 //! Every key is a flag's long name with `_` for `-` (`n_layer = 6` is `--n-layer 6`); an
 //! unknown key is an error naming it (serde's `deny_unknown_fields`), and so is a value of the
 //! wrong type. Flags given on the command line override the file. A boolean flag is set by
-//! `key = true`; `false` leaves it at its default.
+//! `key = true`; `false` leaves it at its default (off); on the command line `--flag=false`
+//! turns off what the file turned on.
 //!
 //! ```toml
 //! # The benchmark configuration.

@@ -59,7 +59,7 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     pub seq_len: usize,
     /// Give the LM head its own weight instead of the token embedding's.
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     pub untied: bool,
     /// Optimizer steps to train (in total, counting resumed ones).
     #[arg(long, default_value_t = 300)]
@@ -102,7 +102,7 @@ pub struct Args {
     pub data: PathBuf,
     /// Activation checkpointing of the blocks: each block keeps only its input and recomputes
     /// its forward in the backward (about a third more compute, far fewer activations).
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     pub activation_checkpointing: bool,
     /// Memory budget of one rank in bytes: the runtime checks its plan (sharded state, units in
     /// flight, and the activations measured on a small probe before training) against it and

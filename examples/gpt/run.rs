@@ -51,7 +51,7 @@ pub fn train(
 /// counting allocator (`candle_fsdp::alloc`): a 1-layer and a 2-layer GPT of this shape run a
 /// forward and the loss at the per-rank batch, in f32; the bytes still held by their graphs
 /// give one block's activations (the difference) and the rest (embeddings, final norm, logits).
-/// Estimate: `rest + n_layer · block` bytes; with checkpointed blocks,
+/// Estimate: `rest + n_layer · block` bytes; with checkpointed blocks, the smaller of that and
 /// `rest + n_layer · input + block`, where a block's saved input is `batch · seq_len · d_model`
 /// f32 values and one block's activations exist at a time (its recompute in the backward).
 ///
@@ -85,10 +85,12 @@ pub fn measure_activation_bytes(
     let (one, two) = (held(1)?, held(2)?);
     let block = two.saturating_sub(one);
     let rest = one.saturating_sub(block);
+    let whole = rest + cfg.n_layer * block;
     Ok(if checkpointed {
-        rest + cfg.n_layer * batch * cfg.seq_len * cfg.d_model * 4 + block
+        // Never more than without checkpointing (a block's input is among what it keeps).
+        whole.min(rest + cfg.n_layer * batch * cfg.seq_len * cfg.d_model * 4 + block)
     } else {
-        rest + cfg.n_layer * block
+        whole
     })
 }
 
@@ -147,7 +149,15 @@ impl<'a> LmRank<'a> {
         )?;
         if t.pg.rank() == 0 {
             let activations = budget.map_or(0, |b| b.activation_bytes);
-            println!("memory plan: {}", t.model.memory_plan(8, activations));
+            println!(
+                "memory plan: {}{}",
+                t.model.memory_plan(8, activations),
+                if budget.is_none() {
+                    " (activations not measured: they are with --max-memory-per-rank)"
+                } else {
+                    ""
+                }
+            );
         }
         Ok(Self {
             args,

@@ -754,16 +754,54 @@ pub(crate) fn agree(
         flags[rank] = 1.0;
     }
     let flags = pg.all_reduce_f32s(flags, ReduceOp::Sum)?;
-    local?;
     let failed: Vec<usize> = (0..ws).filter(|&r| flags[r] > 0.0).collect();
     if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::PeersFailed {
-            what: what.to_string(),
-            path: path.to_path_buf(),
-            rank,
-            failed_ranks: failed,
-        })
+        return Ok(());
     }
+    let reasons = exchange_reasons(pg, local.as_ref().err().map(|e| e.to_string()), &failed)?;
+    local?;
+    Err(Error::PeersFailed {
+        what: what.to_string(),
+        path: path.to_path_buf(),
+        rank,
+        failed_ranks: failed,
+        reasons,
+    })
+}
+
+/// Bytes of a failed rank's message that travel to the others.
+const REASON_BYTES: usize = 480;
+
+/// Every rank learns the failed ranks' error messages (a collective, only on the failure path:
+/// one all-reduce of `world_size · 480` values, each rank's message bytes in its own slot;
+/// longer messages are cut at a character boundary). `local` is this rank's message when it
+/// failed. Returns `rank r: <message>` per failed rank, in `failed`'s order.
+pub(crate) fn exchange_reasons(
+    pg: &dyn ProcessGroup,
+    local: Option<String>,
+    failed: &[usize],
+) -> Result<Vec<String>> {
+    let (rank, ws) = (pg.rank(), pg.world_size());
+    let mut slots = vec![0.0f32; ws * REASON_BYTES];
+    if let Some(msg) = &local {
+        let mut end = msg.len().min(REASON_BYTES);
+        while !msg.is_char_boundary(end) {
+            end -= 1;
+        }
+        for (i, b) in msg.as_bytes()[..end].iter().enumerate() {
+            slots[rank * REASON_BYTES + i] = f32::from(*b);
+        }
+    }
+    let slots = pg.all_reduce_f32s(slots, ReduceOp::Sum)?;
+    Ok(failed
+        .iter()
+        .map(|&r| {
+            let bytes: Vec<u8> = slots[r * REASON_BYTES..(r + 1) * REASON_BYTES]
+                .iter()
+                .map(|&v| v as u8)
+                .take_while(|&b| b != 0)
+                .collect();
+            format!("rank {r}: {}", String::from_utf8_lossy(&bytes))
+        })
+        .collect())
 }

@@ -258,21 +258,51 @@ pub(crate) fn publish(
         .file_name()
         .and_then(|n| n.to_str())
         .unwrap_or("step");
-    let replaced = root.join(format!(".{name}.replaced"));
     let had_old = final_dir.exists();
-    if had_old && run_of(final_dir) != meta.train.run_id {
-        tracing::warn!(
-            "checkpoint {} of run {:?} is replaced by the same step of run {:?}",
-            final_dir.display(),
-            run_of(final_dir),
-            meta.train.run_id
-        );
-    }
+    // The same step of another run is kept, renamed `step-<n>.run-<its run id>` (not a step
+    // directory any more: never loaded or rotated), rather than deleted: a run started from
+    // scratch in a directory that holds another run's checkpoints loses none of them.
+    let other_run = had_old && run_of(final_dir) != meta.train.run_id;
+    let replaced = if other_run {
+        let id: String = run_of(final_dir)
+            .unwrap_or_else(|| "unknown".into())
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let mut k = 0;
+        loop {
+            let suffix = if k == 0 {
+                String::new()
+            } else {
+                format!(".{k}")
+            };
+            let p = root.join(format!("{name}.run-{id}{suffix}"));
+            if !p.exists() {
+                break p;
+            }
+            k += 1;
+        }
+    } else {
+        root.join(format!(".{name}.replaced"))
+    };
     if had_old {
         if replaced.exists() {
             fs::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
         }
         fs::rename(final_dir, &replaced).map_err(|e| Error::io(final_dir, e))?;
+    }
+    if other_run {
+        tracing::warn!(
+            "checkpoint {} of another run is kept as {}",
+            final_dir.display(),
+            replaced.display()
+        );
     }
     if let Err(e) = fs::rename(staging, final_dir) {
         if had_old {
@@ -281,7 +311,7 @@ pub(crate) fn publish(
         return Err(Error::io(final_dir, e));
     }
     sync_dir(root);
-    if had_old {
+    if had_old && !other_run {
         let _ = fs::remove_dir_all(&replaced);
     }
     if keep_last > 0 {
@@ -975,26 +1005,32 @@ fn agree_load(
     }
     let flags = pg.all_reduce_f32s(flags, ReduceOp::Sum).map_err(mismatch)?;
     let any_damaged = flags.iter().any(|&f| f > 1.5);
+    let failed: Vec<usize> = (0..ws).filter(|&r| flags[r] > 0.0).collect();
+    if failed.is_empty() {
+        return Ok(());
+    }
+    let reasons = super::exchange_reasons(
+        pg,
+        local.as_ref().err().map(|e| e.error.to_string()),
+        &failed,
+    )
+    .map_err(mismatch)?;
     if let Err(e) = local {
         return Err(LoadError {
             error: e.error,
             damaged: any_damaged,
         });
     }
-    let failed: Vec<usize> = (0..ws).filter(|&r| flags[r] > 0.0).collect();
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(LoadError {
-            error: Box::new(Error::PeersFailed {
-                what: "loading the checkpoint".into(),
-                path: dir.to_path_buf(),
-                rank,
-                failed_ranks: failed,
-            }),
-            damaged: any_damaged,
-        })
-    }
+    Err(LoadError {
+        error: Box::new(Error::PeersFailed {
+            what: "loading the checkpoint".into(),
+            path: dir.to_path_buf(),
+            rank,
+            failed_ranks: failed,
+            reasons,
+        }),
+        damaged: any_damaged,
+    })
 }
 
 /// One load attempt (a collective), classifying a failure.

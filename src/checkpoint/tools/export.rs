@@ -47,8 +47,9 @@ pub struct ExportSummary {
 ///
 /// Errors, naming the file, the tensor and expected vs found: `dir` missing or not a checkpoint;
 /// damaged `meta.json`; a shard file missing, of another size than recorded, with a corrupt
-/// header, or without a tensor the metadata lists (checked before anything is written); `out`
-/// not writable.
+/// header, or without a tensor the metadata lists, or a tensor whose CRC-32C differs from the
+/// one recorded at save time (all checked before anything is written: one extra read of the
+/// checkpoint); `out` not writable.
 pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<ExportSummary> {
     let dir = resolve_checkpoint(dir)?;
     // Writing into the checkpoint (e.g. over one of its shards) would destroy what is read.
@@ -68,6 +69,7 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
         }
     }
     let meta = read_meta(&dir)?;
+    super::check_checksums(&dir, &meta)?;
     let meta_path = dir.join(META_FILE);
     let dst = dtype.map(st_float).transpose()?;
     // Shard files holding some unit's shard, or (rank 0) the buffers.

@@ -254,6 +254,7 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
     }
     let dir = resolve_checkpoint(dir)?;
     let meta = read_meta(&dir)?;
+    super::check_checksums(&dir, &meta)?;
     let meta_path = dir.join(META_FILE);
     let files: Vec<SourceFile> = (0..meta.world_size)
         .map(|s| SourceFile::open_shard(&dir, &meta, s))
