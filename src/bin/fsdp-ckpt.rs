@@ -183,6 +183,13 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
 }
 
 fn main() -> ExitCode {
+    // A closed pipe (`fsdp-ckpt inspect DIR | head`) ends the tool quietly, as any Unix filter,
+    // instead of a panic in `println!` (Rust ignores SIGPIPE by default).
+    #[cfg(unix)]
+    // SAFETY: restores a signal's default disposition before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(e) => {
