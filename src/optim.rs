@@ -801,6 +801,39 @@ impl AdamW {
     }
 }
 
+/// The state accessors of [`ShardedOptimizer`] for an optimizer whose local state is a
+/// [`ShardState`] in field `state` and whose step count is `steps_taken` (AdamW, SGD).
+macro_rules! shard_state_access {
+    () => {
+        fn state(&self) -> Result<OptimizerState> {
+            Ok(OptimizerState {
+                hyper: self.hyper(),
+                step: self.steps_taken,
+                units: self.state.export()?,
+            })
+        }
+
+        fn state_header(&self) -> Result<(OptimizerState, Vec<BufferKind>)> {
+            let (units, kinds) = self.state.header();
+            let st = OptimizerState {
+                hyper: self.hyper(),
+                step: self.steps_taken,
+                units,
+            };
+            Ok((st, kinds))
+        }
+
+        fn with_buffer(
+            &self,
+            unit: usize,
+            kind: BufferKind,
+            f: &mut dyn FnMut(&[f32]) -> Result<()>,
+        ) -> Result<()> {
+            self.state.with_buffer(unit, kind, f)
+        }
+    };
+}
+
 impl ShardedOptimizer for AdamW {
     fn state_bytes(&self) -> usize {
         Self::state_bytes(self)
@@ -841,32 +874,7 @@ impl ShardedOptimizer for AdamW {
         OptimizerHyper::AdamW(self.groups.clone())
     }
 
-    fn state(&self) -> Result<OptimizerState> {
-        Ok(OptimizerState {
-            hyper: self.hyper(),
-            step: self.steps_taken,
-            units: self.state.export()?,
-        })
-    }
-
-    fn state_header(&self) -> Result<(OptimizerState, Vec<BufferKind>)> {
-        let (units, kinds) = self.state.header();
-        let st = OptimizerState {
-            hyper: self.hyper(),
-            step: self.steps_taken,
-            units,
-        };
-        Ok((st, kinds))
-    }
-
-    fn with_buffer(
-        &self,
-        unit: usize,
-        kind: BufferKind,
-        f: &mut dyn FnMut(&[f32]) -> Result<()>,
-    ) -> Result<()> {
-        self.state.with_buffer(unit, kind, f)
-    }
+    shard_state_access!();
 
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
         check_loadable(self.kind(), &self.hyper(), &state.hyper)?;
@@ -1058,32 +1066,7 @@ impl ShardedOptimizer for Sgd {
         OptimizerHyper::Sgd(self.groups.clone())
     }
 
-    fn state(&self) -> Result<OptimizerState> {
-        Ok(OptimizerState {
-            hyper: self.hyper(),
-            step: self.steps_taken,
-            units: self.state.export()?,
-        })
-    }
-
-    fn state_header(&self) -> Result<(OptimizerState, Vec<BufferKind>)> {
-        let (units, kinds) = self.state.header();
-        let st = OptimizerState {
-            hyper: self.hyper(),
-            step: self.steps_taken,
-            units,
-        };
-        Ok((st, kinds))
-    }
-
-    fn with_buffer(
-        &self,
-        unit: usize,
-        kind: BufferKind,
-        f: &mut dyn FnMut(&[f32]) -> Result<()>,
-    ) -> Result<()> {
-        self.state.with_buffer(unit, kind, f)
-    }
+    shard_state_access!();
 
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
         check_loadable(self.kind(), &self.hyper(), &state.hyper)?;

@@ -1142,6 +1142,28 @@ fn p5_group_members_with_different_shapes() {
     .unwrap();
 }
 
+/// Full parameters by name.
+type Params = HashMap<String, Vec<f32>>;
+
+/// The initial parameters of `c` and each rank's full parameters (or error) after 2 AdamW steps
+/// at world size 2 on 4-row batches.
+fn two_steps_at_ws2(c: &mut Case) -> (Params, Vec<candle_fsdp::Result<Params>>) {
+    c.rows = 4;
+    c.steps = 2;
+    let init = init_params(c);
+    let c2 = c.clone();
+    let data = batches(c.rows, c.steps);
+    let got = run_ranks(2, ThreadGroupConfig::default(), move |pg| {
+        let mut model = builder(&c2, pg.clone()).build()?;
+        let mut opt = make_opt(false);
+        for (s, b) in data.iter().enumerate() {
+            train_step(&c2, &mut model, opt.as_mut(), b, s)?;
+        }
+        full_params(&model)
+    });
+    (init, got)
+}
+
 /// candle-nn's fused layer_norm inside a pre-norm block (the usual way): the block's output is
 /// still connected to its input (residual) and its other parameters, so neither of the
 /// library's checks fires; ln1/ln2 get no gradient and the gradient through the attention and
@@ -1156,19 +1178,7 @@ fn p5_candle_nn_layer_norm_in_prenorm_block_is_an_error() {
         },
         false,
     );
-    c.rows = 4;
-    c.steps = 2;
-    let init = init_params(&c);
-    let c2 = c.clone();
-    let data = batches(c.rows, c.steps);
-    let got = run_ranks(2, ThreadGroupConfig::default(), move |pg| {
-        let mut model = builder(&c2, pg.clone()).build()?;
-        let mut opt = make_opt(false);
-        for (s, b) in data.iter().enumerate() {
-            train_step(&c2, &mut model, opt.as_mut(), b, s)?;
-        }
-        full_params(&model)
-    });
+    let (init, got) = two_steps_at_ws2(&mut c);
     let e = match &got[0] {
         Ok(params) => {
             let mut frozen: Vec<&String> =
@@ -1194,19 +1204,7 @@ fn p5_fused_softmax_in_attention_is_an_error() {
         },
         false,
     );
-    c.rows = 4;
-    c.steps = 2;
-    let init = init_params(&c);
-    let c2 = c.clone();
-    let data = batches(c.rows, c.steps);
-    let got = run_ranks(2, ThreadGroupConfig::default(), move |pg| {
-        let mut model = builder(&c2, pg.clone()).build()?;
-        let mut opt = make_opt(false);
-        for (s, b) in data.iter().enumerate() {
-            train_step(&c2, &mut model, opt.as_mut(), b, s)?;
-        }
-        full_params(&model)
-    });
+    let (init, got) = two_steps_at_ws2(&mut c);
     if let Ok(params) = &got[0] {
         let w = &params["h0.attn.weight"];
         let w0 = &init["h0.attn.weight"];

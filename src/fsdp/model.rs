@@ -291,6 +291,12 @@ pub struct Forward<'a> {
 }
 
 impl Forward<'_> {
+    /// Calls every unit in build order, each on the previous one's output (the chain of
+    /// [`FsdpModel::forward`] / [`FsdpModel::forward_eval`]); returns the last output.
+    fn call_chain(&mut self, x: Tensor) -> Result<Tensor> {
+        (0..self.model.members.len()).try_fold(x, |h, m| self.model.call1(m, &h))
+    }
+
     /// Calls unit `unit` on `xs` and returns its outputs: all-gathers its parameters (if they
     /// are not already there), runs it, and — in a training forward — joins it to the autograd
     /// graph so that [`FsdpModel::backward`] runs its backward when its outputs' gradients are
@@ -762,14 +768,7 @@ impl FsdpModel {
     /// [`FsdpModel::forward_with`]); as [`FsdpModel::forward_with`].
     pub fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
         self.check_chain()?;
-        let n = self.members.len();
-        self.forward_with(|f| {
-            let mut h = x.clone();
-            for m in 0..n {
-                h = f.model.call1(m, &h)?;
-            }
-            Ok(h)
-        })
+        self.forward_with(|f| f.call_chain(x.clone()))
     }
 
     /// Sharded inference forward of a chain (a collective): every unit gathered, run with
@@ -778,14 +777,7 @@ impl FsdpModel {
     /// Errors: as [`FsdpModel::forward`], phase eval.
     pub fn forward_eval(&mut self, x: &Tensor) -> Result<Tensor> {
         self.check_chain()?;
-        let n = self.members.len();
-        self.forward_eval_with(|f| {
-            let mut h = x.detach();
-            for m in 0..n {
-                h = f.model.call1(m, &h)?;
-            }
-            Ok(h)
-        })
+        self.forward_eval_with(|f| f.call_chain(x.detach()))
     }
 
     fn check_chain(&self) -> Result<()> {
