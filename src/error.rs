@@ -149,6 +149,20 @@ pub enum Error {
         /// `MPI_Error_string` of the code.
         message: String,
     },
+    /// A call into the CUDA driver, NVRTC or cuBLAS failed (feature `cuda`), or no GPU is there:
+    /// the call and the driver's message.
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    /// An NCCL call failed or was aborted (feature `nccl`).
+    #[error("{call} on rank {rank} failed: {message}")]
+    Nccl {
+        /// The NCCL function and what it was for, e.g. `ncclAllGather (all_gather #3)`.
+        call: String,
+        /// This rank in the group.
+        rank: usize,
+        /// NCCL's error (`ncclGetErrorString`, or the watchdog's reason for aborting).
+        message: String,
+    },
     /// An error raised during one phase of a training step, with where it happened: the unit
     /// (when one was running), the phase and the step (counted from 0 by training forwards).
     #[error("{phase} of {} at step {step}: {source}", unit.as_deref().map_or("the model".to_string(), |u| format!("unit {u}")))]
@@ -263,6 +277,7 @@ impl Error {
                 | Error::BadBuffer { .. }
                 | Error::StreamStopped { .. }
                 | Error::Mpi { .. }
+                | Error::Nccl { .. }
         )
     }
 

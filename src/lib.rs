@@ -45,12 +45,16 @@ pub mod alloc;
 pub mod checkpoint;
 pub mod clip;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
+pub mod device;
 pub mod error;
 pub mod flat_param;
 pub mod fsdp;
 pub mod grad_scaler;
 pub mod init;
+pub mod kernels;
 pub mod launch;
 pub mod lr_scheduler;
 #[cfg(feature = "mnist")]

@@ -48,6 +48,8 @@ pub(crate) mod buffer;
 pub mod host;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub(crate) mod reduce;
 pub mod stats;
 pub mod threads;

@@ -1,0 +1,1 @@
+//! The NCCL process group (feature `nccl`). Placeholder, filled by the GPU-path work.

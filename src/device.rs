@@ -1,0 +1,108 @@
+//! Choosing the device a model runs on: `--device cpu|cuda|cuda:N` in the examples, and
+//! `LOCAL_RANK` picking the GPU when several processes share a machine.
+//!
+//! - `cpu`: [`Device::Cpu`].
+//! - `cuda:N`: GPU `N` (feature `cuda`).
+//! - `cuda`: GPU `LOCAL_RANK` when that variable is set (torchrun-style launches, `fsdp-run`),
+//!   else `OMPI_COMM_WORLD_LOCAL_RANK` (under `mpirun`), else GPU 0.
+//!
+//! A CUDA device made here has a stream of its own ([`candle_core::CudaDevice::new_with_stream`]),
+//! Candle's *compute stream*; the comm streams of the process groups are created on the same
+//! context and ordered against it with CUDA events (see `design/architecture.md`, "The GPU path").
+
+use candle_core::Device;
+
+use crate::error::{Error, Result};
+
+/// A parsed `--device` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The host.
+    Cpu,
+    /// A GPU; `None`: the one `LOCAL_RANK` names (see [`local_gpu_ordinal`]).
+    Cuda(Option<usize>),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = Error;
+
+    /// Parses `cpu`, `cuda` or `cuda:N`.
+    ///
+    /// Errors: anything else, as [`Error::InvalidArgument`] naming the value.
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || {
+            Error::InvalidArgument(format!(
+                "device {s:?}: expected `cpu`, `cuda` or `cuda:N` (N a GPU ordinal)"
+            ))
+        };
+        match s {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(None)),
+            _ => match s.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(|n| DeviceSpec::Cuda(Some(n))).map_err(|_| bad()),
+                None => Err(bad()),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Cuda(None) => write!(f, "cuda"),
+            DeviceSpec::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// The GPU ordinal of this process: `LOCAL_RANK`, else `OMPI_COMM_WORLD_LOCAL_RANK`, else 0.
+///
+/// Errors: a variable that is set but not a non-negative integer, naming it and its value.
+pub fn local_gpu_ordinal() -> Result<usize> {
+    for var in ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"] {
+        if let Ok(v) = std::env::var(var) {
+            return v.trim().parse().map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "{var}={v:?}: expected a non-negative integer (the GPU of this process)"
+                ))
+            });
+        }
+    }
+    Ok(0)
+}
+
+impl DeviceSpec {
+    /// The GPU ordinal this spec selects (`None` for the CPU).
+    ///
+    /// Errors: see [`local_gpu_ordinal`].
+    pub fn ordinal(&self) -> Result<Option<usize>> {
+        match self {
+            DeviceSpec::Cpu => Ok(None),
+            DeviceSpec::Cuda(Some(n)) => Ok(Some(*n)),
+            DeviceSpec::Cuda(None) => local_gpu_ordinal().map(Some),
+        }
+    }
+
+    /// Opens the device: the CPU, or the GPU with a compute stream of its own.
+    ///
+    /// Errors: a CUDA spec in a build without the `cuda` feature ("rebuild with `--features
+    /// cuda`"); no CUDA driver or no such GPU (the driver's error, naming the ordinal).
+    pub fn open(&self) -> Result<Device> {
+        match self.ordinal()? {
+            None => Ok(Device::Cpu),
+            #[cfg(feature = "cuda")]
+            Some(n) => crate::cuda::open_device(n),
+            #[cfg(not(feature = "cuda"))]
+            Some(n) => Err(Error::InvalidArgument(format!(
+                "device cuda:{n}: this build has no GPU path; rebuild with `--features cuda` \
+                 (see README, \"The GPU path\")"
+            ))),
+        }
+    }
+}
+
+/// True for a CUDA device.
+pub fn is_cuda(device: &Device) -> bool {
+    matches!(device.location(), candle_core::DeviceLocation::Cuda { .. })
+}
