@@ -106,3 +106,31 @@ impl DeviceSpec {
 pub fn is_cuda(device: &Device) -> bool {
     matches!(device.location(), candle_core::DeviceLocation::Cuda { .. })
 }
+
+/// Reads a small 1-D tensor to the host: `to_vec1` on the CPU; on a GPU a copy on a stream of
+/// its own that does not wait for the compute stream ([`crate::cuda::read_small`]).
+///
+/// Errors: Candle's or the driver's.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn read_small<T: candle_core::WithDType>(t: &candle_core::Tensor) -> Result<Vec<T>> {
+    Ok(t.to_vec1::<T>()?)
+}
+
+/// Reads a small 1-D tensor to the host: `to_vec1` on the CPU; on a GPU a copy on a stream of
+/// its own that does not wait for the compute stream ([`crate::cuda::read_small`]).
+///
+/// Errors: Candle's or the driver's.
+#[cfg(feature = "cuda")]
+pub(crate) fn read_small<T>(t: &candle_core::Tensor) -> Result<Vec<T>>
+where
+    T: candle_core::WithDType
+        + candle_core::cuda_backend::CudaDType
+        + cudarc::driver::DeviceRepr
+        + Default,
+{
+    if is_cuda(t.device()) {
+        crate::cuda::read_small(t)
+    } else {
+        Ok(t.to_vec1::<T>()?)
+    }
+}

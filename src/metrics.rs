@@ -27,10 +27,11 @@ pub fn accuracy(model: &FullModel, images: &Tensor, labels: &Tensor, batch: usiz
     let mut correct = 0f64;
     for start in (0..n).step_by(batch) {
         let len = batch.min(n - start);
-        let logits = model.forward_t(&images.narrow(0, start, len)?, false)?;
+        let x = images.narrow(0, start, len)?.to_device(model.device())?;
+        let logits = model.forward_t(&x, false)?;
         correct += logits
             .argmax(candle_core::D::Minus1)?
-            .eq(&labels.narrow(0, start, len)?)?
+            .eq(&labels.narrow(0, start, len)?.to_device(model.device())?)?
             .to_dtype(DType::F32)?
             .sum_all()?
             .to_scalar::<f32>()? as f64;

@@ -42,12 +42,19 @@ use candle_nn::{BatchNormConfig, Init, ModuleT, VarBuilder};
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::error::Error;
 
+/// The global count of values per channel: read to the host (CPU path, or a rank whose own
+/// batch cannot guarantee `n > 1`), or kept on the device as a scalar f32 tensor (GPU path).
+enum Count {
+    Host(f64),
+    Device(Tensor),
+}
+
 /// A Candle custom op that sums a tensor over every rank of a process group (a blocking
 /// all-reduce on the group's default stream); its backward sums the incoming gradient over the
 /// ranks in the same way. Use it through [`all_reduce_sum`].
 ///
-/// CPU only (f32, contiguous); the CUDA and Metal forwards are Candle's "no implementation"
-/// errors. A communication error comes back out of the Candle op as our own variant (it travels
+/// f32, contiguous, on the CPU or (feature `cuda`) a GPU, where the all-reduce does not block
+/// the host; Metal is Candle's "no implementation" error. A communication error comes back out of the Candle op as our own variant (it travels
 /// through Candle wrapped by [`Error::into_candle`]; `Error::from` unwraps it), e.g.
 /// [`Error::PeerFailed`].
 #[derive(Clone)]
@@ -86,6 +93,49 @@ impl CustomOp1 for AllReduceSum {
             .map_err(Error::into_candle)?
             .to_vec1::<f32>()?;
         Ok((CpuStorage::F32(out), layout.shape().clone()))
+    }
+
+    /// On a GPU: the statistics stay on the device. A device copy of the input goes to the
+    /// group's all-reduce on its default stream; the compute stream waits for it by an event
+    /// ([`crate::comm::Work::wait_compute`]), so the host never blocks (NCCL); the result is
+    /// copied into the op's own output storage on the compute stream.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("all-reduce-sum: expects a contiguous tensor")
+        };
+        let n = end - start;
+        let candle_core::cuda_backend::CudaStorageSlice::F32(data) = &storage.slice else {
+            bail!("all-reduce-sum: expects an f32 tensor")
+        };
+        let stream = storage.device.cuda_stream();
+        let copy = stream
+            .clone_dtod(&data.slice(start..end))
+            .map_err(|e| candle_core::Error::Msg(format!("all-reduce-sum: {e:?}")))?;
+        let buf = Tensor::from_storage(
+            candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(
+                copy,
+                storage.device.clone(),
+            )),
+            n,
+            candle_core::op::BackpropOp::none(),
+            false,
+        );
+        let out = self
+            .pg
+            .all_reduce(&self.pg.default_stream(), buf, ReduceOp::Sum)
+            .wait_compute()
+            .map_err(Error::into_candle)?;
+        let (out_storage, out_layout) = out.storage_and_layout();
+        let candle_core::Storage::Cuda(out_storage) = &*out_storage else {
+            bail!("all-reduce-sum: the group returned a buffer off the GPU")
+        };
+        Ok((out_storage.try_clone(&out_layout)?, layout.shape().clone()))
     }
 
     fn bwd(
@@ -321,8 +371,16 @@ impl SyncBatchNorm {
         // (N, C, L): channel statistics reduce over dims 0 and 2.
         let x3 = x.reshape((dims[0], c, spatial))?;
         let xf = x3.to_dtype(DType::F32)?;
-        let (mean, var, n) = self.global_stats(&xf, local_count)?;
-        if n <= 1. {
+        let (mean, var, n) = if crate::device::is_cuda(x.device()) && local_count >= 2 {
+            // On a GPU the global count stays on the device (no host sync); this rank alone
+            // already has more than one value per channel, so the global count does too.
+            self.global_stats_on_device(&xf, local_count)?
+        } else {
+            let (mean, var, n) = self.global_stats(&xf, local_count)?;
+            (mean, var, Count::Host(n))
+        };
+        if let Count::Host(n) = n {
+            if n <= 1. {
             bail!(
                 "sync-batch-norm: expected more than 1 value per channel when training, the \
                  global batch has {n} (this rank's input {:?}, rank {} of {})",
@@ -330,6 +388,7 @@ impl SyncBatchNorm {
                 self.pg.rank(),
                 self.pg.world_size()
             )
+            }
         }
         // candle-nn's `remove_mean: false` normalises by (and tracks) E[x²] instead.
         let var = if self.remove_mean {
@@ -390,6 +449,40 @@ impl SyncBatchNorm {
             .reshape(dims)
     }
 
+    /// [`Self::global_stats`] without reading anything back to the host (the GPU path): the
+    /// same formulas, with the global count `n` a scalar device tensor. Used when this rank
+    /// holds at least two values per channel, so that `n > 1` needs no check.
+    fn global_stats_on_device(
+        &self,
+        xf: &Tensor,
+        local_count: usize,
+    ) -> candle_core::Result<(Tensor, Tensor, Count)> {
+        let c = self.num_features;
+        let (ws, rank) = (self.pg.world_size(), self.pg.rank());
+        let sum = xf.sum(2)?.sum(0)?;
+        let local_mean = (&sum / local_count as f64)?;
+        let m2 = xf
+            .broadcast_sub(&local_mean.reshape((1, c, 1))?)?
+            .sqr()?
+            .sum(2)?
+            .sum(0)?;
+        let count = Tensor::new(&[local_count as f32], xf.device())?;
+        let row = Tensor::cat(&[&sum, &m2, &count], 0)?.unsqueeze(0)?;
+        let rows = all_reduce_sum(&row.pad_with_zeros(0, rank, ws - 1 - rank)?, &self.pg)?;
+        let n_r = rows.narrow(1, 2 * c, 1)?.detach(); // (ws, 1)
+        let n = n_r.sum_all()?; // scalar
+        let sums = rows.narrow(1, 0, c)?;
+        let mean = sums.sum(0)?.broadcast_div(&n)?;
+        let rank_means = sums.broadcast_div(&n_r.maximum(1f32)?)?;
+        let between = rank_means
+            .broadcast_sub(&mean.unsqueeze(0)?)?
+            .sqr()?
+            .broadcast_mul(&n_r)?
+            .sum(0)?;
+        let m2 = (rows.narrow(1, c, c)?.sum(0)? + between)?;
+        Ok((mean, m2.broadcast_div(&n)?, Count::Device(n)))
+    }
+
     /// Global per-channel mean, biased variance (both `(C,)` f32, attached to the autograd graph)
     /// and count `n`, from this rank's `(N, C, L)` f32 input holding `local_count = N·L` values
     /// per channel.
@@ -441,8 +534,15 @@ impl SyncBatchNorm {
 
     /// `running ← (1 − m) · running + m · batch`, with the unbiased variance, in the buffers'
     /// dtype (the same operation order as candle-nn's `BatchNorm::forward_train`).
-    fn update_running_stats(&self, mean: &Tensor, var: &Tensor, n: f64) -> candle_core::Result<()> {
+    fn update_running_stats(&self, mean: &Tensor, var: &Tensor, n: Count) -> candle_core::Result<()> {
         let m = self.momentum;
+        let unbiased = match n {
+            Count::Host(n) => (var.detach() * (m * n / (n - 1.0)))?,
+            // m · n / (n − 1) on the device (n > 1 is guaranteed by the caller).
+            Count::Device(n) => var
+                .detach()
+                .broadcast_mul(&((&n * m)? / (&n - 1.0)?)?)?,
+        };
         if self.remove_mean {
             let rm = self.running_mean.as_tensor();
             let updated = ((rm.to_dtype(DType::F32)? * (1.0 - m))? + (mean.detach() * m)?)?;
@@ -450,7 +550,7 @@ impl SyncBatchNorm {
         }
         let rv = self.running_var.as_tensor();
         let updated =
-            ((rv.to_dtype(DType::F32)? * (1.0 - m))? + (var.detach() * (m * n / (n - 1.0)))?)?;
+            ((rv.to_dtype(DType::F32)? * (1.0 - m))? + unbiased)?;
         self.running_var.set(&updated.to_dtype(rv.dtype())?)
     }
 

@@ -166,6 +166,10 @@ impl TraceSession {
             spans: Mutex::new(Vec::new()),
             step: AtomicU64::new(0),
             enabled: AtomicBool::new(true),
+            #[cfg(feature = "cuda")]
+            gpu: Mutex::new(None),
+            #[cfg(feature = "cuda")]
+            pending: Mutex::new(Vec::new()),
         })
     }
 }
@@ -180,6 +184,52 @@ pub struct Tracer {
     spans: Mutex<Vec<Span>>,
     step: AtomicU64,
     enabled: AtomicBool,
+    /// The GPU clock (see [`Tracer::time_on_gpu`]).
+    #[cfg(feature = "cuda")]
+    gpu: Mutex<Option<gpu::GpuClock>>,
+    /// Spans timed by CUDA events, resolved into `spans` by [`Tracer::spans`].
+    #[cfg(feature = "cuda")]
+    pending: Mutex<Vec<gpu::Pending>>,
+}
+
+/// An NVTX range (feature `nvtx`) open until dropped, for `nsys profile` timelines whether or
+/// not a Chrome trace is being recorded; without the feature it is nothing and costs nothing.
+pub struct NvtxRange(());
+
+impl NvtxRange {
+    /// Opens a range named `name()` (the closure runs only with the `nvtx` feature).
+    pub fn new(name: impl FnOnce() -> String) -> NvtxRange {
+        #[cfg(feature = "nvtx")]
+        nvtx::range_push!("{}", name());
+        #[cfg(not(feature = "nvtx"))]
+        let _ = name;
+        NvtxRange(())
+    }
+}
+
+impl Drop for NvtxRange {
+    fn drop(&mut self) {
+        #[cfg(feature = "nvtx")]
+        nvtx::range_pop!();
+    }
+}
+
+/// An NVTX instant marker named `name()` (feature `nvtx`; nothing otherwise), e.g. where a
+/// collective is issued.
+pub fn nvtx_mark(name: impl FnOnce() -> String) {
+    #[cfg(feature = "nvtx")]
+    nvtx::mark!("{}", name());
+    #[cfg(not(feature = "nvtx"))]
+    let _ = name;
+}
+
+/// A compute-lane span of the runtime: recorded by the tracer when tracing is on (which also
+/// opens the NVTX range), else only an NVTX range (feature `nvtx`), else nothing.
+pub enum ComputeSpan {
+    /// Recorded by a [`Tracer`].
+    Traced(SpanGuard),
+    /// NVTX only.
+    Nvtx(NvtxRange),
 }
 
 /// Records its span when dropped. Holds its tracer, so it borrows nothing.
@@ -190,6 +240,9 @@ pub struct SpanGuard {
     name: String,
     step: u64,
     start: Instant,
+    /// The start event on the compute stream, when the tracer times on a GPU.
+    #[cfg(feature = "cuda")]
+    gpu_start: Option<cudarc::driver::CudaEvent>,
 }
 
 impl Drop for SpanGuard {
@@ -198,6 +251,20 @@ impl Drop for SpanGuard {
         #[cfg(feature = "nvtx")]
         nvtx::range_pop!();
         let t = &self.tracer;
+        #[cfg(feature = "cuda")]
+        if let Some(start) = self.gpu_start.take() {
+            let span = Span {
+                rank: t.rank,
+                lane: self.lane,
+                kind: self.kind,
+                name: std::mem::take(&mut self.name),
+                step: self.step,
+                start_us: (self.start - t.origin).as_secs_f64() * 1e6,
+                dur_us: (end - self.start).as_secs_f64() * 1e6,
+            };
+            t.push_gpu_span(span, start);
+            return;
+        }
         let span = Span {
             rank: t.rank,
             lane: self.lane,
@@ -257,6 +324,12 @@ impl Tracer {
             name,
             step: self.step(),
             start: Instant::now(),
+            #[cfg(feature = "cuda")]
+            gpu_start: if lane == Lane::Compute {
+                self.gpu_event()
+            } else {
+                None
+            },
         })
     }
 
@@ -277,14 +350,157 @@ impl Tracer {
         self.spans.lock().push(span);
     }
 
-    /// A copy of the spans recorded so far, in recording order.
+    /// A copy of the spans recorded so far, in recording order (spans timed on a GPU come
+    /// after the host-timed ones: resolving them waits for their end events).
     pub fn spans(&self) -> Vec<Span> {
+        #[cfg(feature = "cuda")]
+        self.resolve_gpu_spans();
         self.spans.lock().clone()
     }
 
     /// Drops every recorded span.
     pub fn clear(&self) {
+        #[cfg(feature = "cuda")]
+        self.pending.lock().clear();
         self.spans.lock().clear();
+    }
+}
+
+/// Timing on a GPU (feature `cuda`): the host clock measures when work is *issued*, not when
+/// it runs, so compute spans and the collectives of device backends are timed with CUDA events
+/// instead, on the session's clock: at [`Tracer::time_on_gpu`] the stream is synchronised once
+/// and an origin event recorded, whose host time is known; a span's start is then
+/// `origin_host + elapsed(origin, start_event)`. Events are read only when the spans are
+/// ([`Tracer::spans`]), so tracing adds no host sync to a step.
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::Arc;
+
+    use cudarc::driver::{CudaEvent, CudaStream};
+
+    use super::Span;
+
+    /// The compute stream and the origin event of a tracer's GPU clock.
+    pub(super) struct GpuClock {
+        pub stream: Arc<CudaStream>,
+        pub origin: CudaEvent,
+        /// Host time of `origin`, µs since the session's origin.
+        pub origin_us: f64,
+    }
+
+    /// A span whose times come from its two events.
+    pub(super) struct Pending {
+        pub span: Span,
+        pub start: CudaEvent,
+        pub end: CudaEvent,
+    }
+
+    /// A timing event recorded on `stream`.
+    pub(super) fn timing_event(stream: &CudaStream) -> Option<CudaEvent> {
+        stream.record_event(None).ok()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for gpu::GpuClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GpuClock(origin {:.1} us)", self.origin_us)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for gpu::Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pending({})", self.span.name)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Tracer {
+    /// Times compute spans with CUDA events on `stream` (the compute stream) from now on, and
+    /// lets device backends time their collectives ([`CommObserver::times_device_ops`]).
+    /// Synchronises `stream` once, to pin the GPU clock to the host's.
+    ///
+    /// Errors: the driver's ([`crate::Error::Cuda`]).
+    pub fn time_on_gpu(&self, stream: std::sync::Arc<cudarc::driver::CudaStream>) -> crate::Result<()> {
+        let cuda = |e: cudarc::driver::DriverError| crate::Error::Cuda(format!("trace clock: {e:?}"));
+        stream.synchronize().map_err(cuda)?;
+        let origin = stream.record_event(None).map_err(cuda)?;
+        origin.synchronize().map_err(cuda)?;
+        let origin_us = self.origin.elapsed().as_secs_f64() * 1e6;
+        *self.gpu.lock() = Some(gpu::GpuClock {
+            stream,
+            origin,
+            origin_us,
+        });
+        Ok(())
+    }
+
+    /// A timing event on the compute stream, when a GPU clock is set.
+    fn gpu_event(&self) -> Option<cudarc::driver::CudaEvent> {
+        self.gpu
+            .lock()
+            .as_ref()
+            .and_then(|c| gpu::timing_event(&c.stream))
+    }
+
+    /// Queues a compute span that started at event `start` and ends now on the compute stream.
+    fn push_gpu_span(&self, span: Span, start: cudarc::driver::CudaEvent) {
+        match self.gpu_event() {
+            Some(end) => self.pending.lock().push(gpu::Pending { span, start, end }),
+            None => self.spans.lock().push(span),
+        }
+    }
+
+    /// Records a collective of a device backend, timed by `start` and `end`, events recorded
+    /// around it on its comm stream (the lane named `stream`).
+    pub fn device_span(
+        &self,
+        stream: &str,
+        kind: SpanKind,
+        name: impl Into<String>,
+        start: cudarc::driver::CudaEvent,
+        end: cudarc::driver::CudaEvent,
+    ) {
+        if !self.is_enabled() {
+            return;
+        }
+        let span = Span {
+            rank: self.rank,
+            lane: Lane::comm(stream),
+            kind,
+            name: name.into(),
+            step: self.step(),
+            start_us: self.origin.elapsed().as_secs_f64() * 1e6,
+            dur_us: 0.0,
+        };
+        self.pending.lock().push(gpu::Pending { span, start, end });
+    }
+
+    /// Resolves the pending GPU spans into host-clock spans (waits for their end events). A
+    /// span whose events cannot be read keeps its host times (a warning is logged).
+    fn resolve_gpu_spans(&self) {
+        let pending = std::mem::take(&mut *self.pending.lock());
+        if pending.is_empty() {
+            return;
+        }
+        let clock = self.gpu.lock();
+        let mut spans = self.spans.lock();
+        for mut p in pending {
+            if let Some(c) = clock.as_ref() {
+                let times = p.end.synchronize().and_then(|_| {
+                    Ok((c.origin.elapsed_ms(&p.start)?, p.start.elapsed_ms(&p.end)?))
+                });
+                match times {
+                    Ok((start_ms, dur_ms)) => {
+                        p.span.start_us = c.origin_us + f64::from(start_ms) * 1e3;
+                        p.span.dur_us = f64::from(dur_ms) * 1e3;
+                    }
+                    Err(e) => tracing::warn!("trace: CUDA event of {} unreadable: {e:?}", p.span.name),
+                }
+            }
+            spans.push(p.span);
+        }
     }
 }
 
@@ -301,6 +517,28 @@ impl CommObserver for Tracer {
         let me = self.me.upgrade()?;
         me.span(Lane::comm(stream), span_kind, op)
             .map(|g| Box::new(g) as Box<dyn Send>)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn times_device_ops(&self) -> bool {
+        self.is_enabled() && self.gpu.lock().is_some()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_op(
+        &self,
+        stream: &str,
+        kind: OpKind,
+        op: &str,
+        start: cudarc::driver::CudaEvent,
+        end: cudarc::driver::CudaEvent,
+    ) {
+        let span_kind = match kind {
+            OpKind::AllGather => SpanKind::AllGather,
+            OpKind::ReduceScatter => SpanKind::ReduceScatter,
+            _ => SpanKind::Collective,
+        };
+        self.device_span(stream, span_kind, op, start, end);
     }
 }
 

@@ -29,6 +29,11 @@ pub struct TrainArgs {
     /// count is the world size, and a --world-size that disagrees with it is an error.
     #[arg(long)]
     pub world_size: Option<usize>,
+    /// Where the model runs: `cpu`, `cuda` (the GPU `LOCAL_RANK` names, else 0) or `cuda:N`.
+    /// On one GPU, `--world-size` ranks share it as threads; under `fsdp-run`/torchrun or
+    /// `mpirun`, each process uses its `LOCAL_RANK`'s GPU over NCCL (features `cuda`, `nccl`).
+    #[arg(long, default_value = "cpu")]
+    pub device: candle_fsdp::device::DeviceSpec,
     /// Seed of initialisation and shuffling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

@@ -219,7 +219,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
         let num_batches = loader.num_batches();
         let bar = (self.t.pg.rank() == 0).then(|| progress_bar(num_batches, epoch));
         let k = self.t.args.grad_accum;
-        let (mut loss_sum, mut batches, mut consumed) = (0.0f64, 0usize, 0usize);
+        let (mut loss_total, mut batches, mut consumed) = (None::<Tensor>, 0usize, 0usize);
         for (i, batch) in loader.enumerate() {
             let batch = batch?;
             if self.t.tracing_requested() {
@@ -247,7 +247,12 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
             {
                 self.save(epoch, SamplerState::new(&self.sampler, consumed))?;
             }
-            loss_sum += loss.to_scalar::<f32>()? as f64;
+            // Summed on the device and read once per epoch: a read per step would make the
+            // host wait for every step's GPU work.
+            loss_total = Some(match loss_total {
+                None => loss.detach().to_dtype(DType::F64)?,
+                Some(t) => (t + loss.detach().to_dtype(DType::F64)?)?,
+            });
             batches += 1;
             if let Some(b) = &bar {
                 b.inc(1);
@@ -256,14 +261,22 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
         if let Some(b) = bar {
             b.finish_and_clear();
         }
+        let loss_sum = match loss_total {
+            Some(t) => t.to_scalar::<f64>()?,
+            None => 0.0,
+        };
         Ok((loss_sum, batches))
     }
 
     /// Forward, cross-entropy and backward of one micro-batch; returns its (unscaled) loss.
     fn forward_backward(&mut self, batch: &Batch, last_micro: bool) -> Result<Tensor> {
         self.t.forward_backward(last_micro, |model| {
-            let logits = model.forward(&batch.images)?.to_dtype(DType::F32)?;
-            Ok(candle_nn::loss::cross_entropy(&logits, &batch.labels)?)
+            // The loader builds batches on the host; one copy to the model's device (a no-op on
+            // the CPU).
+            let images = batch.images.to_device(model.device())?;
+            let labels = batch.labels.to_device(model.device())?;
+            let logits = model.forward(&images)?.to_dtype(DType::F32)?;
+            Ok(candle_nn::loss::cross_entropy(&logits, &labels)?)
         })
     }
 

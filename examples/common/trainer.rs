@@ -164,6 +164,7 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
                 BackwardPrefetch::BackwardPre
             },
             mixed_precision,
+            device: pg.device().clone(),
             ..Default::default()
         };
         let mut model = units(FsdpModel::builder(pg.clone(), config)).build()?;

@@ -160,6 +160,27 @@ pub trait CommObserver: Send + Sync {
     /// An operation named `op` (e.g. `all_gather #12 (stream all_gather)`) of kind `kind`
     /// starts on the stream named `stream`.
     fn op_started(&self, stream: &str, kind: OpKind, op: &str) -> Option<Box<dyn Send>>;
+
+    /// True when a device backend should time its collectives with CUDA events and report
+    /// them through [`CommObserver::device_op`] (feature `cuda`; a tracer with a GPU clock).
+    #[cfg(feature = "cuda")]
+    fn times_device_ops(&self) -> bool {
+        false
+    }
+
+    /// A collective of a device backend, enqueued on the stream named `stream` between the
+    /// timing events `start` and `end` (recorded on that stream; they complete later).
+    #[cfg(feature = "cuda")]
+    fn device_op(
+        &self,
+        stream: &str,
+        kind: OpKind,
+        op: &str,
+        start: cudarc::driver::CudaEvent,
+        end: cudarc::driver::CudaEvent,
+    ) {
+        let _ = (stream, kind, op, start, end);
+    }
 }
 
 /// One rank's handle on a process group. Object safe; shared as `Arc<dyn ProcessGroup>`.

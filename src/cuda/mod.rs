@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{CudaDevice, Device};
+use candle_core::{CudaDevice, Device, Tensor};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use crate::error::{Error, Result};
@@ -96,4 +96,68 @@ pub fn stream_wait_stream(consumer: &CudaStream, producer: &CudaStream) -> Resul
     consumer
         .wait(&ev)
         .map_err(|e| Error::Cuda(format!("stream wait: {e:?}")))
+}
+
+/// Bytes in use in `device`'s default memory pool (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`): the
+/// stream-ordered allocations Candle and cudarc make (`cuMemAllocAsync`) that are not freed yet.
+/// A `cuMemFreeAsync` counts once its stream reached it: synchronise the stream first for a
+/// settled figure.
+///
+/// Errors: the driver's.
+pub fn pool_used_bytes(device: &CudaDevice) -> Result<u64> {
+    use cudarc::driver::sys;
+    let ctx = context(device);
+    ctx.bind_to_thread()
+        .map_err(|e| Error::Cuda(format!("binding the context: {e:?}")))?;
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    let mut used: u64 = 0;
+    // SAFETY: both out-pointers are valid for writes of their types; the device handle comes
+    // from a live context; the attribute's value is a `cuuint64_t` per the driver API.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
+            .result()
+            .map_err(|e| Error::Cuda(format!("cuDeviceGetDefaultMemPool: {e:?}")))?;
+        sys::cuMemPoolGetAttribute(
+            pool.assume_init(),
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+            (&mut used as *mut u64).cast(),
+        )
+        .result()
+        .map_err(|e| Error::Cuda(format!("cuMemPoolGetAttribute: {e:?}")))?;
+    }
+    Ok(used)
+}
+
+/// Reads a small contiguous 1-D tensor to the host **without synchronising the compute
+/// stream** (Candle's `to_vec1` copies on the compute stream and waits for everything queued
+/// there): the copy runs on a stream of its own, after the producer's write event (cudarc's
+/// event tracking), and only that stream is waited for. For the few values the runtime reads
+/// back during a step (the gather-agreement check).
+///
+/// Errors: a tensor that is not a contiguous 1-D `T` on a GPU; the driver's.
+pub fn read_small<T>(t: &Tensor) -> Result<Vec<T>>
+where
+    T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr + Default + Clone,
+{
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*storage else {
+        return Err(Error::InvalidArgument(format!(
+            "read_small: expected a tensor on a GPU, found {:?}",
+            t.device().location()
+        )));
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Err(Error::InvalidArgument(
+            "read_small: expected a contiguous tensor".into(),
+        ));
+    };
+    let slice = s.as_cuda_slice::<T>()?;
+    let stream = new_stream(&s.device)?;
+    let out = stream
+        .clone_dtoh(&slice.slice(start..end))
+        .map_err(|e| Error::Cuda(format!("reading {} values back: {e:?}", end - start)))?;
+    stream
+        .synchronize()
+        .map_err(|e| Error::Cuda(format!("reading values back: {e:?}")))?;
+    Ok(out)
 }

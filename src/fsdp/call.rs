@@ -149,6 +149,15 @@ impl CustomOp1 for Top {
         Ok(scalar_storage())
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::scalar_storage(s)
+    }
+
     fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor) -> candle_core::Result<Option<Tensor>> {
         // The anchor is a variable: it needs no gradient.
         self.hook
@@ -178,6 +187,17 @@ impl CustomOp2 for Link {
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         Ok(scalar_storage())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::scalar_storage(s)
     }
 
     fn bwd(
@@ -238,10 +258,48 @@ impl CustomOp1 for Output {
         Ok((dst, layout.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let Some(value) = self.value.lock().take() else {
+            candle_core::bail!("fsdp-call-output: forward run twice")
+        };
+        cuda::copy_of(&value)
+    }
+
     fn bwd(&self, top: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         self.hook
             .with_model(|m| m.set_output_grad(self.call, self.output, grad.clone()))?;
         Ok(Some(zero_like_scalar(top)?))
+    }
+}
+
+/// The CUDA forwards of the nodes: a scalar zero, and a copy of the unit's output (one strided
+/// device copy on the compute stream, as on the CPU).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::{BackendDevice, BackendStorage};
+    use candle_core::{CudaStorage, DType, Shape, Tensor};
+
+    pub(super) fn scalar_storage(
+        like: &CudaStorage,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let shape = Shape::from(());
+        Ok((like.device.zeros_impl(&shape, DType::F32)?, shape))
+    }
+
+    pub(super) fn copy_of(value: &Tensor) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (storage, layout) = value.storage_and_layout();
+        let candle_core::Storage::Cuda(src) = &*storage else {
+            candle_core::bail!("fsdp-call-output: the unit's output is not on the GPU")
+        };
+        // SAFETY: `copy_strided_src` writes every element of the new storage.
+        let mut dst = unsafe { src.device.alloc_uninit(layout.shape(), value.dtype())? };
+        src.copy_strided_src(&mut dst, 0, layout)?;
+        Ok((dst, layout.shape().clone()))
     }
 }
 

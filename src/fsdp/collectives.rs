@@ -138,11 +138,15 @@ pub(crate) fn free_params(params: &[Tensor]) -> Result<()> {
 /// rank its chunk also gives it every parameter's flag summed (averaged) over the ranks: a
 /// flag > 0 means some rank produced a gradient. No extra collective, no extra copy
 /// ([`split_reduced`] takes them apart).
+///
+/// Also returns this rank's own flags on the host: where every one is set, every parameter has
+/// a gradient whatever the other ranks had, so the reduced flags need not be read back (on a
+/// GPU, a device-to-host read that would block the host; see [`split_reduced`]).
 pub(crate) fn flatten_grads(
     flat: &FlatParameter,
     grads: Option<&GradStore>,
     params: &[Tensor],
-) -> Result<Option<Tensor>> {
+) -> Result<Option<(Tensor, Vec<bool>)>> {
     let layout = flat.layout();
     if layout.padded_numel == 0 {
         return Ok(None);
@@ -171,6 +175,7 @@ pub(crate) fn flatten_grads(
     if layout.padded_numel > at {
         segments.push(zeros(layout.padded_numel - at)?);
     }
+    let local: Vec<bool> = present.iter().map(|&p| p > 0.0).collect();
     let flags = Tensor::from_vec(present, layout.params.len(), device)?;
     // Cut the segments at the chunk boundaries and put the flags after each chunk.
     let shard = layout.shard_numel;
@@ -193,21 +198,24 @@ pub(crate) fn flatten_grads(
             }
         }
     }
-    Ok(Some(Tensor::cat(&pieces, 0)?))
+    Ok(Some((Tensor::cat(&pieces, 0)?, local)))
 }
 
 /// Splits a reduced chunk of a [`flatten_grads`] buffer (`shard_numel + F` elements) into the
 /// gradient shard (`shard_numel` elements, a view) and each parameter's presence (its reduced
-/// flag > 0).
+/// flag > 0). With `all_local` (this rank had every gradient) every flag is known to be set and
+/// nothing is read back from the device.
 pub(crate) fn split_reduced(
     layout: &FlatParamLayout,
     reduced: Tensor,
+    all_local: bool,
 ) -> Result<(Tensor, Vec<bool>)> {
     let (n, f) = (layout.shard_numel, layout.params.len());
-    let flags = reduced
-        .narrow(0, n, f)?
-        .to_dtype(DType::F32)?
-        .to_vec1::<f32>()?;
+    if all_local {
+        return Ok((reduced.narrow(0, 0, n)?, vec![true; f]));
+    }
+    let flags =
+        crate::device::read_small::<f32>(&reduced.narrow(0, n, f)?.to_dtype(DType::F32)?)?;
     Ok((
         reduced.narrow(0, 0, n)?,
         flags.into_iter().map(|v| v > 0.0).collect(),

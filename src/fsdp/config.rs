@@ -57,7 +57,9 @@ pub struct FsdpConfig {
     pub sharding_strategy: ShardingStrategy,
     /// Seed of the deterministic initialisation ([`crate::init`]).
     pub seed: u64,
-    /// Device of compute (the CPU in this version).
+    /// Device of the shards, gradients, optimizer state and compute: must be the process
+    /// group's own [`crate::comm::ProcessGroup::device`] (checked at build; on a GPU, each rank's
+    /// Candle device with its compute stream). Default: the CPU.
     pub device: Device,
     /// Issue unit k+1's all-gather before unit k's forward computes.
     pub forward_prefetch: bool,

@@ -33,7 +33,7 @@ use crate::error::{Error, Phase, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter};
 use crate::init::init_values;
 use crate::mixed_precision::MixedPrecision;
-use crate::trace::{Lane, SpanGuard, SpanKind, Tracer};
+use crate::trace::{Lane, SpanKind, Tracer};
 use crate::unit::{record_unit, RecordedParam, UnitSpec};
 
 /// What a model is built from: groups of units in order, and the freeze patterns. Built by
@@ -359,6 +359,14 @@ impl FsdpModel {
         mut fill: impl FnMut(&RecordedParam, std::ops::Range<usize>, &mut [f32]) -> Result<()>,
     ) -> Result<FsdpModel> {
         let spec: ModelSpec = spec.into();
+        if !config.device.same_device(pg.device()) {
+            return Err(Error::InvalidArgument(format!(
+                "FsdpConfig::device is {:?} but the process group's buffers live on {:?} (rank                  {}): set `device: pg.device().clone()` (on a GPU each rank's Candle device,                  with its own compute stream, is the group's)",
+                config.device.location(),
+                pg.device().location(),
+                pg.rank()
+            )));
+        }
         if spec.groups.iter().all(|g| g.members.is_empty()) {
             return Err(Error::InvalidArgument(
                 "a model needs at least one unit".into(),
@@ -580,6 +588,12 @@ impl FsdpModel {
         &self.pg
     }
 
+    /// The device of the shards and of every unit's computation ([`FsdpConfig::device`]):
+    /// inputs must be moved there.
+    pub fn device(&self) -> &candle_core::Device {
+        &self.config.device
+    }
+
     /// The configuration.
     pub fn config(&self) -> &FsdpConfig {
         &self.config
@@ -647,6 +661,14 @@ impl FsdpModel {
     /// Records spans of this model's compute, waits and collectives (also on the process group's
     /// comm streams) into `tracer`; `None` stops. Each training forward starts a new step.
     pub fn set_tracer(&mut self, tracer: Option<Arc<Tracer>>) {
+        // On a GPU, spans are timed with CUDA events on the compute stream (host clocks time
+        // only the issue); a clock that cannot be set leaves host timing, with a warning.
+        #[cfg(feature = "cuda")]
+        if let (Some(t), candle_core::Device::Cuda(d)) = (&tracer, &self.config.device) {
+            if let Err(e) = t.time_on_gpu(d.cuda_stream()) {
+                tracing::warn!("trace: timing on the host clock: {e}");
+            }
+        }
         self.pg
             .set_observer(tracer.clone().map(|t| t as Arc<dyn CommObserver>));
         self.tracer = tracer;
@@ -662,18 +684,35 @@ impl FsdpModel {
         self.steps_started.saturating_sub(1)
     }
 
-    /// A compute-lane span named lazily (`name` runs only when tracing is on).
-    pub(crate) fn span(&self, kind: SpanKind, name: impl FnOnce() -> String) -> Option<SpanGuard> {
-        self.tracer
-            .as_ref()
-            .filter(|t| t.is_enabled())
-            .and_then(|t| t.span(Lane::Compute, kind, name()))
+    /// A compute-lane span named lazily (`name` runs only when tracing is on or with the `nvtx`
+    /// feature, where it is also an NVTX range for `nsys`).
+    pub(crate) fn span(
+        &self,
+        kind: SpanKind,
+        name: impl FnOnce() -> String,
+    ) -> Option<crate::trace::ComputeSpan> {
+        use crate::trace::{ComputeSpan, NvtxRange};
+        match self.tracer.as_ref().filter(|t| t.is_enabled()) {
+            Some(t) => t.span(Lane::Compute, kind, name()).map(ComputeSpan::Traced),
+            None if cfg!(feature = "nvtx") => Some(ComputeSpan::Nvtx(NvtxRange::new(name))),
+            None => None,
+        }
     }
 
-    /// A zero-length issue marker on the compute lane.
+    /// An NVTX range only (FSDP2's `FSDP::pre_forward`, `FSDP::pre_backward`,
+    /// `FSDP::post_backward`): phases that are not compute spans of the Chrome trace.
+    fn nvtx_range(&self, name: impl FnOnce() -> String) -> crate::trace::NvtxRange {
+        crate::trace::NvtxRange::new(name)
+    }
+
+    /// A zero-length issue marker on the compute lane (and an NVTX marker).
     fn mark_issue(&self, name: impl FnOnce() -> String) {
         if let Some(t) = self.tracer.as_ref().filter(|t| t.is_enabled()) {
-            t.instant(Lane::Compute, SpanKind::Issue, name());
+            let name = name();
+            crate::trace::nvtx_mark(|| name.clone());
+            t.instant(Lane::Compute, SpanKind::Issue, name);
+        } else {
+            crate::trace::nvtx_mark(name);
         }
     }
 
@@ -995,10 +1034,13 @@ impl FsdpModel {
                 self.units[g].reshard()?;
             }
         }
+        let pre_forward =
+            self.nvtx_range(|| format!("FSDP::pre_forward {}", self.members[m].spec.name));
         let groups = self.gather_for_call(m, pos, true)?;
         for &g in &groups {
             self.unshard_wait(g)?;
         }
+        drop(pre_forward);
         for &g in &groups {
             self.units[g].add_call();
         }
@@ -1308,7 +1350,7 @@ impl FsdpModel {
         };
         let r = work
             .wait()
-            .and_then(|t| Ok(t.to_vec1::<i64>()?))
+            .and_then(|t| crate::device::read_small::<i64>(&t))
             .map_err(|e| self.at(e, None, phase))?;
         if r[0] != mask - r[1] {
             let names: Vec<&str> = self
@@ -1381,7 +1423,7 @@ impl FsdpModel {
                     .map_err(|e| self.at(e, Some(g), Phase::Backward))?;
             }
         }
-        for (g, work) in self.scheduler.take_reductions() {
+        for (g, work, all_local) in self.scheduler.take_reductions() {
             let _w = self.span(SpanKind::Wait, || {
                 format!("FSDP::wait reduce_scatter {}", self.units[g].name())
             });
@@ -1389,8 +1431,11 @@ impl FsdpModel {
             // (`collectives::flatten_grads`): a parameter has a gradient when some rank
             // produced one.
             let result = collectives::wait_reduced(work).and_then(|reduced| {
-                let (grad, present) =
-                    collectives::split_reduced(self.units[g].flat().layout(), reduced)?;
+                let (grad, present) = collectives::split_reduced(
+                    self.units[g].flat().layout(),
+                    reduced,
+                    all_local,
+                )?;
                 self.units[g].flat_mut().accumulate_grad_of(grad, &present)
             });
             result.map_err(|e| self.at(e, Some(g), Phase::Backward))?;
@@ -1457,12 +1502,15 @@ impl FsdpModel {
             let call = &self.step_calls()[c];
             (call.member, call.groups.clone())
         };
+        let pre_backward =
+            self.nvtx_range(|| format!("FSDP::pre_backward {}", self.members[m].spec.name));
         for &g in &groups {
             self.unshard(g);
         }
         for &g in &groups {
             self.unshard_wait(g)?;
         }
+        drop(pre_backward);
         let mode = self.scheduler.backward_mode();
         if mode == BackwardPrefetch::BackwardPre {
             self.prefetch_backward(c, &groups);
@@ -1474,6 +1522,8 @@ impl FsdpModel {
             self.backward_compute(c, m, &groups)?;
         }
         let next = self.next_backward_call(c);
+        let _post_backward =
+            self.nvtx_range(|| format!("FSDP::post_backward {}", self.members[m].spec.name));
         for &g in &groups {
             let (last, grad) = self.units[g].finish_backward_call();
             if let Some(fg) = grad {
@@ -1634,7 +1684,8 @@ impl FsdpModel {
                 fg,
                 u.policy().reduce_dtype,
             );
-            self.scheduler.push_reduction(g, work);
+            let all_local = self.units[g].take_all_present_locally();
+            self.scheduler.push_reduction(g, work, all_local);
         }
         Ok(())
     }

@@ -15,8 +15,9 @@ use crate::comm::Work;
 pub(crate) struct Scheduler {
     backward_prefetch: BackwardPrefetch,
     limit: Option<usize>,
-    /// Gradient reductions issued by this backward, in issue order (unit index, work).
-    reductions: Vec<(usize, Work<Tensor>)>,
+    /// Gradient reductions issued by this backward, in issue order (unit index, work, whether
+    /// this rank had every parameter's gradient).
+    reductions: Vec<(usize, Work<Tensor>, bool)>,
 }
 
 impl Scheduler {
@@ -41,12 +42,12 @@ impl Scheduler {
     }
 
     /// Records a gradient reduction in flight.
-    pub(crate) fn push_reduction(&mut self, unit: usize, work: Work<Tensor>) {
-        self.reductions.push((unit, work));
+    pub(crate) fn push_reduction(&mut self, unit: usize, work: Work<Tensor>, all_local: bool) {
+        self.reductions.push((unit, work, all_local));
     }
 
     /// Takes every reduction in flight, in issue order.
-    pub(crate) fn take_reductions(&mut self) -> Vec<(usize, Work<Tensor>)> {
+    pub(crate) fn take_reductions(&mut self) -> Vec<(usize, Work<Tensor>, bool)> {
         std::mem::take(&mut self.reductions)
     }
 }

@@ -94,16 +94,25 @@ impl FsdpModel {
                 Ok((m.spec.name.clone(), module))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Some(FullModel { modules }))
+        Ok(Some(FullModel {
+            modules,
+            device: self.config.device.clone(),
+        }))
     }
 }
 
 /// An unsharded copy of a model's units (see [`FsdpModel::gather_full_model`]), in f32.
 pub struct FullModel {
     modules: Vec<(String, Box<dyn UnitModule>)>,
+    device: candle_core::Device,
 }
 
 impl FullModel {
+    /// The device its parameters live on (the model's: inputs must be moved there).
+    pub fn device(&self) -> &candle_core::Device {
+        &self.device
+    }
+
     /// Runs every unit in build order, each on the previous one's output (a chain model).
     ///
     /// Errors: a unit's own; a unit of several outputs.

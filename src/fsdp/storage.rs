@@ -18,6 +18,14 @@
 //!
 //! A freed tensor must not be read until it is refilled (a CPU kernel would index an empty
 //! buffer): the unit state machine (`super::unit_state`) guarantees it.
+//!
+//! **CUDA** (feature `cuda`): the same swap on a [`candle_core::CudaStorage`]'s slice. The old
+//! `CudaSlice` is dropped, which (cudarc's event tracking, on for every context with more than
+//! one stream) makes its stream wait for the slice's last read and write events and then frees
+//! it stream-ordered (`cuMemFreeAsync`): the memory returns to the pool only after every kernel
+//! that read it, on whatever stream, has run — FSDP2's rule, without a host sync. The
+//! placeholder is a one-element slice (a zero-byte `cuMemAllocAsync` is not portable). A refill
+//! is one device-to-device copy on the compute stream.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Tensor};
@@ -44,6 +52,15 @@ impl candle_core::InplaceOp1 for Free {
             other => candle_core::bail!("fsdp-free-storage: unsupported dtype {:?}", other.dtype()),
         }
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        _layout: &Layout,
+    ) -> candle_core::Result<()> {
+        cuda::free(storage)
     }
 }
 
@@ -76,6 +93,24 @@ impl candle_core::InplaceOp1 for FreeWhole {
             && buffer_len(storage) == Some(n)
         {
             Free.cpu_fwd(storage, layout)?;
+            self.freed.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let n = layout.shape().elem_count();
+        if n > 0
+            && layout.is_contiguous()
+            && layout.start_offset() == 0
+            && cuda::buffer_len(storage) == Some(n)
+        {
+            cuda::free(storage)?;
             self.freed.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
@@ -125,11 +160,110 @@ impl candle_core::InplaceOp2 for Refill {
         }
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        src: &candle_core::CudaStorage,
+        src_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let n = dst_l.shape().elem_count();
+        if dst_l.start_offset() != 0 || !dst_l.is_contiguous() {
+            candle_core::bail!("fsdp-refill: the destination must be a whole contiguous tensor");
+        }
+        cuda::refill(dst, src, src_l, n)
+    }
+}
+
+/// The CUDA halves of the ops above.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    use candle_core::{CudaStorage, Layout};
+
+    /// Elements of a float storage's slice (`None` for other dtypes).
+    pub(super) fn buffer_len(storage: &CudaStorage) -> Option<usize> {
+        Some(match &storage.slice {
+            S::F32(v) => v.len(),
+            S::BF16(v) => v.len(),
+            S::F16(v) => v.len(),
+            S::F64(v) => v.len(),
+            _ => return None,
+        })
+    }
+
+    /// Swaps the slice for a one-element placeholder; dropping the old slice frees it
+    /// stream-ordered after its last use (see the module docs).
+    pub(super) fn free(storage: &mut CudaStorage) -> candle_core::Result<()> {
+        let stream = storage.device.cuda_stream();
+        let w = |e: cudarc::driver::DriverError| candle_core::Error::Msg(format!("fsdp-free-storage: {e:?}"));
+        match &mut storage.slice {
+            S::F32(v) => *v = stream.alloc_zeros(1).map_err(w)?,
+            S::BF16(v) => *v = stream.alloc_zeros(1).map_err(w)?,
+            S::F16(v) => *v = stream.alloc_zeros(1).map_err(w)?,
+            S::F64(v) => *v = stream.alloc_zeros(1).map_err(w)?,
+            S::U8(v) => *v = stream.alloc_zeros(1).map_err(w)?,
+            S::U32(v) => *v = stream.alloc_zeros(1).map_err(w)?,
+            S::I64(v) => *v = stream.alloc_zeros(1).map_err(w)?,
+            other => candle_core::bail!(
+                "fsdp-free-storage: unsupported dtype {:?} on CUDA",
+                slice_dtype(other)
+            ),
+        }
+        Ok(())
+    }
+
+    fn slice_dtype(s: &S) -> &'static str {
+        match s {
+            S::U8(_) => "u8",
+            S::U32(_) => "u32",
+            S::I16(_) => "i16",
+            S::I32(_) => "i32",
+            S::I64(_) => "i64",
+            S::BF16(_) => "bf16",
+            S::F16(_) => "f16",
+            S::F32(_) => "f32",
+            S::F64(_) => "f64",
+            _ => "an 8-bit or smaller float",
+        }
+    }
+
+    /// Replaces `dst`'s slice with a device copy of `src`'s contiguous range of `n` elements
+    /// (one `cuMemcpyDtoDAsync` on the destination's stream, the compute stream).
+    pub(super) fn refill(
+        dst: &mut CudaStorage,
+        src: &CudaStorage,
+        src_l: &Layout,
+        n: usize,
+    ) -> candle_core::Result<()> {
+        let (start, end) = match src_l.contiguous_offsets() {
+            Some((start, end)) if end - start == n => (start, end),
+            _ => candle_core::bail!(
+                "fsdp-refill: the source must be a contiguous range of {n} elements"
+            ),
+        };
+        let stream = dst.device.cuda_stream();
+        let w = |e: cudarc::driver::DriverError| candle_core::Error::Msg(format!("fsdp-refill: {e:?}"));
+        match (&mut dst.slice, &src.slice) {
+            (S::F32(d), S::F32(s)) => *d = stream.clone_dtod(&s.slice(start..end)).map_err(w)?,
+            (S::BF16(d), S::BF16(s)) => *d = stream.clone_dtod(&s.slice(start..end)).map_err(w)?,
+            (S::F16(d), S::F16(s)) => *d = stream.clone_dtod(&s.slice(start..end)).map_err(w)?,
+            (S::F64(d), S::F64(s)) => *d = stream.clone_dtod(&s.slice(start..end)).map_err(w)?,
+            (d, s) => candle_core::bail!(
+                "fsdp-refill: dtype {} cannot be refilled from {}",
+                slice_dtype(d),
+                slice_dtype(s)
+            ),
+        }
+        Ok(())
+    }
 }
 
 /// Frees `t`'s storage in place (every tensor sharing it sees an empty buffer).
 ///
-/// Errors: a device without an implementation (CUDA comes with the GPU path).
+/// Errors: a device without an implementation (Metal).
 pub(crate) fn free(t: &Tensor) -> Result<()> {
     t.inplace_op1(&Free).map_err(Error::from)
 }

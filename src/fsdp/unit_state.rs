@@ -71,6 +71,9 @@ pub(crate) struct FsdpUnit {
     /// The step's flat gradient (the [`collectives::flatten_grads`] form), summed over the
     /// calls whose backward ran.
     grad_acc: Option<Tensor>,
+    /// This rank's own gradient presence (layout order) in the gradient not reduced yet (the
+    /// step's calls, and the `no_sync` accumulation): OR-ed as gradients are added.
+    local_present: Vec<bool>,
 }
 
 impl FsdpUnit {
@@ -93,7 +96,26 @@ impl FsdpUnit {
             vars: None,
             pending_calls: 0,
             grad_acc: None,
+            local_present: Vec::new(),
         }
+    }
+
+    /// Ors `present` into this rank's gradient presence.
+    fn note_present(&mut self, present: &[bool]) {
+        if self.local_present.len() != present.len() {
+            self.local_present = vec![false; present.len()];
+        }
+        for (have, &new) in self.local_present.iter_mut().zip(present) {
+            *have |= new;
+        }
+    }
+
+    /// Whether this rank had a gradient for every parameter of the gradient being reduced now,
+    /// and a fresh start for the next one.
+    pub(crate) fn take_all_present_locally(&mut self) -> bool {
+        let all = !self.local_present.is_empty() && self.local_present.iter().all(|&p| p);
+        self.local_present.clear();
+        all
     }
 
     /// The group's name (a unit's name, a tied group's, or `<unit>[frozen]`).
@@ -339,7 +361,8 @@ impl FsdpUnit {
             return Ok(());
         }
         let vars = self.vars.as_deref().unwrap_or(&[]);
-        if let Some(fg) = collectives::flatten_grads(&self.flat, grads, vars)? {
+        if let Some((fg, present)) = collectives::flatten_grads(&self.flat, grads, vars)? {
+            self.note_present(&present);
             match &self.grad_acc {
                 Some(acc) => crate::ops::add_(acc, &fg)?,
                 None => self.grad_acc = Some(fg),
@@ -373,7 +396,11 @@ impl FsdpUnit {
         }
         let grad = match self.grad_acc.take() {
             Some(g) => Some(g),
-            None if !self.frozen => collectives::flatten_grads(&self.flat, None, &[])?,
+            None if !self.frozen => collectives::flatten_grads(&self.flat, None, &[])?
+                .map(|(g, present)| {
+                    self.note_present(&present);
+                    g
+                }),
             None => None,
         };
         self.release();

@@ -41,10 +41,19 @@ fn sgd_cfg() -> SgdConfig {
     }
 }
 
-/// Plain Candle: losses per step and final parameters by name.
+/// Plain Candle on the CPU: losses per step and final parameters by name.
 pub fn reference(ws: usize, opt: Opt) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
+    reference_on(&Device::Cpu, ws, opt)
+}
+
+/// Plain Candle on `device`: losses per step and final parameters by name.
+pub fn reference_on(
+    device: &Device,
+    ws: usize,
+    opt: Opt,
+) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
     let varmap = VarMap::new();
-    let vb = seeded_var_builder(&varmap, SEED, DType::F32, &Device::Cpu);
+    let vb = seeded_var_builder(&varmap, SEED, DType::F32, device);
     let model = reference_model(vb).unwrap();
     let vars = varmap.all_vars();
     let mut adam = candle_nn::AdamW::new(
@@ -59,6 +68,7 @@ pub fn reference(ws: usize, opt: Opt) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
     let mut bufs: Vec<Option<Tensor>> = vec![None; vars.len()];
     let mut losses = Vec::new();
     for (x, y) in batches(STEPS, PER_RANK * ws, 99) {
+        let (x, y) = (x.to_device(device).unwrap(), y.to_device(device).unwrap());
         let logits = reference_forward(&model, &x).unwrap();
         let loss = candle_nn::loss::cross_entropy(&logits, &y).unwrap();
         losses.push(loss.to_scalar::<f32>().unwrap());
@@ -115,6 +125,7 @@ fn fsdp(
             } else {
                 BackwardPrefetch::None
             },
+            device: pg.device().clone(),
             ..Default::default()
         };
         let mut builder = FsdpModel::builder(pg.clone(), config);
@@ -128,8 +139,8 @@ fn fsdp(
         };
         let mut losses = Vec::new();
         for (x, y) in &data {
-            let x = x.narrow(0, rank * PER_RANK, PER_RANK)?;
-            let y = y.narrow(0, rank * PER_RANK, PER_RANK)?;
+            let x = x.narrow(0, rank * PER_RANK, PER_RANK)?.to_device(pg.device())?;
+            let y = y.narrow(0, rank * PER_RANK, PER_RANK)?.to_device(pg.device())?;
             let logits = model.forward(&x)?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
             model.backward(&loss)?;
@@ -155,8 +166,20 @@ fn fsdp(
 /// Trains on the ranks of `launcher` and checks losses and final parameters against plain
 /// Candle (relative error ≤ 1e-5).
 pub fn check(launcher: &Launcher, strategy: ShardingStrategy, opt: Opt, prefetch: bool) {
+    check_against(&Device::Cpu, launcher, strategy, opt, prefetch)
+}
+
+/// [`check`] against plain Candle on `reference_device` (the GPU tests compare FSDP on a GPU
+/// with plain Candle CUDA).
+pub fn check_against(
+    reference_device: &Device,
+    launcher: &Launcher,
+    strategy: ShardingStrategy,
+    opt: Opt,
+    prefetch: bool,
+) {
     let ws = launcher.world_size();
-    let (ref_losses, ref_params) = reference(ws, opt);
+    let (ref_losses, ref_params) = reference_on(reference_device, ws, opt);
     let (losses, params) = fsdp(launcher, strategy, opt, prefetch);
     assert_eq!(losses.len(), STEPS);
     for (step, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {

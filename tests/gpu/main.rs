@@ -9,6 +9,19 @@
 //!   parameters freed after each unit's forward (the CUDA allocator's counters), host↔device
 //!   copies on the step path.
 
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "../common/parity.rs"]
+mod parity;
+
 mod comm;
 mod fsdp;
 mod kernels;
+
+/// The GPU the tests use: `CANDLE_FSDP_TEST_GPU` (default 0).
+pub fn gpu() -> usize {
+    std::env::var("CANDLE_FSDP_TEST_GPU")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
