@@ -9,6 +9,10 @@
 //! `cargo bench --bench bandwidth [--features mpi]`. The MPI rows come from this same binary
 //! started by `mpirun -n <ws> <this binary> --mpi-worker`. `BW_MAX_MIB` caps the largest size.
 //!
+//! On a GPU (feature `cuda`, `BW_DEVICE=cuda[:N]`): the rows are the thread backend on CUDA
+//! tensors (`threads-cuda`: 2 and 4 ranks sharing GPU N, device-to-device copies on the comm
+//! streams), each operation waited for on the host; the memcpy column stays the host's.
+//!
 //! Definitions (nccl-tests, `doc/PERFORMANCE.md`): `size` is the whole buffer (the all-gather's
 //! output, the reduce-scatter's input, as in nccl-tests); `time` is the mean per operation of the
 //! slowest rank, each operation waited for before the next is issued; algorithm bandwidth
@@ -20,7 +24,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use candle_fsdp::launch::{launch, Launcher};
 
@@ -64,8 +68,8 @@ fn sweep(pg: &Arc<dyn ProcessGroup>) -> candle_fsdp::Result<Vec<Row>> {
     for op in OPS {
         for size in sizes() {
             let (n_in, n_out) = lengths(op, size, ws);
-            let input = Tensor::ones(n_in, DType::F32, &Device::Cpu)?;
-            let mut out = Some(Tensor::zeros(n_out, DType::F32, &Device::Cpu)?);
+            let input = Tensor::ones(n_in, DType::F32, pg.device())?;
+            let mut out = Some(Tensor::zeros(n_out, DType::F32, pg.device())?);
             let mut run = |n: usize| -> candle_fsdp::Result<f64> {
                 pg.barrier_wait()?;
                 let start = Instant::now();
@@ -246,6 +250,25 @@ fn human(bytes: usize) -> String {
     }
 }
 
+/// The GPU of `BW_DEVICE=cuda[:N]` (`None`: the CPU). Exits with a message when the value is
+/// bad or the build has no GPU path.
+fn gpu_from_env() -> Option<usize> {
+    let v = std::env::var("BW_DEVICE").ok()?;
+    let spec: candle_fsdp::device::DeviceSpec = v.parse().unwrap_or_else(|e| {
+        eprintln!("BW_DEVICE: {e}");
+        std::process::exit(2)
+    });
+    let n = spec.ordinal().unwrap_or_else(|e| {
+        eprintln!("BW_DEVICE: {e}");
+        std::process::exit(2)
+    })?;
+    if !cfg!(feature = "cuda") {
+        eprintln!("BW_DEVICE={v}: this build has no GPU path; rebuild with --features cuda");
+        std::process::exit(2)
+    }
+    Some(n)
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--mpi-worker") {
         #[cfg(feature = "mpi")]
@@ -257,10 +280,19 @@ fn main() {
         return;
     }
     let mut rows: Vec<(usize, String, Row)> = Vec::new();
+    let gpu = gpu_from_env();
     for ws in [2usize, 4] {
-        let threads = launch(&Launcher::threads(ws), |pg| sweep(&pg)).expect("thread sweep");
+        let (launcher, label) = match gpu {
+            #[cfg(feature = "cuda")]
+            Some(n) => (Launcher::threads_on_gpu(ws, n), "threads-cuda"),
+            _ => (Launcher::threads(ws), "threads"),
+        };
+        let threads = launch(&launcher, |pg| sweep(&pg)).expect("thread sweep");
         for r in threads.into_iter().next().expect("rank 0") {
-            rows.push((ws, "threads".into(), r));
+            rows.push((ws, label.into(), r));
+        }
+        if gpu.is_some() {
+            continue;
         }
         match mpi_rows(ws) {
             Ok(mpi) => rows.extend(mpi.into_iter().map(|(b, r)| (ws, b, r))),

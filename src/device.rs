@@ -39,7 +39,10 @@ impl std::str::FromStr for DeviceSpec {
             "cpu" => Ok(DeviceSpec::Cpu),
             "cuda" => Ok(DeviceSpec::Cuda(None)),
             _ => match s.strip_prefix("cuda:") {
-                Some(n) => n.parse().map(|n| DeviceSpec::Cuda(Some(n))).map_err(|_| bad()),
+                Some(n) => n
+                    .parse()
+                    .map(|n| DeviceSpec::Cuda(Some(n)))
+                    .map_err(|_| bad()),
                 None => Err(bad()),
             },
         }

@@ -163,6 +163,21 @@ pub enum Error {
         /// NCCL's error (`ncclGetErrorString`, or the watchdog's reason for aborting).
         message: String,
     },
+    /// The TCP key-value store that bootstraps a torchrun-style job ([`crate::launch::store`])
+    /// failed on this rank: a rank did not join or reach a barrier in time, a key was not set in
+    /// time, the server could not bind its port or went away, a registration was rejected. The
+    /// message names the store's address and the ranks or key involved.
+    #[error("rank {rank}: {message}")]
+    Store {
+        /// The store's address, `host:port`.
+        addr: String,
+        /// This rank.
+        rank: usize,
+        /// The ranks that did not join or arrive, when that is the failure (else empty).
+        missing: Vec<usize>,
+        /// What went wrong, naming the store's address, the key or barrier, and the OS error.
+        message: String,
+    },
     /// An error raised during one phase of a training step, with where it happened: the unit
     /// (when one was running), the phase and the step (counted from 0 by training forwards).
     #[error("{phase} of {} at step {step}: {source}", unit.as_deref().map_or("the model".to_string(), |u| format!("unit {u}")))]

@@ -118,7 +118,8 @@ impl ShardedGradScaler {
     /// Divides every gradient shard by the scale and returns whether any rank found inf/NaN
     /// (a collective: one all-reduce max of one f32). Idempotent within a step. The gradients
     /// are scaled in place on their device ([`crate::ops::scale_and_check_finite_`]) through
-    /// [`FsdpModel::shards`].
+    /// [`FsdpModel::shards`]; on a GPU every shard's check sets one device flag
+    /// ([`crate::ops::unscale_check_finite_`]), read back once.
     ///
     /// Errors: a collective error; a gradient the kernels cannot update.
     pub fn unscale(&mut self, model: &mut FsdpModel) -> Result<bool> {
@@ -127,10 +128,22 @@ impl ShardedGradScaler {
         }
         let inv = 1.0 / self.state.scale;
         let mut local_inf = false;
+        let mut device_flag: Option<Tensor> = None;
         for v in model.shards() {
             if let Some(g) = v.grad {
-                local_inf |= !ops::scale_and_check_finite_(g, inv)?;
+                if g.device().is_cuda() {
+                    if device_flag.is_none() {
+                        device_flag = Some(Tensor::zeros(1, candle_core::DType::F32, g.device())?);
+                    }
+                    let flag = device_flag.as_ref().expect("just set");
+                    ops::unscale_check_finite_(g, ops::ScaleFactor::Value(inv), flag)?;
+                } else {
+                    local_inf |= !ops::scale_and_check_finite_(g, inv)?;
+                }
             }
+        }
+        if let Some(f) = device_flag {
+            local_inf |= f.to_vec1::<f32>()?[0] != 0.0;
         }
         let flag = if local_inf { 1.0 } else { 0.0 };
         let found = all_reduce_max(model.process_group().as_ref(), flag)

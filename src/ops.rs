@@ -15,8 +15,17 @@
 //! arithmetic is written exactly as the host loops it replaced (same f32 operations in the same
 //! order, no fused multiply-add), so results are bit-identical to them.
 //!
-//! **Other devices.** The CUDA kernels come with the GPU path; until then a tensor on another
-//! device is an [`Error::InvalidArgument`] naming the kernel and the device.
+//! **CUDA** (feature `cuda`). A tensor on a GPU goes to the NVRTC kernels of `kernels/`
+//! (`crate::kernels::cuda`), launched on the device's compute stream with the same arithmetic
+//! (IEEE operations in the same order, no fused multiply-add: bit-identical results, NaN
+//! payloads aside). The functions that return a host value ([`scale_and_check_finite_`],
+//! [`all_finite`], [`sum_squares`]) read it back, which waits for the GPU; the step path uses
+//! their device-side forms instead: [`unscale_check_finite_`] and [`check_finite_`] set a
+//! `found_inf` flag on the device, which [`adamw_step_fused`] and [`sgd_step_fused`] read to
+//! skip the step without a host sync (PyTorch's fused optimizers with `found_inf`). The fused
+//! entry points work on the CPU too, with the CPU loops, so callers need not care where the
+//! tensors are. Any other device is an [`Error::InvalidArgument`] naming the kernel and the
+//! device.
 //!
 //! Aliasing: the tensors written by one call must not share storage with each other or with its
 //! inputs (checked; an error names the two tensors).
@@ -52,6 +61,37 @@ pub struct AdamWHyper {
     pub eps: f32,
 }
 
+/// A gradient unscale factor (`1 / scale` of a grad scaler) for the fused steps: a host value,
+/// or a one-element f32 tensor on the tensors' device (a scale that lives on the GPU, read by
+/// the kernel: no host read).
+#[derive(Debug, Clone, Copy)]
+pub enum ScaleFactor<'a> {
+    /// A host value (1 for an unscaled gradient).
+    Value(f32),
+    /// A one-element f32 tensor on the device of the tensors it scales.
+    Device(&'a Tensor),
+}
+
+impl Default for ScaleFactor<'_> {
+    fn default() -> Self {
+        ScaleFactor::Value(1.0)
+    }
+}
+
+/// The grad scaler's part in a fused optimizer step ([`adamw_step_fused`],
+/// [`sgd_step_fused`]): the gradient is multiplied by `inv_scale` as it is read (in registers;
+/// the stored gradient is not written), and the whole step is skipped when `found_inf` holds a
+/// non-zero value. [`Unscale::default`] is neither (`inv_scale` 1, no flag): a plain step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unscale<'a> {
+    /// Multiplier of the gradient.
+    pub inv_scale: ScaleFactor<'a>,
+    /// A one-element f32 tensor on the tensors' device, set non-zero by
+    /// [`unscale_check_finite_`] / [`check_finite_`] (and max-reduced over ranks) when some
+    /// gradient is infinite or NaN: the step is then skipped, decided on the device.
+    pub found_inf: Option<&'a Tensor>,
+}
+
 /// Per-step constants of one SGD update, all f32 (see [`sgd_step`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SgdHyper {
@@ -78,8 +118,9 @@ pub struct SgdHyper {
 /// contiguous, the same element count, the same device, four distinct storages.
 ///
 /// Errors ([`Error::InvalidArgument`], naming the kernel and the tensor): a dtype other than f32,
-/// a non-contiguous tensor, different element counts, shared storage, a device other than the
-/// CPU (the CUDA kernels come with the GPU path).
+/// a non-contiguous tensor, different element counts, tensors on different devices, shared
+/// storage, a device other than the CPU or (feature `cuda`) a GPU; on a GPU, a failed launch
+/// ([`Error::Cuda`]).
 pub fn adamw_step(
     param: &Tensor,
     grad: &Tensor,
@@ -109,12 +150,87 @@ pub fn adamw_step(
             ("exp_avg_sq", exp_avg_sq),
         ],
     )?;
+    #[cfg(feature = "cuda")]
+    if param.device().is_cuda() {
+        return crate::kernels::cuda::adamw_(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            h,
+            &Unscale::default(),
+        );
+    }
     let h = *h;
     with_cpu_f32(grad, |g| {
         with_mut(param, OP, |p| {
             with_mut(exp_avg, OP, |m| {
                 with_mut(exp_avg_sq, OP, |v| {
                     cpu::adamw(p, g, m, v, h);
+                    Ok(())
+                })
+            })
+        })
+    })??;
+    Ok(())
+}
+
+/// [`adamw_step`] with a grad scaler's unscale and skip ([`Unscale`]), the entry point of a
+/// step that never waits for the GPU: `g = grad · inv_scale` in registers (the stored gradient
+/// is not written), then [`adamw_step`]'s update, bit for bit; nothing at all when
+/// `u.found_inf` holds a non-zero value (on a GPU the kernel reads the flag; on the CPU it is
+/// read here). With [`Unscale::default`] this is [`adamw_step`].
+///
+/// Errors: as [`adamw_step`]; a scaler tensor that is not one f32 element on the tensors'
+/// device, or shares storage with one of them.
+pub fn adamw_step_fused(
+    param: &Tensor,
+    grad: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    h: &AdamWHyper,
+    u: &Unscale<'_>,
+) -> Result<()> {
+    const OP: &str = "adamw_step_fused";
+    let n = check_all(
+        OP,
+        &[
+            ("param", param),
+            ("grad", grad),
+            ("exp_avg", exp_avg),
+            ("exp_avg_sq", exp_avg_sq),
+        ],
+    )?;
+    check_unscale(OP, param.device(), u)?;
+    if n == 0 {
+        return Ok(());
+    }
+    check_distinct(
+        OP,
+        &[
+            ("param", param),
+            ("grad", grad),
+            ("exp_avg", exp_avg),
+            ("exp_avg_sq", exp_avg_sq),
+        ],
+    )?;
+    #[cfg(feature = "cuda")]
+    if param.device().is_cuda() {
+        return crate::kernels::cuda::adamw_(param, grad, exp_avg, exp_avg_sq, h, u);
+    }
+    let Some(inv) = cpu_unscale(u)? else {
+        return Ok(());
+    };
+    let h = *h;
+    with_cpu_f32(grad, |g| {
+        with_mut(param, OP, |p| {
+            with_mut(exp_avg, OP, |m| {
+                with_mut(exp_avg_sq, OP, |v| {
+                    if inv == 1.0 {
+                        cpu::adamw(p, g, m, v, h);
+                    } else {
+                        cpu::adamw_unscaled(p, g, m, v, h, inv);
+                    }
                     Ok(())
                 })
             })
@@ -159,6 +275,10 @@ pub fn sgd_step(
         return Ok(());
     }
     check_distinct(OP, tensors)?;
+    #[cfg(feature = "cuda")]
+    if param.device().is_cuda() {
+        return crate::kernels::cuda::sgd_(param, grad, buf, &h, &Unscale::default());
+    }
     with_cpu_f32(grad, |g| {
         with_mut(param, OP, |p| match buf {
             None => {
@@ -174,6 +294,72 @@ pub fn sgd_step(
     Ok(())
 }
 
+/// [`sgd_step`] with a grad scaler's unscale and skip ([`Unscale`]), as [`adamw_step_fused`]:
+/// `d = grad · inv_scale` in registers, then [`sgd_step`]'s update bit for bit, nothing when
+/// `u.found_inf` holds a non-zero value. With [`Unscale::default`] this is [`sgd_step`].
+///
+/// Errors: as [`sgd_step`] and [`adamw_step_fused`].
+pub fn sgd_step_fused(
+    param: &Tensor,
+    grad: &Tensor,
+    momentum_buffer: Option<&Tensor>,
+    h: &SgdHyper,
+    u: &Unscale<'_>,
+) -> Result<()> {
+    const OP: &str = "sgd_step_fused";
+    let h = *h;
+    let buf = match (h.momentum != 0.0, momentum_buffer) {
+        (false, _) => None,
+        (true, Some(b)) => Some(b),
+        (true, None) => {
+            return Err(Error::InvalidArgument(format!(
+                "{OP}: momentum {} needs a momentum buffer, none given",
+                h.momentum
+            )))
+        }
+    };
+    let all = [
+        ("param", param),
+        ("grad", grad),
+        ("momentum_buffer", buf.unwrap_or(param)),
+    ];
+    let tensors = if buf.is_some() { &all[..] } else { &all[..2] };
+    let n = check_all(OP, tensors)?;
+    check_unscale(OP, param.device(), u)?;
+    if n == 0 {
+        return Ok(());
+    }
+    check_distinct(OP, tensors)?;
+    #[cfg(feature = "cuda")]
+    if param.device().is_cuda() {
+        return crate::kernels::cuda::sgd_(param, grad, buf, &h, u);
+    }
+    let Some(inv) = cpu_unscale(u)? else {
+        return Ok(());
+    };
+    with_cpu_f32(grad, |g| {
+        with_mut(param, OP, |p| match (buf, inv == 1.0) {
+            (None, true) => {
+                cpu::sgd(p, g, h);
+                Ok(())
+            }
+            (None, false) => {
+                cpu::sgd_unscaled(p, g, h, inv);
+                Ok(())
+            }
+            (Some(buf), unscaled) => with_mut(buf, OP, |b| {
+                if unscaled {
+                    cpu::sgd_momentum(p, g, b, h);
+                } else {
+                    cpu::sgd_momentum_unscaled(p, g, b, h, inv);
+                }
+                Ok(())
+            }),
+        })
+    })??;
+    Ok(())
+}
+
 /// Multiplies every element of `t` (f32, contiguous) by `s`, in place.
 ///
 /// Errors: as [`adamw_step`].
@@ -181,6 +367,10 @@ pub fn scale_(t: &Tensor, s: f32) -> Result<()> {
     const OP: &str = "scale_";
     if check_all(OP, &[("tensor", t)])? == 0 {
         return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        return crate::kernels::cuda::scale_(t, s);
     }
     with_mut(t, OP, |x| {
         cpu::scale(x, s);
@@ -191,13 +381,20 @@ pub fn scale_(t: &Tensor, s: f32) -> Result<()> {
 
 /// Multiplies every element of `t` (f32, contiguous) by `s` in place and returns whether every
 /// result is finite: the grad scaler's unscale and inf/NaN check in one pass (PyTorch's
-/// `_amp_foreach_non_finite_check_and_unscale_`).
+/// `_amp_foreach_non_finite_check_and_unscale_`). On a GPU the answer is read back (a host
+/// wait); [`unscale_check_finite_`] keeps it on the device.
 ///
 /// Errors: as [`adamw_step`].
 pub fn scale_and_check_finite_(t: &Tensor, s: f32) -> Result<bool> {
     const OP: &str = "scale_and_check_finite_";
     if check_all(OP, &[("tensor", t)])? == 0 {
         return Ok(true);
+    }
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        let flag = Tensor::zeros(1, DType::F32, t.device())?;
+        crate::kernels::cuda::scale_check_finite_(t, ScaleFactor::Value(s), &flag)?;
+        return Ok(flag.to_vec1::<f32>()?[0] == 0.0);
     }
     let finite = Cell::new(true);
     with_mut(t, OP, |x| {
@@ -212,16 +409,115 @@ pub fn scale_and_check_finite_(t: &Tensor, s: f32) -> Result<bool> {
 /// Errors: as [`adamw_step`].
 pub fn all_finite(t: &Tensor) -> Result<bool> {
     check_all("all_finite", &[("tensor", t)])?;
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        if t.elem_count() == 0 {
+            return Ok(true);
+        }
+        let flag = Tensor::zeros(1, DType::F32, t.device())?;
+        crate::kernels::cuda::check_finite_(t, &flag)?;
+        return Ok(flag.to_vec1::<f32>()?[0] == 0.0);
+    }
     with_cpu_f32(t, |x| x.iter().all(|x| x.is_finite()))
+}
+
+/// Multiplies every element of `t` (f32, contiguous) by `factor` in place and sets `found_inf`
+/// (a one-element f32 tensor on `t`'s device) to 1 when some result is infinite or NaN, leaving
+/// it alone otherwise: the device-side form of [`scale_and_check_finite_`] (PyTorch's
+/// `_amp_foreach_non_finite_check_and_unscale_`). On a GPU nothing is read back; zero the flag
+/// before a step's first call, max-reduce it over ranks, and pass it to [`adamw_step_fused`] /
+/// [`sgd_step_fused`] as [`Unscale::found_inf`].
+///
+/// Errors: as [`adamw_step`]; `found_inf` (or a device factor) not one f32 element on `t`'s
+/// device, or sharing `t`'s storage.
+pub fn unscale_check_finite_(
+    t: &Tensor,
+    factor: ScaleFactor<'_>,
+    found_inf: &Tensor,
+) -> Result<()> {
+    const OP: &str = "unscale_check_finite_";
+    let n = check_all(OP, &[("tensor", t)])?;
+    let u = Unscale {
+        inv_scale: factor,
+        found_inf: Some(found_inf),
+    };
+    check_unscale(OP, t.device(), &u)?;
+    check_distinct(OP, &[("tensor", t), ("found_inf", found_inf)])?;
+    if n == 0 {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        return crate::kernels::cuda::scale_check_finite_(t, factor, found_inf);
+    }
+    let s = match factor {
+        ScaleFactor::Value(v) => v,
+        ScaleFactor::Device(d) => with_cpu_f32(d, |v| v[0])?,
+    };
+    let finite = Cell::new(true);
+    with_mut(t, OP, |x| {
+        finite.set(cpu::scale_check_finite(x, s));
+        Ok(())
+    })?;
+    if !finite.get() {
+        with_mut(found_inf, OP, |f| {
+            f[0] = 1.0;
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
+/// Sets `found_inf` (a one-element f32 tensor on `t`'s device) to 1 when some element of `t`
+/// (f32, contiguous; read only) is infinite or NaN, leaving it alone otherwise: the
+/// device-side form of [`all_finite`], for a check without unscaling (PyTorch's fused path
+/// checks the scaled gradients, then unscales inside the step with [`Unscale::inv_scale`]).
+///
+/// Errors: as [`unscale_check_finite_`].
+pub fn check_finite_(t: &Tensor, found_inf: &Tensor) -> Result<()> {
+    const OP: &str = "check_finite_";
+    let n = check_all(OP, &[("tensor", t)])?;
+    check_unscale(
+        OP,
+        t.device(),
+        &Unscale {
+            inv_scale: ScaleFactor::Value(1.0),
+            found_inf: Some(found_inf),
+        },
+    )?;
+    check_distinct(OP, &[("tensor", t), ("found_inf", found_inf)])?;
+    if n == 0 {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        return crate::kernels::cuda::check_finite_(t, found_inf);
+    }
+    if !with_cpu_f32(t, |x| x.iter().all(|x| x.is_finite()))? {
+        with_mut(found_inf, OP, |f| {
+            f[0] = 1.0;
+            Ok(())
+        })?;
+    }
+    Ok(())
 }
 
 /// Sum of the squares of the elements of `t` (f32, contiguous), each widened to f64 and summed
 /// in f64 in element order: the local part of a total L2 norm
-/// (`torch.nn.utils.clip_grad_norm_`'s norm, accumulated more precisely than f32).
+/// (`torch.nn.utils.clip_grad_norm_`'s norm, accumulated more precisely than f32). On a GPU the
+/// f64 sum runs in the kernels' fixed tree order (equal up to rounding) and is read back;
+/// `crate::kernels::cuda::sum_squares_into` keeps it on the device.
 ///
 /// Errors: as [`adamw_step`].
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
     check_all("sum_squares", &[("tensor", t)])?;
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        // The kernels' fixed tree order (`kernels::sum_squares_reference`), read back.
+        let acc = Tensor::zeros(1, DType::F64, t.device())?;
+        crate::kernels::cuda::sum_squares_into(t, &acc, false)?;
+        return Ok(acc.to_vec1::<f64>()?[0]);
+    }
     with_cpu_f32(t, |x| {
         x.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()
     })
@@ -246,6 +542,10 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
         return Ok(());
     }
     check_distinct(OP, &[("dst", dst), ("src", src)])?;
+    #[cfg(feature = "cuda")]
+    if dst.device().is_cuda() {
+        return crate::kernels::cuda::add_(dst, src);
+    }
     let (storage, layout) = src.storage_and_layout();
     let (start, end) = layout
         .contiguous_offsets()
@@ -265,6 +565,31 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// `t` converted to `dtype` (f32, bf16 or f16): a new contiguous tensor on `t`'s device, round to
+/// nearest even with the `half` crate's NaN and subnormal handling on both devices (CPU:
+/// Candle's `to_dtype`, which converts with `half`; GPU: the `cast` kernel, bit-identical,
+/// [`crate::kernels::cast_reference`]).
+///
+/// Errors: `t` or `dtype` not f32/bf16/f16; a device other than the CPU or a GPU.
+pub fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    const OP: &str = "cast";
+    let fl = [DType::F32, DType::BF16, DType::F16];
+    if !fl.contains(&t.dtype()) || !fl.contains(&dtype) {
+        return Err(Error::InvalidArgument(format!(
+            "{OP}: converts between f32, bf16 and f16, asked {:?} -> {dtype:?}",
+            t.dtype()
+        )));
+    }
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        return crate::kernels::cuda::cast(t, dtype, None);
+    }
+    if !t.device().is_cpu() {
+        return Err(not_on_cpu(OP, t.device()));
+    }
+    Ok(t.to_dtype(dtype)?.contiguous()?)
+}
+
 /// The CPU loops. Each takes its slices as arguments, so the compiler knows that `&mut` slices
 /// alias nothing (and vectorises without run-time overlap checks), and its constants by value.
 /// Not inlined into the lock-taking closures, which would lose that knowledge.
@@ -273,6 +598,32 @@ mod cpu {
 
     #[inline(never)]
     pub(super) fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: AdamWHyper) {
+        adamw_impl::<false>(p, g, m, v, h, 1.0);
+    }
+
+    /// [`adamw`] of `g · inv` (the fused step's unscale, in registers).
+    #[inline(never)]
+    pub(super) fn adamw_unscaled(
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        h: AdamWHyper,
+        inv: f32,
+    ) {
+        adamw_impl::<true>(p, g, m, v, h, inv);
+    }
+
+    /// The AdamW loop; with `UNSCALE` each gradient is multiplied by `inv` first.
+    #[inline(always)]
+    fn adamw_impl<const UNSCALE: bool>(
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        h: AdamWHyper,
+        inv: f32,
+    ) {
         let AdamWHyper {
             beta1,
             beta2,
@@ -285,6 +636,7 @@ mod cpu {
             eps,
         } = h;
         for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
+            let g = if UNSCALE { g * inv } else { g };
             *m = *m * beta1 + g * one_minus_beta1;
             *v = *v * beta2 + (g * g) * one_minus_beta2;
             let m_hat = *m * bias_correction1;
@@ -296,9 +648,20 @@ mod cpu {
 
     #[inline(never)]
     pub(super) fn sgd(p: &mut [f32], g: &[f32], h: SgdHyper) {
+        sgd_impl::<false>(p, g, h, 1.0);
+    }
+
+    /// [`sgd`] of `g · inv`.
+    #[inline(never)]
+    pub(super) fn sgd_unscaled(p: &mut [f32], g: &[f32], h: SgdHyper, inv: f32) {
+        sgd_impl::<true>(p, g, h, inv);
+    }
+
+    #[inline(always)]
+    fn sgd_impl<const UNSCALE: bool>(p: &mut [f32], g: &[f32], h: SgdHyper, inv: f32) {
         let (lr, wd) = (h.lr, h.weight_decay);
         for (p, &g) in p.iter_mut().zip(g) {
-            let mut d = g;
+            let mut d = if UNSCALE { g * inv } else { g };
             if wd != 0.0 {
                 d += wd * *p;
             }
@@ -308,6 +671,29 @@ mod cpu {
 
     #[inline(never)]
     pub(super) fn sgd_momentum(p: &mut [f32], g: &[f32], b: &mut [f32], h: SgdHyper) {
+        sgd_momentum_impl::<false>(p, g, b, h, 1.0);
+    }
+
+    /// [`sgd_momentum`] of `g · inv`.
+    #[inline(never)]
+    pub(super) fn sgd_momentum_unscaled(
+        p: &mut [f32],
+        g: &[f32],
+        b: &mut [f32],
+        h: SgdHyper,
+        inv: f32,
+    ) {
+        sgd_momentum_impl::<true>(p, g, b, h, inv);
+    }
+
+    #[inline(always)]
+    fn sgd_momentum_impl<const UNSCALE: bool>(
+        p: &mut [f32],
+        g: &[f32],
+        b: &mut [f32],
+        h: SgdHyper,
+        inv: f32,
+    ) {
         let SgdHyper {
             lr,
             momentum: mu,
@@ -317,7 +703,7 @@ mod cpu {
             first_step,
         } = h;
         for ((p, &g), b) in p.iter_mut().zip(g).zip(b) {
-            let mut d = g;
+            let mut d = if UNSCALE { g * inv } else { g };
             if wd != 0.0 {
                 d += wd * *p;
             }
@@ -441,15 +827,54 @@ fn with_mut(
 
 fn not_on_cpu(op: &str, device: &Device) -> Error {
     Error::InvalidArgument(format!(
-        "{op}: tensor on {:?}: only CPU kernels exist in this version; the CUDA kernels come \
-         with the GPU path",
+        "{op}: tensor on {:?}: the kernels run on the CPU and, in a build with feature `cuda`, \
+         on CUDA GPUs",
         device.location()
     ))
 }
 
-/// Checks one tensor: on the CPU, contiguous, of one of `dtypes`.
+/// Whether the kernels run on `device`: the CPU, and a GPU in a build with feature `cuda`.
+fn supported(device: &Device) -> bool {
+    device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda())
+}
+
+/// Checks the scaler tensors of a fused step: one f32 element each, on `device`.
+fn check_unscale(op: &str, device: &Device, u: &Unscale<'_>) -> Result<()> {
+    let dev_factor = match u.inv_scale {
+        ScaleFactor::Device(t) => Some(t),
+        ScaleFactor::Value(_) => None,
+    };
+    for (what, t) in [("inv_scale", dev_factor), ("found_inf", u.found_inf)] {
+        let Some(t) = t else { continue };
+        check_layout(op, what, t, &[DType::F32])?;
+        if t.elem_count() != 1 || !t.device().same_device(device) {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: {what} must be one f32 element on {:?}, found shape {:?} on {:?}",
+                device.location(),
+                t.dims(),
+                t.device().location()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The CPU side of [`Unscale`]: `None` when the step is skipped, else the gradient factor.
+fn cpu_unscale(u: &Unscale<'_>) -> Result<Option<f32>> {
+    if let Some(f) = u.found_inf {
+        if with_cpu_f32(f, |v| v[0])? != 0.0 {
+            return Ok(None);
+        }
+    }
+    Ok(Some(match u.inv_scale {
+        ScaleFactor::Value(v) => v,
+        ScaleFactor::Device(t) => with_cpu_f32(t, |v| v[0])?,
+    }))
+}
+
+/// Checks one tensor: on the CPU or (feature `cuda`) a GPU, contiguous, of one of `dtypes`.
 fn check_layout(op: &str, what: &str, t: &Tensor, dtypes: &[DType]) -> Result<()> {
-    if !t.device().is_cpu() {
+    if !supported(t.device()) {
         return Err(not_on_cpu(&format!("{op} ({what})"), t.device()));
     }
     if !dtypes.contains(&t.dtype()) {
@@ -473,11 +898,21 @@ fn check_layout(op: &str, what: &str, t: &Tensor, dtypes: &[DType]) -> Result<()
     Ok(())
 }
 
-/// Checks f32 CPU contiguous tensors of one element count (the first's), which it returns.
+/// Checks f32 contiguous tensors on one device (the first's) of one element count (the
+/// first's), which it returns.
 fn check_all(op: &str, tensors: &[(&str, &Tensor)]) -> Result<usize> {
     let n = tensors[0].1.elem_count();
+    let device = tensors[0].1.device();
     for &(what, t) in tensors {
         check_layout(op, what, t, &[DType::F32])?;
+        if !t.device().same_device(device) {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: {what} is on {:?}, {} on {:?}",
+                t.device().location(),
+                tensors[0].0,
+                device.location()
+            )));
+        }
         if t.elem_count() != n {
             return Err(Error::InvalidArgument(format!(
                 "{op}: {what} has {} elements, expected {n} (those of {})",
@@ -489,14 +924,16 @@ fn check_all(op: &str, tensors: &[(&str, &Tensor)]) -> Result<usize> {
     Ok(n)
 }
 
-/// Address of the first element of a non-empty CPU tensor's storage: two tensors share storage
-/// exactly when these are equal (a CPU storage owns its vector).
+/// Address of the first element of a non-empty CPU tensor's storage, or of a GPU tensor's
+/// storage object (inside Candle's shared lock): two tensors share storage exactly when these
+/// are equal (a CPU storage owns its vector, a CUDA storage its allocation).
 fn storage_addr(t: &Tensor) -> usize {
     let (storage, _) = t.storage_and_layout();
     match &*storage {
         Storage::Cpu(CpuStorage::F32(v)) => v.as_ptr() as usize,
         Storage::Cpu(CpuStorage::BF16(v)) => v.as_ptr() as usize,
         Storage::Cpu(CpuStorage::F16(v)) => v.as_ptr() as usize,
+        Storage::Cuda(s) => std::ptr::from_ref(s) as usize,
         _ => 0,
     }
 }

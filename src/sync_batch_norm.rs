@@ -381,13 +381,13 @@ impl SyncBatchNorm {
         };
         if let Count::Host(n) = n {
             if n <= 1. {
-            bail!(
-                "sync-batch-norm: expected more than 1 value per channel when training, the \
+                bail!(
+                    "sync-batch-norm: expected more than 1 value per channel when training, the \
                  global batch has {n} (this rank's input {:?}, rank {} of {})",
-                x.shape(),
-                self.pg.rank(),
-                self.pg.world_size()
-            )
+                    x.shape(),
+                    self.pg.rank(),
+                    self.pg.world_size()
+                )
             }
         }
         // candle-nn's `remove_mean: false` normalises by (and tracks) E[x²] instead.
@@ -534,14 +534,17 @@ impl SyncBatchNorm {
 
     /// `running ← (1 − m) · running + m · batch`, with the unbiased variance, in the buffers'
     /// dtype (the same operation order as candle-nn's `BatchNorm::forward_train`).
-    fn update_running_stats(&self, mean: &Tensor, var: &Tensor, n: Count) -> candle_core::Result<()> {
+    fn update_running_stats(
+        &self,
+        mean: &Tensor,
+        var: &Tensor,
+        n: Count,
+    ) -> candle_core::Result<()> {
         let m = self.momentum;
         let unbiased = match n {
             Count::Host(n) => (var.detach() * (m * n / (n - 1.0)))?,
             // m · n / (n − 1) on the device (n > 1 is guaranteed by the caller).
-            Count::Device(n) => var
-                .detach()
-                .broadcast_mul(&((&n * m)? / (&n - 1.0)?)?)?,
+            Count::Device(n) => var.detach().broadcast_mul(&((&n * m)? / (&n - 1.0)?)?)?,
         };
         if self.remove_mean {
             let rm = self.running_mean.as_tensor();
@@ -549,8 +552,7 @@ impl SyncBatchNorm {
             self.running_mean.set(&updated.to_dtype(rm.dtype())?)?;
         }
         let rv = self.running_var.as_tensor();
-        let updated =
-            ((rv.to_dtype(DType::F32)? * (1.0 - m))? + unbiased)?;
+        let updated = ((rv.to_dtype(DType::F32)? * (1.0 - m))? + unbiased)?;
         self.running_var.set(&updated.to_dtype(rv.dtype())?)
     }
 

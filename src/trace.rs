@@ -422,8 +422,12 @@ impl Tracer {
     /// Synchronises `stream` once, to pin the GPU clock to the host's.
     ///
     /// Errors: the driver's ([`crate::Error::Cuda`]).
-    pub fn time_on_gpu(&self, stream: std::sync::Arc<cudarc::driver::CudaStream>) -> crate::Result<()> {
-        let cuda = |e: cudarc::driver::DriverError| crate::Error::Cuda(format!("trace clock: {e:?}"));
+    pub fn time_on_gpu(
+        &self,
+        stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> crate::Result<()> {
+        let cuda =
+            |e: cudarc::driver::DriverError| crate::Error::Cuda(format!("trace clock: {e:?}"));
         stream.synchronize().map_err(cuda)?;
         let origin = stream.record_event(None).map_err(cuda)?;
         origin.synchronize().map_err(cuda)?;
@@ -496,7 +500,9 @@ impl Tracer {
                         p.span.start_us = c.origin_us + f64::from(start_ms) * 1e3;
                         p.span.dur_us = f64::from(dur_ms) * 1e3;
                     }
-                    Err(e) => tracing::warn!("trace: CUDA event of {} unreadable: {e:?}", p.span.name),
+                    Err(e) => {
+                        tracing::warn!("trace: CUDA event of {} unreadable: {e:?}", p.span.name)
+                    }
                 }
             }
             spans.push(p.span);

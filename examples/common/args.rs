@@ -148,8 +148,9 @@ impl Setup {
 }
 
 /// Checks every flag and output path before any work (so a typo fails now, not after an epoch),
-/// picks the launcher from how the process was started (threads, or `mpirun`), says what
-/// `--resume` will find, and splits this machine's cores between the ranks on it
+/// picks the launcher from `--device` and how the process was started (threads on the CPU or
+/// one GPU, `mpirun`, NCCL under `fsdp-run`), says what `--resume` will find, and splits this
+/// machine's cores between the ranks on it
 /// (`set_intra_op_threads`).
 pub fn setup(args: &TrainArgs) -> anyhow::Result<Setup> {
     let env = LaunchEnv::detect()?;
@@ -157,7 +158,11 @@ pub fn setup(args: &TrainArgs) -> anyhow::Result<Setup> {
     validate(args, &env, world_size)?;
     // Before MPI starts its threads: the environment is only read afterwards.
     let intra_op = set_intra_op_threads(env.ranks_on_this_machine(world_size));
-    let launcher = Launcher::from_env(
+    // `--device` and how the process was started choose the backend: threads (on the CPU or
+    // sharing one GPU), MPI, or NCCL with one process per GPU.
+    let launcher = Launcher::for_device(
+        args.device,
+        &env,
         args.world_size,
         DEFAULT_WORLD_SIZE,
         std::time::Duration::from_secs(args.timeout_s),

@@ -11,7 +11,9 @@
 use std::cell::RefCell;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, DeviceLocation, InplaceOp1, InplaceOp2, Layout, Tensor};
+use candle_core::{
+    CpuStorage, DType, Device, DeviceLocation, InplaceOp1, InplaceOp2, Layout, Tensor,
+};
 
 use crate::comm::{OpKind, ReduceOp};
 use crate::error::{Error, Result};
@@ -110,6 +112,25 @@ pub(crate) enum Problem {
     },
     /// Candle refused in-place access: the output shares storage with the input.
     Aliased,
+    /// Not on the group's device (device backends: the thread backend on CUDA, NCCL). `found` is
+    /// the tensor's location; `other_device` is true when that location is the group's GPU
+    /// but the tensor belongs to another Candle device (another rank's compute stream).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    WrongDevice {
+        which: &'static str,
+        expected: DeviceLocation,
+        found: DeviceLocation,
+        other_device: bool,
+    },
+}
+
+/// `cpu` or `cuda:N` (`metal:N`), as the examples' `--device` spells it.
+pub(crate) fn location_name(l: DeviceLocation) -> String {
+    match l {
+        DeviceLocation::Cpu => "cpu".to_string(),
+        DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
 }
 
 impl Problem {
@@ -137,6 +158,41 @@ impl Problem {
                 "storage distinct from the input's".into(),
                 "the input's storage".into(),
             ),
+            Problem::WrongDevice {
+                which,
+                expected,
+                found,
+                other_device,
+            } => (
+                which,
+                format!(
+                    "a tensor on this rank's device ({})",
+                    location_name(expected)
+                ),
+                if other_device {
+                    format!(
+                        "a tensor of another Candle device on {} (another rank's compute \
+                         stream; create buffers on `pg.device()`)",
+                        location_name(found)
+                    )
+                } else {
+                    format!("a tensor on {}", location_name(found))
+                },
+            ),
+        }
+    }
+
+    /// The [`Error::BadBuffer`] this problem is on `rank`, for a collective of kind `kind`
+    /// named `op` (the wording [`validate`] uses).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn to_error(self, op: &str, rank: usize, kind: Kind) -> Error {
+        let (which, expected, found) = self.describe();
+        Error::BadBuffer {
+            op: op.to_string(),
+            rank,
+            what: format!("{} {which}", kind.name()),
+            expected,
+            found,
         }
     }
 }
@@ -353,6 +409,42 @@ pub(crate) fn check(t: &Tensor, which: &'static str) -> Option<Problem> {
         return Some(Problem::NotOnCpu {
             which,
             found: location,
+        });
+    }
+    if t.rank() != 1 {
+        return Some(Problem::NotOneD {
+            which,
+            dims: t.rank(),
+        });
+    }
+    if !t.is_contiguous() {
+        return Some(Problem::NotContiguous { which });
+    }
+    if !supported(t.dtype()) {
+        return Some(Problem::Dtype {
+            which,
+            dtype: t.dtype(),
+        });
+    }
+    None
+}
+
+/// The first reason `t` cannot be posted as `which` to a group whose buffers live on `device`
+/// (the same Candle device: on CUDA, the rank's own compute stream), if any. On
+/// [`Device::Cpu`] this is [`check`].
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn check_on(t: &Tensor, which: &'static str, device: &Device) -> Option<Problem> {
+    if device.is_cpu() {
+        return check(t, which);
+    }
+    if !t.device().same_device(device) {
+        let found = t.device().location();
+        let expected = device.location();
+        return Some(Problem::WrongDevice {
+            which,
+            expected,
+            found,
+            other_device: found == expected,
         });
     }
     if t.rank() != 1 {

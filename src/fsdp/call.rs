@@ -284,9 +284,7 @@ mod cuda {
     use candle_core::backend::{BackendDevice, BackendStorage};
     use candle_core::{CudaStorage, DType, Shape, Tensor};
 
-    pub(super) fn scalar_storage(
-        like: &CudaStorage,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
+    pub(super) fn scalar_storage(like: &CudaStorage) -> candle_core::Result<(CudaStorage, Shape)> {
         let shape = Shape::from(());
         Ok((like.device.zeros_impl(&shape, DType::F32)?, shape))
     }

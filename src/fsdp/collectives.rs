@@ -90,6 +90,11 @@ pub(crate) fn param_views(
 /// variable: Candle's `narrow` backward would pad every parameter's gradient to the whole flat
 /// size (design decision 2).
 pub(crate) fn param_vars(layout: &FlatParamLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
+    // On a GPU: every parameter's copy in one launch (kernels/copy.cu), created as variables.
+    #[cfg(feature = "cuda")]
+    if crate::device::is_cuda(flat.device()) {
+        return crate::kernels::cuda::copy_out(layout, flat, flat.dtype(), true, None);
+    }
     layout
         .params
         .iter()
@@ -100,6 +105,10 @@ pub(crate) fn param_vars(layout: &FlatParamLayout, flat: &Tensor) -> Result<Vec<
 /// Copy-out into plain tensors without gradient (frozen parameters), one compact copy per
 /// parameter (in layout order), whose storage can be freed and refilled like a variable's.
 pub(crate) fn param_copies(layout: &FlatParamLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if crate::device::is_cuda(flat.device()) {
+        return crate::kernels::cuda::copy_out(layout, flat, flat.dtype(), false, None);
+    }
     layout
         .params
         .iter()
@@ -152,6 +161,25 @@ pub(crate) fn flatten_grads(
         return Ok(None);
     }
     let device = flat.shard().device();
+    // On a GPU: the whole buffer, flags included, in one launch per 64 parameters
+    // (kernels/copy.cu), the same layout and values; no host-to-device copy.
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = device {
+        let gs: Vec<Option<Tensor>> = (0..layout.params.len())
+            .map(|i| {
+                grads
+                    .zip(params.get(i))
+                    .and_then(|(g, t)| g.get(t))
+                    .map(Tensor::detach)
+            })
+            .collect();
+        let local: Vec<bool> = gs.iter().map(Option::is_some).collect();
+        let refs: Vec<Option<&Tensor>> = gs.iter().map(Option::as_ref).collect();
+        return Ok(
+            crate::kernels::cuda::copy_in(layout, &refs, DType::F32, dev, None)?
+                .map(|t| (t, local)),
+        );
+    }
     let zeros = |n: usize| Tensor::zeros(n, DType::F32, device);
     let mut segments = Vec::with_capacity(2 * layout.params.len() + 1);
     let mut present = Vec::with_capacity(layout.params.len());
@@ -214,8 +242,7 @@ pub(crate) fn split_reduced(
     if all_local {
         return Ok((reduced.narrow(0, 0, n)?, vec![true; f]));
     }
-    let flags =
-        crate::device::read_small::<f32>(&reduced.narrow(0, n, f)?.to_dtype(DType::F32)?)?;
+    let flags = crate::device::read_small::<f32>(&reduced.narrow(0, n, f)?.to_dtype(DType::F32)?)?;
     Ok((
         reduced.narrow(0, 0, n)?,
         flags.into_iter().map(|v| v > 0.0).collect(),

@@ -1431,11 +1431,8 @@ impl FsdpModel {
             // (`collectives::flatten_grads`): a parameter has a gradient when some rank
             // produced one.
             let result = collectives::wait_reduced(work).and_then(|reduced| {
-                let (grad, present) = collectives::split_reduced(
-                    self.units[g].flat().layout(),
-                    reduced,
-                    all_local,
-                )?;
+                let (grad, present) =
+                    collectives::split_reduced(self.units[g].flat().layout(), reduced, all_local)?;
                 self.units[g].flat_mut().accumulate_grad_of(grad, &present)
             });
             result.map_err(|e| self.at(e, Some(g), Phase::Backward))?;

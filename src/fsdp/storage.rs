@@ -198,7 +198,9 @@ mod cuda {
     /// stream-ordered after its last use (see the module docs).
     pub(super) fn free(storage: &mut CudaStorage) -> candle_core::Result<()> {
         let stream = storage.device.cuda_stream();
-        let w = |e: cudarc::driver::DriverError| candle_core::Error::Msg(format!("fsdp-free-storage: {e:?}"));
+        let w = |e: cudarc::driver::DriverError| {
+            candle_core::Error::Msg(format!("fsdp-free-storage: {e:?}"))
+        };
         match &mut storage.slice {
             S::F32(v) => *v = stream.alloc_zeros(1).map_err(w)?,
             S::BF16(v) => *v = stream.alloc_zeros(1).map_err(w)?,
@@ -245,7 +247,8 @@ mod cuda {
             ),
         };
         let stream = dst.device.cuda_stream();
-        let w = |e: cudarc::driver::DriverError| candle_core::Error::Msg(format!("fsdp-refill: {e:?}"));
+        let w =
+            |e: cudarc::driver::DriverError| candle_core::Error::Msg(format!("fsdp-refill: {e:?}"));
         match (&mut dst.slice, &src.slice) {
             (S::F32(d), S::F32(s)) => *d = stream.clone_dtod(&s.slice(start..end)).map_err(w)?,
             (S::BF16(d), S::BF16(s)) => *d = stream.clone_dtod(&s.slice(start..end)).map_err(w)?,

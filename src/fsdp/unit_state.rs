@@ -396,11 +396,12 @@ impl FsdpUnit {
         }
         let grad = match self.grad_acc.take() {
             Some(g) => Some(g),
-            None if !self.frozen => collectives::flatten_grads(&self.flat, None, &[])?
-                .map(|(g, present)| {
+            None if !self.frozen => {
+                collectives::flatten_grads(&self.flat, None, &[])?.map(|(g, present)| {
                     self.note_present(&present);
                     g
-                }),
+                })
+            }
             None => None,
         };
         self.release();

@@ -1,22 +1,86 @@
-//! Loading the kernels of [`super::SOURCES`] on a GPU: each module is compiled to PTX with NVRTC
-//! once per process (cached), and loaded into a device's context once (Candle's per-device
-//! module cache, [`CudaDevice::get_or_load_custom_func`]).
+//! Loading the kernels of [`super::SOURCES`] on a GPU, and their launch wrappers over Candle
+//! tensors (feature `cuda`).
+//!
+//! **Loading.** Each module is compiled to PTX with NVRTC once per process (cached), and loaded
+//! into a device's context once (Candle's per-device module cache,
+//! [`CudaDevice::get_or_load_custom_func`]) and handed out as a cudarc [`CudaFunction`]. NVRTC options: `--gpu-architecture=compute_80`,
+//! `--fmad=false --ftz=false --prec-div=true --prec-sqrt=true` (IEEE arithmetic without
+//! contraction, as the CPU loops of [`crate::ops`]).
+//!
+//! **Wrappers.** One function per kernel. Tensors are flat: any shape, but contiguous (a start
+//! offset is fine: the optimizers pass narrowed views), on one GPU. In-place updates go through
+//! Candle's in-place op API ([`Tensor::inplace_op1`] / [`Tensor::inplace_op2`] with a
+//! `cuda_fwd`), which holds each written tensor's storage write lock during the launch; new
+//! outputs are fresh allocations wrapped with [`Tensor::from_storage`]. Kernels run on the
+//! device's compute stream ([`CudaDevice::cuda_stream`]) unless a wrapper takes a `stream`.
+//! Every buffer is passed to the launch through cudarc's views (or, for the per-parameter
+//! pointers that `copy_in`/`copy_out` pass by value, through [`DevicePtr::device_ptr`] guards
+//! held across the launch), so cudarc's stream-event tracking orders the kernel after the
+//! buffers' producers on other streams and records its reads and writes for their consumers.
+//! No wrapper copies anything between host and device, and none waits for the GPU.
+//!
+//! Launch configurations: element-wise kernels 1-D, [`super::THREADS`] threads,
+//! [`super::elementwise_blocks`]`(n)` blocks (grid-stride); the sum of squares
+//! [`super::sum_squares_blocks`]`(n)` blocks then one; `copy_in`/`copy_out` a 2-D grid, `y` = the
+//! parameters of a batch (at most [`super::COPY_MAX_PARAMS`]), `x` = blocks over the largest
+//! parameter (at most [`super::MAX_BLOCKS`]); `update_scale` one thread.
 
+use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use candle_core::cuda_backend::CudaFunc;
-use candle_core::CudaDevice;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::{CudaDType, CudaStorageSlice};
+use candle_core::op::BackpropOp;
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor,
+};
+use cudarc::driver::{
+    CudaFunction, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchArgs, LaunchConfig, PushKernelArg, SyncOnDrop,
+};
+use half::{bf16, f16};
 
+use super::args::{AdamWArgs, CopyInArgs, CopyOutArgs, SgdArgs};
+use super::{dtype_code, THREADS};
 use crate::error::{Error, Result};
+use crate::flat_param::FlatParamLayout;
+use crate::ops::{AdamWHyper, ScaleFactor, SgdHyper, Unscale};
 
 /// Virtual architecture the PTX targets; the driver JIT-compiles it for the GPU at load
-/// (sm_80 and later: bf16 arithmetic and the atomics the kernels use exist there).
+/// (sm_80 and later: bf16 arithmetic, `__grid_constant__` parameters).
 const ARCH: &str = "compute_80";
 
-fn ptx_cache() -> &'static Mutex<HashMap<&'static str, String>> {
-    static CACHE: OnceLock<Mutex<HashMap<&'static str, String>>> = OnceLock::new();
+/// PTX per module, compiled once per process and kept for its lifetime (a few tens of KiB each),
+/// so that a launch never copies it.
+fn ptx_cache() -> &'static Mutex<HashMap<&'static str, &'static str>> {
+    static CACHE: OnceLock<Mutex<HashMap<&'static str, &'static str>>> = OnceLock::new();
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn ptx_static(module: &str) -> Result<&'static str> {
+    let (name, src) = super::SOURCES
+        .iter()
+        .find(|(n, _)| *n == module)
+        .ok_or_else(|| Error::InvalidArgument(format!("no kernel module named {module:?}")))?;
+    let mut cache = ptx_cache().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = cache.get(name) {
+        return Ok(p);
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(ARCH),
+        fmad: Some(false),
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
+        .map_err(|e| Error::Cuda(format!("NVRTC compiling kernels/{name}.cu: {e}")))?
+        .to_src();
+    let ptx: &'static str = Box::leak(ptx.into_boxed_str());
+    cache.insert(name, ptx);
+    Ok(ptx)
 }
 
 /// The PTX of module `module` (compiled on first use).
@@ -24,32 +88,1235 @@ fn ptx_cache() -> &'static Mutex<HashMap<&'static str, String>> {
 /// Errors: no such module; NVRTC missing or the compile failing ([`Error::Cuda`] with NVRTC's
 /// log).
 pub fn ptx(module: &str) -> Result<String> {
-    let (name, src) = super::SOURCES
-        .iter()
-        .find(|(n, _)| *n == module)
-        .ok_or_else(|| Error::InvalidArgument(format!("no kernel module named {module:?}")))?;
-    let mut cache = ptx_cache().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(p) = cache.get(name) {
-        return Ok(p.clone());
-    }
-    let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some(ARCH),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
-        .map_err(|e| Error::Cuda(format!("NVRTC compiling kernels/{name}.cu: {e}")))?
-        .to_src();
-    cache.insert(name, ptx.clone());
-    Ok(ptx)
+    ptx_static(module).map(str::to_string)
 }
 
-/// Function `function` of module `module` on `device` (launched on the device's compute
-/// stream by [`CudaFunc::builder`]; use `stream.launch_builder(&func)` for another stream).
+/// Function `function` of module `module` on `device`, loaded into the device's context (once
+/// per module). Launch it with `stream.launch_builder(&f)`: `device.cuda_stream()` is Candle's
+/// compute stream.
 ///
 /// Errors: see [`ptx`]; the driver refusing the PTX or not finding the function.
-pub fn func(device: &CudaDevice, module: &str, function: &str) -> Result<CudaFunc> {
-    let ptx = ptx(module)?;
-    device
-        .get_or_load_custom_func(function, module, &ptx)
-        .map_err(|e| Error::Cuda(format!("loading {module}::{function}: {e}")))
+pub fn func(device: &CudaDevice, module: &str, function: &str) -> Result<CudaFunction> {
+    let ptx = ptx_static(module)?;
+    Ok(device
+        .get_or_load_custom_func(function, module, ptx)
+        .map_err(|e| Error::Cuda(format!("loading {module}::{function}: {e}")))?
+        .into_cuda_function())
+}
+
+// ---- argument structs (`super::args`, mirrors of the kernels' C structs) -------------------
+
+// SAFETY: plain `repr(C)` data of f32 fields, the layout of `struct AdamWArgs` in
+// kernels/optim.cu (nine floats, 36 bytes, 4-byte aligned; sizes asserted in `args`, and the
+// PTX parameter list checked by tests/gpu/kernels.rs).
+unsafe impl DeviceRepr for AdamWArgs {}
+
+// SAFETY: plain `repr(C)` data, the layout of `struct SgdArgs` in kernels/optim.cu (four floats,
+// two unsigned ints, 24 bytes).
+unsafe impl DeviceRepr for SgdArgs {}
+
+// SAFETY: plain `repr(C)` data (u64 and u32 fields, explicit padding), the layout of
+// `struct CopyInArgs` in kernels/copy.cu: 2592 bytes, 8-byte aligned (asserted in `args`; the
+// PTX declares `.param .align 8 .b8 copy_in_param_1[2592]`).
+unsafe impl DeviceRepr for CopyInArgs {}
+
+// SAFETY: plain `repr(C)` data, the layout of `struct CopyOutArgs` in kernels/copy.cu: 1552
+// bytes, 8-byte aligned.
+unsafe impl DeviceRepr for CopyOutArgs {}
+
+fn grid_config(grid: super::args::Grid) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+// ---- helpers -------------------------------------------------------------------------------
+
+fn launch_err(op: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Cuda(format!("launching {op}: {e:?}"))
+}
+
+fn config_1d(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (super::elementwise_blocks(n), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The GPU of `t`, or an error naming the op and the tensor.
+fn device_of(op: &str, what: &str, t: &Tensor) -> Result<CudaDevice> {
+    Ok(crate::cuda::cuda_device(t.device(), &format!("{op} ({what})"))?.clone())
+}
+
+/// Checks tensors for an f32 kernel: contiguous, f32, on one GPU (the first's), the same element
+/// count (the first's, returned).
+fn check_f32(op: &str, tensors: &[(&str, &Tensor)]) -> Result<usize> {
+    let (first_name, first) = tensors[0];
+    let dev = device_of(op, first_name, first)?;
+    let n = first.elem_count();
+    for &(what, t) in tensors {
+        check_one(op, what, t, &dev, &[DType::F32])?;
+        if t.elem_count() != n {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: {what} has {} elements, expected {n} (those of {first_name})",
+                t.elem_count()
+            )));
+        }
+    }
+    Ok(n)
+}
+
+/// Checks one tensor: on `dev`, contiguous, of one of `dtypes`.
+fn check_one(op: &str, what: &str, t: &Tensor, dev: &CudaDevice, dtypes: &[DType]) -> Result<()> {
+    let d = device_of(op, what, t)?;
+    if d.id() != dev.id() {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: {what} is on {:?}, the other tensors on another GPU",
+            t.device().location()
+        )));
+    }
+    if !dtypes.contains(&t.dtype()) {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: {what} must be {}, found {:?}",
+            dtypes
+                .iter()
+                .map(|d| format!("{d:?}"))
+                .collect::<Vec<_>>()
+                .join(" or "),
+            t.dtype()
+        )));
+    }
+    if !t.is_contiguous() {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: {what} must be contiguous, found shape {:?} with strides {:?}",
+            t.dims(),
+            t.stride()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a one-element f32 tensor (a scale, a flag) on `dev`.
+fn check_scalar(op: &str, what: &str, t: &Tensor, dev: &CudaDevice) -> Result<()> {
+    check_one(op, what, t, dev, &[DType::F32])?;
+    if t.elem_count() != 1 {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: {what} must hold one element, found shape {:?}",
+            t.dims()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses tensors that share a storage (locking one twice would deadlock; the kernels assume
+/// distinct memory). Two tensors share storage exactly when their `Storage` objects (inside
+/// Candle's shared lock) are one.
+fn check_distinct(op: &str, tensors: &[(&str, &Tensor)]) -> Result<()> {
+    let addr = |t: &Tensor| {
+        let (s, _) = t.storage_and_layout();
+        std::ptr::from_ref::<Storage>(&*s) as usize
+    };
+    let addrs: Vec<usize> = tensors.iter().map(|(_, t)| addr(t)).collect();
+    for i in 0..tensors.len() {
+        for j in i + 1..tensors.len() {
+            if addrs[i] == addrs[j] {
+                return Err(Error::InvalidArgument(format!(
+                    "{op}: {} and {} share one storage; each tensor must own its own",
+                    tensors[i].0, tensors[j].0
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The CUDA storage inside a storage guard.
+fn cuda_storage<'a>(s: &'a Storage, op: &str, what: &str) -> Result<&'a CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Ok(c),
+        _ => Err(Error::InvalidArgument(format!(
+            "{op}: {what} is not on a GPU"
+        ))),
+    }
+}
+
+fn range(l: &Layout, op: &str, what: &str) -> Result<(usize, usize)> {
+    l.contiguous_offsets().ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{op}: {what} must be contiguous, found shape {:?} with strides {:?}",
+            l.dims(),
+            l.stride()
+        ))
+    })
+}
+
+/// The f32 elements of a tensor's storage, read-only.
+fn f32_view<'a>(s: &'a CudaStorage, l: &Layout, op: &str, what: &str) -> Result<CudaView<'a, f32>> {
+    let (start, end) = range(l, op, what)?;
+    Ok(s.as_cuda_slice::<f32>()?.slice(start..end))
+}
+
+/// The f32 elements of a tensor's storage, writable.
+fn f32_view_mut<'a>(
+    s: &'a mut CudaStorage,
+    l: &Layout,
+    op: &str,
+    what: &str,
+) -> Result<CudaViewMut<'a, f32>> {
+    let (start, end) = range(l, op, what)?;
+    Ok(s.as_cuda_slice_mut::<f32>()?.slice_mut(start..end))
+}
+
+/// A read-only view of the elements of one of the kernels' dtypes.
+enum AnyView<'a> {
+    F32(CudaView<'a, f32>),
+    BF16(CudaView<'a, bf16>),
+    F16(CudaView<'a, f16>),
+}
+
+impl<'a> AnyView<'a> {
+    fn new(s: &'a CudaStorage, l: &Layout, op: &str, what: &str) -> Result<Self> {
+        let (start, end) = range(l, op, what)?;
+        Ok(match &s.slice {
+            CudaStorageSlice::F32(v) => AnyView::F32(v.slice(start..end)),
+            CudaStorageSlice::BF16(v) => AnyView::BF16(v.slice(start..end)),
+            CudaStorageSlice::F16(v) => AnyView::F16(v.slice(start..end)),
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "{op}: {what} must be f32, bf16 or f16, found {:?}",
+                    s.dtype()
+                )))
+            }
+        })
+    }
+
+    fn push<'b, 's: 'b>(&'s self, b: &mut LaunchArgs<'b>) {
+        match self {
+            AnyView::F32(v) => b.arg(v),
+            AnyView::BF16(v) => b.arg(v),
+            AnyView::F16(v) => b.arg(v),
+        };
+    }
+}
+
+/// A writable view of the elements of one of the kernels' dtypes.
+enum AnyViewMut<'a> {
+    F32(CudaViewMut<'a, f32>),
+    BF16(CudaViewMut<'a, bf16>),
+    F16(CudaViewMut<'a, f16>),
+}
+
+impl<'a> AnyViewMut<'a> {
+    fn new(s: &'a mut CudaStorage, l: &Layout, op: &str, what: &str) -> Result<Self> {
+        let (start, end) = range(l, op, what)?;
+        let dtype = s.dtype();
+        Ok(match &mut s.slice {
+            CudaStorageSlice::F32(v) => AnyViewMut::F32(v.slice_mut(start..end)),
+            CudaStorageSlice::BF16(v) => AnyViewMut::BF16(v.slice_mut(start..end)),
+            CudaStorageSlice::F16(v) => AnyViewMut::F16(v.slice_mut(start..end)),
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "{op}: {what} must be f32, bf16 or f16, found {dtype:?}"
+                )))
+            }
+        })
+    }
+
+    fn push<'b, 's: 'b>(&'s mut self, b: &mut LaunchArgs<'b>) {
+        match self {
+            AnyViewMut::F32(v) => b.arg(v),
+            AnyViewMut::BF16(v) => b.arg(v),
+            AnyViewMut::F16(v) => b.arg(v),
+        };
+    }
+}
+
+/// An [`InplaceOp1`] handing a tensor's CUDA storage and layout, mutably, to a closure (run
+/// under the storage's write lock).
+struct CudaMut<F> {
+    name: &'static str,
+    f: Cell<Option<F>>,
+}
+
+impl<F> InplaceOp1 for CudaMut<F>
+where
+    F: FnOnce(&mut CudaStorage, &Layout) -> Result<()>,
+{
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        Err(Error::InvalidArgument(format!(
+            "{}: a CUDA kernel was called on a CPU tensor",
+            self.name
+        ))
+        .into_candle())
+    }
+
+    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
+        let f = self.f.take().expect("an in-place op runs its closure once");
+        f(s, l).map_err(Error::into_candle)
+    }
+}
+
+/// Runs `f` on `t`'s CUDA storage under its write lock.
+fn with_mut(
+    t: &Tensor,
+    name: &'static str,
+    f: impl FnOnce(&mut CudaStorage, &Layout) -> Result<()>,
+) -> Result<()> {
+    t.inplace_op1(&CudaMut {
+        name,
+        f: Cell::new(Some(f)),
+    })?;
+    Ok(())
+}
+
+/// An [`InplaceOp2`] handing the first tensor's CUDA storage mutably and the second's read-only
+/// to a closure (Candle holds both locks).
+struct CudaMut2<F> {
+    name: &'static str,
+    f: Cell<Option<F>>,
+}
+
+impl<F> InplaceOp2 for CudaMut2<F>
+where
+    F: FnOnce(&mut CudaStorage, &Layout, &CudaStorage, &Layout) -> Result<()>,
+{
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        Err(Error::InvalidArgument(format!(
+            "{}: a CUDA kernel was called on CPU tensors",
+            self.name
+        ))
+        .into_candle())
+    }
+
+    fn cuda_fwd(
+        &self,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        let f = self.f.take().expect("an in-place op runs its closure once");
+        f(s1, l1, s2, l2).map_err(Error::into_candle)
+    }
+}
+
+/// A new tensor of `shape` over a fresh device allocation.
+fn wrap<T: CudaDType>(
+    slice: cudarc::driver::CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: impl Into<candle_core::Shape>,
+    is_variable: bool,
+) -> Tensor {
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone()));
+    Tensor::from_storage(storage, shape, BackpropOp::none(), is_variable)
+}
+
+/// A fresh device allocation of `n` elements of `dtype` on `stream`, unset (at least one element:
+/// the driver refuses empty allocations).
+///
+/// # Safety
+///
+/// The memory is uninitialised: the caller must write every element a reader will see.
+unsafe fn alloc_any(stream: &Arc<CudaStream>, dtype: DType, n: usize) -> Result<AnyOwned> {
+    let n = n.max(1);
+    let err = |e| Error::Cuda(format!("allocating {n} elements of {dtype:?}: {e:?}"));
+    // SAFETY: forwarded to the caller (uninitialised memory).
+    unsafe {
+        Ok(match dtype {
+            DType::F32 => AnyOwned::F32(stream.alloc::<f32>(n).map_err(err)?),
+            DType::BF16 => AnyOwned::BF16(stream.alloc::<bf16>(n).map_err(err)?),
+            DType::F16 => AnyOwned::F16(stream.alloc::<f16>(n).map_err(err)?),
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "expected f32, bf16 or f16, found {other:?}"
+                )))
+            }
+        })
+    }
+}
+
+/// A fresh allocation of one of the kernels' dtypes.
+enum AnyOwned {
+    F32(cudarc::driver::CudaSlice<f32>),
+    BF16(cudarc::driver::CudaSlice<bf16>),
+    F16(cudarc::driver::CudaSlice<f16>),
+}
+
+impl AnyOwned {
+    fn push<'b, 's: 'b>(&'s mut self, b: &mut LaunchArgs<'b>) {
+        match self {
+            AnyOwned::F32(v) => b.arg(v),
+            AnyOwned::BF16(v) => b.arg(v),
+            AnyOwned::F16(v) => b.arg(v),
+        };
+    }
+
+    /// Device address for a kernel argument passed by value, and the guard that records the
+    /// write on `stream` when dropped (after the launch).
+    fn ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        match self {
+            AnyOwned::F32(v) => v.device_ptr_mut(stream),
+            AnyOwned::BF16(v) => v.device_ptr_mut(stream),
+            AnyOwned::F16(v) => v.device_ptr_mut(stream),
+        }
+    }
+
+    fn into_tensor(
+        self,
+        dev: &CudaDevice,
+        shape: impl Into<candle_core::Shape>,
+        is_variable: bool,
+    ) -> Tensor {
+        match self {
+            AnyOwned::F32(v) => wrap(v, dev, shape, is_variable),
+            AnyOwned::BF16(v) => wrap(v, dev, shape, is_variable),
+            AnyOwned::F16(v) => wrap(v, dev, shape, is_variable),
+        }
+    }
+}
+
+/// Optional one-element f32 inputs of a kernel (a device scale, a found-inf flag), read-only:
+/// the storage guard, then a view of it.
+type Guard<'a> = Option<(candle_core::StorageRef<'a>, &'a Layout)>;
+
+fn guard(t: Option<&Tensor>) -> Guard<'_> {
+    t.map(|t| t.storage_and_layout())
+}
+
+fn guard_view<'a>(g: &'a Guard<'_>, op: &str, what: &str) -> Result<Option<CudaView<'a, f32>>> {
+    match g {
+        None => Ok(None),
+        Some((s, l)) => Ok(Some(f32_view(cuda_storage(s, op, what)?, l, op, what)?)),
+    }
+}
+
+/// Pushes an optional device pointer: the view, or a null pointer (`null` must outlive the
+/// launch).
+fn push_opt<'b, 's: 'b>(b: &mut LaunchArgs<'b>, v: &'s Option<CudaView<'_, f32>>, null: &'s u64) {
+    match v {
+        Some(v) => b.arg(v),
+        None => b.arg(null),
+    };
+}
+
+/// The host value and optional device tensor of an unscale factor.
+fn factor_parts<'a>(f: &ScaleFactor<'a>) -> (f32, Option<&'a Tensor>) {
+    match *f {
+        ScaleFactor::Value(v) => (v, None),
+        ScaleFactor::Device(t) => (1.0, Some(t)),
+    }
+}
+
+// ---- module `cast` -------------------------------------------------------------------------
+
+/// `src` converted to `dtype` (f32, bf16 or f16; round to nearest even, as
+/// [`super::cast_reference`]): a new contiguous tensor of `src`'s shape on `src`'s GPU, computed
+/// on `stream` (default: the compute stream). A non-contiguous `src` is made contiguous first
+/// (Candle's copy).
+///
+/// Errors: `src` not on a GPU or not f32/bf16/f16; `dtype` not f32/bf16/f16; a failed
+/// allocation or launch.
+pub fn cast(src: &Tensor, dtype: DType, stream: Option<&Arc<CudaStream>>) -> Result<Tensor> {
+    const OP: &str = "cast";
+    let dev = device_of(OP, "src", src)?;
+    let out_code = dtype_code(dtype).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{OP}: target must be f32, bf16 or f16, found {dtype:?}"
+        ))
+    })?;
+    let src = if src.is_contiguous() {
+        src.clone()
+    } else {
+        src.contiguous()?
+    };
+    check_one(
+        OP,
+        "src",
+        &src,
+        &dev,
+        &[DType::F32, DType::BF16, DType::F16],
+    )?;
+    let n = src.elem_count();
+    let stream = stream.cloned().unwrap_or_else(|| dev.cuda_stream());
+    // SAFETY: the launch below writes all n elements (n == 0: nothing to read).
+    let mut out = unsafe { alloc_any(&stream, dtype, n)? };
+    if n > 0 {
+        let (s, l) = src.storage_and_layout();
+        let input = AnyView::new(cuda_storage(&s, OP, "src")?, l, OP, "src")?;
+        let src_code = dtype_code(src.dtype()).expect("checked above");
+        let f = func(&dev, "cast", "cast")?;
+        let n64 = n as u64;
+        let mut b = stream.launch_builder(&f);
+        input.push(&mut b);
+        b.arg(&src_code);
+        out.push(&mut b);
+        b.arg(&out_code);
+        b.arg(&n64);
+        // SAFETY: `cast(const void*, u32, void*, u32, u64)`: the argument types and order match;
+        // the input view and the output allocation hold n elements of the dtypes whose codes are
+        // passed; they are distinct allocations.
+        unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("cast::cast", e))?;
+    }
+    Ok(out.into_tensor(&dev, src.shape().clone(), false))
+}
+
+/// Converts `src` into the existing tensor `dst` (same element count, both contiguous,
+/// f32/bf16/f16, distinct storages, one GPU), on the compute stream.
+///
+/// Errors: as [`cast`]; element counts or devices differing.
+pub fn cast_into(src: &Tensor, dst: &Tensor) -> Result<()> {
+    const OP: &str = "cast_into";
+    let dev = device_of(OP, "dst", dst)?;
+    let fl = [DType::F32, DType::BF16, DType::F16];
+    check_one(OP, "src", src, &dev, &fl)?;
+    check_one(OP, "dst", dst, &dev, &fl)?;
+    let n = dst.elem_count();
+    if src.elem_count() != n {
+        return Err(Error::InvalidArgument(format!(
+            "{OP}: src has {} elements, dst {n}",
+            src.elem_count()
+        )));
+    }
+    check_distinct(OP, &[("src", src), ("dst", dst)])?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (src_code, dst_code) = (
+        dtype_code(src.dtype()).expect("checked"),
+        dtype_code(dst.dtype()).expect("checked"),
+    );
+    let f = func(&dev, "cast", "cast")?;
+    let cs = dev.cuda_stream();
+    dst.inplace_op2(
+        src,
+        &CudaMut2 {
+            name: OP,
+            f: Cell::new(Some(
+                |ds: &mut CudaStorage, dl: &Layout, ss: &CudaStorage, sl: &Layout| {
+                    let input = AnyView::new(ss, sl, OP, "src")?;
+                    let mut out = AnyViewMut::new(ds, dl, OP, "dst")?;
+                    let n64 = n as u64;
+                    let mut b = cs.launch_builder(&f);
+                    input.push(&mut b);
+                    b.arg(&src_code);
+                    out.push(&mut b);
+                    b.arg(&dst_code);
+                    b.arg(&n64);
+                    // SAFETY: as in `cast`: matching argument list, n elements in both views,
+                    // distinct storages (checked).
+                    unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("cast::cast", e))?;
+                    Ok(())
+                },
+            )),
+        },
+    )?;
+    Ok(())
+}
+
+// ---- module `copy` -------------------------------------------------------------------------
+
+/// Copy-in on the GPU: one unit's parameter gradients into a new flat reduction buffer in
+/// `reduce_dtype` (f32, bf16 or f16), with exactly the layout of `fsdp::collectives::
+/// flatten_grads` followed by its cast to `reduce_dtype` ([`super::copy_in_reference`]): 1-D,
+/// `world_size × (shard_numel + F)` elements, chunk `c` holding flat `[c·S, (c+1)·S)` and then
+/// the `F` presence flags (1 where the parameter has a gradient). `None` when the layout has no
+/// element.
+///
+/// `grads[q]`: parameter `q`'s gradient (layout order; `None` or past the end: absent), any
+/// shape of `numel` elements, f32/bf16/f16 (mixed dtypes are fine), on `device`; a
+/// non-contiguous gradient is made contiguous first (Candle's copy). One launch per
+/// [`super::COPY_MAX_PARAMS`] parameters, every element written exactly once (no zero-fill
+/// pass); the descriptors travel by value in the kernel parameters, so there is no host→device
+/// copy. Runs on `stream` (default: the compute stream), after the gradients' producers.
+///
+/// Errors: a gradient of the wrong element count, dtype or device; `reduce_dtype` not
+/// f32/bf16/f16; a failed allocation or launch.
+pub fn copy_in(
+    layout: &FlatParamLayout,
+    grads: &[Option<&Tensor>],
+    reduce_dtype: DType,
+    device: &CudaDevice,
+    stream: Option<&Arc<CudaStream>>,
+) -> Result<Option<Tensor>> {
+    const OP: &str = "copy_in";
+    if layout.padded_numel == 0 {
+        return Ok(None);
+    }
+    let out_code = dtype_code(reduce_dtype).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{OP}: reduce dtype must be f32, bf16 or f16, found {reduce_dtype:?}"
+        ))
+    })?;
+    if grads.len() > layout.params.len() {
+        return Err(Error::InvalidArgument(format!(
+            "{OP}: {} gradients for {} parameters",
+            grads.len(),
+            layout.params.len()
+        )));
+    }
+    let fl = [DType::F32, DType::BF16, DType::F16];
+    let mut owned: Vec<Option<Tensor>> = Vec::with_capacity(layout.params.len());
+    for (q, p) in layout.params.iter().enumerate() {
+        let Some(g) = grads.get(q).copied().flatten() else {
+            owned.push(None);
+            continue;
+        };
+        let what = format!("gradient of {}", p.name);
+        if g.elem_count() != p.numel {
+            return Err(Error::InvalidArgument(format!(
+                "{OP}: {what} has {} elements, the parameter {}",
+                g.elem_count(),
+                p.numel
+            )));
+        }
+        let g = if g.is_contiguous() {
+            g.clone()
+        } else {
+            g.contiguous()?
+        };
+        check_one(OP, &what, &g, device, &fl)?;
+        owned.push(Some(g));
+    }
+    let (s, f, w) = (layout.shard_numel, layout.params.len(), layout.world_size);
+    let total = w * (s + f);
+    let stream = stream.cloned().unwrap_or_else(|| device.cuda_stream());
+    let func = func(device, "copy", "copy_in")?;
+    // Read guards of the gradients, then their addresses with cudarc's read-tracking guards,
+    // held until every launch is issued.
+    let guards: Vec<Option<(candle_core::StorageRef<'_>, &Layout)>> = owned
+        .iter()
+        .map(|g| g.as_ref().map(|g| g.storage_and_layout()))
+        .collect();
+    let mut syncs: Vec<SyncOnDrop<'_>> = Vec::with_capacity(f);
+    let mut srcs: Vec<(u64, u32)> = Vec::with_capacity(f);
+    for (q, g) in guards.iter().enumerate() {
+        let Some((st, l)) = g else {
+            srcs.push((0, 0));
+            continue;
+        };
+        let what = &layout.params[q].name;
+        let cs = cuda_storage(st, OP, what)?;
+        let start = range(l, OP, what)?.0;
+        let (base, sync, size, code) = match &cs.slice {
+            CudaStorageSlice::F32(v) => {
+                let (p, s) = v.device_ptr(&stream);
+                (p, s, 4u64, 0u32)
+            }
+            CudaStorageSlice::BF16(v) => {
+                let (p, s) = v.device_ptr(&stream);
+                (p, s, 2, 1)
+            }
+            CudaStorageSlice::F16(v) => {
+                let (p, s) = v.device_ptr(&stream);
+                (p, s, 2, 2)
+            }
+            _ => unreachable!("dtype checked above"),
+        };
+        syncs.push(sync);
+        srcs.push((base + start as u64 * size, code));
+    }
+    // SAFETY: the batches below write every element: each parameter's region (from its offset
+    // to the next parameter's, the last one's to the end of the W·S flat elements; the first
+    // parameter's offset is 0) and its W flags.
+    let mut out = unsafe { alloc_any(&stream, reduce_dtype, total)? };
+    for (args, grid) in super::args::copy_in_plan(layout, &srcs, out_code) {
+        let mut b = stream.launch_builder(&func);
+        out.push(&mut b);
+        b.arg(&args);
+        // SAFETY: `copy_in(void*, const __grid_constant__ CopyInArgs)`: the argument list
+        // matches; `out` holds W·(S+F) elements of `out_dtype`; every descriptor's source
+        // address points at `numel` elements of its dtype inside a gradient whose storage stays
+        // read-locked and read-tracked (`syncs`) until after the launch; regions lie in
+        // [0, W·S], so every write index is below W·(S+F).
+        unsafe { b.launch(grid_config(grid)) }.map_err(|e| launch_err("copy::copy_in", e))?;
+    }
+    drop(syncs);
+    drop(guards);
+    Ok(Some(out.into_tensor(device, total, false)))
+}
+
+/// Copy-out on the GPU: each parameter of `layout` (layout order) as its own new contiguous
+/// tensor of its shape in `dtype` (f32/bf16/f16; a plain copy when `flat` has that dtype), the
+/// elements `[offset, offset + numel)` of the gathered flat buffer `flat`
+/// ([`super::copy_out_reference`]; `fsdp::collectives::param_copies`). With `is_variable` the
+/// tensors are created as variables (for `Var::from_tensor` without a second copy). One launch
+/// per [`super::COPY_MAX_PARAMS`] parameters, output addresses passed by value. Runs on `stream`
+/// (default: the compute stream).
+///
+/// Where no copy is needed (a forward without autograd), views of the gathered buffer
+/// (`fsdp::collectives::param_views`: `narrow` + `reshape`) cost nothing and need no kernel.
+///
+/// Errors: `flat` not a contiguous f32/bf16/f16 GPU tensor covering every parameter; a failed
+/// allocation or launch.
+pub fn copy_out(
+    layout: &FlatParamLayout,
+    flat: &Tensor,
+    dtype: DType,
+    is_variable: bool,
+    stream: Option<&Arc<CudaStream>>,
+) -> Result<Vec<Tensor>> {
+    const OP: &str = "copy_out";
+    let dev = device_of(OP, "flat", flat)?;
+    check_one(
+        OP,
+        "flat",
+        flat,
+        &dev,
+        &[DType::F32, DType::BF16, DType::F16],
+    )?;
+    let dst_code = dtype_code(dtype).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{OP}: dtype must be f32, bf16 or f16, found {dtype:?}"
+        ))
+    })?;
+    let src_code = dtype_code(flat.dtype()).expect("checked");
+    let need = layout
+        .params
+        .iter()
+        .map(|p| p.offset + p.numel)
+        .max()
+        .unwrap_or(0);
+    if flat.elem_count() < need {
+        return Err(Error::InvalidArgument(format!(
+            "{OP}: the flat buffer has {} elements, the parameters need {need}",
+            flat.elem_count()
+        )));
+    }
+    let stream = stream.cloned().unwrap_or_else(|| dev.cuda_stream());
+    let mut outs: Vec<AnyOwned> = Vec::with_capacity(layout.params.len());
+    for p in &layout.params {
+        // SAFETY: the launches below write all `numel` elements of every output.
+        outs.push(unsafe { alloc_any(&stream, dtype, p.numel)? });
+    }
+    if need > 0 {
+        let func = func(&dev, "copy", "copy_out")?;
+        let (st, l) = flat.storage_and_layout();
+        let input = AnyView::new(cuda_storage(&st, OP, "flat")?, l, OP, "flat")?;
+        let mut syncs = Vec::with_capacity(outs.len());
+        let mut dsts = Vec::with_capacity(outs.len());
+        for o in outs.iter_mut() {
+            let (dst, sync) = o.ptr_mut(&stream);
+            syncs.push(sync);
+            dsts.push(dst);
+        }
+        for (args, grid) in super::args::copy_out_plan(layout, &dsts, src_code, dst_code) {
+            let mut b = stream.launch_builder(&func);
+            input.push(&mut b);
+            b.arg(&args);
+            // SAFETY: `copy_out(const void*, const __grid_constant__ CopyOutArgs)`: the argument
+            // list matches; `flat` holds at least offset + numel elements of `src_dtype` for
+            // every parameter (checked); every destination is a fresh allocation of at least
+            // `numel` elements of `dst_dtype`, write-tracked by `syncs` until after the launch.
+            unsafe { b.launch(grid_config(grid)) }.map_err(|e| launch_err("copy::copy_out", e))?;
+        }
+        drop(syncs);
+    }
+    Ok(outs
+        .into_iter()
+        .zip(&layout.params)
+        .map(|(o, p)| o.into_tensor(&dev, p.shape.clone(), is_variable))
+        .collect())
+}
+
+// ---- module `ops` --------------------------------------------------------------------------
+
+/// `t = t · s` in place (f32, contiguous, on a GPU); [`super::scale_reference`].
+///
+/// Errors: `t` not a contiguous f32 tensor on a GPU; a failed launch.
+pub fn scale_(t: &Tensor, s: f32) -> Result<()> {
+    const OP: &str = "scale_";
+    let n = check_f32(OP, &[("tensor", t)])?;
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = device_of(OP, "tensor", t)?;
+    let f = func(&dev, "ops", "scale")?;
+    let cs = dev.cuda_stream();
+    with_mut(t, OP, |ts, tl| {
+        let mut x = f32_view_mut(ts, tl, OP, "tensor")?;
+        let n64 = n as u64;
+        let mut b = cs.launch_builder(&f);
+        b.arg(&mut x);
+        b.arg(&n64);
+        b.arg(&s);
+        // SAFETY: `scale(float*, u64, float)`: matching argument list; the view holds n f32.
+        unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("ops::scale", e))?;
+        Ok(())
+    })
+}
+
+/// The grad scaler's unscale with its inf/NaN check, on the device: `t = t · factor` in place
+/// and, when some result is infinite or NaN, `found_inf = 1` (a one-element f32 tensor on the
+/// same GPU, never read by the host here, left alone otherwise: zero it before the step's first
+/// call); [`super::scale_check_finite_reference`], PyTorch's
+/// `_amp_foreach_non_finite_check_and_unscale_`.
+///
+/// Errors: as [`scale_`]; `found_inf` (or a device factor) not a one-element f32 tensor on the
+/// same GPU, or sharing `t`'s storage.
+pub fn scale_check_finite_(t: &Tensor, factor: ScaleFactor<'_>, found_inf: &Tensor) -> Result<()> {
+    const OP: &str = "scale_check_finite_";
+    let n = check_f32(OP, &[("tensor", t)])?;
+    let dev = device_of(OP, "tensor", t)?;
+    check_scalar(OP, "found_inf", found_inf, &dev)?;
+    let (value, dev_factor) = factor_parts(&factor);
+    let mut all = vec![("tensor", t), ("found_inf", found_inf)];
+    if let Some(d) = dev_factor {
+        check_scalar(OP, "inv_scale", d, &dev)?;
+        all.push(("inv_scale", d));
+    }
+    check_distinct(OP, &all)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = func(&dev, "ops", "scale_check_finite")?;
+    let cs = dev.cuda_stream();
+    let fg = guard(dev_factor);
+    let fv = guard_view(&fg, OP, "inv_scale")?;
+    let null = 0u64;
+    with_mut(t, OP, |ts, tl| {
+        let mut x = f32_view_mut(ts, tl, OP, "tensor")?;
+        with_mut(found_inf, OP, |fs, fl| {
+            let mut flag = f32_view_mut(fs, fl, OP, "found_inf")?;
+            let n64 = n as u64;
+            let mut b = cs.launch_builder(&f);
+            b.arg(&mut x);
+            b.arg(&n64);
+            b.arg(&value);
+            push_opt(&mut b, &fv, &null);
+            b.arg(&mut flag);
+            // SAFETY: `scale_check_finite(float*, u64, float, const float*, float*)`: matching
+            // argument list; x holds n f32, the factor pointer (or null) and the flag one each;
+            // distinct storages (checked).
+            unsafe { b.launch(config_1d(n)) }
+                .map_err(|e| launch_err("ops::scale_check_finite", e))?;
+            Ok(())
+        })
+    })
+}
+
+/// The inf/NaN check alone, on the device: `found_inf = 1` when some element of `t` is
+/// infinite or NaN (left alone otherwise); [`super::non_finite_reference`]. `t` is read only.
+///
+/// Errors: as [`scale_check_finite_`].
+pub fn check_finite_(t: &Tensor, found_inf: &Tensor) -> Result<()> {
+    const OP: &str = "check_finite_";
+    let n = check_f32(OP, &[("tensor", t)])?;
+    let dev = device_of(OP, "tensor", t)?;
+    check_scalar(OP, "found_inf", found_inf, &dev)?;
+    check_distinct(OP, &[("tensor", t), ("found_inf", found_inf)])?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = func(&dev, "ops", "non_finite")?;
+    let cs = dev.cuda_stream();
+    let (ts, tl) = t.storage_and_layout();
+    let x = f32_view(cuda_storage(&ts, OP, "tensor")?, tl, OP, "tensor")?;
+    with_mut(found_inf, OP, |fs, fl| {
+        let mut flag = f32_view_mut(fs, fl, OP, "found_inf")?;
+        let n64 = n as u64;
+        let mut b = cs.launch_builder(&f);
+        b.arg(&x);
+        b.arg(&n64);
+        b.arg(&mut flag);
+        // SAFETY: `non_finite(const float*, u64, float*)`: matching argument list; x holds n
+        // f32, the flag one; distinct storages (checked).
+        unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("ops::non_finite", e))?;
+        Ok(())
+    })
+}
+
+/// `dst += src` in place: `dst` f32, `src` f32/bf16/f16 (widened exactly), same element count,
+/// contiguous, distinct storages, one GPU; [`super::add_reference`].
+///
+/// Errors: those conditions violated; a failed launch.
+pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
+    const OP: &str = "add_";
+    let n = check_f32(OP, &[("dst", dst)])?;
+    let dev = device_of(OP, "dst", dst)?;
+    check_one(OP, "src", src, &dev, &[DType::F32, DType::BF16, DType::F16])?;
+    if src.elem_count() != n {
+        return Err(Error::InvalidArgument(format!(
+            "{OP}: src has {} elements, expected {n} (those of dst)",
+            src.elem_count()
+        )));
+    }
+    check_distinct(OP, &[("dst", dst), ("src", src)])?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = func(&dev, "ops", "add")?;
+    let cs = dev.cuda_stream();
+    let code = dtype_code(src.dtype()).expect("checked");
+    dst.inplace_op2(
+        src,
+        &CudaMut2 {
+            name: OP,
+            f: Cell::new(Some(
+                |ds: &mut CudaStorage, dl: &Layout, ss: &CudaStorage, sl: &Layout| {
+                    let mut d = f32_view_mut(ds, dl, OP, "dst")?;
+                    let s = AnyView::new(ss, sl, OP, "src")?;
+                    let n64 = n as u64;
+                    let mut b = cs.launch_builder(&f);
+                    b.arg(&mut d);
+                    s.push(&mut b);
+                    b.arg(&code);
+                    b.arg(&n64);
+                    // SAFETY: `add(float*, const void*, u32, u64)`: matching argument list; both
+                    // views hold n elements (src of the dtype whose code is passed); distinct
+                    // storages (checked).
+                    unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("ops::add", e))?;
+                    Ok(())
+                },
+            )),
+        },
+    )?;
+    Ok(())
+}
+
+/// The sum of squares of `t` (f32, contiguous) in f64, on the device, into `out` (a one-element
+/// f64 tensor on the same GPU): `out = sum` or, with `accumulate`, `out += sum` (sums of several
+/// tensors without a host read in between). Two launches: [`super::sum_squares_blocks`]`(n)`
+/// partial sums, then one block; the order is fixed ([`super::sum_squares_reference`]).
+///
+/// Errors: as [`scale_`]; `out` not a one-element f64 tensor on the same GPU.
+pub fn sum_squares_into(t: &Tensor, out: &Tensor, accumulate: bool) -> Result<()> {
+    const OP: &str = "sum_squares_into";
+    let n = check_f32(OP, &[("tensor", t)])?;
+    let dev = device_of(OP, "tensor", t)?;
+    check_one(OP, "out", out, &dev, &[DType::F64])?;
+    if out.elem_count() != 1 {
+        return Err(Error::InvalidArgument(format!(
+            "{OP}: out must hold one element, found shape {:?}",
+            out.dims()
+        )));
+    }
+    check_distinct(OP, &[("tensor", t), ("out", out)])?;
+    let blocks = super::sum_squares_blocks(n);
+    let stream = dev.cuda_stream();
+    // SAFETY: the first launch writes every one of the `blocks` partials before the second
+    // (same stream) reads them.
+    let mut partial = unsafe { stream.alloc::<f64>(blocks as usize) }
+        .map_err(|e| Error::Cuda(format!("{OP}: allocating partial sums: {e:?}")))?;
+    let first = func(&dev, "ops", "sum_squares_partial")?;
+    let second = func(&dev, "ops", "sum_squares_final")?;
+    {
+        let (ts, tl) = t.storage_and_layout();
+        let x = f32_view(cuda_storage(&ts, OP, "tensor")?, tl, OP, "tensor")?;
+        let n64 = n as u64;
+        let mut b = stream.launch_builder(&first);
+        b.arg(&x);
+        b.arg(&n64);
+        b.arg(&mut partial);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `sum_squares_partial(const float*, u64, double*)`: matching argument list;
+        // x holds n f32 (n == 0 reads nothing), `partial` one f64 per block; block size
+        // THREADS = REDUCE_THREADS of kernels/ops.cu.
+        unsafe { b.launch(cfg) }.map_err(|e| launch_err("ops::sum_squares_partial", e))?;
+    }
+    let acc = u32::from(accumulate);
+    with_mut(out, OP, |os, ol| {
+        let (start, end) = range(ol, OP, "out")?;
+        let mut o = os.as_cuda_slice_mut::<f64>()?.slice_mut(start..end);
+        let mut b = stream.launch_builder(&second);
+        b.arg(&partial);
+        b.arg(&blocks);
+        b.arg(&mut o);
+        b.arg(&acc);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `sum_squares_final(const double*, u32, double*, u32)`: matching argument
+        // list; `partial` holds `blocks` f64, `o` one; one block of REDUCE_THREADS threads.
+        unsafe { b.launch(cfg) }.map_err(|e| launch_err("ops::sum_squares_final", e))?;
+        Ok(())
+    })
+}
+
+// ---- module `optim` ------------------------------------------------------------------------
+
+/// Checks and guards the scaler inputs of a fused step.
+fn check_unscale(
+    op: &str,
+    dev: &CudaDevice,
+    u: &Unscale<'_>,
+    all: &mut Vec<(&'static str, Tensor)>,
+) -> Result<()> {
+    if let ScaleFactor::Device(t) = u.inv_scale {
+        check_scalar(op, "inv_scale", t, dev)?;
+        all.push(("inv_scale", t.clone()));
+    }
+    if let Some(t) = u.found_inf {
+        check_scalar(op, "found_inf", t, dev)?;
+        all.push(("found_inf", t.clone()));
+    }
+    Ok(())
+}
+
+fn distinct_owned(op: &str, all: &[(&'static str, Tensor)]) -> Result<()> {
+    let refs: Vec<(&str, &Tensor)> = all.iter().map(|(n, t)| (*n, t)).collect();
+    check_distinct(op, &refs)
+}
+
+/// One fused AdamW update in place over flat f32 tensors on a GPU ([`super::adamw_reference`];
+/// [`crate::ops::adamw_step`]'s arithmetic, bit for bit): `param`, `exp_avg`, `exp_avg_sq`
+/// written, `grad` read and multiplied by `u.inv_scale` in registers (not written back). When
+/// `u.found_inf` is given and holds a non-zero value on the device, the kernel returns without
+/// writing: the step is skipped without the host reading the flag.
+///
+/// Errors: the tensors not f32, contiguous, of one element count, on one GPU, with distinct
+/// storages; the scaler tensors not one-element f32 on that GPU; a failed launch.
+pub fn adamw_(
+    param: &Tensor,
+    grad: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    h: &AdamWHyper,
+    u: &Unscale<'_>,
+) -> Result<()> {
+    const OP: &str = "adamw_";
+    let n = check_f32(
+        OP,
+        &[
+            ("param", param),
+            ("grad", grad),
+            ("exp_avg", exp_avg),
+            ("exp_avg_sq", exp_avg_sq),
+        ],
+    )?;
+    let dev = device_of(OP, "param", param)?;
+    let mut all = vec![
+        ("param", param.clone()),
+        ("grad", grad.clone()),
+        ("exp_avg", exp_avg.clone()),
+        ("exp_avg_sq", exp_avg_sq.clone()),
+    ];
+    check_unscale(OP, &dev, u, &mut all)?;
+    distinct_owned(OP, &all)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = func(&dev, "optim", "adamw")?;
+    let cs = dev.cuda_stream();
+    let args = AdamWArgs::from(h);
+    let (value, dev_factor) = factor_parts(&u.inv_scale);
+    let (gs, gl) = grad.storage_and_layout();
+    let g = f32_view(cuda_storage(&gs, OP, "grad")?, gl, OP, "grad")?;
+    let sg = guard(dev_factor);
+    let sv = guard_view(&sg, OP, "inv_scale")?;
+    let fg = guard(u.found_inf);
+    let fv = guard_view(&fg, OP, "found_inf")?;
+    let null = 0u64;
+    with_mut(param, OP, |ps, pl| {
+        let mut p = f32_view_mut(ps, pl, OP, "param")?;
+        with_mut(exp_avg, OP, |ms, ml| {
+            let mut m = f32_view_mut(ms, ml, OP, "exp_avg")?;
+            with_mut(exp_avg_sq, OP, |vs, vl| {
+                let mut v = f32_view_mut(vs, vl, OP, "exp_avg_sq")?;
+                let n64 = n as u64;
+                let mut b = cs.launch_builder(&f);
+                b.arg(&mut p);
+                b.arg(&g);
+                b.arg(&mut m);
+                b.arg(&mut v);
+                b.arg(&n64);
+                b.arg(&args);
+                b.arg(&value);
+                push_opt(&mut b, &sv, &null);
+                push_opt(&mut b, &fv, &null);
+                // SAFETY: `adamw(float*, const float*, float*, float*, u64, AdamWArgs, float,
+                // const float*, const float*)`: matching argument list (AdamWArgs mirrors the C
+                // struct); the four views hold n f32, the optional pointers one f32 or null;
+                // distinct storages (checked).
+                unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("optim::adamw", e))?;
+                Ok(())
+            })
+        })
+    })
+}
+
+/// One fused SGD update in place over flat f32 tensors on a GPU ([`super::sgd_reference`];
+/// [`crate::ops::sgd_step`]'s arithmetic, bit for bit): `param` and, when `h.momentum != 0`,
+/// `momentum_buffer` (then required) written; `grad` read and multiplied by `u.inv_scale`;
+/// skipped on the device when `u.found_inf` holds a non-zero value.
+///
+/// Errors: as [`adamw_`]; a missing buffer with momentum.
+pub fn sgd_(
+    param: &Tensor,
+    grad: &Tensor,
+    momentum_buffer: Option<&Tensor>,
+    h: &SgdHyper,
+    u: &Unscale<'_>,
+) -> Result<()> {
+    const OP: &str = "sgd_";
+    let buf = match (h.momentum != 0.0, momentum_buffer) {
+        (false, _) => None,
+        (true, Some(b)) => Some(b),
+        (true, None) => {
+            return Err(Error::InvalidArgument(format!(
+                "{OP}: momentum {} needs a momentum buffer, none given",
+                h.momentum
+            )))
+        }
+    };
+    let mut tensors = vec![("param", param), ("grad", grad)];
+    if let Some(b) = buf {
+        tensors.push(("momentum_buffer", b));
+    }
+    let n = check_f32(OP, &tensors)?;
+    let dev = device_of(OP, "param", param)?;
+    let mut all: Vec<(&'static str, Tensor)> =
+        tensors.iter().map(|(n, t)| (*n, (*t).clone())).collect();
+    check_unscale(OP, &dev, u, &mut all)?;
+    distinct_owned(OP, &all)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = func(&dev, "optim", "sgd")?;
+    let cs = dev.cuda_stream();
+    let args = SgdArgs::from(h);
+    let (value, dev_factor) = factor_parts(&u.inv_scale);
+    let (gs, gl) = grad.storage_and_layout();
+    let g = f32_view(cuda_storage(&gs, OP, "grad")?, gl, OP, "grad")?;
+    let sg = guard(dev_factor);
+    let sv = guard_view(&sg, OP, "inv_scale")?;
+    let fg = guard(u.found_inf);
+    let fv = guard_view(&fg, OP, "found_inf")?;
+    let null = 0u64;
+    let n64 = n as u64;
+    let launch = |p: &mut CudaViewMut<'_, f32>, bv: Option<&mut CudaViewMut<'_, f32>>| {
+        let mut b = cs.launch_builder(&f);
+        b.arg(p);
+        b.arg(&g);
+        match bv {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&n64);
+        b.arg(&args);
+        b.arg(&value);
+        push_opt(&mut b, &sv, &null);
+        push_opt(&mut b, &fv, &null);
+        // SAFETY: `sgd(float*, const float*, float*, u64, SgdArgs, float, const float*,
+        // const float*)`: matching argument list (SgdArgs mirrors the C struct); the views
+        // hold n f32 (the buffer null exactly when momentum is 0), the optional pointers one
+        // f32 or null; distinct storages (checked).
+        unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("optim::sgd", e))?;
+        Ok(())
+    };
+    with_mut(param, OP, |ps, pl| {
+        let mut p = f32_view_mut(ps, pl, OP, "param")?;
+        match buf {
+            None => launch(&mut p, None),
+            Some(bt) => with_mut(bt, OP, |bs, bl| {
+                let mut bv = f32_view_mut(bs, bl, OP, "momentum_buffer")?;
+                launch(&mut p, Some(&mut bv))
+            }),
+        }
+    })
+}
+
+/// The grad scaler's update on the device ([`super::update_scale_reference`],
+/// `ShardedGradScaler`'s update, PyTorch's `_amp_update_scale_`): reads `found_inf`, updates
+/// `scale` (one f32) and `growth_tracker` (one u32) in place and, when given, writes
+/// `inv_scale = 1 / scale` (one f32) for the next unscale. No host read.
+///
+/// Errors: the tensors not one-element (f32; u32 for the tracker) on one GPU with distinct
+/// storages; a failed launch.
+pub fn update_scale_(
+    scale: &Tensor,
+    growth_tracker: &Tensor,
+    found_inf: &Tensor,
+    inv_scale: Option<&Tensor>,
+    growth_factor: f32,
+    backoff_factor: f32,
+    growth_interval: u32,
+) -> Result<()> {
+    const OP: &str = "update_scale_";
+    let dev = device_of(OP, "scale", scale)?;
+    check_scalar(OP, "scale", scale, &dev)?;
+    check_scalar(OP, "found_inf", found_inf, &dev)?;
+    check_one(OP, "growth_tracker", growth_tracker, &dev, &[DType::U32])?;
+    if growth_tracker.elem_count() != 1 {
+        return Err(Error::InvalidArgument(format!(
+            "{OP}: growth_tracker must hold one element, found shape {:?}",
+            growth_tracker.dims()
+        )));
+    }
+    let mut all = vec![
+        ("scale", scale),
+        ("growth_tracker", growth_tracker),
+        ("found_inf", found_inf),
+    ];
+    if let Some(t) = inv_scale {
+        check_scalar(OP, "inv_scale", t, &dev)?;
+        all.push(("inv_scale", t));
+    }
+    check_distinct(OP, &all)?;
+    let f = func(&dev, "optim", "update_scale")?;
+    let cs = dev.cuda_stream();
+    let (fs, fl) = found_inf.storage_and_layout();
+    let flag = f32_view(cuda_storage(&fs, OP, "found_inf")?, fl, OP, "found_inf")?;
+    let null = 0u64;
+    let launch = |s: &mut CudaViewMut<'_, f32>,
+                  t: &mut CudaViewMut<'_, u32>,
+                  inv: Option<&mut CudaViewMut<'_, f32>>| {
+        let mut b = cs.launch_builder(&f);
+        b.arg(s);
+        b.arg(t);
+        b.arg(&flag);
+        match inv {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&growth_factor);
+        b.arg(&backoff_factor);
+        b.arg(&growth_interval);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `update_scale(float*, u32*, const float*, float*, float, float, u32)`:
+        // matching argument list; every pointer one element (inv_scale possibly null); distinct
+        // storages (checked).
+        unsafe { b.launch(cfg) }.map_err(|e| launch_err("optim::update_scale", e))?;
+        Ok(())
+    };
+    with_mut(scale, OP, |ss, sl| {
+        let mut s = f32_view_mut(ss, sl, OP, "scale")?;
+        with_mut(growth_tracker, OP, |ts, tl| {
+            let (start, end) = range(tl, OP, "growth_tracker")?;
+            let mut t = ts.as_cuda_slice_mut::<u32>()?.slice_mut(start..end);
+            match inv_scale {
+                None => launch(&mut s, &mut t, None),
+                Some(it) => with_mut(it, OP, |is, il| {
+                    let mut iv = f32_view_mut(is, il, OP, "inv_scale")?;
+                    launch(&mut s, &mut t, Some(&mut iv))
+                }),
+            }
+        })
+    })
 }

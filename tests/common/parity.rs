@@ -47,11 +47,7 @@ pub fn reference(ws: usize, opt: Opt) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
 }
 
 /// Plain Candle on `device`: losses per step and final parameters by name.
-pub fn reference_on(
-    device: &Device,
-    ws: usize,
-    opt: Opt,
-) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
+pub fn reference_on(device: &Device, ws: usize, opt: Opt) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
     let varmap = VarMap::new();
     let vb = seeded_var_builder(&varmap, SEED, DType::F32, device);
     let model = reference_model(vb).unwrap();
@@ -139,8 +135,12 @@ fn fsdp(
         };
         let mut losses = Vec::new();
         for (x, y) in &data {
-            let x = x.narrow(0, rank * PER_RANK, PER_RANK)?.to_device(pg.device())?;
-            let y = y.narrow(0, rank * PER_RANK, PER_RANK)?.to_device(pg.device())?;
+            let x = x
+                .narrow(0, rank * PER_RANK, PER_RANK)?
+                .to_device(pg.device())?;
+            let y = y
+                .narrow(0, rank * PER_RANK, PER_RANK)?
+                .to_device(pg.device())?;
             let logits = model.forward(&x)?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
             model.backward(&loss)?;

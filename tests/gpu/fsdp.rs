@@ -27,7 +27,13 @@ fn cuda() -> Device {
 #[ignore = "needs a GPU; scripts/gpu-check.sh runs it"]
 fn world_size_1_matches_plain_candle_cuda() {
     for opt in [Opt::Adam, Opt::SgdMomentum] {
-        check_against(&cuda(), &gpu_threads(1), ShardingStrategy::FullShard, opt, true);
+        check_against(
+            &cuda(),
+            &gpu_threads(1),
+            ShardingStrategy::FullShard,
+            opt,
+            true,
+        );
     }
 }
 
@@ -67,11 +73,7 @@ fn parameters_are_freed_after_each_units_forward() {
     let unit_bytes = (D * D * 4) as u64;
     let results = launch(&gpu_threads(2), |pg| {
         let units: Vec<UnitSpec> = (0..4)
-            .map(|i| {
-                UnitSpec::new(format!("l{i}"), |vb| {
-                    candle_nn::linear_no_bias(D, D, vb)
-                })
-            })
+            .map(|i| UnitSpec::new(format!("l{i}"), |vb| candle_nn::linear_no_bias(D, D, vb)))
             .collect();
         let config = FsdpConfig {
             device: pg.device().clone(),
@@ -150,7 +152,10 @@ fn trace_on_gpu_shows_all_gather_overlapping_compute() {
     let s = &spans[0];
     let gathers: Vec<_> = s.iter().filter(|s| s.kind == SpanKind::AllGather).collect();
     let forwards: Vec<_> = s.iter().filter(|s| s.kind == SpanKind::Forward).collect();
-    assert!(!gathers.is_empty() && !forwards.is_empty(), "spans recorded");
+    assert!(
+        !gathers.is_empty() && !forwards.is_empty(),
+        "spans recorded"
+    );
     let overlap: f64 = gathers
         .iter()
         .map(|g| {

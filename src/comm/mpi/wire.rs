@@ -79,6 +79,28 @@ impl Writer {
     }
 }
 
+/// A device location as one integer: 0 the CPU, odd a GPU, even a Metal device.
+fn location_code(l: DeviceLocation) -> u64 {
+    match l {
+        DeviceLocation::Cpu => 0,
+        DeviceLocation::Cuda { gpu_id } => 1 + 2 * gpu_id as u64,
+        DeviceLocation::Metal { gpu_id } => 2 + 2 * gpu_id as u64,
+    }
+}
+
+/// The inverse of [`location_code`].
+fn location_of(code: u64) -> DeviceLocation {
+    match code {
+        0 => DeviceLocation::Cpu,
+        c if c % 2 == 1 => DeviceLocation::Cuda {
+            gpu_id: ((c - 1) / 2) as usize,
+        },
+        c => DeviceLocation::Metal {
+            gpu_id: ((c - 2) / 2) as usize,
+        },
+    }
+}
+
 /// Encodes `post` (its setup argument bytes included); the buffers' addresses are not sent.
 pub(super) fn encode(post: &Post, setup_bytes: &[u8]) -> Vec<u8> {
     let mut w = Writer(Vec::with_capacity(64 + setup_bytes.len()));
@@ -100,11 +122,7 @@ pub(super) fn encode(post: &Post, setup_bytes: &[u8]) -> Vec<u8> {
         Some(Problem::NotOnCpu { which, found }) => {
             w.u8(1);
             w.u8(index_of(&WHICH, &which));
-            w.u64(match found {
-                DeviceLocation::Cpu => 0,
-                DeviceLocation::Cuda { gpu_id } => 1 + 2 * gpu_id as u64,
-                DeviceLocation::Metal { gpu_id } => 2 + 2 * gpu_id as u64,
-            });
+            w.u64(location_code(found));
         }
         Some(Problem::NotOneD { which, dims }) => {
             w.u8(2);
@@ -121,6 +139,19 @@ pub(super) fn encode(post: &Post, setup_bytes: &[u8]) -> Vec<u8> {
             w.u8(index_of(&DTYPES, &dtype));
         }
         Some(Problem::Aliased) => w.u8(5),
+        // Device backends' problem (the MPI backend is CPU-only; encoded for completeness).
+        Some(Problem::WrongDevice {
+            which,
+            expected,
+            found,
+            other_device,
+        }) => {
+            w.u8(6);
+            w.u8(index_of(&WHICH, &which));
+            w.u64(location_code(expected));
+            w.u64(location_code(found));
+            w.u8(u8::from(other_device));
+        }
     }
     match post.bytes {
         Some(_) => {
@@ -197,16 +228,7 @@ pub(super) fn decode(bytes: &[u8]) -> Option<Post> {
         0 => None,
         1 => {
             let which = r.which()?;
-            let code = r.u64()?;
-            let found = match code {
-                0 => DeviceLocation::Cpu,
-                c if c % 2 == 1 => DeviceLocation::Cuda {
-                    gpu_id: ((c - 1) / 2) as usize,
-                },
-                c => DeviceLocation::Metal {
-                    gpu_id: ((c - 2) / 2) as usize,
-                },
-            };
+            let found = location_of(r.u64()?);
             Some(Problem::NotOnCpu { which, found })
         }
         2 => Some(Problem::NotOneD {
@@ -219,6 +241,12 @@ pub(super) fn decode(bytes: &[u8]) -> Option<Post> {
             dtype: *DTYPES.get(r.u8()? as usize)?,
         }),
         5 => Some(Problem::Aliased),
+        6 => Some(Problem::WrongDevice {
+            which: r.which()?,
+            expected: location_of(r.u64()?),
+            found: location_of(r.u64()?),
+            other_device: r.flag()?,
+        }),
         _ => return None,
     };
     post.bytes = if r.flag()? {
@@ -262,6 +290,13 @@ mod tests {
         assert_eq!(q.op, Some(ReduceOp::Avg));
         assert_eq!(q.problem, p.problem);
         assert!(q.bytes.is_none());
+        p.problem = Some(Problem::WrongDevice {
+            which: "input",
+            expected: DeviceLocation::Cuda { gpu_id: 3 },
+            found: DeviceLocation::Cpu,
+            other_device: true,
+        });
+        assert_eq!(decode(&encode(&p, &[])).unwrap().problem, p.problem);
 
         let mut s = Post::new(Kind::NewStream, 3);
         s.index = Some(2);

@@ -1,1 +1,1005 @@
-//! The NCCL process group (feature `nccl`). Placeholder, filled by the GPU-path work.
+//! The NCCL process group (feature `nccl`): one process per GPU, collectives enqueued on CUDA
+//! comm streams, ordered against Candle's compute stream with CUDA events.
+//!
+//! [`NcclGroup`] is this process's rank; [`crate::launch::Launcher::Nccl`] runs a job on it.
+//! NCCL refuses two ranks on one GPU: several ranks on one GPU use the thread backend on CUDA
+//! ([`crate::comm::threads::new_group_on_gpu`]).
+//!
+//! # Streams and communicators
+//!
+//! An NCCL communicator has no stream of its own in the C API, but this backend keeps one
+//! communicator per comm stream, as cudarc's `Comm` does (it enqueues on the stream it was
+//! created with): operations of one communicator run in issue order, so an all-gather and a
+//! reduce-scatter on one communicator could not overlap. The default stream's communicator is
+//! made at creation (`ncclCommInitRank`, its unique id carried by the bootstrap); every
+//! [`ProcessGroup::new_stream`] makes a CUDA stream on Candle's context
+//! ([`crate::cuda::new_stream`]) and a communicator `ncclCommSplit` from the default one (a
+//! collective of the group, no bootstrap needed). [`ProcessGroup::new_group`] splits the same
+//! way (non-members pass `NCCL_SPLIT_NOCOLOR`). Operations of different streams may run at
+//! the same time on the GPU; as NCCL requires of concurrent communicators (and FSDP does),
+//! every rank issues them in the same order.
+//!
+//! # One collective
+//!
+//! On the caller's thread, without blocking it:
+//!
+//! 1. the buffers are checked locally (the thread backend's wording: [`Error::BadBuffer`] names
+//!    this rank; NCCL cannot check peers' arguments, so ranks that disagree hang until the
+//!    watchdog's timeout, as with NCCL in PyTorch);
+//! 2. the comm stream waits for an event recorded on the compute stream (the inputs as of the
+//!    call: the gradients copied in before a reduce-scatter);
+//! 3. the NCCL call is enqueued on the comm stream, then a completion event recorded after it;
+//! 4. the [`Work`] (built with [`Work::with_completion`]) holds that event:
+//!    [`Work::wait_compute`] makes the compute stream wait for it (`cuStreamWaitEvent`: the
+//!    forward waits for the all-gather's event, the host does not), [`Work::wait`] polls it.
+//!
+//! # Event tracking versus explicit ordering (a design decision)
+//!
+//! cudarc 0.19 can order streams by itself: every `CudaSlice` of a context in multi-stream mode
+//! carries a read and a write event, re-recorded at each use through `device_ptr`, waited on
+//! by the next conflicting use and by the slice's free. This backend does **not rely on it**;
+//! it orders explicitly with the events above, and frees by FSDP2's rule, because:
+//!
+//! - tracking keeps **one** read event per slice, re-recorded by each reader: one buffer read
+//!   on two streams (a shard read by an all-gather on its comm stream and by a kernel on the
+//!   compute stream, or by two collectives) keeps only the last reader's event, and a later
+//!   write or free waits for that reader alone;
+//! - it sees only accesses made through cudarc slices on this process's own streams: the
+//!   thread backend's peers read a rank's buffers through raw addresses on *their* streams,
+//!   which no slice event records;
+//! - it is a per-context switch that Candle turns on for everything (`is_event_tracking`): an
+//!   event record per buffer access on every kernel launch of the model, which the runtime may
+//!   want to turn off (`CudaDevice::disable_event_tracking`) — explicit ordering stays correct
+//!   either way;
+//! - FSDP needs the events anyway: the compute stream must wait for an all-gather before the
+//!   forward reads it, whether or not any slice is shared.
+//!
+//! The buffers are still accessed through `device_ptr`/`device_ptr_mut` on the comm stream, so
+//! that with tracking on, cudarc's own bookkeeping stays true (a later Candle write of a
+//! reduce-scatter input waits for the comm stream's read, as it should).
+//!
+//! # Buffer lifetime (FSDP2's rule)
+//!
+//! Memory is released only after the consuming stream waited on the producer's event. Every
+//! operation keeps clones of its input and output tensors until its completion object is
+//! dropped, and dropping them first makes the compute stream — where Candle allocated the
+//! buffers and frees them (stream-ordered `cuMemFreeAsync`) — wait for the completion event
+//! (`KeepAlive` in `threads::cuda`). Whether the caller waits for the [`Work`], drops it, or
+//! the group fails, a buffer NCCL still reads or writes is never reused. The runtime's own
+//! frees (storage swapped out after forward) follow the same rule: they come after
+//! `wait_compute`, on the compute stream.
+//!
+//! # Bootstrap and failures
+//!
+//! The root communicator's unique id travels over the job's TCP store (torchrun-style:
+//! `MASTER_ADDR:MASTER_PORT`, [`crate::launch::store`]; rank 0 shares it,
+//! [`crate::launch::bootstrap`]) or over MPI (`MPI_Bcast`, features `nccl` and `mpi`, when
+//! started by `mpirun`). The watchdog (`watchdog`) turns an operation stuck past the timeout,
+//! an NCCL asynchronous error, [`ProcessGroup::abort`] or a peer's failure notice (store
+//! bootstrap: each rank's watcher waits on its inbox key) into `ncclCommAbort` on every
+//! communicator of the group, and every pending and later operation fails with an error naming
+//! it (`all_gather #12 (stream all_gather)`); the runtime adds the unit, phase and step
+//! ([`Error::InStep`]). Under `mpirun`, a peer's failure reaches this rank through NCCL's
+//! asynchronous error or the timeout (and `mpirun` ends the job when a process fails).
+//!
+//! # Differences from the thread backend
+//!
+//! Reductions are NCCL's (order and rounding are NCCL's choice: not bitwise the CPU
+//! backend's); `Avg` is NCCL's `ncclAvg`; i16 buffers move (all-gather, broadcast) but are not
+//! reduced (NCCL has no 16-bit integer type); mismatched arguments across ranks are not
+//! detected (a hang until the timeout). [`ProcessGroup::barrier`] is an all-reduce of one
+//! element on the stream.
+
+mod raw;
+mod watchdog;
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{CudaDevice, DType, Device, Layout, Tensor};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::nccl::{result, sys};
+use parking_lot::Mutex;
+
+pub use self::raw::UniqueId;
+use self::raw::{move_dtype, reduce_dtype, RawComm};
+use self::watchdog::{Failure, Family, NcclOp};
+use super::buffer::{check_on, validate, Kind, Post, Problem};
+use super::threads::check_ranks;
+use super::threads::cuda::{addr, raw_read, raw_write, with_cuda_storage, CudaDone, KeepAlive};
+use super::{
+    CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
+};
+use crate::error::{Error, Result};
+use crate::launch::bootstrap;
+use crate::launch::store::TcpStore;
+
+/// Configuration of an NCCL process group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NcclConfig {
+    /// How long an operation may stay incomplete (from its issue) before the watchdog aborts
+    /// the group, and how long the bootstrap waits for the other ranks. Default: 300 s.
+    pub timeout: Duration,
+}
+
+impl Default for NcclConfig {
+    fn default() -> Self {
+        NcclConfig {
+            timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// How the ranks of an NCCL job get their communicator's unique id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NcclBootstrap {
+    /// A job of one rank: the id is made here.
+    Single,
+    /// Through the job's TCP store at `addr:port` (`MASTER_ADDR`, `MASTER_PORT`), served by
+    /// rank 0 ([`TcpStore`]); failures are also published there.
+    Store {
+        /// Rank 0's host.
+        addr: &'static str,
+        /// The store's port.
+        port: u16,
+    },
+    /// Broadcast over `MPI_COMM_WORLD` from rank 0 (a job started by `mpirun`).
+    #[cfg(feature = "mpi")]
+    Mpi,
+}
+
+static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The backend's state behind a [`CommStream`]: a CUDA stream and its communicator.
+struct NcclStream {
+    owner: u64,
+    name: Arc<str>,
+    stream: Arc<CudaStream>,
+    comm: Arc<RawComm>,
+    /// Sequence number of the last operation issued (held from numbering to enqueue, so that
+    /// the enqueue order is the numbering order).
+    seq: Mutex<u64>,
+    /// One f32 on `stream` that barriers all-reduce.
+    scratch: CudaSlice<f32>,
+}
+
+/// One process's rank of an NCCL group; see the [module docs](self).
+pub struct NcclGroup {
+    id: u64,
+    rank: usize,
+    world_size: usize,
+    device: Device,
+    cuda: CudaDevice,
+    compute: Arc<CudaStream>,
+    family: Arc<Family>,
+    default_comm: Arc<RawComm>,
+    default_stream: CommStream,
+    /// Sequence number of the last setup operation (`new_stream`, `new_group`).
+    setup: Mutex<u64>,
+    observer: Mutex<Option<Arc<dyn CommObserver>>>,
+}
+
+impl std::fmt::Debug for NcclGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+/// Which NCCL collective, with its scalar arguments.
+#[derive(Clone, Copy)]
+enum Call {
+    AllGather,
+    ReduceScatter(ReduceOp),
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    Reduce(usize, ReduceOp),
+}
+
+impl Call {
+    fn kind(self) -> OpKind {
+        match self {
+            Call::AllGather => OpKind::AllGather,
+            Call::ReduceScatter(_) => OpKind::ReduceScatter,
+            Call::AllReduce(_) => OpKind::AllReduce,
+            Call::Broadcast(_) => OpKind::Broadcast,
+            Call::Reduce(..) => OpKind::Reduce,
+        }
+    }
+
+    fn op(self) -> Option<ReduceOp> {
+        match self {
+            Call::ReduceScatter(op) | Call::AllReduce(op) | Call::Reduce(_, op) => Some(op),
+            Call::AllGather | Call::Broadcast(_) => None,
+        }
+    }
+
+    fn nccl_name(self) -> &'static str {
+        match self {
+            Call::AllGather => "ncclAllGather",
+            Call::ReduceScatter(_) => "ncclReduceScatter",
+            Call::AllReduce(_) => "ncclAllReduce",
+            Call::Broadcast(_) => "ncclBroadcast",
+            Call::Reduce(..) => "ncclReduce",
+        }
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+    }
+}
+
+/// A [`Error::BadBuffer`] from validating this rank's post alone names rank 0 (its index):
+/// name this rank instead.
+fn as_rank(e: Error, rank: usize) -> Error {
+    match e {
+        Error::BadBuffer {
+            op,
+            what,
+            expected,
+            found,
+            ..
+        } => Error::BadBuffer {
+            op,
+            rank,
+            what,
+            expected,
+            found,
+        },
+        other => other,
+    }
+}
+
+impl NcclGroup {
+    /// This process's rank `rank` of a group of `world_size` ranks on `device` (a CUDA device:
+    /// its stream is the compute stream), the unique id obtained through `bootstrap`. Every
+    /// rank calls it.
+    ///
+    /// Errors: `device` is not CUDA ([`Error::InvalidArgument`]); the bootstrap's (the store
+    /// naming missing ranks, MPI's); NCCL's ([`Error::Nccl`], e.g. two ranks on one GPU);
+    /// the driver's ([`Error::Cuda`]).
+    pub fn new(
+        device: &Device,
+        rank: usize,
+        world_size: usize,
+        bootstrap: NcclBootstrap,
+        config: NcclConfig,
+    ) -> Result<Arc<NcclGroup>> {
+        match bootstrap {
+            NcclBootstrap::Single => {
+                if world_size != 1 || rank != 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "NcclBootstrap::Single is for a job of one rank, got rank {rank} of \
+                         {world_size}"
+                    )));
+                }
+                NcclGroup::from_unique_id(device, 0, 1, UniqueId::new()?, config)
+            }
+            NcclBootstrap::Store { addr, port } => {
+                let store = Arc::new(TcpStore::connect(
+                    addr,
+                    port,
+                    rank,
+                    world_size,
+                    config.timeout,
+                )?);
+                let id =
+                    bootstrap::share_from_rank0(&*store, bootstrap::UNIQUE_ID_KEY, 128, || {
+                        UniqueId::new().map(|id| id.0.to_vec())
+                    })?;
+                let id = UniqueId::from_bytes(&id, bootstrap::UNIQUE_ID_KEY)?;
+                let group = NcclGroup::from_unique_id(device, rank, world_size, id, config)?;
+                watch_store(&group.family, store)?;
+                Ok(group)
+            }
+            #[cfg(feature = "mpi")]
+            NcclBootstrap::Mpi => {
+                let id = mpi_unique_id(rank, world_size)?;
+                NcclGroup::from_unique_id(device, rank, world_size, id, config)
+            }
+        }
+    }
+
+    /// A group whose root communicator is made from `id` (every rank passes the same id, made
+    /// by [`UniqueId::new`] on one of them and carried by any means). No peer notices: failures
+    /// reach the peers through NCCL or their timeout.
+    ///
+    /// Errors: as [`NcclGroup::new`].
+    pub fn from_unique_id(
+        device: &Device,
+        rank: usize,
+        world_size: usize,
+        id: UniqueId,
+        config: NcclConfig,
+    ) -> Result<Arc<NcclGroup>> {
+        if rank >= world_size {
+            return Err(Error::InvalidArgument(format!(
+                "NCCL group: rank {rank} is out of range for world size {world_size}"
+            )));
+        }
+        let cuda = crate::cuda::cuda_device(device, "NCCL process group")?.clone();
+        let family = Family::new(rank, config.timeout);
+        let ctx = crate::cuda::context(&cuda);
+        let comm = Arc::new(RawComm::init(&ctx, id, rank, world_size)?);
+        NcclGroup::create(device, cuda, rank, world_size, family, comm)
+    }
+
+    /// The handle over `comm` (this rank's `rank` of `world_size`) in `family`.
+    fn create(
+        device: &Device,
+        cuda: CudaDevice,
+        rank: usize,
+        world_size: usize,
+        family: Arc<Family>,
+        comm: Arc<RawComm>,
+    ) -> Result<Arc<NcclGroup>> {
+        family.register(&comm);
+        let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
+        let stream = new_nccl_stream(id, &cuda, DEFAULT_STREAM, Arc::clone(&comm))?;
+        family.group_opened()?;
+        Ok(Arc::new(NcclGroup {
+            id,
+            rank,
+            world_size,
+            device: device.clone(),
+            compute: cuda.cuda_stream(),
+            cuda,
+            family,
+            default_comm: comm,
+            default_stream: stream,
+            setup: Mutex::new(0),
+            observer: Mutex::new(None),
+        }))
+    }
+
+    /// The configured timeout.
+    pub fn timeout(&self) -> Duration {
+        self.family.timeout
+    }
+
+    /// Issues `call` on `stream`: `output` is the output or in-place buffer, `input` the input
+    /// of all-gather and reduce-scatter.
+    fn issue(
+        &self,
+        stream: &CommStream,
+        call: Call,
+        output: Tensor,
+        input: Option<&Tensor>,
+    ) -> Work<Tensor> {
+        let kind = call.kind();
+        let Some(ns) = self.own_stream(stream, kind) else {
+            return Work::ready(Err(self.foreign_stream(stream, kind)));
+        };
+        let mut seq = ns.seq.lock();
+        *seq += 1;
+        let op = format!("{} #{} (stream {})", kind.name(), *seq, ns.name);
+        match self.enqueue(ns, call, &op, &output, input) {
+            Ok(done) => Work::with_completion(output, done),
+            Err(e) => Work::ready(Err(e)),
+        }
+    }
+
+    fn own_stream<'a>(&self, stream: &'a CommStream, _kind: OpKind) -> Option<&'a NcclStream> {
+        stream
+            .backend_state::<NcclStream>()
+            .filter(|s| s.owner == self.id)
+    }
+
+    fn foreign_stream(&self, stream: &CommStream, kind: OpKind) -> Error {
+        Error::InvalidArgument(format!(
+            "{} on rank {}: stream {:?} was not created by this process group",
+            kind.name(),
+            self.rank,
+            stream.name()
+        ))
+    }
+
+    /// Checks, orders and enqueues one collective; see the module docs.
+    fn enqueue(
+        &self,
+        ns: &NcclStream,
+        call: Call,
+        op: &str,
+        output: &Tensor,
+        input: Option<&Tensor>,
+    ) -> Result<Arc<NcclOp>> {
+        let kind = call.kind();
+        if let Some(f) = self.family.failure() {
+            return Err(f.error_for(0, op, self.rank));
+        }
+        let which = if input.is_some() { "output" } else { "buffer" };
+        if let Some(problem) = input
+            .and_then(|s| check_on(s, "input", &self.device))
+            .or_else(|| check_on(output, which, &self.device))
+        {
+            return Err(problem.to_error(op, self.rank, Kind::Op(kind)));
+        }
+        if call.op().is_some() && reduce_dtype(output.dtype()).is_none() {
+            return Err(Error::BadBuffer {
+                op: op.to_string(),
+                rank: self.rank,
+                what: format!("{} {which} dtype", kind.name()),
+                expected: "a dtype NCCL reduces: f32, bf16, f16, f64, u8, u32, i32 or i64".into(),
+                found: format!("{:?}", output.dtype()),
+            });
+        }
+        let ready = crate::cuda::record(&self.compute, false)?;
+        let observer = self.observer.lock().clone();
+        let observed = observer
+            .as_ref()
+            .and_then(|o| o.op_started(&ns.name, kind, op));
+        let timing = observer.as_ref().is_some_and(|o| o.times_device_ops());
+        let done = with_cuda_storage(output, input, |dst, dst_l, src| {
+            self.enqueue_body(ns, call, op, &ready, timing, dst, dst_l, src)
+        })
+        .unwrap_or_else(|| {
+            CudaDone::failed(Problem::Aliased.to_error(op, self.rank, Kind::Op(kind)))
+        });
+        drop(observed);
+        let CudaDone {
+            final_event,
+            timing,
+            result,
+        } = done;
+        result?;
+        let event = final_event.ok_or_else(|| {
+            Error::Cuda(format!("{op} on rank {}: no completion event", self.rank))
+        })?;
+        if let (Some(o), Some((start, end))) = (&observer, timing) {
+            o.device_op(&ns.name, kind, op, start, end);
+        }
+        let mut tensors = vec![output.clone()];
+        tensors.extend(input.cloned());
+        let keep = KeepAlive {
+            event: Some(Arc::clone(&event)),
+            consumer: Arc::clone(&self.compute),
+            tensors,
+        };
+        let pending = NcclOp::new(
+            op.to_string(),
+            self.rank,
+            event,
+            Arc::clone(&self.compute),
+            self.family.timeout,
+            keep,
+            Arc::clone(&ns.comm),
+        );
+        self.family.track(Arc::clone(&pending));
+        Ok(pending)
+    }
+
+    /// The part of [`NcclGroup::enqueue`] that runs under Candle's storage locks.
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue_body(
+        &self,
+        ns: &NcclStream,
+        call: Call,
+        op: &str,
+        ready: &cudarc::driver::CudaEvent,
+        timing: bool,
+        dst: &mut CudaStorage,
+        dst_l: &Layout,
+        src: Option<(&CudaStorage, &Layout)>,
+    ) -> CudaDone {
+        let kind = call.kind();
+        let stream = &ns.stream;
+        if let Err(e) = stream.wait(ready) {
+            return CudaDone::failed(Error::Cuda(format!(
+                "{op} on rank {}: comm stream waiting for the compute stream: {e:?}",
+                self.rank
+            )));
+        }
+        let (out, _out_guard) = raw_write(dst, dst_l, stream);
+        let input = src.map(|(s, l)| raw_read(s, l, stream));
+        let mut post = Post::new(Kind::Op(kind), 0);
+        match &input {
+            Some((i, _)) => {
+                post.input = Some(*i);
+                post.output = Some(out);
+            }
+            None => post.input = Some(out),
+        }
+        post.op = call.op();
+        if let Call::Broadcast(root) | Call::Reduce(root, _) = call {
+            post.root = Some(root);
+        }
+        if let Err(e) = validate(op, self.world_size, &[post]) {
+            return CudaDone::failed(as_rank(e, self.rank));
+        }
+        let timing_start = if timing {
+            crate::cuda::record(stream, true).ok()
+        } else {
+            None
+        };
+        let cu_stream = stream.cu_stream() as sys::cudaStream_t;
+        let dtype: DType = out.dtype;
+        let buf = addr(out, 0);
+        let ctx = stream.context();
+        let name = format!("{} ({op})", call.nccl_name());
+        // SAFETY: every address is a live Candle buffer of this rank's GPU whose lengths and
+        // dtypes were validated above (all-gather: output = world_size * input; reduce-scatter:
+        // input = world_size * output); the comm stream waited for the compute stream that
+        // produced them, the tensors are kept alive until the compute stream waited for the
+        // completion event (`KeepAlive`), and `cu_stream` is the communicator's own stream.
+        let enqueued = unsafe {
+            ns.comm.call(ctx, &name, |comm| match call {
+                Call::AllGather => {
+                    let i = input.as_ref().expect("all-gather has an input").0;
+                    let (dt, count) = move_dtype(dtype, i.len);
+                    result::all_gather(
+                        addr(i, 0) as *const c_void,
+                        buf as *mut c_void,
+                        count,
+                        dt,
+                        comm,
+                        cu_stream,
+                    )
+                }
+                Call::ReduceScatter(rop) => {
+                    let i = input.as_ref().expect("reduce-scatter has an input").0;
+                    result::reduce_scatter(
+                        addr(i, 0) as *const c_void,
+                        buf as *mut c_void,
+                        out.len,
+                        reduce_dtype(dtype).expect("checked at issue"),
+                        nccl_op(rop),
+                        comm,
+                        cu_stream,
+                    )
+                }
+                Call::AllReduce(rop) => result::all_reduce(
+                    buf as *const c_void,
+                    buf as *mut c_void,
+                    out.len,
+                    reduce_dtype(dtype).expect("checked at issue"),
+                    nccl_op(rop),
+                    comm,
+                    cu_stream,
+                ),
+                Call::Broadcast(root) => {
+                    let (dt, count) = move_dtype(dtype, out.len);
+                    result::broadcast(
+                        buf as *const c_void,
+                        buf as *mut c_void,
+                        count,
+                        dt,
+                        root as i32,
+                        comm,
+                        cu_stream,
+                    )
+                }
+                Call::Reduce(root, rop) => result::reduce(
+                    buf as *const c_void,
+                    buf as *mut c_void,
+                    out.len,
+                    reduce_dtype(dtype).expect("checked at issue"),
+                    nccl_op(rop),
+                    root as i32,
+                    comm,
+                    cu_stream,
+                ),
+            })
+        };
+        if let Err(e) = enqueued {
+            self.fail_on(&e);
+            return CudaDone::failed(e);
+        }
+        let timing = match timing_start {
+            Some(start) => crate::cuda::record(stream, true)
+                .ok()
+                .map(|end| (start, end)),
+            None => None,
+        };
+        match crate::cuda::record(stream, false) {
+            Ok(ev) => CudaDone {
+                final_event: Some(Arc::new(ev)),
+                timing,
+                result: Ok(()),
+            },
+            Err(e) => {
+                self.family.fail(
+                    Failure::Cuda {
+                        message: e.to_string(),
+                    },
+                    true,
+                );
+                CudaDone::failed(e)
+            }
+        }
+    }
+
+    /// Fails the family after an NCCL or CUDA error of an enqueue.
+    fn fail_on(&self, e: &Error) {
+        let failure = match e {
+            Error::Nccl { call, message, .. } => Failure::Nccl {
+                call: call.clone(),
+                message: message.clone(),
+            },
+            other => Failure::Cuda {
+                message: other.to_string(),
+            },
+        };
+        self.family.fail(failure, true);
+    }
+}
+
+/// A comm stream named `name` of group `owner`: a CUDA stream on `cuda`'s context and `comm`.
+fn new_nccl_stream(
+    owner: u64,
+    cuda: &CudaDevice,
+    name: &str,
+    comm: Arc<RawComm>,
+) -> Result<CommStream> {
+    let stream = crate::cuda::new_stream(cuda)?;
+    let scratch = stream.alloc_zeros::<f32>(1).map_err(|e| {
+        Error::Cuda(format!(
+            "allocating the barrier buffer of stream {name}: {e:?}"
+        ))
+    })?;
+    let ns = Arc::new(NcclStream {
+        owner,
+        name: name.into(),
+        stream,
+        comm,
+        seq: Mutex::new(0),
+        scratch,
+    });
+    Ok(CommStream::new(Arc::clone(&ns.name), ns))
+}
+
+impl ProcessGroup for NcclGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn backend(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn new_stream(&self, name: &str) -> Result<CommStream> {
+        let mut setup = self.setup.lock();
+        *setup += 1;
+        let op = format!("new_stream #{} ({name:?})", *setup);
+        if let Some(f) = self.family.failure() {
+            return Err(f.error_for(0, &op, self.rank));
+        }
+        let ctx = crate::cuda::context(&self.cuda);
+        let comm = self
+            .default_comm
+            .split(&ctx, Some(self.rank), &op)?
+            .ok_or_else(|| Error::Nccl {
+                call: format!("ncclCommSplit ({op})"),
+                rank: self.rank,
+                message: "NCCL returned no communicator for a member".into(),
+            })?;
+        let comm = Arc::new(comm);
+        self.family.register(&comm);
+        new_nccl_stream(self.id, &self.cuda, name, comm)
+    }
+
+    fn default_stream(&self) -> CommStream {
+        self.default_stream.clone()
+    }
+
+    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
+        self.issue(stream, Call::AllGather, output, Some(input))
+    }
+
+    fn reduce_scatter(
+        &self,
+        stream: &CommStream,
+        input: &Tensor,
+        output: Tensor,
+        op: ReduceOp,
+    ) -> Work<Tensor> {
+        self.issue(stream, Call::ReduceScatter(op), output, Some(input))
+    }
+
+    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
+        self.issue(stream, Call::AllReduce(op), buf, None)
+    }
+
+    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
+        self.issue(stream, Call::Broadcast(root), buf, None)
+    }
+
+    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
+        self.issue(stream, Call::Reduce(root, op), buf, None)
+    }
+
+    /// An all-reduce (sum) of one f32 on the stream: complete once every rank's comm stream
+    /// reached it, and (through the comm stream's wait) every rank's compute stream as of the
+    /// call.
+    fn barrier(&self, stream: &CommStream) -> Work<()> {
+        let kind = OpKind::Barrier;
+        let Some(ns) = self.own_stream(stream, kind) else {
+            return Work::ready(Err(self.foreign_stream(stream, kind)));
+        };
+        let mut seq = ns.seq.lock();
+        *seq += 1;
+        let op = format!("{} #{} (stream {})", kind.name(), *seq, ns.name);
+        match self.enqueue_barrier(ns, &op) {
+            Ok(done) => Work::with_completion((), done),
+            Err(e) => Work::ready(Err(e)),
+        }
+    }
+
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
+        let mut setup = self.setup.lock();
+        *setup += 1;
+        let op = format!("new_group #{} ({ranks:?})", *setup);
+        if let Some(f) = self.family.failure() {
+            return Err(f.error_for(0, &op, self.rank));
+        }
+        // Every rank passes the same list (the contract), so every rank fails here alike.
+        check_ranks(&op, ranks, self.world_size)?;
+        let position = ranks.iter().position(|&r| r == self.rank);
+        let ctx = crate::cuda::context(&self.cuda);
+        let sub = self.default_comm.split(&ctx, position, &op)?;
+        match (sub, position) {
+            (Some(comm), Some(local)) => {
+                let group = NcclGroup::create(
+                    &self.device,
+                    self.cuda.clone(),
+                    local,
+                    ranks.len(),
+                    Arc::clone(&self.family),
+                    Arc::new(comm),
+                )?;
+                Ok(Some(group as Arc<dyn ProcessGroup>))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    fn abort(&self, reason: &str) {
+        self.family.fail(
+            Failure::Rank {
+                failed_rank: self.family.world_rank,
+                reason: reason.to_string(),
+            },
+            true,
+        );
+    }
+
+    fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
+        *self.observer.lock() = observer;
+    }
+}
+
+impl NcclGroup {
+    fn enqueue_barrier(&self, ns: &NcclStream, op: &str) -> Result<Arc<NcclOp>> {
+        if let Some(f) = self.family.failure() {
+            return Err(f.error_for(0, op, self.rank));
+        }
+        let stream = &ns.stream;
+        let ready = crate::cuda::record(&self.compute, false)?;
+        stream
+            .wait(&ready)
+            .map_err(|e| Error::Cuda(format!("{op} on rank {}: {e:?}", self.rank)))?;
+        let observer = self.observer.lock().clone();
+        let observed = observer
+            .as_ref()
+            .and_then(|o| o.op_started(&ns.name, OpKind::Barrier, op));
+        let (ptr, guard) = ns.scratch.device_ptr(stream);
+        let ctx = stream.context();
+        let name = format!("ncclAllReduce ({op})");
+        // SAFETY: `scratch` is one f32 owned by the stream's state, allocated on this stream
+        // (freed there too, after this operation, being stream-ordered); the stream is the
+        // communicator's own.
+        let enqueued = unsafe {
+            ns.comm.call(ctx, &name, |comm| {
+                result::all_reduce(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    1,
+                    sys::ncclDataType_t::ncclFloat32,
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    stream.cu_stream() as sys::cudaStream_t,
+                )
+            })
+        };
+        drop(guard);
+        drop(observed);
+        if let Err(e) = enqueued {
+            self.fail_on(&e);
+            return Err(e);
+        }
+        let event = Arc::new(crate::cuda::record(stream, false)?);
+        let keep = KeepAlive {
+            event: Some(Arc::clone(&event)),
+            consumer: Arc::clone(&self.compute),
+            tensors: Vec::new(),
+        };
+        let pending = NcclOp::new(
+            op.to_string(),
+            self.rank,
+            event,
+            Arc::clone(&self.compute),
+            self.family.timeout,
+            keep,
+            Arc::clone(&ns.comm),
+        );
+        self.family.track(Arc::clone(&pending));
+        Ok(pending)
+    }
+}
+
+impl Drop for NcclGroup {
+    /// Does not block: the watchdog keeps watching the operations still in flight, and the
+    /// communicators are freed (`ncclCommAbort`, local) once their last operation and stream
+    /// handle are gone.
+    fn drop(&mut self) {
+        self.family.group_closed();
+    }
+}
+
+/// Starts the thread that waits on this rank's inbox in the job's store and fails `family`
+/// on a peer's notice; installs the family's notifier (publishing this rank's failures) and
+/// its close hook (stopping the thread).
+fn watch_store(family: &Arc<Family>, store: Arc<TcpStore>) -> Result<()> {
+    let weak = Arc::downgrade(family);
+    let watcher_store = Arc::clone(&store);
+    let rank = store.rank();
+    std::thread::Builder::new()
+        .name(format!("nccl-notices-{rank}"))
+        .spawn(move || loop {
+            let started = Instant::now();
+            match bootstrap::wait_notice(&*watcher_store) {
+                Ok(bootstrap::Notice::Closed) => return,
+                Ok(bootstrap::Notice::Failed {
+                    rank: failed_rank,
+                    reason,
+                }) => {
+                    if let Some(family) = weak.upgrade() {
+                        family.fail(
+                            Failure::Rank {
+                                failed_rank,
+                                reason,
+                            },
+                            false,
+                        );
+                    }
+                    return;
+                }
+                Err(e) => {
+                    // The store's timeout passed with no notice: wait again. An immediate error
+                    // is a lost connection (rank 0's process ended): stop watching.
+                    if weak.strong_count() == 0 || started.elapsed() < Duration::from_secs(1) {
+                        tracing::debug!("rank {rank}: stopped watching for failure notices: {e}");
+                        return;
+                    }
+                }
+            }
+        })
+        .map_err(|error| Error::SpawnFailed {
+            what: format!("the failure-notice watcher of rank {rank}"),
+            error,
+        })?;
+    let notify_store = Arc::clone(&store);
+    family.set_peer_channel(
+        Box::new(move |failed_rank, reason| {
+            if let Err(e) = bootstrap::publish_failure(&*notify_store, failed_rank, reason) {
+                tracing::warn!("rank {failed_rank}: could not tell the peers it failed: {e}");
+            }
+        }),
+        Box::new(move || {
+            if let Err(e) = bootstrap::close_inbox(&*store) {
+                tracing::debug!("closing this rank's inbox: {e}");
+            }
+        }),
+    );
+    Ok(())
+}
+
+/// The root communicator's unique id, broadcast over `MPI_COMM_WORLD` from rank 0, with a
+/// status byte first so that a failure of rank 0 fails every rank at once.
+#[cfg(feature = "mpi")]
+fn mpi_unique_id(rank: usize, world_size: usize) -> Result<UniqueId> {
+    use mpi::ffi;
+    let (mpi_rank, mpi_size) = crate::comm::mpi::world_rank_and_size()?;
+    if (mpi_rank, mpi_size) != (rank, world_size) {
+        return Err(Error::InvalidArgument(format!(
+            "NCCL over MPI: rank {rank} of {world_size} requested but MPI says rank {mpi_rank} \
+             of {mpi_size}"
+        )));
+    }
+    let mut msg = [0u8; 129];
+    let mut local_error = None;
+    if rank == 0 {
+        match UniqueId::new() {
+            Ok(id) => msg[1..].copy_from_slice(&id.0),
+            Err(e) => {
+                msg[0] = 1;
+                let text = e.to_string();
+                let n = text.len().min(128);
+                msg[1..1 + n].copy_from_slice(&text.as_bytes()[..n]);
+                local_error = Some(e);
+            }
+        }
+    }
+    // SAFETY: MPI is initialised (world_rank_and_size above) with MPI_THREAD_MULTIPLE; `msg`
+    // is a live buffer of 129 bytes on every rank; every rank of MPI_COMM_WORLD calls this
+    // broadcast once, from rank 0.
+    let rc = unsafe {
+        ffi::MPI_Bcast(
+            msg.as_mut_ptr().cast(),
+            msg.len() as std::ffi::c_int,
+            ffi::RSMPI_UINT8_T,
+            0,
+            ffi::RSMPI_COMM_WORLD,
+        )
+    };
+    if rc != ffi::MPI_SUCCESS as std::ffi::c_int {
+        return Err(Error::Mpi {
+            call: "MPI_Bcast (NCCL unique id)".into(),
+            rank,
+            code: rc,
+            message: "broadcasting the NCCL unique id failed".into(),
+        });
+    }
+    if let Some(e) = local_error {
+        return Err(e);
+    }
+    if msg[0] != 0 {
+        let end = msg[1..].iter().position(|&b| b == 0).map_or(128, |p| p);
+        return Err(Error::PeerFailed {
+            op: "bootstrap (MPI_Bcast of the NCCL unique id)".into(),
+            rank,
+            failed_rank: 0,
+            reason: String::from_utf8_lossy(&msg[1..1 + end]).into_owned(),
+        });
+    }
+    let mut id = [0u8; 128];
+    id.copy_from_slice(&msg[1..]);
+    Ok(UniqueId(id))
+}
+
+/// Runs `f` on this process's rank of an NCCL job on GPU `gpu` (the handle wrapped in
+/// [`Instrumented`]) and returns its result (one element). When `f` fails or panics, the group
+/// is aborted with the error's text: the peers' pending and later collectives fail (through
+/// the store's notices, NCCL, or their timeout).
+///
+/// Errors (the single element): the GPU cannot be opened; the group cannot be made (see
+/// [`NcclGroup::new`]); `f`'s.
+pub fn run<T, F>(
+    rank: usize,
+    world_size: usize,
+    gpu: usize,
+    bootstrap: NcclBootstrap,
+    config: NcclConfig,
+    f: F,
+) -> Vec<Result<T>>
+where
+    F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
+{
+    let group = crate::cuda::open_device(gpu)
+        .and_then(|device| NcclGroup::new(&device, rank, world_size, bootstrap, config));
+    match group {
+        Ok(group) => {
+            let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
+            vec![super::threads::run_one(rank, pg, &f)]
+        }
+        Err(e) => vec![Err(e)],
+    }
+}

@@ -63,10 +63,24 @@
 //!
 //! Sub-groups ([`ProcessGroup::new_group`]) are groups of their own (communicators, default
 //! stream, ranks renumbered by position) sharing the abort slot of their root group.
+//!
+//! # On CUDA tensors (feature `cuda`)
+//!
+//! [`new_group_on_gpu`] / [`run_ranks_on_gpu`] (and [`crate::launch::Launcher::ThreadsOnGpu`])
+//! put every rank on one GPU, each with a Candle device of its own (its own compute stream;
+//! [`ProcessGroup::device`] returns it) and one CUDA comm stream per stream of the group. The
+//! host side above is unchanged; the data movement is enqueued on the comm streams and ordered
+//! with CUDA events, so that the host never waits for the device (see `cuda` for the
+//! algorithm and the buffer-lifetime rule). Reductions are bitwise those of the CPU path.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 mod kernels;
 mod ops;
 mod rendezvous;
+
+#[cfg(feature = "cuda")]
+pub use self::cuda::MAX_CUDA_RANKS;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -119,7 +133,14 @@ struct ThreadStream {
     name: Arc<str>,
     comm: Arc<Communicator>,
     slot: Mutex<StreamSlot>,
+    /// The CUDA stream the stream's data movement is enqueued on (groups on a GPU).
+    #[cfg(feature = "cuda")]
+    device_stream: Option<Arc<cudarc::driver::CudaStream>>,
 }
+
+/// The CUDA state of a rank of a group on a GPU (`None` on the CPU).
+#[cfg(feature = "cuda")]
+type RankDevice = Option<Arc<cuda::RankCuda>>;
 
 /// Setup operations issued by one rank handle.
 struct SetupState {
@@ -148,6 +169,9 @@ pub struct ThreadProcessGroup {
     observer: Mutex<Option<Arc<dyn CommObserver>>>,
     /// Set when the handle is dropped, before its streams are closed.
     closing: Arc<AtomicBool>,
+    /// This rank's GPU state (groups on a GPU).
+    #[cfg(feature = "cuda")]
+    cuda: RankDevice,
 }
 
 impl std::fmt::Debug for ThreadProcessGroup {
@@ -174,7 +198,13 @@ fn start_stream(
     closing: &Arc<AtomicBool>,
     index: usize,
     name: &str,
+    #[cfg(feature = "cuda")] cuda: &RankDevice,
 ) -> Result<(Arc<ThreadStream>, JoinHandle<()>)> {
+    #[cfg(feature = "cuda")]
+    let device_stream = match cuda {
+        Some(c) => Some(crate::cuda::new_stream(&c.cuda)?),
+        None => None,
+    };
     let comm = shared.communicator(index, name);
     let (tx, rx) = unbounded::<Job>();
     let thread_comm = Arc::clone(&comm);
@@ -202,16 +232,32 @@ fn start_stream(
             seq: 0,
             tx: Some(tx),
         }),
+        #[cfg(feature = "cuda")]
+        device_stream,
     });
     Ok((stream, handle))
 }
 
 impl ThreadProcessGroup {
     /// The handle of `rank` on `shared`, with its default stream running.
-    fn create(shared: Arc<Shared>, rank: usize) -> Result<Arc<ThreadProcessGroup>> {
+    fn create(
+        shared: Arc<Shared>,
+        rank: usize,
+        #[cfg(feature = "cuda")] cuda: RankDevice,
+    ) -> Result<Arc<ThreadProcessGroup>> {
         let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
         let closing = Arc::new(AtomicBool::new(false));
-        let (default, thread) = match start_stream(id, rank, &shared, &closing, 0, DEFAULT_STREAM) {
+        let started = start_stream(
+            id,
+            rank,
+            &shared,
+            &closing,
+            0,
+            DEFAULT_STREAM,
+            #[cfg(feature = "cuda")]
+            &cuda,
+        );
+        let (default, thread) = match started {
             Ok(started) => started,
             Err(e) => {
                 // No handle will ever join: peers waiting for this rank must not hang.
@@ -220,10 +266,14 @@ impl ThreadProcessGroup {
                 return Err(e);
             }
         };
+        #[cfg(feature = "cuda")]
+        let device = cuda.as_ref().map_or(Device::Cpu, |c| c.device.clone());
+        #[cfg(not(feature = "cuda"))]
+        let device = Device::Cpu;
         Ok(Arc::new(ThreadProcessGroup {
             id,
             rank,
-            device: Device::Cpu,
+            device,
             shared,
             streams: Mutex::new(vec![Arc::downgrade(&default)]),
             default_stream: CommStream::new(DEFAULT_STREAM, default),
@@ -231,6 +281,8 @@ impl ThreadProcessGroup {
             setup: Mutex::new(SetupState { seq: 0, streams: 1 }),
             observer: Mutex::new(None),
             closing,
+            #[cfg(feature = "cuda")]
+            cuda,
         }))
     }
 
@@ -312,6 +364,133 @@ impl ThreadProcessGroup {
         ctx.sync(generation + 1);
         outcome
     }
+
+    /// Issues a collective on CUDA buffers: `output` is the output or in-place buffer, `input`
+    /// the input of all-gather and reduce-scatter.
+    #[cfg(feature = "cuda")]
+    fn issue_cuda(
+        &self,
+        stream: &CommStream,
+        rc: &Arc<cuda::RankCuda>,
+        call: cuda::CudaCall,
+        output: Tensor,
+        input: Option<&Tensor>,
+    ) -> Work<Tensor> {
+        let input = input.cloned();
+        let mut keep = vec![output.clone()];
+        keep.extend(input.iter().cloned());
+        let dst = output.clone();
+        let kind = call.kind();
+        self.issue_cuda_job(stream, rc, kind, output, keep, move |ctx, job| {
+            ctx.cuda_collective(job, call, &dst, input.as_ref())
+        })
+    }
+
+    /// Enqueues `body` as a CUDA operation of `kind` on `stream`: records the compute stream's
+    /// "inputs ready" event now (on the caller's thread), runs `body` on the stream's thread,
+    /// and returns a [`Work`] whose value `value` is valid once the operation's final event
+    /// completed; `keep` (the buffers) is released only after the compute stream waited on it.
+    #[cfg(feature = "cuda")]
+    fn issue_cuda_job<T, F>(
+        &self,
+        stream: &CommStream,
+        rc: &Arc<cuda::RankCuda>,
+        kind: OpKind,
+        value: T,
+        keep: Vec<Tensor>,
+        body: F,
+    ) -> Work<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Ctx, &cuda::CudaJob) -> cuda::CudaDone + Send + 'static,
+    {
+        let Some((ts, device_stream)) = stream
+            .backend_state::<ThreadStream>()
+            .filter(|s| s.owner == self.id)
+            .and_then(|s| s.device_stream.clone().map(|d| (s, d)))
+        else {
+            return Work::ready(Err(Error::InvalidArgument(format!(
+                "{} on rank {}: stream {:?} was not created by this process group",
+                kind.name(),
+                self.rank,
+                stream.name()
+            ))));
+        };
+        let mut slot = ts.slot.lock();
+        slot.seq += 1;
+        let seq = slot.seq;
+        let op = format!("{} #{seq} (stream {})", kind.name(), ts.name);
+        let (completion, completer) =
+            cuda::CudaOp::pending(Arc::clone(&rc.compute), &op, self.rank, &ts.name);
+        // The inputs as of this call: recorded now, on the compute stream.
+        let ready = crate::cuda::record(&rc.compute, false);
+        let shared = Arc::clone(&self.shared);
+        let comm = Arc::clone(&ts.comm);
+        let stream_name = Arc::clone(&ts.name);
+        let rank = self.rank;
+        let observer = self.observer.lock().clone();
+        let rc = Arc::clone(rc);
+        let job: Job = Box::new(move || {
+            let observed = observer
+                .as_ref()
+                .and_then(|o| o.op_started(&stream_name, kind, &op));
+            let timing = observer.as_ref().is_some_and(|o| o.times_device_ops());
+            let ctx = Ctx {
+                shared: &shared,
+                comm: &comm,
+                rank,
+                seq,
+                op: &op,
+            };
+            let done = match catch_unwind(AssertUnwindSafe(|| match &ready {
+                Ok(ready) => {
+                    let job = cuda::CudaJob {
+                        stream: &device_stream,
+                        cuda: &rc.cuda,
+                        device: &rc.device,
+                        ready,
+                        timing,
+                    };
+                    body(&ctx, &job)
+                }
+                Err(e) => {
+                    let e = Error::Cuda(format!("{op} on rank {rank}: {e}"));
+                    shared.abort(rank, &e.to_string());
+                    cuda::CudaDone::failed(e)
+                }
+            })) {
+                Ok(done) => done,
+                Err(payload) => {
+                    let message = format!("{op}: {}", panic_message(payload.as_ref()));
+                    shared.abort(rank, &format!("comm stream panicked: {message}"));
+                    cuda::CudaDone::failed(Error::RankPanicked { rank, message })
+                }
+            };
+            drop(observed);
+            let cuda::CudaDone {
+                final_event,
+                timing,
+                result,
+            } = done;
+            if let (Some(o), Some((start, end))) = (&observer, timing) {
+                o.device_op(&stream_name, kind, &op, start, end);
+            }
+            completer.complete(
+                cuda::CudaDone {
+                    final_event,
+                    timing: None,
+                    result,
+                },
+                keep,
+            );
+        });
+        if let Some(tx) = &slot.tx {
+            // As in `issue`: a send error drops the job and its completer, which fails the
+            // operation with `Error::StreamStopped`.
+            let _ = tx.send(job);
+        }
+        Work::with_completion(value, completion)
+    }
 }
 
 /// Checks the rank list of `new_group` (the same on every rank once lists agree).
@@ -370,8 +549,16 @@ impl ProcessGroup for ThreadProcessGroup {
         post.index = Some(index);
         self.setup_rendezvous(&ctx, post, |verdict| verdict)?;
         setup.streams += 1;
-        let (stream, thread) =
-            start_stream(self.id, self.rank, &self.shared, &self.closing, index, name)?;
+        let (stream, thread) = start_stream(
+            self.id,
+            self.rank,
+            &self.shared,
+            &self.closing,
+            index,
+            name,
+            #[cfg(feature = "cuda")]
+            &self.cuda,
+        )?;
         let mut threads = self.threads.lock();
         threads.retain(|t| !t.is_finished());
         threads.push(thread);
@@ -386,6 +573,11 @@ impl ProcessGroup for ThreadProcessGroup {
     }
 
     fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(rc) = &self.cuda {
+            let call = cuda::CudaCall::AllGather;
+            return self.issue_cuda(stream, rc, call, output, Some(input));
+        }
         let input = input.clone();
         self.issue(stream, OpKind::AllGather, move |ctx| {
             ctx.all_gather(&input, &output)?;
@@ -400,6 +592,11 @@ impl ProcessGroup for ThreadProcessGroup {
         output: Tensor,
         op: ReduceOp,
     ) -> Work<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(rc) = &self.cuda {
+            let call = cuda::CudaCall::ReduceScatter(op);
+            return self.issue_cuda(stream, rc, call, output, Some(input));
+        }
         let input = input.clone();
         self.issue(stream, OpKind::ReduceScatter, move |ctx| {
             ctx.reduce_scatter(&input, &output, op)?;
@@ -408,6 +605,11 @@ impl ProcessGroup for ThreadProcessGroup {
     }
 
     fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(rc) = &self.cuda {
+            let call = cuda::CudaCall::AllReduce(op);
+            return self.issue_cuda(stream, rc, call, buf, None);
+        }
         self.issue(stream, OpKind::AllReduce, move |ctx| {
             ctx.all_reduce(&buf, op)?;
             Ok(buf)
@@ -415,6 +617,11 @@ impl ProcessGroup for ThreadProcessGroup {
     }
 
     fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(rc) = &self.cuda {
+            let call = cuda::CudaCall::Broadcast(root);
+            return self.issue_cuda(stream, rc, call, buf, None);
+        }
         self.issue(stream, OpKind::Broadcast, move |ctx| {
             ctx.broadcast(&buf, root)?;
             Ok(buf)
@@ -422,6 +629,11 @@ impl ProcessGroup for ThreadProcessGroup {
     }
 
     fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(rc) = &self.cuda {
+            let call = cuda::CudaCall::Reduce(root, op);
+            return self.issue_cuda(stream, rc, call, buf, None);
+        }
         self.issue(stream, OpKind::Reduce, move |ctx| {
             ctx.reduce(&buf, root, op)?;
             Ok(buf)
@@ -429,6 +641,12 @@ impl ProcessGroup for ThreadProcessGroup {
     }
 
     fn barrier(&self, stream: &CommStream) -> Work<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(rc) = &self.cuda {
+            return self.issue_cuda_job(stream, rc, OpKind::Barrier, (), Vec::new(), |ctx, job| {
+                ctx.cuda_barrier(job)
+            });
+        }
         self.issue(stream, OpKind::Barrier, |ctx| ctx.barrier())
     }
 
@@ -472,9 +690,12 @@ impl ProcessGroup for ThreadProcessGroup {
             self.shared.forming.lock().retain(|(s, _)| *s != seq);
         }
         match (sub?, position) {
-            (Some(shared), Some(local)) => Ok(Some(
-                ThreadProcessGroup::create(shared, local)? as Arc<dyn ProcessGroup>
-            )),
+            (Some(shared), Some(local)) => Ok(Some(ThreadProcessGroup::create(
+                shared,
+                local,
+                #[cfg(feature = "cuda")]
+                self.cuda.clone(),
+            )? as Arc<dyn ProcessGroup>)),
             _ => Ok(None),
         }
     }
@@ -530,8 +751,74 @@ pub fn new_group(
         DEFAULT_STREAM,
     );
     (0..world_size)
-        .map(|rank| ThreadProcessGroup::create(Arc::clone(&shared), rank))
+        .map(|rank| {
+            ThreadProcessGroup::create(
+                Arc::clone(&shared),
+                rank,
+                #[cfg(feature = "cuda")]
+                None,
+            )
+        })
         .collect()
+}
+
+/// Creates a group of `world_size` ranks living in this process, every rank on GPU `ordinal`
+/// with a Candle device of its own (its own compute stream): element `r` is rank `r`'s handle.
+/// Buffers of its collectives are 1-D contiguous tensors on the rank's device
+/// ([`ProcessGroup::device`]). The handles are bare backends, as from [`new_group`].
+///
+/// Errors: [`Error::InvalidArgument`] when `world_size` is 0 or above
+/// [`MAX_CUDA_RANKS`]; [`Error::Cuda`] when the GPU cannot be opened or a stream created;
+/// [`Error::SpawnFailed`].
+#[cfg(feature = "cuda")]
+pub fn new_group_on_gpu(
+    world_size: usize,
+    config: ThreadGroupConfig,
+    ordinal: usize,
+) -> Result<Vec<Arc<ThreadProcessGroup>>> {
+    if world_size == 0 {
+        return Err(Error::InvalidArgument(
+            "a process group needs world_size >= 1, got 0".to_string(),
+        ));
+    }
+    if world_size > cuda::MAX_CUDA_RANKS {
+        return Err(Error::InvalidArgument(format!(
+            "the thread backend on CUDA runs at most {} ranks on one GPU, got {world_size}",
+            cuda::MAX_CUDA_RANKS
+        )));
+    }
+    let devices = (0..world_size)
+        .map(|_| cuda::RankCuda::open(ordinal).map(Arc::new))
+        .collect::<Result<Vec<_>>>()?;
+    let shared = Shared::new(
+        config.timeout,
+        (0..world_size).collect(),
+        None,
+        DEFAULT_STREAM,
+    );
+    devices
+        .into_iter()
+        .enumerate()
+        .map(|(rank, rc)| ThreadProcessGroup::create(Arc::clone(&shared), rank, Some(rc)))
+        .collect()
+}
+
+/// [`run_ranks`] with every rank on GPU `ordinal` ([`new_group_on_gpu`]).
+#[cfg(feature = "cuda")]
+pub fn run_ranks_on_gpu<T, F>(
+    world_size: usize,
+    config: ThreadGroupConfig,
+    ordinal: usize,
+    f: F,
+) -> Vec<Result<T>>
+where
+    T: Send,
+    F: Fn(Arc<dyn ProcessGroup>) -> Result<T> + Send + Sync,
+{
+    match new_group_on_gpu(world_size, config, ordinal) {
+        Ok(groups) => run_groups(groups, f),
+        Err(e) => vec![Err(e)],
+    }
 }
 
 /// The text of a panic payload (`&str` or `String`), or a placeholder.
@@ -562,10 +849,19 @@ where
     T: Send,
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T> + Send + Sync,
 {
-    let groups = match new_group(world_size, config) {
-        Ok(groups) => groups,
-        Err(e) => return vec![Err(e)],
-    };
+    match new_group(world_size, config) {
+        Ok(groups) => run_groups(groups, f),
+        Err(e) => vec![Err(e)],
+    }
+}
+
+/// Runs `f` on every handle of `groups` (index = rank), one scoped thread per rank; see
+/// [`run_ranks`].
+fn run_groups<T, F>(groups: Vec<Arc<ThreadProcessGroup>>, f: F) -> Vec<Result<T>>
+where
+    T: Send,
+    F: Fn(Arc<dyn ProcessGroup>) -> Result<T> + Send + Sync,
+{
     let f = &f;
     thread::scope(|scope| {
         let handles: Vec<_> = groups

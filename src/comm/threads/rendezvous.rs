@@ -19,6 +19,9 @@ struct CommState {
     /// Posts, double-buffered by the parity of the generation at which they were made, so that a
     /// fast rank posting its next collective never overwrites a post a slow rank has yet to read.
     posts: [Vec<Option<Post>>; 2],
+    /// Tokens ranks publish with an arrival (the CUDA path: raw event handles), double-buffered
+    /// like `posts`; 0 when the barrier carries none.
+    tokens: [Vec<usize>; 2],
     /// Ranks whose thread for this communicator exited (no further arrival will come).
     finished: Vec<bool>,
 }
@@ -37,6 +40,7 @@ impl Communicator {
             state: Mutex::new(CommState {
                 arrivals: vec![0; world_size],
                 posts: [vec![None; world_size], vec![None; world_size]],
+                tokens: [vec![0; world_size], vec![0; world_size]],
                 finished: vec![false; world_size],
             }),
             cv: Condvar::new(),
@@ -214,6 +218,18 @@ impl Ctx<'_> {
     /// Once every rank arrived, the barrier is passed regardless of any later abort: peers may
     /// already be reading this rank's buffers.
     pub(super) fn rendezvous(&self, post: Post) -> Result<(u64, Vec<Post>)> {
+        self.rendezvous_with_token(post, 0)
+            .map(|(generation, posts, _tokens)| (generation, posts))
+    }
+
+    /// [`Ctx::rendezvous`] that also publishes `token` and returns every rank's token (index =
+    /// rank), read under the same lock hold as the posts (the double-buffering argument there
+    /// covers them too). The CUDA path publishes the raw handle of an event there.
+    pub(super) fn rendezvous_with_token(
+        &self,
+        post: Post,
+        token: usize,
+    ) -> Result<(u64, Vec<Post>, Vec<usize>)> {
         let ws = self.shared.world_size;
         let start = Instant::now();
         let deadline = start.checked_add(self.shared.timeout);
@@ -225,6 +241,7 @@ impl Ctx<'_> {
         let parity = (target % 2) as usize;
         st.arrivals[self.rank] = target;
         st.posts[parity][self.rank] = Some(post);
+        st.tokens[parity][self.rank] = token;
         self.comm.cv.notify_all();
         loop {
             let missing: Vec<usize> = (0..ws).filter(|&j| st.arrivals[j] < target).collect();
@@ -236,7 +253,7 @@ impl Ctx<'_> {
                     .iter()
                     .map(|p| p.expect("every arrived rank posted"))
                     .collect();
-                return Ok((target, posts));
+                return Ok((target, posts, st.tokens[parity].clone()));
             }
             let error = if let Some((failed_rank, reason)) = self.shared.aborted() {
                 Some(self.peer_failed(failed_rank, reason))
@@ -283,8 +300,23 @@ impl Ctx<'_> {
     /// let the caller free buffers that peers still read. Waits are still bounded by the group
     /// timeout, after which a warning is logged and the wait continues.
     pub(super) fn sync(&self, target: u64) {
+        self.sync_impl(target, None);
+    }
+
+    /// [`Ctx::sync`] that also publishes `token` and returns every rank's token (index = rank).
+    /// A rank cannot reach generation `target + 2` (same slot) before every rank arrived at
+    /// `target + 1`, which each does only after reading the slots of `target`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn sync_with_token(&self, target: u64, token: usize) -> Vec<usize> {
+        self.sync_impl(target, Some(token))
+    }
+
+    fn sync_impl(&self, target: u64, token: Option<usize>) -> Vec<usize> {
         let mut st = self.comm.state.lock();
         st.arrivals[self.rank] = target;
+        if let Some(token) = token {
+            st.tokens[(target % 2) as usize][self.rank] = token;
+        }
         self.comm.cv.notify_all();
         let mut warned = false;
         while st.arrivals.iter().any(|&a| a < target) {
@@ -303,6 +335,10 @@ impl Ctx<'_> {
                 None => self.comm.cv.wait(&mut st),
             }
         }
+        match token {
+            Some(_) => st.tokens[(target % 2) as usize].clone(),
+            None => Vec::new(),
+        }
     }
 
     /// A rendezvous in which this rank takes part only to report `problem`: fails on every
@@ -318,5 +354,65 @@ impl Ctx<'_> {
                 .err()
                 .unwrap_or_else(|| Error::InvalidArgument(format!("{}: {problem:?}", self.op))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::OpKind;
+
+    fn token(rank: usize, round: u64, phase: u64) -> usize {
+        1 + rank + 16 * (phase as usize + 4 * round as usize)
+    }
+
+    fn expected(ws: usize, round: u64, phase: u64) -> Vec<usize> {
+        (0..ws).map(|r| token(r, round, phase)).collect()
+    }
+
+    /// The CUDA path's protocol: tokens published with barrier 1 and with the later barriers
+    /// of a collective reach every rank unchanged, round after round, while fast ranks run
+    /// ahead into the next collective (the double-buffered slots are never overwritten early).
+    #[test]
+    fn tokens_reach_every_rank_through_every_barrier() {
+        let ws = 4;
+        let shared = Shared::new(Duration::from_secs(60), (0..ws).collect(), None, "s");
+        let comm = shared.communicator(0, "s");
+        thread::scope(|s| {
+            for rank in 0..ws {
+                let (shared, comm) = (&shared, &comm);
+                s.spawn(move || {
+                    for round in 0..400u64 {
+                        let ctx = Ctx {
+                            shared,
+                            comm,
+                            rank,
+                            seq: round + 1,
+                            op: "test",
+                        };
+                        let post = ctx.post(Kind::Op(OpKind::AllReduce));
+                        let (mut generation, posts, tokens) = ctx
+                            .rendezvous_with_token(post, token(rank, round, 0))
+                            .unwrap();
+                        assert!(posts.iter().all(|p| p.seq == round + 1));
+                        assert_eq!(tokens, expected(ws, round, 0), "rank {rank} round {round}");
+                        // 1 to 3 token barriers (as the collectives have), then a plain one.
+                        for phase in 1..=(1 + round % 3) {
+                            if (rank as u64 + round) % 5 == 0 {
+                                thread::yield_now();
+                            }
+                            generation += 1;
+                            let got = ctx.sync_with_token(generation, token(rank, round, phase));
+                            assert_eq!(
+                                got,
+                                expected(ws, round, phase),
+                                "rank {rank} round {round}"
+                            );
+                        }
+                        ctx.sync(generation + 1);
+                    }
+                });
+            }
+        });
     }
 }

@@ -1,0 +1,581 @@
+//! `fsdp-run`: start the processes of a torchrun-style job on this machine (cargo feature
+//! `cli`), with torchrun's flags and variables.
+//!
+//! ```text
+//! fsdp-run --nproc-per-node 4 -- target/release/examples/gpt --device cuda
+//! fsdp-run --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr node0 -- ./train
+//! ```
+//!
+//! For local process `l` of `N` (`--nproc-per-node`) on node `K` (`--node-rank`) of `M`
+//! (`--nnodes`) it sets `RANK` = `K·N + l`, `WORLD_SIZE` = `M·N`, `LOCAL_RANK` = `l`,
+//! `LOCAL_WORLD_SIZE` = `N`, `GROUP_RANK` = `K`, `MASTER_ADDR`, `MASTER_PORT` (defaults
+//! `127.0.0.1`, `29500`), and removes the variables `mpirun` sets (`OMPI_COMM_WORLD_*`,
+//! `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALNRANKS`) so that the children are not taken for MPI ranks.
+//! Rank 0 serves the job's rendezvous store at `MASTER_ADDR:MASTER_PORT`
+//! (`candle_fsdp::launch::store`); `fsdp-run` itself opens no port. On several machines, run
+//! one `fsdp-run` per machine with the same `--nnodes`, `--nproc-per-node`, `--master-addr`
+//! (node rank 0's address) and `--master-port`, and its own `--node-rank`.
+//!
+//! - Output: every line a child writes is copied to the same stream of `fsdp-run` (stdout or
+//!   stderr), prefixed `[rank R] `; lines of different ranks never mix within a line (a line
+//!   longer than 64 KiB is cut into several prefixed lines). Children read no input (stdin
+//!   is `/dev/null`).
+//! - Failure: when a child exits with a nonzero code or is killed by a signal, `fsdp-run` sends
+//!   SIGTERM to the others, SIGKILL to those still running after `--grace-period` seconds
+//!   (default 5), and exits with the first failed child's code (a signal `n` gives `128 + n`).
+//! - Signals: SIGINT, SIGTERM and SIGHUP sent to `fsdp-run` are forwarded to every child (each
+//!   child runs in its own process group, so a terminal's Ctrl-C reaches the children once,
+//!   through `fsdp-run`); children still running after the grace period are killed, and
+//!   `fsdp-run` exits with `128 + n` unless a child failed first. A second signal kills the
+//!   children at once. On Linux a child is killed if `fsdp-run` itself dies.
+//! - The last line on stderr says how the job ended: every rank succeeded, or which rank failed
+//!   first and how, or which signal stopped the job, and which ranks were stopped.
+//!
+//! Exit status: 0 when every child succeeded; the first failed child's status (above); 2 on a
+//! usage error (bad flags, `--node-rank >= --nnodes`, `--nproc-per-node 0`); 127 (126) when
+//! the program is not found (not executable), 1 when it cannot be started for another reason:
+//! the message names the program and the OS error.
+
+use std::ffi::OsString;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+
+/// Start the processes of a torchrun-style job: sets RANK, WORLD_SIZE, LOCAL_RANK,
+/// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT for each, prefixes their output
+/// with their rank, and stops them all when one fails.
+#[derive(Debug, Parser)]
+#[command(
+    name = "fsdp-run",
+    version,
+    override_usage = "fsdp-run [OPTIONS] -- PROGRAM [ARGS]...",
+    after_help = "Example: fsdp-run --nproc-per-node 4 -- target/release/examples/gpt --device cuda\n\
+                  Exit status: 0 when every process succeeded; else the first failed process's \
+                  (128 + n for signal n); 2 on a usage error; 127 when PROGRAM is not found."
+)]
+struct Cli {
+    /// Processes to start on this machine (one per GPU).
+    #[arg(
+        long = "nproc-per-node",
+        alias = "nproc_per_node",
+        value_name = "N",
+        default_value_t = 1
+    )]
+    nproc_per_node: usize,
+    /// Machines of the job, each running one fsdp-run.
+    #[arg(long, value_name = "M", default_value_t = 1)]
+    nnodes: usize,
+    /// This machine's index, 0..M.
+    #[arg(
+        long = "node-rank",
+        alias = "node_rank",
+        value_name = "K",
+        default_value_t = 0
+    )]
+    node_rank: usize,
+    /// Address of node 0, where rank 0 serves the rendezvous store.
+    #[arg(
+        long = "master-addr",
+        alias = "master_addr",
+        value_name = "ADDR",
+        default_value = "127.0.0.1"
+    )]
+    master_addr: String,
+    /// TCP port of the rendezvous store (1..=65535).
+    #[arg(
+        long = "master-port",
+        alias = "master_port",
+        value_name = "PORT",
+        default_value_t = 29500
+    )]
+    master_port: u16,
+    /// Seconds between SIGTERM and SIGKILL when stopping the processes.
+    #[arg(long = "grace-period", value_name = "SECONDS", default_value_t = 5.0)]
+    grace_period: f64,
+    /// The program to start and its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "PROGRAM"
+    )]
+    command: Vec<OsString>,
+}
+
+/// Variables of `mpirun` that `launch::env` reads, removed from the children's environment.
+const MPI_VARS: [&str; 6] = [
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MPI_LOCALNRANKS",
+];
+
+/// Signals forwarded to the children.
+const FORWARDED: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// The last signal received and not yet handled (0: none).
+static RECEIVED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    RECEIVED.store(sig, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() {
+    for sig in FORWARDED {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe; the
+        // sigaction struct is zeroed then filled.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as *const () as libc::sighandler_t;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        _ => return format!("signal {sig}"),
+    };
+    format!("signal {sig} ({name})")
+}
+
+/// `exited with code 3`, `killed by signal 9 (SIGKILL)`.
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with code {c}"),
+        (None, Some(s)) => format!("killed by {}", signal_name(s)),
+        _ => format!("ended with {status}"),
+    }
+}
+
+/// The exit code a shell would report for `status`.
+fn exit_code(status: ExitStatus) -> i32 {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => c,
+        (None, Some(s)) => 128 + s,
+        _ => 1,
+    }
+}
+
+fn ranks_list(ranks: &[usize]) -> String {
+    let mut s = String::new();
+    for (i, r) in ranks.iter().enumerate() {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        s.push_str(&r.to_string());
+    }
+    if ranks.len() == 1 {
+        format!("rank {s}")
+    } else {
+        format!("ranks {s}")
+    }
+}
+
+/// Longest line copied as one; longer ones are cut.
+const MAX_LINE: usize = 64 << 10;
+
+/// Copies `src` to this process's stdout (or stderr) line by line, each prefixed `[rank R] `
+/// and written whole under the stream's lock. Keeps draining `src` if the output fails, so the
+/// child never blocks on a full pipe.
+fn pump(src: impl Read, rank: usize, to_stderr: bool) {
+    let mut reader = BufReader::with_capacity(MAX_LINE, src);
+    let prefix = format!("[rank {rank}] ");
+    let mut line = Vec::with_capacity(256);
+    let mut output_ok = true;
+    loop {
+        line.clear();
+        line.extend_from_slice(prefix.as_bytes());
+        // Read up to and including a newline, at most MAX_LINE bytes.
+        let mut got = 0;
+        let mut eof = false;
+        loop {
+            let buf = match reader.fill_buf() {
+                Ok(b) => b,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => {
+                    eof = true;
+                    break;
+                }
+            };
+            if buf.is_empty() {
+                eof = true;
+                break;
+            }
+            let room = MAX_LINE - got;
+            let (n, complete) = match buf.iter().take(room).position(|&b| b == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (buf.len().min(room), false),
+            };
+            line.extend_from_slice(&buf[..n]);
+            reader.consume(n);
+            got += n;
+            if complete || got >= MAX_LINE {
+                break;
+            }
+        }
+        if got == 0 {
+            break;
+        }
+        if line.last() != Some(&b'\n') {
+            line.push(b'\n');
+        }
+        if output_ok {
+            output_ok = if to_stderr {
+                io::stderr().lock().write_all(&line).is_ok()
+            } else {
+                let mut out = io::stdout().lock();
+                out.write_all(&line).and_then(|()| out.flush()).is_ok()
+            };
+        }
+        if eof {
+            break;
+        }
+    }
+}
+
+/// One local process.
+struct Proc {
+    rank: usize,
+    child: Child,
+    /// Set once reaped.
+    status: Option<ExitStatus>,
+    /// The signals `fsdp-run` sent it (to report how it was stopped).
+    sent: Vec<i32>,
+}
+
+impl Proc {
+    /// Sends `sig` to the child's process group (the child and what it started), unless the
+    /// child has been reaped (its id may then be reused).
+    fn signal(&mut self, sig: i32) {
+        if self.status.is_none() {
+            // SAFETY: plain syscall; the group id is the unreaped child's pid.
+            unsafe {
+                libc::kill(-(self.child.id() as libc::pid_t), sig);
+            }
+            self.sent.push(sig);
+        }
+    }
+}
+
+/// Why the job is ending.
+enum Ending {
+    /// A child failed while the job was running.
+    Failed {
+        rank: usize,
+        status: ExitStatus,
+        /// Seconds since the start.
+        after: f64,
+    },
+    /// `fsdp-run` received a signal, `after` seconds since the start.
+    Signal { sig: i32, after: f64 },
+}
+
+fn usage_error(msg: &str) -> ! {
+    eprintln!("fsdp-run: error: {msg}");
+    std::process::exit(2);
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if cli.nproc_per_node == 0 {
+        usage_error("--nproc-per-node 0: a job needs at least one process per node");
+    }
+    if cli.nnodes == 0 {
+        usage_error("--nnodes 0: a job needs at least one node");
+    }
+    if cli.node_rank >= cli.nnodes {
+        usage_error(&format!(
+            "--node-rank {} must be less than --nnodes {} (node ranks are 0..{})",
+            cli.node_rank, cli.nnodes, cli.nnodes
+        ));
+    }
+    if cli.master_port == 0 {
+        usage_error("--master-port 0: the ranks need a fixed port (1..=65535)");
+    }
+    if cli.master_addr.trim().is_empty() {
+        usage_error("--master-addr is empty");
+    }
+    if !(cli.grace_period.is_finite() && cli.grace_period >= 0.0) {
+        usage_error(&format!(
+            "--grace-period {}: expected a number of seconds >= 0",
+            cli.grace_period
+        ));
+    }
+    let Some(world_size) = cli.nnodes.checked_mul(cli.nproc_per_node) else {
+        usage_error("--nnodes × --nproc-per-node overflows");
+    };
+    let grace = Duration::from_secs_f64(cli.grace_period);
+    let program = &cli.command[0];
+    let args = &cli.command[1..];
+
+    install_signal_handlers();
+    let start = Instant::now();
+    let parent = std::process::id() as libc::pid_t;
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let mut procs: Vec<Proc> = Vec::with_capacity(cli.nproc_per_node);
+    for local in 0..cli.nproc_per_node {
+        let rank = cli.node_rank * cli.nproc_per_node + local;
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world_size.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", cli.nproc_per_node.to_string())
+            .env("GROUP_RANK", cli.node_rank.to_string())
+            .env("MASTER_ADDR", &cli.master_addr)
+            .env("MASTER_PORT", cli.master_port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        for v in MPI_VARS {
+            cmd.env_remove(v);
+        }
+        // SAFETY: the closure runs in the forked child before exec and calls only
+        // async-signal-safe functions (prctl, getppid, _exit).
+        #[cfg(target_os = "linux")]
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        #[cfg(not(target_os = "linux"))]
+        let _ = parent;
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                let code = match e.kind() {
+                    io::ErrorKind::NotFound => 127,
+                    io::ErrorKind::PermissionDenied => 126,
+                    _ => 1,
+                };
+                eprintln!(
+                    "fsdp-run: error: cannot start {:?} (rank {rank}): {e}",
+                    program.to_string_lossy()
+                );
+                // Stop the ranks already started.
+                for p in &mut procs {
+                    p.signal(libc::SIGTERM);
+                }
+                let deadline = Instant::now() + grace;
+                for p in &mut procs {
+                    while p.child.try_wait().ok().flatten().is_none() {
+                        if Instant::now() >= deadline {
+                            p.signal(libc::SIGKILL);
+                            let _ = p.child.wait();
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+                std::process::exit(code);
+            }
+        };
+        for (src, to_stderr) in [
+            (
+                child
+                    .stdout
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn Read + Send>),
+                false,
+            ),
+            (
+                child
+                    .stderr
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn Read + Send>),
+                true,
+            ),
+        ] {
+            if let Some(src) = src {
+                let tx = done_tx.clone();
+                std::thread::spawn(move || {
+                    pump(src, rank, to_stderr);
+                    let _ = tx.send(());
+                });
+            }
+        }
+        procs.push(Proc {
+            rank,
+            child,
+            status: None,
+            sent: Vec::new(),
+        });
+    }
+    drop(done_tx);
+    let pumps = procs.len() * 2;
+
+    let mut ending: Option<Ending> = None;
+    let mut kill_at: Option<Instant> = None;
+    let mut killed_hard = false;
+    loop {
+        let sig = RECEIVED.swap(0, Ordering::SeqCst);
+        if sig != 0 {
+            if matches!(ending, Some(Ending::Signal { .. })) {
+                // A second signal: no more waiting.
+                for p in &mut procs {
+                    p.signal(libc::SIGKILL);
+                }
+                killed_hard = true;
+            } else {
+                if ending.is_none() {
+                    ending = Some(Ending::Signal {
+                        sig,
+                        after: start.elapsed().as_secs_f64(),
+                    });
+                }
+                for p in &mut procs {
+                    p.signal(sig);
+                }
+                kill_at.get_or_insert(Instant::now() + grace);
+            }
+        }
+        for i in 0..procs.len() {
+            if procs[i].status.is_some() {
+                continue;
+            }
+            let status = match procs[i].child.try_wait() {
+                Ok(Some(s)) => s,
+                Ok(None) => continue,
+                Err(e) => {
+                    eprintln!("fsdp-run: error: waiting for rank {}: {e}", procs[i].rank);
+                    ExitStatus::from_raw(1 << 8)
+                }
+            };
+            procs[i].status = Some(status);
+            if !status.success() && ending.is_none() {
+                ending = Some(Ending::Failed {
+                    rank: procs[i].rank,
+                    status,
+                    after: start.elapsed().as_secs_f64(),
+                });
+                for p in &mut procs {
+                    p.signal(libc::SIGTERM);
+                }
+                kill_at = Some(Instant::now() + grace);
+            }
+        }
+        if procs.iter().all(|p| p.status.is_some()) {
+            break;
+        }
+        if let Some(at) = kill_at {
+            if Instant::now() >= at && !killed_hard {
+                for p in &mut procs {
+                    p.signal(libc::SIGKILL);
+                }
+                killed_hard = true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Let the output threads copy what the children wrote last (a process the child started
+    // in another session may hold a pipe open: do not wait for it long).
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for _ in 0..pumps {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if done_rx.recv_timeout(left).is_err() {
+            break;
+        }
+    }
+
+    let elapsed = start.elapsed().as_secs_f64();
+    let stopped = |procs: &[Proc], except: Option<usize>| -> String {
+        let mut parts = Vec::new();
+        for p in procs.iter().filter(|p| Some(p.rank) != except) {
+            let status = p.status.expect("every child was reaped");
+            if p.sent.is_empty() {
+                if !status.success() {
+                    parts.push(format!("rank {} {}", p.rank, describe(status)));
+                }
+                continue;
+            }
+            let how = if p.sent.contains(&libc::SIGKILL) && status.signal() == Some(libc::SIGKILL) {
+                format!(
+                    "killed with SIGKILL after the grace period of {} s",
+                    grace.as_secs_f64()
+                )
+            } else {
+                describe(status)
+            };
+            parts.push(format!("rank {} {how}", p.rank));
+        }
+        parts.join(", ")
+    };
+    let code = match ending {
+        None => {
+            eprintln!(
+                "fsdp-run: all {} finished successfully in {elapsed:.1} s",
+                if procs.len() == 1 {
+                    format!("1 process (rank {})", procs[0].rank)
+                } else {
+                    format!(
+                        "{} processes ({})",
+                        procs.len(),
+                        ranks_list(&procs.iter().map(|p| p.rank).collect::<Vec<_>>())
+                    )
+                }
+            );
+            0
+        }
+        Some(Ending::Failed {
+            rank,
+            status,
+            after,
+        }) => {
+            let others = stopped(&procs, Some(rank));
+            eprintln!(
+                "fsdp-run: rank {rank} failed first: {} after {after:.1} s{}",
+                describe(status),
+                if others.is_empty() {
+                    String::new()
+                } else {
+                    format!("; stopped the others: {others}")
+                }
+            );
+            exit_code(status)
+        }
+        Some(Ending::Signal { sig, after }) => {
+            let ranks = stopped(&procs, None);
+            eprintln!(
+                "fsdp-run: received {} after {after:.1} s and forwarded it; {}",
+                signal_name(sig),
+                if ranks.is_empty() {
+                    "every process had already exited successfully".to_string()
+                } else {
+                    ranks
+                }
+            );
+            128 + sig
+        }
+    };
+    std::process::exit(code);
+}

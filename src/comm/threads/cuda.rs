@@ -1,0 +1,962 @@
+//! The thread backend on CUDA tensors (feature `cuda`): `world_size` ranks as threads sharing
+//! one GPU, each with a Candle device of its own (its own compute stream), collectives done as
+//! device-to-device copies and one reduction kernel (`kernels/comm.cu`) on each rank's comm
+//! streams.
+//!
+//! # Algorithm
+//!
+//! The host side is the CPU backend's: each comm stream is a thread, the k-th streams of the
+//! ranks meet at a rendezvous, every rank validates every rank's post with the same code (same
+//! [`Error::BadBuffer`] / [`Error::CollectiveMismatch`] on every rank). What changes is that the
+//! posts carry *device* addresses and that the data movement is only *enqueued* on the rank's
+//! CUDA comm stream `S_r`; the ordering the CPU backend gets from its host barriers comes from
+//! CUDA events exchanged as rendezvous tokens:
+//!
+//! 1. At issue, on the caller's thread: record `ready_r` on the rank's compute stream (its
+//!    inputs as of the call).
+//! 2. On the stream thread: `S_r` waits for `ready_r`, records `pre_r`, and posts it with the
+//!    buffers (barrier 1). After validation, `S_r` waits for every peer's `pre_j`: no rank reads a
+//!    peer's buffer before the peer's producer finished writing it.
+//! 3. `S_r` enqueues this rank's share of the data movement (the CPU backend's split: rank `r`
+//!    writes only its own buffers and reads its peers'). The in-place all-reduce has two phases
+//!    with an event exchange between them (`A_j`), as the CPU backend has a barrier.
+//! 4. `S_r` records `done_r`; the ranks exchange them; `S_r` waits for every `done_j` and records
+//!    `final_r`: once `final_r` completes, nobody reads or writes this rank's buffers any more.
+//! 5. A last host barrier: every peer has enqueued its waits on this rank's events, which may
+//!    now be destroyed (`cuStreamWaitEvent` captures an event's state at the call).
+//!
+//! The [`Work`](crate::comm::Work) is built with [`Work::with_completion`]
+//! (crate::comm::Work::with_completion): `wait_compute` blocks the host only until step 4 was
+//! *enqueued* (the host rendezvous), then makes the compute stream wait for `final_r`;
+//! `wait_host` synchronizes `final_r`.
+//!
+//! # Buffer lifetime (FSDP2's rule)
+//!
+//! The operation keeps its own clones of the input and output tensors ([`KeepAlive`]) until its
+//! completion object is dropped; dropping them first makes the compute stream — the stream
+//! Candle allocated the buffers on and frees them on — wait for `final_r`. Memory is therefore
+//! released only after the consuming stream waited on the producer's event, whether the caller
+//! waited for the [`Work`](crate::comm::Work) or dropped it. Ordering is explicit and does not
+//! depend on cudarc's per-slice event tracking: peers read through raw addresses that tracking
+//! cannot see (see [`crate::comm::nccl`] for the full argument).
+//!
+//! # Reductions
+//!
+//! One launch per reduction: element `i` of the destination is the reduce op over the ranks'
+//! sources `0, 1, …, world_size-1` in order, f32/bf16/f16 accumulated in f32 and rounded once
+//! (the `half` crate's round-to-nearest-even, bit for bit), f64 in f64, integers exactly (sums
+//! wrap), `Avg` as the sum times `1 / world_size` computed on the host as the CPU backend does:
+//! the results are bitwise those of the CPU thread backend for the same inputs. At most
+//! [`MAX_CUDA_RANKS`] ranks (the sources travel as one kernel argument).
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
+use candle_core::{CpuStorage, CudaDevice, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
+use cudarc::driver::{
+    CudaEvent, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
+};
+use parking_lot::{Condvar, Mutex};
+
+use super::rendezvous::{AbortOnUnwind, Ctx};
+use crate::comm::buffer::{check_on, validate, Kind, Post, Problem, RawBuf};
+use crate::comm::reduce::chunk;
+use crate::comm::work::Completion;
+use crate::comm::{OpKind, ReduceOp};
+use crate::error::{Error, Result};
+
+/// Most ranks the thread backend on CUDA runs (the reduction kernel takes the ranks' source
+/// addresses as one argument of this many slots; `kernels/comm.cu` has the same constant).
+pub const MAX_CUDA_RANKS: usize = 64;
+
+/// Kernel module of `kernels/comm.cu` (registered in [`crate::kernels::SOURCES`]).
+const MODULE: &str = "comm";
+
+/// One rank's CUDA state: its Candle device (with a compute stream of its own) and that stream.
+pub(crate) struct RankCuda {
+    pub device: Device,
+    pub cuda: CudaDevice,
+    pub compute: Arc<CudaStream>,
+}
+
+impl RankCuda {
+    /// Opens GPU `ordinal` as a new Candle device (a compute stream of its own).
+    ///
+    /// Errors: no driver, no such GPU ([`Error::Cuda`]).
+    pub(crate) fn open(ordinal: usize) -> Result<RankCuda> {
+        let device = crate::cuda::open_device(ordinal)?;
+        let cuda = crate::cuda::cuda_device(&device, "thread backend on CUDA")?.clone();
+        let compute = cuda.cuda_stream();
+        Ok(RankCuda {
+            device,
+            cuda,
+            compute,
+        })
+    }
+}
+
+/// `Error::Cuda` naming `what` and the driver's error.
+pub(crate) fn cuda_err(what: impl std::fmt::Display, e: impl std::fmt::Debug) -> Error {
+    Error::Cuda(format!("{what}: {e:?}"))
+}
+
+// ------------------------------------------------------------------------------------------
+// Buffer lifetime.
+
+/// Clones of the tensors an operation reads or writes, released only after `consumer` (the
+/// stream the buffers were allocated on, which frees them) waited on `event`, the operation's
+/// last event. Without an event (the operation never touched the buffers) they are released at
+/// once.
+pub(crate) struct KeepAlive {
+    pub event: Option<Arc<CudaEvent>>,
+    pub consumer: Arc<CudaStream>,
+    pub tensors: Vec<Tensor>,
+}
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        let Some(event) = &self.event else {
+            return;
+        };
+        if let Err(e) = self.consumer.wait(event) {
+            // The compute stream cannot be ordered after the operation: never free memory a
+            // stream may still use (the context is broken anyway when this fails).
+            tracing::warn!(
+                "cannot order the compute stream after a collective ({e:?}); leaking its \
+                 buffers rather than freeing memory that may still be in use"
+            );
+            std::mem::forget(std::mem::take(&mut self.tensors));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Completion of a thread-backend operation on CUDA.
+
+enum OpState {
+    /// The stream thread has not finished enqueuing the operation.
+    Pending,
+    /// Enqueued: complete once `event` completes.
+    Enqueued {
+        event: Arc<CudaEvent>,
+        _keep: KeepAlive,
+    },
+    /// Failed (the error is handed to the first waiter).
+    Failed {
+        error: Option<Error>,
+        _keep: Option<KeepAlive>,
+    },
+}
+
+/// The [`Completion`] of one operation: filled by the stream thread once the operation is
+/// enqueued (or failed), waited for by the rank's thread.
+pub(super) struct CudaOp {
+    state: Mutex<OpState>,
+    cv: Condvar,
+    compute: Arc<CudaStream>,
+    op: String,
+    rank: usize,
+}
+
+impl CudaOp {
+    /// A pending operation named `op` of `rank`, whose waiter's compute stream is `compute`.
+    pub(super) fn pending(
+        compute: Arc<CudaStream>,
+        op: &str,
+        rank: usize,
+        stream: &str,
+    ) -> (Arc<CudaOp>, CudaOpCompleter) {
+        let op_state = Arc::new(CudaOp {
+            state: Mutex::new(OpState::Pending),
+            cv: Condvar::new(),
+            compute,
+            op: op.to_string(),
+            rank,
+        });
+        let completer = CudaOpCompleter {
+            op: Some(Arc::clone(&op_state)),
+            stream: stream.to_string(),
+        };
+        (op_state, completer)
+    }
+
+    /// Blocks until the stream thread filled the state; returns the event or the error.
+    fn enqueued(&self) -> Result<Arc<CudaEvent>> {
+        let mut st = self.state.lock();
+        loop {
+            match &mut *st {
+                OpState::Pending => self.cv.wait(&mut st),
+                OpState::Enqueued { event, .. } => return Ok(Arc::clone(event)),
+                OpState::Failed { error, .. } => {
+                    return Err(error.take().unwrap_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "{} on rank {}: its failure was already reported to an earlier \
+                             wait",
+                            self.op, self.rank
+                        ))
+                    }))
+                }
+            }
+        }
+    }
+}
+
+impl Completion for CudaOp {
+    fn is_completed(&self) -> bool {
+        match &*self.state.lock() {
+            OpState::Pending => false,
+            OpState::Enqueued { event, .. } => event.is_complete(),
+            OpState::Failed { .. } => true,
+        }
+    }
+
+    fn wait_host(&self) -> Result<()> {
+        let event = self.enqueued()?;
+        event.synchronize().map_err(|e| {
+            cuda_err(
+                format!("{} on rank {}: synchronizing", self.op, self.rank),
+                e,
+            )
+        })
+    }
+
+    fn wait_compute(&self) -> Result<()> {
+        let event = self.enqueued()?;
+        self.compute.wait(&event).map_err(|e| {
+            cuda_err(
+                format!("{} on rank {}: compute stream wait", self.op, self.rank),
+                e,
+            )
+        })
+    }
+}
+
+/// The stream thread's side of a [`CudaOp`]; dropped unused (the stream stopped), it fails the
+/// operation with [`Error::StreamStopped`].
+pub(super) struct CudaOpCompleter {
+    op: Option<Arc<CudaOp>>,
+    stream: String,
+}
+
+impl CudaOpCompleter {
+    /// Publishes the outcome: `done.result` decides success; `keep` holds the buffers until
+    /// `done.final_event` (if any) is waited on by the compute stream.
+    pub(super) fn complete(mut self, done: CudaDone, tensors: Vec<Tensor>) {
+        let Some(op) = self.op.take() else {
+            return;
+        };
+        let keep = KeepAlive {
+            event: done.final_event.clone(),
+            consumer: Arc::clone(&op.compute),
+            tensors,
+        };
+        let state = match (done.result, done.final_event) {
+            (Ok(()), Some(event)) => OpState::Enqueued { event, _keep: keep },
+            (Ok(()), None) => OpState::Failed {
+                error: Some(Error::Cuda(format!(
+                    "{} on rank {}: no completion event was recorded",
+                    op.op, op.rank
+                ))),
+                _keep: Some(keep),
+            },
+            (Err(e), _) => OpState::Failed {
+                error: Some(e),
+                _keep: Some(keep),
+            },
+        };
+        *op.state.lock() = state;
+        op.cv.notify_all();
+    }
+}
+
+impl Drop for CudaOpCompleter {
+    fn drop(&mut self) {
+        if let Some(op) = self.op.take() {
+            *op.state.lock() = OpState::Failed {
+                error: Some(Error::StreamStopped {
+                    op: op.op.clone(),
+                    rank: op.rank,
+                    stream: std::mem::take(&mut self.stream),
+                }),
+                _keep: None,
+            };
+            op.cv.notify_all();
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Access to a tensor's device buffer.
+
+/// Device address, length and dtype of a tensor's elements in `storage`, for reading on
+/// `stream`. The guard must be dropped after the last use of the address is enqueued: with
+/// cudarc's event tracking on, it records the read on `stream` (tracking then keeps Candle's own
+/// later writes ordered after it); with tracking off it does nothing.
+pub(crate) fn raw_read<'a>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+    stream: &'a CudaStream,
+) -> (RawBuf, SyncOnDrop<'a>) {
+    macro_rules! arm {
+        ($v:expr) => {
+            $v.device_ptr(stream)
+        };
+    }
+    let (base, guard) = match &storage.slice {
+        CudaStorageSlice::U8(v) => arm!(v),
+        CudaStorageSlice::U32(v) => arm!(v),
+        CudaStorageSlice::I16(v) => arm!(v),
+        CudaStorageSlice::I32(v) => arm!(v),
+        CudaStorageSlice::I64(v) => arm!(v),
+        CudaStorageSlice::BF16(v) => arm!(v),
+        CudaStorageSlice::F16(v) => arm!(v),
+        CudaStorageSlice::F32(v) => arm!(v),
+        CudaStorageSlice::F64(v) => arm!(v),
+        // Refused by `check_on` (unsupported dtypes) before any storage access.
+        _ => (0, SyncOnDrop::Sync(None)),
+    };
+    (raw(base, storage, layout), guard)
+}
+
+/// As [`raw_read`], for writing on `stream` (with tracking on, the guard records the write).
+pub(crate) fn raw_write<'a>(
+    storage: &'a mut CudaStorage,
+    layout: &Layout,
+    stream: &'a CudaStream,
+) -> (RawBuf, SyncOnDrop<'a>) {
+    let dtype = storage.dtype();
+    macro_rules! arm {
+        ($v:expr) => {
+            $v.device_ptr_mut(stream)
+        };
+    }
+    let (base, guard) = match &mut storage.slice {
+        CudaStorageSlice::U8(v) => arm!(v),
+        CudaStorageSlice::U32(v) => arm!(v),
+        CudaStorageSlice::I16(v) => arm!(v),
+        CudaStorageSlice::I32(v) => arm!(v),
+        CudaStorageSlice::I64(v) => arm!(v),
+        CudaStorageSlice::BF16(v) => arm!(v),
+        CudaStorageSlice::F16(v) => arm!(v),
+        CudaStorageSlice::F32(v) => arm!(v),
+        CudaStorageSlice::F64(v) => arm!(v),
+        _ => (0, SyncOnDrop::Sync(None)),
+    };
+    (raw_typed(base, dtype, layout), guard)
+}
+
+fn raw(base: u64, storage: &CudaStorage, layout: &Layout) -> RawBuf {
+    raw_typed(base, storage.dtype(), layout)
+}
+
+fn raw_typed(base: u64, dtype: DType, layout: &Layout) -> RawBuf {
+    let (start, end) = layout
+        .contiguous_offsets()
+        .expect("contiguity checked before the storage is accessed");
+    RawBuf {
+        // A device address, never dereferenced on the host.
+        ptr: (base + (start * dtype.size_in_bytes()) as u64) as usize as *mut u8,
+        len: end - start,
+        dtype,
+    }
+}
+
+/// The device address of a posted buffer, `offset` elements in.
+pub(crate) fn addr(b: RawBuf, offset: usize) -> u64 {
+    b.ptr as usize as u64 + (offset * b.dtype.size_in_bytes()) as u64
+}
+
+/// The body of a CUDA collective: the output (or in-place buffer) write-locked, the input
+/// read-locked, for the whole call.
+type Body<'f> =
+    Box<dyn FnOnce(&mut CudaStorage, &Layout, Option<(&CudaStorage, &Layout)>) -> CudaDone + 'f>;
+
+/// A Candle in-place op running a CUDA collective body on its tensors' storage.
+pub(crate) struct WithCudaStorage<'f> {
+    body: RefCell<Option<Body<'f>>>,
+    pub(crate) result: RefCell<Option<CudaDone>>,
+}
+
+impl<'f> WithCudaStorage<'f> {
+    pub(crate) fn new(
+        body: impl FnOnce(&mut CudaStorage, &Layout, Option<(&CudaStorage, &Layout)>) -> CudaDone + 'f,
+    ) -> Self {
+        WithCudaStorage {
+            body: RefCell::new(Some(Box::new(body))),
+            result: RefCell::new(None),
+        }
+    }
+
+    fn run(&self, dst: &mut CudaStorage, dst_l: &Layout, src: Option<(&CudaStorage, &Layout)>) {
+        if let Some(body) = self.body.borrow_mut().take() {
+            *self.result.borrow_mut() = Some(body(dst, dst_l, src));
+        }
+    }
+}
+
+impl InplaceOp1 for WithCudaStorage<'_> {
+    fn name(&self) -> &'static str {
+        "cuda-collective"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("cuda-collective: a CPU tensor reached the CUDA path")
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        self.run(storage, layout, None);
+        Ok(())
+    }
+}
+
+impl InplaceOp2 for WithCudaStorage<'_> {
+    fn name(&self) -> &'static str {
+        "cuda-collective"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        candle_core::bail!("cuda-collective: a CPU tensor reached the CUDA path")
+    }
+
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dst_l: &Layout,
+        src: &CudaStorage,
+        src_l: &Layout,
+    ) -> candle_core::Result<()> {
+        self.run(dst, dst_l, Some((src, src_l)));
+        Ok(())
+    }
+}
+
+/// Runs `body` on `dst` (and `src`) under Candle's storage locks. `None` means Candle refused
+/// before calling it: the output shares storage with the input (devices and layouts are
+/// checked by the caller first).
+pub(crate) fn with_cuda_storage<'f>(
+    dst: &Tensor,
+    src: Option<&Tensor>,
+    body: impl FnOnce(&mut CudaStorage, &Layout, Option<(&CudaStorage, &Layout)>) -> CudaDone + 'f,
+) -> Option<CudaDone> {
+    let op = WithCudaStorage::new(body);
+    let _refused = match src {
+        Some(s) => dst.inplace_op2(s, &op),
+        None => dst.inplace_op1(&op),
+    };
+    op.result.into_inner()
+}
+
+// ------------------------------------------------------------------------------------------
+// Raw CUDA steps.
+
+/// The outcome of a CUDA collective on one rank.
+pub(crate) struct CudaDone {
+    /// The operation's last event on the comm stream (the buffers are free once it completed),
+    /// if one was recorded.
+    pub final_event: Option<Arc<CudaEvent>>,
+    /// Timing events around the data movement (when the observer asked for them).
+    pub timing: Option<(CudaEvent, CudaEvent)>,
+    pub result: Result<()>,
+}
+
+impl CudaDone {
+    /// A failure before any buffer was shared.
+    pub(crate) fn failed(e: Error) -> CudaDone {
+        CudaDone {
+            final_event: None,
+            timing: None,
+            result: Err(e),
+        }
+    }
+}
+
+/// What a CUDA collective job needs on its rank.
+pub(super) struct CudaJob<'a> {
+    /// This rank's comm stream.
+    pub stream: &'a Arc<CudaStream>,
+    /// This rank's Candle device (kernels are loaded per device).
+    pub cuda: &'a CudaDevice,
+    /// The group's device (buffer checks).
+    pub device: &'a Device,
+    /// The compute stream's event recorded at issue (inputs ready).
+    pub ready: &'a CudaEvent,
+    /// Record timing events around the data movement.
+    pub timing: bool,
+}
+
+/// The raw handle of `event`, as a rendezvous token (0: none).
+fn token(event: &CudaEvent) -> usize {
+    event.cu_event() as usize
+}
+
+/// Enqueued device work of one rank's collective after barrier 1: the first error is kept and
+/// later steps are skipped, but the caller still takes part in every barrier (peers may be
+/// reading this rank's buffers). Events are kept alive until the end of the collective.
+struct Steps<'a> {
+    stream: &'a Arc<CudaStream>,
+    op: &'a str,
+    rank: usize,
+    first_err: Option<Error>,
+    events: Vec<CudaEvent>,
+}
+
+impl<'a> Steps<'a> {
+    fn new(stream: &'a Arc<CudaStream>, op: &'a str, rank: usize) -> Self {
+        Steps {
+            stream,
+            op,
+            rank,
+            first_err: None,
+            events: Vec::new(),
+        }
+    }
+
+    fn run(&mut self, f: impl FnOnce() -> Result<()>) {
+        if self.first_err.is_none() {
+            if let Err(e) = f() {
+                self.first_err = Some(e);
+            }
+        }
+    }
+
+    /// Records an event on the stream and returns its token (0 after an error).
+    fn record(&mut self, what: &str) -> usize {
+        if self.first_err.is_some() {
+            return 0;
+        }
+        match crate::cuda::record(self.stream, false) {
+            Ok(ev) => {
+                let t = token(&ev);
+                self.events.push(ev);
+                t
+            }
+            Err(e) => {
+                self.first_err = Some(Error::Cuda(format!(
+                    "{} on rank {}: recording the {what} event: {e}",
+                    self.op, self.rank
+                )));
+                0
+            }
+        }
+    }
+
+    /// Makes the stream wait for every peer's token (skipping this rank's and empty ones).
+    fn wait_tokens(&mut self, tokens: &[usize], what: &str) {
+        let (stream, me, op, rank) = (self.stream, self.rank, self.op, self.rank);
+        self.run(|| {
+            stream
+                .context()
+                .bind_to_thread()
+                .map_err(|e| cuda_err(format!("{op} on rank {rank}: binding the context"), e))?;
+            for (j, &t) in tokens.iter().enumerate() {
+                if j == me || t == 0 {
+                    continue;
+                }
+                // SAFETY: `t` is the handle of an event rank j created and keeps alive until
+                // the last barrier of this collective, which this rank reaches only after this
+                // call; the stream is this rank's own, alive (borrowed).
+                unsafe {
+                    cudarc::driver::result::stream::wait_event(
+                        stream.cu_stream(),
+                        t as cudarc::driver::sys::CUevent,
+                        cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                }
+                .map_err(|e| {
+                    cuda_err(
+                        format!("{op} on rank {rank}: waiting for rank {j}'s {what} event"),
+                        e,
+                    )
+                })?;
+            }
+            Ok(())
+        });
+    }
+
+    /// Device-to-device copy of `bytes` bytes on the stream.
+    fn copy(&mut self, dst: u64, src: u64, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        let (stream, op, rank) = (self.stream, self.op, self.rank);
+        self.run(|| {
+            stream
+                .context()
+                .bind_to_thread()
+                .map_err(|e| cuda_err(format!("{op} on rank {rank}: binding the context"), e))?;
+            // SAFETY: both ranges were validated (lengths and dtypes of every post) and lie in
+            // live device buffers: the source's owner keeps it alive and unwritten until every
+            // rank's `done` event passed, the destination is this rank's own buffer, which no
+            // peer reads or writes in the copied range meanwhile (see the module docs). The
+            // copy is ordered after the producers by the events waited on before.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream())
+            }
+            .map_err(|e| cuda_err(format!("{op} on rank {rank}: cuMemcpyDtoDAsync"), e))
+        });
+    }
+
+    fn finish(mut self) -> (Option<Arc<CudaEvent>>, Result<()>) {
+        let final_event = if self.first_err.is_none() {
+            match crate::cuda::record(self.stream, false) {
+                Ok(ev) => Some(Arc::new(ev)),
+                Err(e) => {
+                    self.first_err = Some(Error::Cuda(format!(
+                        "{} on rank {}: recording the final event: {e}",
+                        self.op, self.rank
+                    )));
+                    None
+                }
+            }
+        } else {
+            // Still order later work after what was enqueued, if the stream allows it.
+            crate::cuda::record(self.stream, false).ok().map(Arc::new)
+        };
+        let result = match self.first_err.take() {
+            None => Ok(()),
+            Some(e) => Err(e),
+        };
+        (final_event, result)
+    }
+}
+
+/// Launches the rank-ordered reduction of `srcs` (device addresses, `n` elements each) into
+/// `dst` on `stream`.
+///
+/// # Safety
+///
+/// Every source must hold `n` readable elements of `dtype` and `dst` `n` writable ones for as
+/// long as the kernel runs (the collective's events guarantee it); `dst` may equal one source
+/// but must not partially overlap any.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_reduce(
+    stream: &CudaStream,
+    cuda: &CudaDevice,
+    dtype: DType,
+    srcs: &[u64],
+    dst: u64,
+    n: usize,
+    op: ReduceOp,
+    world_size: usize,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let name = match dtype {
+        DType::F32 => "comm_reduce_f32",
+        DType::F64 => "comm_reduce_f64",
+        DType::BF16 => "comm_reduce_bf16",
+        DType::F16 => "comm_reduce_f16",
+        DType::U8 => "comm_reduce_u8",
+        DType::U32 => "comm_reduce_u32",
+        DType::I16 => "comm_reduce_i16",
+        DType::I32 => "comm_reduce_i32",
+        DType::I64 => "comm_reduce_i64",
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "no reduction kernel for {other:?}"
+            )))
+        }
+    };
+    if srcs.len() > MAX_CUDA_RANKS {
+        return Err(Error::InvalidArgument(format!(
+            "the CUDA reduction takes at most {MAX_CUDA_RANKS} sources, got {}",
+            srcs.len()
+        )));
+    }
+    let func = crate::kernels::cuda::func(cuda, MODULE, name)?;
+    let mut table = [0u64; MAX_CUDA_RANKS];
+    table[..srcs.len()].copy_from_slice(srcs);
+    let nsrc = srcs.len() as u32;
+    let n64 = n as u64;
+    // Sum and Avg sum; the CPU backend's codes otherwise.
+    let code: i32 = match op {
+        ReduceOp::Sum | ReduceOp::Avg => 0,
+        ReduceOp::Max => 1,
+        ReduceOp::Min => 2,
+    };
+    // As `comm::reduce::reduce_into`: Avg scales by 1 / world_size in the accumulator type,
+    // skipped at world size 1 (an exact identity).
+    let use_scale: i32 = i32::from(op == ReduceOp::Avg && world_size > 1);
+    let scale_f: f32 = 1.0 / world_size as f32;
+    let scale_d: f64 = 1.0 / world_size as f64;
+    const THREADS: u32 = 256;
+    let blocks = n.div_ceil(THREADS as usize).min(4096) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&func);
+    b.arg(&table);
+    b.arg(&nsrc);
+    b.arg(&dst);
+    b.arg(&n64);
+    b.arg(&code);
+    b.arg(&use_scale);
+    b.arg(&scale_f);
+    b.arg(&scale_d);
+    // SAFETY: the argument list matches the kernel's signature in kernels/comm.cu (CommSrcs by
+    // value, unsigned int, T*, unsigned long long, int, int, float, double); the addresses'
+    // validity is the caller's contract.
+    unsafe { b.launch(cfg) }.map_err(|e| cuda_err(format!("launching {name}"), e))?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------
+// The collectives.
+
+/// Which collective, with its scalar arguments.
+#[derive(Clone, Copy)]
+pub(super) enum CudaCall {
+    AllGather,
+    ReduceScatter(ReduceOp),
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    Reduce(usize, ReduceOp),
+}
+
+impl CudaCall {
+    /// The kind of collective.
+    pub(super) fn kind(self) -> OpKind {
+        match self {
+            CudaCall::AllGather => OpKind::AllGather,
+            CudaCall::ReduceScatter(_) => OpKind::ReduceScatter,
+            CudaCall::AllReduce(_) => OpKind::AllReduce,
+            CudaCall::Broadcast(_) => OpKind::Broadcast,
+            CudaCall::Reduce(..) => OpKind::Reduce,
+        }
+    }
+}
+
+impl Ctx<'_> {
+    /// Aborts the group (peers fail promptly instead of waiting for this rank) and returns
+    /// the failure for this rank: used when this rank cannot take part in a rendezvous.
+    fn cannot_join(&self, e: Error) -> CudaDone {
+        self.shared.abort(self.rank, &e.to_string());
+        CudaDone::failed(e)
+    }
+
+    /// Runs a collective on CUDA buffers: `dst` is the output (or in-place buffer), `src` the
+    /// input of all-gather and reduce-scatter. See the module docs for the steps.
+    pub(super) fn cuda_collective(
+        &self,
+        job: &CudaJob,
+        call: CudaCall,
+        dst: &Tensor,
+        src: Option<&Tensor>,
+    ) -> CudaDone {
+        let kind = call.kind();
+        let which = if src.is_some() { "output" } else { "buffer" };
+        if let Some(problem) = src
+            .and_then(|s| check_on(s, "input", job.device))
+            .or_else(|| check_on(dst, which, job.device))
+        {
+            return CudaDone::failed(self.fail_with(Kind::Op(kind), problem));
+        }
+        let done = with_cuda_storage(dst, src, |dst_s, dst_l, src_sl| {
+            self.cuda_body(job, call, dst_s, dst_l, src_sl)
+        });
+        match done {
+            Some(done) => done,
+            None => CudaDone::failed(self.fail_with(Kind::Op(kind), Problem::Aliased)),
+        }
+    }
+
+    fn cuda_body(
+        &self,
+        job: &CudaJob,
+        call: CudaCall,
+        dst_s: &mut CudaStorage,
+        dst_l: &Layout,
+        src_sl: Option<(&CudaStorage, &Layout)>,
+    ) -> CudaDone {
+        let stream = job.stream;
+        let (ws, rank) = (self.shared.world_size, self.rank);
+        // This rank's inputs are ready on its comm stream; `pre` tells the peers.
+        if let Err(e) = stream.wait(job.ready) {
+            return self.cannot_join(cuda_err(
+                format!("{} on rank {rank}: waiting for the compute stream", self.op),
+                e,
+            ));
+        }
+        let (out, _out_guard) = raw_write(dst_s, dst_l, stream);
+        let input = src_sl.map(|(s, l)| raw_read(s, l, stream));
+        let pre = match crate::cuda::record(stream, false) {
+            Ok(ev) => ev,
+            Err(e) => return self.cannot_join(e),
+        };
+        let mut post = self.post(Kind::Op(call.kind()));
+        match &input {
+            Some((i, _)) => {
+                post.input = Some(*i);
+                post.output = Some(out);
+            }
+            None => post.input = Some(out),
+        }
+        match call {
+            CudaCall::AllGather => {}
+            CudaCall::ReduceScatter(op) | CudaCall::AllReduce(op) => post.op = Some(op),
+            CudaCall::Broadcast(root) => post.root = Some(root),
+            CudaCall::Reduce(root, op) => {
+                post.root = Some(root);
+                post.op = Some(op);
+            }
+        }
+        let (generation, posts, pres) = match self.rendezvous_with_token(post, token(&pre)) {
+            Ok(r) => r,
+            Err(e) => return CudaDone::failed(e),
+        };
+        if let Err(e) = validate(self.op, ws, &posts) {
+            return CudaDone::failed(e);
+        }
+        let _unwind = AbortOnUnwind(self.op);
+        let mut steps = Steps::new(stream, self.op, rank);
+        steps.wait_tokens(&pres, "inputs-ready");
+        let timing_start = if job.timing {
+            crate::cuda::record(stream, true).ok()
+        } else {
+            None
+        };
+        let mut generation = generation;
+        let size = out.dtype.size_in_bytes();
+        match call {
+            CudaCall::AllGather => {
+                let n = posts[rank].input.expect("input").len;
+                for (j, p) in posts.iter().enumerate() {
+                    let src = p.input.expect("input");
+                    steps.copy(addr(out, j * n), addr(src, 0), n * size);
+                }
+            }
+            CudaCall::ReduceScatter(op) => {
+                let n = out.len;
+                let srcs: Vec<u64> = posts
+                    .iter()
+                    .map(|p| addr(p.input.expect("input"), rank * n))
+                    .collect();
+                let (cuda, dtype) = (job.cuda, out.dtype);
+                // SAFETY: validated posts: every input holds ws * n elements of `dtype`, kept
+                // alive and unwritten by its owner until every rank's `done` event; `out` is
+                // this rank's own output (n elements), disjoint from every input.
+                steps.run(|| unsafe {
+                    launch_reduce(stream, cuda, dtype, &srcs, addr(out, 0), n, op, ws)
+                });
+            }
+            CudaCall::AllReduce(op) => {
+                let bufs: Vec<RawBuf> = posts.iter().map(|p| p.input.expect("buffer")).collect();
+                let len = bufs[rank].len;
+                let (start, n) = chunk(len, ws, rank);
+                let srcs: Vec<u64> = bufs.iter().map(|b| addr(*b, start)).collect();
+                let (cuda, dtype) = (job.cuda, out.dtype);
+                // SAFETY: phase A: this rank reads chunk `rank` of every buffer and writes it
+                // in its own; every other rank works on its own chunk index, and no rank writes
+                // another's buffer. The destination equals this rank's source exactly.
+                steps.run(|| unsafe {
+                    launch_reduce(stream, cuda, dtype, &srcs, srcs[rank], n, op, ws)
+                });
+                let t = steps.record("phase-A");
+                generation += 1;
+                let phase_a = self.sync_with_token(generation, t);
+                steps.wait_tokens(&phase_a, "phase-A");
+                for (j, b) in bufs.iter().enumerate() {
+                    if j == rank {
+                        continue;
+                    }
+                    let (start, n) = chunk(b.len, ws, j);
+                    // Chunk j of rank j's buffer is final (its phase A passed); this rank
+                    // writes chunk j of its own buffer, which only this rank accesses in
+                    // phase B (rank j read it in phase A, before its phase-A event).
+                    steps.copy(addr(bufs[rank], start), addr(*b, start), n * size);
+                }
+            }
+            CudaCall::Broadcast(root) => {
+                if rank != root {
+                    let src = posts[root].input.expect("buffer");
+                    steps.copy(addr(out, 0), addr(src, 0), out.len * size);
+                }
+            }
+            CudaCall::Reduce(root, op) => {
+                if rank == root {
+                    let srcs: Vec<u64> = posts
+                        .iter()
+                        .map(|p| addr(p.input.expect("buffer"), 0))
+                        .collect();
+                    let (cuda, dtype, n) = (job.cuda, out.dtype, out.len);
+                    // SAFETY: only the root reads any buffer and only the root writes (its
+                    // own, which equals one source exactly).
+                    steps.run(|| unsafe {
+                        launch_reduce(stream, cuda, dtype, &srcs, srcs[root], n, op, ws)
+                    });
+                }
+            }
+        }
+        let timing = match timing_start {
+            Some(start) => crate::cuda::record(stream, true)
+                .ok()
+                .map(|end| (start, end)),
+            None => None,
+        };
+        // Nobody may touch this rank's buffers until every rank finished with them.
+        let t = steps.record("done");
+        generation += 1;
+        let dones = self.sync_with_token(generation, t);
+        steps.wait_tokens(&dones, "done");
+        let (final_event, result) = steps.finish();
+        // Every peer has enqueued its waits on this rank's events: they may be destroyed.
+        self.sync(generation + 1);
+        drop(pre);
+        if let Err(e) = &result {
+            self.shared.abort(rank, &e.to_string());
+        }
+        CudaDone {
+            final_event,
+            timing,
+            result,
+        }
+    }
+
+    /// A barrier on CUDA streams: the host rendezvous, then this rank's comm stream waits for
+    /// every rank's compute stream as of its call (a device barrier too).
+    pub(super) fn cuda_barrier(&self, job: &CudaJob) -> CudaDone {
+        let stream = job.stream;
+        if let Err(e) = stream.wait(job.ready) {
+            return self.cannot_join(cuda_err(
+                format!(
+                    "{} on rank {}: waiting for the compute stream",
+                    self.op, self.rank
+                ),
+                e,
+            ));
+        }
+        let pre = match crate::cuda::record(stream, false) {
+            Ok(ev) => ev,
+            Err(e) => return self.cannot_join(e),
+        };
+        let post: Post = self.post(Kind::Op(OpKind::Barrier));
+        let (generation, posts, pres) = match self.rendezvous_with_token(post, token(&pre)) {
+            Ok(r) => r,
+            Err(e) => return CudaDone::failed(e),
+        };
+        if let Err(e) = validate(self.op, self.shared.world_size, &posts) {
+            return CudaDone::failed(e);
+        }
+        let mut steps = Steps::new(stream, self.op, self.rank);
+        steps.wait_tokens(&pres, "arrival");
+        let (final_event, result) = steps.finish();
+        self.sync(generation + 1);
+        drop(pre);
+        CudaDone {
+            final_event,
+            timing: None,
+            result,
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! What a process-per-rank job exchanges through its key-value store before and while its
+//! device process group runs (the NCCL backend, torchrun-style launches): the communicator's
+//! unique id, shared by rank 0, and the failure notices that make a peer's failure stop every
+//! rank instead of leaving them to time out.
+//!
+//! The protocol is independent of NCCL (it moves bytes through any [`KeyValueStore`], e.g.
+//! [`TcpStore`]), so it is built and tested without a GPU:
+//!
+//! - **Shared value** ([`share_from_rank0`]): rank 0 makes the value and sets
+//!   `key` to `[0] ++ value`; if making it fails, it sets `[1] ++ message`, so that the other
+//!   ranks fail at once with rank 0's reason instead of waiting for the store's timeout. The
+//!   other ranks `get` the key and check the length.
+//! - **Notices** ([`Notice`]): each rank has an inbox key, [`inbox_key`]`(rank)`, that its
+//!   watcher thread waits on. A rank that fails sets every *other* rank's inbox to
+//!   `Failed { rank, reason }` ([`publish_failure`]); a rank that ends sets its *own* inbox to
+//!   `Closed` ([`close_inbox`]), which stops its watcher. Encoding: `b"closed"`, or
+//!   `b"failed "` then the rank as decimal, a newline and the reason (UTF-8).
+
+use crate::error::{Error, Result};
+use crate::launch::store::TcpStore;
+
+/// The operations of a key-value store the bootstrap needs ([`TcpStore`] has them).
+pub trait KeyValueStore: Send + Sync {
+    /// Sets `key` to `value`.
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// The value of `key`, waiting until some rank sets it (or the store's timeout).
+    fn get(&self, key: &str) -> Result<Vec<u8>>;
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+}
+
+impl KeyValueStore for TcpStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        TcpStore::set(self, key, value)
+    }
+    fn get(&self, key: &str) -> Result<Vec<u8>> {
+        TcpStore::get(self, key)
+    }
+    fn rank(&self) -> usize {
+        TcpStore::rank(self)
+    }
+    fn world_size(&self) -> usize {
+        TcpStore::world_size(self)
+    }
+}
+
+/// Key of the NCCL unique id of a job's root communicator.
+pub const UNIQUE_ID_KEY: &str = "candle-fsdp/nccl/unique-id";
+
+/// Rank 0 makes a value with `make` and shares it under `key`; every rank returns it. The value
+/// must have `len` bytes.
+///
+/// Errors: `make` fails (on rank 0 its own error; on the others "rank 0 could not …" with rank
+/// 0's message); the store's errors (a rank or the key missing within the timeout); a value of
+/// the wrong length ([`Error::InvalidArgument`] naming the key).
+pub fn share_from_rank0(
+    store: &dyn KeyValueStore,
+    key: &str,
+    len: usize,
+    make: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<Vec<u8>> {
+    if store.rank() == 0 {
+        return match make() {
+            Ok(value) => {
+                check_len(key, &value, len)?;
+                let mut msg = Vec::with_capacity(value.len() + 1);
+                msg.push(0u8);
+                msg.extend_from_slice(&value);
+                store.set(key, &msg)?;
+                Ok(value)
+            }
+            Err(e) => {
+                let mut msg = vec![1u8];
+                msg.extend_from_slice(e.to_string().as_bytes());
+                // Best effort: the other ranks fail at once instead of at the timeout.
+                let _ = store.set(key, &msg);
+                Err(e)
+            }
+        };
+    }
+    let msg = store.get(key)?;
+    match msg.split_first() {
+        Some((0, value)) => {
+            check_len(key, value, len)?;
+            Ok(value.to_vec())
+        }
+        Some((1, reason)) => Err(Error::PeerFailed {
+            op: format!("bootstrap (store key {key:?})"),
+            rank: store.rank(),
+            failed_rank: 0,
+            reason: String::from_utf8_lossy(reason).into_owned(),
+        }),
+        _ => Err(Error::InvalidArgument(format!(
+            "store key {key:?}: not a value shared by rank 0 (another program's store?)"
+        ))),
+    }
+}
+
+fn check_len(key: &str, value: &[u8], len: usize) -> Result<()> {
+    if value.len() != len {
+        return Err(Error::InvalidArgument(format!(
+            "store key {key:?}: expected {len} bytes, found {}",
+            value.len()
+        )));
+    }
+    Ok(())
+}
+
+/// A message in a rank's inbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// The rank itself ended normally: its watcher stops.
+    Closed,
+    /// Rank `rank` (of the root group) failed with `reason`.
+    Failed {
+        /// The failed rank.
+        rank: usize,
+        /// Its error message.
+        reason: String,
+    },
+}
+
+impl Notice {
+    /// The bytes stored in an inbox.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Notice::Closed => b"closed".to_vec(),
+            Notice::Failed { rank, reason } => format!("failed {rank}\n{reason}").into_bytes(),
+        }
+    }
+
+    /// Parses an inbox value.
+    ///
+    /// Errors: not a notice ([`Error::InvalidArgument`] naming what was found).
+    pub fn decode(bytes: &[u8]) -> Result<Notice> {
+        if bytes == b"closed" {
+            return Ok(Notice::Closed);
+        }
+        let bad = || {
+            Error::InvalidArgument(format!(
+                "not a failure notice: {:?}",
+                String::from_utf8_lossy(&bytes[..bytes.len().min(64)])
+            ))
+        };
+        let rest = bytes.strip_prefix(b"failed ").ok_or_else(bad)?;
+        let nl = rest.iter().position(|&b| b == b'\n').ok_or_else(bad)?;
+        let rank = std::str::from_utf8(&rest[..nl])
+            .ok()
+            .and_then(|s| s.parse::<usize>().ok())
+            .ok_or_else(bad)?;
+        Ok(Notice::Failed {
+            rank,
+            reason: String::from_utf8_lossy(&rest[nl + 1..]).into_owned(),
+        })
+    }
+}
+
+/// Longest reason a notice carries, in bytes (longer ones are cut at a character boundary).
+pub const MAX_REASON_BYTES: usize = 4096;
+
+/// The inbox key of `rank`.
+pub fn inbox_key(rank: usize) -> String {
+    format!("candle-fsdp/notice/{rank}")
+}
+
+/// Tells every rank but `failed_rank` that it failed with `reason`.
+///
+/// Errors: the store's (the first one; every inbox is still attempted).
+pub fn publish_failure(store: &dyn KeyValueStore, failed_rank: usize, reason: &str) -> Result<()> {
+    let mut cut = reason.len().min(MAX_REASON_BYTES);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let msg = Notice::Failed {
+        rank: failed_rank,
+        reason: reason[..cut].to_string(),
+    }
+    .encode();
+    let mut first = None;
+    for r in (0..store.world_size()).filter(|&r| r != failed_rank) {
+        if let Err(e) = store.set(&inbox_key(r), &msg) {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// Puts `Closed` in this rank's own inbox (its watcher stops).
+///
+/// Errors: the store's.
+pub fn close_inbox(store: &dyn KeyValueStore) -> Result<()> {
+    store.set(&inbox_key(store.rank()), &Notice::Closed.encode())
+}
+
+/// Waits for a notice in this rank's inbox (up to the store's timeout).
+///
+/// Errors: the store's (the timeout, a lost connection); a malformed value.
+pub fn wait_notice(store: &dyn KeyValueStore) -> Result<Notice> {
+    Notice::decode(&store.get(&inbox_key(store.rank()))?)
+}
