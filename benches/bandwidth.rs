@@ -287,7 +287,10 @@ fn main() {
             Some(n) => (Launcher::threads_on_gpu(ws, n), "threads-cuda"),
             _ => (Launcher::threads(ws), "threads"),
         };
-        let threads = launch(&launcher, |pg| sweep(&pg)).expect("thread sweep");
+        let threads = launch(&launcher, |pg| sweep(&pg)).unwrap_or_else(|e| {
+            eprintln!("bandwidth: the {label} sweep at world size {ws} failed: {e}");
+            std::process::exit(1)
+        });
         for r in threads.into_iter().next().expect("rank 0") {
             rows.push((ws, label.into(), r));
         }

@@ -51,7 +51,7 @@ fn main() -> anyhow::Result<()> {
             mnist.train_len(),
             mnist.test_len(),
             setup.launcher.world_size(),
-            setup.launcher.backend(),
+            setup.device_desc(),
             train.batch_size,
             train.strategy,
             setup.intra_op

@@ -113,7 +113,7 @@ fn main() -> anyhow::Result<()> {
         mnist.train_len(),
         mnist.test_len(),
         world_size,
-        setup.launcher.backend(),
+        setup.device_desc(),
         train.batch_size,
         args.channels1,
         args.channels2,

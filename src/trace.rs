@@ -520,6 +520,12 @@ impl CommObserver for Tracer {
             OpKind::ReduceScatter => SpanKind::ReduceScatter,
             _ => SpanKind::Collective,
         };
+        // Timing on a GPU: the device backend reports the collective with its events
+        // (`device_op`); a host span would only time the enqueue.
+        #[cfg(feature = "cuda")]
+        if self.times_device_ops() {
+            return None;
+        }
         let me = self.me.upgrade()?;
         me.span(Lane::comm(stream), span_kind, op)
             .map(|g| Box::new(g) as Box<dyn Send>)

@@ -145,6 +145,15 @@ impl Setup {
     pub fn prints(&self) -> bool {
         self.launcher.local_ranks().contains(&0)
     }
+
+    /// The backend and the device, for the first line of output: `threads on cpu`,
+    /// `threads on cuda:0`, `nccl on cuda:3`, `mpi on cpu` (`scripts/gpu-check.sh` reads it).
+    pub fn device_desc(&self) -> String {
+        match self.launcher.gpu() {
+            Some(g) => format!("{} on cuda:{g}", self.launcher.backend()),
+            None => format!("{} on cpu", self.launcher.backend()),
+        }
+    }
 }
 
 /// Checks every flag and output path before any work (so a typo fails now, not after an epoch),
@@ -167,6 +176,12 @@ pub fn setup(args: &TrainArgs) -> anyhow::Result<Setup> {
         DEFAULT_WORLD_SIZE,
         std::time::Duration::from_secs(args.timeout_s),
     )?;
+    // A GPU that is not there fails now, naming the flag, not after the data is loaded.
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = launcher.gpu() {
+        candle_fsdp::cuda::check_ordinal(gpu)
+            .map_err(|e| anyhow::anyhow!("--device {}: {e}", args.device))?;
+    }
     if launcher.local_ranks().contains(&0) {
         check_checkpoint_dir(args)?;
     }

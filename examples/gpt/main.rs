@@ -207,7 +207,7 @@ fn main() -> anyhow::Result<()> {
             corpus.split(Split::Train).len(),
             corpus.split(Split::Val).len(),
             setup.launcher.world_size(),
-            setup.launcher.backend(),
+            setup.device_desc(),
             train.batch_size,
             cfg.seq_len,
             train.strategy,

@@ -91,7 +91,8 @@ struct Cli {
         long = "master-port",
         alias = "master_port",
         value_name = "PORT",
-        default_value_t = 29500
+        default_value_t = 29500,
+        value_parser = clap::value_parser!(u16).range(1..)
     )]
     master_port: u16,
     /// Seconds between SIGTERM and SIGKILL when stopping the processes.
@@ -295,6 +296,13 @@ enum Ending {
     Signal { sig: i32, after: f64 },
 }
 
+/// Most processes `fsdp-run` starts on one node (a typo such as `--nproc-per-node 100000`
+/// would otherwise exhaust the machine's processes and threads).
+const MAX_PROCS_PER_NODE: usize = 1024;
+
+/// Longest `--grace-period`, in seconds (one hour).
+const MAX_GRACE_S: f64 = 3600.0;
+
 fn usage_error(msg: &str) -> ! {
     eprintln!("fsdp-run: error: {msg}");
     std::process::exit(2);
@@ -320,10 +328,17 @@ fn main() {
     if cli.master_addr.trim().is_empty() {
         usage_error("--master-addr is empty");
     }
-    if !(cli.grace_period.is_finite() && cli.grace_period >= 0.0) {
+    if !(cli.grace_period.is_finite() && (0.0..=MAX_GRACE_S).contains(&cli.grace_period)) {
         usage_error(&format!(
-            "--grace-period {}: expected a number of seconds >= 0",
+            "--grace-period {}: expected a number of seconds from 0 to {MAX_GRACE_S}",
             cli.grace_period
+        ));
+    }
+    if cli.nproc_per_node > MAX_PROCS_PER_NODE {
+        usage_error(&format!(
+            "--nproc-per-node {}: at most {MAX_PROCS_PER_NODE} processes per node (one per GPU \
+             is the usual count)",
+            cli.nproc_per_node
         ));
     }
     let Some(world_size) = cli.nnodes.checked_mul(cli.nproc_per_node) else {
@@ -437,6 +452,7 @@ fn main() {
     let mut ending: Option<Ending> = None;
     let mut kill_at: Option<Instant> = None;
     let mut killed_hard = false;
+    let mut killed_on_second_signal = false;
     loop {
         let sig = RECEIVED.swap(0, Ordering::SeqCst);
         if sig != 0 {
@@ -446,6 +462,7 @@ fn main() {
                     p.signal(libc::SIGKILL);
                 }
                 killed_hard = true;
+                killed_on_second_signal = true;
             } else {
                 if ending.is_none() {
                     ending = Some(Ending::Signal {
@@ -518,7 +535,12 @@ fn main() {
                 }
                 continue;
             }
-            let how = if p.sent.contains(&libc::SIGKILL) && status.signal() == Some(libc::SIGKILL) {
+            let how = if p.sent.contains(&libc::SIGKILL)
+                && status.signal() == Some(libc::SIGKILL)
+                && killed_on_second_signal
+            {
+                "killed with SIGKILL on a second signal".to_string()
+            } else if p.sent.contains(&libc::SIGKILL) && status.signal() == Some(libc::SIGKILL) {
                 format!(
                     "killed with SIGKILL after the grace period of {} s",
                     grace.as_secs_f64()

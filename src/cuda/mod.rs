@@ -24,22 +24,35 @@ pub fn is_available() -> bool {
 ///
 /// Errors: no driver, or the driver fails to initialise ([`Error::Cuda`] with its message).
 pub fn gpu_count() -> Result<usize> {
-    cudarc::driver::result::init().map_err(|e| Error::Cuda(format!("cuInit: {e:?}")))?;
+    cudarc::driver::result::init().map_err(|e| Error::Cuda(format!("cuInit: {:?}", e.0)))?;
     let n = cudarc::driver::result::device::get_count()
         .map_err(|e| Error::Cuda(format!("cuDeviceGetCount: {e:?}")))?;
     Ok(n as usize)
 }
 
-/// Opens GPU `ordinal` as a Candle device with a compute stream of its own.
+/// Checks that GPU `ordinal` exists, before any work is done on it.
 ///
-/// Errors: no driver, or no GPU `ordinal` (naming it and the number of GPUs).
-pub fn open_device(ordinal: usize) -> Result<Device> {
-    let n = gpu_count()?;
+/// Errors ([`Error::Cuda`]): no usable driver or no GPU at all ("no CUDA GPU is available",
+/// with the driver's code), or no GPU `ordinal` (naming it and the number of GPUs).
+pub fn check_ordinal(ordinal: usize) -> Result<()> {
+    let n = gpu_count().map_err(|e| {
+        Error::Cuda(format!(
+            "no CUDA GPU is available on this machine (GPU {ordinal} requested): {e}"
+        ))
+    })?;
     if ordinal >= n {
         return Err(Error::Cuda(format!(
             "GPU {ordinal} requested, but the driver reports {n} GPU(s) (ordinals 0..{n})"
         )));
     }
+    Ok(())
+}
+
+/// Opens GPU `ordinal` as a Candle device with a compute stream of its own.
+///
+/// Errors: no driver, or no GPU `ordinal` (see [`check_ordinal`]).
+pub fn open_device(ordinal: usize) -> Result<Device> {
+    check_ordinal(ordinal)?;
     let dev = CudaDevice::new_with_stream(ordinal)
         .map_err(|e| Error::Cuda(format!("opening GPU {ordinal}: {e}")))?;
     Ok(Device::Cuda(dev))
