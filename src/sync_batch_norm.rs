@@ -135,7 +135,7 @@ impl CustomOp1 for AllReduceSum {
         let candle_core::Storage::Cuda(out_storage) = &*out_storage else {
             bail!("all-reduce-sum: the group returned a buffer off the GPU")
         };
-        Ok((out_storage.try_clone(&out_layout)?, layout.shape().clone()))
+        Ok((out_storage.try_clone(out_layout)?, layout.shape().clone()))
     }
 
     fn bwd(

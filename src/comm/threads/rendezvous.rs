@@ -398,7 +398,7 @@ mod tests {
                         assert_eq!(tokens, expected(ws, round, 0), "rank {rank} round {round}");
                         // 1 to 3 token barriers (as the collectives have), then a plain one.
                         for phase in 1..=(1 + round % 3) {
-                            if (rank as u64 + round) % 5 == 0 {
+                            if (rank as u64 + round).is_multiple_of(5) {
                                 thread::yield_now();
                             }
                             generation += 1;
