@@ -394,7 +394,18 @@ fn bad_flags_are_usage_errors() {
             "fsdp-run: error: --nproc-per-node 0: a job needs at least one process per node",
         ),
         (&["--nnodes", "0", "--", "true"][..], "--nnodes 0"),
-        (&["--master-port", "0", "--", "true"][..], "--master-port 0"),
+        (
+            &["--master-port", "0", "--", "true"][..],
+            "invalid value '0' for '--master-port <PORT>': 0 is not in 1..=65535",
+        ),
+        (
+            &["--nproc-per-node", "100000", "--", "true"][..],
+            "--nproc-per-node 100000: at most 1024 processes per node",
+        ),
+        (
+            &["--grace-period", "1e30", "--", "true"][..],
+            "expected a number of seconds from 0 to 3600",
+        ),
         (
             &["--master-port", "70000", "--", "true"][..],
             "invalid value '70000'",

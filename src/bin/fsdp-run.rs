@@ -322,9 +322,6 @@ fn main() {
             cli.node_rank, cli.nnodes, cli.nnodes
         ));
     }
-    if cli.master_port == 0 {
-        usage_error("--master-port 0: the ranks need a fixed port (1..=65535)");
-    }
     if cli.master_addr.trim().is_empty() {
         usage_error("--master-addr is empty");
     }
