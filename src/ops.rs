@@ -877,6 +877,17 @@ fn check_layout(op: &str, what: &str, t: &Tensor, dtypes: &[DType]) -> Result<()
     if !supported(t.device()) {
         return Err(not_on_cpu(&format!("{op} ({what})"), t.device()));
     }
+    check_dtype_contiguous(op, what, t, dtypes)
+}
+
+/// Checks one tensor's dtype (one of `dtypes`) and contiguity, naming `op` and `what` (shared
+/// with the CUDA launch wrappers of `crate::kernels::cuda`).
+pub(crate) fn check_dtype_contiguous(
+    op: &str,
+    what: &str,
+    t: &Tensor,
+    dtypes: &[DType],
+) -> Result<()> {
     if !dtypes.contains(&t.dtype()) {
         return Err(Error::InvalidArgument(format!(
             "{op}: {what} must be {}, found {:?}",

@@ -178,25 +178,7 @@ fn check_one(op: &str, what: &str, t: &Tensor, dev: &CudaDevice, dtypes: &[DType
             t.device().location()
         )));
     }
-    if !dtypes.contains(&t.dtype()) {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: {what} must be {}, found {:?}",
-            dtypes
-                .iter()
-                .map(|d| format!("{d:?}"))
-                .collect::<Vec<_>>()
-                .join(" or "),
-            t.dtype()
-        )));
-    }
-    if !t.is_contiguous() {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: {what} must be contiguous, found shape {:?} with strides {:?}",
-            t.dims(),
-            t.stride()
-        )));
-    }
-    Ok(())
+    crate::ops::check_dtype_contiguous(op, what, t, dtypes)
 }
 
 /// Checks a one-element f32 tensor (a scale, a flag) on `dev`.
