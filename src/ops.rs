@@ -128,51 +128,15 @@ pub fn adamw_step(
     exp_avg_sq: &Tensor,
     h: &AdamWHyper,
 ) -> Result<()> {
-    const OP: &str = "adamw_step";
-    let n = check_all(
-        OP,
-        &[
-            ("param", param),
-            ("grad", grad),
-            ("exp_avg", exp_avg),
-            ("exp_avg_sq", exp_avg_sq),
-        ],
-    )?;
-    if n == 0 {
-        return Ok(());
-    }
-    check_distinct(
-        OP,
-        &[
-            ("param", param),
-            ("grad", grad),
-            ("exp_avg", exp_avg),
-            ("exp_avg_sq", exp_avg_sq),
-        ],
-    )?;
-    #[cfg(feature = "cuda")]
-    if param.device().is_cuda() {
-        return crate::kernels::cuda::adamw_(
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            h,
-            &Unscale::default(),
-        );
-    }
-    let h = *h;
-    with_cpu_f32(grad, |g| {
-        with_mut(param, OP, |p| {
-            with_mut(exp_avg, OP, |m| {
-                with_mut(exp_avg_sq, OP, |v| {
-                    cpu::adamw(p, g, m, v, h);
-                    Ok(())
-                })
-            })
-        })
-    })??;
-    Ok(())
+    adamw_with(
+        "adamw_step",
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        h,
+        &Unscale::default(),
+    )
 }
 
 /// [`adamw_step`] with a grad scaler's unscale and skip ([`Unscale`]), the entry point of a
@@ -191,9 +155,22 @@ pub fn adamw_step_fused(
     h: &AdamWHyper,
     u: &Unscale<'_>,
 ) -> Result<()> {
-    const OP: &str = "adamw_step_fused";
+    adamw_with("adamw_step_fused", param, grad, exp_avg, exp_avg_sq, h, u)
+}
+
+/// The body of [`adamw_step`] and [`adamw_step_fused`], naming `op` in errors. With
+/// [`Unscale::default`] nothing is read and the plain update runs (`inv_scale` 1).
+fn adamw_with(
+    op: &'static str,
+    param: &Tensor,
+    grad: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    h: &AdamWHyper,
+    u: &Unscale<'_>,
+) -> Result<()> {
     let n = check_all(
-        OP,
+        op,
         &[
             ("param", param),
             ("grad", grad),
@@ -201,12 +178,12 @@ pub fn adamw_step_fused(
             ("exp_avg_sq", exp_avg_sq),
         ],
     )?;
-    check_unscale(OP, param.device(), u)?;
+    check_unscale(op, param.device(), u)?;
     if n == 0 {
         return Ok(());
     }
     check_distinct(
-        OP,
+        op,
         &[
             ("param", param),
             ("grad", grad),
@@ -223,9 +200,9 @@ pub fn adamw_step_fused(
     };
     let h = *h;
     with_cpu_f32(grad, |g| {
-        with_mut(param, OP, |p| {
-            with_mut(exp_avg, OP, |m| {
-                with_mut(exp_avg_sq, OP, |v| {
+        with_mut(param, op, |p| {
+            with_mut(exp_avg, op, |m| {
+                with_mut(exp_avg_sq, op, |v| {
                     if inv == 1.0 {
                         cpu::adamw(p, g, m, v, h);
                     } else {
@@ -252,46 +229,14 @@ pub fn sgd_step(
     momentum_buffer: Option<&Tensor>,
     h: &SgdHyper,
 ) -> Result<()> {
-    const OP: &str = "sgd_step";
-    let h = *h;
-    let buf = match (h.momentum != 0.0, momentum_buffer) {
-        (false, _) => None,
-        (true, Some(b)) => Some(b),
-        (true, None) => {
-            return Err(Error::InvalidArgument(format!(
-                "{OP}: momentum {} needs a momentum buffer, none given",
-                h.momentum
-            )))
-        }
-    };
-    let all = [
-        ("param", param),
-        ("grad", grad),
-        ("momentum_buffer", buf.unwrap_or(param)),
-    ];
-    let tensors = if buf.is_some() { &all[..] } else { &all[..2] };
-    let n = check_all(OP, tensors)?;
-    if n == 0 {
-        return Ok(());
-    }
-    check_distinct(OP, tensors)?;
-    #[cfg(feature = "cuda")]
-    if param.device().is_cuda() {
-        return crate::kernels::cuda::sgd_(param, grad, buf, &h, &Unscale::default());
-    }
-    with_cpu_f32(grad, |g| {
-        with_mut(param, OP, |p| match buf {
-            None => {
-                cpu::sgd(p, g, h);
-                Ok(())
-            }
-            Some(buf) => with_mut(buf, OP, |b| {
-                cpu::sgd_momentum(p, g, b, h);
-                Ok(())
-            }),
-        })
-    })??;
-    Ok(())
+    sgd_with(
+        "sgd_step",
+        param,
+        grad,
+        momentum_buffer,
+        h,
+        &Unscale::default(),
+    )
 }
 
 /// [`sgd_step`] with a grad scaler's unscale and skip ([`Unscale`]), as [`adamw_step_fused`]:
@@ -306,14 +251,25 @@ pub fn sgd_step_fused(
     h: &SgdHyper,
     u: &Unscale<'_>,
 ) -> Result<()> {
-    const OP: &str = "sgd_step_fused";
+    sgd_with("sgd_step_fused", param, grad, momentum_buffer, h, u)
+}
+
+/// The body of [`sgd_step`] and [`sgd_step_fused`], naming `op` in errors.
+fn sgd_with(
+    op: &'static str,
+    param: &Tensor,
+    grad: &Tensor,
+    momentum_buffer: Option<&Tensor>,
+    h: &SgdHyper,
+    u: &Unscale<'_>,
+) -> Result<()> {
     let h = *h;
     let buf = match (h.momentum != 0.0, momentum_buffer) {
         (false, _) => None,
         (true, Some(b)) => Some(b),
         (true, None) => {
             return Err(Error::InvalidArgument(format!(
-                "{OP}: momentum {} needs a momentum buffer, none given",
+                "{op}: momentum {} needs a momentum buffer, none given",
                 h.momentum
             )))
         }
@@ -324,12 +280,12 @@ pub fn sgd_step_fused(
         ("momentum_buffer", buf.unwrap_or(param)),
     ];
     let tensors = if buf.is_some() { &all[..] } else { &all[..2] };
-    let n = check_all(OP, tensors)?;
-    check_unscale(OP, param.device(), u)?;
+    let n = check_all(op, tensors)?;
+    check_unscale(op, param.device(), u)?;
     if n == 0 {
         return Ok(());
     }
-    check_distinct(OP, tensors)?;
+    check_distinct(op, tensors)?;
     #[cfg(feature = "cuda")]
     if param.device().is_cuda() {
         return crate::kernels::cuda::sgd_(param, grad, buf, &h, u);
@@ -338,7 +294,7 @@ pub fn sgd_step_fused(
         return Ok(());
     };
     with_cpu_f32(grad, |g| {
-        with_mut(param, OP, |p| match (buf, inv == 1.0) {
+        with_mut(param, op, |p| match (buf, inv == 1.0) {
             (None, true) => {
                 cpu::sgd(p, g, h);
                 Ok(())
@@ -347,7 +303,7 @@ pub fn sgd_step_fused(
                 cpu::sgd_unscaled(p, g, h, inv);
                 Ok(())
             }
-            (Some(buf), unscaled) => with_mut(buf, OP, |b| {
+            (Some(buf), unscaled) => with_mut(buf, op, |b| {
                 if unscaled {
                     cpu::sgd_momentum(p, g, b, h);
                 } else {
