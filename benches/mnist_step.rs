@@ -15,6 +15,9 @@ use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer, S
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use criterion::{BenchmarkId, Criterion};
 
+#[path = "../examples/common/alloc.rs"]
+mod alloc;
+
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -100,6 +103,7 @@ fn plain_steps(steps: u64) -> Duration {
 }
 
 fn main() {
+    alloc::keep_freed_memory();
     set_intra_op_threads(2);
     let mut c = Criterion::default()
         .sample_size(10)

@@ -41,6 +41,9 @@ use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer};
 use criterion::{BenchmarkId, Criterion, SamplingMode};
 
 // As in examples/mnist.rs: MB-sized buffers are allocated and freed every step.
+#[path = "../examples/common/alloc.rs"]
+mod alloc;
+
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -234,6 +237,7 @@ fn out_dir() -> PathBuf {
 }
 
 fn main() {
+    alloc::keep_freed_memory();
     // Split the cores between the ranks (RAYON_NUM_THREADS) for the largest world size run.
     let threads = set_intra_op_threads(*WORLD_SIZES.iter().max().unwrap());
 

@@ -162,6 +162,7 @@ impl Setup {
 /// machine's cores between the ranks on it
 /// (`set_intra_op_threads`).
 pub fn setup(args: &TrainArgs) -> anyhow::Result<Setup> {
+    super::alloc::keep_freed_memory();
     let env = LaunchEnv::detect()?;
     let world_size = env.world_size_for(args.world_size, DEFAULT_WORLD_SIZE)?;
     validate(args, &env, world_size)?;

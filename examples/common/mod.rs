@@ -20,6 +20,7 @@
 //! The MNIST examples include this folder with `mod common;`, the GPT example (a folder itself)
 //! with `#[path = "../common/mod.rs"]`.
 
+pub mod alloc;
 pub mod args;
 pub mod data;
 pub mod train;

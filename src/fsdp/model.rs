@@ -1576,10 +1576,10 @@ impl FsdpModel {
         let mut surrogate: Option<Tensor> = None;
         for (o, g) in outputs.iter().zip(&out_grads) {
             if let (Some(o), Some(g)) = (o, g) {
-                let term = (o * g.to_dtype(o.dtype())?)?.sum_all()?;
+                let term = super::call::grad_seed(o, g)?;
                 surrogate = Some(match surrogate {
-                    Some(s) => (s + term.to_dtype(DType::F32)?)?,
-                    None => term.to_dtype(DType::F32)?,
+                    Some(s) => (s + term)?,
+                    None => term,
                 });
             }
         }

@@ -29,16 +29,14 @@
 //! Initialisation as GPT-2: every weight matrix and embedding N(0, 0.02), the two residual
 //! projections of each block N(0, 0.02/√(2L)), biases 0, norms 1 and 0.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Module, Shape, Tensor,
-};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder};
-use crate::nn::{causal_softmax, layer_norm, linear_forward, LayerNorm};
+pub use crate::nn::gelu;
+use crate::nn::{causal_attention, cross_entropy, layer_norm, linear_forward, LayerNorm};
 use crate::unit::UnitSpec;
 
 /// Standard deviation of GPT-2's weight initialisation.
@@ -247,21 +245,8 @@ impl CausalSelfAttention {
 
 impl Module for CausalSelfAttention {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, t, d) = x.dims3()?;
-        let (h, hd) = (self.n_head, d / self.n_head);
-        // (B, T, 3d) → 3 × (B, h, T, hd)
-        let qkv = apply(&self.qkv, x)?
-            .reshape((b, t, 3, h, hd))?
-            .permute((2, 0, 3, 1, 4))?;
-        let q = qkv.get(0)?.contiguous()?;
-        let k = qkv.get(1)?.contiguous()?;
-        let v = qkv.get(2)?.contiguous()?;
-        let scores = q.matmul(&k.t()?)?; // (B, h, T, T)
-        let att = causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
-        let y = att
-            .matmul(&v)? // (B, h, T, hd)
-            .transpose(1, 2)?
-            .reshape((b, t, d))?;
+        // (B, T, 3d) → (B, T, d), heads merged: one fused op (see `nn::causal_attention`).
+        let y = causal_attention(&apply(&self.qkv, x)?, self.n_head)?;
         apply(&self.proj, &y)
     }
 }
@@ -529,178 +514,5 @@ impl FsdpGpt {
 /// Errors: mismatched shapes; Candle's.
 pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let logits = logits.flatten_to(1)?.to_dtype(DType::F32)?;
-    Ok(candle_nn::loss::cross_entropy(
-        &logits,
-        &targets.flatten_all()?,
-    )?)
-}
-
-/// GELU with the tanh approximation (GPT-2's), `x ↦ x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`,
-/// elementwise, any shape: [`Tensor::gelu`]'s values, faster. On the CPU, for f32, bf16 and f16
-/// (computed in f32), the forward is one pass and its backward a second one (Candle's own
-/// evaluates `tanh` per element in the forward and composes a dozen tensor ops, `powf`
-/// included, in the backward: on a 2-core machine that was most of a GPT block's step).
-/// Elsewhere it is [`Tensor::gelu`].
-///
-/// Errors: Candle's.
-pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
-    let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16);
-    if fused {
-        x.contiguous()?.apply_op1(GeluOp)
-    } else {
-        x.gelu()
-    }
-}
-
-const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-const GELU_C: f32 = 0.044_715;
-
-/// `tanh(u)` as `1 − 2 / (1 + e^{2u})`: one `exp` (faster than libm's `tanhf`), ±1 at the
-/// extremes (no NaN: `e^{2u}` is ∞ or 0 there), absolute error a few f32 ulps.
-#[inline]
-fn tanh_fast(u: f32) -> f32 {
-    1.0 - 2.0 / (1.0 + (2.0 * u).exp())
-}
-
-#[inline]
-fn gelu_f32(x: f32) -> f32 {
-    let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
-    0.5 * x * (1.0 + t)
-}
-
-/// d gelu / dx = (1 + t)/2 + x/2 · (1 − t²) · √(2/π) · (1 + 3 · 0.044715 x²).
-#[inline]
-fn gelu_grad_f32(x: f32) -> f32 {
-    let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
-}
-
-/// The contiguous elements of a CPU storage as a slice.
-fn contiguous_slice<'a, T: candle_core::WithDType>(
-    s: &'a CpuStorage,
-    l: &Layout,
-) -> candle_core::Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-        None => bail!("gelu: the input must be contiguous"),
-    }
-}
-
-/// `f` of each element, computed in f32, in the storage's dtype.
-fn map_f32(
-    s: &CpuStorage,
-    l: &Layout,
-    f: impl Fn(f32) -> f32,
-) -> candle_core::Result<(CpuStorage, Shape)> {
-    let out = match s.dtype() {
-        DType::F32 => CpuStorage::F32(
-            contiguous_slice::<f32>(s, l)?
-                .iter()
-                .map(|&x| f(x))
-                .collect(),
-        ),
-        DType::BF16 => CpuStorage::BF16(
-            contiguous_slice::<half::bf16>(s, l)?
-                .iter()
-                .map(|&x| half::bf16::from_f32(f(x.to_f32())))
-                .collect(),
-        ),
-        DType::F16 => CpuStorage::F16(
-            contiguous_slice::<half::f16>(s, l)?
-                .iter()
-                .map(|&x| half::f16::from_f32(f(x.to_f32())))
-                .collect(),
-        ),
-        dt => bail!("gelu: no CPU kernel for {dt:?}"),
-    };
-    Ok((out, l.shape().clone()))
-}
-
-/// The fused forward of [`gelu`].
-struct GeluOp;
-
-impl CustomOp1 for GeluOp {
-    fn name(&self) -> &'static str {
-        "gelu-tanh-fused"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_f32(s, l, gelu_f32)
-    }
-
-    fn bwd(
-        &self,
-        arg: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(
-            arg.apply_op2_no_bwd(&grad_res.contiguous()?, &GeluGradOp)?,
-        ))
-    }
-}
-
-/// The backward of [`gelu`]: `grad · gelu'(x)`, inputs `(x, grad)` of one shape and dtype.
-struct GeluGradOp;
-
-impl CustomOp2 for GeluGradOp {
-    fn name(&self) -> &'static str {
-        "gelu-tanh-fused-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        if l1.shape() != l2.shape() || s1.dtype() != s2.dtype() {
-            bail!(
-                "gelu backward: input {:?} {:?} and gradient {:?} {:?} differ",
-                l1.shape(),
-                s1.dtype(),
-                l2.shape(),
-                s2.dtype()
-            );
-        }
-        fn zip<T: candle_core::WithDType>(
-            s1: &CpuStorage,
-            l1: &Layout,
-            s2: &CpuStorage,
-            l2: &Layout,
-            to: impl Fn(T) -> f32,
-            from: impl Fn(f32) -> T,
-        ) -> candle_core::Result<Vec<T>> {
-            let (x, g) = (
-                contiguous_slice::<T>(s1, l1)?,
-                contiguous_slice::<T>(s2, l2)?,
-            );
-            Ok(x.iter()
-                .zip(g)
-                .map(|(&x, &g)| from(to(g) * gelu_grad_f32(to(x))))
-                .collect())
-        }
-        let out = match s1.dtype() {
-            DType::F32 => CpuStorage::F32(zip(s1, l1, s2, l2, |v: f32| v, |v| v)?),
-            DType::BF16 => CpuStorage::BF16(zip(
-                s1,
-                l1,
-                s2,
-                l2,
-                |v: half::bf16| v.to_f32(),
-                half::bf16::from_f32,
-            )?),
-            DType::F16 => CpuStorage::F16(zip(
-                s1,
-                l1,
-                s2,
-                l2,
-                |v: half::f16| v.to_f32(),
-                half::f16::from_f32,
-            )?),
-            dt => bail!("gelu backward: no CPU kernel for {dt:?}"),
-        };
-        Ok((out, l1.shape().clone()))
-    }
+    Ok(cross_entropy(&logits, &targets.flatten_all()?)?)
 }

@@ -1,0 +1,66 @@
+//! f32 matmul throughput of the GPT benchmark step's shapes through Candle's CPU matmul (the
+//! `gemm` crate, AVX-512 kernels with its `x86-v4` feature), on every core
+//! (`RAYON_NUM_THREADS` unset) or as set. The physical limit these are measured against, and
+//! the same shapes in PyTorch (`benches/pytorch/matmul.py`), are in BENCHMARKS.md.
+//!
+//! `cargo bench --bench matmul`: one line per shape, GFLOP/s = 2·m·n·k / best time of 5
+//! rounds of 5 products (after one warm-up product).
+
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+
+#[path = "../examples/common/alloc.rs"]
+mod alloc;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `(m, k, n)`: the products of one GPT block at batch 4 × 256 (forward `x · Wᵀ` of qkv, fc,
+/// the MLP projection; backward `g · W` and `gᵀ · x`), and a square one.
+const SHAPES: [(usize, usize, usize); 6] = [
+    (1024, 512, 1536),
+    (1024, 512, 2048),
+    (1024, 2048, 512),
+    (512, 1024, 2048),
+    (2048, 1024, 512),
+    (1024, 1024, 1024),
+];
+
+fn main() -> candle_core::Result<()> {
+    alloc::keep_freed_memory();
+    println!(
+        "threads {} (RAYON_NUM_THREADS or all cores)",
+        candle_core::utils::get_num_threads()
+    );
+    for (m, k, n) in SHAPES {
+        let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+        let b = Tensor::randn(0f32, 1.0, (k, n), &Device::Cpu)?;
+        // The backward's transposed operand, as a strided view (no copy).
+        let bt = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
+        // The weight gradient's transposed lhs, as a strided view.
+        let at = Tensor::randn(0f32, 1.0, (k, m), &Device::Cpu)?.t()?;
+        for (name, lhs, rhs) in [
+            ("a·b", &a, b),
+            ("a·bᵀ", &a, bt.t()?),
+            ("aᵀ·b", &at, Tensor::randn(0f32, 1.0, (k, n), &Device::Cpu)?),
+        ] {
+            let a = lhs;
+            a.matmul(&rhs)?;
+            let mut best = f64::INFINITY;
+            for _ in 0..5 {
+                let t = Instant::now();
+                for _ in 0..5 {
+                    std::hint::black_box(a.matmul(&rhs)?);
+                }
+                best = best.min(t.elapsed().as_secs_f64() / 5.0);
+            }
+            let gflops = 2.0 * (m * n * k) as f64 / best / 1e9;
+            println!(
+                "{m:5} × {k:5} × {n:5}  {name:5}  {:7.3} ms  {gflops:6.1} GFLOP/s",
+                best * 1e3
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The side-by-side comparison of BENCHMARKS.md ("Against PyTorch"): this crate's examples and
+# the same jobs in PyTorch, one after the other in the same window, on an otherwise quiet
+# machine. Needs `pip install torch` (any 2.x; the CPU kernels are what is compared) and the
+# release examples (`cargo build --release --examples`).
+#
+#   bash benches/pytorch/compare.sh            # GPT bench config ws 1 and 2, MNIST ws 2
+#   ROUNDS=3 bash benches/pytorch/compare.sh   # alternate the two sides three times
+#
+# GPT: median ms/step of steps 3..N and tokens/s over all ranks (ours: the example's log
+# lines; PyTorch: benches/pytorch/gpt.py). MNIST: the epoch time of epoch 1 (ours: the
+# example's epoch line, its training part; PyTorch: benches/pytorch/mnist_ddp.py).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BIN="${CARGO_TARGET_DIR:-target}/release/examples"
+ROUNDS=${ROUNDS:-1}
+STEPS=${STEPS:-12}
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+median() { sort -n | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+ours_gpt() { # ws
+    "$BIN/gpt" --world-size "$1" --config examples/gpt/bench.toml --max-steps "$STEPS" \
+        --checkpoint-dir "$TMP/gpt" --eval-batches 1 2>&1 | sed -n 's/^step .* \([0-9.]*\) ms\/step.*/\1/p' \
+        | tail -n +3 | median
+    rm -rf "$TMP/gpt"
+}
+torch_gpt() { # ws
+    if [ "$1" = 1 ]; then
+        python benches/pytorch/gpt.py --steps "$STEPS"
+    else
+        torchrun --nproc-per-node "$1" benches/pytorch/gpt.py --steps "$STEPS" 2>/dev/null
+    fi | sed -n 's/^step .* \([0-9.]*\) ms\/step.*/\1/p' | tail -n +3 | median
+}
+ours_mnist() {
+    "$BIN/mnist" --world-size 2 --epochs 1 --checkpoint-dir "$TMP/mnist" 2>&1 \
+        | sed -n 's/^epoch *1 .*(train \([0-9.]*\)s).*/\1/p' | head -1
+    rm -rf "$TMP/mnist"
+}
+torch_mnist() {
+    torchrun --nproc-per-node 2 benches/pytorch/mnist_ddp.py --epochs 1 2>/dev/null \
+        | sed -n 's/.*epoch 1 \([0-9.]*\) s.*/\1/p'
+}
+tok() { awk -v ms="$1" -v ws="$2" 'BEGIN {printf "%.0f", 1024 * ws / (ms / 1000)}'; }
+
+echo "| round | job | PyTorch | candle-fsdp | ratio |"
+echo "|---|---|---|---|---|"
+for r in $(seq 1 "$ROUNDS"); do
+    for ws in 1 2; do
+        t=$(torch_gpt "$ws")
+        o=$(ours_gpt "$ws")
+        echo "| $r | GPT bench ws $ws, tokens/s (ms/step) | $(tok "$t" "$ws") ($t) | $(tok "$o" "$ws") ($o) | $(awk -v t="$t" -v o="$o" 'BEGIN {printf "%.2f×", t / o}') |"
+    done
+    t=$(torch_mnist)
+    o=$(ours_mnist)
+    echo "| $r | MNIST ws 2, s/epoch (DDP vs FSDP) | $t | $o | $(awk -v t="$t" -v o="$o" 'BEGIN {printf "%.2f×", o / t}') |"
+done

@@ -1,0 +1,489 @@
+//! Causal multi-head self-attention as one graph node, straight from the fused `qkv`
+//! projection: a flash-style CPU kernel (Dao et al. 2022, "FlashAttention", arXiv:2205.14135)
+//! that never materialises the `(B, h, T, T)` scores.
+//!
+//! # Formulas
+//!
+//! For each batch element and head, with `Q`, `K`, `V` its `(T, hd)` slices of `qkv`,
+//! `s = 1/√hd` and the causal mask (query `i` sees keys `j ≤ i`):
+//!
+//! ```text
+//!     S = s · Q·Kᵀ        P_ij = exp(S_ij) / Σ_{k ≤ i} exp(S_ik)  (j ≤ i; 0 above)     O = P·V
+//! ```
+//!
+//! and with `dO` the output's gradient and `D_i = Σ_j dO_ij · O_ij` (= `Σ_j P_ij · dP_ij`):
+//!
+//! ```text
+//!     dP = dO·Vᵀ     dS = s · P ⊙ (dP − D)     dQ = dS·K     dK = dSᵀ·Q     dV = Pᵀ·dO
+//! ```
+//!
+//! # Kernel
+//!
+//! Work is cut into one task per `(batch, head)`; the tasks run over rayon's pool under the rule
+//! of [`super::cpu::parallel_map`]. A task copies its `Q`, `K`, `V` into contiguous f32 buffers and
+//! walks the queries in tiles of [`TILE`] rows. For the tile of rows `r0..r1` only keys `0..r1`
+//! exist (causality), so the tile's scores are one `(r1 − r0) × r1` gemm, the softmax of each row
+//! is exact in one pass (its whole row is there: no running maximum is needed), and the tile's
+//! output one `(r1 − r0) × hd` gemm. The backward recomputes each tile's `P` the same way
+//! instead of storing it (FlashAttention's recomputation) and accumulates `dK`, `dV` over the
+//! tiles with gemms that read their destination. Scratch per task: two `TILE × T` f32 tiles and
+//! the head's buffers; nothing of size `T × T` outlives a tile. The gemms are the `gemm` crate's,
+//! single-threaded inside a task; the exponentials are [`super::cpu::exp_fast`], vectorised.
+//!
+//! f32, bf16 and f16 inputs run the kernel (computing in f32, rounding the outputs once);
+//! other dtypes and devices run [`causal_attention_composed`].
+
+use candle_core::{
+    backend::BackendStorage, bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape,
+    Tensor,
+};
+
+use super::cpu::{contiguous, dot16, exp_fast, max16, parallel_map, sum16, with_simd, Elem};
+use super::softmax::causal_softmax;
+
+/// Query rows per tile of the kernel: 64 rows of scores for `T` keys are `256 · T` bytes, which
+/// stays in L2 for the contexts used here.
+pub const TILE: usize = 64;
+
+/// Causal multi-head self-attention over a fused projection, differentiable in `qkv`.
+///
+/// `qkv` is `(B, T, 3·d)`: for each position, the `d` query features, then the `d` key features,
+/// then the `d` value features, head `h` at columns `h·hd .. (h+1)·hd` of each (`hd = d /
+/// n_head`), which is what a `Linear(d, 3d)` followed by a reshape to `(B, T, 3, n_head, hd)`
+/// means in GPT-2 and nanoGPT. The result is `(B, T, d)`, head `h` at columns `h·hd ..`: the
+/// heads already merged, ready for the output projection. Scores are scaled by `1/√hd` and
+/// masked causally; see the [module documentation](self) for the formulas and the kernel.
+///
+/// Equals [`causal_attention_composed`] up to rounding (the tests compare both, values and
+/// gradients, and an f64 reference).
+///
+/// Errors: `qkv` not of rank 3, its last dimension not `3 · d` with `n_head` dividing `d`;
+/// Candle's.
+pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
+    let (_, _, hd) = check_qkv(qkv, n_head)?;
+    let kernel = qkv.device().is_cpu()
+        && matches!(qkv.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && qkv.elem_count() > 0;
+    if !kernel {
+        return causal_attention_composed(qkv, n_head);
+    }
+    qkv.contiguous()?.apply_op1(AttentionOp {
+        n_head,
+        scale: (hd as f32).sqrt().recip(),
+    })
+}
+
+/// [`causal_attention`] composed of Candle ops: split `qkv` into `(B, n_head, T, hd)` queries,
+/// keys and values, `Q·Kᵀ`, [`causal_softmax`] with scale `1/√hd`, `·V`, and the heads merged
+/// back to `(B, T, d)`. Candle's autograd differentiates it; any dtype and device.
+///
+/// Errors: as [`causal_attention`].
+pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
+    let (b, t, hd) = check_qkv(qkv, n_head)?;
+    let d = n_head * hd;
+    let qkv = qkv
+        .reshape((b, t, 3, n_head, hd))?
+        .permute((2, 0, 3, 1, 4))?;
+    let q = qkv.get(0)?.contiguous()?;
+    let k = qkv.get(1)?.contiguous()?;
+    let v = qkv.get(2)?.contiguous()?;
+    let scores = q.matmul(&k.t()?)?; // (B, h, T, T)
+    let att = causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
+    att.matmul(&v)? // (B, h, T, hd)
+        .transpose(1, 2)?
+        .reshape((b, t, d))
+}
+
+/// `(B, T, hd)` of a valid `qkv`.
+fn check_qkv(qkv: &Tensor, n_head: usize) -> Result<(usize, usize, usize)> {
+    let Ok((b, t, c)) = qkv.dims3() else {
+        bail!(
+            "causal_attention: qkv must be (B, T, 3·d), found {:?}",
+            qkv.shape()
+        )
+    };
+    if n_head == 0 || c % 3 != 0 || (c / 3) % n_head != 0 {
+        bail!(
+            "causal_attention: qkv's last dimension {c} must be 3·d with n_head {n_head} dividing d"
+        )
+    }
+    Ok((b, t, c / 3 / n_head))
+}
+
+/// The shape of one problem: batch `b`, context `t`, `h` heads of `hd` features.
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    b: usize,
+    t: usize,
+    h: usize,
+    hd: usize,
+}
+
+impl Dims {
+    fn of(l: &Layout, n_head: usize) -> Result<Self> {
+        let (b, t, c) = l.shape().dims3()?;
+        Ok(Self {
+            b,
+            t,
+            h: n_head,
+            hd: c / 3 / n_head,
+        })
+    }
+    fn d(&self) -> usize {
+        self.h * self.hd
+    }
+}
+
+/// Copies column block `col .. col + hd` of the `(T, width)` matrix of batch element `bi` into a
+/// contiguous f32 `(T, hd)` buffer.
+#[inline(always)]
+fn gather<T: Elem>(src: &[T], width: usize, dims: Dims, bi: usize, col: usize) -> Vec<f32> {
+    let (t, hd) = (dims.t, dims.hd);
+    let mut out = vec![0f32; t * hd];
+    let base = bi * t * width + col;
+    for (i, row) in out.chunks_exact_mut(hd).enumerate() {
+        let s = &src[base + i * width..base + i * width + hd];
+        for (o, &v) in row.iter_mut().zip(s) {
+            *o = v.to_f32();
+        }
+    }
+    out
+}
+
+/// Copies a contiguous f32 `(T, hd)` buffer into column block `col ..` of batch element `bi` of
+/// the `(B, T, width)` output.
+fn scatter<T: Elem>(dst: &mut [T], width: usize, dims: Dims, bi: usize, col: usize, src: &[f32]) {
+    let (t, hd) = (dims.t, dims.hd);
+    let base = bi * t * width + col;
+    for (i, row) in src.chunks_exact(hd).enumerate() {
+        for (o, &v) in dst[base + i * width..base + i * width + hd]
+            .iter_mut()
+            .zip(row)
+        {
+            *o = T::from_f32(v);
+        }
+    }
+}
+
+/// `dst (m × n) = [dst +] lhs (m × k) · rhs (k × n)` with explicit strides (row stride `rs`,
+/// column stride `cs` of each operand), single-threaded: the `gemm` crate's kernel.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn gemm(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: (&[f32], usize, usize),
+    rhs: (&[f32], usize, usize),
+) {
+    debug_assert!(m == 0 || n == 0 || dst.len() > (m - 1) * dst_rs + n - 1);
+    debug_assert!(m == 0 || k == 0 || lhs.0.len() > (m - 1) * lhs.1 + (k - 1) * lhs.2);
+    debug_assert!(k == 0 || n == 0 || rhs.0.len() > (k - 1) * rhs.1 + (n - 1) * rhs.2);
+    // SAFETY: the three slices hold every element the strides reach (asserted above in debug
+    // builds; each call site derives the strides from the slices' own shapes), `dst` does not
+    // overlap `lhs` or `rhs` (it is a distinct `&mut`), and `Parallelism::None` runs on this
+    // thread only.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.0.as_ptr(),
+            lhs.2 as isize,
+            lhs.1 as isize,
+            rhs.0.as_ptr(),
+            rhs.2 as isize,
+            rhs.1 as isize,
+            if accumulate { 1.0 } else { 0.0 },
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// The probabilities `P` of query rows `r0 .. r0 + br` against keys `0 .. kend` (`kend = r0 +
+/// br`) into `p` (`br × kend`, row-major): `s · q·kᵀ`, then the causal softmax of each row,
+/// zero above the diagonal.
+#[inline(always)]
+fn tile_probs(q: &[f32], k: &[f32], hd: usize, r0: usize, br: usize, scale: f32, p: &mut [f32]) {
+    let kend = r0 + br;
+    gemm(
+        (br, kend, hd),
+        p,
+        kend,
+        false,
+        (&q[r0 * hd..], hd, 1),
+        (k, 1, hd),
+    );
+    for (i, row) in p.chunks_exact_mut(kend).enumerate() {
+        let n = r0 + i + 1;
+        let (live, masked) = row.split_at_mut(n);
+        for v in live.iter_mut() {
+            *v *= scale;
+        }
+        let m = max16(live);
+        for v in live.iter_mut() {
+            *v = exp_fast(*v - m);
+        }
+        let inv = sum16(live, |v| v).recip();
+        for v in live.iter_mut() {
+            *v *= inv;
+        }
+        masked.fill(0.0);
+    }
+}
+
+/// One head's forward: `O` (`T × hd`) from its `Q`, `K`, `V`.
+#[inline(always)]
+fn head_forward(q: &[f32], k: &[f32], v: &[f32], t: usize, hd: usize, scale: f32) -> Vec<f32> {
+    let mut o = vec![0f32; t * hd];
+    let mut p = vec![0f32; TILE * t];
+    for r0 in (0..t).step_by(TILE) {
+        let br = TILE.min(t - r0);
+        let kend = r0 + br;
+        let p = &mut p[..br * kend];
+        tile_probs(q, k, hd, r0, br, scale, p);
+        gemm(
+            (br, hd, kend),
+            &mut o[r0 * hd..],
+            hd,
+            false,
+            (p, kend, 1),
+            (v, hd, 1),
+        );
+    }
+    o
+}
+
+/// One head's backward: `(dQ, dK, dV)` (each `T × hd`) from its `Q`, `K`, `V`, output `O` and
+/// output gradient `dO`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn head_backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: &[f32],
+    d_o: &[f32],
+    t: usize,
+    hd: usize,
+    scale: f32,
+) -> [Vec<f32>; 3] {
+    let delta: Vec<f32> = o
+        .chunks_exact(hd)
+        .zip(d_o.chunks_exact(hd))
+        .map(|(o, g)| dot16(o, g))
+        .collect();
+    let (mut dq, mut dk, mut dv) = (vec![0f32; t * hd], vec![0f32; t * hd], vec![0f32; t * hd]);
+    let (mut p, mut ds) = (vec![0f32; TILE * t], vec![0f32; TILE * t]);
+    for r0 in (0..t).step_by(TILE) {
+        let br = TILE.min(t - r0);
+        let kend = r0 + br;
+        let p = &mut p[..br * kend];
+        let ds = &mut ds[..br * kend];
+        tile_probs(q, k, hd, r0, br, scale, p);
+        // dV[0..kend] += Pᵀ · dO[r0..r1]
+        gemm(
+            (kend, hd, br),
+            &mut dv,
+            hd,
+            true,
+            (p, 1, kend),
+            (&d_o[r0 * hd..], hd, 1),
+        );
+        // dP = dO[r0..r1] · V[0..kend]ᵀ
+        gemm(
+            (br, kend, hd),
+            ds,
+            kend,
+            false,
+            (&d_o[r0 * hd..], hd, 1),
+            (v, 1, hd),
+        );
+        // dS = s · P ⊙ (dP − D)
+        for (i, (ds_row, p_row)) in ds
+            .chunks_exact_mut(kend)
+            .zip(p.chunks_exact(kend))
+            .enumerate()
+        {
+            let di = delta[r0 + i];
+            for (g, &pv) in ds_row.iter_mut().zip(p_row) {
+                *g = scale * pv * (*g - di);
+            }
+        }
+        // dQ[r0..r1] = dS · K[0..kend]
+        gemm(
+            (br, hd, kend),
+            &mut dq[r0 * hd..],
+            hd,
+            false,
+            (ds, kend, 1),
+            (k, hd, 1),
+        );
+        // dK[0..kend] += dSᵀ · Q[r0..r1]
+        gemm(
+            (kend, hd, br),
+            &mut dk,
+            hd,
+            true,
+            (ds, 1, kend),
+            (&q[r0 * hd..], hd, 1),
+        );
+    }
+    [dq, dk, dv]
+}
+
+fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> {
+    let (w, d) = (3 * dims.d(), dims.d());
+    let heads = parallel_map(dims.b * dims.h, |task| {
+        let (bi, hi) = (task / dims.h, task % dims.h);
+        with_simd(|| {
+            let q = gather(x, w, dims, bi, hi * dims.hd);
+            let k = gather(x, w, dims, bi, d + hi * dims.hd);
+            let v = gather(x, w, dims, bi, 2 * d + hi * dims.hd);
+            head_forward(&q, &k, &v, dims.t, dims.hd, scale)
+        })
+    });
+    let mut y = vec![T::from_f32(0.0); dims.b * dims.t * d];
+    for (task, o) in heads.iter().enumerate() {
+        let (bi, hi) = (task / dims.h, task % dims.h);
+        scatter(&mut y, d, dims, bi, hi * dims.hd, o);
+    }
+    y
+}
+
+fn attention_bwd<T: Elem>(x: &[T], y: &[T], g: &[T], dims: Dims, scale: f32) -> Vec<T> {
+    let (w, d) = (3 * dims.d(), dims.d());
+    let heads = parallel_map(dims.b * dims.h, |task| {
+        let (bi, hi) = (task / dims.h, task % dims.h);
+        with_simd(|| {
+            let c = hi * dims.hd;
+            let q = gather(x, w, dims, bi, c);
+            let k = gather(x, w, dims, bi, d + c);
+            let v = gather(x, w, dims, bi, 2 * d + c);
+            let o = gather(y, d, dims, bi, c);
+            let d_o = gather(g, d, dims, bi, c);
+            head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, scale)
+        })
+    });
+    let mut dx = vec![T::from_f32(0.0); x.len()];
+    for (task, [dq, dk, dv]) in heads.iter().enumerate() {
+        let (bi, hi) = (task / dims.h, task % dims.h);
+        let c = hi * dims.hd;
+        scatter(&mut dx, w, dims, bi, c, dq);
+        scatter(&mut dx, w, dims, bi, d + c, dk);
+        scatter(&mut dx, w, dims, bi, 2 * d + c, dv);
+    }
+    dx
+}
+
+/// The forward custom op of [`causal_attention`]; its backward is [`AttentionBwdOp`].
+#[derive(Clone, Copy, Debug)]
+struct AttentionOp {
+    n_head: usize,
+    scale: f32,
+}
+
+impl CustomOp1 for AttentionOp {
+    fn name(&self) -> &'static str {
+        "causal-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Elem + candle_core::WithDType>(
+            op: &AttentionOp,
+            s: &CpuStorage,
+            l: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            let dims = Dims::of(l, op.n_head)?;
+            let x = contiguous(s.as_slice::<T>()?, l, "qkv")?;
+            let y = attention_fwd(x, dims, op.scale);
+            Ok((
+                T::to_cpu_storage_owned(y),
+                Shape::from((dims.b, dims.t, dims.d())),
+            ))
+        }
+        match s.dtype() {
+            DType::F32 => run::<f32>(self, s, l),
+            DType::BF16 => run::<half::bf16>(self, s, l),
+            DType::F16 => run::<half::f16>(self, s, l),
+            dt => bail!("causal-attention: no CPU kernel for {dt:?}"),
+        }
+    }
+
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let op = AttentionBwdOp {
+            n_head: self.n_head,
+            scale: self.scale,
+        };
+        Ok(Some(arg.apply_op3_no_bwd(
+            res,
+            &grad_res.contiguous()?,
+            &op,
+        )?))
+    }
+}
+
+/// The backward kernel of [`causal_attention`] as a (no-backward) custom op on
+/// `(qkv, y, grad_y)`, giving `grad_qkv`.
+#[derive(Clone, Copy, Debug)]
+struct AttentionBwdOp {
+    n_head: usize,
+    scale: f32,
+}
+
+impl CustomOp3 for AttentionBwdOp {
+    fn name(&self) -> &'static str {
+        "causal-attention-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = Dims::of(l1, self.n_head)?;
+        let out = [dims.b, dims.t, dims.d()];
+        if l2.dims() != out || l3.dims() != out || s2.dtype() != s1.dtype() {
+            bail!(
+                "causal-attention backward: qkv {:?} {:?}, output {:?} {:?}, gradient {:?} do not fit",
+                l1.shape(),
+                s1.dtype(),
+                l2.shape(),
+                s2.dtype(),
+                l3.shape()
+            );
+        }
+        fn run<T: Elem + candle_core::WithDType>(
+            op: &AttentionBwdOp,
+            dims: Dims,
+            x: (&CpuStorage, &Layout),
+            y: (&CpuStorage, &Layout),
+            g: (&CpuStorage, &Layout),
+        ) -> Result<(CpuStorage, Shape)> {
+            let xs = contiguous(x.0.as_slice::<T>()?, x.1, "qkv")?;
+            let ys = contiguous(y.0.as_slice::<T>()?, y.1, "attention output")?;
+            let gs = contiguous(g.0.as_slice::<T>()?, g.1, "output gradient")?;
+            let dx = attention_bwd(xs, ys, gs, dims, op.scale);
+            Ok((T::to_cpu_storage_owned(dx), x.1.shape().clone()))
+        }
+        match s1.dtype() {
+            DType::F32 => run::<f32>(self, dims, (s1, l1), (s2, l2), (s3, l3)),
+            DType::BF16 => run::<half::bf16>(self, dims, (s1, l1), (s2, l2), (s3, l3)),
+            DType::F16 => run::<half::f16>(self, dims, (s1, l1), (s2, l2), (s3, l3)),
+            dt => bail!("causal-attention-bwd: no CPU kernel for {dt:?}"),
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! Shared pieces of the CPU kernels of [`crate::nn`]: the element types (all computed in f32),
+//! vectorisable reductions, the contiguous-slice accessor and the rule for how many threads a
+//! kernel may use.
+
+use candle_core::{bail, Layout, Result};
+
+/// The element types of the CPU kernels, all computed in f32.
+pub(crate) trait Elem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+    /// `src` as f32: itself for f32, else converted into `buf` (of `src`'s length).
+    fn load<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn load<'a>(src: &'a [f32], _buf: &'a mut [f32]) -> &'a [f32] {
+        src
+    }
+}
+
+macro_rules! half_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            #[inline(always)]
+            fn to_f32(self) -> f32 {
+                <$t>::to_f32(self)
+            }
+            #[inline(always)]
+            fn from_f32(v: f32) -> Self {
+                <$t>::from_f32(v)
+            }
+            #[inline(always)]
+            fn load<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32] {
+                use half::slice::HalfFloatSliceExt;
+                src.convert_to_f32_slice(buf);
+                buf
+            }
+        }
+    };
+}
+half_elem!(half::bf16);
+half_elem!(half::f16);
+
+/// `Σ f(a_i)` with 16 independent accumulators, so that the compiler can vectorise the sum (one
+/// accumulator fixes the order of the additions and keeps it scalar).
+#[inline(always)]
+pub(crate) fn sum16(a: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut chunks = a.chunks_exact(16);
+    for c in &mut chunks {
+        for k in 0..16 {
+            acc[k] += f(c[k]);
+        }
+    }
+    let rest: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
+    acc.iter().sum::<f32>() + rest
+}
+
+/// `Σ a_i · b_i`, vectorised as [`sum16`].
+#[inline(always)]
+pub(crate) fn dot16(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (mut ca, mut cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for k in 0..16 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let rest: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    acc.iter().sum::<f32>() + rest
+}
+
+pub(crate) fn max16(a: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let mut chunks = a.chunks_exact(16);
+    for c in &mut chunks {
+        for k in 0..16 {
+            acc[k] = acc[k].max(c[k]);
+        }
+    }
+    let rest = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    acc.iter().fold(rest, |m, &v| m.max(v))
+}
+
+/// The input slice of a contiguous layout.
+pub(crate) fn contiguous<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => bail!("the {what} has to be contiguous"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Threads.
+
+/// The number of threads a kernel may use: Candle's intra-op thread count
+/// (`RAYON_NUM_THREADS`, else the machine's cores), the count its CPU matmul uses.
+pub(crate) fn threads() -> usize {
+    candle_core::utils::get_num_threads()
+}
+
+/// `f(i)` for every `i` in `0..n`, collected in order: over rayon's pool when [`threads`] is
+/// above 1 and there is more than one task, else on the calling thread, in order.
+pub(crate) fn parallel_map<R: Send>(n: usize, f: impl Fn(usize) -> R + Send + Sync) -> Vec<R> {
+    if n > 1 && threads() > 1 {
+        use rayon::prelude::*;
+        (0..n).into_par_iter().map(f).collect()
+    } else {
+        (0..n).map(f).collect()
+    }
+}
+
+/// `f(chunk_index, chunk)` over `out` cut into chunks of `chunk` elements (the last one
+/// shorter), in parallel under the rule of [`parallel_map`].
+pub(crate) fn parallel_chunks<T: Send>(
+    out: &mut [T],
+    chunk: usize,
+    f: impl Fn(usize, &mut [T]) + Send + Sync,
+) {
+    let chunk = chunk.max(1);
+    if out.len() > chunk && threads() > 1 {
+        use rayon::prelude::*;
+        out.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    } else {
+        for (i, c) in out.chunks_mut(chunk).enumerate() {
+            f(i, c)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vector instructions.
+
+/// Runs `f` compiled for the widest vector instructions this CPU has (AVX-512, else AVX2 with
+/// FMA, else the build's baseline), chosen at run time as the `gemm` crate does: the release
+/// build targets baseline x86-64 (SSE2), so without this the element-wise loops of the kernels
+/// vectorise four lanes wide at most. `f` and what it calls should be `#[inline(always)]` so
+/// that they are compiled inside the wider function.
+#[inline(always)]
+pub(crate) fn with_simd<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx2,fma")]
+        unsafe fn v4<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn v3<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+        {
+            // SAFETY: the CPU has every feature `v4` is compiled for (checked just above).
+            return unsafe { v4(f) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            return unsafe { v3(f) };
+        }
+    }
+    f()
+}
+
+/// `eˣ` in f32 without a libm call, so that a loop over a slice vectorises: Cephes' `expf`
+/// (S. L. Moshier, Cephes Math Library): `eˣ = 2ⁿ · eʳ` with `n = round(x / ln 2)`,
+/// `r = x − n · ln 2` (ln 2 split in two for precision) and `eʳ` a degree-7 polynomial; relative
+/// error below 2⁻²² (measured against `f32::exp` in the tests). Inputs are clamped to
+/// `[−87.3, 88.3]` (so `eˣ` of a very negative number is about 1e−38, not 0, and of a large one
+/// about 2e38, not ∞); NaN stays NaN.
+#[inline(always)]
+pub(crate) fn exp_fast(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2²³: adding it rounds to an integer
+    let xc = x.clamp(-87.3, 88.3);
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    let p = ((((((1.987_569_1e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 5.000_000_1e-1)
+        * r)
+        * r
+        + r
+        + 1.0;
+    let bits = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32); // n as an integer
+    let scale = f32::from_bits(((bits + 127) << 23) as u32);
+    let y = p * scale;
+    if x.is_nan() {
+        x
+    } else {
+        y
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `exp_fast` against libm's `exp` over the whole clamped range, and at the edges.
+    #[test]
+    fn exp_fast_relative_error() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let (a, b) = (exp_fast(x) as f64, (x as f64).exp());
+            worst = worst.max((a - b).abs() / b);
+            x += 0.001_3;
+        }
+        assert!(worst < 2.5e-7, "relative error {worst}");
+        assert_eq!(exp_fast(0.0), 1.0);
+        assert!(exp_fast(f32::NAN).is_nan());
+        assert!(exp_fast(-1e9) < 2e-38 && exp_fast(-1e9) >= 0.0);
+        assert!(exp_fast(1e9).is_finite() && exp_fast(1e9) > 1e38);
+        // Vectorised through `with_simd`, the same values.
+        let xs: Vec<f32> = (0..1000).map(|i| i as f32 * 0.17 - 80.0).collect();
+        let ys: Vec<f32> = with_simd(|| xs.iter().map(|&x| exp_fast(x)).collect());
+        for (x, y) in xs.iter().zip(&ys) {
+            assert_eq!(*y, exp_fast(*x));
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! The layers and fused ops of `candle_fsdp::nn`, one module per family, each against the
+//! composed Candle ops it replaces (values and gradients) and, where written out, an f64
+//! reference independent of the crate.
+//!
+//! - `norms`: LayerNorm / RMSNorm against candle-nn's and composed references, inside FSDP.
+//! - `softmax_linear`: the causal softmax and the one-node linear layer.
+//! - `fused`: causal attention (against the composed ops and a direct f64 reference), GELU,
+//!   cross-entropy and the vectorised exponential.
+
+mod fused;
+mod norms;
+mod softmax_linear;
