@@ -380,6 +380,18 @@ impl Watchdog {
     /// Forks the watchdog. Must run before any thread is started. `None` when the pipe or the
     /// fork fails (the job then runs without one).
     fn start(job: &str, grace: Duration) -> Option<Watchdog> {
+        #[cfg(target_os = "linux")]
+        return Self::start_linux(job, grace);
+        #[cfg(not(target_os = "linux"))]
+        {
+            let _ = (job, grace);
+            None
+        }
+    }
+
+    /// [`Watchdog::start`] on Linux (`pipe2`, `/proc/self/exe`).
+    #[cfg(target_os = "linux")]
+    fn start_linux(job: &str, grace: Duration) -> Option<Watchdog> {
         use std::os::fd::FromRawFd;
         let mut fds = [0 as libc::c_int; 2];
         // SAFETY: plain syscall filling `fds`; close-on-exec keeps the write end out of the
