@@ -258,7 +258,8 @@ pub trait ShardedOptimizer {
     }
     /// Calls `f` with unit `unit`'s buffer of `kind` (`shard_numel` f32 values, laid out like
     /// the unit's shard), borrowed where it is a contiguous host tensor, otherwise a host copy
-    /// of that one buffer. A frozen twin's buffers read as zeros.
+    /// of that one buffer. A frozen twin's buffers are the state its parameters had when they
+    /// were frozen (kept unchanged while frozen), zeros when they were never stepped.
     ///
     /// The provided version copies the whole state ([`ShardedOptimizer::state`]) on every call.
     ///
@@ -351,10 +352,13 @@ struct UnitSlot {
     steps: Vec<u64>,
     /// Per parameter: its group.
     group: Vec<usize>,
-    /// Buffers in the optimizer's kinds order (`shard_numel` elements each); none for a frozen
-    /// twin.
+    /// Buffers in the optimizer's kinds order (`shard_numel` elements each). A frozen twin
+    /// holds them only when its parameters were stepped before they were frozen (loaded from a
+    /// checkpoint with nonzero step counts): then they are kept unchanged while frozen, with
+    /// the step counts, so that unfreezing resumes as a continuation. None otherwise.
     bufs: Vec<Tensor>,
-    /// A frozen twin's `shard_numel` (its state exports as zeros, see [`ShardState::export`]).
+    /// A frozen twin's `shard_numel` (without buffers its state exports as zeros, see
+    /// [`ShardState::export`]).
     frozen_numel: Option<usize>,
 }
 
@@ -406,11 +410,14 @@ impl ShardState {
         self.units
             .iter()
             .map(|u| {
-                // A frozen twin holds no state; it exports zeros so that every unit of a
-                // checkpoint has every buffer kind (the format's invariant).
+                // A frozen twin that was never stepped holds no state; it exports zeros so
+                // that every unit of a checkpoint has every buffer kind (the format's
+                // invariant).
                 let buffers = match u.frozen_numel {
-                    Some(n) => self.kinds.iter().map(|k| (*k, vec![0.0; n])).collect(),
-                    None => self
+                    Some(n) if u.bufs.is_empty() => {
+                        self.kinds.iter().map(|k| (*k, vec![0.0; n])).collect()
+                    }
+                    _ => self
                         .kinds
                         .iter()
                         .zip(&u.bufs)
@@ -481,8 +488,8 @@ impl ShardState {
             .position(|k| *k == kind)
             .ok_or_else(|| missing_buffer(unit, kind))?;
         match u.frozen_numel {
-            Some(n) => f(&vec![0.0; n]),
-            None => ops::with_host_f32(&u.bufs[i], |v| f(v))?,
+            Some(n) if u.bufs.is_empty() => f(&vec![0.0; n]),
+            _ => ops::with_host_f32(&u.bufs[i], |v| f(v))?,
         }
     }
 
@@ -507,7 +514,7 @@ impl ShardState {
                         frozen_numel: v.frozen.then_some(v.layout.shard_numel),
                         steps: vec![0; v.layout.params.len()],
                         group: Vec::new(),
-                        // Frozen parameters get no optimizer state.
+                        // Frozen parameters that were never stepped get no optimizer state.
                         bufs: if v.frozen {
                             Vec::new()
                         } else {
@@ -563,7 +570,8 @@ impl ShardState {
                     )));
                 }
                 let max_step = u.steps.iter().copied().max().unwrap_or(0);
-                if v.frozen {
+                if v.frozen && max_step == 0 {
+                    // Never stepped: no state to keep (zeros on export).
                     return Ok(UnitSlot {
                         frozen_numel: Some(v.layout.shard_numel),
                         steps: u.steps,
@@ -607,8 +615,10 @@ impl ShardState {
                         v.unit_name
                     )));
                 }
+                // A frozen twin whose parameters were stepped keeps their state, unchanged while
+                // frozen (see `UnitSlot::bufs`).
                 Ok(UnitSlot {
-                    frozen_numel: None,
+                    frozen_numel: v.frozen.then_some(v.layout.shard_numel),
                     steps: u.steps,
                     group: Vec::new(),
                     bufs,

@@ -549,3 +549,168 @@ fn ranks_started_by_fsdp_run_bootstrap_through_the_store() {
         );
     }
 }
+
+// ---- Nothing of the job outlives fsdp-run (issue 20, item 3) -------------------------------
+
+/// Pids of the processes whose whole command line is `sleep <secs>` (a duration unique to one
+/// test identifies its processes).
+fn sleeps(secs: &str) -> Vec<String> {
+    let pattern = format!("^sleep {}$", secs.replace('.', "\\."));
+    let out = Command::new("pgrep")
+        .args(["-f", &pattern])
+        .output()
+        .expect("pgrep runs");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Polls until no `sleep <secs>` is left, up to `limit`; returns what is left then.
+fn sleeps_left_after(secs: &str, limit: Duration) -> Vec<String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = sleeps(secs);
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Starts fsdp-run with `args` and waits until `n` sleeps of `secs` run (the ranks' children).
+fn start_with_sleeps(args: &[&str], secs: &str, n: usize) -> Child {
+    let child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starts fsdp-run");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sleeps(secs).len() < n {
+        assert!(Instant::now() < deadline, "the ranks' sleeps never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+#[test]
+fn fsdp_run_killed_with_sigkill_leaves_no_process_of_the_job() {
+    // The issue's case: each rank's shell waits for a sleep it started (PR_SET_PDEATHSIG
+    // reaches only the shell). Rank 2's sleep also ignores SIGTERM: it needs the SIGKILL after
+    // the grace period.
+    let script = "if [ $RANK = 2 ]; then (trap '' TERM; exec sleep 59.371) & wait $!; \
+                  else sleep 59.371 & wait $!; fi";
+    let mut child = start_with_sleeps(
+        &[
+            "--nproc-per-node",
+            "3",
+            "--grace-period",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        "59.371",
+        3,
+    );
+    // SAFETY: plain syscall on our own child.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGKILL);
+    }
+    let _ = child.wait();
+    let left = sleeps_left_after("59.371", Duration::from_secs(6));
+    if !left.is_empty() {
+        let _ = Command::new("kill").arg("-9").args(&left).status();
+    }
+    assert!(
+        left.is_empty(),
+        "processes of the job left running: {left:?}"
+    );
+}
+
+#[test]
+fn after_ctrl_c_every_process_group_is_stopped_even_when_its_leader_exited() {
+    // SIGINT reaches each rank's process group; the shells die of it, their sleeps (background
+    // jobs of a non-interactive shell ignore SIGINT) stay in the groups. Rank 1's sleep ignores
+    // SIGTERM too.
+    let script = "if [ $RANK = 1 ]; then (trap '' TERM; exec sleep 59.372) & wait $!; \
+                  else sleep 59.372 & wait $!; fi";
+    let started = Instant::now();
+    let child = start_with_sleeps(
+        &[
+            "--nproc-per-node",
+            "2",
+            "--grace-period",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        "59.372",
+        2,
+    );
+    // SAFETY: plain syscall on our own child.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let (code, _, err) = finish(child, Duration::from_secs(30));
+    let secs = started.elapsed().as_secs_f64();
+    // fsdp-run ends only when nothing of the job is left.
+    let left = sleeps("59.372");
+    if !left.is_empty() {
+        let _ = Command::new("kill").arg("-9").args(&left).status();
+    }
+    assert!(
+        left.is_empty(),
+        "processes of the job left running: {left:?}\n{err}"
+    );
+    assert_eq!(code, 130, "an interrupted job is not a success: {err}");
+    assert!(secs < 10.0, "took {secs:.1} s");
+    let summary = last_line(&err);
+    assert!(
+        summary.starts_with("fsdp-run: received signal 2 (SIGINT) after ")
+            && summary.contains("rank 0 killed by signal 2 (SIGINT)")
+            && summary.contains("rank 1 killed by signal 2 (SIGINT)")
+            && summary.contains("2 processes left in the ranks' process groups")
+            && summary.contains("SIGKILL after the grace period of 1 s"),
+        "{summary}"
+    );
+}
+
+#[test]
+fn processes_left_by_ranks_that_succeeded_are_stopped_at_the_end() {
+    // The ranks exit 0 at once, leaving a sleep each (one in a session of its own, out of the
+    // rank's process group): fsdp-run stops them before it exits, and still reports success.
+    let script = "if [ $RANK = 1 ]; then setsid sleep 59.373 & else sleep 59.373 & fi; \
+                  sleep 0.3; exit 0";
+    let (code, _, err, secs) = run(&[
+        "--nproc-per-node",
+        "2",
+        "--grace-period",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    let left = sleeps("59.373");
+    if !left.is_empty() {
+        let _ = Command::new("kill").arg("-9").args(&left).status();
+    }
+    assert!(
+        left.is_empty(),
+        "processes of the job left running: {left:?}\n{err}"
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(secs < 8.0, "took {secs:.1} s");
+    let summary = last_line(&err);
+    assert!(
+        summary.starts_with("fsdp-run: all 2 processes (ranks 0, 1) finished successfully")
+            && summary.contains("stopped 2 processes they left running"),
+        "{summary}"
+    );
+}

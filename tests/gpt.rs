@@ -425,3 +425,35 @@ fn config_settings_become_flags_and_the_command_line_wins() {
     assert!(e.contains("c.toml") && e.contains("--strategy"), "{e}");
     assert!(parse_mini(&["gpt", "--config", p, "--strategy", "no-shard"]).is_ok());
 }
+
+#[path = "../examples/common/trace_window.rs"]
+mod trace_window;
+
+/// `--trace` in a run shorter than the warm-up (issue 20: `gpt --max-steps 5 --trace t.json
+/// --trace-steps 2` trained and then failed with "no span was traced"): the window lies inside
+/// the run whatever its length, and is the usual one in a long run.
+#[test]
+fn the_trace_window_lies_inside_any_run() {
+    use trace_window::{trace_window, TRACE_WARMUP_STEPS};
+    assert_eq!(trace_window(5, 2), 3..5);
+    assert_eq!(trace_window(1, 4), 0..1);
+    assert_eq!(
+        trace_window(100, 4),
+        TRACE_WARMUP_STEPS..TRACE_WARMUP_STEPS + 4
+    );
+    assert_eq!(
+        trace_window(TRACE_WARMUP_STEPS + 4, 4),
+        TRACE_WARMUP_STEPS..TRACE_WARMUP_STEPS + 4
+    );
+    assert!(trace_window(0, 4).is_empty());
+    for steps in 1..40 {
+        for n in 1..10 {
+            let w = trace_window(steps, n);
+            assert!(
+                !w.is_empty() && w.end <= steps,
+                "{steps} steps, {n} traced: {w:?}"
+            );
+            assert_eq!(w.len(), n.min(steps), "{steps} steps, {n} traced: {w:?}");
+        }
+    }
+}

@@ -549,3 +549,250 @@ fn clipping_supports_the_inf_norm_and_any_p_and_refuses_partial_or_nonfinite() {
         );
     }
 }
+
+// ---- A parameter trained, frozen across a save/load, then unfrozen (issue 20, item 2) ------
+
+/// The rule: the optimizer state of a frozen parameter (moments / momentum buffer and step
+/// count) is kept unchanged while it is frozen, saved and loaded with it at any world size, and
+/// the parameter resumes as a continuation when unfrozen (PyTorch keeps per-parameter state).
+mod freeze_cycle {
+    use super::*;
+    use candle_core::DType;
+    use candle_fsdp::checkpoint::{load_sharded, save_sharded, TrainState};
+    use candle_fsdp::init::{seeded_var_builder, varmap_values};
+    use candle_nn::VarMap;
+    use std::collections::HashMap;
+
+    const SEED: u64 = 2020;
+    const ROWS: usize = 6;
+
+    /// (world size, frozen unit, steps): the issue's four stages.
+    const STAGES: [(usize, Option<&str>, std::ops::Range<usize>); 4] = [
+        (2, Some("fc1"), 0..2),
+        (3, None, 2..3),
+        (2, Some("fc2"), 3..4),
+        (2, None, 4..5),
+    ];
+
+    fn cycle_units() -> Vec<UnitSpec> {
+        vec![
+            UnitSpec::new("fc1", |vb| {
+                Ok(candle_nn::seq()
+                    .add(candle_nn::linear(6, 6, vb)?)
+                    .add(candle_nn::Activation::Relu))
+            }),
+            UnitSpec::new("fc2", |vb| {
+                Ok(candle_nn::seq()
+                    .add(candle_nn::linear(6, 6, vb)?)
+                    .add(candle_nn::Activation::Sigmoid))
+            }),
+            UnitSpec::new("head", |vb| candle_nn::linear(6, 3, vb)),
+        ]
+    }
+
+    fn batch(s: usize) -> (Tensor, Tensor) {
+        let x: Vec<f32> = (0..ROWS * 6)
+            .map(|i| ((i * 13 + s * 7) % 17) as f32 / 8.0 - 1.0)
+            .collect();
+        let y: Vec<u32> = (0..ROWS).map(|i| ((i * 2 + s) % 3) as u32).collect();
+        (
+            Tensor::from_vec(x, (ROWS, 6), &Device::Cpu).unwrap(),
+            Tensor::from_vec(y, ROWS, &Device::Cpu).unwrap(),
+        )
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    enum Which {
+        AdamW,
+        SgdMomentum,
+    }
+
+    const LR: f64 = 0.02;
+
+    fn optimizer(which: Which) -> Box<dyn ShardedOptimizer> {
+        match which {
+            Which::AdamW => Box::new(AdamW::new(AdamWConfig {
+                lr: LR,
+                weight_decay: 0.1,
+                ..Default::default()
+            })),
+            Which::SgdMomentum => Box::new(Sgd::new(SgdConfig {
+                lr: LR,
+                momentum: 0.9,
+                ..Default::default()
+            })),
+        }
+    }
+
+    /// Per-parameter optimizer state of the reference (torch.optim semantics).
+    #[derive(Default)]
+    struct ParamState {
+        steps: u64,
+        a: Vec<f64>,
+        b: Vec<f64>,
+    }
+
+    /// The same five steps in one process with plain Candle and no save/load: a frozen
+    /// parameter is neither updated nor has its state touched.
+    fn reference(which: Which) -> HashMap<String, Vec<f32>> {
+        let varmap = VarMap::new();
+        let vb = seeded_var_builder(&varmap, SEED, DType::F32, &Device::Cpu);
+        let model: Vec<_> = cycle_units()
+            .iter()
+            .map(|u| (u.ctor)(vb.pp(&u.name)).unwrap())
+            .collect();
+        let vars: HashMap<String, candle_core::Var> =
+            varmap.data().lock().unwrap().clone().into_iter().collect();
+        let mut state: HashMap<String, ParamState> = HashMap::new();
+        for (_, frozen, steps) in STAGES {
+            for s in steps {
+                let (x, y) = batch(s);
+                let mut h = x;
+                for m in &model {
+                    h = m.forward1(&h, true).unwrap();
+                }
+                let loss = candle_nn::loss::cross_entropy(&h, &y).unwrap();
+                let grads = loss.backward().unwrap();
+                for (name, var) in &vars {
+                    if frozen.is_some_and(|f| name.starts_with(&format!("{f}."))) {
+                        continue;
+                    }
+                    let g: Vec<f64> = to_vec(grads.get(var).unwrap())
+                        .into_iter()
+                        .map(f64::from)
+                        .collect();
+                    let mut p: Vec<f64> =
+                        to_vec(var.as_tensor()).into_iter().map(f64::from).collect();
+                    let st = state.entry(name.clone()).or_default();
+                    if st.a.is_empty() {
+                        st.a = vec![0.0; g.len()];
+                        st.b = vec![0.0; g.len()];
+                    }
+                    st.steps += 1;
+                    let t = st.steps as i32;
+                    for i in 0..p.len() {
+                        match which {
+                            Which::AdamW => {
+                                let (b1, b2) = (0.9, 0.999);
+                                p[i] *= 1.0 - LR * 0.1;
+                                st.a[i] = b1 * st.a[i] + (1.0 - b1) * g[i];
+                                st.b[i] = b2 * st.b[i] + (1.0 - b2) * g[i] * g[i];
+                                let mh = st.a[i] / (1.0 - b1.powi(t));
+                                let vh = st.b[i] / (1.0 - b2.powi(t));
+                                p[i] -= LR * mh / (vh.sqrt() + 1e-8);
+                            }
+                            Which::SgdMomentum => {
+                                st.a[i] = if t == 1 { g[i] } else { 0.9 * st.a[i] + g[i] };
+                                p[i] -= LR * st.a[i];
+                            }
+                        }
+                    }
+                    let p: Vec<f32> = p.into_iter().map(|v| v as f32).collect();
+                    let n = p.len();
+                    var.set(
+                        &Tensor::from_vec(p, n, &Device::Cpu)
+                            .unwrap()
+                            .reshape(var.shape())
+                            .unwrap(),
+                    )
+                    .unwrap();
+                }
+            }
+        }
+        varmap_values(&varmap).unwrap()
+    }
+
+    /// The four stages with FSDP, each in a fresh process group at its world size, loading
+    /// the previous stage's checkpoint and saving its own. Returns the final parameters and,
+    /// per stage, the step counts of the state saved (by parameter name).
+    fn staged(which: Which, root: &std::path::Path) -> HashMap<String, Vec<f32>> {
+        let mut last_dir: Option<std::path::PathBuf> = None;
+        let mut last = HashMap::new();
+        for (stage, (ws, frozen, steps)) in STAGES.into_iter().enumerate() {
+            let from = last_dir.clone();
+            let out = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
+                let rank = pg.rank();
+                let mut b = FsdpModel::builder(
+                    pg.clone(),
+                    FsdpConfig {
+                        seed: SEED,
+                        ..Default::default()
+                    },
+                );
+                for u in cycle_units() {
+                    b = b.unit_spec(u);
+                }
+                if let Some(f) = frozen {
+                    b = b.freeze([format!("{f}.*")]);
+                }
+                let mut model = b.build()?;
+                let mut opt = optimizer(which);
+                if let Some(dir) = &from {
+                    load_sharded(dir, &mut model, opt.as_mut())?;
+                }
+                let per = ROWS / ws;
+                for s in steps.clone() {
+                    let (x, y) = batch(s);
+                    let logits = model.forward(&x.narrow(0, rank * per, per)?)?;
+                    let loss =
+                        candle_nn::loss::cross_entropy(&logits, &y.narrow(0, rank * per, per)?)?;
+                    model.backward(&loss)?;
+                    opt.step(&mut model)?;
+                    model.zero_grad();
+                }
+                let state = TrainState {
+                    step: steps.end as u64,
+                    ..Default::default()
+                };
+                let dir = save_sharded(root, &model, opt.as_ref(), &state, 0)?;
+                let full = model
+                    .gather_full_params(false)?
+                    .expect("every rank gathers");
+                Ok((
+                    dir,
+                    full.into_iter()
+                        .map(|(k, t)| (k, to_vec(&t)))
+                        .collect::<HashMap<_, _>>(),
+                ))
+            })
+            .unwrap_or_else(|e| panic!("{which:?} stage {}: {e}", stage + 1));
+            let (dir, params) = out.into_iter().next().unwrap();
+            if let Some(f) = frozen {
+                // Frozen: unchanged by the stage, bit for bit.
+                for (name, v) in &params {
+                    if name.starts_with(&format!("{f}.")) && !last.is_empty() {
+                        assert_eq!(
+                            v,
+                            &last[name],
+                            "{which:?} stage {}: {name} moved",
+                            stage + 1
+                        );
+                    }
+                }
+            }
+            last = params;
+            last_dir = Some(dir);
+        }
+        last
+    }
+
+    #[test]
+    fn trained_frozen_unfrozen_across_save_load_and_world_sizes_resumes_as_a_continuation() {
+        for which in [Which::AdamW, Which::SgdMomentum] {
+            let root = common::tmpdir(&format!("freeze-cycle-{which:?}"));
+            let want = reference(which);
+            let got = staged(which, &root);
+            let mut names: Vec<_> = want.keys().cloned().collect();
+            names.sort();
+            for name in names {
+                let rel = common::rel_err(&got[&name], &want[&name]);
+                assert!(
+                    rel <= 1e-5,
+                    "{which:?}: {name}: relative error {rel:e} against the uninterrupted \
+                     single-process run"
+                );
+            }
+            let _ = std::fs::remove_dir_all(&root);
+        }
+    }
+}

@@ -84,7 +84,8 @@ pub struct TrainArgs {
     /// timeline picture next to it (same name, .png and .svg), and print overlap figures.
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// Number of steps traced (after 8 warm-up steps of the first epoch, or of the run, trained).
+    /// Number of steps traced (after 8 warm-up steps of the first epoch, or of the run, trained;
+    /// fewer warm-up steps when the epoch or the run is shorter).
     #[arg(long, default_value_t = 4)]
     pub trace_steps: usize,
     /// Collective timeout in seconds.

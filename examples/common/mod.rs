@@ -15,7 +15,8 @@
 //!   checkpoint and the `fsdp-ckpt export` command for it);
 //! - [`train`](mod@train): the MNIST examples' epoch loop, [`Job`] (the example's part) and
 //!   [`train()`], which returns rank 0's [`train::Outcome`];
-//! - [`data`]: [`load_mnist`], MNIST as the loop and the evaluation want it.
+//! - [`data`]: [`load_mnist`], MNIST as the loop and the evaluation want it;
+//! - [`trace_window`]: which steps `--trace` records (shorter warm-up in a short run).
 //!
 //! The MNIST examples include this folder with `mod common;`, the GPT example (a folder itself)
 //! with `#[path = "../common/mod.rs"]`.
@@ -23,6 +24,7 @@
 pub mod alloc;
 pub mod args;
 pub mod data;
+pub mod trace_window;
 pub mod train;
 pub mod trainer;
 

@@ -27,7 +27,7 @@ use candle_fsdp::{FullModel, Result, ShardedOptimizer};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::args::TrainArgs;
-use super::trainer::{run_job, Trainer, TRACE_WARMUP_STEPS};
+use super::trainer::{run_job, trace_window, Trainer};
 
 /// A training split as [`BatchLoader`] takes it: flat f32 items, one u8 label each.
 pub struct TrainData {
@@ -224,7 +224,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
             let batch = batch?;
             if self.t.tracing_requested() {
                 let first = *self.traced_epoch.get_or_insert(epoch) == epoch;
-                let traced = TRACE_WARMUP_STEPS..TRACE_WARMUP_STEPS + self.t.args.trace_steps;
+                let traced = trace_window(num_batches, self.t.args.trace_steps);
                 self.t.set_tracing(first && traced.contains(&i));
             }
             // The last micro-batch of each group of k (or of the epoch) steps the optimizer.

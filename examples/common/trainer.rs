@@ -29,8 +29,7 @@ use candle_fsdp::{
 
 use super::args::{AccumMode, TrainArgs};
 
-/// Steps trained before tracing starts (`--trace`).
-pub const TRACE_WARMUP_STEPS: usize = 8;
+pub use super::trace_window::trace_window;
 
 /// Runs `rank` on every rank of `launcher` (each gets its process group and the trace session,
 /// and returns its value and its traced spans), then writes the trace (with `--trace`); returns
@@ -371,10 +370,16 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
 
 /// Writes the trace JSON and the timeline pictures, and prints the overlap summary.
 fn write_trace(path: &Path, spans: Vec<Span>, print: bool) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !spans.is_empty(),
-        "no span was traced (was the run shorter than {TRACE_WARMUP_STEPS} steps?)"
-    );
+    if spans.is_empty() {
+        // The run trained no step (resumed at its end): nothing to write, and the work is done.
+        if print {
+            println!(
+                "trace: no step was trained, so nothing was traced ({} not written)",
+                path.display()
+            );
+        }
+        return Ok(());
+    }
     std::fs::write(path, chrome_trace_json(&spans))
         .with_context(|| format!("writing {}", path.display()))?;
     for ext in ["png", "svg"] {

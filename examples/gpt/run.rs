@@ -22,7 +22,7 @@ use candle_fsdp::trace::{Span, TraceSession};
 use candle_fsdp::{AdamW, AdamWConfig, MemoryBudget, ParamGroup, Result};
 use rand::{Rng, SeedableRng};
 
-use super::common::trainer::{run_job, Trainer, TRACE_WARMUP_STEPS};
+use super::common::trainer::{run_job, trace_window, Trainer};
 use super::Args;
 
 /// What rank 0 saw.
@@ -205,7 +205,7 @@ impl<'a> LmRank<'a> {
         let mut train_mem = None;
         for step in start..max {
             let t0 = Instant::now();
-            let traced = TRACE_WARMUP_STEPS..TRACE_WARMUP_STEPS + self.args.train.trace_steps;
+            let traced = trace_window((max - start) as usize, self.args.train.trace_steps);
             self.t
                 .set_tracing(traced.contains(&((step - start) as usize)));
             for m in 0..k {

@@ -27,7 +27,21 @@
 //!   child runs in its own process group, so a terminal's Ctrl-C reaches the children once,
 //!   through `fsdp-run`); children still running after the grace period are killed, and
 //!   `fsdp-run` exits with `128 + n` unless a child failed first. A second signal kills the
-//!   children at once. On Linux a child is killed if `fsdp-run` itself dies.
+//!   children at once.
+//! - Nothing of the job outlives `fsdp-run` (Linux). It is a child subreaper
+//!   (`PR_SET_CHILD_SUBREAPER`), so a process started by a rank whose parent exits is re-parented
+//!   to it: every process of the job stays its descendant, found in `/proc`. When the ranks'
+//!   processes have exited (succeeded, failed or stopped), every process they left running, in
+//!   their process groups or out of them, gets SIGTERM and, after the grace period, SIGKILL,
+//!   before `fsdp-run` exits; a process group is signalled whether or not its leader has exited.
+//! - If `fsdp-run` is killed with SIGKILL (or crashes), a watchdog does it: a process forked at
+//!   the start (named `fsdp-watchdog`, in a process group of its own, ignoring the terminal's
+//!   signals) that learns each rank's process group through a pipe and, seeing the pipe close
+//!   without a last word, sends SIGTERM to those groups and to every process whose environment
+//!   carries the job's `FSDP_RUN_JOB` (set for every rank, inherited by what it starts), then
+//!   SIGKILL after the grace period. The ranks' own processes also die at once with
+//!   `PR_SET_PDEATHSIG`. Not covered: a process that left its rank's process group *and*
+//!   cleared its environment, when `fsdp-run` is killed with SIGKILL (a cgroup would be needed).
 //! - The last line on stderr says how the job ended: every rank succeeded, or which rank failed
 //!   first and how, or which signal stopped the job, and which ranks were stopped.
 //!
@@ -259,6 +273,309 @@ fn pump(src: impl Read, rank: usize, to_stderr: bool) {
     }
 }
 
+/// The environment variable that marks every process of a job (`<fsdp-run's pid>-<start time
+/// in ns>`): inherited by whatever the ranks start, it lets the watchdog find processes that
+/// left their rank's process group after fsdp-run is gone.
+const JOB_VAR: &str = "FSDP_RUN_JOB";
+
+/// The process table, read from `/proc` (Linux; empty elsewhere).
+mod proc_table {
+    /// One live (not zombie) process.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Info {
+        pub pid: i32,
+        pub ppid: i32,
+        pub pgid: i32,
+    }
+
+    /// Parses `/proc/<pid>/stat`: `pid (comm) state ppid pgrp …`; `None` for a zombie or a
+    /// process gone meanwhile.
+    fn read(pid: i32) -> Option<Info> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // The command name may hold spaces and parentheses: the fields follow the last ')'.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let mut f = rest.split_whitespace();
+        let state = f.next()?;
+        if state == "Z" || state == "X" {
+            return None;
+        }
+        Some(Info {
+            pid,
+            ppid: f.next()?.parse().ok()?,
+            pgid: f.next()?.parse().ok()?,
+        })
+    }
+
+    /// Every live process of the machine.
+    pub fn all() -> Vec<Info> {
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter_map(read)
+            .collect()
+    }
+
+    /// The live descendants of `root`, leaving out `skip` and its own descendants.
+    pub fn descendants(root: i32, skip: Option<i32>) -> Vec<Info> {
+        let all = all();
+        let mut found: Vec<Info> = Vec::new();
+        let mut parents = vec![root];
+        while let Some(parent) = parents.pop() {
+            for p in all
+                .iter()
+                .filter(|p| p.ppid == parent && Some(p.pid) != skip)
+            {
+                found.push(*p);
+                parents.push(p.pid);
+            }
+        }
+        found
+    }
+
+    /// Whether process `pid`'s environment holds `entry` (`NAME=value`).
+    pub fn has_env(pid: i32, entry: &[u8]) -> bool {
+        std::fs::read(format!("/proc/{pid}/environ"))
+            .map(|env| env.split(|&b| b == 0).any(|e| e == entry))
+            .unwrap_or(false)
+    }
+
+    /// Sends `sig` to the process groups of `procs` that are the job's (`is_job_group`),
+    /// once each and whether or not their leader is alive (a group lives as long as a
+    /// member does, so its id cannot have been reused), and to the other processes one by
+    /// one. Returns how many processes were signalled.
+    pub fn signal(procs: &[Info], is_job_group: impl Fn(i32) -> bool, sig: i32) -> usize {
+        let mut groups = std::collections::BTreeSet::new();
+        for p in procs {
+            if is_job_group(p.pgid) || procs.iter().any(|q| q.pid == p.pgid) {
+                if groups.insert(p.pgid) {
+                    // SAFETY: plain syscall; the group has a live member (p).
+                    unsafe {
+                        libc::kill(-p.pgid, sig);
+                    }
+                }
+            } else {
+                // SAFETY: plain syscall on a live process.
+                unsafe {
+                    libc::kill(p.pid, sig);
+                }
+            }
+        }
+        procs.len()
+    }
+}
+
+/// A process forked by fsdp-run before it starts the ranks, that outlives it: when fsdp-run
+/// ends without saying so (killed with SIGKILL, or crashed), the watchdog stops what is left of
+/// the job: SIGTERM to every rank's process group and to every process carrying the job's
+/// [`JOB_VAR`], SIGKILL after the grace period. It learns the groups, and that fsdp-run ended
+/// cleanly, through a pipe whose end of EOF is fsdp-run's death; it runs in its own process
+/// group and ignores the terminal's signals (SIGINT, SIGHUP, SIGQUIT), which fsdp-run handles.
+struct Watchdog {
+    pid: i32,
+    pipe: std::fs::File,
+}
+
+impl Watchdog {
+    /// Forks the watchdog. Must run before any thread is started. `None` when the pipe or the
+    /// fork fails (the job then runs without one).
+    fn start(job: &str, grace: Duration) -> Option<Watchdog> {
+        #[cfg(target_os = "linux")]
+        return Self::start_linux(job, grace);
+        #[cfg(not(target_os = "linux"))]
+        {
+            let _ = (job, grace);
+            None
+        }
+    }
+
+    /// [`Watchdog::start`] on Linux (`pipe2`, `/proc/self/exe`).
+    #[cfg(target_os = "linux")]
+    fn start_linux(job: &str, grace: Duration) -> Option<Watchdog> {
+        use std::os::fd::FromRawFd;
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: plain syscall filling `fds`; close-on-exec keeps the write end out of the
+        // ranks (else the watchdog would never see EOF while one lives).
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return None;
+        }
+        let launcher = std::process::id() as i32;
+        // The watchdog re-executes this program under a name of its own (so that `pkill -f
+        // fsdp-run` or `kill -9 $(pgrep fsdp-run)` leave it alone), its task in a variable.
+        // Everything exec needs is made before the fork.
+        let spec = format!(
+            "{WATCHDOG_VAR}={}:{launcher}:{}:{job}",
+            fds[0],
+            grace.as_secs_f64()
+        );
+        let c = |s: &[u8]| std::ffi::CString::new(s).ok();
+        use std::os::unix::ffi::OsStrExt;
+        let mut env: Vec<std::ffi::CString> = std::env::vars_os()
+            .filter(|(k, _)| k != WATCHDOG_VAR)
+            .filter_map(|(k, v)| c(&[k.as_bytes(), b"=", v.as_bytes()].concat()))
+            .collect();
+        env.extend(c(spec.as_bytes()));
+        let exe = c(b"/proc/self/exe");
+        let name = c(WATCHDOG_NAME.as_bytes());
+        // SAFETY: fsdp-run has one thread here (no thread is started before), so the child may
+        // run ordinary code.
+        match unsafe { libc::fork() } {
+            -1 => {
+                // SAFETY: closing the fds just made.
+                unsafe {
+                    libc::close(fds[0]);
+                    libc::close(fds[1]);
+                }
+                None
+            }
+            0 => {
+                // SAFETY: the child closes the write end and detaches from the terminal's
+                // signals; stdin and stdout are replaced by /dev/null (a reader of fsdp-run's
+                // stdout gets EOF when fsdp-run ends); `from_raw_fd` takes the read end once.
+                let code = unsafe {
+                    libc::close(fds[1]);
+                    libc::setpgid(0, 0);
+                    for sig in [libc::SIGINT, libc::SIGHUP, libc::SIGQUIT] {
+                        libc::signal(sig, libc::SIG_IGN);
+                    }
+                    let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+                    if null >= 0 {
+                        libc::dup2(null, 0);
+                        libc::dup2(null, 1);
+                        libc::close(null);
+                    }
+                    if let (Some(exe), Some(name)) = (&exe, &name) {
+                        // The read end crosses the exec.
+                        libc::fcntl(fds[0], libc::F_SETFD, 0);
+                        let argv = [name.as_ptr(), std::ptr::null()];
+                        let mut envp: Vec<*const libc::c_char> =
+                            env.iter().map(|e| e.as_ptr()).collect();
+                        envp.push(std::ptr::null());
+                        libc::execve(exe.as_ptr(), argv.as_ptr(), envp.as_ptr());
+                    }
+                    // No exec (no /proc?): the same work, under fsdp-run's name.
+                    watchdog_main(std::fs::File::from_raw_fd(fds[0]), launcher, job, grace)
+                };
+                // SAFETY: ends the child without running fsdp-run's exit paths.
+                unsafe { libc::_exit(code) }
+            }
+            pid => {
+                // SAFETY: the parent closes the read end and owns the write end.
+                unsafe { libc::close(fds[0]) };
+                Some(Watchdog {
+                    pid,
+                    pipe: unsafe { std::fs::File::from_raw_fd(fds[1]) },
+                })
+            }
+        }
+    }
+
+    /// Tells the watchdog about a rank's process group.
+    fn watch(&mut self, pgid: u32) {
+        let _ = writeln!(self.pipe, "pgid {pgid}");
+    }
+
+    /// Tells the watchdog that fsdp-run stopped the job itself: it exits without doing anything.
+    fn release(mut self) {
+        let _ = self.pipe.write_all(b"done\n");
+    }
+}
+
+/// The variable that makes this program the watchdog (see [`Watchdog::start`]):
+/// `<read fd>:<fsdp-run's pid>:<grace period in s>:<job id>`.
+const WATCHDOG_VAR: &str = "FSDP_RUN_WATCHDOG";
+
+/// The watchdog's command line and process name.
+const WATCHDOG_NAME: &str = "fsdp-watchdog";
+
+/// Runs the watchdog when this process is one (re-executed by [`Watchdog::start`]): never
+/// returns then.
+fn watchdog_if_asked() {
+    use std::os::fd::FromRawFd;
+    let Some(spec) = std::env::var_os(WATCHDOG_VAR) else {
+        return;
+    };
+    let spec = spec.to_string_lossy().into_owned();
+    let mut f = spec.splitn(4, ':');
+    let (Some(fd), Some(launcher), Some(grace), Some(job)) = (
+        f.next().and_then(|v| v.parse::<i32>().ok()),
+        f.next().and_then(|v| v.parse::<i32>().ok()),
+        f.next().and_then(|v| v.parse::<f64>().ok()),
+        f.next(),
+    ) else {
+        eprintln!("fsdp-run: error: {WATCHDOG_VAR}={spec:?} is not a watchdog's task");
+        std::process::exit(2);
+    };
+    #[cfg(target_os = "linux")]
+    // SAFETY: plain syscall with a NUL-terminated name.
+    unsafe {
+        libc::prctl(libc::PR_SET_NAME, c"fsdp-watchdog".as_ptr());
+    }
+    // SAFETY: the fd is the pipe's read end, passed by the launcher to this process only.
+    let pipe = unsafe { std::fs::File::from_raw_fd(fd) };
+    let code = watchdog_main(pipe, launcher, job, Duration::from_secs_f64(grace));
+    std::process::exit(code);
+}
+
+/// The watchdog's life (see [`Watchdog`]); returns its exit code.
+fn watchdog_main(pipe: std::fs::File, launcher: i32, job: &str, grace: Duration) -> i32 {
+    let mut pgids: Vec<i32> = Vec::new();
+    for line in BufReader::new(pipe).lines() {
+        let Ok(line) = line else { break };
+        if line == "done" {
+            return 0;
+        }
+        if let Some(g) = line.strip_prefix("pgid ").and_then(|g| g.parse().ok()) {
+            pgids.push(g);
+        }
+    }
+    // fsdp-run ended without stopping the job.
+    let me = std::process::id() as i32;
+    let entry = format!("{JOB_VAR}={job}");
+    let left = || -> Vec<proc_table::Info> {
+        proc_table::all()
+            .into_iter()
+            .filter(|p| {
+                p.pid != me
+                    && (pgids.contains(&p.pgid) || proc_table::has_env(p.pid, entry.as_bytes()))
+            })
+            .collect()
+    };
+    let wait_until_gone = |until: Instant| loop {
+        let l = left();
+        if l.is_empty() || Instant::now() >= until {
+            return l;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let procs = left();
+    if procs.is_empty() {
+        return 0;
+    }
+    eprintln!(
+        "fsdp-run: watchdog: fsdp-run (pid {launcher}) ended without stopping its job; sending \
+         SIGTERM to its {} remaining processes, SIGKILL after {} s",
+        procs.len(),
+        grace.as_secs_f64()
+    );
+    proc_table::signal(&procs, |g| pgids.contains(&g), libc::SIGTERM);
+    let procs = wait_until_gone(Instant::now() + grace);
+    if procs.is_empty() {
+        return 0;
+    }
+    proc_table::signal(&procs, |g| pgids.contains(&g), libc::SIGKILL);
+    let procs = wait_until_gone(Instant::now() + Duration::from_secs(5));
+    if !procs.is_empty() {
+        eprintln!(
+            "fsdp-run: watchdog: {} processes of the job survived SIGKILL (uninterruptible?): {:?}",
+            procs.len(),
+            procs.iter().map(|p| p.pid).collect::<Vec<_>>()
+        );
+        return 1;
+    }
+    0
+}
+
 /// One local process.
 struct Proc {
     rank: usize,
@@ -269,17 +586,82 @@ struct Proc {
     sent: Vec<i32>,
 }
 
-impl Proc {
-    /// Sends `sig` to the child's process group (the child and what it started), unless the
-    /// child has been reaped (its id may then be reused).
-    fn signal(&mut self, sig: i32) {
-        if self.status.is_none() {
-            // SAFETY: plain syscall; the group id is the unreaped child's pid.
-            unsafe {
-                libc::kill(-(self.child.id() as libc::pid_t), sig);
+/// The job's processes: the ranks (each the leader of its own process group) and everything
+/// they started. fsdp-run is a child subreaper (Linux), so a process whose parent exits is
+/// re-parented to it: while fsdp-run lives, every process of the job is one of its descendants,
+/// found in `/proc` whatever process group or session it moved to.
+struct Job {
+    procs: Vec<Proc>,
+    me: i32,
+    watchdog: Option<i32>,
+}
+
+impl Job {
+    /// The live processes of the job other than the ranks' own (unreaped) processes.
+    fn others(&self) -> Vec<proc_table::Info> {
+        proc_table::descendants(self.me, self.watchdog)
+            .into_iter()
+            .filter(|p| {
+                !self
+                    .procs
+                    .iter()
+                    .any(|r| r.status.is_none() && r.child.id() as i32 == p.pid)
+            })
+            .collect()
+    }
+
+    /// Sends `sig` to every process group of the job, whether or not its leader (the rank's
+    /// process) has exited, and to the job's processes outside them; `others` are
+    /// [`Job::others`], read by the caller.
+    fn signal_all(&mut self, sig: i32, others: &[proc_table::Info]) {
+        for p in &mut self.procs {
+            if p.status.is_none() {
+                // SAFETY: plain syscall; the group id is the unreaped child's pid.
+                unsafe {
+                    libc::kill(-(p.child.id() as libc::pid_t), sig);
+                }
+                p.sent.push(sig);
             }
-            self.sent.push(sig);
         }
+        let outside: Vec<proc_table::Info> = others
+            .iter()
+            .copied()
+            .filter(|o| {
+                // Not in a group signalled above.
+                !self
+                    .procs
+                    .iter()
+                    .any(|r| r.status.is_none() && r.child.id() as i32 == o.pgid)
+            })
+            .collect();
+        let ranks: Vec<i32> = self.procs.iter().map(|r| r.child.id() as i32).collect();
+        proc_table::signal(&outside, |g| ranks.contains(&g), sig);
+    }
+
+    /// Reaps every child that exited (the ranks, and orphans re-parented to fsdp-run); returns
+    /// the ranks' indices and statuses, in the order they were reaped.
+    fn reap(&mut self) -> Vec<(usize, ExitStatus)> {
+        let mut reaped = Vec::new();
+        loop {
+            let mut status: libc::c_int = 0;
+            // SAFETY: plain syscall writing `status`.
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+            if pid <= 0 {
+                break;
+            }
+            if let Some(i) = self
+                .procs
+                .iter()
+                .position(|p| p.status.is_none() && p.child.id() as i32 == pid)
+            {
+                let s = ExitStatus::from_raw(status);
+                self.procs[i].status = Some(s);
+                reaped.push((i, s));
+            } else if Some(pid) == self.watchdog {
+                self.watchdog = None;
+            }
+        }
+        reaped
     }
 }
 
@@ -294,6 +676,8 @@ enum Ending {
     },
     /// `fsdp-run` received a signal, `after` seconds since the start.
     Signal { sig: i32, after: f64 },
+    /// A rank's program could not be started (the message is printed): exit with `code`.
+    StartFailed { code: i32 },
 }
 
 /// Most processes `fsdp-run` starts on one node (a typo such as `--nproc-per-node 100000`
@@ -309,6 +693,7 @@ fn usage_error(msg: &str) -> ! {
 }
 
 fn main() {
+    watchdog_if_asked();
     let cli = Cli::parse();
     if cli.nproc_per_node == 0 {
         usage_error("--nproc-per-node 0: a job needs at least one process per node");
@@ -345,11 +730,30 @@ fn main() {
     let program = &cli.command[0];
     let args = &cli.command[1..];
 
-    install_signal_handlers();
     let start = Instant::now();
     let parent = std::process::id() as libc::pid_t;
+    // Orphans of the job re-parent to fsdp-run, which then finds and stops them (Linux).
+    #[cfg(target_os = "linux")]
+    // SAFETY: plain syscall.
+    unsafe {
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1);
+    }
+    let job_id = format!(
+        "{parent}-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    // Before any thread and before the signal handlers (the watchdog must not inherit them).
+    let mut watchdog = Watchdog::start(&job_id, grace);
+    install_signal_handlers();
     let (done_tx, done_rx) = mpsc::channel::<()>();
-    let mut procs: Vec<Proc> = Vec::with_capacity(cli.nproc_per_node);
+    let mut job = Job {
+        procs: Vec::with_capacity(cli.nproc_per_node),
+        me: parent,
+        watchdog: watchdog.as_ref().map(|w| w.pid),
+    };
+    let mut ending: Option<Ending> = None;
     for local in 0..cli.nproc_per_node {
         let rank = cli.node_rank * cli.nproc_per_node + local;
         let mut cmd = Command::new(program);
@@ -361,6 +765,7 @@ fn main() {
             .env("GROUP_RANK", cli.node_rank.to_string())
             .env("MASTER_ADDR", &cli.master_addr)
             .env("MASTER_PORT", cli.master_port.to_string())
+            .env(JOB_VAR, &job_id)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -380,8 +785,6 @@ fn main() {
                 Ok(())
             });
         }
-        #[cfg(not(target_os = "linux"))]
-        let _ = parent;
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -394,24 +797,14 @@ fn main() {
                     "fsdp-run: error: cannot start {:?} (rank {rank}): {e}",
                     program.to_string_lossy()
                 );
-                // Stop the ranks already started.
-                for p in &mut procs {
-                    p.signal(libc::SIGTERM);
-                }
-                let deadline = Instant::now() + grace;
-                for p in &mut procs {
-                    while p.child.try_wait().ok().flatten().is_none() {
-                        if Instant::now() >= deadline {
-                            p.signal(libc::SIGKILL);
-                            let _ = p.child.wait();
-                            break;
-                        }
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                }
-                std::process::exit(code);
+                // Stop the ranks already started (below, as any ending).
+                ending = Some(Ending::StartFailed { code });
+                break;
             }
         };
+        if let Some(w) = &mut watchdog {
+            w.watch(child.id());
+        }
         for (src, to_stderr) in [
             (
                 child
@@ -436,7 +829,7 @@ fn main() {
                 });
             }
         }
-        procs.push(Proc {
+        job.procs.push(Proc {
             rank,
             child,
             status: None,
@@ -444,20 +837,30 @@ fn main() {
         });
     }
     drop(done_tx);
-    let pumps = procs.len() * 2;
+    let pumps = job.procs.len() * 2;
 
-    let mut ending: Option<Ending> = None;
     let mut kill_at: Option<Instant> = None;
+    if matches!(ending, Some(Ending::StartFailed { .. })) {
+        let others = job.others();
+        job.signal_all(libc::SIGTERM, &others);
+        kill_at = Some(Instant::now() + grace);
+    }
     let mut killed_hard = false;
     let mut killed_on_second_signal = false;
+    // Once every rank's process has exited: when, the processes they left running (each
+    // counted once), and how many of those needed SIGKILL.
+    let mut all_exited_at: Option<Instant> = None;
+    let mut leftovers: std::collections::BTreeSet<i32> = std::collections::BTreeSet::new();
+    let mut leftovers_killed = 0usize;
+    let mut last_scan = Instant::now();
     loop {
         let sig = RECEIVED.swap(0, Ordering::SeqCst);
         if sig != 0 {
+            let others = job.others();
             if matches!(ending, Some(Ending::Signal { .. })) {
                 // A second signal: no more waiting.
-                for p in &mut procs {
-                    p.signal(libc::SIGKILL);
-                }
+                leftovers_killed += others.iter().filter(|o| leftovers.contains(&o.pid)).count();
+                job.signal_all(libc::SIGKILL, &others);
                 killed_hard = true;
                 killed_on_second_signal = true;
             } else {
@@ -467,49 +870,68 @@ fn main() {
                         after: start.elapsed().as_secs_f64(),
                     });
                 }
-                for p in &mut procs {
-                    p.signal(sig);
-                }
+                job.signal_all(sig, &others);
                 kill_at.get_or_insert(Instant::now() + grace);
             }
         }
-        for i in 0..procs.len() {
-            if procs[i].status.is_some() {
-                continue;
-            }
-            let status = match procs[i].child.try_wait() {
-                Ok(Some(s)) => s,
-                Ok(None) => continue,
-                Err(e) => {
-                    eprintln!("fsdp-run: error: waiting for rank {}: {e}", procs[i].rank);
-                    ExitStatus::from_raw(1 << 8)
-                }
-            };
-            procs[i].status = Some(status);
+        for (i, status) in job.reap() {
             if !status.success() && ending.is_none() {
                 ending = Some(Ending::Failed {
-                    rank: procs[i].rank,
+                    rank: job.procs[i].rank,
                     status,
                     after: start.elapsed().as_secs_f64(),
                 });
-                for p in &mut procs {
-                    p.signal(libc::SIGTERM);
-                }
+                let others = job.others();
+                job.signal_all(libc::SIGTERM, &others);
                 kill_at = Some(Instant::now() + grace);
             }
         }
-        if procs.iter().all(|p| p.status.is_some()) {
-            break;
+        if job.procs.iter().all(|p| p.status.is_some()) {
+            // The ranks are done; whatever they left running is stopped before fsdp-run
+            // exits: SIGTERM, SIGKILL after the grace period. What a signal just sent is
+            // stopping gets a moment to go first.
+            let now = Instant::now();
+            let since = *all_exited_at.get_or_insert(now);
+            if now.duration_since(last_scan) >= Duration::from_millis(50) || since == now {
+                last_scan = now;
+                let others = job.others();
+                if others.is_empty() {
+                    break;
+                }
+                if now.duration_since(since) >= Duration::from_millis(200) {
+                    let new: Vec<proc_table::Info> = others
+                        .iter()
+                        .copied()
+                        .filter(|o| !leftovers.contains(&o.pid))
+                        .collect();
+                    if !new.is_empty() && !killed_hard {
+                        leftovers.extend(new.iter().map(|o| o.pid));
+                        job.signal_all(libc::SIGTERM, &new);
+                        kill_at.get_or_insert(now + grace);
+                    }
+                }
+                if killed_hard && kill_at.is_some_and(|at| now >= at + Duration::from_secs(5)) {
+                    eprintln!(
+                        "fsdp-run: error: {} processes of the job survived SIGKILL (uninterruptible?): {:?}",
+                        others.len(),
+                        others.iter().map(|o| o.pid).collect::<Vec<_>>()
+                    );
+                    break;
+                }
+            }
         }
         if let Some(at) = kill_at {
             if Instant::now() >= at && !killed_hard {
-                for p in &mut procs {
-                    p.signal(libc::SIGKILL);
-                }
+                let others = job.others();
+                leftovers_killed += others.iter().filter(|o| leftovers.contains(&o.pid)).count();
+                job.signal_all(libc::SIGKILL, &others);
                 killed_hard = true;
             }
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+    if let Some(w) = watchdog {
+        w.release();
     }
     // Let the output threads copy what the children wrote last (a process the child started
     // in another session may hold a pipe open: do not wait for it long).
@@ -521,6 +943,7 @@ fn main() {
         }
     }
 
+    let procs = &job.procs;
     let elapsed = start.elapsed().as_secs_f64();
     let stopped = |procs: &[Proc], except: Option<usize>| -> String {
         let mut parts = Vec::new();
@@ -549,10 +972,35 @@ fn main() {
         }
         parts.join(", ")
     };
+    // The processes the ranks left running ("3 processes") and how they were stopped
+    // ("SIGTERM, 1 with SIGKILL after the grace period of 1 s"); None when there were none.
+    let how_left = || -> Option<(String, String)> {
+        if leftovers.is_empty() {
+            return None;
+        }
+        let n = leftovers.len();
+        let count = format!("{n} {}", if n == 1 { "process" } else { "processes" });
+        let how = if leftovers_killed == 0 {
+            "SIGTERM".to_string()
+        } else if killed_on_second_signal {
+            format!("SIGTERM, {leftovers_killed} with SIGKILL on a second signal")
+        } else {
+            format!(
+                "SIGTERM, {leftovers_killed} with SIGKILL after the grace period of {} s",
+                grace.as_secs_f64()
+            )
+        };
+        Some((count, how))
+    };
+    let left_in_groups = || -> String {
+        how_left().map_or(String::new(), |(count, how)| {
+            format!("; {count} left in the ranks' process groups or started by them: stopped with {how}")
+        })
+    };
     let code = match ending {
         None => {
             eprintln!(
-                "fsdp-run: all {} finished successfully in {elapsed:.1} s",
+                "fsdp-run: all {} finished successfully in {elapsed:.1} s{}",
                 if procs.len() == 1 {
                     format!("1 process (rank {})", procs[0].rank)
                 } else {
@@ -561,37 +1009,43 @@ fn main() {
                         procs.len(),
                         ranks_list(&procs.iter().map(|p| p.rank).collect::<Vec<_>>())
                     )
-                }
+                },
+                how_left().map_or(String::new(), |(count, how)| format!(
+                    "; stopped {count} they left running (with {how})"
+                ))
             );
             0
         }
+        Some(Ending::StartFailed { code }) => code,
         Some(Ending::Failed {
             rank,
             status,
             after,
         }) => {
-            let others = stopped(&procs, Some(rank));
+            let others = stopped(procs, Some(rank));
             eprintln!(
-                "fsdp-run: rank {rank} failed first: {} after {after:.1} s{}",
+                "fsdp-run: rank {rank} failed first: {} after {after:.1} s{}{}",
                 describe(status),
                 if others.is_empty() {
                     String::new()
                 } else {
                     format!("; stopped the others: {others}")
-                }
+                },
+                left_in_groups()
             );
             exit_code(status)
         }
         Some(Ending::Signal { sig, after }) => {
-            let ranks = stopped(&procs, None);
+            let ranks = stopped(procs, None);
             eprintln!(
-                "fsdp-run: received {} after {after:.1} s and forwarded it; {}",
+                "fsdp-run: received {} after {after:.1} s and forwarded it; {}{}",
                 signal_name(sig),
                 if ranks.is_empty() {
                     "every process had already exited successfully".to_string()
                 } else {
                     ranks
-                }
+                },
+                left_in_groups()
             );
             128 + sig
         }

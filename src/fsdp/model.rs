@@ -139,6 +139,11 @@ struct StepState {
     calls: Vec<CallRecord>,
     /// Groups of the latest call (resharded when the next call starts).
     last_groups: Vec<usize>,
+    /// The output nodes with zero elements handed to the caller (a rank whose batch is empty):
+    /// the backward adds their sums (exactly 0) to the loss, so that every such call's backward
+    /// runs, in graph order, whatever loss the caller computed from them (see
+    /// [`FsdpModel::backward`]).
+    empty_outputs: Vec<Tensor>,
 }
 
 /// One call of a unit in a training forward.
@@ -923,6 +928,7 @@ impl FsdpModel {
             anchor: Var::zeros((), DType::F32, &self.config.device)?.into_inner(),
             calls: Vec::new(),
             last_groups: Vec::new(),
+            empty_outputs: Vec::new(),
         });
         self.tape_now.clear();
         self.gathered_now.clear();
@@ -1126,6 +1132,13 @@ impl FsdpModel {
             &differentiable,
         )?;
         let n_in = tracked.len();
+        step.empty_outputs.extend(
+            returned
+                .iter()
+                .zip(&differentiable)
+                .filter(|(o, &d)| d && o.elem_count() == 0)
+                .map(|(o, _)| o.clone()),
+        );
         // The outputs' values now live in the output nodes: free the unit's own copies until
         // its backward refills them (one activation less per output between forward and
         // backward). Only outputs that own their whole buffer and are no buffer of the unit.
@@ -1189,6 +1202,14 @@ impl FsdpModel {
             !self.units[g].is_frozen() && !self.units[g].flat().layout().params.is_empty()
         });
         let floats: Vec<&Tensor> = outputs.iter().flatten().collect();
+        if floats.iter().any(|o| o.elem_count() == 0) {
+            // A zero-element output (a rank whose batch is empty) cannot carry gradient, and
+            // Candle's element-wise ops return their left operand for zero-element results (a
+            // Linear's bias drops out of the graph): "connected" means nothing here. The
+            // unit's parameters get zero gradients (the backward reaches every call with an
+            // empty output) and the ranks with rows check the same call.
+            return Ok(());
+        }
         let member = &self.members[m];
         if !member.spec.unused_parameters && floats.iter().any(|o| o.track_op()) {
             // Every trainable parameter the unit asked for must be connected by autograd to
@@ -1293,8 +1314,15 @@ impl FsdpModel {
     /// waiting. All reductions are waited for at the end and added into the f32 gradient
     /// shards. Gradients of variables outside the model's units are not kept.
     ///
+    /// A rank whose batch is empty (the end of an epoch with an uneven loader) takes the step
+    /// like the others: every call that returned a zero-element output is back-propagated (its
+    /// parameters get zero gradients) and the rank joins every reduction, whatever its loss is
+    /// (`0 * logits.sum()`, a constant 0, the mean over no rows): the sums of the zero-element
+    /// outputs, exactly 0, are added to the loss, which changes neither its value nor any
+    /// gradient but connects those calls to it.
+    ///
     /// Errors ([`Error::InStep`], phase backward): no training forward to back-propagate; a loss
-    /// that depends on no output of it; an input of a unit that received no gradient although
+    /// that depends on no output of it (and no output had zero elements); an input of a unit that received no gradient although
     /// its outputs did (an operation without backward inside the unit); any collective error.
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
         if !self.forward_pending() {
@@ -1378,7 +1406,26 @@ impl FsdpModel {
         Ok(())
     }
 
+    /// `loss` plus the sum of every zero-element output node of the step (exactly 0): the
+    /// calls of a rank with an empty batch are connected to its loss, whatever it computed
+    /// (Candle drops `0 * x` and element-wise ops on zero-element tensors from the graph).
+    fn attach_empty_outputs(&self, loss: &Tensor) -> Result<Tensor> {
+        let empty = self.step.as_ref().map_or(&[][..], |s| &s.empty_outputs);
+        let mut loss = loss.clone();
+        for o in empty {
+            let zero = o
+                .sum_all()?
+                .to_dtype(loss.dtype())?
+                .to_device(loss.device())?;
+            loss = loss.broadcast_add(&zero)?;
+        }
+        Ok(loss)
+    }
+
     fn backward_steps(&mut self, loss: &Tensor) -> Result<()> {
+        let loss = &self
+            .attach_empty_outputs(loss)
+            .map_err(|e| self.at(e, None, Phase::Backward))?;
         let agreement = self.issue_agreement();
         let n_calls = self.step.as_ref().map_or(0, |s| s.calls.len());
         if self.scheduler.backward_mode() != BackwardPrefetch::None {
@@ -1594,6 +1641,11 @@ impl FsdpModel {
             match grads.as_ref().and_then(|g| g.get(v)) {
                 // Detached: the gradient would keep the unit's graph alive until taken.
                 Some(g) => in_grads.push(Some(g.detach().to_dtype(dtype)?)),
+                // A zero-element input (an empty batch): its gradient has no elements either,
+                // and Candle's element-wise ops may have cut it from the unit's graph.
+                None if v.elem_count() == 0 => {
+                    in_grads.push(Some(v.zeros_like()?.to_dtype(dtype)?))
+                }
                 None => {
                     return Err(Error::InvalidArgument(format!(
                         "input {index} of unit {} carries gradient, and the unit's outputs \
