@@ -554,7 +554,35 @@ mod cpu {
 
     #[inline(never)]
     pub(super) fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: AdamWHyper) {
-        adamw_impl::<false>(p, g, m, v, h, 1.0);
+        split4(p, g, m, v, |p, g, m, v| {
+            adamw_impl::<false>(p, g, m, v, h, 1.0)
+        });
+    }
+
+    /// `f` over matching chunks of the four slices: split over rayon's pool when Candle's
+    /// intra-op thread count is above 1 (ranks as threads at world size 1), else on this thread,
+    /// each chunk compiled for the CPU's widest vectors (`nn::cpu::with_simd`). Every element's
+    /// update is the same arithmetic whatever the split, so the result is bit-identical.
+    #[inline(always)]
+    fn split4(
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        f: impl Fn(&mut [f32], &[f32], &mut [f32], &mut [f32]) + Send + Sync,
+    ) {
+        use crate::nn::cpu::{threads, with_simd};
+        const CHUNK: usize = 1 << 16;
+        if p.len() > CHUNK && threads() > 1 {
+            use rayon::prelude::*;
+            p.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK))
+                .zip(m.par_chunks_mut(CHUNK))
+                .zip(v.par_chunks_mut(CHUNK))
+                .for_each(|(((p, g), m), v)| with_simd(|| f(p, g, m, v)));
+        } else {
+            with_simd(|| f(p, g, m, v))
+        }
     }
 
     /// [`adamw`] of `g · inv` (the fused step's unscale, in registers).
@@ -567,7 +595,9 @@ mod cpu {
         h: AdamWHyper,
         inv: f32,
     ) {
-        adamw_impl::<true>(p, g, m, v, h, inv);
+        split4(p, g, m, v, |p, g, m, v| {
+            adamw_impl::<true>(p, g, m, v, h, inv)
+        });
     }
 
     /// The AdamW loop; with `UNSCALE` each gradient is multiplied by `inv` first.

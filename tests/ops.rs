@@ -277,6 +277,11 @@ fn kernels_allocate_nothing_proportional_to_the_tensor() {
         nesterov: true,
         first_step: false,
     };
+    // Once first: the optimizer loop starts rayon's thread pool on its first parallel call
+    // (a one-time allocation of a few KiB, whatever the tensors' size).
+    for _ in 0..3 {
+        ops::adamw_step(&p, &g, &m, &s, &h).unwrap();
+    }
     let base = LIVE.load(Ordering::SeqCst);
     PEAK.store(base, Ordering::SeqCst);
     ops::adamw_step(&p, &g, &m, &s, &h).unwrap();
@@ -288,10 +293,11 @@ fn kernels_allocate_nothing_proportional_to_the_tensor() {
     ops::add_(&g, &bf).unwrap();
     ops::add_(&g, &m).unwrap();
     let peak = PEAK.load(Ordering::SeqCst) - base;
-    // Candle's in-place entry point allocates a few bytes for its overlap check; a temporary of
-    // the tensors would be 2-4 MiB.
+    // Candle's in-place entry point allocates a few bytes for its overlap check, and the
+    // optimizer's rayon split a few KiB of job-queue blocks per call (9 KiB measured, whatever
+    // the tensors' size); a temporary of the tensors would be 2-4 MiB.
     assert!(
-        peak < 4096,
+        peak < 64 * 1024,
         "kernels allocated {peak} B at peak on 4 MiB tensors"
     );
 }

@@ -86,6 +86,7 @@ def main():
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             auto_wrap_policy=ModuleWrapPolicy({Block}),
             use_orig_params=True,
+            device_id=torch.device("cpu"),
         )
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

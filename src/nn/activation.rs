@@ -6,7 +6,7 @@ use candle_core::{
     Tensor,
 };
 
-use super::cpu::{contiguous, exp_fast, parallel_chunks, with_simd, Elem};
+use super::cpu::{contiguous, exp_fast, filled, with_simd, Elem};
 
 /// Elements per task of the kernels: 64 Ki f32 are 256 KiB, an L2-sized piece.
 const CHUNK: usize = 1 << 16;
@@ -65,35 +65,33 @@ fn gelu_grad_f32(x: f32) -> f32 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
 }
 
-/// `out[i] = f(x[i])` over a chunk, f32 in between.
-#[inline(always)]
-fn map_chunk<T: Elem>(x: &[T], out: &mut [T], f: impl Fn(f32) -> f32) {
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o = T::from_f32(f(v.to_f32()));
+fn gelu_fwd<T: Elem>(x: &[T]) -> Vec<T> {
+    // SAFETY: each chunk's every element is written (zip over the chunk and its input).
+    unsafe {
+        filled(x.len(), CHUNK, |i, out| {
+            let x = &x[i * CHUNK..i * CHUNK + out.len()];
+            with_simd(|| {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    o.write(T::from_f32(gelu_f32(v.to_f32())));
+                }
+            })
+        })
     }
 }
 
-fn gelu_fwd<T: Elem>(x: &[T]) -> Vec<T> {
-    let mut y = vec![T::from_f32(0.0); x.len()];
-    parallel_chunks(&mut y, CHUNK, |i, out| {
-        let x = &x[i * CHUNK..i * CHUNK + out.len()];
-        with_simd(|| map_chunk(x, out, gelu_f32))
-    });
-    y
-}
-
 fn gelu_bwd<T: Elem>(x: &[T], g: &[T]) -> Vec<T> {
-    let mut dx = vec![T::from_f32(0.0); x.len()];
-    parallel_chunks(&mut dx, CHUNK, |i, out| {
-        let r = i * CHUNK..i * CHUNK + out.len();
-        let (x, g) = (&x[r.clone()], &g[r]);
-        with_simd(|| {
-            for ((o, &x), &g) in out.iter_mut().zip(x).zip(g) {
-                *o = T::from_f32(g.to_f32() * gelu_grad_f32(x.to_f32()));
-            }
+    // SAFETY: as in `gelu_fwd`.
+    unsafe {
+        filled(x.len(), CHUNK, |i, out| {
+            let r = i * CHUNK..i * CHUNK + out.len();
+            let (x, g) = (&x[r.clone()], &g[r]);
+            with_simd(|| {
+                for ((o, &x), &g) in out.iter_mut().zip(x).zip(g) {
+                    o.write(T::from_f32(g.to_f32() * gelu_grad_f32(x.to_f32())));
+                }
+            })
         })
-    });
-    dx
+    }
 }
 
 /// The forward custom op of [`gelu`]; its backward is [`GeluGradOp`].

@@ -38,7 +38,11 @@ use candle_core::{
     Tensor,
 };
 
-use super::cpu::{contiguous, dot16, exp_fast, max16, parallel_map, sum16, with_simd, Elem};
+use std::mem::MaybeUninit;
+
+use super::cpu::{
+    contiguous, dot16, exp_fast, filled, gemm_f32, max16, parallel_map, sum16, with_simd, Elem,
+};
 use super::softmax::causal_softmax;
 
 /// Query rows per tile of the kernel: 64 rows of scores for `T` keys are `256 · T` bytes, which
@@ -150,9 +154,16 @@ fn gather<T: Elem>(src: &[T], width: usize, dims: Dims, bi: usize, col: usize) -
     out
 }
 
-/// Copies a contiguous f32 `(T, hd)` buffer into column block `col ..` of batch element `bi` of
+/// Writes a contiguous f32 `(T, hd)` buffer into column block `col ..` of batch element `bi` of
 /// the `(B, T, width)` output.
-fn scatter<T: Elem>(dst: &mut [T], width: usize, dims: Dims, bi: usize, col: usize, src: &[f32]) {
+fn scatter<T: Elem>(
+    dst: &mut [MaybeUninit<T>],
+    width: usize,
+    dims: Dims,
+    bi: usize,
+    col: usize,
+    src: &[f32],
+) {
     let (t, hd) = (dims.t, dims.hd);
     let base = bi * t * width + col;
     for (i, row) in src.chunks_exact(hd).enumerate() {
@@ -160,7 +171,7 @@ fn scatter<T: Elem>(dst: &mut [T], width: usize, dims: Dims, bi: usize, col: usi
             .iter_mut()
             .zip(row)
         {
-            *o = T::from_f32(v);
+            o.write(T::from_f32(v));
         }
     }
 }
@@ -182,29 +193,16 @@ fn gemm(
     debug_assert!(k == 0 || n == 0 || rhs.0.len() > (k - 1) * rhs.1 + (n - 1) * rhs.2);
     // SAFETY: the three slices hold every element the strides reach (asserted above in debug
     // builds; each call site derives the strides from the slices' own shapes), `dst` does not
-    // overlap `lhs` or `rhs` (it is a distinct `&mut`), and `Parallelism::None` runs on this
-    // thread only.
+    // overlap `lhs` or `rhs` (it is a distinct `&mut`) and is initialised.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
+        gemm_f32(
+            (m, n, k),
             dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
+            dst_rs,
             accumulate,
-            lhs.0.as_ptr(),
-            lhs.2 as isize,
-            lhs.1 as isize,
-            rhs.0.as_ptr(),
-            rhs.2 as isize,
-            rhs.1 as isize,
-            if accumulate { 1.0 } else { 0.0 },
-            1.0,
+            lhs,
+            rhs,
             false,
-            false,
-            false,
-            gemm::Parallelism::None,
         )
     }
 }
@@ -352,12 +350,17 @@ fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> {
             head_forward(&q, &k, &v, dims.t, dims.hd, scale)
         })
     });
-    let mut y = vec![T::from_f32(0.0); dims.b * dims.t * d];
-    for (task, o) in heads.iter().enumerate() {
-        let (bi, hi) = (task / dims.h, task % dims.h);
-        scatter(&mut y, d, dims, bi, hi * dims.hd, o);
+    let n = dims.b * dims.t * d;
+    // SAFETY: the heads' column blocks tile every row of every batch element: each element is
+    // written once.
+    unsafe {
+        filled(n, n, |_, y| {
+            for (task, o) in heads.iter().enumerate() {
+                let (bi, hi) = (task / dims.h, task % dims.h);
+                scatter(y, d, dims, bi, hi * dims.hd, o);
+            }
+        })
     }
-    y
 }
 
 fn attention_bwd<T: Elem>(x: &[T], y: &[T], g: &[T], dims: Dims, scale: f32) -> Vec<T> {
@@ -374,15 +377,19 @@ fn attention_bwd<T: Elem>(x: &[T], y: &[T], g: &[T], dims: Dims, scale: f32) -> 
             head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, scale)
         })
     });
-    let mut dx = vec![T::from_f32(0.0); x.len()];
-    for (task, [dq, dk, dv]) in heads.iter().enumerate() {
-        let (bi, hi) = (task / dims.h, task % dims.h);
-        let c = hi * dims.hd;
-        scatter(&mut dx, w, dims, bi, c, dq);
-        scatter(&mut dx, w, dims, bi, d + c, dk);
-        scatter(&mut dx, w, dims, bi, 2 * d + c, dv);
+    // SAFETY: the q, k and v column blocks of every head tile every row: each element is
+    // written once.
+    unsafe {
+        filled(x.len(), x.len(), |_, dx| {
+            for (task, [dq, dk, dv]) in heads.iter().enumerate() {
+                let (bi, hi) = (task / dims.h, task % dims.h);
+                let c = hi * dims.hd;
+                scatter(dx, w, dims, bi, c, dq);
+                scatter(dx, w, dims, bi, d + c, dk);
+                scatter(dx, w, dims, bi, 2 * d + c, dv);
+            }
+        })
     }
-    dx
 }
 
 /// The forward custom op of [`causal_attention`]; its backward is [`AttentionBwdOp`].

@@ -1,25 +1,29 @@
-//! A linear layer as one graph node: one gemm forward with the bias added in place, a backward
-//! of one gemm for each of `dx` and `dweight` and a row sweep for `dbias`.
+//! A linear layer as one graph node: one gemm forward into a buffer holding the bias (no
+//! zero-fill, no separate bias pass), one backward node of one gemm for each of `dx` and
+//! `dweight` and a vectorised row sweep for `dbias`.
 
 use candle_core::{
-    backend::BackendStorage, bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout,
-    Module, Result, Shape, Tensor, D,
+    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D,
 };
 
-use super::cpu::contiguous;
+use super::cpu::{contiguous, filled, gemm_f32, with_simd};
 
 /// `y = x · weightᵀ + bias` over the last dimension of `x`, differentiable in `x`, `weight` and
 /// `bias`: [`candle_nn::Linear`]'s forward as one graph node.
 ///
 /// Shapes: `x` `(…, in)` of any rank ≥ 1 and layout, `weight` `(out, in)`, `bias` `(out,)`;
 /// output `(…, out)`, contiguous. With `N` the number of rows of `x` (the product of its
-/// leading dimensions), the CPU f32 path is one `(N, in) × (in, out)` gemm with the bias added
-/// in place, and its backward three pieces: `dx = g · weight` (one gemm), `dweight = gᵀ · x`
-/// (one gemm of inner size `N`, where a batched matmul would run one per batch element and
-/// sum them) and `dbias = Σ_rows g` (a row sweep on the calling thread, where Candle's
-/// broadcast backward runs a strided reduction). Candle's autograd then sees one node
-/// instead of the reshape, matmul, reshape and broadcast-add of `candle_nn::Linear` (each of
-/// which costs a zero-filled accumulator and an addition in Candle's backward).
+/// leading dimensions), the CPU f32 path is one `(N, in) × (in, out)` gemm (the `gemm` crate,
+/// called directly: the weight read through its strides, transposed without a copy) into an
+/// output buffer that already holds the bias in every row (`y = bias + x·Wᵀ`, no zero-filled
+/// output, no second pass for the bias); its backward is one node computing three pieces:
+/// `dx = g · weight` (one gemm), `dweight = gᵀ · x` (one gemm of inner size `N`, where a
+/// batched matmul would run one per batch element and sum them) and `dbias = Σ_rows g` (a
+/// vectorised row sweep, where Candle's broadcast backward runs a strided reduction). The
+/// gemms split over the rank's threads as Candle's matmul does (see the
+/// [module documentation](super)). Candle's autograd then sees one node instead of the
+/// reshape, matmul, reshape and broadcast-add of `candle_nn::Linear` (each of which costs a
+/// zero-filled accumulator and an addition in Candle's backward).
 ///
 /// Dtypes: all three of one dtype. Other dtypes than f32 and other devices run
 /// `candle_nn::Linear::forward`, the same values up to rounding.
@@ -56,6 +60,41 @@ pub fn linear_forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Res
 #[derive(Clone, Copy, Debug)]
 struct LinearOp;
 
+/// An f32 matrix operand: its storage from the layout's start, and `(rows, cols, row stride,
+/// column stride)`.
+struct Mat<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// A rank-2 view `(r, c)` of `s` through `l`'s strides (the last two dimensions).
+    fn of(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<Self> {
+        let st = l.stride();
+        if st.len() != 2 {
+            bail!("linear: the {what} must be rank 2, found {:?}", l.shape())
+        }
+        let data = &s.as_slice::<f32>()?[l.start_offset()..];
+        let (r, c) = l.shape().dims2()?;
+        if r > 0 && c > 0 && data.len() <= (r - 1) * st[0] + (c - 1) * st[1] {
+            bail!("linear: the {what}'s layout {l:?} reaches past its storage")
+        }
+        Ok(Self {
+            data,
+            rs: st[0],
+            cs: st[1],
+        })
+    }
+    /// The transposed view (no copy).
+    fn t(&self) -> (&'a [f32], usize, usize) {
+        (self.data, self.cs, self.rs)
+    }
+    fn view(&self) -> (&'a [f32], usize, usize) {
+        (self.data, self.rs, self.cs)
+    }
+}
+
 impl LinearOp {
     fn cpu(
         x: (&CpuStorage, &Layout),
@@ -64,39 +103,60 @@ impl LinearOp {
     ) -> Result<(CpuStorage, Shape)> {
         let (out, inp) = w.1.shape().dims2()?;
         let n = x.1.shape().elem_count() / inp;
-        if !x.1.is_contiguous() {
-            bail!("linear: the input has to be contiguous")
-        }
-        let lhs = Layout::contiguous_with_offset((n, inp), x.1.start_offset());
-        let rhs = w.1.transpose(0, 1)?; // (in, out)
-        let mut y = x.0.matmul(w.0, (1, n, out, inp), &lhs, &rhs)?;
-        if let Some((bs, bl)) = b {
-            let bias = contiguous(bs.as_slice::<f32>()?, bl, "bias")?;
-            match &mut y {
-                CpuStorage::F32(v) => {
-                    for row in v.chunks_exact_mut(out) {
+        let xs = contiguous(x.0.as_slice::<f32>()?, x.1, "input")?;
+        let wm = Mat::of(w.0, w.1, "weight")?;
+        let bias = match b {
+            Some((bs, bl)) => Some(contiguous(bs.as_slice::<f32>()?, bl, "bias")?),
+            None => None,
+        };
+        // y = [bias +] x · wᵀ, written once: the bias rows first (when there is one), then
+        // the gemm reading them.
+        let mut y: Vec<f32> = match bias {
+            // SAFETY: the closure writes every element of each whole-row chunk.
+            Some(bias) => unsafe {
+                filled(n * out, 64 * out, |_, rows| {
+                    for row in rows.chunks_exact_mut(out) {
                         for (y, &b) in row.iter_mut().zip(bias) {
-                            *y += b;
+                            y.write(b);
                         }
                     }
-                }
-                _ => bail!("linear: no CPU kernel for {:?}", y.dtype()),
+                })
+            },
+            None => Vec::with_capacity(n * out),
+        };
+        let accumulate = bias.is_some();
+        // SAFETY: `xs` is the contiguous `(n, inp)` input, `wm` a checked `(out, inp)` view,
+        // `y` has capacity `n · out` (initialised when `accumulate`: then it is read).
+        unsafe {
+            gemm_f32(
+                (n, out, inp),
+                y.as_mut_ptr(),
+                out,
+                accumulate,
+                (xs, inp, 1),
+                wm.t(),
+                true,
+            );
+            if !accumulate {
+                // Every element was written by the gemm (no read of the destination).
+                y.set_len(n * out);
             }
         }
         let mut dims = x.1.dims().to_vec();
         *dims.last_mut().expect("rank ≥ 1") = out;
-        Ok((y, Shape::from(dims)))
+        Ok((CpuStorage::F32(y), Shape::from(dims)))
     }
 
-    /// `(dx, dweight, dbias)` for the output gradient `g`.
+    /// `(dx, dweight, dbias)` for the output gradient `g`: one backward node
+    /// ([`LinearBwdOp`]) whose flat result holds the three one after the other.
     fn grads(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (out, inp) = w.dims2()?;
         let n = x.elem_count() / inp;
-        let g = g.contiguous()?.reshape((n, out))?;
-        let x2 = x.reshape((n, inp))?;
-        let dx = g.matmul(w)?.reshape(x.shape())?;
-        let dw = g.t()?.matmul(&x2)?;
-        let db = g.apply_op1_no_bwd(&ColumnSumOp)?;
+        let g = g.contiguous()?;
+        let all = x.apply_op3_no_bwd(w, &g, &LinearBwdOp)?;
+        let dx = all.narrow(0, 0, n * inp)?.reshape(x.shape())?;
+        let dw = all.narrow(0, n * inp, out * inp)?.reshape((out, inp))?;
+        let db = all.narrow(0, n * inp + out * inp, out)?;
         Ok((dx, dw, db))
     }
 }
@@ -158,24 +218,79 @@ impl CustomOp3 for LinearOp {
     }
 }
 
-/// Column sums of a contiguous f32 `(N, C)` matrix: `(C,)` (no backward).
+/// The backward kernel of [`linear_forward`] as a (no-backward) custom op on `(x, weight,
+/// grad_y)`: one flat f32 buffer holding `dx` (`N · in`), `dweight` (`out · in`) and `dbias`
+/// (`out`), each written once by its gemm or sweep.
 #[derive(Clone, Copy, Debug)]
-struct ColumnSumOp;
+struct LinearBwdOp;
 
-impl CustomOp1 for ColumnSumOp {
+impl CustomOp3 for LinearBwdOp {
     fn name(&self) -> &'static str {
-        "column-sum"
+        "linear-bwd"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (_, c) = l.shape().dims2()?;
-        let g = contiguous(s.as_slice::<f32>()?, l, "gradient")?;
-        let mut acc = vec![0f32; c];
-        for row in g.chunks_exact(c) {
-            for (a, &v) in acc.iter_mut().zip(row) {
-                *a += v;
-            }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (out, inp) = l2.shape().dims2()?;
+        let n = l1.shape().elem_count() / inp;
+        if l3.shape().elem_count() != n * out {
+            bail!(
+                "linear backward: gradient {:?} does not fit input {:?} and weight {:?}",
+                l3.shape(),
+                l1.shape(),
+                l2.shape()
+            )
         }
-        Ok((CpuStorage::F32(acc), Shape::from(c)))
+        let xs = contiguous(s1.as_slice::<f32>()?, l1, "input")?;
+        let wm = Mat::of(s2, l2, "weight")?;
+        let g = contiguous(s3.as_slice::<f32>()?, l3, "output gradient")?;
+        let total = n * inp + out * inp + out;
+        let mut all: Vec<f32> = Vec::with_capacity(total);
+        let base = all.as_mut_ptr();
+        // SAFETY: the three destinations are the disjoint ranges [0, n·inp), [n·inp, n·inp +
+        // out·inp) and the last `out` elements of `all`'s capacity `total`; every operand is a
+        // contiguous or checked view of its full shape; no destination is read (no
+        // accumulation) and each element is written once, so the length is set after.
+        unsafe {
+            // dx (n × inp) = g (n × out) · w (out × inp)
+            gemm_f32(
+                (n, inp, out),
+                base,
+                inp,
+                false,
+                (g, out, 1),
+                wm.view(),
+                true,
+            );
+            // dw (out × inp) = gᵀ (out × n) · x (n × inp)
+            gemm_f32(
+                (out, inp, n),
+                base.add(n * inp),
+                inp,
+                false,
+                (g, 1, out),
+                (xs, inp, 1),
+                true,
+            );
+            // db = Σ_rows g
+            std::ptr::write_bytes(base.add(n * inp + out * inp), 0, out);
+            let db = std::slice::from_raw_parts_mut(base.add(n * inp + out * inp), out);
+            with_simd(|| {
+                for row in g.chunks_exact(out) {
+                    for (a, &v) in db.iter_mut().zip(row) {
+                        *a += v;
+                    }
+                }
+            });
+            all.set_len(total);
+        }
+        Ok((CpuStorage::F32(all), Shape::from(total)))
     }
 }

@@ -52,7 +52,7 @@ use candle_core::{
 };
 use candle_nn::{Init, LayerNormConfig, VarBuilder};
 
-use super::cpu::{contiguous, dot16, sum16, Elem};
+use super::cpu::{contiguous, dot16, filled, parallel_chunks_map, sum16, with_simd, Elem};
 
 /// Layer normalisation over the last dimension, with a backward.
 ///
@@ -325,7 +325,12 @@ fn row_stats(x: &[f32], eps: f32, remove_mean: bool) -> (f32, f32) {
     (mean, (var + eps).sqrt().recip())
 }
 
-/// The forward of [`LayerNorm`] on the CPU: `y = (x − μ)/σ · w (+ b)` per row of size `w.len()`.
+/// Rows per task of the norm kernels; fixed, so that the backward's `dw`, `db` partial sums
+/// are added in the same order whatever the number of threads.
+const ROWS: usize = 32;
+
+/// The forward of [`LayerNorm`] on the CPU: `y = (x − μ)/σ · w (+ b)` per row of size `w.len()`,
+/// tiles of [`ROWS`] rows split over the rank's threads.
 fn norm_fwd<T: Elem>(x: &[T], w: &[T], b: Option<&[T]>, eps: f32, remove_mean: bool) -> Vec<T> {
     let d = w.len();
     let w: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
@@ -333,58 +338,87 @@ fn norm_fwd<T: Elem>(x: &[T], w: &[T], b: Option<&[T]>, eps: f32, remove_mean: b
         Some(b) => b.iter().map(|v| v.to_f32()).collect(),
         None => vec![0.0; d],
     };
-    let mut buf = vec![0f32; d];
-    let mut y = Vec::with_capacity(x.len());
-    for xs in x.chunks_exact(d) {
-        let row = T::load(xs, &mut buf);
-        let (mean, rstd) = row_stats(row, eps, remove_mean);
-        y.extend(
-            row.iter()
-                .zip(&w)
-                .zip(&b)
-                .map(|((&v, &w), &b)| T::from_f32((v - mean) * rstd * w + b)),
-        );
+    // SAFETY: each tile of whole rows is written element by element (zip over its rows).
+    unsafe {
+        filled(x.len(), ROWS * d, |i, out| {
+            with_simd(|| {
+                let mut buf = vec![0f32; d];
+                let x = &x[i * ROWS * d..i * ROWS * d + out.len()];
+                for (xs, ys) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+                    let row = T::load(xs, &mut buf);
+                    let (mean, rstd) = row_stats(row, eps, remove_mean);
+                    for (((y, &v), &w), &b) in ys.iter_mut().zip(row).zip(&w).zip(&b) {
+                        y.write(T::from_f32((v - mean) * rstd * w + b));
+                    }
+                }
+            })
+        })
     }
-    y
 }
 
 /// The backward of [`LayerNorm`] on the CPU, for the output gradient `g`: `dx` (the input's
-/// size) followed by `dw` and `db` (each `w.len()`), in one buffer.
+/// size) followed by `dw` and `db` (each `w.len()`), in one buffer. Tiles of [`ROWS`] rows run
+/// over the rank's threads, each with its own `dw`, `db` partial sums, added in tile order.
 fn norm_bwd<T: Elem>(x: &[T], w: &[T], g: &[T], eps: f32, remove_mean: bool) -> Vec<T> {
     let d = w.len();
     let w: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+    let mut out: Vec<std::mem::MaybeUninit<T>> = Vec::with_capacity(x.len() + 2 * d);
+    // SAFETY: `MaybeUninit` needs no initialisation; the capacity is the length.
+    unsafe { out.set_len(x.len() + 2 * d) };
+    let (dx, params) = out.split_at_mut(x.len());
+    let partials = parallel_chunks_map(dx, ROWS * d, |i, dx| {
+        with_simd(|| {
+            let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
+            let (mut x_buf, mut g_buf) = (vec![0f32; d], vec![0f32; d]);
+            let (mut xh, mut gh) = (vec![0f32; d], vec![0f32; d]);
+            let r = i * ROWS * d..i * ROWS * d + dx.len();
+            let (x, g) = (&x[r.clone()], &g[r]);
+            for ((xs, gs), dxs) in x
+                .chunks_exact(d)
+                .zip(g.chunks_exact(d))
+                .zip(dx.chunks_exact_mut(d))
+            {
+                let xs = T::load(xs, &mut x_buf);
+                let gs = T::load(gs, &mut g_buf);
+                let (mean, rstd) = row_stats(xs, eps, remove_mean);
+                let params = w.iter().zip(dw.iter_mut()).zip(db.iter_mut());
+                let row = xh.iter_mut().zip(gh.iter_mut()).zip(xs).zip(gs);
+                for ((((xh, gh), &x), &g), ((&w, dw), db)) in row.zip(params) {
+                    let h = (x - mean) * rstd;
+                    *xh = h;
+                    *gh = g * w;
+                    *dw += g * h;
+                    *db += g;
+                }
+                let mean_gh = if remove_mean {
+                    sum16(&gh, |v| v) / d as f32
+                } else {
+                    0.0
+                };
+                let mean_ghxh = dot16(&gh, &xh) / d as f32;
+                for ((o, &gh), &xh) in dxs.iter_mut().zip(&gh).zip(&xh) {
+                    o.write(T::from_f32((gh - mean_gh - xh * mean_ghxh) * rstd));
+                }
+            }
+            (dw, db)
+        })
+    });
     let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
-    let (mut x_buf, mut g_buf) = (vec![0f32; d], vec![0f32; d]);
-    let (mut xh, mut gh) = (vec![0f32; d], vec![0f32; d]);
-    let mut out = Vec::with_capacity(x.len() + 2 * d);
-    for (xs, gs) in x.chunks_exact(d).zip(g.chunks_exact(d)) {
-        let xs = T::load(xs, &mut x_buf);
-        let gs = T::load(gs, &mut g_buf);
-        let (mean, rstd) = row_stats(xs, eps, remove_mean);
-        let params = w.iter().zip(dw.iter_mut()).zip(db.iter_mut());
-        let row = xh.iter_mut().zip(gh.iter_mut()).zip(xs).zip(gs);
-        for ((((xh, gh), &x), &g), ((&w, dw), db)) in row.zip(params) {
-            let h = (x - mean) * rstd;
-            *xh = h;
-            *gh = g * w;
-            *dw += g * h;
-            *db += g;
+    for (pw, pb) in &partials {
+        for (a, &v) in dw.iter_mut().zip(pw) {
+            *a += v;
         }
-        let mean_gh = if remove_mean {
-            sum16(&gh, |v| v) / d as f32
-        } else {
-            0.0
-        };
-        let mean_ghxh = dot16(&gh, &xh) / d as f32;
-        out.extend(
-            gh.iter()
-                .zip(&xh)
-                .map(|(&gh, &xh)| T::from_f32((gh - mean_gh - xh * mean_ghxh) * rstd)),
-        );
+        for (a, &v) in db.iter_mut().zip(pb) {
+            *a += v;
+        }
     }
-    out.extend(dw.into_iter().map(T::from_f32));
-    out.extend(db.into_iter().map(T::from_f32));
-    out
+    for (o, v) in params.iter_mut().zip(dw.into_iter().chain(db)) {
+        o.write(T::from_f32(v));
+    }
+    let mut out = std::mem::ManuallyDrop::new(out);
+    // SAFETY: every element was written above (the tiles cover `dx`, the last loop `dw` and
+    // `db`); `MaybeUninit<T>` has `T`'s layout; the allocation is handed over whole.
+    unsafe { Vec::from_raw_parts(out.as_mut_ptr() as *mut T, out.len(), out.capacity()) }
 }
 
 /// The forward custom op: `(x, weight)` (CustomOp2) or `(x, weight, bias)` (CustomOp3).
