@@ -45,6 +45,7 @@ pub mod alloc;
 pub mod checkpoint;
 pub mod clip;
 pub mod comm;
+pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;

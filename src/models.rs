@@ -12,21 +12,23 @@ use crate::unit::UnitSpec;
 
 /// The seed recipe's MNIST MLP as four units: `flatten` (no parameters: (B, 1, 28, 28) →
 /// (B, 784)), `fc1` Linear(784, 128) + ReLU, `fc2` Linear(128, 64) + ReLU, `fc3`
-/// Linear(64, 10) → logits (B, 10), f32. Parameters are named `fc1.weight`, `fc1.bias`, ….
+/// Linear(64, 10) → logits (B, 10), f32. Parameters are named `fc1.weight`, `fc1.bias`, …
+/// (candle-nn's `linear` names and init); each linear layer is [`crate::nn::Linear`], one
+/// graph node.
 #[cfg(feature = "mnist")]
 pub fn mnist_mlp() -> Vec<UnitSpec> {
     vec![
         UnitSpec::new("flatten", |_vb| Ok(candle_nn::func(|x| x.flatten_from(1)))),
         UnitSpec::new("fc1", |vb| {
             Ok(candle_nn::seq()
-                .add(candle_nn::linear(784, 128, vb)?)
+                .add(crate::nn::linear(784, 128, vb)?)
                 .add(Activation::Relu))
         }),
         UnitSpec::new("fc2", |vb| {
             Ok(candle_nn::seq()
-                .add(candle_nn::linear(128, 64, vb)?)
+                .add(crate::nn::linear(128, 64, vb)?)
                 .add(Activation::Relu))
         }),
-        UnitSpec::new("fc3", |vb| candle_nn::linear(64, 10, vb)),
+        UnitSpec::new("fc3", |vb| crate::nn::linear(64, 10, vb)),
     ]
 }

@@ -560,8 +560,8 @@ mod cpu {
     }
 
     /// `f` over matching chunks of the four slices: split over rayon's pool when Candle's
-    /// intra-op thread count is above 1 (ranks as threads at world size 1), else on this thread,
-    /// each chunk compiled for the CPU's widest vectors (`nn::cpu::with_simd`). Every element's
+    /// intra-op thread count is above 1 and there are at least 256 Ki elements, else on this thread,
+    /// each chunk compiled for the CPU's widest vectors (`crate::cpu::with_simd`). Every element's
     /// update is the same arithmetic whatever the split, so the result is bit-identical.
     #[inline(always)]
     fn split4(
@@ -571,9 +571,11 @@ mod cpu {
         v: &mut [f32],
         f: impl Fn(&mut [f32], &[f32], &mut [f32], &mut [f32]) + Send + Sync,
     ) {
-        use crate::nn::cpu::{threads, with_simd};
+        use crate::cpu::{threads, with_simd};
+        // 64 Ki elements a task; below four tasks' worth (1 MiB of parameters, ~0.1 ms on one
+        // core) waking the pool costs more than it saves.
         const CHUNK: usize = 1 << 16;
-        if p.len() > CHUNK && threads() > 1 {
+        if p.len() >= 4 * CHUNK && threads() > 1 {
             use rayon::prelude::*;
             p.par_chunks_mut(CHUNK)
                 .zip(g.par_chunks(CHUNK))

@@ -276,7 +276,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
             let images = batch.images.to_device(model.device())?;
             let labels = batch.labels.to_device(model.device())?;
             let logits = model.forward(&images)?.to_dtype(DType::F32)?;
-            Ok(candle_nn::loss::cross_entropy(&logits, &labels)?)
+            Ok(candle_fsdp::nn::cross_entropy(&logits, &labels)?)
         })
     }
 

@@ -352,15 +352,16 @@ pub(crate) fn stitch(
         .collect()
 }
 
-/// The scalar `Σ o ⊙ g` whose backward hands `g` to `o` unchanged: the root of a unit's own
-/// backward (`loss.backward()` of the unit's graph with `g` the gradient its outputs received).
+/// A scalar whose gradient with respect to `o` is `g`: the root of a unit's own backward
+/// (`loss.backward()` of the unit's graph, `g` the gradient its outputs received), standing for
+/// `Σ o ⊙ g`.
 ///
 /// On the CPU, with `o` and `g` contiguous and of one shape and dtype, it is one graph node
-/// ([`SeedOp`]): the forward reads both once (an f32 dot product, the value nobody uses but
-/// which is the surrogate's true value), the backward returns `g` itself (scaled only when the
-/// root gradient is not 1). Composed as `(o · g).sum_all()` it costs a product tensor, a sum,
-/// and in the backward a broadcast, a product and two zero-filled accumulators the size of `o`
-/// for each unit output of each step. Elsewhere (GPU, other layouts) it is that composition.
+/// ([`SeedOp`]) whose value is 0 (the value of the surrogate is never read: only its gradient
+/// is) and whose backward returns `g` itself (scaled only when the root gradient is not 1).
+/// Composed as `(o · g).sum_all()` it costs a product tensor and a sum in the forward, and a
+/// broadcast, a product and two zero-filled accumulators the size of `o` in the backward, for
+/// each unit output of each step. Elsewhere (GPU, other layouts) it is that composition.
 pub(crate) fn grad_seed(o: &Tensor, g: &Tensor) -> candle_core::Result<Tensor> {
     let g = g.to_dtype(o.dtype())?;
     let fused = o.device().is_cpu()
@@ -375,7 +376,7 @@ pub(crate) fn grad_seed(o: &Tensor, g: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// See [`grad_seed`]: `(o, g) ↦ Σ o ⊙ g` (f32 scalar), gradient `(g · grad, none)`.
+/// See [`grad_seed`]: `(o, g) ↦ 0` (f32 scalar), gradient `(g · grad, none)`.
 struct SeedOp;
 
 impl CustomOp2 for SeedOp {
@@ -385,33 +386,12 @@ impl CustomOp2 for SeedOp {
 
     fn cpu_fwd(
         &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
+        _s1: &CpuStorage,
+        _l1: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        fn dot<T: candle_core::WithDType>(
-            a: &CpuStorage,
-            la: &Layout,
-            b: &CpuStorage,
-            lb: &Layout,
-            f: impl Fn(T) -> f64,
-        ) -> candle_core::Result<f64> {
-            let (Some((a0, a1)), Some((b0, b1))) =
-                (la.contiguous_offsets(), lb.contiguous_offsets())
-            else {
-                candle_core::bail!("fsdp-grad-seed: contiguous inputs expected")
-            };
-            let (a, b) = (&a.as_slice::<T>()?[a0..a1], &b.as_slice::<T>()?[b0..b1]);
-            Ok(a.iter().zip(b).map(|(&x, &y)| f(x) * f(y)).sum())
-        }
-        let v = match s1.dtype() {
-            DType::F32 => dot::<f32>(s1, l1, s2, l2, |v| v as f64)?,
-            DType::BF16 => dot::<half::bf16>(s1, l1, s2, l2, |v| v.to_f64())?,
-            DType::F16 => dot::<half::f16>(s1, l1, s2, l2, |v| v.to_f64())?,
-            dt => candle_core::bail!("fsdp-grad-seed: no CPU kernel for {dt:?}"),
-        };
-        Ok((CpuStorage::F32(vec![v as f32]), Shape::from(())))
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from(())))
     }
 
     fn bwd(

@@ -6,7 +6,7 @@ use candle_core::{
     Tensor,
 };
 
-use super::cpu::{contiguous, exp_fast, filled, with_simd, Elem};
+use crate::cpu::{contiguous, exp_fast, filled, with_simd, Elem};
 
 /// Elements per task of the kernels: 64 Ki f32 are 256 KiB, an L2-sized piece.
 const CHUNK: usize = 1 << 16;

@@ -40,10 +40,10 @@ use candle_core::{
 
 use std::mem::MaybeUninit;
 
-use super::cpu::{
+use super::softmax::causal_softmax;
+use crate::cpu::{
     contiguous, dot16, exp_fast, filled, gemm_f32, max16, parallel_map, sum16, with_simd, Elem,
 };
-use super::softmax::causal_softmax;
 
 /// Query rows per tile of the kernel: 64 rows of scores for `T` keys are `256 · T` bytes, which
 /// stays in L2 for the contexts used here.

@@ -6,7 +6,7 @@ use candle_core::{
     bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D,
 };
 
-use super::cpu::{contiguous, filled, gemm_f32, with_simd};
+use crate::cpu::{contiguous, filled, gemm_f32, with_simd};
 
 /// `y = x · weightᵀ + bias` over the last dimension of `x`, differentiable in `x`, `weight` and
 /// `bias`: [`candle_nn::Linear`]'s forward as one graph node.
@@ -54,6 +54,48 @@ pub fn linear_forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Res
         Some(b) => x.apply_op3(weight, &b.contiguous()?, LinearOp),
         None => x.apply_op2(weight, LinearOp),
     }
+}
+
+/// candle-nn's [`candle_nn::Linear`] whose forward is [`linear_forward`] (one graph node):
+/// the same parameters (`weight` `(out, in)`, `bias` `(out,)`), the same values up to rounding.
+#[derive(Clone, Debug)]
+pub struct Linear(candle_nn::Linear);
+
+impl Linear {
+    /// A layer of the given weight `(out, in)` and optional bias `(out,)`.
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self(candle_nn::Linear::new(weight, bias))
+    }
+
+    /// The weight, `(out, in)`.
+    pub fn weight(&self) -> &Tensor {
+        self.0.weight()
+    }
+
+    /// The bias, `(out,)`, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.0.bias()
+    }
+}
+
+impl From<candle_nn::Linear> for Linear {
+    fn from(l: candle_nn::Linear) -> Self {
+        Self(l)
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        linear_forward(x, self.0.weight(), self.0.bias())
+    }
+}
+
+/// A [`Linear`] of `in_dim → out_dim` with a bias, parameters from `vb`: candle-nn's
+/// [`candle_nn::linear`] (same names, same init), with the one-node forward.
+///
+/// Errors: Candle's (a parameter of another shape in `vb`).
+pub fn linear(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<Linear> {
+    Ok(Linear(candle_nn::linear(in_dim, out_dim, vb)?))
 }
 
 /// The forward of [`linear_forward`] (CustomOp2 without a bias, CustomOp3 with one).

@@ -6,7 +6,7 @@ use candle_core::{
     Tensor,
 };
 
-use super::cpu::{contiguous, exp_fast, max16, parallel_chunks, parallel_map, sum16, with_simd};
+use crate::cpu::{contiguous, exp_fast, max16, parallel_chunks, parallel_map, sum16, with_simd};
 
 /// Rows per task of the kernels. Fixed (not derived from the thread count), so that the loss
 /// sums the same partial sums in the same order whatever the number of threads.

@@ -4,7 +4,7 @@
 //! | op | file | what it replaces |
 //! |---|---|---|
 //! | [`LayerNorm`], [`RmsNorm`] ([`layer_norm`], [`rms_norm`], [`layer_norm_no_bias`]) | `norm.rs` | candle-nn's norms, whose fused kernels have no backward |
-//! | [`linear_forward`] | `linear.rs` | `candle_nn::Linear` (reshape, matmul, reshape, broadcast-add: four nodes) |
+//! | [`linear_forward`] ([`Linear`], [`linear`]) | `linear.rs` | `candle_nn::Linear` (reshape, matmul, reshape, broadcast-add: four nodes) |
 //! | [`causal_softmax`] ([`causal_softmax_composed`]) | `softmax.rs` | scale + mask + softmax (four nodes) |
 //! | [`causal_attention`] ([`causal_attention_composed`]) | `attention.rs` | the q/k/v split, `Q·Kᵀ`, the causal softmax, `·V` and the head merge (about fifteen nodes and a `(B, h, T, T)` score tensor kept for backward) |
 //! | [`gelu`] | `activation.rs` | `Tensor::gelu` (single-threaded, one `tanh` per element) |
@@ -19,11 +19,10 @@
 //! (`RAYON_NUM_THREADS`, which [`crate::comm::threads::set_intra_op_threads`] sets to the cores
 //! per rank) is above 1, and runs on the calling thread otherwise: in-process ranks are threads,
 //! and a kernel that asked a shared pool for every core would queue the ranks behind each other
-//! (see `cpu::parallel`). This is the rule Candle's own matmul follows.
+//! (`crate::cpu`). This is the rule Candle's own matmul follows.
 
 mod activation;
 mod attention;
-pub(crate) mod cpu;
 mod linear;
 mod loss;
 mod norm;
@@ -31,7 +30,7 @@ mod softmax;
 
 pub use activation::{gelu, gelu_composed};
 pub use attention::{causal_attention, causal_attention_composed};
-pub use linear::linear_forward;
+pub use linear::{linear, linear_forward, Linear};
 pub use loss::{cross_entropy, cross_entropy_composed};
 pub use norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use softmax::{causal_softmax, causal_softmax_composed};

@@ -37,9 +37,10 @@
 //! is a second hand-written kernel computing `dx`, `dw` and `db` of the formulas above in one
 //! sweep over the rows (each row's statistics are recomputed from the input, which is cheaper
 //! than storing them). Statistics and sums are in f32 for every dtype; half-precision outputs and
-//! gradients are rounded once, at the end. The kernels run on the calling thread: in-process
-//! ranks are threads, and a norm that asked a shared pool for every core would queue the ranks
-//! behind each other. Elsewhere (f64, non-CPU devices, empty tensors) the forward is composed of
+//! gradients are rounded once, at the end. The kernels work in tiles of 32 rows split over the
+//! rank's threads under the rule of the [`crate::nn`] module documentation (on the calling
+//! thread when a rank has one core); the backward's `dw` and `db` are per-tile partial sums added
+//! in tile order, so the result does not depend on the thread count. Elsewhere (f64, non-CPU devices, empty tensors) the forward is composed of
 //! differentiable Candle ops ([`LayerNorm::forward_composed`]), with candle-nn's non-fused
 //! arithmetic (statistics in f32 for half types, cast back before the affine part), and Candle's
 //! autograd differentiates it. Both paths give the same gradients up to rounding; the CPU
@@ -52,7 +53,7 @@ use candle_core::{
 };
 use candle_nn::{Init, LayerNormConfig, VarBuilder};
 
-use super::cpu::{contiguous, dot16, filled, parallel_chunks_map, sum16, with_simd, Elem};
+use crate::cpu::{contiguous, dot16, filled, parallel_chunks_map, sum16, with_simd, Elem};
 
 /// Layer normalisation over the last dimension, with a backward.
 ///

@@ -5,7 +5,7 @@ use candle_core::{
     Tensor, D,
 };
 
-use super::cpu::{contiguous, dot16, max16, sum16, Elem};
+use crate::cpu::{contiguous, dot16, max16, sum16, Elem};
 
 /// The causal softmax of attention scores, differentiable: for scores `s` of shape `(…, T, T)`
 /// (queries along the second-to-last dimension, keys along the last), row `i` of each `T × T`
@@ -29,8 +29,7 @@ use super::cpu::{contiguous, dot16, max16, sum16, Elem};
 /// output of the input's shape and dtype, contiguous. Dtypes: on the CPU, f32, bf16 and f16
 /// run a hand-written kernel (one pass per row, the maximum, exponentials and sum in f32,
 /// half-precision outputs rounded once) whose backward is a second kernel (not itself
-/// differentiable: no second derivatives on that path). Like the norms' kernels they run on the
-/// calling thread (in-process ranks are threads). Other dtypes (f64) and devices, and empty
+/// differentiable: no second derivatives on that path). They run on the calling thread. Other dtypes (f64) and devices, and empty
 /// inputs, compose the masked softmax of Candle ops ([`causal_softmax_composed`]), with the
 /// same values up to rounding.
 ///

@@ -1,6 +1,9 @@
-//! Shared pieces of the CPU kernels of [`crate::nn`]: the element types (all computed in f32),
-//! vectorisable reductions, the contiguous-slice accessor and the rule for how many threads a
-//! kernel may use.
+//! The CPU compute primitives every hand-written kernel shares (those of [`crate::nn`] and the
+//! optimizer loops of [`crate::ops`]): the element types (all computed in f32), vectorisable
+//! reductions and exponential, run-time dispatch to the widest vector instructions, the rule
+//! for how many threads a kernel may use (see the [`crate::nn`] module documentation), outputs
+//! written once without a zero-fill, and the `gemm` crate's kernel with explicit strides. A leaf:
+//! it imports nothing of the crate.
 
 use candle_core::{bail, Layout, Result};
 

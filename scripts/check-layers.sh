@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The layering rules of design/README.md ("Modules"), checked over the source's `use` lines and
+# paths: a lower layer never names a higher one. Run by .ci/run; prints each violation with its
+# file and line and exits 1 if there is one.
+#
+#   bash scripts/check-layers.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+fail=0
+# never FROM_GLOB PATTERN WHY: no file matching FROM_GLOB (under src/) may contain PATTERN.
+never() {
+    local from=$1 pattern=$2 why=$3 hits
+    # shellcheck disable=SC2086
+    hits=$(grep -rnHE --include='*.rs' "$pattern" $from 2>/dev/null | grep -vE '^\S+:[0-9]+:\s*//' || true)
+    if [ -n "$hits" ]; then
+        echo "layering: $why"
+        echo "$hits" | sed 's/^/    /'
+        fail=1
+    fi
+}
+
+never "src/comm" 'crate::(launch|fsdp|optim|checkpoint|data|models|nn)\b' \
+    "comm/ is below launch/, fsdp/ and everything beside the step"
+never "src/kernels" 'crate::(ops|fsdp|flat_param|comm|launch|optim|checkpoint|nn|device|cuda)\b' \
+    "kernels/ is a leaf: it imports nothing of the crate but error"
+never "src/flat_param.rs" 'crate::(ops|fsdp|comm)\b' \
+    "flat_param.rs is data: no ops, no runtime"
+never "src/checkpoint" 'crate::data\b' \
+    "checkpoint/ stores the sampler's state without knowing the sampler (data/ is beside it)"
+never "src/fsdp/call.rs" '(super|crate::fsdp)::model\b' \
+    "the call nodes reach the runtime through the CallBackward trait, not the model"
+never "src/nn src/ops src/ops.rs src/optim src/optim.rs src/clip.rs src/grad_scaler.rs src/checkpoint src/comm src/launch src/data src/models src/models.rs" \
+    '^\s*impl(<[^>]*>)?\s+FsdpModel\b' \
+    "only fsdp/ implements FsdpModel"
+never "src/optim src/optim.rs src/clip.rs src/grad_scaler.rs" '\.(span|at)\(' \
+    "beside-the-step modules use FsdpModel::in_phase, not the model's private span/at"
+
+if [ "$fail" -ne 0 ]; then
+    exit 1
+fi
+echo "layering: all rules hold"
