@@ -18,7 +18,7 @@ const CHUNK: usize = 1 << 16;
 /// On the CPU, for f32, bf16 and f16 (computed in f32, rounded once), the forward is one pass
 /// and its backward a second one, `dx = g · (½(1 + t) + ½x(1 − t²)·√(2/π)(1 + 3·0.044715x²))`
 /// with `t` the tanh above; `tanh(u)` is `1 − 2/(1 + e^{2u})` with a vectorised exponential
-/// ([`super::cpu::exp_fast`]), and the work is split over the rank's threads (see the
+/// (`crate::cpu::exp_fast`), and the work is split over the rank's threads (see the
 /// [module documentation](super)). Candle's own `gelu` calls libm's `tanhf` per element on one
 /// thread and composes a dozen tensor ops, `powf` included, in its backward. Elsewhere it is
 /// [`Tensor::gelu`]. The kernel's backward is not itself differentiable.

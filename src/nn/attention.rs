@@ -20,7 +20,7 @@
 //! # Kernel
 //!
 //! Work is cut into one task per `(batch, head)`; the tasks run over rayon's pool under the rule
-//! of [`super::cpu::parallel_map`]. A task copies its `Q`, `K`, `V` into contiguous f32 buffers and
+//! of `crate::cpu::parallel_map`. A task copies its `Q`, `K`, `V` into contiguous f32 buffers and
 //! walks the queries in tiles of [`TILE`] rows. For the tile of rows `r0..r1` only keys `0..r1`
 //! exist (causality), so the tile's scores are one `(r1 − r0) × r1` gemm, the softmax of each row
 //! is exact in one pass (its whole row is there: no running maximum is needed), and the tile's
@@ -28,7 +28,7 @@
 //! instead of storing it (FlashAttention's recomputation) and accumulates `dK`, `dV` over the
 //! tiles with gemms that read their destination. Scratch per task: two `TILE × T` f32 tiles and
 //! the head's buffers; nothing of size `T × T` outlives a tile. The gemms are the `gemm` crate's,
-//! single-threaded inside a task; the exponentials are [`super::cpu::exp_fast`], vectorised.
+//! single-threaded inside a task; the exponentials are `crate::cpu::exp_fast`, vectorised.
 //!
 //! f32, bf16 and f16 inputs run the kernel (computing in f32, rounding the outputs once);
 //! other dtypes and devices run [`causal_attention_composed`].

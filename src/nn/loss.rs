@@ -17,7 +17,7 @@ const ROWS: usize = 64;
 ///
 /// Shapes: `logits` `(N, V)`, `targets` `(N,)` (u32, u8 or i64, each in `[0, V)`); the result a
 /// scalar of the logits' dtype. On the CPU with f32 logits it is one op: per row the maximum,
-/// `log Σ exp` (vectorised [`super::cpu::exp_fast`]) and the target's logit, partial sums in f64
+/// `log Σ exp` (vectorised `crate::cpu::exp_fast`) and the target's logit, partial sums in f64
 /// over tiles of 64 rows; its backward is `(softmax(x_i) − onehot(t_i)) · g / N` per row, one
 /// pass. Candle's composes a log-softmax (an `(N, V)` tensor kept for backward), a gather, a sum
 /// and a division: four graph nodes. Other dtypes and devices, and `N = 0` (whose mean is NaN),
