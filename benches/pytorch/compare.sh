@@ -8,8 +8,10 @@
 #   ROUNDS=3 bash benches/pytorch/compare.sh   # alternate the two sides three times
 #
 # GPT: median ms/step of steps 3..N and tokens/s over all ranks (ours: the example's log
-# lines; PyTorch: benches/pytorch/gpt.py). MNIST: the epoch time of epoch 1 (ours: the
-# example's epoch line, its training part; PyTorch: benches/pytorch/mnist_ddp.py).
+# lines; PyTorch: benches/pytorch/gpt.py). MNIST: the training time of epoch 1 (ours: the
+# example's epoch line; PyTorch: benches/pytorch/mnist_ddp.py, indexing the tensors directly and
+# through a DataLoader). The GPT ratio is our tokens/s over PyTorch's (higher is better); the
+# MNIST ratio our epoch time over PyTorch's (lower is better).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN="${CARGO_TARGET_DIR:-target}/release/examples"
@@ -37,8 +39,8 @@ ours_mnist() {
         | sed -n 's/^epoch *1 .*(train \([0-9.]*\)s).*/\1/p' | head -1
     rm -rf "$TMP/mnist"
 }
-torch_mnist() {
-    torchrun --nproc-per-node 2 benches/pytorch/mnist_ddp.py --epochs 1 2>/dev/null \
+torch_mnist() { # extra args
+    torchrun --nproc-per-node 2 benches/pytorch/mnist_ddp.py --epochs 1 "$@" 2>/dev/null \
         | sed -n 's/.*epoch 1 \([0-9.]*\) s.*/\1/p'
 }
 tok() { awk -v ms="$1" -v ws="$2" 'BEGIN {printf "%.0f", 1024 * ws / (ms / 1000)}'; }
@@ -52,6 +54,8 @@ for r in $(seq 1 "$ROUNDS"); do
         echo "| $r | GPT bench ws $ws, tokens/s (ms/step) | $(tok "$t" "$ws") ($t) | $(tok "$o" "$ws") ($o) | $(awk -v t="$t" -v o="$o" 'BEGIN {printf "%.2f×", t / o}') |"
     done
     t=$(torch_mnist)
+    d=$(torch_mnist --dataloader)
     o=$(ours_mnist)
-    echo "| $r | MNIST ws 2, s/epoch (DDP vs FSDP) | $t | $o | $(awk -v t="$t" -v o="$o" 'BEGIN {printf "%.2f×", o / t}') |"
+    echo "| $r | MNIST ws 2, s/epoch (DDP, indexed tensors, vs FSDP) | $t | $o | $(awk -v t="$t" -v o="$o" 'BEGIN {printf "%.2f×", o / t}') |"
+    echo "| $r | MNIST ws 2, s/epoch (DDP, DataLoader, vs FSDP) | $d | $o | $(awk -v t="$d" -v o="$o" 'BEGIN {printf "%.2f×", o / t}') |"
 done

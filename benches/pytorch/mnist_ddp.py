@@ -3,9 +3,12 @@
 The MLP of `candle_fsdp::models::mnist_mlp` (784 -> 128 -> ReLU -> 64 -> ReLU -> 10), AdamW
 (lr 1e-3, no weight decay), batch 32 per rank, the training set shuffled per epoch and split
 between the ranks (DistributedSampler's rule), from the IDX files in data/mnist/ held in memory
-(no DataLoader workers: the fastest input path PyTorch has), gloo, one thread per rank.
+(indexing the tensors directly: the fastest input path PyTorch has), gloo, one thread per
+rank. With `--dataloader` the batches come the way the usual recipe writes it instead: a
+`DataLoader` over a `TensorDataset` with a `DistributedSampler` (no worker processes).
 
   torchrun --nproc-per-node 2 benches/pytorch/mnist_ddp.py --epochs 2
+  torchrun --nproc-per-node 2 benches/pytorch/mnist_ddp.py --epochs 2 --dataloader
 
 Prints each epoch's time (training only, the epoch's evaluation excluded) and test accuracy.
 """
@@ -36,6 +39,7 @@ def main():
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--data-dir", default="data/mnist")
+    p.add_argument("--dataloader", action="store_true")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -54,13 +58,28 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     n = x.shape[0]
     per_rank = n // world
-    for epoch in range(a.epochs):
+    if a.dataloader:
+        from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+        ds = TensorDataset(x, y)
+        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
+        loader = DataLoader(ds, batch_size=a.batch_size, sampler=sampler)
+
+    def batches(epoch):
+        if a.dataloader:
+            sampler.set_epoch(epoch)
+            yield from loader
+            return
         g = torch.Generator().manual_seed(epoch)
         order = torch.randperm(n, generator=g)[rank:per_rank * world:world]
-        t0 = time.perf_counter()
         for i in range(0, per_rank, a.batch_size):
             b = order[i : i + a.batch_size]
-            loss = F.cross_entropy(model(x[b]), y[b])
+            yield x[b], y[b]
+
+    for epoch in range(a.epochs):
+        t0 = time.perf_counter()
+        for bx, by in batches(epoch):
+            loss = F.cross_entropy(model(bx), by)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -68,7 +87,8 @@ def main():
         with torch.no_grad():
             acc = (model(tx).argmax(1) == ty).float().mean().item() * 100
         if rank == 0:
-            print(f"pytorch {torch.__version__} DDP world size {world}: epoch {epoch + 1} {dt:.2f} s, test accuracy {acc:.2f}%", flush=True)
+            how = "DataLoader" if a.dataloader else "indexed tensors"
+            print(f"pytorch {torch.__version__} DDP world size {world} ({how}): epoch {epoch + 1} {dt:.2f} s, test accuracy {acc:.2f}%", flush=True)
     if world > 1:
         dist.destroy_process_group()
 
