@@ -36,7 +36,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder};
 pub use crate::nn::gelu;
-use crate::nn::{causal_attention, cross_entropy, layer_norm, linear_forward, LayerNorm};
+use crate::nn::{
+    causal_attention, cross_entropy, layer_norm, linear_forward, linear_gelu, LayerNorm,
+};
 use crate::unit::UnitSpec;
 
 /// Standard deviation of GPT-2's weight initialisation.
@@ -274,7 +276,8 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        apply(&self.proj, &gelu(&apply(&self.fc, x)?)?)
+        let bias = self.fc.bias().expect("the MLP's fc layer has a bias");
+        apply(&self.proj, &linear_gelu(x, self.fc.weight(), bias)?)
     }
 }
 

@@ -98,6 +98,123 @@ pub fn linear(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Resul
     Ok(Linear(candle_nn::linear(in_dim, out_dim, vb)?))
 }
 
+/// `gelu(x · weightᵀ + bias)`: [`linear_forward`] followed by [`super::gelu`] (tanh
+/// approximation) as one graph node, the first half of a transformer MLP.
+///
+/// On the CPU in f32 the forward writes the pre-activation `h` once (the linear layer's gemm
+/// into a buffer holding the bias) and `y = gelu(h)` once; the op keeps `h` for its backward
+/// (the composed pair keeps it too, as the GELU node's input), which computes `dh = g ⊙
+/// gelu'(h)` in one vectorised pass and then the linear layer's three gradients from `dh`. Against
+/// the composed pair this saves the GELU node's zero-filled gradient accumulator and the
+/// addition into it (two passes over `h`'s size per step). Shapes and errors as
+/// [`linear_forward`]; other dtypes and devices compose [`linear_forward`] and [`super::gelu`].
+pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let kernel = x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && weight.dtype() == DType::F32
+        && bias.dtype() == DType::F32
+        && x.elem_count() > 0
+        && weight.elem_count() > 0;
+    let (out, inp) = weight.dims2()?;
+    if !kernel || x.dim(D::Minus1)? != inp || bias.dims() != [out] {
+        return super::gelu(&linear_forward(x, weight, Some(bias))?);
+    }
+    x.contiguous()?.apply_op3(
+        weight,
+        &bias.contiguous()?,
+        LinearGeluOp {
+            pre: std::sync::Mutex::new(None),
+        },
+    )
+}
+
+/// The forward of [`linear_gelu`]; `pre` holds the pre-activation `h` (`(N, out)`, f32) from
+/// the forward for the backward.
+struct LinearGeluOp {
+    pre: std::sync::Mutex<Option<Vec<f32>>>,
+}
+
+impl CustomOp3 for LinearGeluOp {
+    fn name(&self) -> &'static str {
+        "linear-gelu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        use super::activation::{gelu_f32, CHUNK};
+        let (h, shape) = LinearOp::cpu((s1, l1), (s2, l2), Some((s3, l3)))?;
+        let CpuStorage::F32(h) = h else {
+            bail!("linear-gelu: the pre-activation is not f32")
+        };
+        // SAFETY: each chunk's every element is written (zip over the chunk and its input).
+        let y: Vec<f32> = unsafe {
+            filled(h.len(), CHUNK, |i, out| {
+                let h = &h[i * CHUNK..i * CHUNK + out.len()];
+                with_simd(|| {
+                    for (o, &v) in out.iter_mut().zip(h) {
+                        o.write(gelu_f32(v));
+                    }
+                })
+            })
+        };
+        *self
+            .pre
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("linear-gelu: poisoned".into()))? = Some(h);
+        Ok((CpuStorage::F32(y), shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        use super::activation::{gelu_grad_f32, CHUNK};
+        let g = g.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let dh: Vec<f32> = {
+            let pre = self
+                .pre
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("linear-gelu: poisoned".into()))?;
+            let Some(h) = pre.as_ref() else {
+                bail!("linear-gelu backward: the forward's pre-activation is missing")
+            };
+            if h.len() != g.len() {
+                bail!(
+                    "linear-gelu backward: gradient of {} elements for an output of {}",
+                    g.len(),
+                    h.len()
+                )
+            }
+            // SAFETY: as in the forward.
+            unsafe {
+                filled(h.len(), CHUNK, |i, out| {
+                    let r = i * CHUNK..i * CHUNK + out.len();
+                    let (h, g) = (&h[r.clone()], &g[r]);
+                    with_simd(|| {
+                        for ((o, &h), &g) in out.iter_mut().zip(h).zip(g) {
+                            o.write(g * gelu_grad_f32(h));
+                        }
+                    })
+                })
+            }
+        };
+        let dh = Tensor::from_vec(dh, res.shape(), res.device())?;
+        let (dx, dw, db) = LinearOp::grads(x, w, &dh)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
 /// The forward of [`linear_forward`] (CustomOp2 without a bias, CustomOp3 with one).
 #[derive(Clone, Copy, Debug)]
 struct LinearOp;

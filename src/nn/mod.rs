@@ -7,6 +7,7 @@
 //! | [`linear_forward`] ([`Linear`], [`linear`]) | `linear.rs` | `candle_nn::Linear` (reshape, matmul, reshape, broadcast-add: four nodes) |
 //! | [`causal_softmax`] ([`causal_softmax_composed`]) | `softmax.rs` | scale + mask + softmax (four nodes) |
 //! | [`causal_attention`] ([`causal_attention_composed`]) | `attention.rs` | the q/k/v split, `Q·Kᵀ`, the causal softmax, `·V` and the head merge (about fifteen nodes and a `(B, h, T, T)` score tensor kept for backward) |
+//! | [`linear_gelu`] | `linear.rs` | `linear_forward` then `gelu`: two nodes, the second's gradient accumulator the size of the MLP's hidden layer |
 //! | [`gelu`] | `activation.rs` | `Tensor::gelu` (single-threaded, one `tanh` per element) |
 //! | [`cross_entropy`] | `loss.rs` | `candle_nn::loss::cross_entropy` (log-softmax, gather, mean: a `(N, V)` log-probability tensor) |
 //!
@@ -30,7 +31,7 @@ mod softmax;
 
 pub use activation::{gelu, gelu_composed};
 pub use attention::{causal_attention, causal_attention_composed};
-pub use linear::{linear, linear_forward, Linear};
+pub use linear::{linear, linear_forward, linear_gelu, Linear};
 pub use loss::{cross_entropy, cross_entropy_composed};
 pub use norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use softmax::{causal_softmax, causal_softmax_composed};

@@ -243,3 +243,44 @@ fn cross_entropy_equals_candle_nn() {
     let e = cross_entropy(&random(1, &[3, 37], 1.0), &bad).unwrap_err();
     assert!(e.to_string().contains("row 1 is 37"), "{e}");
 }
+
+#[test]
+fn linear_gelu_equals_linear_then_gelu() {
+    use candle_fsdp::nn::{linear_forward, linear_gelu};
+    let x = random(11, &[3, 70, 24], 1.5);
+    let w = (random(12, &[40, 24], 1.0) * 0.3).unwrap();
+    let b = random(13, &[40], 0.5);
+    let g = random(14, &[3, 70, 40], 1.0);
+    let run = |fused: bool| {
+        let (xv, wv, bv) = (
+            Var::from_tensor(&x).unwrap(),
+            Var::from_tensor(&w).unwrap(),
+            Var::from_tensor(&b).unwrap(),
+        );
+        let y = if fused {
+            linear_gelu(xv.as_tensor(), wv.as_tensor(), bv.as_tensor()).unwrap()
+        } else {
+            gelu_composed(
+                &linear_forward(xv.as_tensor(), wv.as_tensor(), Some(bv.as_tensor())).unwrap(),
+            )
+            .unwrap()
+        };
+        let loss = (&y * &g).unwrap().sum_all().unwrap();
+        // Twice over the same graph: the op keeps its pre-activation for every backward.
+        let grads = loss.backward().unwrap();
+        let again = loss.backward().unwrap();
+        let gx = values(grads.get(xv.as_tensor()).unwrap());
+        assert_eq!(gx, values(again.get(xv.as_tensor()).unwrap()));
+        [
+            values(&y),
+            gx,
+            values(grads.get(wv.as_tensor()).unwrap()),
+            values(grads.get(bv.as_tensor()).unwrap()),
+        ]
+    };
+    let (f, c) = (run(true), run(false));
+    for (what, (a, b)) in ["y", "dx", "dw", "db"].iter().zip(f.iter().zip(&c)) {
+        let rel = max_abs_diff(a, b) / b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        assert!(rel < 2e-6, "{what}: relative difference {rel}");
+    }
+}
