@@ -672,7 +672,7 @@ unsafe fn launch_reduce(
             srcs.len()
         )));
     }
-    let func = crate::kernels::cuda::func(cuda, MODULE, name)?;
+    let func = crate::kernels::nvrtc::func(cuda, MODULE, name)?;
     let mut table = [0u64; MAX_CUDA_RANKS];
     table[..srcs.len()].copy_from_slice(srcs);
     let nsrc = srcs.len() as u32;
