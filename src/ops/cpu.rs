@@ -1,9 +1,9 @@
 //! The CPU side of [`crate::ops`]: each op over tensors that `ops` has already checked (f32,
 //! contiguous, on the CPU, one element count, distinct storages), and the loops under them.
 //!
-//! Storage access: inputs are read under their storage's read lock
-//! ([`Tensor::storage_and_layout`]), outputs written through Candle's in-place op API
-//! ([`Tensor::inplace_op1`], nested once per written tensor): no copy, no allocation.
+//! Storage access (`crate::device`'s one accessor): inputs are read under their storage's read
+//! lock (`with_storage`), outputs written through Candle's in-place op API (`with_storage_mut`,
+//! nested once per written tensor): no copy, no allocation.
 //!
 //! The loops take their slices as arguments, so the compiler knows that `&mut` slices alias
 //! nothing (and vectorises without run-time overlap checks), and their constants by value. They
@@ -14,9 +14,10 @@
 use std::cell::Cell;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
+use candle_core::{CpuStorage, Tensor};
 
 use super::{AdamWHyper, ScaleFactor, SgdHyper, Unscale};
+use crate::device::{with_storage, with_storage_mut, StorageMut, StorageRef};
 use crate::error::{Error, Result};
 
 // ---- the ops over checked tensors (`super` checked dtype, layout, device, counts, aliasing) --
@@ -152,22 +153,23 @@ pub(super) fn sum_squares(t: &Tensor) -> Result<f64> {
 
 /// [`super::add_`] on the CPU.
 pub(super) fn add_(op: &'static str, dst: &Tensor, src: &Tensor) -> Result<()> {
-    let (storage, layout) = src.storage_and_layout();
-    let (start, end) = layout
-        .contiguous_offsets()
-        .expect("checked contiguous above");
-    let Storage::Cpu(cpu) = &*storage else {
-        unreachable!("checked on the CPU above")
-    };
-    with_mut(dst, op, |d| {
-        match cpu {
-            CpuStorage::F32(s) => add(d, &s[start..end]),
-            CpuStorage::BF16(s) => add_widened(d, &s[start..end]),
-            CpuStorage::F16(s) => add_widened(d, &s[start..end]),
-            _ => unreachable!("dtype checked above"),
-        }
-        Ok(())
-    })
+    with_storage(src, |storage, layout| {
+        let (start, end) = layout
+            .contiguous_offsets()
+            .expect("checked contiguous above");
+        let StorageRef::Cpu(cpu) = storage else {
+            unreachable!("checked on the CPU above")
+        };
+        with_mut(dst, op, |d| {
+            match cpu {
+                CpuStorage::F32(s) => add(d, &s[start..end]),
+                CpuStorage::BF16(s) => add_widened(d, &s[start..end]),
+                CpuStorage::F16(s) => add_widened(d, &s[start..end]),
+                _ => unreachable!("dtype checked above"),
+            }
+            Ok(())
+        })
+    })?
 }
 
 /// The CPU side of [`Unscale`]: `None` when the step is skipped, else the gradient factor.
@@ -185,68 +187,53 @@ fn cpu_unscale(u: &Unscale<'_>) -> Result<Option<f32>> {
 
 /// Calls `f` with the values of a contiguous f32 CPU tensor, borrowed under its read lock.
 pub(super) fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        return Err(Error::InvalidArgument(format!(
-            "expected a contiguous tensor, found shape {:?} with strides {:?}",
-            layout.dims(),
-            layout.stride()
-        )));
-    };
-    match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => Ok(f(&v[start..end])),
-        Storage::Cpu(other) => Err(Error::InvalidArgument(format!(
-            "expected an f32 tensor, found {:?}",
-            other.dtype()
-        ))),
-        _ => Err(super::not_on_cpu("reading a tensor", t.device())),
-    }
-}
-
-/// An [`InplaceOp1`] that hands the tensor's f32 values, as one mutable slice, to a closure.
-struct SliceMut<F> {
-    name: &'static str,
-    f: Cell<Option<F>>,
-}
-
-impl<F> InplaceOp1 for SliceMut<F>
-where
-    F: FnOnce(&mut [f32]) -> Result<()>,
-{
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(v) = storage else {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: expected an f32 tensor, found {:?}",
-                self.name,
-                storage.dtype()
-            )));
-        };
+    with_storage(t, |storage, layout| {
         let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: expected a contiguous tensor",
-                self.name
+            return Err(Error::InvalidArgument(format!(
+                "expected a contiguous tensor, found shape {:?} with strides {:?}",
+                layout.dims(),
+                layout.stride()
             )));
         };
-        let f = self.f.take().expect("an in-place op runs its closure once");
-        f(&mut v[start..end]).map_err(Error::into_candle)
-    }
+        match storage {
+            StorageRef::Cpu(CpuStorage::F32(v)) => Ok(f(&v[start..end])),
+            StorageRef::Cpu(other) => Err(Error::InvalidArgument(format!(
+                "expected an f32 tensor, found {:?}",
+                other.dtype()
+            ))),
+            StorageRef::Cuda(_) => Err(super::not_on_cpu("reading a tensor", t.device())),
+        }
+    })
+    .and_then(|r| r)
 }
 
-/// Runs `f` on the f32 values of `t`, mutably, under `t`'s write lock (no copy, no allocation).
+/// Runs `f` on the f32 values of `t`, mutably, under `t`'s write lock (no copy, no allocation;
+/// [`crate::device::with_storage_mut`]).
 pub(super) fn with_mut(
     t: &Tensor,
     name: &'static str,
     f: impl FnOnce(&mut [f32]) -> Result<()>,
 ) -> Result<()> {
-    t.inplace_op1(&SliceMut {
-        name,
-        f: Cell::new(Some(f)),
+    let r = with_storage_mut(t, None, name, |storage, layout, _| {
+        let StorageMut::Cpu(storage) = storage else {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "{name}: expected a tensor on the CPU"
+            ))));
+        };
+        let dtype = storage.dtype();
+        let CpuStorage::F32(v) = storage else {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "{name}: expected an f32 tensor, found {dtype:?}"
+            ))));
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "{name}: expected a contiguous tensor"
+            ))));
+        };
+        f(&mut v[start..end])
     })?;
-    Ok(())
+    r
 }
 
 // ---- the loops ------------------------------------------------------------------------------

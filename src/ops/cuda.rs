@@ -10,8 +10,7 @@
 //!
 //! **Wrappers.** One function per kernel. Tensors are flat: any shape, but contiguous (a start
 //! offset is fine: the optimizers pass narrowed views), on one GPU. In-place updates go through
-//! Candle's in-place op API ([`Tensor::inplace_op1`] / [`Tensor::inplace_op2`] with a
-//! `cuda_fwd`), which holds each written tensor's storage write lock during the launch; new
+//! Candle's in-place op API (`crate::device::with_storage_mut`), which holds each written tensor's storage write lock during the launch; new
 //! outputs are fresh allocations wrapped with [`Tensor::from_storage`]. Kernels run on the
 //! device's compute stream ([`CudaDevice::cuda_stream`]) unless a wrapper takes a `stream`.
 //! Every buffer is passed to the launch through cudarc's views (or, for the per-parameter
@@ -26,15 +25,12 @@
 //! the parameters of a batch (at most [`kernels::COPY_MAX_PARAMS`]), `x` = blocks over the
 //! largest parameter (at most [`kernels::MAX_BLOCKS`]); `update_scale` one thread.
 
-use std::cell::Cell;
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDType, CudaStorageSlice};
 use candle_core::op::BackpropOp;
-use candle_core::{
-    CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor,
-};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Storage, Tensor};
 use cudarc::driver::{
     CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig,
     PushKernelArg, SyncOnDrop,
@@ -42,6 +38,7 @@ use cudarc::driver::{
 use half::{bf16, f16};
 
 use super::{AdamWHyper, ScaleFactor, SgdHyper, Unscale};
+use crate::device::{with_storage_mut, StorageMut, StorageRef};
 use crate::error::{Error, Result};
 use crate::flat_param::FlatParamLayout;
 use crate::kernels::nvrtc::func;
@@ -218,87 +215,34 @@ impl<'a> AnyViewMut<'a> {
     }
 }
 
-/// An [`InplaceOp1`] handing a tensor's CUDA storage and layout, mutably, to a closure (run
-/// under the storage's write lock).
-struct CudaMut<F> {
-    name: &'static str,
-    f: Cell<Option<F>>,
-}
-
-impl<F> InplaceOp1 for CudaMut<F>
-where
-    F: FnOnce(&mut CudaStorage, &Layout) -> Result<()>,
-{
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        Err(Error::InvalidArgument(format!(
-            "{}: a CUDA kernel was called on a CPU tensor",
-            self.name
-        ))
-        .into_candle())
-    }
-
-    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
-        let f = self.f.take().expect("an in-place op runs its closure once");
-        f(s, l).map_err(Error::into_candle)
-    }
-}
-
-/// Runs `f` on `t`'s CUDA storage under its write lock.
+/// Runs `f` on `t`'s CUDA storage under its write lock ([`crate::device::with_storage_mut`]).
 fn with_mut(
     t: &Tensor,
     name: &'static str,
     f: impl FnOnce(&mut CudaStorage, &Layout) -> Result<()>,
 ) -> Result<()> {
-    t.inplace_op1(&CudaMut {
-        name,
-        f: Cell::new(Some(f)),
-    })?;
-    Ok(())
+    with_storage_mut(t, None, name, |s, l, _| match s {
+        StorageMut::Cuda(s) => f(s, l),
+        StorageMut::Cpu(_) => Err(Error::InvalidArgument(format!(
+            "{name}: a CUDA kernel was called on a CPU tensor"
+        ))),
+    })?
 }
 
-/// An [`InplaceOp2`] handing the first tensor's CUDA storage mutably and the second's read-only
-/// to a closure (Candle holds both locks).
-struct CudaMut2<F> {
+/// Runs `f` on `dst`'s CUDA storage under its write lock and `src`'s under its read lock
+/// ([`crate::device::with_storage_mut`]).
+fn with_mut2(
+    dst: &Tensor,
+    src: &Tensor,
     name: &'static str,
-    f: Cell<Option<F>>,
-}
-
-impl<F> InplaceOp2 for CudaMut2<F>
-where
-    F: FnOnce(&mut CudaStorage, &Layout, &CudaStorage, &Layout) -> Result<()>,
-{
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &mut CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<()> {
-        Err(Error::InvalidArgument(format!(
-            "{}: a CUDA kernel was called on CPU tensors",
-            self.name
-        ))
-        .into_candle())
-    }
-
-    fn cuda_fwd(
-        &self,
-        s1: &mut CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<()> {
-        let f = self.f.take().expect("an in-place op runs its closure once");
-        f(s1, l1, s2, l2).map_err(Error::into_candle)
-    }
+    f: impl FnOnce(&mut CudaStorage, &Layout, &CudaStorage, &Layout) -> Result<()>,
+) -> Result<()> {
+    with_storage_mut(dst, Some(src), name, |d, dl, s| match (d, s) {
+        (StorageMut::Cuda(d), Some((StorageRef::Cuda(s), sl))) => f(d, dl, s, sl),
+        _ => Err(Error::InvalidArgument(format!(
+            "{name}: a CUDA kernel was called on CPU tensors"
+        ))),
+    })?
 }
 
 /// A new tensor of `shape` over a fresh device allocation.
@@ -501,29 +445,21 @@ pub fn cast_into(src: &Tensor, dst: &Tensor) -> Result<()> {
     );
     let f = func(&dev, "cast", "cast")?;
     let cs = dev.cuda_stream();
-    dst.inplace_op2(
-        src,
-        &CudaMut2 {
-            name: OP,
-            f: Cell::new(Some(
-                |ds: &mut CudaStorage, dl: &Layout, ss: &CudaStorage, sl: &Layout| {
-                    let input = AnyView::new(ss, sl, OP, "src")?;
-                    let mut out = AnyViewMut::new(ds, dl, OP, "dst")?;
-                    let n64 = n as u64;
-                    let mut b = cs.launch_builder(&f);
-                    input.push(&mut b);
-                    b.arg(&src_code);
-                    out.push(&mut b);
-                    b.arg(&dst_code);
-                    b.arg(&n64);
-                    // SAFETY: as in `cast`: matching argument list, n elements in both views,
-                    // distinct storages (checked).
-                    unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("cast::cast", e))?;
-                    Ok(())
-                },
-            )),
-        },
-    )?;
+    with_mut2(dst, src, OP, |ds, dl, ss, sl| {
+        let input = AnyView::new(ss, sl, OP, "src")?;
+        let mut out = AnyViewMut::new(ds, dl, OP, "dst")?;
+        let n64 = n as u64;
+        let mut b = cs.launch_builder(&f);
+        input.push(&mut b);
+        b.arg(&src_code);
+        out.push(&mut b);
+        b.arg(&dst_code);
+        b.arg(&n64);
+        // SAFETY: as in `cast`: matching argument list, n elements in both views,
+        // distinct storages (checked).
+        unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("cast::cast", e))?;
+        Ok(())
+    })?;
     Ok(())
 }
 
@@ -851,29 +787,21 @@ pub(super) fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     let f = func(&dev, "ops", "add")?;
     let cs = dev.cuda_stream();
     let code = dtype_code(src.dtype()).expect("checked");
-    dst.inplace_op2(
-        src,
-        &CudaMut2 {
-            name: OP,
-            f: Cell::new(Some(
-                |ds: &mut CudaStorage, dl: &Layout, ss: &CudaStorage, sl: &Layout| {
-                    let mut d = f32_view_mut(ds, dl, OP, "dst")?;
-                    let s = AnyView::new(ss, sl, OP, "src")?;
-                    let n64 = n as u64;
-                    let mut b = cs.launch_builder(&f);
-                    b.arg(&mut d);
-                    s.push(&mut b);
-                    b.arg(&code);
-                    b.arg(&n64);
-                    // SAFETY: `add(float*, const void*, u32, u64)`: matching argument list; both
-                    // views hold n elements (src of the dtype whose code is passed); distinct
-                    // storages (checked).
-                    unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("ops::add", e))?;
-                    Ok(())
-                },
-            )),
-        },
-    )?;
+    with_mut2(dst, src, OP, |ds, dl, ss, sl| {
+        let mut d = f32_view_mut(ds, dl, OP, "dst")?;
+        let s = AnyView::new(ss, sl, OP, "src")?;
+        let n64 = n as u64;
+        let mut b = cs.launch_builder(&f);
+        b.arg(&mut d);
+        s.push(&mut b);
+        b.arg(&code);
+        b.arg(&n64);
+        // SAFETY: `add(float*, const void*, u32, u64)`: matching argument list; both
+        // views hold n elements (src of the dtype whose code is passed); distinct
+        // storages (checked).
+        unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("ops::add", e))?;
+        Ok(())
+    })?;
     Ok(())
 }
 

@@ -37,8 +37,9 @@
 //! Aliasing: the tensors written by one call must not share storage with each other, with its
 //! inputs or with its scaler tensors (checked; an error names the two tensors).
 
-use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
+use candle_core::{DType, Device, Tensor};
 
+use crate::device::same_storage;
 use crate::error::{Error, Result};
 use crate::kernels::plan::{AdamWArgs, SgdArgs};
 
@@ -616,20 +617,6 @@ fn check_all(op: &str, tensors: &[(&str, &Tensor)]) -> Result<usize> {
     Ok(n)
 }
 
-/// Address of the first element of a non-empty CPU tensor's storage, or of a GPU tensor's
-/// storage object (inside Candle's shared lock): two tensors share storage exactly when these
-/// are equal (a CPU storage owns its vector, a CUDA storage its allocation).
-fn storage_addr(t: &Tensor) -> usize {
-    let (storage, _) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => v.as_ptr() as usize,
-        Storage::Cpu(CpuStorage::BF16(v)) => v.as_ptr() as usize,
-        Storage::Cpu(CpuStorage::F16(v)) => v.as_ptr() as usize,
-        Storage::Cuda(s) => std::ptr::from_ref(s) as usize,
-        _ => 0,
-    }
-}
-
 /// `tensors` followed by the scaler tensors of `u` (named `inv_scale`, `found_inf`), for
 /// [`check_distinct`].
 fn with_unscale<'a>(
@@ -649,14 +636,9 @@ fn with_unscale<'a>(
 /// Refuses tensors that share storage: locking one storage twice would deadlock, and the
 /// element-wise loops assume distinct memory.
 pub(crate) fn check_distinct(op: &str, tensors: &[(&str, &Tensor)]) -> Result<()> {
-    let mut addrs = [0usize; 6];
-    debug_assert!(tensors.len() <= addrs.len());
-    for (a, &(_, t)) in addrs.iter_mut().zip(tensors) {
-        *a = storage_addr(t);
-    }
     for i in 0..tensors.len() {
         for j in i + 1..tensors.len() {
-            if addrs[i] == addrs[j] {
+            if same_storage(tensors[i].1, tensors[j].1) {
                 return Err(Error::InvalidArgument(format!(
                     "{op}: {} and {} share one storage; each tensor must own its own",
                     tensors[i].0, tensors[j].0
