@@ -107,6 +107,23 @@ impl FlatParamLayout {
         })
     }
 
+    /// The geometry the copy kernels see ([`crate::kernels::plan::CopyLayout`]): each
+    /// parameter's offset and element count, the shard size and the world size.
+    pub fn copy_layout(&self) -> crate::kernels::plan::CopyLayout {
+        crate::kernels::plan::CopyLayout {
+            spans: self
+                .params
+                .iter()
+                .map(|p| crate::kernels::plan::ParamSpan {
+                    offset: p.offset,
+                    numel: p.numel,
+                })
+                .collect(),
+            shard_numel: self.shard_numel,
+            world_size: self.world_size,
+        }
+    }
+
     /// Sum of the parameters' element counts (no gaps, no padding).
     pub fn param_numel(&self) -> usize {
         self.params.iter().map(|p| p.numel).sum()

@@ -46,8 +46,6 @@ pub mod checkpoint;
 pub mod clip;
 pub mod comm;
 pub(crate) mod cpu;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 pub mod data;
 pub mod device;
 pub mod error;
@@ -73,6 +71,9 @@ pub mod timeline;
 pub mod trace;
 pub mod unit;
 
+/// The GPU path's CUDA plumbing ([`device::cuda`], feature `cuda`), at its former path.
+#[cfg(feature = "cuda")]
+pub use device::cuda;
 pub use error::{Error, Result};
 pub use fsdp::{
     BackwardPrefetch, Forward, FsdpConfig, FsdpModel, FsdpModelBuilder, FullModel, MemoryBudget,

@@ -466,7 +466,7 @@ fn a_program_that_cannot_start_is_named_with_the_os_error() {
 #[test]
 #[ignore = "a rank started by fsdp-run in ranks_started_by_fsdp_run_bootstrap_through_the_store"]
 fn helper_store_rank() {
-    use candle_fsdp::launch::store::TcpStore;
+    use candle_fsdp::comm::store::TcpStore;
     use candle_fsdp::launch::{LaunchEnv, TorchrunEnv};
     let t = TorchrunEnv::from_vars(&|v| std::env::var(v).ok())
         .unwrap()

@@ -11,14 +11,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
-use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
-use candle_fsdp::comm::ReduceOp;
-use candle_fsdp::device::DeviceSpec;
-use candle_fsdp::launch::bootstrap::{
+use candle_fsdp::comm::bootstrap::{
     close_inbox, inbox_key, publish_failure, share_from_rank0, wait_notice, KeyValueStore, Notice,
     MAX_REASON_BYTES, UNIQUE_ID_KEY,
 };
-use candle_fsdp::launch::store::TcpStore;
+use candle_fsdp::comm::store::TcpStore;
+use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::comm::ReduceOp;
+use candle_fsdp::device::DeviceSpec;
 use candle_fsdp::launch::{LaunchEnv, Launcher};
 use candle_fsdp::Error;
 

@@ -16,7 +16,7 @@ use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::flat_param::FlatParamLayout;
 use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
-use candle_fsdp::kernels::{self, args, FloatVec, Floats, KernelFloat};
+use candle_fsdp::kernels::{self, plan as args, FloatVec, Floats, KernelFloat};
 use candle_fsdp::ops::{self, AdamWHyper, ScaleFactor, SgdHyper, Unscale};
 use candle_fsdp::optim::{Sgd, SgdConfig};
 use candle_fsdp::unit::UnitSpec;
@@ -255,7 +255,7 @@ fn adamw_reference_is_ops_adamw_step_bit_for_bit() {
                     bits(&g0),
                     "the fused step reads grad only"
                 );
-                kernels::adamw_reference(&mut rp, &g0, &mut rm, &mut rv, &h, inv, 0.0);
+                kernels::adamw_reference(&mut rp, &g0, &mut rm, &mut rv, &(&h).into(), inv, 0.0);
                 for (what, a, b) in [
                     ("param", &p, &rp),
                     ("exp_avg", &m, &rm),
@@ -287,7 +287,7 @@ fn adamw_reference_is_ops_adamw_step_bit_for_bit() {
                 &host(&g),
                 &mut b,
                 &mut c,
-                &adamw_hyper(1e-3, wd, 4),
+                &(&adamw_hyper(1e-3, wd, 4)).into(),
                 inv,
                 1.0,
             );
@@ -333,7 +333,7 @@ fn sgd_reference_is_ops_sgd_step_bit_for_bit() {
                         let buf_f = (momentum != 0.0).then_some(&bf);
                         ops::sgd_step_fused(&pf, &cpu(g0.clone()), buf_f, &h, &u).unwrap();
                         let rbuf = (momentum != 0.0).then_some(&mut rb[..]);
-                        kernels::sgd_reference(&mut rp, &g0, rbuf, &h, inv, 0.0);
+                        kernels::sgd_reference(&mut rp, &g0, rbuf, &(&h).into(), inv, 0.0);
                         let what =
                             format!("n {n} mu {momentum} nesterov {nesterov} wd {wd} step {step}");
                         assert_eq!(bits(&host(&p)), bits(&rp), "{what}");
@@ -522,17 +522,17 @@ fn reference_buffer(layout: &FlatParamLayout, grads: &[Option<Tensor>], reduce: 
         .map(|o| o.as_ref().map(FloatVec::as_floats))
         .collect();
     match reduce {
-        DType::BF16 => kernels::copy_in_reference::<bf16>(layout, &floats)
+        DType::BF16 => kernels::copy_in_reference::<bf16>(&layout.copy_layout(), &floats)
             .unwrap()
             .iter()
             .map(|x| x.widen())
             .collect(),
-        DType::F16 => kernels::copy_in_reference::<f16>(layout, &floats)
+        DType::F16 => kernels::copy_in_reference::<f16>(&layout.copy_layout(), &floats)
             .unwrap()
             .iter()
             .map(|x| x.widen())
             .collect(),
-        _ => kernels::copy_in_reference::<f32>(layout, &floats).unwrap(),
+        _ => kernels::copy_in_reference::<f32>(&layout.copy_layout(), &floats).unwrap(),
     }
 }
 
@@ -606,7 +606,8 @@ fn copy_in_reference_layout_by_hand() {
         FlatParamLayout::new(&[("a".into(), 3.into()), ("b".into(), 2.into())], 3).unwrap();
     assert_eq!((layout.padded_numel, layout.shard_numel), (6, 2));
     let g = [1.5f32, -2.0, 3.0];
-    let out = kernels::copy_in_reference::<f32>(&layout, &[Some(Floats::F32(&g))]).unwrap();
+    let out =
+        kernels::copy_in_reference::<f32>(&layout.copy_layout(), &[Some(Floats::F32(&g))]).unwrap();
     #[rustfmt::skip]
     assert_eq!(out, vec![
         1.5, -2.0, 1.0, 0.0, // chunk 0: a[0], a[1], flags
@@ -614,7 +615,7 @@ fn copy_in_reference_layout_by_hand() {
         0.0, 0.0, 1.0, 0.0,  // chunk 2: b (absent), flags
     ]);
     let empty = FlatParamLayout::new(&[], 2).unwrap();
-    assert!(kernels::copy_in_reference::<f32>(&empty, &[]).is_none());
+    assert!(kernels::copy_in_reference::<f32>(&empty.copy_layout(), &[]).is_none());
 }
 
 #[test]
@@ -673,9 +674,18 @@ fn out_f32<S: KernelFloat>(layout: &FlatParamLayout, flat: &[S], dst: DType) -> 
             .collect()
     }
     match dst {
-        DType::BF16 => widen(kernels::copy_out_reference::<S, bf16>(layout, flat)),
-        DType::F16 => widen(kernels::copy_out_reference::<S, f16>(layout, flat)),
-        _ => widen(kernels::copy_out_reference::<S, f32>(layout, flat)),
+        DType::BF16 => widen(kernels::copy_out_reference::<S, bf16>(
+            &layout.copy_layout().spans,
+            flat,
+        )),
+        DType::F16 => widen(kernels::copy_out_reference::<S, f16>(
+            &layout.copy_layout().spans,
+            flat,
+        )),
+        _ => widen(kernels::copy_out_reference::<S, f32>(
+            &layout.copy_layout().spans,
+            flat,
+        )),
     }
 }
 
@@ -735,7 +745,7 @@ fn update_scale_reference_follows_the_grad_scaler() {
 
 #[test]
 fn every_kernel_the_wrappers_launch_is_in_its_module() {
-    // (module, function) pairs src/kernels/cuda.rs loads; a rename on either side fails here,
+    // (module, function) pairs src/ops/cuda.rs loads; a rename on either side fails here,
     // without NVRTC.
     let launched = [
         ("cast", "cast"),
@@ -908,15 +918,15 @@ fn copy_out_ref(layout: &FlatParamLayout, flat: &FloatVec, d: u32) -> Vec<FloatV
     macro_rules! go {
         ($S:ty, $x:expr) => {
             match d {
-                0 => kernels::copy_out_reference::<$S, f32>(layout, $x)
+                0 => kernels::copy_out_reference::<$S, f32>(&layout.copy_layout().spans, $x)
                     .into_iter()
                     .map(FloatVec::F32)
                     .collect(),
-                1 => kernels::copy_out_reference::<$S, bf16>(layout, $x)
+                1 => kernels::copy_out_reference::<$S, bf16>(&layout.copy_layout().spans, $x)
                     .into_iter()
                     .map(FloatVec::BF16)
                     .collect(),
-                _ => kernels::copy_out_reference::<$S, f16>(layout, $x)
+                _ => kernels::copy_out_reference::<$S, f16>(&layout.copy_layout().spans, $x)
                     .into_iter()
                     .map(FloatVec::F16)
                     .collect(),
@@ -1002,7 +1012,7 @@ fn copy_layouts(rng: &mut StdRng) -> Vec<FlatParamLayout> {
 }
 
 /// The kernel sources compiled for the CPU (kernels/host/) and run, launch by launch, with the
-/// launch plans the GPU wrappers use (`kernels::args`), against the references: the indexing,
+/// launch plans the GPU wrappers use (`kernels::plan`), against the references: the indexing,
 /// batching, dtype dispatch and arithmetic of the kernels themselves, on a machine without a GPU.
 /// Outputs start as a sentinel pattern, so an element a launch plan misses shows. The block
 /// reductions of the sum of squares are left to the GPU tests.
@@ -1072,20 +1082,20 @@ fn kernel_sources_run_under_host_emulation() {
         let what = format!("{f} params, ws {}", layout.world_size);
         for out_code in 0..3u32 {
             let out = sentinel(layout.world_size * (layout.shard_numel + f), out_code);
-            for (a, grid) in args::copy_in_plan(&layout, &srcs, out_code) {
+            for (a, grid) in args::copy_in_plan(&layout.copy_layout(), &srcs, out_code) {
                 // SAFETY: `out` holds W·(S+F) elements of the out dtype; every source holds its
                 // parameter's numel elements of its dtype.
                 unsafe { copy_in(addr(&out), &a, grid.0, grid.1, threads) };
             }
             let want = match out_code {
                 0 => raw(&FloatVec::F32(
-                    kernels::copy_in_reference(&layout, &floats).unwrap(),
+                    kernels::copy_in_reference(&layout.copy_layout(), &floats).unwrap(),
                 )),
                 1 => raw(&FloatVec::BF16(
-                    kernels::copy_in_reference(&layout, &floats).unwrap(),
+                    kernels::copy_in_reference(&layout.copy_layout(), &floats).unwrap(),
                 )),
                 _ => raw(&FloatVec::F16(
-                    kernels::copy_in_reference(&layout, &floats).unwrap(),
+                    kernels::copy_in_reference(&layout.copy_layout(), &floats).unwrap(),
                 )),
             };
             assert_eq!(raw(&out), want, "copy_in {what}, out dtype {out_code}");
@@ -1097,7 +1107,7 @@ fn kernel_sources_run_under_host_emulation() {
                 let outs: Vec<FloatVec> =
                     layout.params.iter().map(|p| sentinel(p.numel, d)).collect();
                 let dsts: Vec<u64> = outs.iter().map(addr).collect();
-                for (a, grid) in args::copy_out_plan(&layout, &dsts, s, d) {
+                for (a, grid) in args::copy_out_plan(&layout.copy_layout().spans, &dsts, s, d) {
                     // SAFETY: `flat` holds padded_numel elements of dtype s; every output its
                     // parameter's numel elements of dtype d.
                     unsafe { copy_out(addr(&flat), &a, grid.0, grid.1, threads) };
@@ -1203,7 +1213,7 @@ fn kernel_sources_run_under_host_emulation() {
                         threads,
                     )
                 };
-                kernels::adamw_reference(&mut rp, &g, &mut rm, &mut rv, &h, inv, 0.0);
+                kernels::adamw_reference(&mut rp, &g, &mut rm, &mut rv, &(&h).into(), inv, 0.0);
                 let what = format!("adamw n {n} wd {wd} inv {inv} t {t}");
                 assert_eq!(bits(&p), bits(&rp), "{what}");
                 assert_eq!(bits(&m), bits(&rm), "{what}");
@@ -1266,7 +1276,7 @@ fn kernel_sources_run_under_host_emulation() {
                             )
                         };
                         let rbuf = (momentum != 0.0).then_some(&mut rb[..]);
-                        kernels::sgd_reference(&mut rp, &g, rbuf, &h, inv, 0.0);
+                        kernels::sgd_reference(&mut rp, &g, rbuf, &(&h).into(), inv, 0.0);
                         let what =
                             format!("sgd n {n} mu {momentum} nesterov {nesterov} step {step}");
                         assert_eq!(bits(&p), bits(&rp), "{what}");

@@ -1,4 +1,4 @@
-//! The TCP key-value store that bootstraps torchrun-style jobs (`launch::store`): ranks as
+//! The TCP key-value store that bootstraps torchrun-style jobs (`comm::store`): ranks as
 //! threads of this process and as processes (this test binary re-executed, one `#[ignore]`d
 //! helper per rank), set/get across ranks, `get` blocking until a `set`, barriers, and every
 //! failure naming what is missing: ranks that never join, a key never set, ranks that never
@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use candle_fsdp::launch::store::{TcpStore, MAX_VALUE_BYTES};
+use candle_fsdp::comm::store::{TcpStore, MAX_VALUE_BYTES};
 use candle_fsdp::Error;
 
 const T: Duration = Duration::from_secs(20);

@@ -12,7 +12,7 @@
 //! `127.0.0.1`, `29500`), and removes the variables `mpirun` sets (`OMPI_COMM_WORLD_*`,
 //! `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALNRANKS`) so that the children are not taken for MPI ranks.
 //! Rank 0 serves the job's rendezvous store at `MASTER_ADDR:MASTER_PORT`
-//! (`candle_fsdp::launch::store`); `fsdp-run` itself opens no port. On several machines, run
+//! (`candle_fsdp::comm::store`); `fsdp-run` itself opens no port. On several machines, run
 //! one `fsdp-run` per machine with the same `--nnodes`, `--nproc-per-node`, `--master-addr`
 //! (node rank 0's address) and `--master-port`, and its own `--node-rank`.
 //!

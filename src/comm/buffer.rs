@@ -2,20 +2,17 @@
 //! for a collective ([`Post`]: kind, sequence number, buffer lengths and dtypes, reduce op, root,
 //! setup argument, local problem), the deterministic validation of every rank's post
 //! ([`validate`]; the same verdict on every rank), and access to a CPU tensor's storage under
-//! Candle's in-place op locks ([`WithStorage`]).
+//! Candle's in-place op locks ([`with_raw_bufs`]).
 //!
 //! The thread backend posts these through shared memory; the MPI backend encodes them into a
 //! small descriptor message exchanged before the data moves. Both therefore fail the same way, with
 //! the same [`Error::BadBuffer`] or [`Error::CollectiveMismatch`] on every rank.
 
-use std::cell::RefCell;
-
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    CpuStorage, DType, Device, DeviceLocation, InplaceOp1, InplaceOp2, Layout, Tensor,
-};
+use candle_core::{CpuStorage, DType, Device, DeviceLocation, Layout, Tensor};
 
 use crate::comm::{OpKind, ReduceOp};
+use crate::device::{with_storage_mut, Refused, StorageMut, StorageRef};
 use crate::error::{Error, Result};
 
 /// Kind of a rendezvous: a collective, or one of the setup operations run on the caller's thread.
@@ -514,51 +511,31 @@ fn raw_write(storage: &mut CpuStorage, layout: &Layout) -> RawBuf {
     raw(base, len, storage, layout)
 }
 
-/// A Candle in-place op that runs a collective body with the raw buffers of its tensors.
-pub(crate) struct WithStorage<F> {
-    body: RefCell<Option<F>>,
-    pub(crate) result: RefCell<Option<Result<()>>>,
-}
-
-impl<F: FnOnce(RawBuf, Option<RawBuf>) -> Result<()>> WithStorage<F> {
-    pub(crate) fn new(body: F) -> Self {
-        WithStorage {
-            body: RefCell::new(Some(body)),
-            result: RefCell::new(None),
-        }
-    }
-
-    fn run(&self, dst: RawBuf, src: Option<RawBuf>) {
-        if let Some(body) = self.body.borrow_mut().take() {
-            *self.result.borrow_mut() = Some(body(dst, src));
-        }
-    }
-}
-
-impl<F: FnOnce(RawBuf, Option<RawBuf>) -> Result<()>> InplaceOp1 for WithStorage<F> {
-    fn name(&self) -> &'static str {
-        "thread-collective"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        self.run(raw_write(storage, layout), None);
-        Ok(())
-    }
-}
-
-impl<F: FnOnce(RawBuf, Option<RawBuf>) -> Result<()>> InplaceOp2 for WithStorage<F> {
-    fn name(&self) -> &'static str {
-        "thread-collective"
-    }
-
-    fn cpu_fwd(
-        &self,
-        dst: &mut CpuStorage,
-        dst_l: &Layout,
-        src: &CpuStorage,
-        src_l: &Layout,
-    ) -> candle_core::Result<()> {
-        self.run(raw_write(dst, dst_l), Some(raw_read(src, src_l)));
-        Ok(())
-    }
+/// Runs a collective body with the raw buffers of `dst` (write-locked) and, when given, `src`
+/// (read-locked), both CPU tensors that passed [`check`], under Candle's storage locks for the
+/// whole call ([`crate::device::with_storage_mut`]).
+///
+/// Errors ([`Refused`]): Candle refused before calling `body`: the output shares storage with the
+/// input (devices and layouts are checked by the caller first).
+pub(crate) fn with_raw_bufs<R>(
+    dst: &Tensor,
+    src: Option<&Tensor>,
+    body: impl FnOnce(RawBuf, Option<RawBuf>) -> R,
+) -> std::result::Result<R, Refused> {
+    with_storage_mut(dst, src, "thread-collective", |d, dl, s| {
+        let StorageMut::Cpu(d) = d else {
+            return None;
+        };
+        let src = match s {
+            None => None,
+            Some((StorageRef::Cpu(s), sl)) => Some(raw_read(s, sl)),
+            Some((StorageRef::Cuda(_), _)) => return None,
+        };
+        Some(body(raw_write(d, dl), src))
+    })?
+    .ok_or_else(|| {
+        Refused(candle_core::Error::Msg(
+            "thread-collective: not CPU tensors".into(),
+        ))
+    })
 }

@@ -44,6 +44,7 @@
 //! process, started by `mpirun`; bitwise the same reductions as `threads`). Statistics are counted once for every
 //! backend by the [`stats::Instrumented`] wrapper that launchers put around it.
 
+pub mod bootstrap;
 pub(crate) mod buffer;
 pub mod host;
 #[cfg(feature = "mpi")]
@@ -52,6 +53,7 @@ pub mod mpi;
 pub mod nccl;
 pub(crate) mod reduce;
 pub mod stats;
+pub mod store;
 pub mod threads;
 pub mod work;
 

@@ -7,10 +7,16 @@
 //! (`tests/kernels.rs`) check that each reference equals the production CPU path it stands for
 //! ([`crate::ops`]' loops, the copy-in of `fsdp::collectives`, the `half` crate's conversions,
 //! the grad scaler's update) and run the kernel sources themselves on the CPU under a host
-//! emulation of the CUDA built-ins (`kernels/host/`) with the launch plans of [`args`]. The
+//! emulation of the CUDA built-ins (`kernels/host/`) with the launch plans of [`plan`]. The
 //! sources are embedded in the binary ([`SOURCES`]), compiled once per process and loaded once
-//! per device by module `cuda` (feature `cuda`), which also holds the launch wrappers over
-//! Candle tensors.
+//! per device by module `nvrtc` (feature `cuda`). The launch wrappers over Candle tensors are
+//! the GPU side of [`crate::ops`] (`ops::cuda`).
+//!
+//! **A leaf.** This module imports nothing of the crate but [`crate::error`]: it knows the
+//! kernels, their argument structs and their plans, not the optimizers or the flat parameters
+//! that use them (Candle's `candle-kernels`). The references take the kernels' own argument
+//! structs ([`plan::AdamWArgs`], [`plan::SgdArgs`]) and layouts ([`plan::CopyLayout`]); the
+//! conversions live with the types above (`ops`, `flat_param`).
 //!
 //! | module  | kernels | reference |
 //! |---------|---------|-----------|
@@ -27,16 +33,28 @@
 //! sum of squares is reduced in a fixed tree order, reproduced exactly by
 //! [`sum_squares_reference`]; it differs from the CPU path's element-order sum by rounding only.
 
-#[doc(hidden)]
-pub mod args;
 #[cfg(feature = "cuda")]
-pub mod cuda;
+pub mod nvrtc;
+#[doc(hidden)]
+pub mod plan;
 
 use candle_core::DType;
 use half::{bf16, f16};
 
-use crate::flat_param::FlatParamLayout;
-use crate::ops::{AdamWHyper, SgdHyper};
+use plan::{AdamWArgs, CopyLayout, ParamSpan, SgdArgs};
+
+/// The former home of the launch wrappers (feature `cuda`), kept so that existing callers
+/// (`fsdp/collectives.rs`) build unchanged: loading from [`nvrtc`], the wrappers from
+/// `crate::ops::cuda`. The only path of this module that names the crate above it; remove it
+/// once those callers use `ops::cuda`.
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub mod cuda {
+    pub use super::nvrtc::{func, ptx};
+    pub use crate::ops::cuda::{
+        cast, cast_into, copy_in, copy_out, sum_squares_into, update_scale_,
+    };
+}
 
 /// The shared prelude of every module (conversions, dtype codes, grid-stride loop), put in
 /// front of each module's source in [`SOURCES`].
@@ -338,14 +356,14 @@ impl FloatVec {
     /// The elements of `t` (any shape, row-major) copied to the host in its own dtype.
     ///
     /// Errors: `t` not f32, bf16 or f16; a failed copy.
-    pub fn from_tensor(t: &candle_core::Tensor) -> crate::Result<Self> {
+    pub fn from_tensor(t: &candle_core::Tensor) -> crate::error::Result<Self> {
         let flat = t.flatten_all()?;
         Ok(match t.dtype() {
             DType::F32 => FloatVec::F32(flat.to_vec1()?),
             DType::BF16 => FloatVec::BF16(flat.to_vec1()?),
             DType::F16 => FloatVec::F16(flat.to_vec1()?),
             other => {
-                return Err(crate::Error::InvalidArgument(format!(
+                return Err(crate::error::Error::InvalidArgument(format!(
                     "expected f32, bf16 or f16, found {other:?}"
                 )))
             }
@@ -390,30 +408,29 @@ pub fn cast_reference<S: KernelFloat, D: KernelFloat>(src: &[S]) -> Vec<D> {
 /// Panics when a gradient's length differs from its parameter's `numel` (a test tool; the
 /// kernel's wrapper returns an error).
 pub fn copy_in_reference<O: KernelFloat>(
-    layout: &FlatParamLayout,
+    layout: &CopyLayout,
     grads: &[Option<Floats<'_>>],
 ) -> Option<Vec<O>> {
-    if layout.padded_numel == 0 {
+    if layout.padded_numel() == 0 {
         return None;
     }
-    let (s, f, w) = (layout.shard_numel, layout.params.len(), layout.world_size);
+    let (s, f, w) = (layout.shard_numel, layout.spans.len(), layout.world_size);
     let zero = O::narrow(0.0);
     let mut out = vec![zero; w * (s + f)];
     let grad = |q: usize| grads.get(q).copied().flatten();
-    for (q, p) in layout.params.iter().enumerate() {
+    for (q, p) in layout.spans.iter().enumerate() {
         if let Some(g) = grad(q) {
             assert_eq!(
                 g.len(),
                 p.numel,
-                "gradient of {} has {} elements, the parameter {}",
-                p.name,
+                "gradient of parameter {q} has {} elements, the parameter {}",
                 g.len(),
                 p.numel
             );
         }
     }
     // Gradient values (gaps, padding and absent gradients stay zero).
-    for (q, p) in layout.params.iter().enumerate() {
+    for (q, p) in layout.spans.iter().enumerate() {
         let Some(g) = grad(q) else { continue };
         for k in 0..p.numel {
             let i = p.offset + k;
@@ -438,11 +455,10 @@ pub fn copy_in_reference<O: KernelFloat>(
 ///
 /// Panics when `flat` is shorter than a parameter's end.
 pub fn copy_out_reference<S: KernelFloat, D: KernelFloat>(
-    layout: &FlatParamLayout,
+    spans: &[ParamSpan],
     flat: &[S],
 ) -> Vec<Vec<D>> {
-    layout
-        .params
+    spans
         .iter()
         .map(|p| {
             flat[p.offset..p.offset + p.numel]
@@ -574,7 +590,7 @@ fn block_sum_reference(v: &[f64]) -> f64 {
 /// element with `g = grad · inv_scale`:
 /// `m = m·β1 + g·(1−β1)`, `v = v·β2 + (g·g)·(1−β2)`, `p = p·decay`,
 /// `p = p − (m·c1 / (sqrt(v·c2) + ε))·lr` (Loshchilov & Hutter, ICLR 2019, as PyTorch's
-/// `torch.optim.AdamW`; `h` as [`crate::ops::AdamWHyper`]). With `inv_scale == 1` this is
+/// `torch.optim.AdamW`; `h` the kernel's [`AdamWArgs`], made from a `crate::ops::AdamWHyper`). With `inv_scale == 1` this is
 /// [`crate::ops::adamw_step`]'s CPU loop; with another `inv_scale` it equals
 /// [`crate::ops::scale_and_check_finite_`]`(grad, inv_scale)` followed by that loop.
 ///
@@ -584,7 +600,7 @@ pub fn adamw_reference(
     grad: &[f32],
     exp_avg: &mut [f32],
     exp_avg_sq: &mut [f32],
-    h: &AdamWHyper,
+    h: &AdamWArgs,
     inv_scale: f32,
     found_inf: f32,
 ) {
@@ -619,7 +635,7 @@ pub fn sgd_reference(
     param: &mut [f32],
     grad: &[f32],
     momentum_buffer: Option<&mut [f32]>,
-    h: &SgdHyper,
+    h: &SgdArgs,
     inv_scale: f32,
     found_inf: f32,
 ) {
@@ -629,6 +645,7 @@ pub fn sgd_reference(
         return;
     }
     let wd = h.weight_decay != 0.0;
+    let (nesterov, first_step) = (h.nesterov != 0, h.first_step != 0);
     match (h.momentum != 0.0, momentum_buffer) {
         (false, _) => {
             for i in 0..n {
@@ -648,12 +665,12 @@ pub fn sgd_reference(
                 if wd {
                     d += h.weight_decay * p;
                 }
-                b[i] = if h.first_step {
+                b[i] = if first_step {
                     d
                 } else {
                     h.momentum * b[i] + h.one_minus_dampening * d
                 };
-                d = if h.nesterov {
+                d = if nesterov {
                     d + h.momentum * b[i]
                 } else {
                     b[i]

@@ -33,9 +33,14 @@
 //! ranks on one GPU, so `cuda:N` with several processes on a machine is an error naming the
 //! way out.
 
-pub mod bootstrap;
 pub mod env;
-pub mod store;
+
+/// The bootstrap protocol over a key-value store, now [`crate::comm::bootstrap`] (re-exported
+/// here so that `candle_fsdp::launch::bootstrap` keeps working).
+pub use crate::comm::bootstrap;
+/// The TCP key-value store, now [`crate::comm::store`] (re-exported here so that
+/// `candle_fsdp::launch::store` keeps working).
+pub use crate::comm::store;
 
 use std::ops::Range;
 use std::sync::Arc;

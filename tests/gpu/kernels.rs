@@ -10,7 +10,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_fsdp::flat_param::FlatParamLayout;
-use candle_fsdp::kernels::{self, cuda as k, FloatVec, Floats, KernelFloat};
+use candle_fsdp::kernels::{self, FloatVec, Floats, KernelFloat};
+use candle_fsdp::ops::cuda as k;
 use candle_fsdp::ops::{self, AdamWHyper, ScaleFactor, SgdHyper, Unscale};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -79,11 +80,11 @@ fn every_module_compiles_with_nvrtc() {
         return;
     }
     for (module, _) in kernels::SOURCES {
-        let ptx = k::ptx(module).unwrap_or_else(|e| panic!("module {module}: {e}"));
+        let ptx = kernels::nvrtc::ptx(module).unwrap_or_else(|e| panic!("module {module}: {e}"));
         assert!(ptx.contains(".entry"), "{module}: PTX without kernels");
         println!("kernels/{module}.cu: {} bytes of PTX", ptx.len());
     }
-    // What the wrappers of src/kernels/cuda.rs push, in order: device pointers and u64 sizes
+    // What the wrappers of src/ops/cuda.rs push, in order: device pointers and u64 sizes
     // are `u64`, dtype codes and flags `u32`, scalars `f32`, structs `b8[size]` (their Rust
     // mirrors have these sizes).
     let ptr = "u64";
@@ -119,7 +120,7 @@ fn every_module_compiles_with_nvrtc() {
         ),
     ];
     for (module, function, want) in expected {
-        let ptx = k::ptx(module).unwrap();
+        let ptx = kernels::nvrtc::ptx(module).unwrap();
         let got = entry_params(&ptx, function)
             .unwrap_or_else(|| panic!("{module}.cu: no kernel {function} in the PTX"));
         assert_eq!(&got, want, "{module}::{function}: parameters");
@@ -392,11 +393,15 @@ fn copy_in_matches_its_reference() {
         let refs: Vec<Option<&Tensor>> = grads.iter().map(Option::as_ref).collect();
         for reduce in FLOATS {
             let want = match reduce {
-                DType::F32 => raw_of(&kernels::copy_in_reference::<f32>(&layout, &floats).unwrap()),
-                DType::BF16 => {
-                    raw_of(&kernels::copy_in_reference::<bf16>(&layout, &floats).unwrap())
-                }
-                _ => raw_of(&kernels::copy_in_reference::<f16>(&layout, &floats).unwrap()),
+                DType::F32 => raw_of(
+                    &kernels::copy_in_reference::<f32>(&layout.copy_layout(), &floats).unwrap(),
+                ),
+                DType::BF16 => raw_of(
+                    &kernels::copy_in_reference::<bf16>(&layout.copy_layout(), &floats).unwrap(),
+                ),
+                _ => raw_of(
+                    &kernels::copy_in_reference::<f16>(&layout.copy_layout(), &floats).unwrap(),
+                ),
             };
             let got = k::copy_in(&layout, &refs, reduce, cdev, None)
                 .unwrap()
@@ -413,7 +418,9 @@ fn copy_in_matches_its_reference() {
         let short = &refs[..f / 2];
         let mut floats_short = floats.clone();
         floats_short.truncate(f / 2);
-        let want = raw_of(&kernels::copy_in_reference::<f32>(&layout, &floats_short).unwrap());
+        let want = raw_of(
+            &kernels::copy_in_reference::<f32>(&layout.copy_layout(), &floats_short).unwrap(),
+        );
         let got = k::copy_in(&layout, short, DType::F32, cdev, None)
             .unwrap()
             .unwrap();
@@ -425,7 +432,8 @@ fn copy_in_matches_its_reference() {
     let g = on(&dev, &v).reshape((6, 4)).unwrap().t().unwrap();
     let row_major = host(&g.contiguous().unwrap().flatten_all().unwrap());
     let want = raw_of(
-        &kernels::copy_in_reference::<f32>(&layout, &[Some(Floats::F32(&row_major))]).unwrap(),
+        &kernels::copy_in_reference::<f32>(&layout.copy_layout(), &[Some(Floats::F32(&row_major))])
+            .unwrap(),
     );
     let got = k::copy_in(&layout, &[Some(&g)], DType::F32, cdev, None)
         .unwrap()
@@ -452,18 +460,27 @@ fn copy_out_matches_its_reference() {
                     ($S:ty) => {{
                         let v = flat_host.to_vec1::<$S>().unwrap();
                         match d {
-                            DType::F32 => kernels::copy_out_reference::<$S, f32>(&layout, &v)
-                                .iter()
-                                .map(|p| raw_of(p))
-                                .collect::<Vec<_>>(),
-                            DType::BF16 => kernels::copy_out_reference::<$S, bf16>(&layout, &v)
-                                .iter()
-                                .map(|p| raw_of(p))
-                                .collect(),
-                            _ => kernels::copy_out_reference::<$S, f16>(&layout, &v)
-                                .iter()
-                                .map(|p| raw_of(p))
-                                .collect(),
+                            DType::F32 => kernels::copy_out_reference::<$S, f32>(
+                                &layout.copy_layout().spans,
+                                &v,
+                            )
+                            .iter()
+                            .map(|p| raw_of(p))
+                            .collect::<Vec<_>>(),
+                            DType::BF16 => kernels::copy_out_reference::<$S, bf16>(
+                                &layout.copy_layout().spans,
+                                &v,
+                            )
+                            .iter()
+                            .map(|p| raw_of(p))
+                            .collect(),
+                            _ => kernels::copy_out_reference::<$S, f16>(
+                                &layout.copy_layout().spans,
+                                &v,
+                            )
+                            .iter()
+                            .map(|p| raw_of(p))
+                            .collect(),
                         }
                     }};
                 }
@@ -499,7 +516,7 @@ fn elementwise_kernels_match_their_references() {
         // scale_: a narrowed view (start offset) of a larger tensor, as the optimizers pass.
         let big = on(&dev, &[vec![7.0; 3], x0.clone(), vec![9.0; 2]].concat());
         let view = big.narrow(0, 3, n).unwrap();
-        k::scale_(&view, 0.37).unwrap();
+        ops::scale_(&view, 0.37).unwrap();
         let mut r = x0.clone();
         kernels::scale_reference(&mut r, 0.37);
         assert_same(&host(&view), &r, "scale_");
@@ -531,13 +548,13 @@ fn elementwise_kernels_match_their_references() {
                 } else {
                     ScaleFactor::Value(s)
                 };
-                k::scale_check_finite_(&t, factor, &flag).unwrap();
+                ops::unscale_check_finite_(&t, factor, &flag).unwrap();
                 assert_same(&host(&t), &r, "scale_check_finite_");
                 assert_eq!(host(&flag), vec![want_flag], "flag, extra {extra:?}");
             }
             // The flag accumulates (never cleared by a clean call).
             let flag = on(&dev, &[1.0]);
-            k::scale_check_finite_(&on(&dev, &x0), ScaleFactor::Value(1.0), &flag).unwrap();
+            ops::unscale_check_finite_(&on(&dev, &x0), ScaleFactor::Value(1.0), &flag).unwrap();
             assert_eq!(host(&flag), vec![1.0]);
             // The host-answer forms.
             let t = on(&dev, &x);
@@ -549,7 +566,7 @@ fn elementwise_kernels_match_their_references() {
             let mut nf = 0.0f32;
             kernels::non_finite_reference(&r, &mut nf);
             let flag = Tensor::zeros(1, DType::F32, &dev).unwrap();
-            k::check_finite_(&on(&dev, &r), &flag).unwrap();
+            ops::check_finite_(&on(&dev, &r), &flag).unwrap();
             assert_eq!(host(&flag), vec![nf]);
             assert_eq!(ops::all_finite(&on(&dev, &r)).unwrap(), nf == 0.0);
         }
@@ -571,7 +588,7 @@ fn elementwise_kernels_match_their_references() {
             let mut r = x0.clone();
             kernels::add_reference(&mut r, floats);
             let dst = on(&dev, &x0);
-            k::add_(&dst, &s).unwrap();
+            ops::add_(&dst, &s).unwrap();
             assert_same(&host(&dst), &r, &format!("add_ from {d:?}"));
             let dst = on(&dev, &x0);
             ops::add_(&dst, &s).unwrap();
@@ -661,7 +678,15 @@ fn adamw_matches_its_reference_bit_for_bit_and_skips_on_found_inf() {
                     } else {
                         ops::adamw_step_fused(&p, &g, &m, &v, &h, &u).unwrap();
                     }
-                    kernels::adamw_reference(&mut rp, &g0, &mut rm, &mut rv, &h, inv, 0.0);
+                    kernels::adamw_reference(
+                        &mut rp,
+                        &g0,
+                        &mut rm,
+                        &mut rv,
+                        &(&h).into(),
+                        inv,
+                        0.0,
+                    );
                     let what = format!("adamw n {n} wd {wd} inv {inv} t {t}");
                     assert_same(&host(&p), &rp, &what);
                     assert_same(&host(&m), &rm, &what);
@@ -731,7 +756,7 @@ fn sgd_matches_its_reference_bit_for_bit_and_skips_on_found_inf() {
                             ops::sgd_step_fused(&p, &on(&dev, &g0), buf, &h, &u).unwrap();
                         }
                         let rbuf = (momentum != 0.0).then_some(&mut rb[..]);
-                        kernels::sgd_reference(&mut rp, &g0, rbuf, &h, inv, 0.0);
+                        kernels::sgd_reference(&mut rp, &g0, rbuf, &(&h).into(), inv, 0.0);
                         let what =
                             format!("sgd n {n} mu {momentum} nesterov {nesterov} step {step}");
                         assert_same(&host(&p), &rp, &what);

@@ -31,7 +31,9 @@ use mpi::ffi;
 
 use super::runtime::{abandon, check, deadline_after, wait_all, Comm, Runtime, WaitFor};
 use super::wire;
-use crate::comm::buffer::{check as check_buf, validate, Kind, Post, Problem, RawBuf, WithStorage};
+use crate::comm::buffer::{
+    check as check_buf, validate, with_raw_bufs, Kind, Post, Problem, RawBuf,
+};
 use crate::comm::reduce::{chunk, reduce_into, with_elem};
 use crate::comm::{OpKind, ReduceOp};
 use crate::error::Result;
@@ -266,7 +268,7 @@ impl OpCtx<'_> {
             return Err(self.fail_with(Kind::Op(kind), problem));
         }
         let this = std::cell::RefCell::new(&mut *self);
-        let inplace = WithStorage::new(|d, s: Option<RawBuf>| {
+        let result = with_raw_bufs(dst, src, |d, s: Option<RawBuf>| {
             let ctx = &mut **this.borrow_mut();
             let mut post = Post::new(Kind::Op(kind), ctx.seq);
             post.input = Some(s.unwrap_or(d));
@@ -277,14 +279,9 @@ impl OpCtx<'_> {
             ctx.exchange(post, &[], deadline)?;
             body(ctx, d, s, deadline)
         });
-        let _refused = match src {
-            Some(s) => dst.inplace_op2(s, &inplace),
-            None => dst.inplace_op1(&inplace),
-        };
-        let result = inplace.result.into_inner();
         let result = match result {
-            Some(r) => r,
-            None => Err(self.fail_with(Kind::Op(kind), Problem::Aliased)),
+            Ok(r) => r,
+            Err(_refused) => Err(self.fail_with(Kind::Op(kind), Problem::Aliased)),
         };
         if result.is_err() && self.rt.is_poisoned() {
             // Abandoned messages may still read or write these buffers.

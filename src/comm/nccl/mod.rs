@@ -72,8 +72,8 @@
 //! # Bootstrap and failures
 //!
 //! The root communicator's unique id travels over the job's TCP store (torchrun-style:
-//! `MASTER_ADDR:MASTER_PORT`, [`crate::launch::store`]; rank 0 shares it,
-//! [`crate::launch::bootstrap`]) or over MPI (`MPI_Bcast`, features `nccl` and `mpi`, when
+//! `MASTER_ADDR:MASTER_PORT`, [`crate::comm::store`]; rank 0 shares it,
+//! [`crate::comm::bootstrap`]) or over MPI (`MPI_Bcast`, features `nccl` and `mpi`, when
 //! started by `mpirun`). The watchdog (`watchdog`) turns an operation stuck past the timeout,
 //! an NCCL asynchronous error, [`ProcessGroup::abort`] or a peer's failure notice (store
 //! bootstrap: each rank's watcher waits on its inbox key) into `ncclCommAbort` on every
@@ -113,9 +113,9 @@ use super::threads::cuda::{addr, raw_read, raw_write, with_cuda_storage, CudaDon
 use super::{
     CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
 };
+use crate::comm::bootstrap;
+use crate::comm::store::TcpStore;
 use crate::error::{Error, Result};
-use crate::launch::bootstrap;
-use crate::launch::store::TcpStore;
 
 /// Configuration of an NCCL process group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

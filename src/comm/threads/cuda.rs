@@ -49,12 +49,11 @@
 //! the results are bitwise those of the CPU thread backend for the same inputs. At most
 //! [`MAX_CUDA_RANKS`] ranks (the sources travel as one kernel argument).
 
-use std::cell::RefCell;
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
-use candle_core::{CpuStorage, CudaDevice, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
+use candle_core::{CudaDevice, DType, Device, Layout, Tensor};
 use cudarc::driver::{
     CudaEvent, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
@@ -65,6 +64,7 @@ use crate::comm::buffer::{check_on, validate, Kind, Post, Problem, RawBuf};
 use crate::comm::reduce::chunk;
 use crate::comm::work::Completion;
 use crate::comm::{OpKind, ReduceOp};
+use crate::device::{with_storage_mut, StorageMut, StorageRef};
 use crate::error::{Error, Result};
 
 /// Most ranks the thread backend on CUDA runs (the reduction kernel takes the ranks' source
@@ -368,77 +368,8 @@ pub(crate) fn addr(b: RawBuf, offset: usize) -> u64 {
     b.ptr as usize as u64 + (offset * b.dtype.size_in_bytes()) as u64
 }
 
-/// The body of a CUDA collective: the output (or in-place buffer) write-locked, the input
-/// read-locked, for the whole call.
-type Body<'f> =
-    Box<dyn FnOnce(&mut CudaStorage, &Layout, Option<(&CudaStorage, &Layout)>) -> CudaDone + 'f>;
-
-/// A Candle in-place op running a CUDA collective body on its tensors' storage.
-pub(crate) struct WithCudaStorage<'f> {
-    body: RefCell<Option<Body<'f>>>,
-    pub(crate) result: RefCell<Option<CudaDone>>,
-}
-
-impl<'f> WithCudaStorage<'f> {
-    pub(crate) fn new(
-        body: impl FnOnce(&mut CudaStorage, &Layout, Option<(&CudaStorage, &Layout)>) -> CudaDone + 'f,
-    ) -> Self {
-        WithCudaStorage {
-            body: RefCell::new(Some(Box::new(body))),
-            result: RefCell::new(None),
-        }
-    }
-
-    fn run(&self, dst: &mut CudaStorage, dst_l: &Layout, src: Option<(&CudaStorage, &Layout)>) {
-        if let Some(body) = self.body.borrow_mut().take() {
-            *self.result.borrow_mut() = Some(body(dst, dst_l, src));
-        }
-    }
-}
-
-impl InplaceOp1 for WithCudaStorage<'_> {
-    fn name(&self) -> &'static str {
-        "cuda-collective"
-    }
-
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        candle_core::bail!("cuda-collective: a CPU tensor reached the CUDA path")
-    }
-
-    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
-        self.run(storage, layout, None);
-        Ok(())
-    }
-}
-
-impl InplaceOp2 for WithCudaStorage<'_> {
-    fn name(&self) -> &'static str {
-        "cuda-collective"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &mut CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<()> {
-        candle_core::bail!("cuda-collective: a CPU tensor reached the CUDA path")
-    }
-
-    fn cuda_fwd(
-        &self,
-        dst: &mut CudaStorage,
-        dst_l: &Layout,
-        src: &CudaStorage,
-        src_l: &Layout,
-    ) -> candle_core::Result<()> {
-        self.run(dst, dst_l, Some((src, src_l)));
-        Ok(())
-    }
-}
-
-/// Runs `body` on `dst` (and `src`) under Candle's storage locks. `None` means Candle refused
+/// Runs `body` on `dst` (write-locked) and `src` (read-locked) under Candle's storage locks
+/// ([`crate::device::with_storage_mut`]). `None` means Candle refused
 /// before calling it: the output shares storage with the input (devices and layouts are
 /// checked by the caller first).
 pub(crate) fn with_cuda_storage<'f>(
@@ -446,12 +377,19 @@ pub(crate) fn with_cuda_storage<'f>(
     src: Option<&Tensor>,
     body: impl FnOnce(&mut CudaStorage, &Layout, Option<(&CudaStorage, &Layout)>) -> CudaDone + 'f,
 ) -> Option<CudaDone> {
-    let op = WithCudaStorage::new(body);
-    let _refused = match src {
-        Some(s) => dst.inplace_op2(s, &op),
-        None => dst.inplace_op1(&op),
-    };
-    op.result.into_inner()
+    with_storage_mut(dst, src, "cuda-collective", |d, dl, s| {
+        let StorageMut::Cuda(d) = d else {
+            return None;
+        };
+        let src = match s {
+            None => None,
+            Some((StorageRef::Cuda(s), sl)) => Some((s, sl)),
+            Some((StorageRef::Cpu(_), _)) => return None,
+        };
+        Some(body(d, dl, src))
+    })
+    .ok()
+    .flatten()
 }
 
 // ------------------------------------------------------------------------------------------
@@ -672,7 +610,7 @@ unsafe fn launch_reduce(
             srcs.len()
         )));
     }
-    let func = crate::kernels::cuda::func(cuda, MODULE, name)?;
+    let func = crate::kernels::nvrtc::func(cuda, MODULE, name)?;
     let mut table = [0u64; MAX_CUDA_RANKS];
     table[..srcs.len()].copy_from_slice(srcs);
     let nsrc = srcs.len() as u32;

@@ -78,9 +78,17 @@ pub(crate) mod cuda;
 mod kernels;
 mod ops;
 mod rendezvous;
+mod run;
 
 #[cfg(feature = "cuda")]
 pub use self::cuda::MAX_CUDA_RANKS;
+pub(crate) use self::run::panic_message;
+use self::run::raise_priority;
+#[cfg(any(feature = "mpi", feature = "nccl"))]
+pub(crate) use self::run::run_one;
+pub use self::run::{new_group, run_ranks, run_ranks_ok, set_intra_op_threads};
+#[cfg(feature = "cuda")]
+pub use self::run::{new_group_on_gpu, run_ranks_on_gpu};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -93,10 +101,7 @@ use crossbeam::channel::{unbounded, Sender};
 use parking_lot::Mutex;
 
 use self::rendezvous::{Communicator, Ctx, Shared};
-use super::{
-    collect_rank_results, CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp,
-    Work, DEFAULT_STREAM,
-};
+use super::{CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM};
 use crate::comm::buffer::{validate, Kind, RawBytes};
 use crate::error::{Error, Result};
 
@@ -726,248 +731,5 @@ impl Drop for ThreadProcessGroup {
         }
         self.shared.departed[self.rank].store(true, Ordering::Release);
         self.shared.notify_all();
-    }
-}
-
-/// Creates a group of `world_size` ranks living in this process; element `r` is rank `r`'s
-/// handle (each with its default stream running). The handles are bare backends: wrap them in
-/// [`Instrumented`] for statistics, as [`run_ranks`] does.
-///
-/// Errors: [`Error::InvalidArgument`] when `world_size == 0`; [`Error::SpawnFailed`] when a
-/// stream thread cannot be started.
-pub fn new_group(
-    world_size: usize,
-    config: ThreadGroupConfig,
-) -> Result<Vec<Arc<ThreadProcessGroup>>> {
-    if world_size == 0 {
-        return Err(Error::InvalidArgument(
-            "a process group needs world_size >= 1, got 0".to_string(),
-        ));
-    }
-    let shared = Shared::new(
-        config.timeout,
-        (0..world_size).collect(),
-        None,
-        DEFAULT_STREAM,
-    );
-    (0..world_size)
-        .map(|rank| {
-            ThreadProcessGroup::create(
-                Arc::clone(&shared),
-                rank,
-                #[cfg(feature = "cuda")]
-                None,
-            )
-        })
-        .collect()
-}
-
-/// Creates a group of `world_size` ranks living in this process, every rank on GPU `ordinal`
-/// with a Candle device of its own (its own compute stream): element `r` is rank `r`'s handle.
-/// Buffers of its collectives are 1-D contiguous tensors on the rank's device
-/// ([`ProcessGroup::device`]). The handles are bare backends, as from [`new_group`].
-///
-/// Errors: [`Error::InvalidArgument`] when `world_size` is 0 or above
-/// [`MAX_CUDA_RANKS`]; [`Error::Cuda`] when the GPU cannot be opened or a stream created;
-/// [`Error::SpawnFailed`].
-#[cfg(feature = "cuda")]
-pub fn new_group_on_gpu(
-    world_size: usize,
-    config: ThreadGroupConfig,
-    ordinal: usize,
-) -> Result<Vec<Arc<ThreadProcessGroup>>> {
-    if world_size == 0 {
-        return Err(Error::InvalidArgument(
-            "a process group needs world_size >= 1, got 0".to_string(),
-        ));
-    }
-    if world_size > cuda::MAX_CUDA_RANKS {
-        return Err(Error::InvalidArgument(format!(
-            "the thread backend on CUDA runs at most {} ranks on one GPU, got {world_size}",
-            cuda::MAX_CUDA_RANKS
-        )));
-    }
-    let devices = (0..world_size)
-        .map(|_| cuda::RankCuda::open(ordinal).map(Arc::new))
-        .collect::<Result<Vec<_>>>()?;
-    let shared = Shared::new(
-        config.timeout,
-        (0..world_size).collect(),
-        None,
-        DEFAULT_STREAM,
-    );
-    devices
-        .into_iter()
-        .enumerate()
-        .map(|(rank, rc)| ThreadProcessGroup::create(Arc::clone(&shared), rank, Some(rc)))
-        .collect()
-}
-
-/// [`run_ranks`] with every rank on GPU `ordinal` ([`new_group_on_gpu`]).
-#[cfg(feature = "cuda")]
-pub fn run_ranks_on_gpu<T, F>(
-    world_size: usize,
-    config: ThreadGroupConfig,
-    ordinal: usize,
-    f: F,
-) -> Vec<Result<T>>
-where
-    T: Send,
-    F: Fn(Arc<dyn ProcessGroup>) -> Result<T> + Send + Sync,
-{
-    match new_group_on_gpu(world_size, config, ordinal) {
-        Ok(groups) => run_groups(groups, f),
-        Err(e) => vec![Err(e)],
-    }
-}
-
-/// The text of a panic payload (`&str` or `String`), or a placeholder.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "<non-string panic payload>".to_string()
-    }
-}
-
-/// Runs `f` on `world_size` ranks of a fresh in-process group, one thread per rank (named
-/// `rank-{r}`), and returns each rank's result (index = rank). Each rank's handle is wrapped in
-/// [`Instrumented`], so [`ProcessGroup::stats`] counts its collectives.
-///
-/// When `f` returns `Err(e)` on a rank, the group is aborted with `e.to_string()` as the reason;
-/// when it panics, the group is aborted with `"panicked: <payload>"` and the rank's result is
-/// [`Error::RankPanicked`]. Either way the other ranks' pending and later collectives fail
-/// promptly with [`Error::PeerFailed`]. After `f` returns, the rank's handle is dropped (if `f`
-/// kept no clone of it): its queued work finishes and the rank is marked departed.
-///
-/// If the group cannot be created (`world_size == 0`), the result is a single `Err`; a rank
-/// whose thread cannot be spawned gets [`Error::SpawnFailed`].
-pub fn run_ranks<T, F>(world_size: usize, config: ThreadGroupConfig, f: F) -> Vec<Result<T>>
-where
-    T: Send,
-    F: Fn(Arc<dyn ProcessGroup>) -> Result<T> + Send + Sync,
-{
-    match new_group(world_size, config) {
-        Ok(groups) => run_groups(groups, f),
-        Err(e) => vec![Err(e)],
-    }
-}
-
-/// Runs `f` on every handle of `groups` (index = rank), one scoped thread per rank; see
-/// [`run_ranks`].
-fn run_groups<T, F>(groups: Vec<Arc<ThreadProcessGroup>>, f: F) -> Vec<Result<T>>
-where
-    T: Send,
-    F: Fn(Arc<dyn ProcessGroup>) -> Result<T> + Send + Sync,
-{
-    let f = &f;
-    thread::scope(|scope| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|pg| {
-                let rank = pg.rank;
-                let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(pg));
-                // On failure the handle moved into the closure is dropped: peers see this rank
-                // as departed.
-                thread::Builder::new()
-                    .name(format!("rank-{rank}"))
-                    .spawn_scoped(scope, move || run_one(rank, pg, f))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| match h {
-                Ok(h) => h.join().unwrap_or_else(|p| {
-                    Err(Error::RankPanicked {
-                        rank,
-                        message: panic_message(p.as_ref()),
-                    })
-                }),
-                Err(error) => Err(Error::SpawnFailed {
-                    what: format!("the thread of rank {rank}"),
-                    error,
-                }),
-            })
-            .collect()
-    })
-}
-
-pub(crate) fn run_one<T, F>(rank: usize, pg: Arc<dyn ProcessGroup>, f: &F) -> Result<T>
-where
-    F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
-{
-    let result = match catch_unwind(AssertUnwindSafe(|| f(Arc::clone(&pg)))) {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => {
-            pg.abort(&e.to_string());
-            Err(e)
-        }
-        Err(payload) => {
-            let message = panic_message(payload.as_ref());
-            pg.abort(&format!("panicked: {message}"));
-            Err(Error::RankPanicked { rank, message })
-        }
-    };
-    drop(pg);
-    result
-}
-
-/// Like [`run_ranks`], but returns every rank's value (index = rank) or a single error: the root
-/// cause of the failure rather than its echoes on the other ranks, chosen by
-/// [`collect_rank_results`] (which looks through [`Error::InStep`] context and returns the
-/// chosen rank's whole error).
-pub fn run_ranks_ok<T, F>(world_size: usize, config: ThreadGroupConfig, f: F) -> Result<Vec<T>>
-where
-    T: Send,
-    F: Fn(Arc<dyn ProcessGroup>) -> Result<T> + Send + Sync,
-{
-    collect_rank_results(run_ranks(world_size, config, f))
-}
-
-/// Splits the machine's cores between in-process ranks, as `torchrun` does with
-/// `OMP_NUM_THREADS`: sets `RAYON_NUM_THREADS` (which Candle's CPU matmul reads for its
-/// intra-op parallelism) to `max(1, available_parallelism / world_size)` unless the user already
-/// set it, and returns the value in force.
-///
-/// Without it every rank's matmul asks the one shared rayon pool for all cores and the ranks
-/// queue behind each other (measured on 2 cores at world size 2, MNIST MLP: 5.2 s per epoch
-/// instead of 1.1 s). Call it at the start of `main`, before any thread is spawned: changing the
-/// environment while other threads read it is not sound on every platform.
-pub fn set_intra_op_threads(world_size: usize) -> usize {
-    if let Some(n) = std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&n| n > 0)
-    {
-        return n;
-    }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let n = (cores / world_size.max(1)).max(1);
-    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    n
-}
-
-/// Asks the kernel to run this comm-stream thread ahead of compute threads (nice -10), the CPU
-/// analogue of the high-priority CUDA streams PyTorch FSDP issues its collectives on: a
-/// prefetched collective then starts as soon as it is issued even when compute keeps every core
-/// busy, instead of waiting until a compute thread blocks. Measured (benches/overlap.rs, 2 cores,
-/// world size 2): exposed communication 12.0 % of the step without it, 6.8–9.2 % with it.
-/// Needs CAP_SYS_NICE (root has it); without it the thread keeps the default priority.
-fn raise_priority() {
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: setpriority with PRIO_PROCESS and who = 0 changes only the calling thread's
-        // nice value on Linux; it reads and writes no memory of ours.
-        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, -10) };
-        if rc != 0 {
-            tracing::debug!(
-                "comm stream {:?}: cannot raise its priority ({}); it runs at the default",
-                thread::current().name(),
-                std::io::Error::last_os_error()
-            );
-        }
     }
 }

@@ -13,7 +13,7 @@ use candle_core::Tensor;
 
 use super::kernels::{self, with_elem};
 use super::rendezvous::{AbortOnUnwind, Ctx};
-use crate::comm::buffer::{check, validate, Kind, Problem, RawBuf, WithStorage};
+use crate::comm::buffer::{check, validate, with_raw_bufs, Kind, Problem, RawBuf};
 use crate::comm::{OpKind, ReduceOp};
 use crate::error::Result;
 
@@ -35,16 +35,11 @@ impl Ctx<'_> {
         {
             return Err(self.fail_with(kind_, problem));
         }
-        let op = WithStorage::new(body);
-        // Our `cpu_fwd` never fails: an error here means Candle refused before calling it, i.e.
-        // the output shares storage with the input (layouts and devices were checked above).
-        let _refused = match src {
-            Some(s) => dst.inplace_op2(s, &op),
-            None => dst.inplace_op1(&op),
-        };
-        match op.result.into_inner() {
-            Some(result) => result,
-            None => Err(self.fail_with(kind_, Problem::Aliased)),
+        // Refused: Candle refused before calling `body`, i.e. the output shares storage with the
+        // input (layouts and devices were checked above).
+        match with_raw_bufs(dst, src, body) {
+            Ok(result) => result,
+            Err(_refused) => Err(self.fail_with(kind_, Problem::Aliased)),
         }
     }
 

@@ -1,14 +1,45 @@
 //! The kernels' by-value argument structs (`repr(C)` mirrors of the C structs of `kernels/`)
 //! and the launch plans of `copy_in` / `copy_out`: which descriptors go into which launch, with
-//! which grid. Plain data and pure functions, compiled without feature `cuda`, so that the
-//! plans the GPU wrappers (`kernels::cuda`, feature `cuda`) launch can be checked on any
-//! machine. Not an API: public only for those checks.
+//! which grid, over a layout given as [`ParamSpan`]s. Plain data and pure functions, compiled
+//! without feature `cuda`, so that the plans the GPU wrappers (`crate::ops::cuda`, feature
+//! `cuda`) launch can be checked on any machine. Not an API: public only for those checks.
+//!
+//! The conversions from the optimizers' hyper-parameters (`crate::ops::AdamWHyper` →
+//! [`AdamWArgs`], `SgdHyper` → [`SgdArgs`]) and from a `crate::flat_param::FlatParamLayout` (→
+//! [`CopyLayout`]) live with those types: this module knows nothing above it.
 
 use super::COPY_MAX_PARAMS;
-use crate::flat_param::FlatParamLayout;
-use crate::ops::{AdamWHyper, SgdHyper};
 
-/// `AdamWArgs` of `kernels/optim.cu` ([`AdamWHyper`], field for field).
+/// Where one parameter lies in a flat buffer: its first flat index and its element count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamSpan {
+    /// First flat index (alignment gaps may lie between parameters).
+    pub offset: usize,
+    /// Elements.
+    pub numel: usize,
+}
+
+/// The geometry of one unit's flat buffer, as the copy kernels see it: its parameters' spans (in
+/// layout order, increasing offsets), and the shard of each of `world_size` ranks
+/// (`shard_numel` elements; `world_size × shard_numel` flat elements in all, padding included).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyLayout {
+    /// The parameters, in layout order.
+    pub spans: Vec<ParamSpan>,
+    /// Elements per rank's shard.
+    pub shard_numel: usize,
+    /// Ranks.
+    pub world_size: usize,
+}
+
+impl CopyLayout {
+    /// Flat elements, padding included: `world_size × shard_numel`.
+    pub fn padded_numel(&self) -> usize {
+        self.world_size * self.shard_numel
+    }
+}
+
+/// `AdamWArgs` of `kernels/optim.cu` (`crate::ops::AdamWHyper`, field for field).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWArgs {
@@ -32,23 +63,7 @@ pub struct AdamWArgs {
     pub eps: f32,
 }
 
-impl From<&AdamWHyper> for AdamWArgs {
-    fn from(h: &AdamWHyper) -> Self {
-        Self {
-            beta1: h.beta1,
-            beta2: h.beta2,
-            one_minus_beta1: h.one_minus_beta1,
-            one_minus_beta2: h.one_minus_beta2,
-            bias_correction1: h.bias_correction1,
-            bias_correction2: h.bias_correction2,
-            decay: h.decay,
-            lr: h.lr,
-            eps: h.eps,
-        }
-    }
-}
-
-/// `SgdArgs` of `kernels/optim.cu` ([`SgdHyper`]; the bools as 0/1).
+/// `SgdArgs` of `kernels/optim.cu` (`crate::ops::SgdHyper`; the bools as 0/1).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SgdArgs {
@@ -64,19 +79,6 @@ pub struct SgdArgs {
     pub nesterov: u32,
     /// First step (0/1).
     pub first_step: u32,
-}
-
-impl From<&SgdHyper> for SgdArgs {
-    fn from(h: &SgdHyper) -> Self {
-        Self {
-            lr: h.lr,
-            momentum: h.momentum,
-            one_minus_dampening: h.one_minus_dampening,
-            weight_decay: h.weight_decay,
-            nesterov: u32::from(h.nesterov),
-            first_step: u32::from(h.first_step),
-        }
-    }
 }
 
 /// `CopyInParam` of `kernels/copy.cu`: one parameter's region of a copy-in.
@@ -171,11 +173,11 @@ pub type Grid = (u32, u32, u32);
 ///
 /// Panics when `srcs` is not one entry per parameter.
 pub fn copy_in_plan(
-    layout: &FlatParamLayout,
+    layout: &CopyLayout,
     srcs: &[(u64, u32)],
     out_dtype: u32,
 ) -> Vec<(CopyInArgs, Grid)> {
-    let f = layout.params.len();
+    let f = layout.spans.len();
     assert_eq!(srcs.len(), f, "one source per parameter");
     let mut plan = Vec::with_capacity(f.div_ceil(COPY_MAX_PARAMS));
     let mut first = 0;
@@ -194,12 +196,12 @@ pub fn copy_in_plan(
         let mut longest = layout.world_size;
         for j in 0..count {
             let q = first + j;
-            let p = &layout.params[q];
+            let p = &layout.spans[q];
             let start = if q == 0 { 0 } else { p.offset };
             let end = layout
-                .params
+                .spans
                 .get(q + 1)
-                .map_or(layout.padded_numel, |n| n.offset);
+                .map_or(layout.padded_numel(), |n| n.offset);
             let (src, dtype) = srcs[q];
             args.params[j] = CopyInParam {
                 src,
@@ -217,19 +219,19 @@ pub fn copy_in_plan(
     plan
 }
 
-/// The launches of one copy-out: parameter `q` of `layout` into the output at address
+/// The launches of one copy-out: parameter `q` of `spans` into the output at address
 /// `dsts[q]`, from a gathered buffer of dtype code `src_dtype` into outputs of `dst_dtype`; one
 /// [`CopyOutArgs`] per [`COPY_MAX_PARAMS`] parameters with its grid (`y`: the batch's
 /// parameters, `x`: blocks over its largest).
 ///
 /// Panics when `dsts` is not one entry per parameter.
 pub fn copy_out_plan(
-    layout: &FlatParamLayout,
+    spans: &[ParamSpan],
     dsts: &[u64],
     src_dtype: u32,
     dst_dtype: u32,
 ) -> Vec<(CopyOutArgs, Grid)> {
-    let f = layout.params.len();
+    let f = spans.len();
     assert_eq!(dsts.len(), f, "one destination per parameter");
     let mut plan = Vec::with_capacity(f.div_ceil(COPY_MAX_PARAMS));
     let mut first = 0;
@@ -244,7 +246,7 @@ pub fn copy_out_plan(
         };
         let mut longest = 1;
         for j in 0..count {
-            let p = &layout.params[first + j];
+            let p = &spans[first + j];
             args.params[j] = CopyOutParam {
                 dst: dsts[first + j],
                 offset: p.offset as u64,

@@ -1,4 +1,4 @@
-//! The GPU path's CUDA plumbing (feature `cuda`): opening a GPU, the comm streams and events
+//! The GPU path's CUDA plumbing (feature `cuda`; `dummy_cuda.rs` stands in without it): opening a GPU, the comm streams and events
 //! that order them against Candle's compute stream, and raw access to a tensor's device buffer.
 //!
 //! Streams: Candle's [`CudaDevice::cuda_stream`] is the compute stream. Comm streams are
@@ -148,10 +148,7 @@ pub fn pool_used_bytes(device: &CudaDevice) -> Result<u64> {
 /// back during a step (the gather-agreement check).
 ///
 /// Errors: a tensor that is not a contiguous 1-D `T` on a GPU; the driver's.
-pub fn read_small<T>(t: &Tensor) -> Result<Vec<T>>
-where
-    T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr + Default + Clone,
-{
+pub fn read_small<T: SmallElem>(t: &Tensor) -> Result<Vec<T>> {
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cuda(s) = &*storage else {
         return Err(Error::InvalidArgument(format!(
@@ -173,4 +170,15 @@ where
         .synchronize()
         .map_err(|e| Error::Cuda(format!("reading values back: {e:?}")))?;
     Ok(out)
+}
+
+/// An element type [`read_small`] can read back (a Candle CUDA dtype cudarc can copy).
+pub trait SmallElem:
+    candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr + Default + Clone
+{
+}
+
+impl<T> SmallElem for T where
+    T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr + Default + Clone
+{
 }

@@ -1,16 +1,16 @@
-//! Loading the kernels of [`super::SOURCES`] on a GPU, and their launch wrappers over Candle
-//! tensors (feature `cuda`).
+//! The launch wrappers of the kernels of [`crate::kernels`] over Candle tensors (feature
+//! `cuda`): the GPU side of [`crate::ops`].
 //!
-//! **Loading.** Each module is compiled to PTX with NVRTC once per process (cached), and loaded
-//! into a device's context once (Candle's per-device module cache,
-//! [`CudaDevice::get_or_load_custom_func`]) and handed out as a cudarc [`CudaFunction`]. NVRTC options: `--gpu-architecture=compute_80`,
-//! `--fmad=false --ftz=false --prec-div=true --prec-sqrt=true` (IEEE arithmetic without
-//! contraction, as the CPU loops of [`crate::ops`]).
+//! **Arguments.** The wrappers behind an op of [`crate::ops`] (`adamw_`, `sgd_`, `scale_`,
+//! `scale_check_finite_`, `check_finite_`, `add_`, `cast_checked`) take arguments that `ops`
+//! has already checked (dtype, contiguity, device, element counts, distinct storages) and check
+//! nothing again. The public ones with no `ops` front ([`cast`] with a stream, [`cast_into`],
+//! [`copy_in`], [`copy_out`], [`sum_squares_into`], [`update_scale_`]) check their arguments
+//! with the same helpers of `ops`.
 //!
 //! **Wrappers.** One function per kernel. Tensors are flat: any shape, but contiguous (a start
 //! offset is fine: the optimizers pass narrowed views), on one GPU. In-place updates go through
-//! Candle's in-place op API ([`Tensor::inplace_op1`] / [`Tensor::inplace_op2`] with a
-//! `cuda_fwd`), which holds each written tensor's storage write lock during the launch; new
+//! Candle's in-place op API (`crate::device::with_storage_mut`), which holds each written tensor's storage write lock during the launch; new
 //! outputs are fresh allocations wrapped with [`Tensor::from_storage`]. Kernels run on the
 //! device's compute stream ([`CudaDevice::cuda_stream`]) unless a wrapper takes a `stream`.
 //! Every buffer is passed to the launch through cudarc's views (or, for the per-parameter
@@ -19,112 +19,33 @@
 //! buffers' producers on other streams and records its reads and writes for their consumers.
 //! No wrapper copies anything between host and device, and none waits for the GPU.
 //!
-//! Launch configurations: element-wise kernels 1-D, [`super::THREADS`] threads,
-//! [`super::elementwise_blocks`]`(n)` blocks (grid-stride); the sum of squares
-//! [`super::sum_squares_blocks`]`(n)` blocks then one; `copy_in`/`copy_out` a 2-D grid, `y` = the
-//! parameters of a batch (at most [`super::COPY_MAX_PARAMS`]), `x` = blocks over the largest
-//! parameter (at most [`super::MAX_BLOCKS`]); `update_scale` one thread.
+//! Launch configurations: element-wise kernels 1-D, [`THREADS`] threads,
+//! [`kernels::elementwise_blocks`]`(n)` blocks (grid-stride); the sum of squares
+//! [`kernels::sum_squares_blocks`]`(n)` blocks then one; `copy_in`/`copy_out` a 2-D grid, `y` =
+//! the parameters of a batch (at most [`kernels::COPY_MAX_PARAMS`]), `x` = blocks over the
+//! largest parameter (at most [`kernels::MAX_BLOCKS`]); `update_scale` one thread.
 
-use std::cell::Cell;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDType, CudaStorageSlice};
 use candle_core::op::BackpropOp;
-use candle_core::{
-    CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor,
-};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Storage, Tensor};
 use cudarc::driver::{
-    CudaFunction, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
-    LaunchArgs, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig,
+    PushKernelArg, SyncOnDrop,
 };
 use half::{bf16, f16};
 
-use super::args::{AdamWArgs, CopyInArgs, CopyOutArgs, SgdArgs};
-use super::{dtype_code, THREADS};
+use super::{AdamWHyper, ScaleFactor, SgdHyper, Unscale};
+use crate::device::{with_storage_mut, StorageMut, StorageRef};
 use crate::error::{Error, Result};
 use crate::flat_param::FlatParamLayout;
-use crate::ops::{AdamWHyper, ScaleFactor, SgdHyper, Unscale};
+use crate::kernels::nvrtc::func;
+use crate::kernels::plan::{self, AdamWArgs, SgdArgs};
+use crate::kernels::{self, dtype_code, THREADS};
 
-/// Virtual architecture the PTX targets; the driver JIT-compiles it for the GPU at load
-/// (sm_80 and later: bf16 arithmetic, `__grid_constant__` parameters).
-const ARCH: &str = "compute_80";
-
-/// PTX per module, compiled once per process and kept for its lifetime (a few tens of KiB each),
-/// so that a launch never copies it.
-fn ptx_cache() -> &'static Mutex<HashMap<&'static str, &'static str>> {
-    static CACHE: OnceLock<Mutex<HashMap<&'static str, &'static str>>> = OnceLock::new();
-    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
-}
-
-fn ptx_static(module: &str) -> Result<&'static str> {
-    let (name, src) = super::SOURCES
-        .iter()
-        .find(|(n, _)| *n == module)
-        .ok_or_else(|| Error::InvalidArgument(format!("no kernel module named {module:?}")))?;
-    let mut cache = ptx_cache().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(p) = cache.get(name) {
-        return Ok(p);
-    }
-    let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some(ARCH),
-        fmad: Some(false),
-        ftz: Some(false),
-        prec_div: Some(true),
-        prec_sqrt: Some(true),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
-        .map_err(|e| Error::Cuda(format!("NVRTC compiling kernels/{name}.cu: {e}")))?
-        .to_src();
-    let ptx: &'static str = Box::leak(ptx.into_boxed_str());
-    cache.insert(name, ptx);
-    Ok(ptx)
-}
-
-/// The PTX of module `module` (compiled on first use).
-///
-/// Errors: no such module; NVRTC missing or the compile failing ([`Error::Cuda`] with NVRTC's
-/// log).
-pub fn ptx(module: &str) -> Result<String> {
-    ptx_static(module).map(str::to_string)
-}
-
-/// Function `function` of module `module` on `device`, loaded into the device's context (once
-/// per module). Launch it with `stream.launch_builder(&f)`: `device.cuda_stream()` is Candle's
-/// compute stream.
-///
-/// Errors: see [`ptx`]; the driver refusing the PTX or not finding the function.
-pub fn func(device: &CudaDevice, module: &str, function: &str) -> Result<CudaFunction> {
-    let ptx = ptx_static(module)?;
-    Ok(device
-        .get_or_load_custom_func(function, module, ptx)
-        .map_err(|e| Error::Cuda(format!("loading {module}::{function}: {e}")))?
-        .into_cuda_function())
-}
-
-// ---- argument structs (`super::args`, mirrors of the kernels' C structs) -------------------
-
-// SAFETY: plain `repr(C)` data of f32 fields, the layout of `struct AdamWArgs` in
-// kernels/optim.cu (nine floats, 36 bytes, 4-byte aligned; sizes asserted in `args`, and the
-// PTX parameter list checked by tests/gpu/kernels.rs).
-unsafe impl DeviceRepr for AdamWArgs {}
-
-// SAFETY: plain `repr(C)` data, the layout of `struct SgdArgs` in kernels/optim.cu (four floats,
-// two unsigned ints, 24 bytes).
-unsafe impl DeviceRepr for SgdArgs {}
-
-// SAFETY: plain `repr(C)` data (u64 and u32 fields, explicit padding), the layout of
-// `struct CopyInArgs` in kernels/copy.cu: 2592 bytes, 8-byte aligned (asserted in `args`; the
-// PTX declares `.param .align 8 .b8 copy_in_param_1[2592]`).
-unsafe impl DeviceRepr for CopyInArgs {}
-
-// SAFETY: plain `repr(C)` data, the layout of `struct CopyOutArgs` in kernels/copy.cu: 1552
-// bytes, 8-byte aligned.
-unsafe impl DeviceRepr for CopyOutArgs {}
-
-fn grid_config(grid: super::args::Grid) -> LaunchConfig {
+fn grid_config(grid: plan::Grid) -> LaunchConfig {
     LaunchConfig {
         grid_dim: grid,
         block_dim: (THREADS, 1, 1),
@@ -140,7 +61,7 @@ fn launch_err(op: &str, e: impl std::fmt::Debug) -> Error {
 
 fn config_1d(n: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (super::elementwise_blocks(n), 1, 1),
+        grid_dim: (kernels::elementwise_blocks(n), 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -178,7 +99,7 @@ fn check_one(op: &str, what: &str, t: &Tensor, dev: &CudaDevice, dtypes: &[DType
             t.device().location()
         )));
     }
-    crate::ops::check_dtype_contiguous(op, what, t, dtypes)
+    super::check_dtype_contiguous(op, what, t, dtypes)
 }
 
 /// Checks a one-element f32 tensor (a scale, a flag) on `dev`.
@@ -189,28 +110,6 @@ fn check_scalar(op: &str, what: &str, t: &Tensor, dev: &CudaDevice) -> Result<()
             "{op}: {what} must hold one element, found shape {:?}",
             t.dims()
         )));
-    }
-    Ok(())
-}
-
-/// Refuses tensors that share a storage (locking one twice would deadlock; the kernels assume
-/// distinct memory). Two tensors share storage exactly when their `Storage` objects (inside
-/// Candle's shared lock) are one.
-fn check_distinct(op: &str, tensors: &[(&str, &Tensor)]) -> Result<()> {
-    let addr = |t: &Tensor| {
-        let (s, _) = t.storage_and_layout();
-        std::ptr::from_ref::<Storage>(&*s) as usize
-    };
-    let addrs: Vec<usize> = tensors.iter().map(|(_, t)| addr(t)).collect();
-    for i in 0..tensors.len() {
-        for j in i + 1..tensors.len() {
-            if addrs[i] == addrs[j] {
-                return Err(Error::InvalidArgument(format!(
-                    "{op}: {} and {} share one storage; each tensor must own its own",
-                    tensors[i].0, tensors[j].0
-                )));
-            }
-        }
     }
     Ok(())
 }
@@ -316,87 +215,34 @@ impl<'a> AnyViewMut<'a> {
     }
 }
 
-/// An [`InplaceOp1`] handing a tensor's CUDA storage and layout, mutably, to a closure (run
-/// under the storage's write lock).
-struct CudaMut<F> {
-    name: &'static str,
-    f: Cell<Option<F>>,
-}
-
-impl<F> InplaceOp1 for CudaMut<F>
-where
-    F: FnOnce(&mut CudaStorage, &Layout) -> Result<()>,
-{
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        Err(Error::InvalidArgument(format!(
-            "{}: a CUDA kernel was called on a CPU tensor",
-            self.name
-        ))
-        .into_candle())
-    }
-
-    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
-        let f = self.f.take().expect("an in-place op runs its closure once");
-        f(s, l).map_err(Error::into_candle)
-    }
-}
-
-/// Runs `f` on `t`'s CUDA storage under its write lock.
+/// Runs `f` on `t`'s CUDA storage under its write lock ([`crate::device::with_storage_mut`]).
 fn with_mut(
     t: &Tensor,
     name: &'static str,
     f: impl FnOnce(&mut CudaStorage, &Layout) -> Result<()>,
 ) -> Result<()> {
-    t.inplace_op1(&CudaMut {
-        name,
-        f: Cell::new(Some(f)),
-    })?;
-    Ok(())
+    with_storage_mut(t, None, name, |s, l, _| match s {
+        StorageMut::Cuda(s) => f(s, l),
+        StorageMut::Cpu(_) => Err(Error::InvalidArgument(format!(
+            "{name}: a CUDA kernel was called on a CPU tensor"
+        ))),
+    })?
 }
 
-/// An [`InplaceOp2`] handing the first tensor's CUDA storage mutably and the second's read-only
-/// to a closure (Candle holds both locks).
-struct CudaMut2<F> {
+/// Runs `f` on `dst`'s CUDA storage under its write lock and `src`'s under its read lock
+/// ([`crate::device::with_storage_mut`]).
+fn with_mut2(
+    dst: &Tensor,
+    src: &Tensor,
     name: &'static str,
-    f: Cell<Option<F>>,
-}
-
-impl<F> InplaceOp2 for CudaMut2<F>
-where
-    F: FnOnce(&mut CudaStorage, &Layout, &CudaStorage, &Layout) -> Result<()>,
-{
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &mut CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<()> {
-        Err(Error::InvalidArgument(format!(
-            "{}: a CUDA kernel was called on CPU tensors",
-            self.name
-        ))
-        .into_candle())
-    }
-
-    fn cuda_fwd(
-        &self,
-        s1: &mut CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<()> {
-        let f = self.f.take().expect("an in-place op runs its closure once");
-        f(s1, l1, s2, l2).map_err(Error::into_candle)
-    }
+    f: impl FnOnce(&mut CudaStorage, &Layout, &CudaStorage, &Layout) -> Result<()>,
+) -> Result<()> {
+    with_storage_mut(dst, Some(src), name, |d, dl, s| match (d, s) {
+        (StorageMut::Cuda(d), Some((StorageRef::Cuda(s), sl))) => f(d, dl, s, sl),
+        _ => Err(Error::InvalidArgument(format!(
+            "{name}: a CUDA kernel was called on CPU tensors"
+        ))),
+    })?
 }
 
 /// A new tensor of `shape` over a fresh device allocation.
@@ -509,7 +355,7 @@ fn factor_parts<'a>(f: &ScaleFactor<'a>) -> (f32, Option<&'a Tensor>) {
 // ---- module `cast` -------------------------------------------------------------------------
 
 /// `src` converted to `dtype` (f32, bf16 or f16; round to nearest even, as
-/// [`super::cast_reference`]): a new contiguous tensor of `src`'s shape on `src`'s GPU, computed
+/// [`kernels::cast_reference`]): a new contiguous tensor of `src`'s shape on `src`'s GPU, computed
 /// on `stream` (default: the compute stream). A non-contiguous `src` is made contiguous first
 /// (Candle's copy).
 ///
@@ -518,23 +364,36 @@ fn factor_parts<'a>(f: &ScaleFactor<'a>) -> (f32, Option<&'a Tensor>) {
 pub fn cast(src: &Tensor, dtype: DType, stream: Option<&Arc<CudaStream>>) -> Result<Tensor> {
     const OP: &str = "cast";
     let dev = device_of(OP, "src", src)?;
-    let out_code = dtype_code(dtype).ok_or_else(|| {
+    dtype_code(dtype).ok_or_else(|| {
         Error::InvalidArgument(format!(
             "{OP}: target must be f32, bf16 or f16, found {dtype:?}"
         ))
     })?;
+    let fl = [DType::F32, DType::BF16, DType::F16];
+    if !fl.contains(&src.dtype()) {
+        // The message of the contiguous case (the check after a copy, before this version).
+        check_one(OP, "src", src, &dev, &fl)?;
+    }
+    cast_checked(src, dtype, stream)
+}
+
+/// [`cast`] of arguments already checked ([`super::cast`]: `src` on a GPU, both dtypes f32,
+/// bf16 or f16); `src` may be non-contiguous (copied first).
+///
+/// Errors: a failed allocation or launch.
+pub(super) fn cast_checked(
+    src: &Tensor,
+    dtype: DType,
+    stream: Option<&Arc<CudaStream>>,
+) -> Result<Tensor> {
+    const OP: &str = "cast";
+    let dev = device_of(OP, "src", src)?;
+    let out_code = dtype_code(dtype).expect("checked by the caller");
     let src = if src.is_contiguous() {
         src.clone()
     } else {
         src.contiguous()?
     };
-    check_one(
-        OP,
-        "src",
-        &src,
-        &dev,
-        &[DType::F32, DType::BF16, DType::F16],
-    )?;
     let n = src.elem_count();
     let stream = stream.cloned().unwrap_or_else(|| dev.cuda_stream());
     // SAFETY: the launch below writes all n elements (n == 0: nothing to read).
@@ -576,7 +435,7 @@ pub fn cast_into(src: &Tensor, dst: &Tensor) -> Result<()> {
             src.elem_count()
         )));
     }
-    check_distinct(OP, &[("src", src), ("dst", dst)])?;
+    super::check_distinct(OP, &[("src", src), ("dst", dst)])?;
     if n == 0 {
         return Ok(());
     }
@@ -586,29 +445,21 @@ pub fn cast_into(src: &Tensor, dst: &Tensor) -> Result<()> {
     );
     let f = func(&dev, "cast", "cast")?;
     let cs = dev.cuda_stream();
-    dst.inplace_op2(
-        src,
-        &CudaMut2 {
-            name: OP,
-            f: Cell::new(Some(
-                |ds: &mut CudaStorage, dl: &Layout, ss: &CudaStorage, sl: &Layout| {
-                    let input = AnyView::new(ss, sl, OP, "src")?;
-                    let mut out = AnyViewMut::new(ds, dl, OP, "dst")?;
-                    let n64 = n as u64;
-                    let mut b = cs.launch_builder(&f);
-                    input.push(&mut b);
-                    b.arg(&src_code);
-                    out.push(&mut b);
-                    b.arg(&dst_code);
-                    b.arg(&n64);
-                    // SAFETY: as in `cast`: matching argument list, n elements in both views,
-                    // distinct storages (checked).
-                    unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("cast::cast", e))?;
-                    Ok(())
-                },
-            )),
-        },
-    )?;
+    with_mut2(dst, src, OP, |ds, dl, ss, sl| {
+        let input = AnyView::new(ss, sl, OP, "src")?;
+        let mut out = AnyViewMut::new(ds, dl, OP, "dst")?;
+        let n64 = n as u64;
+        let mut b = cs.launch_builder(&f);
+        input.push(&mut b);
+        b.arg(&src_code);
+        out.push(&mut b);
+        b.arg(&dst_code);
+        b.arg(&n64);
+        // SAFETY: as in `cast`: matching argument list, n elements in both views,
+        // distinct storages (checked).
+        unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("cast::cast", e))?;
+        Ok(())
+    })?;
     Ok(())
 }
 
@@ -616,7 +467,7 @@ pub fn cast_into(src: &Tensor, dst: &Tensor) -> Result<()> {
 
 /// Copy-in on the GPU: one unit's parameter gradients into a new flat reduction buffer in
 /// `reduce_dtype` (f32, bf16 or f16), with exactly the layout of `fsdp::collectives::
-/// flatten_grads` followed by its cast to `reduce_dtype` ([`super::copy_in_reference`]): 1-D,
+/// flatten_grads` followed by its cast to `reduce_dtype` ([`kernels::copy_in_reference`]): 1-D,
 /// `world_size × (shard_numel + F)` elements, chunk `c` holding flat `[c·S, (c+1)·S)` and then
 /// the `F` presence flags (1 where the parameter has a gradient). `None` when the layout has no
 /// element.
@@ -624,7 +475,7 @@ pub fn cast_into(src: &Tensor, dst: &Tensor) -> Result<()> {
 /// `grads[q]`: parameter `q`'s gradient (layout order; `None` or past the end: absent), any
 /// shape of `numel` elements, f32/bf16/f16 (mixed dtypes are fine), on `device`; a
 /// non-contiguous gradient is made contiguous first (Candle's copy). One launch per
-/// [`super::COPY_MAX_PARAMS`] parameters, every element written exactly once (no zero-fill
+/// [`kernels::COPY_MAX_PARAMS`] parameters, every element written exactly once (no zero-fill
 /// pass); the descriptors travel by value in the kernel parameters, so there is no host→device
 /// copy. Runs on `stream` (default: the compute stream), after the gradients' producers.
 ///
@@ -718,7 +569,7 @@ pub fn copy_in(
     // to the next parameter's, the last one's to the end of the W·S flat elements; the first
     // parameter's offset is 0) and its W flags.
     let mut out = unsafe { alloc_any(&stream, reduce_dtype, total)? };
-    for (args, grid) in super::args::copy_in_plan(layout, &srcs, out_code) {
+    for (args, grid) in plan::copy_in_plan(&layout.copy_layout(), &srcs, out_code) {
         let mut b = stream.launch_builder(&func);
         out.push(&mut b);
         b.arg(&args);
@@ -737,9 +588,9 @@ pub fn copy_in(
 /// Copy-out on the GPU: each parameter of `layout` (layout order) as its own new contiguous
 /// tensor of its shape in `dtype` (f32/bf16/f16; a plain copy when `flat` has that dtype), the
 /// elements `[offset, offset + numel)` of the gathered flat buffer `flat`
-/// ([`super::copy_out_reference`]; `fsdp::collectives::param_copies`). With `is_variable` the
+/// ([`kernels::copy_out_reference`]; `fsdp::collectives::param_copies`). With `is_variable` the
 /// tensors are created as variables (for `Var::from_tensor` without a second copy). One launch
-/// per [`super::COPY_MAX_PARAMS`] parameters, output addresses passed by value. Runs on `stream`
+/// per [`kernels::COPY_MAX_PARAMS`] parameters, output addresses passed by value. Runs on `stream`
 /// (default: the compute stream).
 ///
 /// Where no copy is needed (a forward without autograd), views of the gathered buffer
@@ -798,7 +649,9 @@ pub fn copy_out(
             syncs.push(sync);
             dsts.push(dst);
         }
-        for (args, grid) in super::args::copy_out_plan(layout, &dsts, src_code, dst_code) {
+        for (args, grid) in
+            plan::copy_out_plan(&layout.copy_layout().spans, &dsts, src_code, dst_code)
+        {
             let mut b = stream.launch_builder(&func);
             input.push(&mut b);
             b.arg(&args);
@@ -819,12 +672,13 @@ pub fn copy_out(
 
 // ---- module `ops` --------------------------------------------------------------------------
 
-/// `t = t · s` in place (f32, contiguous, on a GPU); [`super::scale_reference`].
+/// `t = t · s` in place (f32, contiguous, on a GPU, checked by [`super::scale_`]);
+/// [`kernels::scale_reference`].
 ///
-/// Errors: `t` not a contiguous f32 tensor on a GPU; a failed launch.
-pub fn scale_(t: &Tensor, s: f32) -> Result<()> {
+/// Errors: a failed launch.
+pub(super) fn scale_(t: &Tensor, s: f32) -> Result<()> {
     const OP: &str = "scale_";
-    let n = check_f32(OP, &[("tensor", t)])?;
+    let n = t.elem_count();
     if n == 0 {
         return Ok(());
     }
@@ -847,23 +701,20 @@ pub fn scale_(t: &Tensor, s: f32) -> Result<()> {
 /// The grad scaler's unscale with its inf/NaN check, on the device: `t = t · factor` in place
 /// and, when some result is infinite or NaN, `found_inf = 1` (a one-element f32 tensor on the
 /// same GPU, never read by the host here, left alone otherwise: zero it before the step's first
-/// call); [`super::scale_check_finite_reference`], PyTorch's
+/// call); [`kernels::scale_check_finite_reference`], PyTorch's
 /// `_amp_foreach_non_finite_check_and_unscale_`.
 ///
 /// Errors: as [`scale_`]; `found_inf` (or a device factor) not a one-element f32 tensor on the
 /// same GPU, or sharing `t`'s storage.
-pub fn scale_check_finite_(t: &Tensor, factor: ScaleFactor<'_>, found_inf: &Tensor) -> Result<()> {
+pub(super) fn scale_check_finite_(
+    t: &Tensor,
+    factor: ScaleFactor<'_>,
+    found_inf: &Tensor,
+) -> Result<()> {
     const OP: &str = "scale_check_finite_";
-    let n = check_f32(OP, &[("tensor", t)])?;
+    let n = t.elem_count();
     let dev = device_of(OP, "tensor", t)?;
-    check_scalar(OP, "found_inf", found_inf, &dev)?;
     let (value, dev_factor) = factor_parts(&factor);
-    let mut all = vec![("tensor", t), ("found_inf", found_inf)];
-    if let Some(d) = dev_factor {
-        check_scalar(OP, "inv_scale", d, &dev)?;
-        all.push(("inv_scale", d));
-    }
-    check_distinct(OP, &all)?;
     if n == 0 {
         return Ok(());
     }
@@ -894,15 +745,13 @@ pub fn scale_check_finite_(t: &Tensor, factor: ScaleFactor<'_>, found_inf: &Tens
 }
 
 /// The inf/NaN check alone, on the device: `found_inf = 1` when some element of `t` is
-/// infinite or NaN (left alone otherwise); [`super::non_finite_reference`]. `t` is read only.
+/// infinite or NaN (left alone otherwise); [`kernels::non_finite_reference`]. `t` is read only.
 ///
 /// Errors: as [`scale_check_finite_`].
-pub fn check_finite_(t: &Tensor, found_inf: &Tensor) -> Result<()> {
+pub(super) fn check_finite_(t: &Tensor, found_inf: &Tensor) -> Result<()> {
     const OP: &str = "check_finite_";
-    let n = check_f32(OP, &[("tensor", t)])?;
+    let n = t.elem_count();
     let dev = device_of(OP, "tensor", t)?;
-    check_scalar(OP, "found_inf", found_inf, &dev)?;
-    check_distinct(OP, &[("tensor", t), ("found_inf", found_inf)])?;
     if n == 0 {
         return Ok(());
     }
@@ -925,57 +774,41 @@ pub fn check_finite_(t: &Tensor, found_inf: &Tensor) -> Result<()> {
 }
 
 /// `dst += src` in place: `dst` f32, `src` f32/bf16/f16 (widened exactly), same element count,
-/// contiguous, distinct storages, one GPU; [`super::add_reference`].
+/// contiguous, distinct storages, one GPU; [`kernels::add_reference`].
 ///
 /// Errors: those conditions violated; a failed launch.
-pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
+pub(super) fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     const OP: &str = "add_";
-    let n = check_f32(OP, &[("dst", dst)])?;
+    let n = dst.elem_count();
     let dev = device_of(OP, "dst", dst)?;
-    check_one(OP, "src", src, &dev, &[DType::F32, DType::BF16, DType::F16])?;
-    if src.elem_count() != n {
-        return Err(Error::InvalidArgument(format!(
-            "{OP}: src has {} elements, expected {n} (those of dst)",
-            src.elem_count()
-        )));
-    }
-    check_distinct(OP, &[("dst", dst), ("src", src)])?;
     if n == 0 {
         return Ok(());
     }
     let f = func(&dev, "ops", "add")?;
     let cs = dev.cuda_stream();
     let code = dtype_code(src.dtype()).expect("checked");
-    dst.inplace_op2(
-        src,
-        &CudaMut2 {
-            name: OP,
-            f: Cell::new(Some(
-                |ds: &mut CudaStorage, dl: &Layout, ss: &CudaStorage, sl: &Layout| {
-                    let mut d = f32_view_mut(ds, dl, OP, "dst")?;
-                    let s = AnyView::new(ss, sl, OP, "src")?;
-                    let n64 = n as u64;
-                    let mut b = cs.launch_builder(&f);
-                    b.arg(&mut d);
-                    s.push(&mut b);
-                    b.arg(&code);
-                    b.arg(&n64);
-                    // SAFETY: `add(float*, const void*, u32, u64)`: matching argument list; both
-                    // views hold n elements (src of the dtype whose code is passed); distinct
-                    // storages (checked).
-                    unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("ops::add", e))?;
-                    Ok(())
-                },
-            )),
-        },
-    )?;
+    with_mut2(dst, src, OP, |ds, dl, ss, sl| {
+        let mut d = f32_view_mut(ds, dl, OP, "dst")?;
+        let s = AnyView::new(ss, sl, OP, "src")?;
+        let n64 = n as u64;
+        let mut b = cs.launch_builder(&f);
+        b.arg(&mut d);
+        s.push(&mut b);
+        b.arg(&code);
+        b.arg(&n64);
+        // SAFETY: `add(float*, const void*, u32, u64)`: matching argument list; both
+        // views hold n elements (src of the dtype whose code is passed); distinct
+        // storages (checked).
+        unsafe { b.launch(config_1d(n)) }.map_err(|e| launch_err("ops::add", e))?;
+        Ok(())
+    })?;
     Ok(())
 }
 
 /// The sum of squares of `t` (f32, contiguous) in f64, on the device, into `out` (a one-element
 /// f64 tensor on the same GPU): `out = sum` or, with `accumulate`, `out += sum` (sums of several
-/// tensors without a host read in between). Two launches: [`super::sum_squares_blocks`]`(n)`
-/// partial sums, then one block; the order is fixed ([`super::sum_squares_reference`]).
+/// tensors without a host read in between). Two launches: [`kernels::sum_squares_blocks`]`(n)`
+/// partial sums, then one block; the order is fixed ([`kernels::sum_squares_reference`]).
 ///
 /// Errors: as [`scale_`]; `out` not a one-element f64 tensor on the same GPU.
 pub fn sum_squares_into(t: &Tensor, out: &Tensor, accumulate: bool) -> Result<()> {
@@ -989,8 +822,8 @@ pub fn sum_squares_into(t: &Tensor, out: &Tensor, accumulate: bool) -> Result<()
             out.dims()
         )));
     }
-    check_distinct(OP, &[("tensor", t), ("out", out)])?;
-    let blocks = super::sum_squares_blocks(n);
+    super::check_distinct(OP, &[("tensor", t), ("out", out)])?;
+    let blocks = kernels::sum_squares_blocks(n);
     let stream = dev.cuda_stream();
     // SAFETY: the first launch writes every one of the `blocks` partials before the second
     // (same stream) reads them.
@@ -1039,30 +872,7 @@ pub fn sum_squares_into(t: &Tensor, out: &Tensor, accumulate: bool) -> Result<()
 
 // ---- module `optim` ------------------------------------------------------------------------
 
-/// Checks and guards the scaler inputs of a fused step.
-fn check_unscale(
-    op: &str,
-    dev: &CudaDevice,
-    u: &Unscale<'_>,
-    all: &mut Vec<(&'static str, Tensor)>,
-) -> Result<()> {
-    if let ScaleFactor::Device(t) = u.inv_scale {
-        check_scalar(op, "inv_scale", t, dev)?;
-        all.push(("inv_scale", t.clone()));
-    }
-    if let Some(t) = u.found_inf {
-        check_scalar(op, "found_inf", t, dev)?;
-        all.push(("found_inf", t.clone()));
-    }
-    Ok(())
-}
-
-fn distinct_owned(op: &str, all: &[(&'static str, Tensor)]) -> Result<()> {
-    let refs: Vec<(&str, &Tensor)> = all.iter().map(|(n, t)| (*n, t)).collect();
-    check_distinct(op, &refs)
-}
-
-/// One fused AdamW update in place over flat f32 tensors on a GPU ([`super::adamw_reference`];
+/// One fused AdamW update in place over flat f32 tensors on a GPU ([`kernels::adamw_reference`];
 /// [`crate::ops::adamw_step`]'s arithmetic, bit for bit): `param`, `exp_avg`, `exp_avg_sq`
 /// written, `grad` read and multiplied by `u.inv_scale` in registers (not written back). When
 /// `u.found_inf` is given and holds a non-zero value on the device, the kernel returns without
@@ -1070,7 +880,7 @@ fn distinct_owned(op: &str, all: &[(&'static str, Tensor)]) -> Result<()> {
 ///
 /// Errors: the tensors not f32, contiguous, of one element count, on one GPU, with distinct
 /// storages; the scaler tensors not one-element f32 on that GPU; a failed launch.
-pub fn adamw_(
+pub(super) fn adamw_(
     param: &Tensor,
     grad: &Tensor,
     exp_avg: &Tensor,
@@ -1079,24 +889,8 @@ pub fn adamw_(
     u: &Unscale<'_>,
 ) -> Result<()> {
     const OP: &str = "adamw_";
-    let n = check_f32(
-        OP,
-        &[
-            ("param", param),
-            ("grad", grad),
-            ("exp_avg", exp_avg),
-            ("exp_avg_sq", exp_avg_sq),
-        ],
-    )?;
+    let n = param.elem_count();
     let dev = device_of(OP, "param", param)?;
-    let mut all = vec![
-        ("param", param.clone()),
-        ("grad", grad.clone()),
-        ("exp_avg", exp_avg.clone()),
-        ("exp_avg_sq", exp_avg_sq.clone()),
-    ];
-    check_unscale(OP, &dev, u, &mut all)?;
-    distinct_owned(OP, &all)?;
     if n == 0 {
         return Ok(());
     }
@@ -1139,40 +933,22 @@ pub fn adamw_(
     })
 }
 
-/// One fused SGD update in place over flat f32 tensors on a GPU ([`super::sgd_reference`];
+/// One fused SGD update in place over flat f32 tensors on a GPU ([`kernels::sgd_reference`];
 /// [`crate::ops::sgd_step`]'s arithmetic, bit for bit): `param` and, when `h.momentum != 0`,
 /// `momentum_buffer` (then required) written; `grad` read and multiplied by `u.inv_scale`;
 /// skipped on the device when `u.found_inf` holds a non-zero value.
 ///
 /// Errors: as [`adamw_`]; a missing buffer with momentum.
-pub fn sgd_(
+pub(super) fn sgd_(
     param: &Tensor,
     grad: &Tensor,
-    momentum_buffer: Option<&Tensor>,
+    buf: Option<&Tensor>,
     h: &SgdHyper,
     u: &Unscale<'_>,
 ) -> Result<()> {
     const OP: &str = "sgd_";
-    let buf = match (h.momentum != 0.0, momentum_buffer) {
-        (false, _) => None,
-        (true, Some(b)) => Some(b),
-        (true, None) => {
-            return Err(Error::InvalidArgument(format!(
-                "{OP}: momentum {} needs a momentum buffer, none given",
-                h.momentum
-            )))
-        }
-    };
-    let mut tensors = vec![("param", param), ("grad", grad)];
-    if let Some(b) = buf {
-        tensors.push(("momentum_buffer", b));
-    }
-    let n = check_f32(OP, &tensors)?;
+    let n = param.elem_count();
     let dev = device_of(OP, "param", param)?;
-    let mut all: Vec<(&'static str, Tensor)> =
-        tensors.iter().map(|(n, t)| (*n, (*t).clone())).collect();
-    check_unscale(OP, &dev, u, &mut all)?;
-    distinct_owned(OP, &all)?;
     if n == 0 {
         return Ok(());
     }
@@ -1220,7 +996,7 @@ pub fn sgd_(
     })
 }
 
-/// The grad scaler's update on the device ([`super::update_scale_reference`],
+/// The grad scaler's update on the device ([`kernels::update_scale_reference`],
 /// `ShardedGradScaler`'s update, PyTorch's `_amp_update_scale_`): reads `found_inf`, updates
 /// `scale` (one f32) and `growth_tracker` (one u32) in place and, when given, writes
 /// `inv_scale = 1 / scale` (one f32) for the next unscale. No host read.
@@ -1256,7 +1032,7 @@ pub fn update_scale_(
         check_scalar(OP, "inv_scale", t, &dev)?;
         all.push(("inv_scale", t));
     }
-    check_distinct(OP, &all)?;
+    super::check_distinct(OP, &all)?;
     let f = func(&dev, "optim", "update_scale")?;
     let cs = dev.cuda_stream();
     let (fs, fl) = found_inf.storage_and_layout();

@@ -16,8 +16,8 @@
 //!   `Closed` ([`close_inbox`]), which stops its watcher. Encoding: `b"closed"`, or
 //!   `b"failed "` then the rank as decimal, a newline and the reason (UTF-8).
 
+use crate::comm::store::TcpStore;
 use crate::error::{Error, Result};
-use crate::launch::store::TcpStore;
 
 /// The operations of a key-value store the bootstrap needs ([`TcpStore`] has them).
 pub trait KeyValueStore: Send + Sync {

@@ -1,6 +1,13 @@
 //! Device kernels over flat f32 tensors: the optimizer updates, the arithmetic of gradient
 //! clipping and loss scaling, and in-place accumulation of gradient shards.
 //!
+//! This module is the one dispatching API of the in-place ops (the role `storage.rs` plays in
+//! Candle): each public function checks its arguments **once** here (dtype, contiguity,
+//! device, element counts, distinct storages, the scaler tensors), then goes to the device's
+//! side, which checks nothing again: `ops::cpu` (private) on the CPU, `ops::cuda` (feature `cuda`) on a
+//! GPU. The kernels themselves (CUDA C sources, NVRTC loading, argument structs, launch plans
+//! and CPU references) are the leaf module [`crate::kernels`].
+//!
 //! Every kernel updates its destination tensors **in place** (their storage is written, no new
 //! tensor is made), so a caller that holds a `&Tensor` (a [`crate::ShardView`]) can step a
 //! shard. Tensors are flat: any shape is accepted, but they must be contiguous and the tensors of
@@ -8,7 +15,7 @@
 //!
 //! **CPU.** Each kernel is one pass over `&mut [f32]` / `&[f32]` slices of the tensors' own
 //! storage, obtained through Candle's in-place op API: [`Tensor::inplace_op1`] with an
-//! [`InplaceOp1`] whose `cpu_fwd` receives `&mut CpuStorage` (nested once per tensor that is
+//! `InplaceOp1` whose `cpu_fwd` receives `&mut CpuStorage` (nested once per tensor that is
 //! written: distinct storages are locked separately) and [`Tensor::storage_and_layout`] (a read
 //! lock) for inputs. The kernels allocate nothing; Candle's in-place entry point allocates a few
 //! bytes for its overlap check per tensor, independent of the tensor's size. The element-wise
@@ -16,9 +23,9 @@
 //! order, no fused multiply-add), so results are bit-identical to them.
 //!
 //! **CUDA** (feature `cuda`). A tensor on a GPU goes to the NVRTC kernels of `kernels/`
-//! (`crate::kernels::cuda`), launched on the device's compute stream with the same arithmetic
-//! (IEEE operations in the same order, no fused multiply-add: bit-identical results, NaN
-//! payloads aside). The functions that return a host value ([`scale_and_check_finite_`],
+//! (launch wrappers in `ops::cuda`), launched on the device's compute stream with the same
+//! arithmetic (IEEE operations in the same order, no fused multiply-add: bit-identical results,
+//! NaN payloads aside). The functions that return a host value ([`scale_and_check_finite_`],
 //! [`all_finite`], [`sum_squares`]) read it back, which waits for the GPU; the step path uses
 //! their device-side forms instead: [`unscale_check_finite_`] and [`check_finite_`] set a
 //! `found_inf` flag on the device, which [`adamw_step_fused`] and [`sgd_step_fused`] read to
@@ -27,15 +34,18 @@
 //! tensors are. Any other device is an [`Error::InvalidArgument`] naming the kernel and the
 //! device.
 //!
-//! Aliasing: the tensors written by one call must not share storage with each other or with its
-//! inputs (checked; an error names the two tensors).
+//! Aliasing: the tensors written by one call must not share storage with each other, with its
+//! inputs or with its scaler tensors (checked; an error names the two tensors).
 
-use std::cell::Cell;
+use candle_core::{DType, Device, Tensor};
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Storage, Tensor};
-
+use crate::device::same_storage;
 use crate::error::{Error, Result};
+use crate::kernels::plan::{AdamWArgs, SgdArgs};
+
+mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 /// Per-step constants of one AdamW update, all f32 (see [`adamw_step`]). The optimizer computes
 /// them in f64 from its configuration and the step count `t`, then rounds once to f32.
@@ -107,6 +117,37 @@ pub struct SgdHyper {
     pub nesterov: bool,
     /// First step of the optimizer: the momentum buffer is set to the gradient, not blended.
     pub first_step: bool,
+}
+
+impl From<&AdamWHyper> for AdamWArgs {
+    /// The kernel's argument struct of `h`, field for field.
+    fn from(h: &AdamWHyper) -> Self {
+        Self {
+            beta1: h.beta1,
+            beta2: h.beta2,
+            one_minus_beta1: h.one_minus_beta1,
+            one_minus_beta2: h.one_minus_beta2,
+            bias_correction1: h.bias_correction1,
+            bias_correction2: h.bias_correction2,
+            decay: h.decay,
+            lr: h.lr,
+            eps: h.eps,
+        }
+    }
+}
+
+impl From<&SgdHyper> for SgdArgs {
+    /// The kernel's argument struct of `h` (the bools as 0/1).
+    fn from(h: &SgdHyper) -> Self {
+        Self {
+            lr: h.lr,
+            momentum: h.momentum,
+            one_minus_dampening: h.one_minus_dampening,
+            weight_decay: h.weight_decay,
+            nesterov: u32::from(h.nesterov),
+            first_step: u32::from(h.first_step),
+        }
+    }
 }
 
 /// One AdamW update (Loshchilov & Hutter, ICLR 2019; operation by operation as candle-nn's
@@ -184,36 +225,21 @@ fn adamw_with(
     }
     check_distinct(
         op,
-        &[
-            ("param", param),
-            ("grad", grad),
-            ("exp_avg", exp_avg),
-            ("exp_avg_sq", exp_avg_sq),
-        ],
+        &with_unscale(
+            &[
+                ("param", param),
+                ("grad", grad),
+                ("exp_avg", exp_avg),
+                ("exp_avg_sq", exp_avg_sq),
+            ],
+            u,
+        ),
     )?;
     #[cfg(feature = "cuda")]
     if param.device().is_cuda() {
-        return crate::kernels::cuda::adamw_(param, grad, exp_avg, exp_avg_sq, h, u);
+        return cuda::adamw_(param, grad, exp_avg, exp_avg_sq, h, u);
     }
-    let Some(inv) = cpu_unscale(u)? else {
-        return Ok(());
-    };
-    let h = *h;
-    with_cpu_f32(grad, |g| {
-        with_mut(param, op, |p| {
-            with_mut(exp_avg, op, |m| {
-                with_mut(exp_avg_sq, op, |v| {
-                    if inv == 1.0 {
-                        cpu::adamw(p, g, m, v, h);
-                    } else {
-                        cpu::adamw_unscaled(p, g, m, v, h, inv);
-                    }
-                    Ok(())
-                })
-            })
-        })
-    })??;
-    Ok(())
+    cpu::adamw_(op, param, grad, exp_avg, exp_avg_sq, h, u)
 }
 
 /// One SGD update, PyTorch's algorithm (`torch.optim.SGD` docs), element-wise, in f32:
@@ -285,35 +311,12 @@ fn sgd_with(
     if n == 0 {
         return Ok(());
     }
-    check_distinct(op, tensors)?;
+    check_distinct(op, &with_unscale(tensors, u))?;
     #[cfg(feature = "cuda")]
     if param.device().is_cuda() {
-        return crate::kernels::cuda::sgd_(param, grad, buf, &h, u);
+        return cuda::sgd_(param, grad, buf, &h, u);
     }
-    let Some(inv) = cpu_unscale(u)? else {
-        return Ok(());
-    };
-    with_cpu_f32(grad, |g| {
-        with_mut(param, op, |p| match (buf, inv == 1.0) {
-            (None, true) => {
-                cpu::sgd(p, g, h);
-                Ok(())
-            }
-            (None, false) => {
-                cpu::sgd_unscaled(p, g, h, inv);
-                Ok(())
-            }
-            (Some(buf), unscaled) => with_mut(buf, op, |b| {
-                if unscaled {
-                    cpu::sgd_momentum(p, g, b, h);
-                } else {
-                    cpu::sgd_momentum_unscaled(p, g, b, h, inv);
-                }
-                Ok(())
-            }),
-        })
-    })??;
-    Ok(())
+    cpu::sgd_(op, param, grad, buf, h, u)
 }
 
 /// Multiplies every element of `t` (f32, contiguous) by `s`, in place.
@@ -326,13 +329,9 @@ pub fn scale_(t: &Tensor, s: f32) -> Result<()> {
     }
     #[cfg(feature = "cuda")]
     if t.device().is_cuda() {
-        return crate::kernels::cuda::scale_(t, s);
+        return cuda::scale_(t, s);
     }
-    with_mut(t, OP, |x| {
-        cpu::scale(x, s);
-        Ok(())
-    })?;
-    Ok(())
+    cpu::scale_(OP, t, s)
 }
 
 /// Multiplies every element of `t` (f32, contiguous) by `s` in place and returns whether every
@@ -349,15 +348,10 @@ pub fn scale_and_check_finite_(t: &Tensor, s: f32) -> Result<bool> {
     #[cfg(feature = "cuda")]
     if t.device().is_cuda() {
         let flag = Tensor::zeros(1, DType::F32, t.device())?;
-        crate::kernels::cuda::scale_check_finite_(t, ScaleFactor::Value(s), &flag)?;
+        cuda::scale_check_finite_(t, ScaleFactor::Value(s), &flag)?;
         return Ok(flag.to_vec1::<f32>()?[0] == 0.0);
     }
-    let finite = Cell::new(true);
-    with_mut(t, OP, |x| {
-        finite.set(cpu::scale_check_finite(x, s));
-        Ok(())
-    })?;
-    Ok(finite.get())
+    cpu::scale_check_finite_(OP, t, s)
 }
 
 /// Whether every element of `t` (f32, contiguous) is finite (no inf, no NaN).
@@ -371,10 +365,10 @@ pub fn all_finite(t: &Tensor) -> Result<bool> {
             return Ok(true);
         }
         let flag = Tensor::zeros(1, DType::F32, t.device())?;
-        crate::kernels::cuda::check_finite_(t, &flag)?;
+        cuda::check_finite_(t, &flag)?;
         return Ok(flag.to_vec1::<f32>()?[0] == 0.0);
     }
-    with_cpu_f32(t, |x| x.iter().all(|x| x.is_finite()))
+    cpu::all_finite(t)
 }
 
 /// Multiplies every element of `t` (f32, contiguous) by `factor` in place and sets `found_inf`
@@ -404,24 +398,9 @@ pub fn unscale_check_finite_(
     }
     #[cfg(feature = "cuda")]
     if t.device().is_cuda() {
-        return crate::kernels::cuda::scale_check_finite_(t, factor, found_inf);
+        return cuda::scale_check_finite_(t, factor, found_inf);
     }
-    let s = match factor {
-        ScaleFactor::Value(v) => v,
-        ScaleFactor::Device(d) => with_cpu_f32(d, |v| v[0])?,
-    };
-    let finite = Cell::new(true);
-    with_mut(t, OP, |x| {
-        finite.set(cpu::scale_check_finite(x, s));
-        Ok(())
-    })?;
-    if !finite.get() {
-        with_mut(found_inf, OP, |f| {
-            f[0] = 1.0;
-            Ok(())
-        })?;
-    }
-    Ok(())
+    cpu::unscale_check_finite_(OP, t, factor, found_inf)
 }
 
 /// Sets `found_inf` (a one-element f32 tensor on `t`'s device) to 1 when some element of `t`
@@ -447,22 +426,16 @@ pub fn check_finite_(t: &Tensor, found_inf: &Tensor) -> Result<()> {
     }
     #[cfg(feature = "cuda")]
     if t.device().is_cuda() {
-        return crate::kernels::cuda::check_finite_(t, found_inf);
+        return cuda::check_finite_(t, found_inf);
     }
-    if !with_cpu_f32(t, |x| x.iter().all(|x| x.is_finite()))? {
-        with_mut(found_inf, OP, |f| {
-            f[0] = 1.0;
-            Ok(())
-        })?;
-    }
-    Ok(())
+    cpu::check_finite_(OP, t, found_inf)
 }
 
 /// Sum of the squares of the elements of `t` (f32, contiguous), each widened to f64 and summed
 /// in f64 in element order: the local part of a total L2 norm
 /// (`torch.nn.utils.clip_grad_norm_`'s norm, accumulated more precisely than f32). On a GPU the
 /// f64 sum runs in the kernels' fixed tree order (equal up to rounding) and is read back;
-/// `crate::kernels::cuda::sum_squares_into` keeps it on the device.
+/// [`cuda::sum_squares_into`] keeps it on the device.
 ///
 /// Errors: as [`adamw_step`].
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
@@ -471,12 +444,10 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
     if t.device().is_cuda() {
         // The kernels' fixed tree order (`kernels::sum_squares_reference`), read back.
         let acc = Tensor::zeros(1, DType::F64, t.device())?;
-        crate::kernels::cuda::sum_squares_into(t, &acc, false)?;
+        cuda::sum_squares_into(t, &acc, false)?;
         return Ok(acc.to_vec1::<f64>()?[0]);
     }
-    with_cpu_f32(t, |x| {
-        x.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()
-    })
+    cpu::sum_squares(t)
 }
 
 /// `dst += src` element-wise, in place: `dst` f32, `src` f32, bf16 or f16 (widened exactly to
@@ -500,25 +471,9 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     check_distinct(OP, &[("dst", dst), ("src", src)])?;
     #[cfg(feature = "cuda")]
     if dst.device().is_cuda() {
-        return crate::kernels::cuda::add_(dst, src);
+        return cuda::add_(dst, src);
     }
-    let (storage, layout) = src.storage_and_layout();
-    let (start, end) = layout
-        .contiguous_offsets()
-        .expect("checked contiguous above");
-    let Storage::Cpu(cpu) = &*storage else {
-        unreachable!("checked on the CPU above")
-    };
-    with_mut(dst, OP, |d| {
-        match cpu {
-            CpuStorage::F32(s) => cpu::add(d, &s[start..end]),
-            CpuStorage::BF16(s) => cpu::add_widened(d, &s[start..end]),
-            CpuStorage::F16(s) => cpu::add_widened(d, &s[start..end]),
-            _ => unreachable!("dtype checked above"),
-        }
-        Ok(())
-    })?;
-    Ok(())
+    cpu::add_(OP, dst, src)
 }
 
 /// `t` converted to `dtype` (f32, bf16 or f16): a new contiguous tensor on `t`'s device, round to
@@ -538,194 +493,12 @@ pub fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     if t.device().is_cuda() {
-        return crate::kernels::cuda::cast(t, dtype, None);
+        return cuda::cast_checked(t, dtype, None);
     }
     if !t.device().is_cpu() {
         return Err(not_on_cpu(OP, t.device()));
     }
     Ok(t.to_dtype(dtype)?.contiguous()?)
-}
-
-/// The CPU loops. Each takes its slices as arguments, so the compiler knows that `&mut` slices
-/// alias nothing (and vectorises without run-time overlap checks), and its constants by value.
-/// Not inlined into the lock-taking closures, which would lose that knowledge.
-mod cpu {
-    use super::{AdamWHyper, SgdHyper};
-
-    #[inline(never)]
-    pub(super) fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: AdamWHyper) {
-        split4(p, g, m, v, |p, g, m, v| {
-            adamw_impl::<false>(p, g, m, v, h, 1.0)
-        });
-    }
-
-    /// `f` over matching chunks of the four slices: split over rayon's pool when Candle's
-    /// intra-op thread count is above 1 and there are at least 256 Ki elements, else on this thread,
-    /// each chunk compiled for the CPU's widest vectors (`crate::cpu::with_simd`). Every element's
-    /// update is the same arithmetic whatever the split, so the result is bit-identical.
-    #[inline(always)]
-    fn split4(
-        p: &mut [f32],
-        g: &[f32],
-        m: &mut [f32],
-        v: &mut [f32],
-        f: impl Fn(&mut [f32], &[f32], &mut [f32], &mut [f32]) + Send + Sync,
-    ) {
-        use crate::cpu::{threads, with_simd};
-        // 64 Ki elements a task; below four tasks' worth (1 MiB of parameters, ~0.1 ms on one
-        // core) waking the pool costs more than it saves.
-        const CHUNK: usize = 1 << 16;
-        if p.len() >= 4 * CHUNK && threads() > 1 {
-            use rayon::prelude::*;
-            p.par_chunks_mut(CHUNK)
-                .zip(g.par_chunks(CHUNK))
-                .zip(m.par_chunks_mut(CHUNK))
-                .zip(v.par_chunks_mut(CHUNK))
-                .for_each(|(((p, g), m), v)| with_simd(|| f(p, g, m, v)));
-        } else {
-            with_simd(|| f(p, g, m, v))
-        }
-    }
-
-    /// [`adamw`] of `g · inv` (the fused step's unscale, in registers).
-    #[inline(never)]
-    pub(super) fn adamw_unscaled(
-        p: &mut [f32],
-        g: &[f32],
-        m: &mut [f32],
-        v: &mut [f32],
-        h: AdamWHyper,
-        inv: f32,
-    ) {
-        split4(p, g, m, v, |p, g, m, v| {
-            adamw_impl::<true>(p, g, m, v, h, inv)
-        });
-    }
-
-    /// The AdamW loop; with `UNSCALE` each gradient is multiplied by `inv` first.
-    #[inline(always)]
-    fn adamw_impl<const UNSCALE: bool>(
-        p: &mut [f32],
-        g: &[f32],
-        m: &mut [f32],
-        v: &mut [f32],
-        h: AdamWHyper,
-        inv: f32,
-    ) {
-        let AdamWHyper {
-            beta1,
-            beta2,
-            one_minus_beta1,
-            one_minus_beta2,
-            bias_correction1,
-            bias_correction2,
-            decay,
-            lr,
-            eps,
-        } = h;
-        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
-            let g = if UNSCALE { g * inv } else { g };
-            *m = *m * beta1 + g * one_minus_beta1;
-            *v = *v * beta2 + (g * g) * one_minus_beta2;
-            let m_hat = *m * bias_correction1;
-            let v_hat = *v * bias_correction2;
-            *p *= decay;
-            *p -= (m_hat / (v_hat.sqrt() + eps)) * lr;
-        }
-    }
-
-    #[inline(never)]
-    pub(super) fn sgd(p: &mut [f32], g: &[f32], h: SgdHyper) {
-        sgd_impl::<false>(p, g, h, 1.0);
-    }
-
-    /// [`sgd`] of `g · inv`.
-    #[inline(never)]
-    pub(super) fn sgd_unscaled(p: &mut [f32], g: &[f32], h: SgdHyper, inv: f32) {
-        sgd_impl::<true>(p, g, h, inv);
-    }
-
-    #[inline(always)]
-    fn sgd_impl<const UNSCALE: bool>(p: &mut [f32], g: &[f32], h: SgdHyper, inv: f32) {
-        let (lr, wd) = (h.lr, h.weight_decay);
-        for (p, &g) in p.iter_mut().zip(g) {
-            let mut d = if UNSCALE { g * inv } else { g };
-            if wd != 0.0 {
-                d += wd * *p;
-            }
-            *p -= lr * d;
-        }
-    }
-
-    #[inline(never)]
-    pub(super) fn sgd_momentum(p: &mut [f32], g: &[f32], b: &mut [f32], h: SgdHyper) {
-        sgd_momentum_impl::<false>(p, g, b, h, 1.0);
-    }
-
-    /// [`sgd_momentum`] of `g · inv`.
-    #[inline(never)]
-    pub(super) fn sgd_momentum_unscaled(
-        p: &mut [f32],
-        g: &[f32],
-        b: &mut [f32],
-        h: SgdHyper,
-        inv: f32,
-    ) {
-        sgd_momentum_impl::<true>(p, g, b, h, inv);
-    }
-
-    #[inline(always)]
-    fn sgd_momentum_impl<const UNSCALE: bool>(
-        p: &mut [f32],
-        g: &[f32],
-        b: &mut [f32],
-        h: SgdHyper,
-        inv: f32,
-    ) {
-        let SgdHyper {
-            lr,
-            momentum: mu,
-            one_minus_dampening: damp,
-            weight_decay: wd,
-            nesterov,
-            first_step,
-        } = h;
-        for ((p, &g), b) in p.iter_mut().zip(g).zip(b) {
-            let mut d = if UNSCALE { g * inv } else { g };
-            if wd != 0.0 {
-                d += wd * *p;
-            }
-            *b = if first_step { d } else { mu * *b + damp * d };
-            d = if nesterov { d + mu * *b } else { *b };
-            *p -= lr * d;
-        }
-    }
-
-    #[inline(never)]
-    pub(super) fn scale(x: &mut [f32], s: f32) {
-        x.iter_mut().for_each(|x| *x *= s);
-    }
-
-    /// Returns whether every scaled value is finite.
-    #[inline(never)]
-    pub(super) fn scale_check_finite(x: &mut [f32], s: f32) -> bool {
-        let mut non_finite = false;
-        for x in x.iter_mut() {
-            *x *= s;
-            non_finite |= !x.is_finite();
-        }
-        !non_finite
-    }
-
-    #[inline(never)]
-    pub(super) fn add(d: &mut [f32], s: &[f32]) {
-        d.iter_mut().zip(s).for_each(|(a, b)| *a += b);
-    }
-
-    #[inline(never)]
-    pub(super) fn add_widened<T: Copy + Into<f32>>(d: &mut [f32], s: &[T]) {
-        d.iter_mut().zip(s).for_each(|(a, &b)| *a += b.into());
-    }
 }
 
 /// Calls `f` with the f32 values of `t` (row-major): borrowed from the storage for a contiguous
@@ -741,76 +514,10 @@ pub(crate) fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Resul
         )));
     }
     if t.device().is_cpu() && t.is_contiguous() {
-        return with_cpu_f32(t, f);
+        return cpu::with_cpu_f32(t, f);
     }
     let v = t.flatten_all()?.to_vec1::<f32>()?;
     Ok(f(&v))
-}
-
-/// Calls `f` with the values of a contiguous f32 CPU tensor, borrowed under its read lock.
-fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        return Err(Error::InvalidArgument(format!(
-            "expected a contiguous tensor, found shape {:?} with strides {:?}",
-            layout.dims(),
-            layout.stride()
-        )));
-    };
-    match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => Ok(f(&v[start..end])),
-        Storage::Cpu(other) => Err(Error::InvalidArgument(format!(
-            "expected an f32 tensor, found {:?}",
-            other.dtype()
-        ))),
-        _ => Err(not_on_cpu("reading a tensor", t.device())),
-    }
-}
-
-/// An [`InplaceOp1`] that hands the tensor's f32 values, as one mutable slice, to a closure.
-struct SliceMut<F> {
-    name: &'static str,
-    f: Cell<Option<F>>,
-}
-
-impl<F> InplaceOp1 for SliceMut<F>
-where
-    F: FnOnce(&mut [f32]) -> Result<()>,
-{
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(v) = storage else {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: expected an f32 tensor, found {:?}",
-                self.name,
-                storage.dtype()
-            )));
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: expected a contiguous tensor",
-                self.name
-            )));
-        };
-        let f = self.f.take().expect("an in-place op runs its closure once");
-        f(&mut v[start..end]).map_err(Error::into_candle)
-    }
-}
-
-/// Runs `f` on the f32 values of `t`, mutably, under `t`'s write lock (no copy, no allocation).
-fn with_mut(
-    t: &Tensor,
-    name: &'static str,
-    f: impl FnOnce(&mut [f32]) -> Result<()>,
-) -> Result<()> {
-    t.inplace_op1(&SliceMut {
-        name,
-        f: Cell::new(Some(f)),
-    })?;
-    Ok(())
 }
 
 fn not_on_cpu(op: &str, device: &Device) -> Error {
@@ -847,19 +554,6 @@ fn check_unscale(op: &str, device: &Device, u: &Unscale<'_>) -> Result<()> {
     Ok(())
 }
 
-/// The CPU side of [`Unscale`]: `None` when the step is skipped, else the gradient factor.
-fn cpu_unscale(u: &Unscale<'_>) -> Result<Option<f32>> {
-    if let Some(f) = u.found_inf {
-        if with_cpu_f32(f, |v| v[0])? != 0.0 {
-            return Ok(None);
-        }
-    }
-    Ok(Some(match u.inv_scale {
-        ScaleFactor::Value(v) => v,
-        ScaleFactor::Device(t) => with_cpu_f32(t, |v| v[0])?,
-    }))
-}
-
 /// Checks one tensor: on the CPU or (feature `cuda`) a GPU, contiguous, of one of `dtypes`.
 fn check_layout(op: &str, what: &str, t: &Tensor, dtypes: &[DType]) -> Result<()> {
     if !supported(t.device()) {
@@ -869,7 +563,7 @@ fn check_layout(op: &str, what: &str, t: &Tensor, dtypes: &[DType]) -> Result<()
 }
 
 /// Checks one tensor's dtype (one of `dtypes`) and contiguity, naming `op` and `what` (shared
-/// with the CUDA launch wrappers of `crate::kernels::cuda`).
+/// with the CUDA launch wrappers of `ops::cuda`).
 pub(crate) fn check_dtype_contiguous(
     op: &str,
     what: &str,
@@ -923,31 +617,28 @@ fn check_all(op: &str, tensors: &[(&str, &Tensor)]) -> Result<usize> {
     Ok(n)
 }
 
-/// Address of the first element of a non-empty CPU tensor's storage, or of a GPU tensor's
-/// storage object (inside Candle's shared lock): two tensors share storage exactly when these
-/// are equal (a CPU storage owns its vector, a CUDA storage its allocation).
-fn storage_addr(t: &Tensor) -> usize {
-    let (storage, _) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => v.as_ptr() as usize,
-        Storage::Cpu(CpuStorage::BF16(v)) => v.as_ptr() as usize,
-        Storage::Cpu(CpuStorage::F16(v)) => v.as_ptr() as usize,
-        Storage::Cuda(s) => std::ptr::from_ref(s) as usize,
-        _ => 0,
+/// `tensors` followed by the scaler tensors of `u` (named `inv_scale`, `found_inf`), for
+/// [`check_distinct`].
+fn with_unscale<'a>(
+    tensors: &[(&'a str, &'a Tensor)],
+    u: &Unscale<'a>,
+) -> Vec<(&'a str, &'a Tensor)> {
+    let mut all = tensors.to_vec();
+    if let ScaleFactor::Device(t) = u.inv_scale {
+        all.push(("inv_scale", t));
     }
+    if let Some(t) = u.found_inf {
+        all.push(("found_inf", t));
+    }
+    all
 }
 
 /// Refuses tensors that share storage: locking one storage twice would deadlock, and the
 /// element-wise loops assume distinct memory.
-fn check_distinct(op: &str, tensors: &[(&str, &Tensor)]) -> Result<()> {
-    let mut addrs = [0usize; 4];
-    debug_assert!(tensors.len() <= addrs.len());
-    for (a, &(_, t)) in addrs.iter_mut().zip(tensors) {
-        *a = storage_addr(t);
-    }
+pub(crate) fn check_distinct(op: &str, tensors: &[(&str, &Tensor)]) -> Result<()> {
     for i in 0..tensors.len() {
         for j in i + 1..tensors.len() {
-            if addrs[i] == addrs[j] {
+            if same_storage(tensors[i].1, tensors[j].1) {
                 return Err(Error::InvalidArgument(format!(
                     "{op}: {} and {} share one storage; each tensor must own its own",
                     tensors[i].0, tensors[j].0

@@ -9,6 +9,29 @@
 //! A CUDA device made here has a stream of its own ([`candle_core::CudaDevice::new_with_stream`]),
 //! Candle's *compute stream*; the comm streams of the process groups are created on the same
 //! context and ordered against it with CUDA events (see `design/architecture.md`, "The GPU path").
+//!
+//! This module is also the crate's one seam to a tensor's storage (`design/devices.md`):
+//!
+//! - [`cuda`]: the CUDA plumbing (opening a GPU, streams, events, pool counters, small reads).
+//!   Without feature `cuda` it is a stub module of the same names (`dummy_cuda.rs`, as
+//!   candle-core's `dummy_cuda_backend.rs`) whose functions report "no GPU path in this build",
+//!   so call sites need no `cfg` twins.
+//! - `with_storage` / `with_storage_mut`: a tensor's storage and layout handed to a closure under
+//!   Candle's read or write lock (the write side through Candle's in-place op API, one adapter
+//!   for the CPU and CUDA), used by the kernels of [`crate::ops`] and the collectives of
+//!   [`crate::comm`].
+//! - `same_storage`: whether two tensors share one storage, with one definition.
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "dummy_cuda.rs"]
+pub mod cuda;
+mod storage;
+
+pub(crate) use storage::{
+    same_storage, with_storage, with_storage_mut, Refused, StorageMut, StorageRef,
+};
 
 use candle_core::Device;
 
@@ -94,13 +117,7 @@ impl DeviceSpec {
     pub fn open(&self) -> Result<Device> {
         match self.ordinal()? {
             None => Ok(Device::Cpu),
-            #[cfg(feature = "cuda")]
-            Some(n) => crate::cuda::open_device(n),
-            #[cfg(not(feature = "cuda"))]
-            Some(n) => Err(Error::InvalidArgument(format!(
-                "device cuda:{n}: this build has no GPU path; rebuild with `--features cuda` \
-                 (see README, \"The GPU path\")"
-            ))),
+            Some(n) => cuda::open_device(n),
         }
     }
 }
@@ -111,28 +128,15 @@ pub fn is_cuda(device: &Device) -> bool {
 }
 
 /// Reads a small 1-D tensor to the host: `to_vec1` on the CPU; on a GPU a copy on a stream of
-/// its own that does not wait for the compute stream ([`crate::cuda::read_small`]).
+/// its own that does not wait for the compute stream (`cuda::read_small`).
 ///
 /// Errors: Candle's or the driver's.
-#[cfg(not(feature = "cuda"))]
-pub(crate) fn read_small<T: candle_core::WithDType>(t: &candle_core::Tensor) -> Result<Vec<T>> {
-    Ok(t.to_vec1::<T>()?)
-}
-
-/// Reads a small 1-D tensor to the host: `to_vec1` on the CPU; on a GPU a copy on a stream of
-/// its own that does not wait for the compute stream ([`crate::cuda::read_small`]).
-///
-/// Errors: Candle's or the driver's.
-#[cfg(feature = "cuda")]
 pub(crate) fn read_small<T>(t: &candle_core::Tensor) -> Result<Vec<T>>
 where
-    T: candle_core::WithDType
-        + candle_core::cuda_backend::CudaDType
-        + cudarc::driver::DeviceRepr
-        + Default,
+    T: candle_core::WithDType + cuda::SmallElem,
 {
     if is_cuda(t.device()) {
-        crate::cuda::read_small(t)
+        cuda::read_small(t)
     } else {
         Ok(t.to_vec1::<T>()?)
     }

@@ -6,7 +6,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use candle_fsdp::launch::store::TcpStore;
+//! use candle_fsdp::comm::store::TcpStore;
 //!
 //! # fn nccl_unique_id() -> Vec<u8> { vec![0; 128] }
 //! # let (rank, world_size) = (0, 2);
