@@ -32,20 +32,29 @@
 //! SHARD_GRAD_OP and NO_SHARD keep the parameters from forward to backward instead; a unit with
 //! activation checkpointing runs its forward without autograd and is recomputed in backward.
 
+mod agreement;
+mod backward;
 pub mod budget;
+mod build;
 mod call;
 mod collectives;
 pub mod config;
+mod forward;
 pub mod memory;
 mod model;
 mod scheduler;
+mod spec;
 mod state_dict;
+mod step;
 mod storage;
 pub(crate) mod unit_state;
 
 pub use budget::{MemoryBudget, MemoryPlan};
+pub use build::FsdpModelBuilder;
 pub use config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
+pub use forward::Forward;
 pub use memory::MemoryStats;
-pub use model::{Forward, FsdpModel, FsdpModelBuilder, ModelSpec};
+pub use model::FsdpModel;
+pub use spec::ModelSpec;
 pub use state_dict::FullModel;
 pub(crate) use unit_state::FsdpUnit;
