@@ -14,6 +14,7 @@
 
 use candle_core::{Tensor, Var};
 
+use super::call::CallBackward;
 use super::collectives;
 use super::config::BackwardPrefetch;
 use super::forward::Params;
@@ -88,7 +89,7 @@ impl FsdpModel {
         }
         let hook = self.step_mut().hook.clone();
         let result = {
-            let _armed = hook.arm(self as *mut FsdpModel);
+            let _armed = hook.arm(self as *mut FsdpModel as *mut dyn CallBackward);
             loss.backward()
         };
         if let Err(e) = result {
@@ -139,7 +140,7 @@ impl FsdpModel {
     }
 
     /// Stores the gradient of output `j` of call `c` (called by the output node).
-    pub(crate) fn set_output_grad(&mut self, c: usize, j: usize, grad: Tensor) -> Result<()> {
+    fn store_output_grad(&mut self, c: usize, j: usize, grad: Tensor) -> Result<()> {
         let call = self
             .state
             .step_mut()
@@ -151,7 +152,7 @@ impl FsdpModel {
 
     /// Hands out the gradient of tracked input `i` of call `c` (called by the input nodes, after
     /// the call's backward).
-    pub(crate) fn take_input_grad(&mut self, c: usize, i: usize) -> Result<Option<Tensor>> {
+    fn hand_out_input_grad(&mut self, c: usize, i: usize) -> Result<Option<Tensor>> {
         let call = self
             .state
             .step_mut()
@@ -166,7 +167,7 @@ impl FsdpModel {
     /// gradients into the groups' flat gradients, keeps the inputs' gradients for the input
     /// nodes, and finishes the groups: after a group's last call its variables are dropped and
     /// its reduction issued; otherwise FULL_SHARD frees the parameters again.
-    pub(crate) fn backward_call(&mut self, c: usize) -> Result<()> {
+    fn backward_call(&mut self, c: usize) -> Result<()> {
         let m = self.step_calls()[c].member;
         let name = self.members[m].spec.name.clone();
         self.backward_call_steps(c)
@@ -354,5 +355,20 @@ impl FsdpModel {
             self.scheduler.push_reduction(g, work, all_local);
         }
         Ok(())
+    }
+}
+
+/// The seam the call nodes of [`super::call`] reach the model through.
+impl CallBackward for FsdpModel {
+    fn run_call_backward(&mut self, c: usize) -> Result<()> {
+        self.backward_call(c)
+    }
+
+    fn set_output_grad(&mut self, c: usize, j: usize, grad: Tensor) -> Result<()> {
+        self.store_output_grad(c, j, grad)
+    }
+
+    fn take_input_grad(&mut self, c: usize, i: usize) -> Result<Option<Tensor>> {
+        self.hand_out_input_grad(c, i)
     }
 }
