@@ -83,7 +83,7 @@ impl FsdpModel {
         u.flat_mut().set_grad(grad).map_err(|e| in_unit(&name, e))
     }
 
-    fn unit_mut(&mut self, unit: usize) -> Result<&mut crate::fsdp::FsdpUnit> {
+    fn unit_mut(&mut self, unit: usize) -> Result<&mut crate::fsdp::ParamGroup> {
         let n = self.units.len();
         self.units.get_mut(unit).ok_or_else(|| {
             Error::InvalidArgument(format!("unit index {unit} out of range: the model has {n}"))

@@ -12,7 +12,7 @@ use candle_core::Tensor;
 
 use super::config::ShardingStrategy;
 use super::model::FsdpModel;
-use super::unit_state::FsdpUnit;
+use super::param_group::ParamGroup;
 use crate::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use crate::error::{Error, Phase, Result};
 use crate::init::{fnv1a64_update, FNV1A64_OFFSET};
@@ -116,7 +116,7 @@ impl FsdpModel {
 /// and shapes, and buffer names, in order.
 pub(super) fn agree_on_model(
     pg: &dyn ProcessGroup,
-    units: &[FsdpUnit],
+    units: &[ParamGroup],
     strategy: ShardingStrategy,
 ) -> Result<()> {
     if pg.world_size() == 1 {

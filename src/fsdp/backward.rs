@@ -132,7 +132,7 @@ impl FsdpModel {
             let result = collectives::wait_reduced(work).and_then(|reduced| {
                 let (grad, present) =
                     collectives::split_reduced(self.units[g].flat().layout(), reduced, all_local)?;
-                self.units[g].flat_mut().accumulate_grad_of(grad, &present)
+                self.units[g].accumulate_reduced(grad, &present)
             });
             result.map_err(|e| self.at(e, Some(g), Phase::Backward))?;
         }
@@ -206,7 +206,7 @@ impl FsdpModel {
             self.unshard(g);
         }
         for &g in groups {
-            self.unshard_wait(g)?;
+            self.wait_for_unshard(g)?;
         }
         Ok(())
     }
@@ -219,7 +219,7 @@ impl FsdpModel {
         let _post_backward =
             self.nvtx_range(|| format!("FSDP::post_backward {}", self.members[m].spec.name));
         for &g in groups {
-            let (last, grad) = self.units[g].finish_backward_call();
+            let (last, grad) = self.units[g].post_backward();
             if let Some(fg) = grad {
                 self.issue_reduction(g, fg)?;
             } else if !last && self.units[g].reshard_after_forward {

@@ -21,8 +21,8 @@ use super::agreement::agree_on_model;
 use super::collectives::CommContext;
 use super::config::{FsdpConfig, ShardingStrategy};
 use super::model::FsdpModel;
+use super::param_group::ParamGroup;
 use super::spec::{GroupSpec, Member, ModelSpec};
-use super::unit_state::FsdpUnit;
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter};
@@ -460,7 +460,7 @@ fn allocate(
     config: &FsdpConfig,
     pg: &dyn ProcessGroup,
     fill: &mut impl FnMut(&RecordedParam, std::ops::Range<usize>, &mut [f32]) -> Result<()>,
-) -> Result<Vec<FsdpUnit>> {
+) -> Result<Vec<ParamGroup>> {
     let shard_index = match config.sharding_strategy {
         ShardingStrategy::NoShard => 0,
         _ => pg.rank(),
@@ -473,7 +473,7 @@ fn allocate(
                 FlatParameter::from_fn(u.layout, shard_index, &config.device, |i, range, out| {
                     fill(&recorded[i], range, out)
                 })?;
-            let mut unit = FsdpUnit::new(u.name, flat, u.buffers, u.policy, u.frozen);
+            let mut unit = ParamGroup::new(u.name, flat, u.buffers, u.policy, u.frozen);
             unit.reshard_after_forward = u.reshard;
             Ok(unit)
         })

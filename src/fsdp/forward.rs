@@ -266,11 +266,11 @@ impl FsdpModel {
             self.nvtx_range(|| format!("FSDP::pre_forward {}", self.members[m].spec.name));
         let groups = self.gather_for_call(m, pos, true);
         for &g in &groups {
-            self.unshard_wait(g)?;
+            self.wait_for_unshard(g)?;
         }
         drop(pre_forward);
         for &g in &groups {
-            self.units[g].add_call();
+            self.units[g].pre_forward();
         }
         Ok(groups)
     }

@@ -10,10 +10,10 @@ use std::sync::Arc;
 use super::collectives::CommContext;
 use super::config::FsdpConfig;
 use super::memory::{MemoryAccount, MemoryStats};
+use super::param_group::ParamGroup;
 use super::scheduler::Scheduler;
 use super::spec::Member;
 use super::step::TrainingState;
-use super::unit_state::FsdpUnit;
 use crate::comm::{CommObserver, ProcessGroup};
 use crate::error::{Error, Phase, Result};
 use crate::trace::{Lane, SpanKind, Tracer};
@@ -30,7 +30,7 @@ pub struct FsdpModel {
     pub(super) comm: CommContext,
     pub(super) config: FsdpConfig,
     /// Parameter groups, in build order (what checkpoints and optimizers see as units).
-    pub(crate) units: Vec<FsdpUnit>,
+    pub(crate) units: Vec<ParamGroup>,
     /// The callable units, in build order.
     pub(super) members: Vec<Member>,
     by_name: HashMap<String, usize>,
@@ -51,7 +51,7 @@ impl FsdpModel {
         pg: Arc<dyn ProcessGroup>,
         config: FsdpConfig,
         comm: CommContext,
-        units: Vec<FsdpUnit>,
+        units: Vec<ParamGroup>,
         members: Vec<Member>,
     ) -> Self {
         let by_name = members
@@ -100,7 +100,11 @@ impl FsdpModel {
     pub fn memory_stats(&self) -> MemoryStats {
         let mut m = self.mem.snapshot();
         m.sharded_bytes = self.units.iter().map(|u| u.flat().sharded_bytes()).sum();
-        m.unsharded_grad_bytes = self.units.iter().map(FsdpUnit::unsharded_grad_bytes).sum();
+        m.unsharded_grad_bytes = self
+            .units
+            .iter()
+            .map(ParamGroup::unsharded_grad_bytes)
+            .sum();
         m
     }
 
@@ -133,7 +137,7 @@ impl FsdpModel {
     /// Drops every gradient shard and any unsynchronised accumulated gradient (PyTorch's
     /// `zero_grad(set_to_none=True)`).
     pub fn zero_grad(&mut self) {
-        self.units.iter_mut().for_each(FsdpUnit::zero_grad);
+        self.units.iter_mut().for_each(ParamGroup::zero_grad);
     }
 
     /// Turns gradient synchronisation off or on (FSDP2's `set_requires_gradient_sync`, FSDP1's

@@ -180,7 +180,7 @@ impl FsdpModel {
 
     /// Makes group `g`'s parameters present (waiting for its all-gather, issuing it if needed),
     /// recording the wait as exposed communication.
-    pub(super) fn unshard_wait(&mut self, g: usize) -> Result<()> {
+    pub(super) fn wait_for_unshard(&mut self, g: usize) -> Result<()> {
         if self.units[g].is_present() {
             return Ok(());
         }
@@ -190,7 +190,7 @@ impl FsdpModel {
                 format!("FSDP::wait all_gather {}", self.units[g].name())
             })
         });
-        self.units[g].unshard_wait(self.pg.as_ref(), &self.comm.all_gather, &self.mem)
+        self.units[g].wait_for_unshard(self.pg.as_ref(), &self.comm.all_gather, &self.mem)
     }
 
     /// Issues the gathers of `groups` that are neither present nor in flight, as far as

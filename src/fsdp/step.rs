@@ -1,5 +1,5 @@
 //! The training state of an [`FsdpModel`] across one step (FSDP2's `TrainingState`, beside each
-//! group's parameter state in `super::unit_state`):
+//! group's parameter state in `super::param_group`):
 //!
 //! ```text
 //!          forward_with                backward
@@ -23,7 +23,7 @@ use candle_core::{DType, Tensor, Var};
 
 use super::call::StepHook;
 use super::model::FsdpModel;
-use super::unit_state::FsdpUnit;
+use super::param_group::ParamGroup;
 use crate::error::{Error, Phase, Result};
 
 /// Where the model is in a step (see the module docs).
@@ -139,7 +139,7 @@ impl FsdpModel {
         if let Some(s) = std::mem::replace(&mut self.state, TrainingState::Idle).step() {
             s.hook.end();
         }
-        self.units.iter_mut().for_each(FsdpUnit::release);
+        self.units.iter_mut().for_each(ParamGroup::finalize);
         drop(self.scheduler.take_reductions());
     }
 
