@@ -41,9 +41,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Phase, Result};
 use crate::fsdp::FsdpModel;
+use crate::fsdp::ShardView;
 use crate::ops::{self, AdamWHyper, SgdHyper};
-use crate::shard_view::ShardView;
-use crate::trace::SpanKind;
 
 /// Which optimizer algorithm ([`ShardedOptimizer::kind`]); saved in checkpoints, where loading
 /// into another kind is an error naming both.
@@ -799,7 +798,7 @@ impl AdamW {
                         &narrow(&u.bufs[1], &r)?,
                         &h,
                     )
-                    .map_err(|e| model.at(e, Some(v.unit_index), Phase::Optimizer))
+                    .map_err(|e| e.in_step(Some(v.unit_name), Phase::Optimizer, model.step()))
                 },
             )?;
             for i in present {
@@ -850,12 +849,8 @@ impl ShardedOptimizer for AdamW {
     }
 
     fn step(&mut self, model: &mut FsdpModel) -> Result<()> {
-        let _span = model.span(SpanKind::OptimizerStep, || {
-            "FSDP::optimizer_step".to_string()
-        });
-        self.step_inner(model).map_err(|e| match e {
-            e @ Error::InStep { .. } => e,
-            e => model.at(e, None, Phase::Optimizer),
+        model.in_phase(Phase::Optimizer, Some("FSDP::optimizer_step"), |m| {
+            self.step_inner(m)
         })
     }
 
@@ -1024,7 +1019,7 @@ impl Sgd {
                         buf.as_ref(),
                         &c.hyper(steps[i] == 0),
                     )
-                    .map_err(|e| model.at(e, Some(v.unit_index), Phase::Optimizer))
+                    .map_err(|e| e.in_step(Some(v.unit_name), Phase::Optimizer, model.step()))
                 },
             )?;
             for i in present {
@@ -1042,12 +1037,8 @@ impl ShardedOptimizer for Sgd {
     }
 
     fn step(&mut self, model: &mut FsdpModel) -> Result<()> {
-        let _span = model.span(SpanKind::OptimizerStep, || {
-            "FSDP::optimizer_step".to_string()
-        });
-        self.step_inner(model).map_err(|e| match e {
-            e @ Error::InStep { .. } => e,
-            e => model.at(e, None, Phase::Optimizer),
+        model.in_phase(Phase::Optimizer, Some("FSDP::optimizer_step"), |m| {
+            self.step_inner(m)
         })
     }
 

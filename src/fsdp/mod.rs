@@ -27,6 +27,9 @@
 //! - `storage`: free and refill a parameter's storage in place under a live autograd graph;
 //! - [`memory`]: unsharded-memory accounting as guards tied to buffer lifetimes;
 //! - [`budget`]: the per-rank memory plan and its check at build;
+//! - `shard_view`: [`ShardView`] and [`FsdpModel::shards`], the accessor through which
+//!   optimizers, clipping, the grad scaler and checkpoints see the shards (with
+//!   [`FsdpModel::in_phase`], all they need of the model);
 //! - `state_dict`: full-parameter gathering ([`FullModel`]).
 //!
 //! Life of one training step under FULL_SHARD (see `design/fsdp.md`):
@@ -61,6 +64,7 @@ pub mod memory;
 mod model;
 mod param_group;
 mod scheduler;
+mod shard_view;
 mod spec;
 mod state_dict;
 mod step;
@@ -72,6 +76,6 @@ pub use config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
 pub use forward::Forward;
 pub use memory::MemoryStats;
 pub use model::FsdpModel;
-pub(crate) use param_group::ParamGroup;
+pub use shard_view::ShardView;
 pub use spec::ModelSpec;
 pub use state_dict::FullModel;

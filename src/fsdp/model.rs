@@ -30,7 +30,7 @@ pub struct FsdpModel {
     pub(super) comm: CommContext,
     pub(super) config: FsdpConfig,
     /// Parameter groups, in build order (what checkpoints and optimizers see as units).
-    pub(crate) units: Vec<ParamGroup>,
+    pub(super) units: Vec<ParamGroup>,
     /// The callable units, in build order.
     pub(super) members: Vec<Member>,
     by_name: HashMap<String, usize>,
@@ -182,7 +182,7 @@ impl FsdpModel {
 
     /// A compute-lane span named lazily (`name` runs only when tracing is on or with the `nvtx`
     /// feature, where it is also an NVTX range for `nsys`).
-    pub(crate) fn span(
+    pub(super) fn span(
         &self,
         kind: SpanKind,
         name: impl FnOnce() -> String,
@@ -212,8 +212,29 @@ impl FsdpModel {
         }
     }
 
+    /// Runs `f` as one phase of work on this model beside the step's schedule (the optimizer
+    /// step, gradient clipping, the grad scaler): as a compute span named `name` of the phase's
+    /// kind when `name` is given and tracing is on (the optimizer's is
+    /// `"FSDP::optimizer_step"`), and with an error of `f` that carries no place yet wrapped
+    /// with `phase` and the current step ([`Error::InStep`], unit none); an error that already
+    /// names its place is returned as it is.
+    ///
+    /// Errors: whatever `f` returns.
+    pub fn in_phase<T>(
+        &self,
+        phase: Phase,
+        name: Option<&str>,
+        f: impl FnOnce(&Self) -> Result<T>,
+    ) -> Result<T> {
+        let _span = name.and_then(|n| self.span(span_kind(phase), || n.to_string()));
+        f(self).map_err(|e| match e {
+            e @ Error::InStep { .. } => e,
+            e => self.at(e, None, phase),
+        })
+    }
+
     /// Wraps an error with unit (group) `k`, `phase` and the current step ([`Error::InStep`]).
-    pub(crate) fn at(&self, e: Error, k: Option<usize>, phase: Phase) -> Error {
+    pub(super) fn at(&self, e: Error, k: Option<usize>, phase: Phase) -> Error {
         e.in_step(k.map(|k| self.units[k].name()), phase, self.step())
     }
 
@@ -231,5 +252,14 @@ impl FsdpModel {
                 names.join(", ")
             ))
         })
+    }
+}
+
+/// The compute-span kind of work done in `phase` outside the schedule.
+fn span_kind(phase: Phase) -> SpanKind {
+    match phase {
+        Phase::Forward | Phase::Eval => SpanKind::Forward,
+        Phase::Backward => SpanKind::Backward,
+        _ => SpanKind::OptimizerStep,
     }
 }
