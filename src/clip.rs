@@ -71,12 +71,14 @@ fn all_reduce(pg: &dyn ProcessGroup, v: f32, op: ReduceOp) -> Result<f32> {
 /// The error of clipping or measuring a partial gradient.
 fn check_synced(model: &FsdpModel) -> Result<()> {
     if !model.requires_gradient_sync() {
-        return Err(Error::InvalidArgument(
-            "gradient norm requested while gradient sync is off: the gradients are this rank's \
-             unsynchronised partial sums, not the model's; turn sync on \
-             (set_requires_gradient_sync(true)) and run the last micro-batch's backward first"
+        return Err(Error::Misuse {
+            call: "gradient norm",
+            state: "requested while gradient sync is off",
+            fix: "the gradients are this rank's unsynchronised partial sums, not the model's; \
+                  turn sync on (set_requires_gradient_sync(true)) and run the last micro-batch's \
+                  backward first"
                 .into(),
-        ));
+        });
     }
     Ok(())
 }

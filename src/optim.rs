@@ -13,7 +13,7 @@
 //! "zero" ([`crate::ShardView::grad_present`], agreed over the ranks in backward): a parameter
 //! that received no gradient since the last `zero_grad` is not stepped at all: no weight decay,
 //! no moment update, no step count. A step when no parameter of the model has a gradient is an
-//! error ([`Error::InvalidArgument`], "optimizer step without any gradient") that changes
+//! error ([`Error::Misuse`], "optimizer step without any gradient") that changes
 //! nothing, neither parameters nor counters.
 //!
 //! **Parameter groups** ([`ParamGroup`]): each parameter belongs to the first group whose name
@@ -629,11 +629,13 @@ impl ShardState {
 
 /// The error of a step without any gradient.
 fn no_gradient() -> Error {
-    Error::InvalidArgument(
-        "optimizer step without any gradient: no parameter received a gradient since the last \
-         zero_grad (was gradient sync left off for every micro-batch?); nothing was changed"
+    Error::Misuse {
+        call: "optimizer step",
+        state: "without any gradient",
+        fix: "no parameter received a gradient since the last zero_grad (was gradient sync left \
+              off for every micro-batch?); nothing was changed"
             .into(),
-    )
+    }
 }
 
 fn any_gradient(model: &FsdpModel) -> bool {

@@ -94,12 +94,14 @@ impl FsdpModel {
                 .collect();
             let more = if tape.len() > 32 { ", ..." } else { "" };
             return Err(self.at(
-                Error::InvalidArgument(format!(
-                    "the ranks all-gathered different units in this forward (every rank must \
-                     call the same units in the same order): rank {} called [{}{more}]",
-                    self.pg.rank(),
-                    names.join(", ")
-                )),
+                Error::RanksDisagree {
+                    what: "all-gathered different units in this forward",
+                    rank: self.pg.rank(),
+                    detail: format!(
+                        "called [{}{more}]; every rank must call the same units in the same order",
+                        names.join(", ")
+                    ),
+                },
                 None,
                 phase,
             ));
@@ -141,13 +143,15 @@ pub(super) fn agree_on_model(
     let r = pg.all_reduce_u64s(vec![fp, m - fp], ReduceOp::Max)?;
     let (max, min) = (r[0], m - r[1]);
     if max != min {
-        return Err(Error::InvalidArgument(format!(
-            "the ranks built different models (unit names, parameter names or shapes, buffers or \
-             sharding strategy differ; rank {} has {} units): every rank must build the same model \
-             in the same order",
-            pg.rank(),
-            units.len()
-        )));
+        return Err(Error::RanksDisagree {
+            what: "built different models",
+            rank: pg.rank(),
+            detail: format!(
+                "has {} units (unit names, parameter names or shapes, buffers or sharding \
+                 strategy differ); every rank must build the same model in the same order",
+                units.len()
+            ),
+        });
     }
     Ok(())
 }

@@ -48,9 +48,13 @@ impl FsdpModel {
     /// its outputs did (an operation without backward inside the unit); any collective error.
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
         if !self.state.awaits_backward() {
-            return Err(Error::InvalidArgument(
-                "backward called without a preceding training forward".into(),
-            ));
+            return Err(Error::Misuse {
+                call: "backward",
+                state: "called without a preceding training forward",
+                fix: "run a training forward (forward or forward_with) and compute the loss from \
+                      its outputs first"
+                    .into(),
+            });
         }
         self.begin_backward();
         let result = self.backward_steps(loss);
@@ -102,11 +106,14 @@ impl FsdpModel {
         self.finish_agreement(agreement, Phase::Backward)?;
         if !self.step_calls().iter().any(|c| c.done) {
             return Err(self.at(
-                Error::InvalidArgument(
-                    "the loss passed to backward does not depend on the output of the last \
-                     training forward (no gradient reaches the model)"
+                Error::Misuse {
+                    call: "backward",
+                    state: "called with a loss that does not depend on the output of the last \
+                            training forward",
+                    fix: "no gradient reaches the model; compute the loss from that forward's \
+                          outputs"
                         .into(),
-                ),
+                },
                 None,
                 Phase::Backward,
             ));
@@ -145,7 +152,7 @@ impl FsdpModel {
             .state
             .step_mut()
             .and_then(|s| s.calls.get_mut(c))
-            .ok_or_else(|| Error::InvalidArgument("a call node outlived its step".into()))?;
+            .ok_or_else(|| Error::Internal("a call node outlived its step".into()))?;
         call.out_grads[j] = Some(grad);
         Ok(())
     }
@@ -157,7 +164,7 @@ impl FsdpModel {
             .state
             .step_mut()
             .and_then(|s| s.calls.get_mut(c))
-            .ok_or_else(|| Error::InvalidArgument("a call node outlived its step".into()))?;
+            .ok_or_else(|| Error::Internal("a call node outlived its step".into()))?;
         Ok(call.in_grads[i].take())
     }
 
@@ -280,15 +287,19 @@ impl FsdpModel {
                     in_grads.push(Some(v.zeros_like()?.to_dtype(dtype)?))
                 }
                 None => {
-                    return Err(Error::InvalidArgument(format!(
-                        "input {index} of unit {} carries gradient, and the unit's outputs \
-                         received gradients, but the input got none: an operation inside has no \
-                         backward (candle-nn 0.11's layer_norm and rms_norm are fused ops \
-                         without one: use candle_fsdp::nn::layer_norm / rms_norm), so every unit \
-                         before it would silently get no gradient. If the unit is not meant to \
-                         differentiate through this input, pass it detached (x.detach())",
-                        self.members[m].spec.name
-                    )))
+                    let unit = self.members[m].spec.name.clone();
+                    return Err(Error::Disconnected {
+                        what: format!(
+                            "input {index} of unit {unit} carries gradient, and the unit's \
+                             outputs received gradients, but the input got none: an operation \
+                             inside has no backward (candle-nn 0.11's layer_norm and rms_norm \
+                             are fused ops without one: use candle_fsdp::nn::layer_norm / \
+                             rms_norm), so every unit before it would silently get no gradient. \
+                             If the unit is not meant to differentiate through this input, pass \
+                             it detached (x.detach())"
+                        ),
+                        unit,
+                    });
                 }
             }
         }

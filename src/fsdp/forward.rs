@@ -105,12 +105,13 @@ impl FsdpModel {
 
     fn check_chain(&self) -> Result<()> {
         if self.members.len() != self.units.iter().filter(|u| !u.is_frozen()).count() {
-            return Err(Error::InvalidArgument(
-                "forward(x) runs the units as a chain, but this model has a group of several \
-                 units (tied weights): write the forward with forward_with(|f| ...) and \
-                 f.call(unit, inputs)"
+            return Err(Error::Misuse {
+                call: "forward(x)",
+                state: "called on a model with a group of several units (tied weights)",
+                fix: "forward(x) runs the units as a chain; write the forward with \
+                      forward_with(|f| ...) and f.call(unit, inputs)"
                     .into(),
-            ));
+            });
         }
         Ok(())
     }
@@ -131,12 +132,13 @@ impl FsdpModel {
     /// first); whatever `f` returns; a unit's error; any collective error.
     pub fn forward_with<T>(&mut self, f: impl FnOnce(&mut Forward<'_>) -> Result<T>) -> Result<T> {
         if self.state.awaits_backward() {
-            return Err(Error::InvalidArgument(
-                "forward called while the previous training forward was not back-propagated: \
-                 its saved state would be lost and a loss using both outputs would get wrong \
-                 gradients; call backward first, or discard_forward() to drop it"
+            return Err(Error::Misuse {
+                call: "forward",
+                state: "called while the previous training forward was not back-propagated",
+                fix: "its saved state would be lost and a loss using both outputs would get wrong \
+                      gradients; call backward first, or discard_forward() to drop it"
                     .into(),
-            ));
+            });
         }
         self.release_step();
         if let Some(t) = self.tracer() {
@@ -169,12 +171,13 @@ impl FsdpModel {
         f: impl FnOnce(&mut Forward<'_>) -> Result<T>,
     ) -> Result<T> {
         if self.state.awaits_backward() {
-            return Err(Error::InvalidArgument(
-                "forward_eval called while a training forward awaits its backward: it would \
-                 drop that forward's saved state; call backward first, or discard_forward() \
-                 to drop it"
+            return Err(Error::Misuse {
+                call: "forward_eval",
+                state: "called while a training forward awaits its backward",
+                fix: "it would drop that forward's saved state; call backward first, or \
+                      discard_forward() to drop it"
                     .into(),
-            ));
+            });
         }
         self.release_step();
         self.begin_step(false)?;
@@ -213,8 +216,8 @@ impl FsdpModel {
     fn call(&mut self, m: usize, xs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let train = match self.state.step() {
             None => {
-                return Err(Error::InvalidArgument(
-                    "units are called inside forward_with or forward_eval_with".into(),
+                return Err(Error::Internal(
+                    "a unit was called outside forward_with or forward_eval_with".into(),
                 ))
             }
             Some(_) => self.state.is_training_forward(),
@@ -493,16 +496,19 @@ impl FsdpModel {
                 let vars = u.param_tensors().unwrap_or(&[]);
                 for (p, v) in u.flat().layout().params.iter().zip(vars) {
                     if member.params.contains(&p.name) && !reached.contains(&v.id()) {
-                        return Err(Error::InvalidArgument(format!(
-                            "unit {}: parameter {} is not connected by autograd to the unit's \
-                             outputs, so it would silently get no gradient: an operation \
-                             without backward consumed it (candle-nn 0.11's fused layer_norm, \
-                             rms_norm, softmax_last_dim and rotary embeddings have none: use \
-                             candle_fsdp::nn::layer_norm / rms_norm and candle_nn::ops::softmax), \
-                             or the unit does not use it in this call (then say so with \
-                             UnitSpec::with_unused_parameters(true))",
-                            member.spec.name, p.name
-                        )));
+                        return Err(Error::Disconnected {
+                            unit: member.spec.name.clone(),
+                            what: format!(
+                                "unit {}: parameter {} is not connected by autograd to the \
+                                 unit's outputs, so it would silently get no gradient: an \
+                                 operation without backward consumed it (candle-nn 0.11's fused \
+                                 layer_norm, rms_norm, softmax_last_dim and rotary embeddings \
+                                 have none: use candle_fsdp::nn::layer_norm / rms_norm and \
+                                 candle_nn::ops::softmax), or the unit does not use it in this \
+                                 call (then say so with UnitSpec::with_unused_parameters(true))",
+                                member.spec.name, p.name
+                            ),
+                        });
                     }
                 }
             }
@@ -511,13 +517,17 @@ impl FsdpModel {
             && !floats.is_empty()
             && !floats.iter().any(|o| o.track_op())
         {
-            return Err(Error::InvalidArgument(format!(
-                "unit {}: none of its outputs is connected by autograd to its parameters or \
-                 inputs, so they and every unit before it would silently get no gradient: an \
-                 operation inside has no backward (candle-nn 0.11's layer_norm and rms_norm are \
-                 fused ops without one: use candle_fsdp::nn::layer_norm / rms_norm)",
-                self.members[m].spec.name
-            )));
+            let unit = self.members[m].spec.name.clone();
+            return Err(Error::Disconnected {
+                what: format!(
+                    "unit {unit}: none of its outputs is connected by autograd to its parameters \
+                     or inputs, so they and every unit before it would silently get no \
+                     gradient: an operation inside has no backward (candle-nn 0.11's layer_norm \
+                     and rms_norm are fused ops without one: use candle_fsdp::nn::layer_norm / \
+                     rms_norm)"
+                ),
+                unit,
+            });
         }
         Ok(())
     }

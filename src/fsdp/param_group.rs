@@ -271,7 +271,7 @@ impl ParamGroup {
         let vars = match (&self.vars, self.is_present()) {
             (Some(vars), true) => vars,
             _ => {
-                return Err(Error::InvalidArgument(format!(
+                return Err(Error::Internal(format!(
                     "unit {}: its parameters are not present (a schedule bug)",
                     self.name
                 )))
@@ -323,7 +323,7 @@ impl ParamGroup {
             }
             other => {
                 self.params = other;
-                Err(Error::InvalidArgument(format!(
+                Err(Error::Internal(format!(
                     "unit {}: gathered twice in one eval call (a schedule bug)",
                     self.name
                 )))
