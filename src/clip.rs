@@ -71,12 +71,14 @@ fn all_reduce(pg: &dyn ProcessGroup, v: f32, op: ReduceOp) -> Result<f32> {
 /// The error of clipping or measuring a partial gradient.
 fn check_synced(model: &FsdpModel) -> Result<()> {
     if !model.requires_gradient_sync() {
-        return Err(Error::InvalidArgument(
-            "gradient norm requested while gradient sync is off: the gradients are this rank's \
-             unsynchronised partial sums, not the model's; turn sync on \
-             (set_requires_gradient_sync(true)) and run the last micro-batch's backward first"
+        return Err(Error::Misuse {
+            call: "gradient norm",
+            state: "requested while gradient sync is off",
+            fix: "the gradients are this rank's unsynchronised partial sums, not the model's; \
+                  turn sync on (set_requires_gradient_sync(true)) and run the last micro-batch's \
+                  backward first"
                 .into(),
-        ));
+        });
     }
     Ok(())
 }
@@ -96,7 +98,7 @@ pub fn total_grad_norm(model: &FsdpModel) -> Result<f32> {
 /// Errors: gradient sync is off (the gradients would be partial); `norm_type` not > 0 (or
 /// NaN); a collective error; a gradient the kernels cannot read (see [`ops::sum_squares`]).
 pub fn total_grad_norm_p(model: &FsdpModel, norm_type: f64) -> Result<f32> {
-    check_synced(model).map_err(|e| model.at(e, None, Phase::Optimizer))?;
+    model.in_phase(Phase::Optimizer, None, check_synced)?;
     if norm_type.is_nan() || norm_type <= 0.0 {
         return Err(Error::InvalidArgument(format!(
             "gradient norm_type must be > 0 or infinity, found {norm_type}"
@@ -113,8 +115,9 @@ pub fn total_grad_norm_p(model: &FsdpModel, norm_type: f64) -> Result<f32> {
     {
         local
     } else {
-        all_reduce(model.process_group().as_ref(), local, op)
-            .map_err(|e| model.at(e, None, Phase::Optimizer))?
+        model.in_phase(Phase::Optimizer, None, |m| {
+            all_reduce(m.process_group().as_ref(), local, op)
+        })?
     };
     Ok(if norm_type.is_infinite() {
         total
@@ -151,7 +154,7 @@ pub fn clip_grad_norm_with(model: &mut FsdpModel, max_norm: f32, opts: ClipOptio
                  (error_if_nonfinite)",
                 opts.norm_type
             ));
-            return Err(model.at(e, None, Phase::Optimizer));
+            return model.in_phase(Phase::Optimizer, None, |_| Err(e));
         }
         return Ok(norm);
     }

@@ -7,7 +7,15 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// Errors raised by candle-fsdp.
+///
+/// The kinds a caller handles differently have variants of their own: a bad argument
+/// ([`Error::InvalidArgument`]), the runtime's protocol used out of order ([`Error::Misuse`]),
+/// ranks that disagree ([`Error::RanksDisagree`], [`Error::CollectiveMismatch`]), a unit that
+/// autograd does not connect ([`Error::Disconnected`]), a broken invariant of the runtime
+/// ([`Error::Internal`]), and the failures of communication, files and devices. More may be
+/// added: match with a wildcard arm.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// Another rank failed (returned an error or panicked) while this rank had a collective
     /// pending or issued a new one afterwards.
@@ -75,6 +83,45 @@ pub enum Error {
     /// Invalid configuration or argument.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The runtime's protocol used out of order, e.g. `backward` without a training forward:
+    /// what was called, the state it was called in, and the fix to type. Displayed as
+    /// `"{call} {state}: {fix}"`.
+    #[error("{call} {state}: {fix}")]
+    Misuse {
+        /// What was called, e.g. `backward`, `optimizer step`.
+        call: &'static str,
+        /// The state it was called in, as a phrase, e.g. `called without a preceding training
+        /// forward`.
+        state: &'static str,
+        /// Why it is refused and what to call instead.
+        fix: String,
+    },
+    /// Ranks that must agree on something (the model they built, the groups a forward
+    /// gathered) do not; every rank fails with it at once instead of hanging in a collective.
+    /// Displayed as `"the ranks {what}: rank {rank} {detail}"`.
+    #[error("the ranks {what}: rank {rank} {detail}")]
+    RanksDisagree {
+        /// What differs, as a phrase, e.g. `built different models`.
+        what: &'static str,
+        /// This rank.
+        rank: usize,
+        /// This rank's side and what every rank must do.
+        detail: String,
+    },
+    /// Autograd does not connect a unit's outputs to its parameters or inputs (an operation
+    /// without backward inside the unit, e.g. candle-nn 0.11's fused `layer_norm`): the units
+    /// below would silently get no gradient. `what` is the whole message, naming the unit and
+    /// the parameter or input.
+    #[error("{what}")]
+    Disconnected {
+        /// The unit.
+        unit: String,
+        /// What is not connected, and the fix.
+        what: String,
+    },
+    /// An invariant of the runtime broke: a bug in candle-fsdp, not in the caller's code.
+    #[error("internal error (a bug in candle-fsdp, please report it): {0}")]
+    Internal(String),
     /// A rank's closure panicked (reported by [`crate::comm::threads::run_ranks`]).
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {
@@ -198,6 +245,7 @@ pub enum Error {
 
 /// Phase of a training step, named in [`Error::InStep`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Phase {
     /// Training forward.
     Forward,

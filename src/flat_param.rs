@@ -167,9 +167,9 @@ impl FlatParamLayout {
 /// `layout.shard_numel` elements; the gradient, when present, has the same shape, dtype and
 /// device. Alignment gaps and padding hold zeros in both. Optimizers, clipping and the grad
 /// scaler update the tensors **in place** through [`crate::ops`], so a tensor handed to
-/// [`FlatParameter::set_shard`], [`FlatParameter::set_grad`] or
-/// [`FlatParameter::accumulate_grad`] becomes owned state: nothing else should keep using its
-/// storage.
+/// [`FlatParameter::set_shard`], [`FlatParameter::set_grad`] or the parameter group's gradient
+/// accumulation (`crate::fsdp::param_group`) becomes owned state: nothing else should keep
+/// using its storage.
 #[derive(Debug)]
 pub struct FlatParameter {
     layout: FlatParamLayout,
@@ -244,23 +244,14 @@ impl FlatParameter {
         self.shard.device()
     }
 
-    /// Adds `reduced` (one reduced gradient shard: `shard_numel` elements of f32, bf16 or f16,
-    /// any shape, on the shard's device) into the gradient shard. Without a gradient, `reduced`
-    /// (widened to f32 if needed, made contiguous if needed) becomes it; otherwise it is added in
-    /// place ([`crate::ops::add_`], widening on the fly, no allocation).
+    /// Checks one reduced gradient shard before it is added into the gradient shard (by the
+    /// parameter group, `crate::fsdp::param_group`): `shard_numel` elements of f32, bf16 or f16,
+    /// any shape, on the shard's device, with presence flags `present` (one per parameter,
+    /// layout order). Returns it 1-D.
     ///
-    /// Errors: wrong element count, device or dtype (naming expected and found).
-    pub fn accumulate_grad(&mut self, reduced: Tensor) -> Result<()> {
-        let all = vec![true; self.layout.params.len()];
-        self.accumulate_grad_of(reduced, &all)
-    }
-
-    /// As [`FlatParameter::accumulate_grad`], for a gradient that holds only the parameters
-    /// flagged in `present` (layout order; the others' elements are zeros standing in for
-    /// "no gradient"). The presence flags are OR-ed into [`FlatParameter::grad_present`].
-    ///
-    /// Errors: as [`FlatParameter::accumulate_grad`]; `present` of the wrong length.
-    pub fn accumulate_grad_of(&mut self, reduced: Tensor, present: &[bool]) -> Result<()> {
+    /// Errors: `present` of the wrong length; wrong element count, device or dtype (naming
+    /// expected and found).
+    pub(crate) fn check_reduced_grad(&self, reduced: Tensor, present: &[bool]) -> Result<Tensor> {
         if present.len() != self.layout.params.len() {
             return Err(Error::InvalidArgument(format!(
                 "gradient presence flags: expected one per parameter ({}), found {}",
@@ -282,26 +273,25 @@ impl FlatParameter {
                 reduced.device().location()
             )));
         }
-        let reduced = if reduced.rank() == 1 {
+        Ok(if reduced.rank() == 1 {
             reduced
         } else {
             reduced.flatten_all()?
-        };
-        match &self.grad {
-            Some(g) => crate::ops::add_(g, &reduced)?,
-            None => {
-                let g = reduced.to_dtype(DType::F32)?;
-                self.grad = Some(if g.is_contiguous() {
-                    g
-                } else {
-                    g.contiguous()?
-                });
-            }
-        }
+        })
+    }
+
+    /// Makes `grad` (1-D f32, contiguous, `shard_numel` elements on the shard's device, as
+    /// [`FlatParameter::check_reduced_grad`] and the caller made sure) the gradient shard,
+    /// keeping the presence flags.
+    pub(crate) fn put_grad(&mut self, grad: Tensor) {
+        self.grad = Some(grad);
+    }
+
+    /// ORs `present` (one flag per parameter) into [`FlatParameter::grad_present`].
+    pub(crate) fn add_grad_present(&mut self, present: &[bool]) {
         for (have, new) in self.grad_present.iter_mut().zip(present) {
             *have |= *new;
         }
-        Ok(())
     }
 
     /// Drops the gradient shard (PyTorch's `zero_grad(set_to_none=True)`).

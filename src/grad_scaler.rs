@@ -146,9 +146,9 @@ impl ShardedGradScaler {
             local_inf |= f.to_vec1::<f32>()?[0] != 0.0;
         }
         let flag = if local_inf { 1.0 } else { 0.0 };
-        let found = all_reduce_max(model.process_group().as_ref(), flag)
-            .map_err(|e| model.at(e, None, Phase::Optimizer))?
-            > 0.0;
+        let found = model.in_phase(Phase::Optimizer, None, |m| {
+            all_reduce_max(m.process_group().as_ref(), flag)
+        })? > 0.0;
         self.unscaled = Some(found);
         Ok(found)
     }

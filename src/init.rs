@@ -23,9 +23,16 @@ use rand_distr::{Distribution, StandardNormal};
 
 /// FNV-1a 64-bit hash of `s` (Fowler–Noll–Vo, public domain), used to derive per-name seeds.
 pub fn fnv1a64(s: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in s.bytes() {
-        h ^= b as u64;
+    fnv1a64_update(FNV1A64_OFFSET, s.as_bytes())
+}
+
+/// The FNV-1a 64-bit offset basis: the hash of no bytes.
+pub(crate) const FNV1A64_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// Continues the FNV-1a 64-bit hash `h` over `bytes`.
+pub(crate) fn fnv1a64_update(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h ^= u64::from(b);
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     h

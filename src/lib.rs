@@ -64,7 +64,6 @@ pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod optim;
-pub mod shard_view;
 pub mod sync_batch_norm;
 #[cfg(feature = "timeline")]
 pub mod timeline;
@@ -77,7 +76,7 @@ pub use device::cuda;
 pub use error::{Error, Result};
 pub use fsdp::{
     BackwardPrefetch, Forward, FsdpConfig, FsdpModel, FsdpModelBuilder, FullModel, MemoryBudget,
-    MemoryPlan, MemoryStats, ModelSpec, ShardingStrategy,
+    MemoryPlan, MemoryStats, ModelSpec, ShardView, ShardingStrategy,
 };
 pub use lr_scheduler::{LrSchedule, LrScheduler, LrSchedulerState};
 pub use mixed_precision::MixedPrecision;
@@ -85,6 +84,5 @@ pub use optim::{
     AdamW, AdamWConfig, BufferKind, OptimizerHyper, OptimizerKind, OptimizerState, ParamGroup, Sgd,
     SgdConfig, ShardedOptimizer, UnitOptimState,
 };
-pub use shard_view::ShardView;
 pub use sync_batch_norm::{sync_batch_norm, SyncBatchNorm};
 pub use unit::{UnitModule, UnitSpec};

@@ -13,7 +13,7 @@
 //! "zero" ([`crate::ShardView::grad_present`], agreed over the ranks in backward): a parameter
 //! that received no gradient since the last `zero_grad` is not stepped at all: no weight decay,
 //! no moment update, no step count. A step when no parameter of the model has a gradient is an
-//! error ([`Error::InvalidArgument`], "optimizer step without any gradient") that changes
+//! error ([`Error::Misuse`], "optimizer step without any gradient") that changes
 //! nothing, neither parameters nor counters.
 //!
 //! **Parameter groups** ([`ParamGroup`]): each parameter belongs to the first group whose name
@@ -41,9 +41,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Phase, Result};
 use crate::fsdp::FsdpModel;
+use crate::fsdp::ShardView;
 use crate::ops::{self, AdamWHyper, SgdHyper};
-use crate::shard_view::ShardView;
-use crate::trace::SpanKind;
 
 /// Which optimizer algorithm ([`ShardedOptimizer::kind`]); saved in checkpoints, where loading
 /// into another kind is an error naming both.
@@ -630,11 +629,13 @@ impl ShardState {
 
 /// The error of a step without any gradient.
 fn no_gradient() -> Error {
-    Error::InvalidArgument(
-        "optimizer step without any gradient: no parameter received a gradient since the last \
-         zero_grad (was gradient sync left off for every micro-batch?); nothing was changed"
+    Error::Misuse {
+        call: "optimizer step",
+        state: "without any gradient",
+        fix: "no parameter received a gradient since the last zero_grad (was gradient sync left \
+              off for every micro-batch?); nothing was changed"
             .into(),
-    )
+    }
 }
 
 fn any_gradient(model: &FsdpModel) -> bool {
@@ -799,7 +800,7 @@ impl AdamW {
                         &narrow(&u.bufs[1], &r)?,
                         &h,
                     )
-                    .map_err(|e| model.at(e, Some(v.unit_index), Phase::Optimizer))
+                    .map_err(|e| e.in_step(Some(v.unit_name), Phase::Optimizer, model.step()))
                 },
             )?;
             for i in present {
@@ -850,12 +851,8 @@ impl ShardedOptimizer for AdamW {
     }
 
     fn step(&mut self, model: &mut FsdpModel) -> Result<()> {
-        let _span = model.span(SpanKind::OptimizerStep, || {
-            "FSDP::optimizer_step".to_string()
-        });
-        self.step_inner(model).map_err(|e| match e {
-            e @ Error::InStep { .. } => e,
-            e => model.at(e, None, Phase::Optimizer),
+        model.in_phase(Phase::Optimizer, Some("FSDP::optimizer_step"), |m| {
+            self.step_inner(m)
         })
     }
 
@@ -1024,7 +1021,7 @@ impl Sgd {
                         buf.as_ref(),
                         &c.hyper(steps[i] == 0),
                     )
-                    .map_err(|e| model.at(e, Some(v.unit_index), Phase::Optimizer))
+                    .map_err(|e| e.in_step(Some(v.unit_name), Phase::Optimizer, model.step()))
                 },
             )?;
             for i in present {
@@ -1042,12 +1039,8 @@ impl ShardedOptimizer for Sgd {
     }
 
     fn step(&mut self, model: &mut FsdpModel) -> Result<()> {
-        let _span = model.span(SpanKind::OptimizerStep, || {
-            "FSDP::optimizer_step".to_string()
-        });
-        self.step_inner(model).map_err(|e| match e {
-            e @ Error::InStep { .. } => e,
-            e => model.at(e, None, Phase::Optimizer),
+        model.in_phase(Phase::Optimizer, Some("FSDP::optimizer_step"), |m| {
+            self.step_inner(m)
         })
     }
 

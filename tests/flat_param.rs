@@ -141,44 +141,8 @@ fn vec1(t: &Tensor) -> Vec<f32> {
     t.to_vec1::<f32>().unwrap()
 }
 
-#[test]
-fn gradients_accumulate_in_place_and_widen_half_precision() {
-    let mut f = small();
-    assert_eq!(vec1(f.shard()), [12.0, 0.0]);
-    assert_eq!(f.sharded_bytes(), 8);
-    f.accumulate_grad(Tensor::new(&[0.5f32, -1.0], &Device::Cpu).unwrap())
-        .unwrap();
-    assert_eq!(f.sharded_bytes(), 16);
-    // Hold the gradient tensor: later accumulations write into its storage (no new tensor).
-    let held = f.grad().unwrap().clone();
-    f.accumulate_grad(Tensor::new(&[0.25f32, 3.0], &Device::Cpu).unwrap())
-        .unwrap();
-    assert_eq!(vec1(&held), [0.75, 2.0]);
-    // bf16 and f16 are widened exactly (0.1 in bf16 is 205 / 2048).
-    let bf = Tensor::new(&[0.1f32, 1.0], &Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap();
-    f.accumulate_grad(bf).unwrap();
-    assert_eq!(vec1(&held), [0.75 + (205.0 / 2048.0), 3.0]);
-    let h = Tensor::new(&[1.0f32, 0.5], &Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F16)
-        .unwrap();
-    f.accumulate_grad(h).unwrap();
-    assert_eq!(vec1(f.grad().unwrap()), [1.75 + (205.0 / 2048.0), 3.5]);
-    f.clear_grad();
-    assert!(f.grad().is_none());
-    assert_eq!(f.sharded_bytes(), 8);
-    // A first gradient in bf16 becomes an f32 gradient.
-    let bf = Tensor::new(&[2.0f32, 4.0], &Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap();
-    f.accumulate_grad(bf).unwrap();
-    assert_eq!(f.grad().unwrap().dtype(), DType::F32);
-    assert_eq!(vec1(f.grad().unwrap()), [2.0, 4.0]);
-}
+// Gradient accumulation (widening, in place, refusals) is the parameter group's: its unit
+// tests are in src/fsdp/param_group.rs.
 
 #[test]
 fn setters_check_length_dtype_and_name_expected_and_found() {
@@ -203,19 +167,6 @@ fn setters_check_length_dtype_and_name_expected_and_found() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("gradient shard") && e.contains("[1, 2]"), "{e}");
-    let e = f
-        .accumulate_grad(Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("expected 2 elements") && e.contains("found 5"),
-        "{e}"
-    );
-    let e = f
-        .accumulate_grad(Tensor::zeros(2, DType::U32, &Device::Cpu).unwrap())
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("U32"), "{e}");
     // Nothing changed by the refused calls.
     assert_eq!(vec1(f.shard()), [12.0, 0.0]);
     assert!(f.grad().is_none());

@@ -17,9 +17,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use candle_fsdp::checkpoint::{SamplerState, TrainState};
+use candle_fsdp::checkpoint::TrainState;
 use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt};
-use candle_fsdp::data::{Batch, BatchLoader, DistributedSampler};
+use candle_fsdp::data::{Batch, BatchLoader, DistributedSampler, SamplerState};
 use candle_fsdp::launch::Launcher;
 use candle_fsdp::trace::{Span, TraceSession};
 use candle_fsdp::unit::UnitSpec;
@@ -138,7 +138,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
         for epoch in start_epoch..self.job.epochs {
             let t0 = Instant::now();
             match resume_at.take() {
-                Some(s) => s.apply(&mut self.sampler)?,
+                Some(s) => self.sampler.restore(&s)?,
                 None => self.sampler.set_epoch(epoch),
             }
             let (loss_sum, batches) = self.train_epoch(epoch)?;
@@ -245,7 +245,7 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
                 && self.t.step.is_multiple_of(save_every)
                 && i + 1 < num_batches
             {
-                self.save(epoch, SamplerState::new(&self.sampler, consumed))?;
+                self.save(epoch, self.sampler.state(consumed))?;
             }
             // Summed on the device and read once per epoch: a read per step would make the
             // host wait for every step's GPU work.

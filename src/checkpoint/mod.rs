@@ -93,9 +93,11 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
-use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
 
+/// The sampler's position a checkpoint stores (defined beside the sampler; re-exported here,
+/// where it has always been).
+pub use crate::data::SamplerState;
 pub use full::{build_from_full, load_full, save_full, FULL_FORMAT};
 pub use io::{write_atomic, AtomicFile};
 pub use sharded::{
@@ -114,61 +116,6 @@ pub const FORMAT_VERSION: u32 = 3;
 
 /// Name of the metadata file that marks a sharded checkpoint directory complete.
 pub const META_FILE: &str = "meta.json";
-
-/// Where a [`DistributedSampler`] stands: enough to continue an epoch where it stopped.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SamplerState {
-    /// Epoch the sampler is in (its shuffle is seeded with `seed + epoch`).
-    pub epoch: u64,
-    /// Entries of *each rank's* list already consumed in `epoch` (`batches done × batch size`).
-    pub position: usize,
-    /// World size the position counts in (per-rank lists depend on it).
-    pub world_size: usize,
-}
-
-impl SamplerState {
-    /// The state of `sampler` after this rank consumed `consumed` more entries of its current
-    /// list (the position adds to the sampler's own start, so a resumed epoch stays exact).
-    pub fn new(sampler: &DistributedSampler, consumed: usize) -> Self {
-        Self {
-            epoch: sampler.epoch(),
-            position: sampler.start() + consumed,
-            world_size: sampler.world_size(),
-        }
-    }
-
-    /// The per-rank start position for a group of `world_size` ranks. At the saved world size it
-    /// is `position`. At another one, the `position × saved world size` entries of the global
-    /// list consumed so far are split over the new ranks, rounded down (a few samples may then
-    /// be seen twice; the padding of the global list also depends on the world size).
-    pub fn position_for(&self, world_size: usize) -> usize {
-        if world_size == self.world_size || self.world_size == 0 || world_size == 0 {
-            return self.position;
-        }
-        self.position * self.world_size / world_size
-    }
-
-    /// Puts `sampler` at this state: `set_epoch(epoch)` then `set_start(position_for(ws))`.
-    ///
-    /// Errors: a position past the end of the epoch (a corrupt or foreign checkpoint), naming
-    /// both numbers.
-    pub fn apply(&self, sampler: &mut DistributedSampler) -> Result<()> {
-        let position = self.position_for(sampler.world_size());
-        if position > sampler.num_samples() {
-            return Err(Error::InvalidArgument(format!(
-                "checkpoint sampler position {} (world size {}) is past the end of the epoch: \
-                 {} samples per rank at world size {}",
-                self.position,
-                self.world_size,
-                sampler.num_samples(),
-                sampler.world_size()
-            )));
-        }
-        sampler.set_epoch(self.epoch);
-        sampler.set_start(position);
-        Ok(())
-    }
-}
 
 /// Random-number state. The runtime keeps no global RNG: initialisation draws from streams
 /// seeded by `(seed, parameter name)` and the sampler's shuffle from `seed + epoch`, so the seed

@@ -28,11 +28,11 @@ use crate::comm::{ProcessGroupExt, ReduceOp};
 use crate::error::{Error, Result};
 use crate::flat_param::FlatParamLayout;
 use crate::fsdp::FsdpModel;
+use crate::fsdp::ShardView;
 use crate::ops::with_host_f32;
 use crate::optim::{
     check_loadable, BufferKind, OptimizerHyper, OptimizerState, ShardedOptimizer, UnitOptimState,
 };
-use crate::shard_view::ShardView;
 
 /// Value of the `format` entry of a shard file's safetensors metadata.
 pub const SHARDED_FORMAT: &str = "candle-fsdp/sharded";

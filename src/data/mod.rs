@@ -25,4 +25,4 @@ pub mod text;
 pub use loader::{Batch, BatchLoader, DEFAULT_PREFETCH_DEPTH};
 #[cfg(feature = "mnist")]
 pub use mnist::{read_idx_images, read_idx_labels, Mnist};
-pub use sampler::DistributedSampler;
+pub use sampler::{DistributedSampler, SamplerState};

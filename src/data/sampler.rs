@@ -11,6 +11,7 @@
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
@@ -89,6 +90,39 @@ impl DistributedSampler {
             num_samples,
             total_size: num_samples * world_size,
         })
+    }
+
+    /// Where this sampler stands after this rank consumed `consumed` more entries of its
+    /// current list (the position adds to the sampler's own start, so a resumed epoch stays
+    /// exact): what a checkpoint stores to continue the epoch there.
+    pub fn state(&self, consumed: usize) -> SamplerState {
+        SamplerState {
+            epoch: self.epoch(),
+            position: self.start() + consumed,
+            world_size: self.world_size(),
+        }
+    }
+
+    /// Puts this sampler at `state`: `set_epoch(state.epoch)` then
+    /// `set_start(state.position_for(world_size))`.
+    ///
+    /// Errors: a position past the end of the epoch (a corrupt or foreign checkpoint), naming
+    /// both numbers; the sampler is then unchanged.
+    pub fn restore(&mut self, state: &SamplerState) -> Result<()> {
+        let position = state.position_for(self.world_size());
+        if position > self.num_samples() {
+            return Err(Error::InvalidArgument(format!(
+                "checkpoint sampler position {} (world size {}) is past the end of the epoch: \
+                 {} samples per rank at world size {}",
+                state.position,
+                state.world_size,
+                self.num_samples(),
+                self.world_size()
+            )));
+        }
+        self.set_epoch(state.epoch);
+        self.set_start(position);
+        Ok(())
     }
 
     /// Sets the epoch, which seeds the shuffle (`seed + epoch`), as PyTorch's `set_epoch`: call
@@ -206,5 +240,42 @@ impl DistributedSampler {
     /// Whether the tail is dropped (instead of padding) to make the list divisible.
     pub fn drop_last(&self) -> bool {
         self.drop_last
+    }
+}
+
+/// Where a [`DistributedSampler`] stands: enough to continue an epoch where it stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerState {
+    /// Epoch the sampler is in (its shuffle is seeded with `seed + epoch`).
+    pub epoch: u64,
+    /// Entries of *each rank's* list already consumed in `epoch` (`batches done × batch size`).
+    pub position: usize,
+    /// World size the position counts in (per-rank lists depend on it).
+    pub world_size: usize,
+}
+
+impl SamplerState {
+    /// The state of `sampler` after this rank consumed `consumed` more entries of its current
+    /// list: [`DistributedSampler::state`].
+    pub fn new(sampler: &DistributedSampler, consumed: usize) -> Self {
+        sampler.state(consumed)
+    }
+
+    /// The per-rank start position for a group of `world_size` ranks. At the saved world size it
+    /// is `position`. At another one, the `position × saved world size` entries of the global
+    /// list consumed so far are split over the new ranks, rounded down (a few samples may then
+    /// be seen twice; the padding of the global list also depends on the world size).
+    pub fn position_for(&self, world_size: usize) -> usize {
+        if world_size == self.world_size || self.world_size == 0 || world_size == 0 {
+            return self.position;
+        }
+        self.position * self.world_size / world_size
+    }
+
+    /// Puts `sampler` at this state: [`DistributedSampler::restore`].
+    ///
+    /// Errors: as [`DistributedSampler::restore`].
+    pub fn apply(&self, sampler: &mut DistributedSampler) -> Result<()> {
+        sampler.restore(self)
     }
 }

@@ -15,7 +15,8 @@
 //!
 //! Candle back-propagates nodes in reverse topological order, so for one call:
 //! 1. every `out_j` that the loss depends on runs first and stores its gradient `g_j`;
-//! 2. then `top` runs the unit's backward with all of them (`FsdpModel::backward_call`):
+//! 2. then `top` runs the unit's backward with all of them
+//!    ([`CallBackward::run_call_backward`]):
 //!    `sum_j sum(o_j · g_j)` back-propagated through the unit's own graph gives the parameter
 //!    gradients and the gradients of the unit's input variables; it returns `xk`'s gradient;
 //! 3. the lower links hand out the other inputs' gradients.
@@ -25,10 +26,12 @@
 //! outputs are complete. The anchor (a variable) makes a call with no tracked input part of the
 //! graph; scalars carry zero gradients between the nodes.
 //!
-//! The nodes reach the model through [`StepHook`]: [`super::FsdpModel::backward`] points the hook
-//! of the current step at itself for the duration of `loss.backward()`; a node that runs at any
-//! other time (a `loss.backward()` called directly, a graph kept from an earlier step) fails
-//! with an error saying so.
+//! The nodes reach the runtime through [`StepHook`], and only through the narrow
+//! [`CallBackward`] trait (FSDP2's `RegisterPostBackwardFunction` calls the param group, never
+//! the root): [`super::FsdpModel::backward`] points the hook of the current step at itself for
+//! the duration of `loss.backward()`; a node that runs at any other time (a `loss.backward()`
+//! called directly, a graph kept from an earlier step) fails with an error saying so. This
+//! module does not know the model type.
 
 use std::sync::Arc;
 use std::thread::ThreadId;
@@ -37,12 +40,27 @@ use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 use parking_lot::Mutex;
 
-use super::model::FsdpModel;
-use crate::error::Error;
+use crate::error::{Error, Result};
 
-/// A model pointer valid while [`super::FsdpModel::backward`] runs on `thread`.
+/// What the nodes of one step's graph call back into (implemented by the model, in
+/// `super::backward`): the backward of one call and the gradients the nodes hand over.
+pub(crate) trait CallBackward {
+    /// Runs the backward of call `c` (by its top node, once the gradients of all its outputs
+    /// are stored): refill, back-propagate through the unit's graph, keep the inputs'
+    /// gradients, finish the call's groups.
+    fn run_call_backward(&mut self, c: usize) -> Result<()>;
+
+    /// Stores the gradient of output `j` of call `c` (by the output node).
+    fn set_output_grad(&mut self, c: usize, j: usize, grad: Tensor) -> Result<()>;
+
+    /// Hands out the gradient of tracked input `i` of call `c` (by the input nodes, after the
+    /// call's backward); `None` when it got none.
+    fn take_input_grad(&mut self, c: usize, i: usize) -> Result<Option<Tensor>>;
+}
+
+/// A runtime pointer valid while [`super::FsdpModel::backward`] runs on `thread`.
 struct Armed {
-    model: *mut FsdpModel,
+    model: *mut dyn CallBackward,
     thread: ThreadId,
 }
 
@@ -62,8 +80,9 @@ pub(crate) struct StepHook {
 
 impl StepHook {
     /// Points the hook at `model` until the returned guard drops. Called by
-    /// `FsdpModel::backward` around `loss.backward()`.
-    pub(crate) fn arm(self: &Arc<Self>, model: *mut FsdpModel) -> Disarm {
+    /// `FsdpModel::backward` around `loss.backward()`, with a pointer derived from its
+    /// `&mut self`.
+    pub(crate) fn arm(self: &Arc<Self>, model: *mut dyn CallBackward) -> Disarm {
         *self.armed.lock() = Some(Armed {
             model,
             thread: std::thread::current().id(),
@@ -84,7 +103,7 @@ impl StepHook {
     /// Runs `f` on the model this hook is armed with.
     fn with_model<R>(
         &self,
-        f: impl FnOnce(&mut FsdpModel) -> crate::Result<R>,
+        f: impl FnOnce(&mut dyn CallBackward) -> Result<R>,
     ) -> candle_core::Result<R> {
         let ptr = match &*self.armed.lock() {
             Some(a) if a.thread == std::thread::current().id() => a.model,
@@ -160,8 +179,7 @@ impl CustomOp1 for Top {
 
     fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor) -> candle_core::Result<Option<Tensor>> {
         // The anchor is a variable: it needs no gradient.
-        self.hook
-            .with_model(|m| m.backward_call(self.call).map(|_| ()))?;
+        self.hook.with_model(|m| m.run_call_backward(self.call))?;
         Ok(None)
     }
 }
@@ -209,7 +227,7 @@ impl CustomOp2 for Link {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let grad = self.hook.with_model(|m| {
             if self.top {
-                m.backward_call(self.call)?;
+                m.run_call_backward(self.call)?;
             }
             m.take_input_grad(self.call, self.input)
         })?;

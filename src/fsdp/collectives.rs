@@ -36,7 +36,7 @@ impl CommContext {
 /// Issues the all-gather of `flat`'s shard in `dtype` on `stream` (copy-in: the f32 master
 /// shard is cast to `dtype` on its device first, so the wire carries `dtype`; in f32 the shard
 /// itself is the input, no copy). When `real` is false (world size 1 or an empty unit: see
-/// `FsdpUnit::gathers`) the cast shard *is* the unsharded buffer and no collective runs.
+/// `ParamGroup::gathers`) the cast shard *is* the unsharded buffer and no collective runs.
 pub(crate) fn all_gather_shard(
     pg: &dyn ProcessGroup,
     stream: &CommStream,

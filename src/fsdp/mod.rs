@@ -1,51 +1,81 @@
-//! The FSDP runtime: a model made of units, each holding only this rank's shard of its
+//! The FSDP runtime: a model whose parameter groups each hold only this rank's shard of their
 //! FlatParameter, driven through sharded forward and backward passes.
 //!
-//! One concept a file (FSDP2's `_fully_shard/` split):
+//! One concept a file (FSDP2's `_fully_shard/` split); design notes in `design/fsdp.md`:
 //! - [`config`]: sharding strategy, prefetch modes, [`FsdpConfig`] — plain data;
-//! - `unit_state`: one unit (`FsdpUnit`) and its explicit state machine (`unshard`,
-//!   `wait_for_unshard`, `reshard`, `pre_backward`, `post_backward`);
+//! - `spec`: what a model is built from ([`ModelSpec`]) and its callable units (`Member`);
+//! - `build`: [`FsdpModelBuilder`] and `FsdpModel::build_with` as named steps (`check_device`
+//!   → `record_groups` → `classify` → `plan_groups` → `allocate`; FSDP2's `_fsdp_init.py`);
+//! - `model`: the [`FsdpModel`] struct, accessors, setters and context helpers;
+//! - `step`: the step's `TrainingState` (`Idle`, `Forward`, `Eval`, `Backward`) and the
+//!   calls a training forward records for its backward;
+//! - `forward`: the [`Forward`] handle and the forwards; one call is `pre_forward` → `bind`
+//!   → `run` → `post_forward`;
+//! - `backward`: [`FsdpModel::backward`]; one call's backward is `pre_backward` →
+//!   `backward_compute` (or `recompute`) → `post_backward` → `issue_reduction`;
+//! - `call`: how unit calls join the caller's autograd graph (Candle custom ops), reaching the
+//!   model only through the `CallBackward` trait;
+//! - `scheduler`: the prefetcher — what to gather when (forward prefetch predicted from the
+//!   previous step's call sequence, [`BackwardPrefetch`], `limit_all_gathers`) and the
+//!   reductions in flight;
+//! - `agreement`: the ranks agree on the model at build and on the gathers of every forward;
+//! - `param_group`: one parameter group (`ParamGroup`, FSDP2's `FSDPParamGroup`) and its
+//!   explicit state machine: `unshard`, `wait_for_unshard`, `reshard`, `pre_forward`,
+//!   `post_backward`, `finalize`;
 //! - `collectives`: copy-in / all-gather / copy-out / reduce-scatter over buffers, the only
 //!   place that turns gathered buffers into parameters and gradients into a reduce buffer;
 //! - `storage`: free and refill a parameter's storage in place under a live autograd graph;
-//! - `scheduler`: what to prefetch when (forward prefetch, [`BackwardPrefetch`],
-//!   `limit_all_gathers`) and the reductions in flight;
 //! - [`memory`]: unsharded-memory accounting as guards tied to buffer lifetimes;
-//! - `model`: [`FsdpModel`], its builder and the short `forward` / `forward_eval` /
-//!   `backward` schedules;
+//! - [`budget`]: the per-rank memory plan and its check at build;
+//! - `shard_view`: [`ShardView`] and [`FsdpModel::shards`], the accessor through which
+//!   optimizers, clipping, the grad scaler and checkpoints see the shards (with
+//!   [`FsdpModel::in_phase`], all they need of the model);
 //! - `state_dict`: full-parameter gathering ([`FullModel`]).
 //!
-//! Life of one training step under FULL_SHARD (see `design/architecture.md` for the diagram):
-//! 1. [`FsdpModel::forward`]: for each unit k in order, wait for its all-gather (unit k+1's is
-//!    issued before unit k computes: forward prefetch), copy the gathered buffer into one
-//!    autograd variable per parameter, run the unit with autograd on a detached copy of its
-//!    input, then free the variables' storage in place (reshard): the graph keeps its references,
-//!    the memory is gone. The last unit is not resharded: its backward follows at once.
-//! 2. The caller computes a loss from the output.
-//! 3. [`FsdpModel::backward`]: for each unit in reverse, refill its variables from an all-gather
-//!    issued one unit ahead (backward prefetch), back-propagate (`loss.backward()` for the last
-//!    unit, `sum(output · grad_output)` for the others), copy the parameter gradients into one
-//!    flat buffer, free the parameters, and issue the reduce-scatter (average over ranks) on the
-//!    reduce-scatter stream without waiting. At the end every reduction is waited for and added
-//!    into the f32 gradient shards.
+//! Life of one training step under FULL_SHARD (see `design/fsdp.md`):
+//! 1. [`FsdpModel::forward_with`] (or [`FsdpModel::forward`] for a chain): each
+//!    [`Forward::call`] unshards the unit's groups just in time (the predicted next call's
+//!    all-gather is issued before this one computes: forward prefetch), runs the unit with
+//!    autograd on the step's parameter variables and joins it to the caller's graph as one
+//!    node; a call's groups are resharded (their storage freed in place: the graph keeps its
+//!    references, the memory is gone) when the next call starts, so the last call's
+//!    parameters stay for the backward.
+//! 2. The caller computes a loss from the outputs.
+//! 3. [`FsdpModel::backward`]: one `loss.backward()` of Candle over the caller's graph. Each
+//!    call's node runs the unit's backward when the gradients of all its outputs are complete:
+//!    refill its parameters (the all-gather was prefetched one call ahead in reverse call
+//!    order), back-propagate through the unit's own graph, add the gradients into the group's
+//!    flat gradient, and after the group's last call issue its reduce-scatter (average over
+//!    ranks) on the reduce-scatter stream without waiting. At the end every reduction is
+//!    waited for and added into the f32 gradient shards.
 //!
 //! SHARD_GRAD_OP and NO_SHARD keep the parameters from forward to backward instead; a unit with
 //! activation checkpointing runs its forward without autograd and is recomputed in backward.
 
+mod agreement;
+mod backward;
 pub mod budget;
+mod build;
 mod call;
 mod collectives;
 pub mod config;
+mod forward;
 pub mod memory;
 mod model;
+mod param_group;
 mod scheduler;
+mod shard_view;
+mod spec;
 mod state_dict;
+mod step;
 mod storage;
-pub(crate) mod unit_state;
 
 pub use budget::{MemoryBudget, MemoryPlan};
+pub use build::FsdpModelBuilder;
 pub use config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
+pub use forward::Forward;
 pub use memory::MemoryStats;
-pub use model::{Forward, FsdpModel, FsdpModelBuilder, ModelSpec};
+pub use model::FsdpModel;
+pub use shard_view::ShardView;
+pub use spec::ModelSpec;
 pub use state_dict::FullModel;
-pub(crate) use unit_state::FsdpUnit;

@@ -28,9 +28,11 @@ impl FsdpModel {
             )));
         };
         if !u.is_sharded() || u.in_step() {
-            let e = Error::InvalidArgument(
-                "gathering a state dict during a training step (call it between steps)".into(),
-            );
+            let e = Error::Misuse {
+                call: "gathering a state dict",
+                state: "during a training step",
+                fix: "call it between steps".into(),
+            };
             return Err(self.at(e, None, Phase::Checkpoint));
         }
         let _guard = self

@@ -17,7 +17,7 @@
 //! keeps alive until backward; `design/architecture.md` lists the bytes that stay per unit type.
 //!
 //! A freed tensor must not be read until it is refilled (a CPU kernel would index an empty
-//! buffer): the unit state machine (`super::unit_state`) guarantees it.
+//! buffer): the unit state machine (`super::param_group`) guarantees it.
 //!
 //! **CUDA** (feature `cuda`): the same swap on a [`candle_core::CudaStorage`]'s slice. The old
 //! `CudaSlice` is dropped, which (cudarc's event tracking, on for every context with more than

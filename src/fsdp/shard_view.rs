@@ -10,9 +10,10 @@
 
 use candle_core::{Tensor, Var};
 
+use super::model::FsdpModel;
+use super::param_group::ParamGroup;
 use crate::error::{Error, Result};
 use crate::flat_param::FlatParamLayout;
-use crate::fsdp::FsdpModel;
 
 /// What one rank holds of one unit, borrowed from an [`FsdpModel`].
 #[derive(Debug, Clone, Copy)]
@@ -83,7 +84,7 @@ impl FsdpModel {
         u.flat_mut().set_grad(grad).map_err(|e| in_unit(&name, e))
     }
 
-    fn unit_mut(&mut self, unit: usize) -> Result<&mut crate::fsdp::FsdpUnit> {
+    fn unit_mut(&mut self, unit: usize) -> Result<&mut ParamGroup> {
         let n = self.units.len();
         self.units.get_mut(unit).ok_or_else(|| {
             Error::InvalidArgument(format!("unit index {unit} out of range: the model has {n}"))

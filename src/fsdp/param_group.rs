@@ -9,7 +9,7 @@
 //! Parameter states and the transitions between them:
 //!
 //! ```text
-//!            unshard()                unshard_wait()
+//!            unshard()                wait_for_unshard()
 //! Sharded ──────────────▶ Unsharding ───────────────────▶ Present ─────┐
 //!    ▲        (all-gather issued,       (copy-out into the             │ reshard()
 //!    │         output allocated)         step's variables)             │ (free the variables'
@@ -22,11 +22,11 @@
 //! graphs keep referencing them, and the next unshard refills that storage
 //! ([`super::storage`]). No unit is recomputed to get its parameters back. The variables are
 //! dropped when the last call of the group in the step has run its backward
-//! ([`FsdpUnit::finish_backward_call`]).
+//! ([`ParamGroup::post_backward`]).
 
 use std::collections::HashMap;
 
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use super::collectives;
 use super::memory::{MemoryAccount, UnshardGuard};
@@ -50,7 +50,7 @@ enum ParamState {
 
 /// One parameter group of an [`super::FsdpModel`]: this rank's FlatParameter shard, buffers,
 /// mixed-precision policy, and its parameter state.
-pub(crate) struct FsdpUnit {
+pub(crate) struct ParamGroup {
     name: String,
     flat: FlatParameter,
     buffers: Vec<(String, Var)>,
@@ -76,7 +76,7 @@ pub(crate) struct FsdpUnit {
     local_present: Vec<bool>,
 }
 
-impl FsdpUnit {
+impl ParamGroup {
     pub(crate) fn new(
         name: String,
         flat: FlatParameter,
@@ -202,7 +202,7 @@ impl FsdpUnit {
     /// the step, refilled in place afterwards). A no-op when present.
     ///
     /// Errors: the collective's; a refill error.
-    pub(crate) fn unshard_wait(
+    pub(crate) fn wait_for_unshard(
         &mut self,
         pg: &dyn ProcessGroup,
         stream: &CommStream,
@@ -250,7 +250,7 @@ impl FsdpUnit {
 
     /// Drops any step state (variables, gathers in flight, guards, the step's gradient): back
     /// to `Sharded`.
-    pub(crate) fn release(&mut self) {
+    pub(crate) fn finalize(&mut self) {
         self.vars = None;
         self.params = ParamState::Sharded;
         self.pending_calls = 0;
@@ -271,7 +271,7 @@ impl FsdpUnit {
         let vars = match (&self.vars, self.is_present()) {
             (Some(vars), true) => vars,
             _ => {
-                return Err(Error::InvalidArgument(format!(
+                return Err(Error::Internal(format!(
                     "unit {}: its parameters are not present (a schedule bug)",
                     self.name
                 )))
@@ -323,7 +323,7 @@ impl FsdpUnit {
             }
             other => {
                 self.params = other;
-                Err(Error::InvalidArgument(format!(
+                Err(Error::Internal(format!(
                     "unit {}: gathered twice in one eval call (a schedule bug)",
                     self.name
                 )))
@@ -345,7 +345,7 @@ impl FsdpUnit {
     }
 
     /// A training call of this group started (its backward will come).
-    pub(crate) fn add_call(&mut self) {
+    pub(crate) fn pre_forward(&mut self) {
         self.pending_calls += 1;
     }
 
@@ -375,7 +375,7 @@ impl FsdpUnit {
     /// step — then the step's variables are dropped (their memory returns), the group is
     /// `Sharded`, and the step's flat gradient comes with it for reduction (`None` for frozen
     /// twins and groups without parameters); otherwise the caller decides whether to reshard.
-    pub(crate) fn finish_backward_call(&mut self) -> (bool, Option<Tensor>) {
+    pub(crate) fn post_backward(&mut self) -> (bool, Option<Tensor>) {
         self.pending_calls = self.pending_calls.saturating_sub(1);
         if self.pending_calls > 0 {
             return (false, None);
@@ -404,7 +404,7 @@ impl FsdpUnit {
             }
             None => None,
         };
-        self.release();
+        self.finalize();
         Ok(if self.frozen { None } else { grad })
     }
 
@@ -432,5 +432,137 @@ impl FsdpUnit {
     pub(crate) fn zero_grad(&mut self) {
         self.flat.clear_grad();
         self.unsharded_grad = None;
+    }
+
+    /// Adds one reduced gradient shard into the group's gradient shard (see
+    /// [`accumulate_grad_of`]).
+    ///
+    /// Errors: as [`accumulate_grad_of`].
+    pub(crate) fn accumulate_reduced(&mut self, reduced: Tensor, present: &[bool]) -> Result<()> {
+        accumulate_grad_of(&mut self.flat, reduced, present)
+    }
+}
+
+/// Adds `reduced` (one reduced gradient shard: `shard_numel` elements of f32, bf16 or f16, any
+/// shape, on the shard's device) into `flat`'s gradient shard, for a gradient that holds only
+/// the parameters flagged in `present` (layout order; the others' elements are zeros standing
+/// in for "no gradient"). Without a gradient, `reduced` (widened to f32 if needed, made
+/// contiguous if needed) becomes it; otherwise it is added in place ([`crate::ops::add_`],
+/// widening on the fly, no allocation). The presence flags are OR-ed into
+/// [`FlatParameter::grad_present`].
+///
+/// Errors (nothing changed): `present` of the wrong length; wrong element count, device or
+/// dtype (naming expected and found).
+pub(crate) fn accumulate_grad_of(
+    flat: &mut FlatParameter,
+    reduced: Tensor,
+    present: &[bool],
+) -> Result<()> {
+    let reduced = flat.check_reduced_grad(reduced, present)?;
+    match flat.grad() {
+        Some(g) => crate::ops::add_(g, &reduced)?,
+        None => {
+            let g = reduced.to_dtype(DType::F32)?;
+            flat.put_grad(if g.is_contiguous() {
+                g
+            } else {
+                g.contiguous()?
+            });
+        }
+    }
+    flat.add_grad_present(present);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Shape};
+
+    use super::*;
+    use crate::flat_param::FlatParamLayout;
+
+    /// One parameter of 3 elements over 2 ranks, rank 1's shard: `[12, 0]` (one padding zero).
+    fn small() -> FlatParameter {
+        let l = FlatParamLayout::new(&[("p0".to_string(), Shape::from(3))], 2).unwrap();
+        FlatParameter::from_fn(l, 1, &Device::Cpu, |_, range, out| {
+            for (o, i) in out.iter_mut().zip(range) {
+                *o = 10.0 + i as f32;
+            }
+            Ok(())
+        })
+        .unwrap()
+    }
+
+    fn vec1(t: &Tensor) -> Vec<f32> {
+        t.to_vec1::<f32>().unwrap()
+    }
+
+    fn acc(f: &mut FlatParameter, t: Tensor) -> Result<()> {
+        accumulate_grad_of(f, t, &[true])
+    }
+
+    #[test]
+    fn gradients_accumulate_in_place_and_widen_half_precision() {
+        let mut f = small();
+        assert_eq!(vec1(f.shard()), [12.0, 0.0]);
+        assert_eq!(f.sharded_bytes(), 8);
+        acc(&mut f, Tensor::new(&[0.5f32, -1.0], &Device::Cpu).unwrap()).unwrap();
+        assert_eq!(f.sharded_bytes(), 16);
+        assert_eq!(f.grad_present(), [true]);
+        // Hold the gradient tensor: later accumulations write into its storage (no new tensor).
+        let held = f.grad().unwrap().clone();
+        acc(&mut f, Tensor::new(&[0.25f32, 3.0], &Device::Cpu).unwrap()).unwrap();
+        assert_eq!(vec1(&held), [0.75, 2.0]);
+        // bf16 and f16 are widened exactly (0.1 in bf16 is 205 / 2048).
+        let bf = Tensor::new(&[0.1f32, 1.0], &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        acc(&mut f, bf).unwrap();
+        assert_eq!(vec1(&held), [0.75 + (205.0 / 2048.0), 3.0]);
+        let h = Tensor::new(&[1.0f32, 0.5], &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F16)
+            .unwrap();
+        acc(&mut f, h).unwrap();
+        assert_eq!(vec1(f.grad().unwrap()), [1.75 + (205.0 / 2048.0), 3.5]);
+        f.clear_grad();
+        assert!(f.grad().is_none());
+        assert_eq!(f.sharded_bytes(), 8);
+        // A first gradient in bf16 becomes an f32 gradient.
+        let bf = Tensor::new(&[2.0f32, 4.0], &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        acc(&mut f, bf).unwrap();
+        assert_eq!(f.grad().unwrap().dtype(), DType::F32);
+        assert_eq!(vec1(f.grad().unwrap()), [2.0, 4.0]);
+    }
+
+    #[test]
+    fn refused_gradients_name_expected_and_found_and_change_nothing() {
+        let mut f = small();
+        let e = acc(&mut f, Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("expected 2 elements") && e.contains("found 5"),
+            "{e}"
+        );
+        let e = acc(&mut f, Tensor::zeros(2, DType::U32, &Device::Cpu).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("U32"), "{e}");
+        let e = accumulate_grad_of(
+            &mut f,
+            Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap(),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("presence flags"), "{e}");
+        assert_eq!(vec1(f.shard()), [12.0, 0.0]);
+        assert!(f.grad().is_none());
+        assert_eq!(f.grad_present(), [false]);
     }
 }
