@@ -86,7 +86,9 @@ pub(crate) use self::run::panic_message;
 use self::run::raise_priority;
 #[cfg(any(feature = "mpi", feature = "nccl"))]
 pub(crate) use self::run::run_one;
-pub use self::run::{new_group, run_ranks, run_ranks_ok, set_intra_op_threads};
+pub use self::run::{
+    new_group, run_ranks, run_ranks_ok, set_intra_op_threads, BARRIER_POOL_SPIN_LIMIT,
+};
 #[cfg(feature = "cuda")]
 pub use self::run::{new_group_on_gpu, run_ranks_on_gpu};
 

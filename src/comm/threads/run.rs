@@ -215,15 +215,26 @@ where
 }
 
 /// Splits the machine's cores between in-process ranks, as `torchrun` does with
-/// `OMP_NUM_THREADS`: sets `RAYON_NUM_THREADS` (which Candle's CPU matmul reads for its
-/// intra-op parallelism) to `max(1, available_parallelism / world_size)` unless the user already
-/// set it, and returns the value in force.
+/// `OMP_NUM_THREADS`: sets `RAYON_NUM_THREADS` (which Candle's CPU matmul and this crate's CPU
+/// kernels read for their intra-op parallelism) to `max(1, available_parallelism / world_size)`
+/// unless the user already set it, and returns the value in force.
 ///
 /// Without it every rank's matmul asks the one shared rayon pool for all cores and the ranks
 /// queue behind each other (measured on 2 cores at world size 2, MNIST MLP: 5.2 s per epoch
-/// instead of 1.1 s). Call it at the start of `main`, before any thread is spawned: changing the
-/// environment while other threads read it is not sound on every platform.
+/// instead of 1.1 s). It also caps how long Candle's element-wise thread pool spins waiting for
+/// work after each op (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, 25 000 rounds by default, about a
+/// millisecond) at [`BARRIER_POOL_SPIN_LIMIT`] unless the user set it: that spinning thread
+/// otherwise holds a core that the next matmul's rayon threads need (GPT bench configuration,
+/// world size 1 on 2 cores: design/kernels.md). Call it at the start of `main`, before any thread
+/// is spawned: changing the environment while other threads read it is not sound on every
+/// platform.
 pub fn set_intra_op_threads(world_size: usize) -> usize {
+    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+        std::env::set_var(
+            "CANDLE_BARRIER_POOL_SPIN_LIMIT",
+            BARRIER_POOL_SPIN_LIMIT.to_string(),
+        );
+    }
     if let Some(n) = std::env::var("RAYON_NUM_THREADS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
@@ -236,6 +247,11 @@ pub fn set_intra_op_threads(world_size: usize) -> usize {
     std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     n
 }
+
+/// The spin rounds [`set_intra_op_threads`] gives Candle's element-wise thread pool
+/// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`) before its worker sleeps: tens of microseconds instead of
+/// Candle's default millisecond.
+pub const BARRIER_POOL_SPIN_LIMIT: u32 = 2_000;
 
 /// Asks the kernel to run this comm-stream thread ahead of compute threads (nice -10), the CPU
 /// analogue of the high-priority CUDA streams PyTorch FSDP issues its collectives on: a
