@@ -1,502 +1,12 @@
-//! Sharded state dict: one safetensors file per rank plus `meta.json`, loadable at any world
-//! size (see the module docs of [`crate::checkpoint`] for the layout).
-//!
-//! Resharding: a parameter sits at the same offset of its unit's flat buffer whatever the world
-//! size (offsets are aligned to [`crate::flat_param::ALIGN_ELEMS`], independent of it); only the
-//! final padding and the shard boundaries move. A loading rank walks its new shard table
-//! (which part of which parameter its shard holds), looks each parameter up by name in the
-//! saved layouts (so units may even be regrouped), turns the part into a range of the saved
-//! unit's flat buffer, and splits that range at the saved shard boundaries: each piece is a
-//! contiguous element range of one saved rank's file, copied out of the memory map. Optimizer
-//! buffers laid out like a unit's shard (`exp_avg.3`, …) are resharded by the same pieces.
-//! Alignment gaps and padding stay zero.
+//! Loading a sharded checkpoint: the reader's named steps (`match_names` … `check_tensors`),
+//! `load_sharded`, `load_latest`, `load_latest_of_run`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fs;
-use std::path::{Path, PathBuf};
-
-use candle_core::Tensor;
-use safetensors::Dtype;
-
-use super::io::{st_dtype, sync_dir, MappedFile, SafetensorsWriter, TensorSpec};
-use super::{
-    agree, fault, list_complete, parse_step_dir, read_meta, step_dir_name, write_atomic,
-    BufferMeta, CheckpointMeta, FileMeta, Loaded, OptimizerMeta, ParamMeta, ReadStats,
-    SkippedCheckpoint, TrainState, UnitMeta, FORMAT_VERSION, META_FILE,
-};
-use crate::comm::{ProcessGroupExt, ReduceOp};
-use crate::error::{Error, Result};
-use crate::flat_param::FlatParamLayout;
-use crate::fsdp::FsdpModel;
-use crate::fsdp::ShardView;
-use crate::ops::with_host_f32;
-use crate::optim::{
-    check_loadable, BufferKind, OptimizerHyper, OptimizerState, ShardedOptimizer, UnitOptimState,
-};
-
-/// Value of the `format` entry of a shard file's safetensors metadata.
-pub const SHARDED_FORMAT: &str = "candle-fsdp/sharded";
-
-/// File name of rank `rank`'s shards in a checkpoint of `world_size` ranks
-/// (`shard-00001-of-00002.safetensors`).
-pub fn shard_file_name(rank: usize, world_size: usize) -> String {
-    format!("shard-{rank:05}-of-{world_size:05}.safetensors")
-}
-
-fn unit_metas(model: &FsdpModel) -> Result<Vec<UnitMeta>> {
-    model
-        .shards()
-        .map(|u| UnitMeta::from_layout(u.unit_name, u.layout, u.buffers))
-        .collect()
-}
-
-/// The tensors of rank `rank`'s file, in file order: its shards of the units it holds a shard
-/// of, the matching optimizer buffers (`kinds`, when the optimizer has state), and (rank 0)
-/// the buffers. A function of the model and the rank only, so rank 0 knows every file's
-/// tensor names (for the checksums) without asking.
-fn rank_file_specs(
-    model: &FsdpModel,
-    kinds: &[BufferKind],
-    rank: usize,
-) -> Result<Vec<TensorSpec>> {
-    let mut specs = Vec::new();
-    // Shard s of a unit lives in rank s's file; under NO_SHARD (one shard) only rank 0 has it.
-    for (k, u) in model.shards().enumerate() {
-        if u.layout.world_size > rank {
-            specs.push(TensorSpec::f32(param_tensor(k), u.layout.shard_numel));
-        }
-    }
-    for kind in kinds {
-        for (k, u) in model.shards().enumerate() {
-            if u.layout.world_size > rank {
-                specs.push(TensorSpec::f32(
-                    optim_tensor(*kind, k),
-                    u.layout.shard_numel,
-                ));
-            }
-        }
-    }
-    if rank == 0 {
-        for u in model.shards() {
-            for (name, var) in u.buffers {
-                specs.push(TensorSpec {
-                    name: buffer_tensor(name),
-                    dtype: st_dtype(var.dtype())?,
-                    shape: var.dims().to_vec(),
-                });
-            }
-        }
-    }
-    Ok(specs)
-}
-
-/// Tensor name of unit `k`'s parameter shard.
-fn param_tensor(k: usize) -> String {
-    format!("param.{k}")
-}
-
-/// Tensor name of unit `k`'s optimizer buffer `kind` (written, never parsed back).
-fn optim_tensor(kind: BufferKind, k: usize) -> String {
-    format!("optim.{}.{k}", kind.name())
-}
-
-/// Tensor name of a buffer.
-fn buffer_tensor(name: &str) -> String {
-    format!("buffer.{name}")
-}
-
-/// Writes this rank's file (see [`rank_file_specs`]); returns the CRC-32C of each tensor, in
-/// file order.
-///
-/// The optimizer's buffers are streamed one at a time ([`ShardedOptimizer::with_buffer`]), so
-/// that saving holds no second copy of the optimizer state.
-fn write_rank_file(
-    path: &Path,
-    model: &FsdpModel,
-    optim: &dyn ShardedOptimizer,
-    kinds: &[BufferKind],
-    rank: usize,
-    ws: usize,
-) -> Result<Vec<u32>> {
-    let specs = rank_file_specs(model, kinds, rank)?;
-    let meta = HashMap::from([
-        ("format".to_string(), SHARDED_FORMAT.to_string()),
-        ("format_version".to_string(), FORMAT_VERSION.to_string()),
-        ("rank".to_string(), rank.to_string()),
-        ("world_size".to_string(), ws.to_string()),
-    ]);
-    let mut w = SafetensorsWriter::create(path, specs, meta)?;
-    let holds = |u: &ShardView| u.layout.world_size > rank;
-    for (k, u) in model.shards().enumerate() {
-        if holds(&u) {
-            with_host_f32(u.param, |s| w.write_f32(&param_tensor(k), s))??;
-        }
-    }
-    for kind in kinds {
-        for (k, u) in model.shards().enumerate() {
-            if holds(&u) {
-                optim
-                    .with_buffer(k, *kind, &mut |b| {
-                        w.write_f32(&optim_tensor(*kind, k), b)?;
-                        Ok(())
-                    })
-                    .map_err(|e| {
-                        Error::InvalidArgument(format!(
-                            "optimizer state of unit {} ({kind}): {e}",
-                            u.unit_name
-                        ))
-                    })?;
-            }
-        }
-    }
-    if rank == 0 {
-        for u in model.shards() {
-            for (name, var) in u.buffers {
-                w.write_tensor(&buffer_tensor(name), var.as_tensor())?;
-            }
-        }
-    }
-    Ok(w.finish()?.1)
-}
-
-/// The optimizer part of the metadata: kind, groups, buffer kinds, per-parameter steps.
-fn optimizer_meta(
-    model: &FsdpModel,
-    state: &OptimizerState,
-    kinds: &[BufferKind],
-) -> OptimizerMeta {
-    let param_steps = model
-        .shards()
-        .zip(&state.units)
-        .flat_map(|(v, u)| {
-            v.layout
-                .params
-                .iter()
-                .zip(&u.steps)
-                .map(|(p, s)| (p.name.clone(), *s))
-        })
-        .collect();
-    OptimizerMeta {
-        step: state.step,
-        hyper: Some(state.hyper.clone()),
-        buffer_kinds: kinds.to_vec(),
-        param_steps,
-        buffers: Vec::new(),
-    }
-}
-
-/// Every rank's tensor checksums, known to rank 0 (a collective: one sum all-reduce of one
-/// integer per tensor of every file; each rank fills its own file's slots).
-fn gather_checksums(
-    model: &FsdpModel,
-    kinds: &[BufferKind],
-    mine: &[u32],
-) -> Result<Vec<BTreeMap<String, u32>>> {
-    let pg = model.process_group();
-    let (rank, ws) = (pg.rank(), pg.world_size());
-    let names: Vec<Vec<String>> = (0..ws)
-        .map(|r| {
-            Ok(rank_file_specs(model, kinds, r)?
-                .into_iter()
-                .map(|s| s.name)
-                .collect())
-        })
-        .collect::<Result<_>>()?;
-    if names[rank].len() != mine.len() {
-        return Err(Error::InvalidArgument(format!(
-            "checkpoint checksums: rank {rank} wrote {} tensors, expected {}",
-            mine.len(),
-            names[rank].len()
-        )));
-    }
-    let total: usize = names.iter().map(Vec::len).sum();
-    let at: usize = names[..rank].iter().map(Vec::len).sum();
-    let mut v = vec![0u64; total];
-    for (slot, c) in v[at..].iter_mut().zip(mine) {
-        *slot = u64::from(*c);
-    }
-    let v = if ws == 1 {
-        v
-    } else {
-        pg.all_reduce_u64s(v, ReduceOp::Sum)?
-    };
-    let mut it = v.into_iter();
-    Ok(names
-        .into_iter()
-        .map(|ns| {
-            ns.into_iter()
-                .map(|n| (n, it.next().unwrap_or(0) as u32))
-                .collect()
-        })
-        .collect())
-}
-
-/// Rank 0: removes a stale staging directory of the same step and creates a fresh one.
-pub(crate) fn prepare_staging(root: &Path, staging: &Path) -> Result<()> {
-    fs::create_dir_all(root).map_err(|e| Error::io(root, e))?;
-    if staging.exists() {
-        fs::remove_dir_all(staging).map_err(|e| Error::io(staging, e))?;
-    }
-    fs::create_dir(staging).map_err(|e| Error::io(staging, e))?;
-    sync_dir(root);
-    Ok(())
-}
-
-/// Rank 0: writes `meta.json` into the staging directory, renames it to its final name
-/// (replacing a checkpoint of the same step) and rotates.
-pub(crate) fn publish(
-    root: &Path,
-    staging: &Path,
-    final_dir: &Path,
-    meta: &CheckpointMeta,
-    keep_last: usize,
-) -> Result<()> {
-    let json = serde_json::to_vec_pretty(meta).expect("metadata serialises");
-    write_atomic(&staging.join(META_FILE), &json)?;
-    sync_dir(staging);
-    let name = final_dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("step");
-    let had_old = final_dir.exists();
-    // The same step of another run is kept, renamed `step-<n>.run-<its run id>` (not a step
-    // directory any more: never loaded or rotated), rather than deleted: a run started from
-    // scratch in a directory that holds another run's checkpoints loses none of them.
-    let other_run = had_old && run_of(final_dir) != meta.train.run_id;
-    let replaced = if other_run {
-        let id: String = run_of(final_dir)
-            .unwrap_or_else(|| "unknown".into())
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        let mut k = 0;
-        loop {
-            let suffix = if k == 0 {
-                String::new()
-            } else {
-                format!(".{k}")
-            };
-            let p = root.join(format!("{name}.run-{id}{suffix}"));
-            if !p.exists() {
-                break p;
-            }
-            k += 1;
-        }
-    } else {
-        root.join(format!(".{name}.replaced"))
-    };
-    if had_old {
-        if replaced.exists() {
-            fs::remove_dir_all(&replaced).map_err(|e| Error::io(&replaced, e))?;
-        }
-        fs::rename(final_dir, &replaced).map_err(|e| Error::io(final_dir, e))?;
-    }
-    if other_run {
-        tracing::warn!(
-            "checkpoint {} of another run is kept as {}",
-            final_dir.display(),
-            replaced.display()
-        );
-    }
-    if let Err(e) = fs::rename(staging, final_dir) {
-        if had_old {
-            let _ = fs::rename(&replaced, final_dir);
-        }
-        return Err(Error::io(final_dir, e));
-    }
-    sync_dir(root);
-    if had_old && !other_run {
-        let _ = fs::remove_dir_all(&replaced);
-    }
-    if keep_last > 0 {
-        if let Err(e) = rotate(root, final_dir, keep_last, meta.train.run_id.as_deref()) {
-            tracing::warn!("checkpoint rotation under {}: {e}", root.display());
-        }
-    }
-    Ok(())
-}
-
-/// Deletes the oldest complete checkpoints of run `run_id` other than `keep` until
-/// `keep_last` remain (`keep` counting as one); other runs' checkpoints are never touched.
-/// Each is renamed to a hidden name first, so a crash during the deletion never leaves a
-/// partly deleted directory that looks complete.
-fn rotate(root: &Path, keep: &Path, keep_last: usize, run_id: Option<&str>) -> Result<()> {
-    let mut all = list_run(root, run_id)?;
-    all.retain(|p| p != keep);
-    while all.len() + 1 > keep_last {
-        let old = all.remove(0);
-        let name = old.file_name().and_then(|n| n.to_str()).unwrap_or("step");
-        let trash = root.join(format!(".{name}.deleting"));
-        fs::rename(&old, &trash).map_err(|e| Error::io(&old, e))?;
-        fs::remove_dir_all(&trash).map_err(|e| Error::io(&trash, e))?;
-    }
-    sync_dir(root);
-    Ok(())
-}
-
-/// The run id recorded in a complete checkpoint's `meta.json`: `Some(None)` for an anonymous
-/// run, `None` when the metadata cannot be read (damaged: reported when it is loaded).
-fn read_run(dir: &Path) -> Option<Option<String>> {
-    let bytes = fs::read(dir.join(META_FILE)).ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
-    Some(v.get("run_id").and_then(|r| r.as_str()).map(str::to_string))
-}
-
-/// The run id of a checkpoint (`None`: anonymous or unreadable).
-fn run_of(dir: &Path) -> Option<String> {
-    read_run(dir).flatten()
-}
-
-/// Complete checkpoints under `root` of run `run_id`, oldest first (one whose metadata cannot
-/// be read belongs to no run: never rotated away, never loaded as this run's).
-fn list_run(root: &Path, run_id: Option<&str>) -> Result<Vec<PathBuf>> {
-    Ok(list_complete(root)?
-        .into_iter()
-        .filter(|d| read_run(d).is_some_and(|r| r.as_deref() == run_id))
-        .collect())
-}
-
-/// Saves a sharded checkpoint of `model` and `optim` as `<root>/step-<state.step>/` (a
-/// collective) and returns that directory.
-///
-/// Each rank writes its file (its shards of the parameters and of the optimizer state; rank 0
-/// also the buffers) into a hidden staging directory; when every rank succeeded, rank 0 writes
-/// `meta.json` (layouts, optimizer buffers, file sizes and `state`; the model's mixed-precision
-/// policy when `state.mixed_precision` is `None`) and renames the staging directory into place,
-/// replacing a checkpoint of the same step. `keep_last`: complete checkpoints kept under `root`
-/// (older ones, by step, are deleted after the new one is complete; the new one is never
-/// deleted); 0 keeps all. Memory: one copy of this rank's optimizer state
-/// ([`ShardedOptimizer::state`]) plus 64 KiB of conversion buffer.
-///
-/// Errors (on every rank; previous checkpoints untouched, the staging directory removed): any
-/// rank failing to write (naming its file), or a collective failure.
-pub fn save_sharded(
-    root: &Path,
-    model: &FsdpModel,
-    optim: &dyn ShardedOptimizer,
-    state: &TrainState,
-    keep_last: usize,
-) -> Result<PathBuf> {
-    let step = model.step();
-    let result = (|| -> Result<PathBuf> {
-        let pg = model.process_group().clone();
-        let (rank, ws) = (pg.rank(), pg.world_size());
-        let name = step_dir_name(state.step);
-        let final_dir = root.join(&name);
-        let staging = root.join(format!(".{name}.partial"));
-        let prep = if rank == 0 {
-            prepare_staging(root, &staging)
-        } else {
-            Ok(())
-        };
-        agree(
-            pg.as_ref(),
-            "preparing the checkpoint directory",
-            &staging,
-            prep,
-        )?;
-        let file = staging.join(shard_file_name(rank, ws));
-        let (written, ostate) = match optim.state_header() {
-            Ok((ostate, kinds)) => match write_rank_file(&file, model, optim, &kinds, rank, ws) {
-                Ok(crcs) => (Ok(crcs), Some((ostate, kinds))),
-                Err(e) => (Err(e), None),
-            },
-            Err(e) => (Err(e), None),
-        };
-        let (written, crcs) = match written {
-            Ok(c) => (Ok(()), c),
-            Err(e) => (Err(e), Vec::new()),
-        };
-        let cleanup = |staging: &Path| {
-            if rank == 0 && !fault::crash_mode() {
-                let _ = fs::remove_dir_all(staging);
-            }
-        };
-        if let Err(e) = agree(
-            pg.as_ref(),
-            "writing the checkpoint shards",
-            &staging,
-            written,
-        ) {
-            cleanup(&staging);
-            return Err(e);
-        }
-        let (ostate, kinds) = ostate.expect("written on every rank");
-        let checksums = match gather_checksums(model, &kinds, &crcs) {
-            Ok(c) => c,
-            Err(e) => {
-                cleanup(&staging);
-                return Err(e);
-            }
-        };
-        let finished = if rank == 0 {
-            (|| -> Result<()> {
-                let files = (0..ws)
-                    .map(|r| {
-                        let name = shard_file_name(r, ws);
-                        let p = staging.join(&name);
-                        let bytes = fs::metadata(&p).map_err(|e| Error::io(&p, e))?.len();
-                        Ok(FileMeta {
-                            rank: r,
-                            name,
-                            bytes,
-                            crc32c: checksums[r].clone(),
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let mut train = state.clone();
-                if train.mixed_precision.is_none() {
-                    train.mixed_precision =
-                        serde_json::to_value(model.config().mixed_precision).ok();
-                }
-                let meta = CheckpointMeta {
-                    format_version: FORMAT_VERSION,
-                    world_size: ws,
-                    strategy: Some(
-                        super::strategy_name(model.config().sharding_strategy).to_string(),
-                    ),
-                    train,
-                    dtype: "F32".into(),
-                    units: unit_metas(model)?,
-                    optimizer: Some(optimizer_meta(model, &ostate, &kinds)),
-                    files,
-                    saved_at_unix_ms: Some(now_unix_ms()),
-                };
-                publish(root, &staging, &final_dir, &meta, keep_last)
-            })()
-        } else {
-            Ok(())
-        };
-        if finished.is_err() {
-            cleanup(&staging);
-        }
-        agree(
-            pg.as_ref(),
-            "completing the checkpoint",
-            &final_dir,
-            finished,
-        )?;
-        Ok(final_dir)
-    })();
-    result.map_err(|e| e.in_checkpoint(step))
-}
-
-/// Milliseconds since the Unix epoch (0 if the clock is before it).
-pub(crate) fn now_unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+#[allow(unused_imports)]
+use super::*;
 
 /// A contiguous range of one saved shard to copy into the new shard.
 #[derive(Debug, Clone, Copy)]
-struct Piece {
+pub(super) struct Piece {
     /// Saved rank (file) holding it.
     file: usize,
     /// Saved unit.
@@ -513,19 +23,19 @@ struct Piece {
 /// checkpoint may still load), otherwise it does not fit the model or the optimizer (no other
 /// checkpoint of the run would either).
 #[derive(Debug)]
-struct LoadError {
+pub(super) struct LoadError {
     error: Box<Error>,
     damaged: bool,
 }
 
-fn damaged(error: Error) -> LoadError {
+pub(super) fn damaged(error: Error) -> LoadError {
     LoadError {
         error: Box::new(error),
         damaged: true,
     }
 }
 
-fn mismatch(error: Error) -> LoadError {
+pub(super) fn mismatch(error: Error) -> LoadError {
     LoadError {
         error: Box::new(error),
         damaged: false,
@@ -533,7 +43,7 @@ fn mismatch(error: Error) -> LoadError {
 }
 
 /// What the optimizer gets from the checkpoint.
-struct OptimPlan {
+pub(super) struct OptimPlan {
     /// Kind and groups (`None`: a version-1/2 checkpoint; the optimizer keeps its own).
     hyper: Option<OptimizerHyper>,
     /// Optimizer steps taken.
@@ -545,7 +55,7 @@ struct OptimPlan {
 }
 
 /// A checked plan for loading one checkpoint into one rank's model and optimizer.
-struct Reader {
+pub(super) struct Reader {
     meta: CheckpointMeta,
     files: HashMap<usize, MappedFile>,
     /// Per model unit, the pieces of its new shard.
@@ -553,12 +63,12 @@ struct Reader {
     optim: OptimPlan,
 }
 
-fn meta_err(dir: &Path, msg: String) -> Error {
+pub(super) fn meta_err(dir: &Path, msg: String) -> Error {
     Error::file(dir.join(META_FILE), msg)
 }
 
 /// Whether `dir`'s metadata is from a newer format (not damage: a newer reader loads it).
-fn newer_format(dir: &Path) -> bool {
+pub(super) fn newer_format(dir: &Path) -> bool {
     fs::read(dir.join(META_FILE))
         .ok()
         .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
@@ -580,7 +90,7 @@ pub(crate) fn discover_kinds(file0: &MappedFile) -> Vec<BufferKind> {
 
 /// Step 1: every parameter and buffer of the model is in the checkpoint with its shape, and
 /// the checkpoint has none the model lacks.
-fn match_names(dir: &Path, meta: &CheckpointMeta, model: &FsdpModel) -> Result<()> {
+pub(super) fn match_names(dir: &Path, meta: &CheckpointMeta, model: &FsdpModel) -> Result<()> {
     let mut saved: HashMap<&str, &ParamMeta> = HashMap::new();
     let mut saved_bufs: HashMap<&str, &BufferMeta> = HashMap::new();
     for u in &meta.units {
@@ -683,7 +193,7 @@ fn match_names(dir: &Path, meta: &CheckpointMeta, model: &FsdpModel) -> Result<(
 /// Step 2: the pieces of every new shard: each part of a parameter in this rank's shard, as
 /// contiguous ranges of saved shards, from the saved units' layouts (names matched by
 /// [`match_names`]).
-fn plan_pieces(saved: &[FlatParamLayout], model: &FsdpModel) -> Vec<Vec<Piece>> {
+pub(super) fn plan_pieces(saved: &[FlatParamLayout], model: &FsdpModel) -> Vec<Vec<Piece>> {
     let mut by_name: HashMap<&str, (usize, usize)> = HashMap::new();
     for (j, l) in saved.iter().enumerate() {
         for p in &l.params {
@@ -722,7 +232,7 @@ fn plan_pieces(saved: &[FlatParamLayout], model: &FsdpModel) -> Vec<Vec<Piece>> 
 
 /// Step 3: maps the files holding a piece (and rank 0's when there are buffers to read or
 /// the optimizer buffers must be discovered), checking each file's size and header.
-fn open_files(
+pub(super) fn open_files(
     dir: &Path,
     meta: &CheckpointMeta,
     plans: &[Vec<Piece>],
@@ -760,7 +270,7 @@ fn open_files(
 
 /// Step 4: what the optimizer gets: its kind and groups must be the saved ones; per model
 /// parameter its step count, by name.
-fn classify_optimizer(
+pub(super) fn classify_optimizer(
     dir: &Path,
     meta: &CheckpointMeta,
     files: &HashMap<usize, MappedFile>,
@@ -815,7 +325,7 @@ fn classify_optimizer(
 }
 
 /// The message of an argument error without its variant's prefix.
-fn root_message(e: Error) -> String {
+pub(super) fn root_message(e: Error) -> String {
     match e {
         Error::InvalidArgument(m) => m,
         other => other.to_string(),
@@ -825,7 +335,7 @@ fn root_message(e: Error) -> String {
 /// Step 5: every tensor that will be read exists with its dtype and shape, and its data
 /// matches its recorded CRC-32C (the whole tensor is checked, also where only a range is
 /// copied).
-fn check_tensors(
+pub(super) fn check_tensors(
     dir: &Path,
     meta: &CheckpointMeta,
     files: &HashMap<usize, MappedFile>,
@@ -990,7 +500,7 @@ impl Reader {
 }
 
 /// As [`agree`] for a load: also agrees on whether any rank found the checkpoint damaged.
-fn agree_load(
+pub(super) fn agree_load(
     pg: &dyn crate::comm::ProcessGroup,
     dir: &Path,
     local: std::result::Result<(), LoadError>,
@@ -1009,7 +519,7 @@ fn agree_load(
     if failed.is_empty() {
         return Ok(());
     }
-    let reasons = super::exchange_reasons(
+    let reasons = super::super::exchange_reasons(
         pg,
         local.as_ref().err().map(|e| e.error.to_string()),
         &failed,
@@ -1034,7 +544,7 @@ fn agree_load(
 }
 
 /// One load attempt (a collective), classifying a failure.
-fn load_dir(
+pub(super) fn load_dir(
     dir: &Path,
     model: &mut FsdpModel,
     optim: &mut dyn ShardedOptimizer,
@@ -1084,7 +594,7 @@ pub fn load_sharded(
 
 /// The candidates of a newest-first load, chosen by rank 0 and broadcast (a collective), so
 /// every rank tries the same checkpoints in the same order.
-fn agree_on_candidates(
+pub(super) fn agree_on_candidates(
     pg: &dyn crate::comm::ProcessGroup,
     root: &Path,
     pick: impl FnOnce() -> Result<Vec<PathBuf>>,
@@ -1123,7 +633,7 @@ fn agree_on_candidates(
 
 /// Renames a damaged checkpoint to `step-<n>.damaged` (or `.damaged-<i>`), out of the list of
 /// complete ones, and returns the new path.
-fn set_aside(dir: &Path) -> Option<PathBuf> {
+pub(super) fn set_aside(dir: &Path) -> Option<PathBuf> {
     let name = dir.file_name()?.to_str()?;
     let root = dir.parent()?;
     let target = (0..100)
@@ -1139,7 +649,7 @@ fn set_aside(dir: &Path) -> Option<PathBuf> {
 
 /// Tries `candidates` newest first; a damaged one is reported, renamed for inspection (rank
 /// 0) and passed over.
-fn load_first_good(
+pub(super) fn load_first_good(
     root: &Path,
     candidates: Vec<PathBuf>,
     model: &mut FsdpModel,

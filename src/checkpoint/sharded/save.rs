@@ -1,0 +1,262 @@
+//! Saving a sharded checkpoint: each rank's file, the checksums, the metadata.
+
+#[allow(unused_imports)]
+use super::*;
+
+/// Writes this rank's file (see [`rank_file_specs`]); returns the CRC-32C of each tensor, in
+/// file order.
+///
+/// The optimizer's buffers are streamed one at a time ([`ShardedOptimizer::with_buffer`]), so
+/// that saving holds no second copy of the optimizer state.
+pub(super) fn write_rank_file(
+    path: &Path,
+    model: &FsdpModel,
+    optim: &dyn ShardedOptimizer,
+    kinds: &[BufferKind],
+    rank: usize,
+    ws: usize,
+) -> Result<Vec<u32>> {
+    let specs = rank_file_specs(model, kinds, rank)?;
+    let meta = HashMap::from([
+        ("format".to_string(), SHARDED_FORMAT.to_string()),
+        ("format_version".to_string(), FORMAT_VERSION.to_string()),
+        ("rank".to_string(), rank.to_string()),
+        ("world_size".to_string(), ws.to_string()),
+    ]);
+    let mut w = SafetensorsWriter::create(path, specs, meta)?;
+    let holds = |u: &ShardView| u.layout.world_size > rank;
+    for (k, u) in model.shards().enumerate() {
+        if holds(&u) {
+            with_host_f32(u.param, |s| w.write_f32(&param_tensor(k), s))??;
+        }
+    }
+    for kind in kinds {
+        for (k, u) in model.shards().enumerate() {
+            if holds(&u) {
+                optim
+                    .with_buffer(k, *kind, &mut |b| {
+                        w.write_f32(&optim_tensor(*kind, k), b)?;
+                        Ok(())
+                    })
+                    .map_err(|e| {
+                        Error::InvalidArgument(format!(
+                            "optimizer state of unit {} ({kind}): {e}",
+                            u.unit_name
+                        ))
+                    })?;
+            }
+        }
+    }
+    if rank == 0 {
+        for u in model.shards() {
+            for (name, var) in u.buffers {
+                w.write_tensor(&buffer_tensor(name), var.as_tensor())?;
+            }
+        }
+    }
+    Ok(w.finish()?.1)
+}
+
+/// The optimizer part of the metadata: kind, groups, buffer kinds, per-parameter steps.
+pub(super) fn optimizer_meta(
+    model: &FsdpModel,
+    state: &OptimizerState,
+    kinds: &[BufferKind],
+) -> OptimizerMeta {
+    let param_steps = model
+        .shards()
+        .zip(&state.units)
+        .flat_map(|(v, u)| {
+            v.layout
+                .params
+                .iter()
+                .zip(&u.steps)
+                .map(|(p, s)| (p.name.clone(), *s))
+        })
+        .collect();
+    OptimizerMeta {
+        step: state.step,
+        hyper: Some(state.hyper.clone()),
+        buffer_kinds: kinds.to_vec(),
+        param_steps,
+        buffers: Vec::new(),
+    }
+}
+
+/// Every rank's tensor checksums, known to rank 0 (a collective: one sum all-reduce of one
+/// integer per tensor of every file; each rank fills its own file's slots).
+pub(super) fn gather_checksums(
+    model: &FsdpModel,
+    kinds: &[BufferKind],
+    mine: &[u32],
+) -> Result<Vec<BTreeMap<String, u32>>> {
+    let pg = model.process_group();
+    let (rank, ws) = (pg.rank(), pg.world_size());
+    let names: Vec<Vec<String>> = (0..ws)
+        .map(|r| {
+            Ok(rank_file_specs(model, kinds, r)?
+                .into_iter()
+                .map(|s| s.name)
+                .collect())
+        })
+        .collect::<Result<_>>()?;
+    if names[rank].len() != mine.len() {
+        return Err(Error::InvalidArgument(format!(
+            "checkpoint checksums: rank {rank} wrote {} tensors, expected {}",
+            mine.len(),
+            names[rank].len()
+        )));
+    }
+    let total: usize = names.iter().map(Vec::len).sum();
+    let at: usize = names[..rank].iter().map(Vec::len).sum();
+    let mut v = vec![0u64; total];
+    for (slot, c) in v[at..].iter_mut().zip(mine) {
+        *slot = u64::from(*c);
+    }
+    let v = if ws == 1 {
+        v
+    } else {
+        pg.all_reduce_u64s(v, ReduceOp::Sum)?
+    };
+    let mut it = v.into_iter();
+    Ok(names
+        .into_iter()
+        .map(|ns| {
+            ns.into_iter()
+                .map(|n| (n, it.next().unwrap_or(0) as u32))
+                .collect()
+        })
+        .collect())
+}
+
+/// Saves a sharded checkpoint of `model` and `optim` as `<root>/step-<state.step>/` (a
+/// collective) and returns that directory.
+///
+/// Each rank writes its file (its shards of the parameters and of the optimizer state; rank 0
+/// also the buffers) into a hidden staging directory; when every rank succeeded, rank 0 writes
+/// `meta.json` (layouts, optimizer buffers, file sizes and `state`; the model's mixed-precision
+/// policy when `state.mixed_precision` is `None`) and renames the staging directory into place,
+/// replacing a checkpoint of the same step. `keep_last`: complete checkpoints kept under `root`
+/// (older ones, by step, are deleted after the new one is complete; the new one is never
+/// deleted); 0 keeps all. Memory: one copy of this rank's optimizer state
+/// ([`ShardedOptimizer::state`]) plus 64 KiB of conversion buffer.
+///
+/// Errors (on every rank; previous checkpoints untouched, the staging directory removed): any
+/// rank failing to write (naming its file), or a collective failure.
+pub fn save_sharded(
+    root: &Path,
+    model: &FsdpModel,
+    optim: &dyn ShardedOptimizer,
+    state: &TrainState,
+    keep_last: usize,
+) -> Result<PathBuf> {
+    let step = model.step();
+    let result = (|| -> Result<PathBuf> {
+        let pg = model.process_group().clone();
+        let (rank, ws) = (pg.rank(), pg.world_size());
+        let name = step_dir_name(state.step);
+        let final_dir = root.join(&name);
+        let staging = root.join(format!(".{name}.partial"));
+        let prep = if rank == 0 {
+            prepare_staging(root, &staging)
+        } else {
+            Ok(())
+        };
+        agree(
+            pg.as_ref(),
+            "preparing the checkpoint directory",
+            &staging,
+            prep,
+        )?;
+        let file = staging.join(shard_file_name(rank, ws));
+        let (written, ostate) = match optim.state_header() {
+            Ok((ostate, kinds)) => match write_rank_file(&file, model, optim, &kinds, rank, ws) {
+                Ok(crcs) => (Ok(crcs), Some((ostate, kinds))),
+                Err(e) => (Err(e), None),
+            },
+            Err(e) => (Err(e), None),
+        };
+        let (written, crcs) = match written {
+            Ok(c) => (Ok(()), c),
+            Err(e) => (Err(e), Vec::new()),
+        };
+        let cleanup = |staging: &Path| {
+            if rank == 0 && !fault::crash_mode() {
+                let _ = fs::remove_dir_all(staging);
+            }
+        };
+        if let Err(e) = agree(
+            pg.as_ref(),
+            "writing the checkpoint shards",
+            &staging,
+            written,
+        ) {
+            cleanup(&staging);
+            return Err(e);
+        }
+        let (ostate, kinds) = ostate.expect("written on every rank");
+        let checksums = match gather_checksums(model, &kinds, &crcs) {
+            Ok(c) => c,
+            Err(e) => {
+                cleanup(&staging);
+                return Err(e);
+            }
+        };
+        let finished = if rank == 0 {
+            (|| -> Result<()> {
+                let files = (0..ws)
+                    .map(|r| {
+                        let name = shard_file_name(r, ws);
+                        let p = staging.join(&name);
+                        let bytes = fs::metadata(&p).map_err(|e| Error::io(&p, e))?.len();
+                        Ok(FileMeta {
+                            rank: r,
+                            name,
+                            bytes,
+                            crc32c: checksums[r].clone(),
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let mut train = state.clone();
+                if train.mixed_precision.is_none() {
+                    train.mixed_precision =
+                        serde_json::to_value(model.config().mixed_precision).ok();
+                }
+                let meta = CheckpointMeta {
+                    format_version: FORMAT_VERSION,
+                    world_size: ws,
+                    strategy: Some(
+                        super::super::strategy_name(model.config().sharding_strategy).to_string(),
+                    ),
+                    train,
+                    dtype: "F32".into(),
+                    units: unit_metas(model)?,
+                    optimizer: Some(optimizer_meta(model, &ostate, &kinds)),
+                    files,
+                    saved_at_unix_ms: Some(now_unix_ms()),
+                };
+                publish(root, &staging, &final_dir, &meta, keep_last)
+            })()
+        } else {
+            Ok(())
+        };
+        if finished.is_err() {
+            cleanup(&staging);
+        }
+        agree(
+            pg.as_ref(),
+            "completing the checkpoint",
+            &final_dir,
+            finished,
+        )?;
+        Ok(final_dir)
+    })();
+    result.map_err(|e| e.in_checkpoint(step))
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
