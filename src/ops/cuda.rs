@@ -704,8 +704,9 @@ pub(super) fn scale_(t: &Tensor, s: f32) -> Result<()> {
 /// call); [`kernels::scale_check_finite_reference`], PyTorch's
 /// `_amp_foreach_non_finite_check_and_unscale_`.
 ///
-/// Errors: as [`scale_`]; `found_inf` (or a device factor) not a one-element f32 tensor on the
-/// same GPU, or sharing `t`'s storage.
+/// Arguments checked by [`super::unscale_check_finite_`].
+///
+/// Errors: a failed launch.
 pub(super) fn scale_check_finite_(
     t: &Tensor,
     factor: ScaleFactor<'_>,
@@ -747,7 +748,9 @@ pub(super) fn scale_check_finite_(
 /// The inf/NaN check alone, on the device: `found_inf = 1` when some element of `t` is
 /// infinite or NaN (left alone otherwise); [`kernels::non_finite_reference`]. `t` is read only.
 ///
-/// Errors: as [`scale_check_finite_`].
+/// Arguments checked by [`super::check_finite_`].
+///
+/// Errors: a failed launch.
 pub(super) fn check_finite_(t: &Tensor, found_inf: &Tensor) -> Result<()> {
     const OP: &str = "check_finite_";
     let n = t.elem_count();
@@ -776,7 +779,9 @@ pub(super) fn check_finite_(t: &Tensor, found_inf: &Tensor) -> Result<()> {
 /// `dst += src` in place: `dst` f32, `src` f32/bf16/f16 (widened exactly), same element count,
 /// contiguous, distinct storages, one GPU; [`kernels::add_reference`].
 ///
-/// Errors: those conditions violated; a failed launch.
+/// Arguments checked by [`super::add_`].
+///
+/// Errors: a failed launch.
 pub(super) fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     const OP: &str = "add_";
     let n = dst.elem_count();
@@ -810,7 +815,8 @@ pub(super) fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
 /// tensors without a host read in between). Two launches: [`kernels::sum_squares_blocks`]`(n)`
 /// partial sums, then one block; the order is fixed ([`kernels::sum_squares_reference`]).
 ///
-/// Errors: as [`scale_`]; `out` not a one-element f64 tensor on the same GPU.
+/// Errors: `t` not a contiguous f32 tensor on a GPU; `out` not a one-element f64 tensor on the
+/// same GPU, or sharing `t`'s storage; a failed launch.
 pub fn sum_squares_into(t: &Tensor, out: &Tensor, accumulate: bool) -> Result<()> {
     const OP: &str = "sum_squares_into";
     let n = check_f32(OP, &[("tensor", t)])?;
@@ -878,8 +884,10 @@ pub fn sum_squares_into(t: &Tensor, out: &Tensor, accumulate: bool) -> Result<()
 /// `u.found_inf` is given and holds a non-zero value on the device, the kernel returns without
 /// writing: the step is skipped without the host reading the flag.
 ///
-/// Errors: the tensors not f32, contiguous, of one element count, on one GPU, with distinct
-/// storages; the scaler tensors not one-element f32 on that GPU; a failed launch.
+/// Arguments checked by [`super::adamw_step_fused`] (f32, contiguous, one element count, one
+/// GPU, distinct storages, scaler tensors one f32 element on that GPU).
+///
+/// Errors: a failed launch.
 pub(super) fn adamw_(
     param: &Tensor,
     grad: &Tensor,
@@ -935,10 +943,11 @@ pub(super) fn adamw_(
 
 /// One fused SGD update in place over flat f32 tensors on a GPU ([`kernels::sgd_reference`];
 /// [`crate::ops::sgd_step`]'s arithmetic, bit for bit): `param` and, when `h.momentum != 0`,
-/// `momentum_buffer` (then required) written; `grad` read and multiplied by `u.inv_scale`;
-/// skipped on the device when `u.found_inf` holds a non-zero value.
+/// `buf` (present exactly then) written; `grad` read and multiplied by `u.inv_scale`;
+/// skipped on the device when `u.found_inf` holds a non-zero value. Arguments checked by
+/// [`super::sgd_step_fused`].
 ///
-/// Errors: as [`adamw_`]; a missing buffer with momentum.
+/// Errors: a failed launch.
 pub(super) fn sgd_(
     param: &Tensor,
     grad: &Tensor,
