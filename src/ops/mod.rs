@@ -392,7 +392,7 @@ pub fn unscale_check_finite_(
         found_inf: Some(found_inf),
     };
     check_unscale(OP, t.device(), &u)?;
-    check_distinct(OP, &[("tensor", t), ("found_inf", found_inf)])?;
+    check_distinct(OP, &with_unscale(&[("tensor", t)], &u))?;
     if n == 0 {
         return Ok(());
     }
