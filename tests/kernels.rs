@@ -745,7 +745,7 @@ fn update_scale_reference_follows_the_grad_scaler() {
 
 #[test]
 fn every_kernel_the_wrappers_launch_is_in_its_module() {
-    // (module, function) pairs src/ops/cuda.rs loads; a rename on either side fails here,
+    // (module, function) pairs src/ops/cuda/ loads; a rename on either side fails here,
     // without NVRTC.
     let launched = [
         ("cast", "cast"),

@@ -68,6 +68,40 @@ pub use host::ProcessGroupExt;
 pub use stats::{CommStatsSnapshot, Instrumented};
 pub use work::{Completion, Work, WorkCompleter};
 
+/// Which collective, with its scalar arguments: what a backend's `issue` path receives (the
+/// thread backend's host and CUDA data paths, the NCCL backend).
+#[cfg_attr(not(any(feature = "cuda", feature = "nccl")), allow(dead_code))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Call {
+    AllGather,
+    ReduceScatter(ReduceOp),
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    Reduce(usize, ReduceOp),
+}
+
+impl Call {
+    /// The kind of collective.
+    pub(crate) fn kind(self) -> OpKind {
+        match self {
+            Call::AllGather => OpKind::AllGather,
+            Call::ReduceScatter(_) => OpKind::ReduceScatter,
+            Call::AllReduce(_) => OpKind::AllReduce,
+            Call::Broadcast(_) => OpKind::Broadcast,
+            Call::Reduce(..) => OpKind::Reduce,
+        }
+    }
+
+    /// The reduction of a reducing collective.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn op(self) -> Option<ReduceOp> {
+        match self {
+            Call::ReduceScatter(op) | Call::AllReduce(op) | Call::Reduce(_, op) => Some(op),
+            Call::AllGather | Call::Broadcast(_) => None,
+        }
+    }
+}
+
 /// Name of the stream every group has from its creation ([`ProcessGroup::default_stream`]).
 pub const DEFAULT_STREAM: &str = "collective";
 

@@ -1,5 +1,6 @@
-//! The GPU path's CUDA plumbing (feature `cuda`; `dummy_cuda.rs` stands in without it): opening a GPU, the comm streams and events
-//! that order them against Candle's compute stream, and raw access to a tensor's device buffer.
+//! The GPU path's CUDA plumbing (feature `cuda`; `dummy_cuda.rs` stands in without it): opening
+//! a GPU, the comm streams and events that order them against Candle's compute stream, and raw
+//! access to a tensor's device buffer.
 //!
 //! Streams: Candle's [`CudaDevice::cuda_stream`] is the compute stream. Comm streams are
 //! created on the same [`cudarc::driver::CudaContext`] ([`new_stream`]). A consumer never

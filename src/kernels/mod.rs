@@ -37,6 +37,9 @@
 pub mod nvrtc;
 #[doc(hidden)]
 pub mod plan;
+/// The former name of [`plan`].
+#[doc(hidden)]
+pub use plan as args;
 
 use candle_core::DType;
 use half::{bf16, f16};

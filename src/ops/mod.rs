@@ -4,9 +4,9 @@
 //! This module is the one dispatching API of the in-place ops (the role `storage.rs` plays in
 //! Candle): each public function checks its arguments **once** here (dtype, contiguity,
 //! device, element counts, distinct storages, the scaler tensors), then goes to the device's
-//! side, which checks nothing again: `ops::cpu` (private) on the CPU, `ops::cuda` (feature `cuda`) on a
-//! GPU. The kernels themselves (CUDA C sources, NVRTC loading, argument structs, launch plans
-//! and CPU references) are the leaf module [`crate::kernels`].
+//! side, which checks nothing again: `ops::cpu` (private) on the CPU, `ops::cuda` (feature
+//! `cuda`) on a GPU. The kernels themselves (CUDA C sources, NVRTC loading, argument structs,
+//! launch plans and CPU references) are the leaf module [`crate::kernels`].
 //!
 //! Every kernel updates its destination tensors **in place** (their storage is written, no new
 //! tensor is made), so a caller that holds a `&Tensor` (a [`crate::ShardView`]) can step a
@@ -392,7 +392,7 @@ pub fn unscale_check_finite_(
         found_inf: Some(found_inf),
     };
     check_unscale(OP, t.device(), &u)?;
-    check_distinct(OP, &[("tensor", t), ("found_inf", found_inf)])?;
+    check_distinct(OP, &with_unscale(&[("tensor", t)], &u))?;
     if n == 0 {
         return Ok(());
     }

@@ -84,7 +84,7 @@ fn every_module_compiles_with_nvrtc() {
         assert!(ptx.contains(".entry"), "{module}: PTX without kernels");
         println!("kernels/{module}.cu: {} bytes of PTX", ptx.len());
     }
-    // What the wrappers of src/ops/cuda.rs push, in order: device pointers and u64 sizes
+    // What the wrappers of src/ops/cuda/ push, in order: device pointers and u64 sizes
     // are `u64`, dtype codes and flags `u32`, scalars `f32`, structs `b8[size]` (their Rust
     // mirrors have these sizes).
     let ptr = "u64";

@@ -111,7 +111,8 @@ use super::buffer::{check_on, validate, Kind, Post, Problem};
 use super::threads::check_ranks;
 use super::threads::cuda::{addr, raw_read, raw_write, with_cuda_storage, CudaDone, KeepAlive};
 use super::{
-    CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
+    Call, CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp, Work,
+    DEFAULT_STREAM,
 };
 use crate::comm::bootstrap;
 use crate::comm::store::TcpStore;
@@ -192,34 +193,8 @@ impl std::fmt::Debug for NcclGroup {
     }
 }
 
-/// Which NCCL collective, with its scalar arguments.
-#[derive(Clone, Copy)]
-enum Call {
-    AllGather,
-    ReduceScatter(ReduceOp),
-    AllReduce(ReduceOp),
-    Broadcast(usize),
-    Reduce(usize, ReduceOp),
-}
-
 impl Call {
-    fn kind(self) -> OpKind {
-        match self {
-            Call::AllGather => OpKind::AllGather,
-            Call::ReduceScatter(_) => OpKind::ReduceScatter,
-            Call::AllReduce(_) => OpKind::AllReduce,
-            Call::Broadcast(_) => OpKind::Broadcast,
-            Call::Reduce(..) => OpKind::Reduce,
-        }
-    }
-
-    fn op(self) -> Option<ReduceOp> {
-        match self {
-            Call::ReduceScatter(op) | Call::AllReduce(op) | Call::Reduce(_, op) => Some(op),
-            Call::AllGather | Call::Broadcast(_) => None,
-        }
-    }
-
+    /// The NCCL function of the collective.
     fn nccl_name(self) -> &'static str {
         match self {
             Call::AllGather => "ncclAllGather",

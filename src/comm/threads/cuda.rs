@@ -63,7 +63,7 @@ use super::rendezvous::{AbortOnUnwind, Ctx};
 use crate::comm::buffer::{check_on, validate, Kind, Post, Problem, RawBuf};
 use crate::comm::reduce::chunk;
 use crate::comm::work::Completion;
-use crate::comm::{OpKind, ReduceOp};
+use crate::comm::{Call, OpKind, ReduceOp};
 use crate::device::{with_storage_mut, StorageMut, StorageRef};
 use crate::error::{Error, Result};
 
@@ -652,29 +652,6 @@ unsafe fn launch_reduce(
 // ------------------------------------------------------------------------------------------
 // The collectives.
 
-/// Which collective, with its scalar arguments.
-#[derive(Clone, Copy)]
-pub(super) enum CudaCall {
-    AllGather,
-    ReduceScatter(ReduceOp),
-    AllReduce(ReduceOp),
-    Broadcast(usize),
-    Reduce(usize, ReduceOp),
-}
-
-impl CudaCall {
-    /// The kind of collective.
-    pub(super) fn kind(self) -> OpKind {
-        match self {
-            CudaCall::AllGather => OpKind::AllGather,
-            CudaCall::ReduceScatter(_) => OpKind::ReduceScatter,
-            CudaCall::AllReduce(_) => OpKind::AllReduce,
-            CudaCall::Broadcast(_) => OpKind::Broadcast,
-            CudaCall::Reduce(..) => OpKind::Reduce,
-        }
-    }
-}
-
 impl Ctx<'_> {
     /// Aborts the group (peers fail promptly instead of waiting for this rank) and returns
     /// the failure for this rank: used when this rank cannot take part in a rendezvous.
@@ -688,7 +665,7 @@ impl Ctx<'_> {
     pub(super) fn cuda_collective(
         &self,
         job: &CudaJob,
-        call: CudaCall,
+        call: Call,
         dst: &Tensor,
         src: Option<&Tensor>,
     ) -> CudaDone {
@@ -712,7 +689,7 @@ impl Ctx<'_> {
     fn cuda_body(
         &self,
         job: &CudaJob,
-        call: CudaCall,
+        call: Call,
         dst_s: &mut CudaStorage,
         dst_l: &Layout,
         src_sl: Option<(&CudaStorage, &Layout)>,
@@ -741,10 +718,10 @@ impl Ctx<'_> {
             None => post.input = Some(out),
         }
         match call {
-            CudaCall::AllGather => {}
-            CudaCall::ReduceScatter(op) | CudaCall::AllReduce(op) => post.op = Some(op),
-            CudaCall::Broadcast(root) => post.root = Some(root),
-            CudaCall::Reduce(root, op) => {
+            Call::AllGather => {}
+            Call::ReduceScatter(op) | Call::AllReduce(op) => post.op = Some(op),
+            Call::Broadcast(root) => post.root = Some(root),
+            Call::Reduce(root, op) => {
                 post.root = Some(root);
                 post.op = Some(op);
             }
@@ -767,14 +744,14 @@ impl Ctx<'_> {
         let mut generation = generation;
         let size = out.dtype.size_in_bytes();
         match call {
-            CudaCall::AllGather => {
+            Call::AllGather => {
                 let n = posts[rank].input.expect("input").len;
                 for (j, p) in posts.iter().enumerate() {
                     let src = p.input.expect("input");
                     steps.copy(addr(out, j * n), addr(src, 0), n * size);
                 }
             }
-            CudaCall::ReduceScatter(op) => {
+            Call::ReduceScatter(op) => {
                 let n = out.len;
                 let srcs: Vec<u64> = posts
                     .iter()
@@ -788,7 +765,7 @@ impl Ctx<'_> {
                     launch_reduce(stream, cuda, dtype, &srcs, addr(out, 0), n, op, ws)
                 });
             }
-            CudaCall::AllReduce(op) => {
+            Call::AllReduce(op) => {
                 let bufs: Vec<RawBuf> = posts.iter().map(|p| p.input.expect("buffer")).collect();
                 let len = bufs[rank].len;
                 let (start, n) = chunk(len, ws, rank);
@@ -815,13 +792,13 @@ impl Ctx<'_> {
                     steps.copy(addr(bufs[rank], start), addr(*b, start), n * size);
                 }
             }
-            CudaCall::Broadcast(root) => {
+            Call::Broadcast(root) => {
                 if rank != root {
                     let src = posts[root].input.expect("buffer");
                     steps.copy(addr(out, 0), addr(src, 0), out.len * size);
                 }
             }
-            CudaCall::Reduce(root, op) => {
+            Call::Reduce(root, op) => {
                 if rank == root {
                     let srcs: Vec<u64> = posts
                         .iter()

@@ -26,7 +26,7 @@
 //!
 //! 1. **Post** (barrier 1): the rank publishes raw pointers, lengths and dtypes of its tensors'
 //!    storage (plus the reduce op and root) and waits until every rank posted. The tensors'
-//!    storage locks are held from here to the end (Candle's in-place op API, see `ops`).
+//!    storage locks are held from here to the end (Candle's in-place op API, see `host`).
 //! 2. **Validate**: every rank checks *all* posts with the same deterministic code.
 //! 3. **Copy**: each rank does its own share of the data movement by reading its peers' buffers
 //!    through the posted pointers (bandwidth-optimal: every byte is read once per destination):
@@ -75,8 +75,7 @@
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
-mod kernels;
-mod ops;
+mod host;
 mod rendezvous;
 mod run;
 
@@ -103,7 +102,7 @@ use crossbeam::channel::{unbounded, Sender};
 use parking_lot::Mutex;
 
 use self::rendezvous::{Communicator, Ctx, Shared};
-use super::{CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM};
+use super::{Call, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM};
 use crate::comm::buffer::{validate, Kind, RawBytes};
 use crate::error::{Error, Result};
 
@@ -299,6 +298,27 @@ impl ThreadProcessGroup {
     }
 
     /// Enqueues `body` as an operation of `kind` on `stream`.
+    /// Issues collective `call` on `stream`, on the rank's data path: its GPU's (`cuda.rs`,
+    /// feature `cuda`) when the group was made on one, else the host's (`host.rs`). `out` is the
+    /// output (or in-place buffer), `input` the input of all-gather and reduce-scatter.
+    fn issue_call(
+        &self,
+        stream: &CommStream,
+        call: Call,
+        out: Tensor,
+        input: Option<&Tensor>,
+    ) -> Work<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(rc) = &self.cuda {
+            return self.issue_cuda(stream, rc, call, out, input);
+        }
+        let input = input.cloned();
+        self.issue(stream, call.kind(), move |ctx| {
+            ctx.run_call(call, &out, input.as_ref())?;
+            Ok(out)
+        })
+    }
+
     fn issue<T, F>(&self, stream: &CommStream, kind: OpKind, body: F) -> Work<T>
     where
         T: Send + 'static,
@@ -379,7 +399,7 @@ impl ThreadProcessGroup {
         &self,
         stream: &CommStream,
         rc: &Arc<cuda::RankCuda>,
-        call: cuda::CudaCall,
+        call: Call,
         output: Tensor,
         input: Option<&Tensor>,
     ) -> Work<Tensor> {
@@ -580,16 +600,7 @@ impl ProcessGroup for ThreadProcessGroup {
     }
 
     fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(rc) = &self.cuda {
-            let call = cuda::CudaCall::AllGather;
-            return self.issue_cuda(stream, rc, call, output, Some(input));
-        }
-        let input = input.clone();
-        self.issue(stream, OpKind::AllGather, move |ctx| {
-            ctx.all_gather(&input, &output)?;
-            Ok(output)
-        })
+        self.issue_call(stream, Call::AllGather, output, Some(input))
     }
 
     fn reduce_scatter(
@@ -599,52 +610,19 @@ impl ProcessGroup for ThreadProcessGroup {
         output: Tensor,
         op: ReduceOp,
     ) -> Work<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(rc) = &self.cuda {
-            let call = cuda::CudaCall::ReduceScatter(op);
-            return self.issue_cuda(stream, rc, call, output, Some(input));
-        }
-        let input = input.clone();
-        self.issue(stream, OpKind::ReduceScatter, move |ctx| {
-            ctx.reduce_scatter(&input, &output, op)?;
-            Ok(output)
-        })
+        self.issue_call(stream, Call::ReduceScatter(op), output, Some(input))
     }
 
     fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(rc) = &self.cuda {
-            let call = cuda::CudaCall::AllReduce(op);
-            return self.issue_cuda(stream, rc, call, buf, None);
-        }
-        self.issue(stream, OpKind::AllReduce, move |ctx| {
-            ctx.all_reduce(&buf, op)?;
-            Ok(buf)
-        })
+        self.issue_call(stream, Call::AllReduce(op), buf, None)
     }
 
     fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(rc) = &self.cuda {
-            let call = cuda::CudaCall::Broadcast(root);
-            return self.issue_cuda(stream, rc, call, buf, None);
-        }
-        self.issue(stream, OpKind::Broadcast, move |ctx| {
-            ctx.broadcast(&buf, root)?;
-            Ok(buf)
-        })
+        self.issue_call(stream, Call::Broadcast(root), buf, None)
     }
 
     fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(rc) = &self.cuda {
-            let call = cuda::CudaCall::Reduce(root, op);
-            return self.issue_cuda(stream, rc, call, buf, None);
-        }
-        self.issue(stream, OpKind::Reduce, move |ctx| {
-            ctx.reduce(&buf, root, op)?;
-            Ok(buf)
-        })
+        self.issue_call(stream, Call::Reduce(root, op), buf, None)
     }
 
     fn barrier(&self, stream: &CommStream) -> Work<()> {

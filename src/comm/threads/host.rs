@@ -1,5 +1,6 @@
-//! The collectives of the thread backend on tensors: access to each tensor's CPU storage through
-//! Candle's in-place ops, around the rendezvous and the kernels.
+//! The host data path of the thread backend: its collectives on CPU tensors, access to each
+//! tensor's storage through Candle's in-place ops, around the rendezvous and the copy loops of
+//! [`copy`] (the GPU data path is `super::cuda`).
 //!
 //! The output (or in-place buffer) is written through [`Tensor::inplace_op1`] /
 //! [`Tensor::inplace_op2`], which hand us `&mut CpuStorage` under the tensor's storage write lock
@@ -9,15 +10,32 @@
 //! that, and every other local problem (device, shape, layout, dtype), is posted to the
 //! rendezvous so that every rank fails with the same [`crate::Error::BadBuffer`].
 
+mod copy;
+
 use candle_core::Tensor;
 
-use super::kernels::{self, with_elem};
+use self::copy::with_elem;
 use super::rendezvous::{AbortOnUnwind, Ctx};
 use crate::comm::buffer::{check, validate, with_raw_bufs, Kind, Problem, RawBuf};
-use crate::comm::{OpKind, ReduceOp};
+use crate::comm::{Call, OpKind, ReduceOp};
 use crate::error::Result;
 
 impl Ctx<'_> {
+    /// Runs collective `call` on host buffers: `out` is the output (or in-place buffer), `input`
+    /// the input of all-gather and reduce-scatter.
+    pub(super) fn run_call(&self, call: Call, out: &Tensor, input: Option<&Tensor>) -> Result<()> {
+        match (call, input) {
+            (Call::AllGather, Some(input)) => self.all_gather(input, out),
+            (Call::ReduceScatter(op), Some(input)) => self.reduce_scatter(input, out, op),
+            (Call::AllReduce(op), _) => self.all_reduce(out, op),
+            (Call::Broadcast(root), _) => self.broadcast(out, root),
+            (Call::Reduce(root, op), _) => self.reduce(out, root, op),
+            (Call::AllGather | Call::ReduceScatter(_), None) => {
+                unreachable!("all-gather and reduce-scatter are issued with an input")
+            }
+        }
+    }
+
     /// Runs `body(dst, src)` with `dst` (named `which`) write-locked and `src` read-locked for
     /// the whole call, or takes part in the rendezvous only to report why it cannot.
     fn with_storage(
@@ -43,7 +61,7 @@ impl Ctx<'_> {
         }
     }
 
-    pub(super) fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
         let kind = OpKind::AllGather;
         self.with_storage(kind, output, "output", Some(input), |out, src| {
             let src = src.expect("all-gather has an input");
@@ -56,18 +74,13 @@ impl Ctx<'_> {
             let srcs: Vec<RawBuf> = posts.iter().map(|p| p.input.expect("input")).collect();
             // SAFETY: validated posts; `out` is write-locked by this rank and read by nobody;
             // inputs stay alive and read-locked by their ranks until the second barrier.
-            with_elem!(out.dtype, T => unsafe { kernels::gather::<T>(out, &srcs, src.len) });
+            with_elem!(out.dtype, T => unsafe { copy::gather::<T>(out, &srcs, src.len) });
             self.sync(generation + 1);
             Ok(())
         })
     }
 
-    pub(super) fn reduce_scatter(
-        &self,
-        input: &Tensor,
-        output: &Tensor,
-        op: ReduceOp,
-    ) -> Result<()> {
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
         let kind = OpKind::ReduceScatter;
         self.with_storage(kind, output, "output", Some(input), |out, src| {
             let mut post = self.post(Kind::Op(kind));
@@ -82,14 +95,14 @@ impl Ctx<'_> {
             let ws = self.shared.world_size;
             // SAFETY: as in `all_gather`; `out` is disjoint from every input.
             with_elem!(out.dtype, T => unsafe {
-                kernels::reduce_shard::<T>(out, &srcs, start, op, ws)
+                copy::reduce_shard::<T>(out, &srcs, start, op, ws)
             });
             self.sync(generation + 1);
             Ok(())
         })
     }
 
-    pub(super) fn all_reduce(&self, buf: &Tensor, op: ReduceOp) -> Result<()> {
+    fn all_reduce(&self, buf: &Tensor, op: ReduceOp) -> Result<()> {
         let kind = OpKind::AllReduce;
         self.with_storage(kind, buf, "buffer", None, |mine, _| {
             let mut post = self.post(Kind::Op(kind));
@@ -104,19 +117,19 @@ impl Ctx<'_> {
             // accesses it through the posted address until the last barrier; phase A works on
             // chunk `rank` only.
             with_elem!(mine.dtype, T => unsafe {
-                kernels::all_reduce_phase_a::<T>(&bufs, rank, op, ws)
+                copy::all_reduce_phase_a::<T>(&bufs, rank, op, ws)
             });
             self.sync(generation + 1);
             // SAFETY: every rank finished phase A.
             with_elem!(mine.dtype, T => unsafe {
-                kernels::all_reduce_phase_b::<T>(&bufs, rank, ws)
+                copy::all_reduce_phase_b::<T>(&bufs, rank, ws)
             });
             self.sync(generation + 2);
             Ok(())
         })
     }
 
-    pub(super) fn broadcast(&self, buf: &Tensor, root: usize) -> Result<()> {
+    fn broadcast(&self, buf: &Tensor, root: usize) -> Result<()> {
         let kind = OpKind::Broadcast;
         self.with_storage(kind, buf, "buffer", None, |mine, _| {
             let mut post = self.post(Kind::Op(kind));
@@ -129,14 +142,14 @@ impl Ctx<'_> {
                 let src = posts[root].input.expect("buffer");
                 // SAFETY: validated posts; the root's buffer is only read during a broadcast
                 // and stays alive until the second barrier; `mine` is read by nobody.
-                with_elem!(mine.dtype, T => unsafe { kernels::copy_from::<T>(mine, src) });
+                with_elem!(mine.dtype, T => unsafe { copy::copy_from::<T>(mine, src) });
             }
             self.sync(generation + 1);
             Ok(())
         })
     }
 
-    pub(super) fn reduce(&self, buf: &Tensor, root: usize, op: ReduceOp) -> Result<()> {
+    fn reduce(&self, buf: &Tensor, root: usize, op: ReduceOp) -> Result<()> {
         let kind = OpKind::Reduce;
         self.with_storage(kind, buf, "buffer", None, |mine, _| {
             let mut post = self.post(Kind::Op(kind));
@@ -151,7 +164,7 @@ impl Ctx<'_> {
                 let ws = self.shared.world_size;
                 // SAFETY: validated posts; only the root reads any buffer and writes its own.
                 with_elem!(mine.dtype, T => unsafe {
-                    kernels::reduce_to_root::<T>(&bufs, root, op, ws)
+                    copy::reduce_to_root::<T>(&bufs, root, op, ws)
                 });
             }
             self.sync(generation + 1);

@@ -1,5 +1,5 @@
-//! Data movement of the thread backend: typed copies and rank-ordered reductions over the raw
-//! buffers ranks posted.
+//! Data movement of the thread backend's host path: typed copies and rank-ordered reductions
+//! over the raw buffers ranks posted.
 //!
 //! Floating-point types accumulate in a wider type and round once: f32, bf16 and f16 in f32,
 //! f64 in f64. Integer types reduce exactly in their own type (sums wrap on overflow). Reductions
