@@ -93,7 +93,7 @@ pub(crate) fn param_vars(layout: &FlatParamLayout, flat: &Tensor) -> Result<Vec<
     // On a GPU: every parameter's copy in one launch (kernels/copy.cu), created as variables.
     #[cfg(feature = "cuda")]
     if crate::device::is_cuda(flat.device()) {
-        return crate::kernels::cuda::copy_out(layout, flat, flat.dtype(), true, None);
+        return crate::ops::cuda::copy_out(layout, flat, flat.dtype(), true, None);
     }
     layout
         .params
@@ -107,7 +107,7 @@ pub(crate) fn param_vars(layout: &FlatParamLayout, flat: &Tensor) -> Result<Vec<
 pub(crate) fn param_copies(layout: &FlatParamLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
     #[cfg(feature = "cuda")]
     if crate::device::is_cuda(flat.device()) {
-        return crate::kernels::cuda::copy_out(layout, flat, flat.dtype(), false, None);
+        return crate::ops::cuda::copy_out(layout, flat, flat.dtype(), false, None);
     }
     layout
         .params
@@ -176,8 +176,7 @@ pub(crate) fn flatten_grads(
         let local: Vec<bool> = gs.iter().map(Option::is_some).collect();
         let refs: Vec<Option<&Tensor>> = gs.iter().map(Option::as_ref).collect();
         return Ok(
-            crate::kernels::cuda::copy_in(layout, &refs, DType::F32, dev, None)?
-                .map(|t| (t, local)),
+            crate::ops::cuda::copy_in(layout, &refs, DType::F32, dev, None)?.map(|t| (t, local)),
         );
     }
     let zeros = |n: usize| Tensor::zeros(n, DType::F32, device);

@@ -301,13 +301,6 @@ pub(crate) fn refill(t: &Tensor, src: &Tensor) -> Result<()> {
     t.inplace_op2(src, &Refill).map_err(Error::from)
 }
 
-/// Address of the storage behind `t` (equal for tensors that share their storage).
-fn storage_addr(t: &Tensor) -> usize {
-    let (storage, _) = t.storage_and_layout();
-    std::ptr::from_ref::<candle_core::Storage>(&storage).addr()
-}
-
-/// True when `a` and `b` share one storage (views of each other).
-pub(crate) fn same_storage(a: &Tensor, b: &Tensor) -> bool {
-    storage_addr(a) == storage_addr(b)
-}
+/// True when `a` and `b` share one storage (views of each other): the one definition,
+/// [`crate::device::same_storage`].
+pub(crate) use crate::device::same_storage;

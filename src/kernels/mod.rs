@@ -46,19 +46,6 @@ use half::{bf16, f16};
 
 use plan::{AdamWArgs, CopyLayout, ParamSpan, SgdArgs};
 
-/// The former home of the launch wrappers (feature `cuda`), kept so that existing callers
-/// (`fsdp/collectives.rs`) build unchanged: loading from [`nvrtc`], the wrappers from
-/// `crate::ops::cuda`. The only path of this module that names the crate above it; remove it
-/// once those callers use `ops::cuda`.
-#[cfg(feature = "cuda")]
-#[doc(hidden)]
-pub mod cuda {
-    pub use super::nvrtc::{func, ptx};
-    pub use crate::ops::cuda::{
-        cast, cast_into, copy_in, copy_out, sum_squares_into, update_scale_,
-    };
-}
-
 /// The shared prelude of every module (conversions, dtype codes, grid-stride loop), put in
 /// front of each module's source in [`SOURCES`].
 pub const COMMON: &str = include_str!("../../kernels/common.cuh");
