@@ -7,7 +7,7 @@
 //! it runs, free them after, and reduce-scatter its gradients on a dedicated comm stream
 //! ([`comm`]). Sharded optimizers ([`optim`]) then step the local shards.
 //!
-//! See `design/architecture.md` for the architecture and the life of one training step.
+//! See `design/README.md` for the architecture (one file per topic; `design/step.md`: the life of one training step).
 //!
 //! ```
 //! use candle_core::{Device, Tensor};

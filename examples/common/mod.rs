@@ -35,7 +35,7 @@ pub use trainer::{print_checkpoint, print_peak_rss};
 
 // Every step allocates and frees MB-sized buffers (gathered parameters, gradients); glibc's
 // malloc returns them to the kernel and pays page faults on each reuse, mimalloc keeps them
-// (design/architecture.md, decision 10).
+// (design/decisions.md, decision 10).
 // Counted, so that the GPT example can measure its activation estimate
 // (`candle_fsdp::alloc`).
 #[global_allocator]

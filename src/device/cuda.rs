@@ -6,7 +6,7 @@
 //! created on the same [`cudarc::driver::CudaContext`] ([`new_stream`]). A consumer never
 //! reads a buffer before it waited on the producer's event, and memory is released only after
 //! the consuming stream waited on the producer's event (FSDP2's rule); see
-//! `design/architecture.md`, "The GPU path".
+//! `design/gpu.md`.
 
 use std::sync::Arc;
 

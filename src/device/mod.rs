@@ -8,7 +8,7 @@
 //!
 //! A CUDA device made here has a stream of its own ([`candle_core::CudaDevice::new_with_stream`]),
 //! Candle's *compute stream*; the comm streams of the process groups are created on the same
-//! context and ordered against it with CUDA events (see `design/architecture.md`, "The GPU path").
+//! context and ordered against it with CUDA events (see `design/gpu.md`).
 //!
 //! This module is also the crate's one seam to a tensor's storage (`design/devices.md`):
 //!

@@ -125,7 +125,7 @@ impl FsdpModel {
     /// Each call all-gathers the unit's parameters just in time (the next call's gather, as
     /// predicted from the previous step's call sequence, is issued before this call computes)
     /// and, under FULL_SHARD, frees them when the next call starts (the last call keeps them
-    /// for the backward that follows). See `design/architecture.md`, "Any forward".
+    /// for the backward that follows). See `design/step.md`, "Any forward".
     ///
     /// Errors ([`Error::InStep`] with phase forward and the unit): the previous training forward
     /// was not back-propagated (call [`FsdpModel::backward`] or [`FsdpModel::discard_forward`]

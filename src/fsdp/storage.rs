@@ -9,12 +9,12 @@
 //! - [`refill`] moves a new buffer with the parameter's values into that same storage just before
 //!   the unit's backward, so the graph reads the right values again.
 //!
-//! Measured with Candle 0.11 (tests/refill.rs): gradients after free + refill are bit-identical
+//! Measured with Candle 0.11 (tests/fsdp/refill.rs): gradients after free + refill are bit-identical
 //! to plain Candle's, for Linear, Conv2d, Embedding, a parameter used twice, and bf16.
 //!
 //! Only the storage of the tensor itself is affected: copies the forward made of a parameter
 //! (a dtype cast, a `contiguous()` of a non-contiguous view) are separate storages that the graph
-//! keeps alive until backward; `design/architecture.md` lists the bytes that stay per unit type.
+//! keeps alive until backward; `design/step.md` lists the bytes that stay per unit type.
 //!
 //! A freed tensor must not be read until it is refilled (a CPU kernel would index an empty
 //! buffer): the unit state machine (`super::param_group`) guarantees it.

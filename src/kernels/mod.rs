@@ -4,7 +4,7 @@
 //! Every kernel has a CPU reference here, written as plain loops over host slices with the same
 //! arithmetic in the same order; the GPU tests (`tests/gpu/kernels.rs`, run by
 //! `scripts/gpu-check.sh`) compare each kernel against its reference, and the CPU tests
-//! (`tests/kernels.rs`) check that each reference equals the production CPU path it stands for
+//! (`tests/optim/kernels.rs`) check that each reference equals the production CPU path it stands for
 //! ([`crate::ops`]' loops, the copy-in of `fsdp::collectives`, the `half` crate's conversions,
 //! the grad scaler's update) and run the kernel sources themselves on the CPU under a host
 //! emulation of the CUDA built-ins (`kernels/host/`) with the launch plans of [`plan`]. The

@@ -9,7 +9,7 @@
 //! nothing (and vectorises without run-time overlap checks), and their constants by value. They
 //! are not inlined into the lock-taking closures, which would lose that knowledge. The
 //! arithmetic is the kernels' (same f32 operations in the same order, no fused multiply-add):
-//! `tests/kernels.rs` checks these loops against the references of [`crate::kernels`].
+//! `tests/optim/kernels.rs` checks these loops against the references of [`crate::kernels`].
 
 use std::cell::Cell;
 

@@ -3,7 +3,7 @@
 //! from a pretrained file (f32 and bf16) reading only its own byte ranges, failed saves that
 //! keep the previous file, and clear errors for bad files.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -5,7 +5,7 @@
 //! count of 1 is an error on every rank; and a conv + SyncBatchNorm model trained with FSDP
 //! equals the plain single-process model with candle-nn `BatchNorm`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

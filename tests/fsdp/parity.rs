@@ -2,8 +2,8 @@
 //! same losses and same final parameters (relative error ≤ 1e-5), for world sizes 1–4, every
 //! sharding strategy, AdamW and SGD with momentum.
 
-mod common;
-#[path = "common/parity.rs"]
+use crate::common;
+#[path = "../common/parity.rs"]
 mod parity;
 
 use candle_core::{DType, Device};

@@ -2,7 +2,7 @@
 //! units), a short FSDP training run at world size 2, and the `--config` file.
 
 #[allow(dead_code)] // the example's own module; the tests use its parser only
-#[path = "../examples/gpt/config.rs"]
+#[path = "../../examples/gpt/config.rs"]
 mod config;
 
 use std::io::Write;
@@ -426,7 +426,7 @@ fn config_settings_become_flags_and_the_command_line_wins() {
     assert!(parse_mini(&["gpt", "--config", p, "--strategy", "no-shard"]).is_ok());
 }
 
-#[path = "../examples/common/trace_window.rs"]
+#[path = "../../examples/common/trace_window.rs"]
 mod trace_window;
 
 /// `--trace` in a run shorter than the warm-up (issue 20: `gpt --max-steps 5 --trace t.json

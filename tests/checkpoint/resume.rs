@@ -3,7 +3,7 @@
 //! group, load, train to the end: parameters and optimizer state equal (bitwise) those of
 //! training straight through.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

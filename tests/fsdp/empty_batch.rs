@@ -4,7 +4,7 @@
 //! computes as its loss (`0 * logits.sum()`, a constant 0, or the mean over no rows), with or
 //! without `with_unused_parameters`; also with SyncBatchNorm inside the model.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;

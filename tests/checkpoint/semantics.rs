@@ -2,7 +2,7 @@
 //! hyper-parameters, the LR scheduler and grad scaler states; run ids (rotation and "latest"
 //! per run); falling back past a damaged checkpoint; per-tensor checksums.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

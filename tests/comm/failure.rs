@@ -2,7 +2,7 @@
 //! long before the collective timeout (the thread backend's shared abort slot, hence the
 //! `threads_` names), and comm errors keep their variant through Candle ops.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

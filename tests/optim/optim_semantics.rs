@@ -3,7 +3,7 @@
 //! all is an error that changes nothing, parameter groups, learning-rate schedulers, and
 //! clipping with any p-norm.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

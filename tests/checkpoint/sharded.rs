@@ -3,7 +3,7 @@
 //! failed and killed saves that keep the previous checkpoint, rotation, and clear errors for
 //! every kind of bad input.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

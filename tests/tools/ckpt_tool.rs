@@ -5,7 +5,7 @@
 //! output on a known checkpoint; `verify` reporting every problem; each bad-input error; the
 //! peak memory of `export`; version-1 checkpoints.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

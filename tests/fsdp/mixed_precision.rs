@@ -1,6 +1,6 @@
 //! Mixed precision, the sharded grad scaler, gradient clipping and gradient accumulation.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

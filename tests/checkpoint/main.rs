@@ -1,0 +1,11 @@
+//! Checkpoints: sharded save/load at any world size, full state dicts, resume, what is saved and restored.
+//!
+//! One test binary per area (a binary links the whole crate once); one module per former file.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod full;
+mod resume;
+mod semantics;
+mod sharded;

@@ -1,0 +1,9 @@
+//! Optimizers and their kernels: torch.optim semantics per parameter, the CPU kernels against their references.
+//!
+//! One test binary per area (a binary links the whole crate once); one module per former file.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod kernels;
+mod optim_semantics;
