@@ -4,7 +4,7 @@
 
 use crate::common;
 #[path = "../common/parity.rs"]
-mod parity;
+mod harness;
 
 use candle_core::{DType, Device};
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
@@ -13,7 +13,7 @@ use candle_fsdp::launch::Launcher;
 use candle_fsdp::{FsdpConfig, FsdpModel, ShardingStrategy};
 use candle_nn::VarMap;
 use common::*;
-use parity::{check, Opt, SEED};
+use harness::{check, Opt, SEED};
 
 #[test]
 fn full_shard_adam_matches_single_process_ws1_to_4() {
