@@ -122,6 +122,19 @@ pub enum Error {
     /// An invariant of the runtime broke: a bug in candle-fsdp, not in the caller's code.
     #[error("internal error (a bug in candle-fsdp, please report it): {0}")]
     Internal(String),
+    /// A tensor handed to one of the in-place kernels ([`crate::ops`]) is unfit for it: its
+    /// dtype, layout, device or element count, or it shares storage with another argument.
+    /// Displayed as `"{op}: {tensor} {problem}"`, e.g. `"adamw_step: grad must be F32, found
+    /// BF16"`.
+    #[error("{op}: {tensor} {problem}")]
+    BadTensor {
+        /// The kernel (its public name, e.g. `adamw_step`).
+        op: String,
+        /// The argument's name (`param`, `grad`, `exp_avg`, …).
+        tensor: String,
+        /// What is wrong, with the expected and the found value.
+        problem: String,
+    },
     /// A rank's closure panicked (reported by [`crate::comm::threads::run_ranks`]).
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {

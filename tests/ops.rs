@@ -301,3 +301,30 @@ fn kernels_allocate_nothing_proportional_to_the_tensor() {
         "kernels allocated {peak} B at peak on 4 MiB tensors"
     );
 }
+
+/// An unfit tensor is a typed error callers can match: which kernel, which argument, what is
+/// wrong.
+#[test]
+fn unfit_tensors_are_bad_tensor_errors() {
+    let p = t(&values(8, 1, 1.0));
+    let g16 = t(&values(8, 2, 1.0)).to_dtype(DType::BF16).unwrap();
+    let (m, v) = (t(&[0.0; 8]), t(&[0.0; 8]));
+    let h = adamw_hyper(1, 1e-3, 0.0);
+    match ops::adamw_step(&p, &g16, &m, &v, &h) {
+        Err(candle_fsdp::Error::BadTensor {
+            op,
+            tensor,
+            problem,
+        }) => {
+            assert_eq!((op.as_str(), tensor.as_str()), ("adamw_step", "grad"));
+            assert_eq!(problem, "must be F32, found BF16");
+        }
+        other => panic!("expected BadTensor, got {other:?}"),
+    }
+    let short = t(&[0.0; 4]);
+    let e = ops::adamw_step(&p, &p.clone(), &short, &v, &h).unwrap_err();
+    assert!(
+        matches!(&e, candle_fsdp::Error::BadTensor { tensor, .. } if tensor == "grad" || tensor == "param" || tensor == "exp_avg"),
+        "{e:?}"
+    );
+}

@@ -158,7 +158,7 @@ impl From<&SgdHyper> for SgdArgs {
 /// `param`, `exp_avg`, `exp_avg_sq` are written in place; `grad` is read. All four: f32,
 /// contiguous, the same element count, the same device, four distinct storages.
 ///
-/// Errors ([`Error::InvalidArgument`], naming the kernel and the tensor): a dtype other than f32,
+/// Errors ([`Error::BadTensor`], naming the kernel and the tensor): a dtype other than f32,
 /// a non-contiguous tensor, different element counts, tensors on different devices, shared
 /// storage, a device other than the CPU or (feature `cuda`) a GPU; on a GPU, a failed launch
 /// ([`Error::Cuda`]).
@@ -571,22 +571,30 @@ pub(crate) fn check_dtype_contiguous(
     dtypes: &[DType],
 ) -> Result<()> {
     if !dtypes.contains(&t.dtype()) {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: {what} must be {}, found {:?}",
-            dtypes
-                .iter()
-                .map(|d| format!("{d:?}"))
-                .collect::<Vec<_>>()
-                .join(" or "),
-            t.dtype()
-        )));
+        return Err(bad(
+            op,
+            what,
+            format!(
+                "must be {}, found {:?}",
+                dtypes
+                    .iter()
+                    .map(|d| format!("{d:?}"))
+                    .collect::<Vec<_>>()
+                    .join(" or "),
+                t.dtype()
+            ),
+        ));
     }
     if !t.is_contiguous() {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: {what} must be contiguous, found shape {:?} with strides {:?}",
-            t.dims(),
-            t.stride()
-        )));
+        return Err(bad(
+            op,
+            what,
+            format!(
+                "must be contiguous, found shape {:?} with strides {:?}",
+                t.dims(),
+                t.stride()
+            ),
+        ));
     }
     Ok(())
 }
@@ -599,19 +607,27 @@ fn check_all(op: &str, tensors: &[(&str, &Tensor)]) -> Result<usize> {
     for &(what, t) in tensors {
         check_layout(op, what, t, &[DType::F32])?;
         if !t.device().same_device(device) {
-            return Err(Error::InvalidArgument(format!(
-                "{op}: {what} is on {:?}, {} on {:?}",
-                t.device().location(),
-                tensors[0].0,
-                device.location()
-            )));
+            return Err(bad(
+                op,
+                what,
+                format!(
+                    "is on {:?}, {} on {:?}",
+                    t.device().location(),
+                    tensors[0].0,
+                    device.location()
+                ),
+            ));
         }
         if t.elem_count() != n {
-            return Err(Error::InvalidArgument(format!(
-                "{op}: {what} has {} elements, expected {n} (those of {})",
-                t.elem_count(),
-                tensors[0].0
-            )));
+            return Err(bad(
+                op,
+                what,
+                format!(
+                    "has {} elements, expected {n} (those of {})",
+                    t.elem_count(),
+                    tensors[0].0
+                ),
+            ));
         }
     }
     Ok(n)
@@ -633,16 +649,29 @@ fn with_unscale<'a>(
     all
 }
 
+/// The error of an unfit kernel argument ([`Error::BadTensor`]).
+fn bad(op: &str, tensor: &str, problem: String) -> Error {
+    Error::BadTensor {
+        op: op.to_string(),
+        tensor: tensor.to_string(),
+        problem,
+    }
+}
+
 /// Refuses tensors that share storage: locking one storage twice would deadlock, and the
 /// element-wise loops assume distinct memory.
 pub(crate) fn check_distinct(op: &str, tensors: &[(&str, &Tensor)]) -> Result<()> {
     for i in 0..tensors.len() {
         for j in i + 1..tensors.len() {
             if same_storage(tensors[i].1, tensors[j].1) {
-                return Err(Error::InvalidArgument(format!(
-                    "{op}: {} and {} share one storage; each tensor must own its own",
-                    tensors[i].0, tensors[j].0
-                )));
+                return Err(bad(
+                    op,
+                    tensors[i].0,
+                    format!(
+                        "and {} share one storage; each tensor must own its own",
+                        tensors[j].0
+                    ),
+                ));
             }
         }
     }
