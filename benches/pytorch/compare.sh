@@ -5,6 +5,7 @@
 # release examples (`cargo build --release --examples`).
 #
 #   bash benches/pytorch/compare.sh            # GPT bench config ws 1 and 2, MNIST ws 2
+#   (build the examples with `--features mpi` to add MNIST under `mpirun -n 2`)
 #   ROUNDS=3 bash benches/pytorch/compare.sh   # alternate the two sides three times
 #
 # GPT: median ms/step of steps 3..N and tokens/s over all ranks (ours: the example's log
@@ -34,9 +35,13 @@ torch_gpt() { # ws
         torchrun --nproc-per-node "$1" benches/pytorch/gpt.py --steps "$STEPS" 2>/dev/null
     fi | sed -n 's/^step .* \([0-9.]*\) ms\/step.*/\1/p' | tail -n +3 | median
 }
-ours_mnist() {
-    "$BIN/mnist" --world-size 2 --epochs 1 --checkpoint-dir "$TMP/mnist" 2>&1 \
-        | sed -n 's/^epoch *1 .*(train \([0-9.]*\)s).*/\1/p' | head -1
+ours_mnist() { # [mpirun]: one process per rank (an example built with `--features mpi`)
+    if [ "${1:-}" = mpirun ]; then
+        mpirun --allow-run-as-root --oversubscribe -n 2 "$BIN/mnist" --epochs 1 \
+            --checkpoint-dir "$TMP/mnist" 2>&1
+    else
+        "$BIN/mnist" --world-size 2 --epochs 1 --checkpoint-dir "$TMP/mnist" 2>&1
+    fi | sed -n 's/^epoch *1 .*(train \([0-9.]*\)s).*/\1/p' | head -1
     rm -rf "$TMP/mnist"
 }
 torch_mnist() { # extra args
@@ -58,4 +63,8 @@ for r in $(seq 1 "$ROUNDS"); do
     o=$(ours_mnist)
     echo "| $r | MNIST ws 2, s/epoch (DDP, indexed tensors, vs FSDP) | $t | $o | $(awk -v t="$t" -v o="$o" 'BEGIN {printf "%.2f×", o / t}') |"
     echo "| $r | MNIST ws 2, s/epoch (DDP, DataLoader, vs FSDP) | $d | $o | $(awk -v t="$d" -v o="$o" 'BEGIN {printf "%.2f×", o / t}') |"
+    # One process per rank on both sides (torchrun / mpirun), when the example has MPI.
+    if command -v mpirun >/dev/null && m=$(ours_mnist mpirun) && [ -n "$m" ]; then
+        echo "| $r | MNIST ws 2, s/epoch (DDP indexed vs FSDP under mpirun -n 2) | $t | $m | $(awk -v t="$t" -v o="$m" 'BEGIN {printf "%.2f×", o / t}') |"
+    fi
 done
