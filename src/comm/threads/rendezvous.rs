@@ -6,7 +6,9 @@ use std::sync::{Arc, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::comm::work::YIELD_BEFORE_SLEEP;
 
 use crate::comm::buffer::{validate, Kind, Post, Problem};
 use crate::error::{Error, Result};
@@ -286,6 +288,12 @@ impl Ctx<'_> {
                 }
                 return Err(error);
             }
+            if start.elapsed() < YIELD_BEFORE_SLEEP {
+                // The peers are usually microseconds away: give them the core, then look again
+                // (see `comm::work::YIELD_BEFORE_SLEEP`).
+                MutexGuard::unlocked(&mut st, thread::yield_now);
+                continue;
+            }
             match deadline {
                 Some(d) => {
                     self.comm.cv.wait_until(&mut st, d);
@@ -319,7 +327,12 @@ impl Ctx<'_> {
         }
         self.comm.cv.notify_all();
         let mut warned = false;
+        let start = Instant::now();
         while st.arrivals.iter().any(|&a| a < target) {
+            if start.elapsed() < YIELD_BEFORE_SLEEP {
+                MutexGuard::unlocked(&mut st, thread::yield_now);
+                continue;
+            }
             match Instant::now().checked_add(self.shared.timeout) {
                 Some(deadline) => {
                     if self.comm.cv.wait_until(&mut st, deadline).timed_out() && !warned {
