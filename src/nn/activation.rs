@@ -9,7 +9,7 @@ use candle_core::{
 use crate::cpu::{contiguous, exp_fast, filled, with_simd, Elem};
 
 /// Elements per task of the kernels: 64 Ki f32 are 256 KiB, an L2-sized piece.
-pub(super) const CHUNK: usize = 1 << 16;
+const CHUNK: usize = 1 << 16;
 
 /// GELU with the tanh approximation (GPT-2's, Hendrycks & Gimpel 2016, arXiv:1606.08415),
 /// `x ↦ x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`, elementwise, any shape and layout: the
@@ -53,19 +53,19 @@ fn tanh_fast(u: f32) -> f32 {
 }
 
 #[inline(always)]
-pub(super) fn gelu_f32(x: f32) -> f32 {
+fn gelu_f32(x: f32) -> f32 {
     let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
     0.5 * x * (1.0 + t)
 }
 
 /// d gelu / dx = (1 + t)/2 + x/2 · (1 − t²) · √(2/π) · (1 + 3 · 0.044715 x²).
 #[inline(always)]
-pub(super) fn gelu_grad_f32(x: f32) -> f32 {
+fn gelu_grad_f32(x: f32) -> f32 {
     let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
 }
 
-fn gelu_fwd<T: Elem>(x: &[T]) -> Vec<T> {
+pub(super) fn gelu_fwd<T: Elem>(x: &[T]) -> Vec<T> {
     // SAFETY: each chunk's every element is written (zip over the chunk and its input).
     unsafe {
         filled(x.len(), CHUNK, |i, out| {
@@ -79,7 +79,7 @@ fn gelu_fwd<T: Elem>(x: &[T]) -> Vec<T> {
     }
 }
 
-fn gelu_bwd<T: Elem>(x: &[T], g: &[T]) -> Vec<T> {
+pub(super) fn gelu_bwd<T: Elem>(x: &[T], g: &[T]) -> Vec<T> {
     // SAFETY: as in `gelu_fwd`.
     unsafe {
         filled(x.len(), CHUNK, |i, out| {

@@ -3,7 +3,8 @@
 //! `dweight` and a vectorised row sweep for `dbias`.
 
 use candle_core::{
-    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor, D,
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape,
+    Tensor, D,
 };
 
 use crate::cpu::{contiguous, filled, gemm_f32, with_simd};
@@ -148,26 +149,12 @@ impl CustomOp3 for LinearGeluOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use super::activation::{gelu_f32, CHUNK};
         let (h, shape) = LinearOp::cpu((s1, l1), (s2, l2), Some((s3, l3)))?;
         let CpuStorage::F32(h) = h else {
             bail!("linear-gelu: the pre-activation is not f32")
         };
-        // SAFETY: each chunk's every element is written (zip over the chunk and its input).
-        let y: Vec<f32> = unsafe {
-            filled(h.len(), CHUNK, |i, out| {
-                let h = &h[i * CHUNK..i * CHUNK + out.len()];
-                with_simd(|| {
-                    for (o, &v) in out.iter_mut().zip(h) {
-                        o.write(gelu_f32(v));
-                    }
-                })
-            })
-        };
-        *self
-            .pre
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("linear-gelu: poisoned".into()))? = Some(h);
+        let y = super::activation::gelu_fwd(&h);
+        *self.pre.lock().map_err(|_| poisoned())? = Some(h);
         Ok((CpuStorage::F32(y), shape))
     }
 
@@ -176,42 +163,44 @@ impl CustomOp3 for LinearGeluOp {
         x: &Tensor,
         w: &Tensor,
         _b: &Tensor,
-        res: &Tensor,
+        _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        use super::activation::{gelu_grad_f32, CHUNK};
-        let g = g.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let dh: Vec<f32> = {
-            let pre = self
-                .pre
-                .lock()
-                .map_err(|_| candle_core::Error::Msg("linear-gelu: poisoned".into()))?;
-            let Some(h) = pre.as_ref() else {
-                bail!("linear-gelu backward: the forward's pre-activation is missing")
-            };
-            if h.len() != g.len() {
-                bail!(
-                    "linear-gelu backward: gradient of {} elements for an output of {}",
-                    g.len(),
-                    h.len()
-                )
-            }
-            // SAFETY: as in the forward.
-            unsafe {
-                filled(h.len(), CHUNK, |i, out| {
-                    let r = i * CHUNK..i * CHUNK + out.len();
-                    let (h, g) = (&h[r.clone()], &g[r]);
-                    with_simd(|| {
-                        for ((o, &h), &g) in out.iter_mut().zip(h).zip(g) {
-                            o.write(g * gelu_grad_f32(h));
-                        }
-                    })
-                })
-            }
+        let pre = self.pre.lock().map_err(|_| poisoned())?;
+        let Some(h) = pre.as_ref() else {
+            bail!("linear-gelu backward: the forward's pre-activation is missing")
         };
-        let dh = Tensor::from_vec(dh, res.shape(), res.device())?;
+        // dh = g ⊙ gelu'(h), read straight from the gradient's storage.
+        let dh = g.contiguous()?.apply_op1_no_bwd(&GeluGradOfPre(h))?;
         let (dx, dw, db) = LinearOp::grads(x, w, &dh)?;
         Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+fn poisoned() -> candle_core::Error {
+    candle_core::Error::Msg("linear-gelu: a panic poisoned the pre-activation's lock".into())
+}
+
+/// `g ↦ g ⊙ gelu'(h)` for the pre-activation `h` of a [`linear_gelu`] forward (f32, no
+/// backward): [`super::gelu`]'s backward kernel.
+struct GeluGradOfPre<'a>(&'a [f32]);
+
+impl CustomOp1 for GeluGradOfPre<'_> {
+    fn name(&self) -> &'static str {
+        "linear-gelu-bwd"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = contiguous(s.as_slice::<f32>()?, l, "output gradient")?;
+        if g.len() != self.0.len() {
+            bail!(
+                "linear-gelu backward: gradient of {} elements for an output of {}",
+                g.len(),
+                self.0.len()
+            )
+        }
+        let dh = super::activation::gelu_bwd(self.0, g);
+        Ok((CpuStorage::F32(dh), l.shape().clone()))
     }
 }
 
