@@ -473,7 +473,7 @@ fn spawn_rank(
         .args([
             "--ignored",
             "--exact",
-            &test_path(helper),
+            &crate::common::test_path(module_path!(), helper),
             "--nocapture",
             "--test-threads=1",
         ])
@@ -663,14 +663,5 @@ fn the_server_process_dying_fails_the_others_at_once() {
             )) && out.contains("rank 0, which serves the store, exited or dropped it"),
             "rank {r}:\n{out}"
         );
-    }
-}
-
-/// The full name libtest gives test `name` of this module: its module path without the crate's
-/// name (`store::helper_store_rank`), what `--exact` matches.
-fn test_path(name: &str) -> String {
-    match module_path!().split_once("::") {
-        Some((_, module)) => format!("{module}::{name}"),
-        None => name.to_string(),
     }
 }

@@ -143,3 +143,13 @@ pub fn units_with_buffer() -> Vec<UnitSpec> {
     u.insert(3, UnitSpec::new("shift", shift));
     u
 }
+
+/// The full name libtest gives test `name` of the module at `module_path` (pass
+/// `module_path!()`): the path without the test binary's crate name
+/// (`store::helper_store_rank`), what `--exact` matches when a test re-runs its own binary.
+pub fn test_path(module_path: &str, name: &str) -> String {
+    match module_path.split_once("::") {
+        Some((_, module)) => format!("{module}::{name}"),
+        None => name.to_string(),
+    }
+}

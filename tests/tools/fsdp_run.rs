@@ -529,7 +529,7 @@ fn ranks_started_by_fsdp_run_bootstrap_through_the_store() {
         exe.to_str().unwrap(),
         "--ignored",
         "--exact",
-        test_path("helper_store_rank").as_str(),
+        crate::common::test_path(module_path!(), "helper_store_rank").as_str(),
         "--nocapture",
         "--test-threads=1",
     ]);
@@ -713,13 +713,4 @@ fn processes_left_by_ranks_that_succeeded_are_stopped_at_the_end() {
             && summary.contains("stopped 2 processes they left running"),
         "{summary}"
     );
-}
-
-/// The full name libtest gives test `name` of this module: its module path without the crate's
-/// name (`store::helper_store_rank`), what `--exact` matches.
-fn test_path(name: &str) -> String {
-    match module_path!().split_once("::") {
-        Some((_, module)) => format!("{module}::{name}"),
-        None => name.to_string(),
-    }
 }
