@@ -1,0 +1,89 @@
+//! The store's own tests: the wire format round trip, key checks, formatting.
+
+use super::wire::*;
+use super::*;
+
+#[test]
+fn messages_round_trip() {
+    let reqs = [
+        Request::Hello {
+            rank: 3,
+            world_size: 4,
+        },
+        Request::Set {
+            key: "nccl_id".into(),
+            value: (0..128).collect(),
+        },
+        Request::Get {
+            key: "k".into(),
+            wait_ms: 250,
+        },
+        Request::Joined { wait_ms: 7 },
+        Request::Barrier {
+            name: "init".into(),
+            generation: 2,
+            wait_ms: 0,
+        },
+    ];
+    for r in reqs {
+        assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+    }
+    let replies = [
+        Reply::Ok,
+        Reply::Value(vec![1, 2, 3]),
+        Reply::NotYet,
+        Reply::Done,
+        Reply::Pending {
+            missing: vec![2, 3],
+            left: vec![3],
+            notes: vec!["rank 1 joined twice".into()],
+        },
+        Reply::Err("no".into()),
+    ];
+    for r in replies {
+        assert_eq!(Reply::decode(&r.encode()).unwrap(), r);
+    }
+}
+
+#[test]
+fn malformed_messages_are_refused() {
+    assert!(Request::decode(&[op::HELLO, b'X'])
+        .unwrap_err()
+        .contains("truncated"));
+    let mut hello = Request::Hello {
+        rank: 0,
+        world_size: 1,
+    }
+    .encode();
+    hello[1] = b'Z';
+    assert!(Request::decode(&hello).unwrap_err().contains("bad magic"));
+    // A key announcing 4 GiB.
+    let mut get = vec![op::GET];
+    get.extend_from_slice(&u32::MAX.to_be_bytes());
+    assert!(Request::decode(&get)
+        .unwrap_err()
+        .contains("exceeds the limit of 1024 bytes"));
+    assert!(Request::decode(&[0x42]).unwrap_err().contains("unknown"));
+    let mut extra = Request::Joined { wait_ms: 1 }.encode();
+    extra.push(0);
+    assert!(Request::decode(&extra).unwrap_err().contains("trailing"));
+    // Frame lengths.
+    let mut huge = &(u32::MAX).to_be_bytes()[..];
+    assert!(matches!(
+        read_frame(&mut huge),
+        Err(FrameError::BadLength(u32::MAX))
+    ));
+    let mut zero = &0u32.to_be_bytes()[..];
+    assert!(matches!(
+        read_frame(&mut zero),
+        Err(FrameError::BadLength(0))
+    ));
+}
+
+#[test]
+fn addresses_and_durations_print_plainly() {
+    assert_eq!(display_addr("10.0.0.1", 29500), "10.0.0.1:29500");
+    assert_eq!(display_addr("::1", 29500), "[::1]:29500");
+    assert_eq!(secs(Duration::from_secs(30)), "30 s");
+    assert_eq!(secs(Duration::from_millis(1500)), "1.5 s");
+}
