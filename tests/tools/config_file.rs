@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use candle_fsdp::config_file::{parse_with_config, ConfigError, ConfigFile, Section, LAUNCH_TABLE};
 use clap::{CommandFactory, FromArgMatches, Parser};
 
-use crate::common::test_path;
+use crate::common::tmpdir;
 
 /// The shape of an example's flags: numbers, a switch that takes `=false`, a plain switch, a
 /// string, a value clap parses itself, an appending flag, and a positional command (as
@@ -58,8 +58,7 @@ fn write_as(dir: &Path, name: &str, text: &str) -> String {
 }
 
 fn dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(test_path(module_path!(), name));
-    let _ = std::fs::remove_dir_all(&d);
+    let d = tmpdir(&format!("config-file-{name}"));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
