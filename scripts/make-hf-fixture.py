@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Writes the tiny random Hugging Face Llama fixtures of tests/models/ (issue 23).
+
+    python3 scripts/make-hf-fixture.py            # needs torch, transformers, safetensors
+
+Under tests/models/fixtures/ it writes, each a Hugging Face model directory (config.json + weights as
+`save_pretrained` writes them):
+  llama-mha/          2 layers, 4 heads, 4 key/value heads, untied, f32, one model.safetensors
+  llama-mha-index/    the same weights, sharded: model.safetensors.index.json + 4 files (no
+                      expected values: the test compares it with llama-mha)
+  llama-gqa/          4 heads, 2 key/value heads, bf16 weights (the reference computes in f32
+                      with the bf16-rounded values, which is what loading gives)
+  llama-tied/         tied embeddings, attention_bias and mlp_bias, f32
+and for each variant an `expected.safetensors` with what transformers computed in f32:
+`logits` (B, T, V) of the `ids` in expected.json's inputs, `loss` (the mean next-token
+cross-entropy against the targets), and for llama-mha `step.<name>`: every parameter after one
+`torch.optim.AdamW` step on that loss (lr, betas, eps, weight_decay in expected.json).
+"""
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "models", "fixtures")
+B, T, V = 2, 12, 64
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def config(**kw):
+    base = dict(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=64,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        attention_bias=False, mlp_bias=False, hidden_act="silu",
+    )
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def make(name, cfg, seed, dtype=torch.float32, shard=None, step=False, expect=True):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            # Larger than the default init (0.02) so that every layer matters in the logits;
+            # norm scales around 1.
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in n else 0.0))
+            if dtype != torch.float32:
+                p.copy_(p.to(dtype).float())
+    model.eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, V, (B, T + 1), generator=g)
+    inputs, targets = ids[:, :T], ids[:, 1:]
+    logits = model(input_ids=inputs).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+    out_dir = os.path.join(ROOT, name)
+    os.makedirs(out_dir, exist_ok=True)
+    save = model.to(dtype)
+    kw = {"max_shard_size": shard} if shard else {}
+    save.save_pretrained(out_dir, safe_serialization=True, **kw)
+    save.float()
+    expected = {"logits": logits.detach().contiguous(), "loss": loss.detach().reshape(1)}
+    meta = {"inputs": inputs.tolist(), "targets": targets.tolist()}
+    if step:
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        opt.zero_grad()
+        logits = model(input_ids=inputs).logits.float()
+        loss2 = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+        loss2.backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            expected["step." + n] = p.detach().float().contiguous()
+        meta["adamw"] = dict(ADAMW, betas=list(ADAMW["betas"]))
+    if not expect:
+        print(name, "weights only")
+        return
+    save_file(expected, os.path.join(out_dir, "expected.safetensors"))
+    with open(os.path.join(out_dir, "expected.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    print(name, "loss", float(loss), "logit std", float(logits.std()))
+
+
+make("llama-mha", config(), 1, step=True)
+make("llama-mha-index", config(), 1, shard="30KB", expect=False)
+make("llama-gqa", config(num_key_value_heads=2), 2, dtype=torch.bfloat16)
+make("llama-tied", config(tie_word_embeddings=True, attention_bias=True, mlp_bias=True), 3)
