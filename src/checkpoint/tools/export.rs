@@ -124,15 +124,7 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
         let to = dst.unwrap_or(Dtype::F32);
         for p in &u.params {
             w.begin_tensor(&p.name, to, p.numel * to.bitsize() / 8)?;
-            // Elements [offset, offset + numel) of the flat buffer, split at shard boundaries.
-            let mut flat = p.offset;
-            let end = p.offset + p.numel;
-            while flat < end {
-                let (s, off) = (flat / n, flat % n);
-                let len = (n - off).min(end - flat);
-                files[s].stream(&name, off..off + len, to, &mut |b| w.write_part(b))?;
-                flat += len;
-            }
+            stream_param(&files, &name, n, p, to, &mut |b| w.write_part(b))?;
         }
         for b in &u.buffers {
             let saved = parse_dtype(&b.dtype, &meta_path, &format!("buffer {}", b.name))?;
@@ -152,4 +144,26 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
         tensors,
         largest_tensor_bytes: largest,
     })
+}
+
+/// Streams parameter `p` of unit tensor `name` (elements `[offset, offset + numel)` of the
+/// unit's flat buffer, split into shards of `shard_numel` elements, shard `s` in `files[s]`)
+/// to `sink` as `to` values.
+pub(super) fn stream_param(
+    files: &[SourceFile],
+    name: &str,
+    shard_numel: usize,
+    p: &crate::checkpoint::ParamMeta,
+    to: Dtype,
+    sink: &mut super::Sink<'_>,
+) -> Result<()> {
+    let mut flat = p.offset;
+    let end = p.offset + p.numel;
+    while flat < end {
+        let (s, off) = (flat / shard_numel, flat % shard_numel);
+        let len = (shard_numel - off).min(end - flat);
+        files[s].stream(name, off..off + len, to, sink)?;
+        flat += len;
+    }
+    Ok(())
 }
