@@ -11,6 +11,10 @@ Under tests/models/fixtures/ it writes, each a Hugging Face model directory (con
   llama-gqa/          4 heads, 2 key/value heads, bf16 weights (the reference computes in f32
                       with the bf16-rounded values, which is what loading gives)
   llama-tied/         tied embeddings, attention_bias and mlp_bias, f32
+llama-mha also gets a character-level `tokenizer.json` (64 symbols, made with the `tokenizers`
+package) and `eval.txt` (the start of the shipped Shakespeare, filtered to those symbols), whose
+`--eval-file` loss at `--seq-len 16` (consecutive windows, a last partial one dropped) is
+expected.json's `eval`;
 and for each variant an `expected.safetensors` with what transformers computed in f32:
 `logits` (B, T, V) of the `ids` in expected.json's inputs, `loss` (the mean next-token
 cross-entropy against the targets), and for llama-mha `step.<name>`: every parameter after one
@@ -37,6 +41,41 @@ def config(**kw):
     )
     base.update(kw)
     return LlamaConfig(**base)
+
+
+ALPHABET = list("abcdefghijklmnopqrstuvwxyz") + list("ABCDEFGHIJKLMNOPQRSTUVWXYZ") + list(" .,;:!?'\n-()")
+EVAL_SEQ_LEN = 16
+
+
+def add_tokenizer_and_eval(name, cfg, seed):
+    import gzip
+    from tokenizers import Tokenizer, models
+
+    assert len(ALPHABET) == V
+    out_dir = os.path.join(ROOT, name)
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(ALPHABET)}, merges=[]))
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    corpus = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "shakespeare", "shakespeare.txt.gz")
+    text = gzip.open(corpus, "rt").read()[:2000]
+    text = "".join(c for c in text if c in ALPHABET)[:700]
+    with open(os.path.join(out_dir, "eval.txt"), "w") as f:
+        f.write(text)
+    ids = tok.encode(text).ids
+    assert ids == [ALPHABET.index(c) for c in text], "character-level tokens"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    n = (len(ids) - 1) // EVAL_SEQ_LEN
+    t = torch.tensor(ids)
+    x = torch.stack([t[w * EVAL_SEQ_LEN:(w + 1) * EVAL_SEQ_LEN] for w in range(n)])
+    y = torch.stack([t[w * EVAL_SEQ_LEN + 1:(w + 1) * EVAL_SEQ_LEN + 1] for w in range(n)])
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+    path = os.path.join(out_dir, "expected.json")
+    meta = json.load(open(path))
+    meta["eval"] = {"seq_len": EVAL_SEQ_LEN, "tokens": len(ids), "windows": n, "loss": float(loss)}
+    json.dump(meta, open(path, "w"), indent=1)
+    print(name, "eval loss", float(loss), "over", n, "windows")
 
 
 def make(name, cfg, seed, dtype=torch.float32, shard=None, step=False, expect=True):
@@ -84,6 +123,7 @@ def make(name, cfg, seed, dtype=torch.float32, shard=None, step=False, expect=Tr
 
 
 make("llama-mha", config(), 1, step=True)
+add_tokenizer_and_eval("llama-mha", config(), 1)
 make("llama-mha-index", config(), 1, shard="30KB", expect=False)
 make("llama-gqa", config(num_key_value_heads=2), 2, dtype=torch.bfloat16)
 make("llama-tied", config(tie_word_embeddings=True, attention_bias=True, mlp_bias=True), 3)

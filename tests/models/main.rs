@@ -9,6 +9,7 @@
 #[allow(dead_code)]
 mod common;
 
+mod example;
 mod hf_export;
 mod hf_load;
 mod llama;
