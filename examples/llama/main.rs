@@ -315,6 +315,13 @@ fn main() -> anyhow::Result<()> {
     }
     if outcome.steps_trained > 0 {
         common::print_checkpoint(train)?;
+        if let Some(dir) = candle_fsdp::checkpoint::list_complete(&train.checkpoint_dir)?.pop() {
+            println!(
+                "a Hugging Face directory from it: cargo run --release --bin fsdp-ckpt -- export \
+                 {} --format hf --out DIR [--dtype bf16]",
+                dir.display()
+            );
+        }
     }
     Ok(())
 }
