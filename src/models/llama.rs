@@ -44,7 +44,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder, ModelSpec};
-use crate::nn::{causal_attention, linear_forward, rms_norm, Linear, RmsNorm};
+use crate::nn::{causal_attention, linear_normal, rms_norm, Linear, RmsNorm};
 use crate::unit::UnitSpec;
 
 /// Standard deviation of the initialisation of a model built from scratch (transformers'
@@ -185,25 +185,12 @@ fn linear(
     bias: bool,
     vb: VarBuilder,
 ) -> candle_core::Result<Linear> {
-    let w = vb.get_with_hints(
-        (out_dim, in_dim),
-        "weight",
-        Init::Randn {
-            mean: 0.0,
-            stdev: INIT_STD,
-        },
-    )?;
-    let b = if bias {
-        Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?)
-    } else {
-        None
-    };
-    Ok(Linear::new(w, b))
+    linear_normal(in_dim, out_dim, INIT_STD, bias, vb)
 }
 
-/// `l` applied to `x` `(…, in)` → `(…, out)` ([`linear_forward`]: one graph node).
+/// `l` applied to `x` `(…, in)` → `(…, out)` ([`crate::nn::linear_forward`]: one graph node).
 fn apply(l: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
-    linear_forward(x, l.weight(), l.bias())
+    l.forward(x)
 }
 
 /// The token embedding `model.embed_tokens`: ids `(B, T)` u32 → `(B, T, d)`; parameter

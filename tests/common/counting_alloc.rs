@@ -55,6 +55,7 @@ fn thread_add(delta: isize) {
 
 /// Resets this thread's peak to its live count and returns that count: a baseline for
 /// [`thread_peak`]. With thread ranks, what one rank's thread holds (its shards, its buffers).
+#[allow(dead_code)] // not every binary including this file measures threads
 pub fn thread_reset_peak() -> isize {
     let live = THREAD_LIVE.with(|l| l.get());
     THREAD_PEAK.with(|p| p.set(live));
@@ -62,6 +63,7 @@ pub fn thread_reset_peak() -> isize {
 }
 
 /// This thread's highest live count since [`thread_reset_peak`].
+#[allow(dead_code)] // not every binary including this file measures threads
 pub fn thread_peak() -> isize {
     THREAD_PEAK.with(|p| p.get())
 }

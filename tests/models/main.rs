@@ -6,7 +6,6 @@
 //! `scripts/make-hf-fixture.py` with what transformers computed.
 
 #[path = "../common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 mod example;

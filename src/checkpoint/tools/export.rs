@@ -72,22 +72,9 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
     super::check_checksums(&dir, &meta)?;
     let meta_path = dir.join(META_FILE);
     let dst = dtype.map(st_float).transpose()?;
-    // Shard files holding some unit's shard, or (rank 0) the buffers.
-    let needed = meta
-        .units
-        .iter()
-        .map(|u| u.world_size)
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let files: Vec<SourceFile> = (0..needed)
-        .map(|s| SourceFile::open_shard(&dir, &meta, s))
-        .collect::<Result<_>>()?;
+    let files = open_shard_files(&dir, &meta)?;
     let mut specs = Vec::new();
-    for (k, u) in meta.units.iter().enumerate() {
-        for f in files.iter().take(u.world_size) {
-            f.check(&format!("param.{k}"), Dtype::F32, &[u.shard_numel])?;
-        }
+    for u in &meta.units {
         for p in &u.params {
             specs.push(TensorSpec {
                 name: p.name.clone(),
@@ -166,4 +153,32 @@ pub(super) fn stream_param(
         flat += len;
     }
     Ok(())
+}
+
+/// The shard files of the checkpoint `dir` holding some unit's shard, or (rank 0's) the
+/// buffers, each unit's `param.<k>` checked (F32, `shard_numel` elements) in the files of its
+/// shards.
+///
+/// Errors, naming file and tensor: a file missing, of another size than recorded, for another
+/// rank; a unit's shard tensor missing or of another dtype or size.
+pub(super) fn open_shard_files(
+    dir: &std::path::Path,
+    meta: &crate::checkpoint::CheckpointMeta,
+) -> Result<Vec<SourceFile>> {
+    let needed = meta
+        .units
+        .iter()
+        .map(|u| u.world_size)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let files: Vec<SourceFile> = (0..needed)
+        .map(|s| SourceFile::open_shard(dir, meta, s))
+        .collect::<Result<_>>()?;
+    for (k, u) in meta.units.iter().enumerate() {
+        for f in files.iter().take(u.world_size) {
+            f.check(&format!("param.{k}"), Dtype::F32, &[u.shard_numel])?;
+        }
+    }
+    Ok(files)
 }

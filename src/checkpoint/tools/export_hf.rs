@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use candle_core::DType;
 use safetensors::Dtype;
 
-use super::export::stream_param;
-use super::{check_checksums, parse_dtype, resolve_checkpoint, st_float, SourceFile};
+use super::export::{open_shard_files, stream_param};
+use super::{check_checksums, parse_dtype, resolve_checkpoint, st_float};
 use crate::checkpoint::hf::{HF_INDEX_FILE, HF_WEIGHTS_FILE};
 use crate::checkpoint::io::{write_atomic, SafetensorsWriter, TensorSpec};
 use crate::checkpoint::{read_meta, META_FILE};
@@ -149,16 +149,7 @@ pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExp
     for key in ["torch_dtype", "dtype"] {
         obj.insert(key.into(), torch_name(to).into());
     }
-    let needed = meta
-        .units
-        .iter()
-        .map(|u| u.world_size)
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let files: Vec<SourceFile> = (0..needed)
-        .map(|s| SourceFile::open_shard(&dir, &meta, s))
-        .collect::<Result<_>>()?;
+    let files = open_shard_files(&dir, &meta)?;
     // Every tensor: where it comes from (unit, parameter or buffer index), its spec.
     enum Src {
         Param(usize, usize),
@@ -166,9 +157,6 @@ pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExp
     }
     let mut tensors: Vec<(Src, TensorSpec)> = Vec::new();
     for (k, u) in meta.units.iter().enumerate() {
-        for f in files.iter().take(u.world_size) {
-            f.check(&format!("param.{k}"), Dtype::F32, &[u.shard_numel])?;
-        }
         for (i, p) in u.params.iter().enumerate() {
             let spec = TensorSpec {
                 name: p.name.clone(),
