@@ -49,11 +49,12 @@ EVAL_SEQ_LEN = 16
 
 def add_tokenizer_and_eval(name, cfg, seed):
     import gzip
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, decoders, models
 
     assert len(ALPHABET) == V
     out_dir = os.path.join(ROOT, name)
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(ALPHABET)}, merges=[]))
+    tok.decoder = decoders.Fuse()  # characters joined as they are (not with spaces)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     corpus = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "shakespeare", "shakespeare.txt.gz")
     text = gzip.open(corpus, "rt").read()[:2000]
