@@ -119,6 +119,18 @@ impl HfWeights {
         f.info(name).map(|i| i.shape.as_slice())
     }
 
+    /// Dtype of tensor `name`, if present.
+    pub fn dtype(&self, name: &str) -> Option<safetensors::Dtype> {
+        let f = &self.files[*self.by_name.get(name)?];
+        f.info(name).map(|i| i.dtype)
+    }
+
+    /// Whether tensor `name` is present and of a dtype [`HfWeights::read_f32`] converts.
+    fn is_float(&self, name: &str) -> bool {
+        use safetensors::Dtype::{BF16, F16, F32, F64};
+        matches!(self.dtype(name), Some(F32 | BF16 | F16 | F64))
+    }
+
     /// The file holding tensor `name`.
     pub fn file_of(&self, name: &str) -> Option<&Path> {
         self.by_name
@@ -146,11 +158,12 @@ impl HfWeights {
         self.files[k].read_f32(name, range, out, stats)
     }
 
-    /// Checks that every `(name, shape)` of `expected` is present with that shape, and that
-    /// every tensor of the files is expected or `ignored(name)`.
+    /// Checks that every `(name, shape)` of `expected` is present with that shape and a float
+    /// dtype, and that every tensor of the files is expected or `ignored(name)` (so that the
+    /// reads of a build cannot fail on one rank only).
     ///
     /// Errors, naming the file and tensor: the first missing tensor (with its expected shape),
-    /// a shape mismatch (expected vs found), an unexpected tensor.
+    /// a non-float dtype, a shape mismatch (expected vs found), an unexpected tensor.
     pub fn check(
         &self,
         expected: &[(String, Vec<usize>)],
@@ -167,6 +180,16 @@ impl HfWeights {
                     return Err(Error::file(
                         &at,
                         format!("tensor {name} is missing (expected shape {shape:?})"),
+                    ));
+                }
+                Some(_) if !self.is_float(name) => {
+                    let dtype = self.dtype(name).expect("present");
+                    return Err(Error::file(
+                        self.file_of(name).expect("present"),
+                        format!(
+                            "tensor {name}: expected a float dtype (F32, BF16, F16, F64), \
+                             found {dtype:?}"
+                        ),
                     ));
                 }
                 Some(found) if found != shape.as_slice() => {

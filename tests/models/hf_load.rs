@@ -1,6 +1,6 @@
 //! Loading Hugging Face directories: the sharded index layout equals the single file, and bad
-//! input (a missing tensor, a wrong shape, an unsupported architecture or key) is an error
-//! naming the file and the tensor or key.
+//! input (a missing tensor, a wrong shape, a non-float tensor, a tensor the model lacks, an
+//! unsupported architecture or key) is an error naming the file and the tensor or key.
 
 use std::path::{Path, PathBuf};
 
@@ -130,6 +130,61 @@ fn a_wrong_shape_names_file_tensor_expected_and_found() {
     assert!(
         e.contains("model.layers.0.mlp.gate_proj.weight")
             && e.contains("expected shape [40, 32], found [48, 32]"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_non_float_tensor_is_named_before_any_rank_reads() {
+    // The header says I32 for the final norm (same size as F32: the file stays valid).
+    let dir = tmpdir("hf-int");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama-mha").join(f), dir.join(f)).unwrap();
+    }
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let key = b"\"model.norm.weight\":{\"dtype\":\"F32\"";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len() - 4;
+    bytes[at..at + 3].copy_from_slice(b"I32");
+    std::fs::write(&path, bytes).unwrap();
+    let e = load_error(&dir);
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains("model.norm.weight")
+            && e.contains("expected a float dtype")
+            && e.contains("found I32"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_tensor_the_model_does_not_have_is_named() {
+    // The fixture's tensors plus a `model.norm.bias` (Llama's norms have none).
+    let dir = tmpdir("hf-extra");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        fixture("llama-mha").join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let mut tensors = super::weights_of(&fixture("llama-mha"));
+    tensors.push(("model.norm.bias".into(), vec![32], vec![0.0; 32]));
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views = tensors.iter().zip(&bytes).map(|((n, shape, _), b)| {
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b);
+        (n.clone(), view.unwrap())
+    });
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let e = load_error(&dir);
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains("tensor model.norm.bias is not a parameter of the model"),
         "{e}"
     );
     let _ = std::fs::remove_dir_all(&dir);
