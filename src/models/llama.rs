@@ -17,7 +17,7 @@
 //!   transformers' "rotate half" form: with `θ_i = rope_theta^(−2i/head_dim)`, `i <
 //!   head_dim/2`, position `p`, `cos`/`sin` of `p·θ` repeated twice along the head,
 //!   `x' = x·cos + rotate_half(x)·sin`, `rotate_half([a, b]) = [−b, a]`. The rotation is
-//!   composed of Candle ops (differentiable); the keys and values are then repeated to
+//!   [`crate::nn::rope`] (one graph node); the keys and values are then repeated to
 //!   `n_head` heads and the attention itself is [`crate::nn::causal_attention`]'s fused kernel
 //!   on the concatenated `(B, T, 3·n_head·head_dim)` tensor.
 //! - **MLP**: SwiGLU (Shazeer 2020, arXiv:2002.05202), `down(silu(gate(x)) ⊙ up(x))`, hidden
@@ -38,7 +38,7 @@
 
 pub mod hf;
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -246,16 +246,9 @@ pub fn rope_tables(
 }
 
 /// Rotary embedding of `x` `(B, T, heads, head_dim)` with tables `(T, head_dim)`:
-/// `x·cos + rotate_half(x)·sin`. Differentiable (composed Candle ops).
+/// `x·cos + rotate_half(x)·sin`, one graph node ([`crate::nn::rope`]).
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
-    let (_, t, _, hd) = x.dims4()?;
-    let half = hd / 2;
-    let cos = cos.to_dtype(x.dtype())?.reshape((1, t, 1, hd))?;
-    let sin = sin.to_dtype(x.dtype())?.reshape((1, t, 1, hd))?;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+    crate::nn::rope(x, cos, sin)
 }
 
 /// Grouped-query causal self-attention `self_attn`: `(B, T, d)` → `(B, T, d)`. Parameters
