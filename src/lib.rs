@@ -61,7 +61,7 @@ pub mod lr_scheduler;
 #[cfg(feature = "mnist")]
 pub mod metrics;
 pub mod mixed_precision;
-#[cfg(any(feature = "mnist", feature = "gpt"))]
+#[cfg(any(feature = "mnist", feature = "gpt", feature = "llama"))]
 pub mod models;
 pub mod nn;
 pub mod ops;

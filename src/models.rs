@@ -3,6 +3,8 @@
 
 #[cfg(feature = "gpt")]
 pub mod gpt;
+#[cfg(feature = "llama")]
+pub mod llama;
 
 #[cfg(feature = "mnist")]
 use candle_nn::Activation;

@@ -147,6 +147,25 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
         units: impl FnOnce(FsdpModelBuilder) -> FsdpModelBuilder,
         optim: O,
     ) -> Result<Self> {
+        let builder_pg = pg.clone();
+        Self::with_build(
+            args,
+            pg,
+            session,
+            |config| units(FsdpModel::builder(builder_pg, config)).build(),
+            optim,
+        )
+    }
+
+    /// As [`Trainer::new`], the model made by `build` from the FSDP configuration of the flags
+    /// (e.g. read from a Hugging Face directory instead of initialised).
+    pub fn with_build(
+        args: &'a TrainArgs,
+        pg: Arc<dyn ProcessGroup>,
+        session: &TraceSession,
+        build: impl FnOnce(FsdpConfig) -> Result<FsdpModel>,
+        optim: O,
+    ) -> Result<Self> {
         let mixed_precision = MixedPrecision::from_name(&args.precision)?;
         let scaler = if mixed_precision.uses_f16() {
             Some(ShardedGradScaler::new(GradScalerConfig::default())?)
@@ -166,7 +185,7 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
             device: pg.device().clone(),
             ..Default::default()
         };
-        let mut model = units(FsdpModel::builder(pg.clone(), config)).build()?;
+        let mut model = build(config)?;
         let tracer = args.trace.as_ref().map(|_| {
             let t = session.tracer(pg.rank());
             t.set_enabled(false);

@@ -27,14 +27,15 @@
 #[path = "../common/mod.rs"]
 #[allow(dead_code, unused_imports)] // the MNIST examples' data and epoch loop are not used here
 mod common;
+#[path = "../common/lm.rs"]
+mod lm;
 mod run;
-
-use std::path::PathBuf;
 
 use anyhow::Context;
 use candle_fsdp::data::text::{Split, TextCorpus, VOCAB_SIZE};
 use candle_fsdp::models::gpt::GptConfig;
 use clap::Parser;
+use lm::Codec;
 
 /// Train a GPT-2-style decoder on Shakespeare (bytes as tokens) with FSDP over in-process ranks
 /// (or the processes of an `mpirun` job).
@@ -56,54 +57,8 @@ pub struct Args {
     /// Give the LM head its own weight instead of the token embedding's.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     pub untied: bool,
-    /// Optimizer steps to train (in total, counting resumed ones).
-    #[arg(long, default_value_t = 300)]
-    pub max_steps: u64,
-    /// Linear warm-up steps of the learning rate (then a cosine decay to --max-steps).
-    #[arg(long, default_value_t = 30)]
-    pub warmup_steps: u64,
-    /// Learning rate at --max-steps, as a fraction of --lr.
-    #[arg(long, default_value_t = 0.1)]
-    pub min_lr_factor: f64,
-    /// AdamW weight decay of the weight matrices and embeddings (biases and norms get none).
-    #[arg(long, default_value_t = 0.1)]
-    pub weight_decay: f64,
-    /// AdamW beta1.
-    #[arg(long, default_value_t = 0.9)]
-    pub beta1: f64,
-    /// AdamW beta2.
-    #[arg(long, default_value_t = 0.95)]
-    pub beta2: f64,
-    /// Steps between loss lines.
-    #[arg(long, default_value_t = 10)]
-    pub log_interval: u64,
-    /// Steps between validation losses (0: only at the end).
-    #[arg(long, default_value_t = 100)]
-    pub eval_interval: u64,
-    /// Validation batches per rank (the same windows at every evaluation).
-    #[arg(long, default_value_t = 8)]
-    pub eval_batches: u64,
-    /// Bytes to generate at the end (0: no sample).
-    #[arg(long, default_value_t = 300)]
-    pub sample_len: usize,
-    /// Sampling temperature of the generated sample.
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f64,
-    /// Text the sample continues.
-    #[arg(long, default_value = "ROMEO:")]
-    pub prompt: String,
-    /// The corpus: a text file, plain or gzipped (the last 5 % is the validation split).
-    #[arg(long, default_value = "data/shakespeare/shakespeare.txt.gz")]
-    pub data: PathBuf,
-    /// Activation checkpointing of the blocks: each block keeps only its input and recomputes
-    /// its forward in the backward (about a third more compute, far fewer activations).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
-    pub activation_checkpointing: bool,
-    /// Memory budget of one rank in bytes: the runtime checks its plan (sharded state, units in
-    /// flight, and the activations measured on a small probe before training) against it and
-    /// fails at once, with the numbers, when the configuration cannot fit.
-    #[arg(long, value_name = "BYTES")]
-    pub max_memory_per_rank: Option<u64>,
+    #[command(flatten)]
+    pub lm: lm::LmArgs,
     #[command(flatten)]
     pub train: common::TrainArgs,
 }
@@ -127,34 +82,7 @@ impl Args {
         self.gpt_config()
             .validate()
             .context("--n-layer / --n-head / --d-model / --seq-len")?;
-        anyhow::ensure!(self.log_interval >= 1, "--log-interval must be at least 1");
-        anyhow::ensure!(self.eval_batches >= 1, "--eval-batches must be at least 1");
-        anyhow::ensure!(
-            (0.0..=1.0).contains(&self.min_lr_factor),
-            "--min-lr-factor must be in [0, 1], found {}",
-            self.min_lr_factor
-        );
-        anyhow::ensure!(
-            self.weight_decay.is_finite() && self.weight_decay >= 0.0,
-            "--weight-decay must be a finite number >= 0, found {}",
-            self.weight_decay
-        );
-        for (flag, b) in [("--beta1", self.beta1), ("--beta2", self.beta2)] {
-            anyhow::ensure!(
-                (0.0..1.0).contains(&b),
-                "{flag} must be in [0, 1), found {b}"
-            );
-        }
-        anyhow::ensure!(
-            self.temperature.is_finite() && self.temperature > 0.0,
-            "--temperature must be a positive finite number, found {}",
-            self.temperature
-        );
-        anyhow::ensure!(
-            !self.prompt.is_empty() || self.sample_len == 0,
-            "--prompt must not be empty (the sample continues it)"
-        );
-        Ok(())
+        self.lm.validate()
     }
 }
 
@@ -173,8 +101,8 @@ fn main() -> anyhow::Result<()> {
     args.validate()?;
     let train = &args.train;
     let setup = common::setup(train)?;
-    let corpus = TextCorpus::load(&args.data)
-        .with_context(|| format!("loading the corpus {}", args.data.display()))?;
+    let corpus = TextCorpus::load(&args.lm.data)
+        .with_context(|| format!("loading the corpus {}", args.lm.data.display()))?;
     corpus.check_seq_len(Split::Train, args.seq_len)?;
     corpus.check_seq_len(Split::Val, args.seq_len)?;
     let cfg = args.gpt_config();
@@ -189,7 +117,7 @@ fn main() -> anyhow::Result<()> {
             cfg.seq_len,
             if cfg.tied { "tied" } else { "untied" },
             cfg.num_params() as f64 / 1e6,
-            args.data.display(),
+            args.lm.data.display(),
             corpus.split(Split::Train).len(),
             corpus.split(Split::Val).len(),
             setup.launcher.world_size(),
@@ -197,7 +125,7 @@ fn main() -> anyhow::Result<()> {
             train.batch_size,
             cfg.seq_len,
             train.strategy,
-            if args.activation_checkpointing {
+            if args.lm.activation_checkpointing {
                 ", blocks checkpointed"
             } else {
                 ""
@@ -205,12 +133,12 @@ fn main() -> anyhow::Result<()> {
             setup.intra_op
         );
     }
-    let budget = match args.max_memory_per_rank {
+    let budget = match args.lm.max_memory_per_rank {
         Some(max) => {
             let activation_bytes = run::measure_activation_bytes(
                 &cfg,
                 train.batch_size,
-                args.activation_checkpointing,
+                args.lm.activation_checkpointing,
             )?;
             if setup.prints() {
                 println!(
@@ -226,7 +154,23 @@ fn main() -> anyhow::Result<()> {
         }
         None => None,
     };
-    let outcome = run::train(&args, cfg, &corpus, &setup.launcher, budget);
+    let eval_tokens = match &args.lm.eval_file {
+        Some(path) => Some(
+            lm::Bytes.encode(
+                &std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --eval-file {}", path.display()))?,
+            )?,
+        ),
+        None => None,
+    };
+    let outcome = run::train(
+        &args,
+        cfg,
+        &corpus,
+        eval_tokens.as_deref(),
+        &setup.launcher,
+        budget,
+    );
     // Every process reports its own peak (under mpirun: one line per rank).
     common::print_peak_rss(&setup.launcher);
     let outcome = outcome?;
@@ -234,11 +178,11 @@ fn main() -> anyhow::Result<()> {
         // Not rank 0's process (mpirun): rank 0 reports.
         return Ok(());
     };
-    if outcome.steps_trained == 0 {
+    if outcome.steps_trained == 0 && outcome.eval_loss.is_none() {
         println!(
             "nothing to train: --max-steps {} {}",
-            args.max_steps,
-            if args.max_steps == 0 {
+            args.lm.max_steps,
+            if args.lm.max_steps == 0 {
                 "asks for none"
             } else {
                 "is already covered by the checkpoint"
@@ -248,7 +192,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(sample) = &outcome.sample {
         println!(
             "sample ({} bytes after {:?}):",
-            args.sample_len, args.prompt
+            args.lm.sample_len, args.lm.prompt
         );
         println!("{sample}");
     }

@@ -4,6 +4,7 @@
 //! ```text
 //! fsdp-ckpt inspect checkpoints/mnist
 //! fsdp-ckpt export checkpoints/mnist --out mnist.safetensors [--dtype bf16]
+//! fsdp-ckpt export checkpoints/llama --format hf --out my-llama [--dtype bf16]
 //! fsdp-ckpt import mnist.safetensors --out checkpoints/from-file --world-size 4
 //! fsdp-ckpt reshard checkpoints/mnist --world-size 3 --out checkpoints/mnist-ws3
 //! fsdp-ckpt verify checkpoints/mnist
@@ -50,6 +51,13 @@ impl From<ExportDtype> for DType {
     }
 }
 
+/// Layout of an export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ExportFormat {
+    Safetensors,
+    Hf,
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Show a checkpoint: format, step, epoch, world size, strategy, every tensor (name, shape,
@@ -59,17 +67,30 @@ enum Command {
         dir: PathBuf,
     },
     /// Write the full model as one safetensors file (loads in plain Candle and PyTorch by
-    /// name), streamed tensor by tensor, from a checkpoint saved at any world size.
+    /// name), or with `--format hf` as a Hugging Face model directory, streamed tensor by
+    /// tensor, from a checkpoint saved at any world size.
     Export {
         /// Checkpoint directory, or a checkpoint root (its newest checkpoint).
         dir: PathBuf,
-        /// The model file to write (atomically).
+        /// The model file to write (atomically); with `--format hf`, the directory.
         #[arg(long)]
         out: PathBuf,
         /// Convert every tensor to this dtype (default: as saved, f32 parameters; the file is
         /// then identical to `checkpoint::save_full`'s).
         #[arg(long, value_enum)]
         dtype: Option<ExportDtype>,
+        /// `safetensors`: one file of every tensor; `hf`: `config.json` and the weights
+        /// (`model.safetensors`, or shards and `model.safetensors.index.json` above
+        /// `--max-shard-size`) as `transformers`' `save_pretrained` writes them.
+        #[arg(long, value_enum, default_value = "safetensors")]
+        format: ExportFormat,
+        /// With `--format hf`: the largest weights file, in bytes (default 5000000000).
+        #[arg(long, default_value_t = 5_000_000_000)]
+        max_shard_size: u64,
+        /// With `--format hf`: the `config.json` to write (default: the one the checkpoint
+        /// stores, saved by a run started from `--from-hf` or by the llama example).
+        #[arg(long)]
+        hf_config: Option<PathBuf>,
     },
     /// Make a sharded checkpoint from a full safetensors model file, to start FSDP training
     /// from it (`--resume --checkpoint-dir OUT`).
@@ -113,7 +134,32 @@ enum Command {
 fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
     match cli.command {
         Command::Inspect { dir } => println!("{}", tools::inspect(&dir)?),
-        Command::Export { dir, out, dtype } => {
+        Command::Export {
+            dir,
+            out,
+            dtype,
+            format: ExportFormat::Hf,
+            max_shard_size,
+            hf_config,
+        } => {
+            let opts = tools::HfExportOptions {
+                dtype: dtype.map(DType::from),
+                max_shard_bytes: max_shard_size,
+                config: hf_config,
+            };
+            let s = tools::export_hf(&dir, &out, &opts)?;
+            println!(
+                "exported {} to {} (Hugging Face layout): {} tensors, {} bytes in {} file(s)",
+                s.checkpoint.display(),
+                out.display(),
+                s.tensors,
+                s.total_size,
+                s.files.len()
+            );
+        }
+        Command::Export {
+            dir, out, dtype, ..
+        } => {
             let s = tools::export_full(&dir, &out, dtype.map(DType::from))?;
             println!(
                 "exported {} to {}: {} tensors, {} bytes (largest tensor {} bytes)",

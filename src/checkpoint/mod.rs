@@ -60,6 +60,7 @@
 //! metadata version from the future.
 
 mod full;
+pub mod hf;
 mod io;
 mod sharded;
 pub mod tools;

@@ -155,7 +155,7 @@ pub fn causal_mask(seq_len: usize, device: &Device) -> candle_core::Result<Tenso
 }
 
 /// A linear layer `y = x·Wᵀ + b` with weight `(out, in)` drawn from N(0, `std`) and a zero
-/// bias (when `bias`).
+/// bias (when `bias`): [`crate::nn::linear_normal`].
 fn linear(
     in_dim: usize,
     out_dim: usize,
@@ -163,20 +163,8 @@ fn linear(
     bias: bool,
     vb: VarBuilder,
 ) -> candle_core::Result<Linear> {
-    let w = vb.get_with_hints(
-        (out_dim, in_dim),
-        "weight",
-        Init::Randn {
-            mean: 0.0,
-            stdev: std,
-        },
-    )?;
-    let b = if bias {
-        Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?)
-    } else {
-        None
-    };
-    Ok(Linear::new(w, b))
+    let l = crate::nn::linear_normal(in_dim, out_dim, std, bias, vb)?;
+    Ok(Linear::new(l.weight().clone(), l.bias().cloned()))
 }
 
 /// `l` applied to `x` `(…, in)` → `(…, out)` as [`linear_forward`]: one graph node, the

@@ -99,6 +99,34 @@ pub fn linear(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Resul
     Ok(Linear(candle_nn::linear(in_dim, out_dim, vb)?))
 }
 
+/// A [`Linear`] of `in_dim → out_dim` whose weight `(out, in)` is drawn from N(0, `std`) and
+/// whose bias `(out,)`, when `bias`, starts at 0 (GPT-2's and transformers' initialisation of
+/// transformer projections); parameters `weight`, `bias` from `vb`.
+///
+/// Errors: Candle's (a parameter of another shape in `vb`).
+pub fn linear_normal(
+    in_dim: usize,
+    out_dim: usize,
+    std: f64,
+    bias: bool,
+    vb: candle_nn::VarBuilder,
+) -> Result<Linear> {
+    let w = vb.get_with_hints(
+        (out_dim, in_dim),
+        "weight",
+        candle_nn::Init::Randn {
+            mean: 0.0,
+            stdev: std,
+        },
+    )?;
+    let b = if bias {
+        Some(vb.get_with_hints(out_dim, "bias", candle_nn::Init::Const(0.0))?)
+    } else {
+        None
+    };
+    Ok(Linear::new(w, b))
+}
+
 /// `gelu(x · weightᵀ + bias)`: [`linear_forward`] followed by [`super::gelu`] (tanh
 /// approximation) as one graph node, the first half of a transformer MLP.
 ///

@@ -9,6 +9,7 @@
 //! | [`causal_attention`] ([`causal_attention_composed`]) | `attention.rs` | the q/k/v split, `Q·Kᵀ`, the causal softmax, `·V` and the head merge (about fifteen nodes and a `(B, h, T, T)` score tensor kept for backward) |
 //! | [`linear_gelu`] | `linear.rs` | `linear_forward` then `gelu`: two nodes, the second's gradient accumulator the size of the MLP's hidden layer |
 //! | [`gelu`] | `activation.rs` | `Tensor::gelu` (single-threaded, one `tanh` per element) |
+//! | [`rope`] ([`rope_composed`]) | `rope.rs` | rotary position embeddings as narrows, a negation, a concatenation and two broadcast products (six nodes) |
 //! | [`cross_entropy`] | `loss.rs` | `candle_nn::loss::cross_entropy` (log-softmax, gather, mean: a `(N, V)` log-probability tensor) |
 //!
 //! Every op is one graph node whose backward is a hand-written CPU kernel (f32, and bf16/f16
@@ -27,11 +28,13 @@ mod attention;
 mod linear;
 mod loss;
 mod norm;
+mod rope;
 mod softmax;
 
 pub use activation::{gelu, gelu_composed};
 pub use attention::{causal_attention, causal_attention_composed};
-pub use linear::{linear, linear_forward, linear_gelu, Linear};
+pub use linear::{linear, linear_forward, linear_gelu, linear_normal, Linear};
 pub use loss::{cross_entropy, cross_entropy_composed};
 pub use norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
+pub use rope::{rope, rope_composed};
 pub use softmax::{causal_softmax, causal_softmax_composed};

@@ -284,3 +284,79 @@ fn linear_gelu_equals_linear_then_gelu() {
         assert!(rel < 2e-6, "{what}: relative difference {rel}");
     }
 }
+
+/// Rotary embeddings: the fused op against the composed Candle ops, values and the gradient of
+/// a weighted sum, f32 and bf16, on a non-contiguous input.
+#[test]
+fn rope_matches_the_composed_ops_values_and_gradients() {
+    use candle_fsdp::nn::{rope, rope_composed};
+    let dev = Device::Cpu;
+    let (b, t, h, hd) = (2, 5, 3, 8);
+    // θ_i = 500^(−2i/hd), each frequency at columns i and i + hd/2.
+    let angle =
+        |p: usize, j: usize| p as f64 * 500f64.powf(-2.0 * (j % (hd / 2)) as f64 / hd as f64);
+    let table = |f: fn(f64) -> f64| {
+        let v: Vec<f32> = (0..t)
+            .flat_map(|p| (0..hd).map(move |j| (p, j)))
+            .map(|(p, j)| f(angle(p, j)) as f32)
+            .collect();
+        Tensor::from_vec(v, (t, hd), &dev).unwrap()
+    };
+    let (cos, sin) = (table(f64::cos), table(f64::sin));
+    let to_vec = |z: &Tensor| -> Vec<f32> {
+        z.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    // (B, H, T, hd) transposed to (B, T, H, hd): not contiguous.
+    let x = Tensor::randn(0f32, 1.0, (b, h, t, hd), &dev)
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap();
+    let w = Tensor::randn(0f32, 1.0, (b, t, h, hd), &dev).unwrap();
+    for (dtype, tol) in [(DType::F32, 1e-6f32), (DType::BF16, 2e-2)] {
+        let var = Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
+        let run = |f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>| {
+            let y = f(var.as_tensor()).unwrap();
+            let loss = (y.to_dtype(DType::F32).unwrap() * &w)
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let grads = loss.backward().unwrap();
+            let g = grads.get(var.as_tensor()).unwrap().clone();
+            (to_vec(&y), to_vec(&g))
+        };
+        let (y1, g1) = run(&|x| rope(x, &cos, &sin));
+        let (y2, g2) = run(&|x| rope_composed(x, &cos, &sin));
+        let diff = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(p, q)| (p - q).abs())
+                .fold(0f32, f32::max)
+        };
+        assert!(
+            diff(&y1, &y2) <= tol,
+            "{dtype:?} values: {}",
+            diff(&y1, &y2)
+        );
+        assert!(
+            diff(&g1, &g2) <= tol,
+            "{dtype:?} gradients: {}",
+            diff(&g1, &g2)
+        );
+        // A rotation keeps the norm of every row.
+        let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+        let xs = to_vec(var.as_tensor());
+        assert!(
+            (norm(&y1) - norm(&xs)).abs() <= 1e-3 * norm(&xs),
+            "{dtype:?} norm"
+        );
+    }
+    // Position 0 is the identity (cos 1, sin 0).
+    let y = rope(&x, &cos, &sin).unwrap();
+    let first = |z: &Tensor| to_vec(&z.narrow(1, 0, 1).unwrap().contiguous().unwrap());
+    assert_eq!(first(&y), first(&x));
+}

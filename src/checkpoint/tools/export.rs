@@ -72,22 +72,9 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
     super::check_checksums(&dir, &meta)?;
     let meta_path = dir.join(META_FILE);
     let dst = dtype.map(st_float).transpose()?;
-    // Shard files holding some unit's shard, or (rank 0) the buffers.
-    let needed = meta
-        .units
-        .iter()
-        .map(|u| u.world_size)
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let files: Vec<SourceFile> = (0..needed)
-        .map(|s| SourceFile::open_shard(&dir, &meta, s))
-        .collect::<Result<_>>()?;
+    let files = open_shard_files(&dir, &meta)?;
     let mut specs = Vec::new();
-    for (k, u) in meta.units.iter().enumerate() {
-        for f in files.iter().take(u.world_size) {
-            f.check(&format!("param.{k}"), Dtype::F32, &[u.shard_numel])?;
-        }
+    for u in &meta.units {
         for p in &u.params {
             specs.push(TensorSpec {
                 name: p.name.clone(),
@@ -124,15 +111,7 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
         let to = dst.unwrap_or(Dtype::F32);
         for p in &u.params {
             w.begin_tensor(&p.name, to, p.numel * to.bitsize() / 8)?;
-            // Elements [offset, offset + numel) of the flat buffer, split at shard boundaries.
-            let mut flat = p.offset;
-            let end = p.offset + p.numel;
-            while flat < end {
-                let (s, off) = (flat / n, flat % n);
-                let len = (n - off).min(end - flat);
-                files[s].stream(&name, off..off + len, to, &mut |b| w.write_part(b))?;
-                flat += len;
-            }
+            stream_param(&files, &name, n, p, to, &mut |b| w.write_part(b))?;
         }
         for b in &u.buffers {
             let saved = parse_dtype(&b.dtype, &meta_path, &format!("buffer {}", b.name))?;
@@ -152,4 +131,54 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
         tensors,
         largest_tensor_bytes: largest,
     })
+}
+
+/// Streams parameter `p` of unit tensor `name` (elements `[offset, offset + numel)` of the
+/// unit's flat buffer, split into shards of `shard_numel` elements, shard `s` in `files[s]`)
+/// to `sink` as `to` values.
+pub(super) fn stream_param(
+    files: &[SourceFile],
+    name: &str,
+    shard_numel: usize,
+    p: &crate::checkpoint::ParamMeta,
+    to: Dtype,
+    sink: &mut super::Sink<'_>,
+) -> Result<()> {
+    let mut flat = p.offset;
+    let end = p.offset + p.numel;
+    while flat < end {
+        let (s, off) = (flat / shard_numel, flat % shard_numel);
+        let len = (shard_numel - off).min(end - flat);
+        files[s].stream(name, off..off + len, to, sink)?;
+        flat += len;
+    }
+    Ok(())
+}
+
+/// The shard files of the checkpoint `dir` holding some unit's shard, or (rank 0's) the
+/// buffers, each unit's `param.<k>` checked (F32, `shard_numel` elements) in the files of its
+/// shards.
+///
+/// Errors, naming file and tensor: a file missing, of another size than recorded, for another
+/// rank; a unit's shard tensor missing or of another dtype or size.
+pub(super) fn open_shard_files(
+    dir: &std::path::Path,
+    meta: &crate::checkpoint::CheckpointMeta,
+) -> Result<Vec<SourceFile>> {
+    let needed = meta
+        .units
+        .iter()
+        .map(|u| u.world_size)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let files: Vec<SourceFile> = (0..needed)
+        .map(|s| SourceFile::open_shard(dir, meta, s))
+        .collect::<Result<_>>()?;
+    for (k, u) in meta.units.iter().enumerate() {
+        for f in files.iter().take(u.world_size) {
+            f.check(&format!("param.{k}"), Dtype::F32, &[u.shard_numel])?;
+        }
+    }
+    Ok(files)
 }

@@ -1,5 +1,6 @@
 //! Offline checkpoint tools, the library side of the `fsdp-ckpt` binary: [`inspect()`],
-//! [`export_full`] (a sharded checkpoint to one safetensors file), [`import_full`] (the
+//! [`export_full`] (a sharded checkpoint to one safetensors file), [`export_hf`] (to a Hugging
+//! Face model directory), [`import_full`] (the
 //! reverse), [`reshard`] (to another world size) and [`verify()`].
 //!
 //! They need no process group and no model: everything comes from `meta.json`
@@ -27,6 +28,7 @@
 //! corrupt shard file.
 
 mod export;
+mod export_hf;
 mod inspect;
 mod reshard;
 mod verify;
@@ -49,6 +51,7 @@ use super::{
 use crate::error::{Error, Result};
 
 pub use export::{export_full, ExportSummary};
+pub use export_hf::{export_hf, HfExportOptions, HfExportSummary, HF_CONFIG_KEY};
 pub use inspect::{inspect, Inspection, TensorRow};
 pub use reshard::{import_full, reshard, ImportOptions};
 pub use verify::{verify, Problem, VerifyReport};

@@ -1,0 +1,347 @@
+//! A Llama-family decoder (`candle_fsdp::models::llama`) fine-tuned, or trained from scratch,
+//! with FSDP over N ranks running as threads of this process (or one per process under
+//! `mpirun`).
+//!
+//! With `--from-hf DIR` the model is a Hugging Face directory's (`config.json` and
+//! `model.safetensors` or `model.safetensors.index.json` + shards; each rank reads only its
+//! shards, bf16 / f16 weights become f32 masters) and its `tokenizer.json`, when there is one,
+//! makes the tokens (else bytes are the tokens, which needs a vocabulary of at least 256).
+//! Without it, a small Llama of the shape flags, from scratch, on bytes. The loop, the data
+//! (`--data`, Shakespeare by default), the optimizer and every other flag are the GPT
+//! example's (`examples/common/lm.rs`, `examples/common/`); `--config FILE` takes them from a
+//! TOML file. Checkpoints store the model's `config.json`, so that
+//! `fsdp-ckpt export CKPT --format hf --out DIR` publishes the result as a Hugging Face
+//! directory (copy `tokenizer.json` next to it).
+//!
+//! `--eval-file FILE --max-steps 0` only evaluates: rank 0 prints `eval loss X`, the mean
+//! next-token cross-entropy over FILE's tokens in consecutive windows of `--seq-len` inputs
+//! plus one target, computed on all ranks' share and reduced.
+//!
+//! ```text
+//! cargo run --release --example llama -- --world-size 2 --max-steps 50
+//! cargo run --release --example llama -- --from-hf path/to/model --seq-len 128 --max-steps 100
+//! cargo run --release --example llama -- --from-hf path/to/model --eval-file text.txt --max-steps 0
+//! fsdp-ckpt export checkpoints/llama --format hf --out my-model --dtype bf16
+//! ```
+
+#[path = "../common/mod.rs"]
+#[allow(dead_code, unused_imports)] // the MNIST examples' data and epoch loop are not used here
+mod common;
+mod data;
+#[path = "../common/lm.rs"]
+mod lm;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use candle_core::{DType, Device, Module, Tensor};
+use candle_fsdp::checkpoint::tools::HF_CONFIG_KEY;
+use candle_fsdp::data::text::TextCorpus;
+use candle_fsdp::models::llama::hf::{build_from_hf, config_to_json, read_config, CONFIG_FILE};
+use candle_fsdp::models::llama::{self, lm_loss, FsdpLlama, LlamaConfig};
+use candle_fsdp::{FsdpModel, MemoryBudget};
+use clap::Parser;
+
+use data::{HfTokenizer, TokenCorpus};
+use lm::{Bytes, Codec, Corpus, LmParts, LmRank};
+
+/// Fine-tune a Llama from a Hugging Face directory (or train a small one from scratch) with FSDP
+/// over in-process ranks (or the processes of an `mpirun` job).
+#[derive(Debug, Parser)]
+#[command(version)]
+pub struct Args {
+    /// A Hugging Face model directory to start from (config.json, safetensors weights, and
+    /// tokenizer.json if any); the shape flags below are then ignored.
+    #[arg(long, value_name = "DIR")]
+    pub from_hf: Option<PathBuf>,
+    /// Context length in tokens (training and evaluation windows).
+    #[arg(long, default_value_t = 64)]
+    pub seq_len: usize,
+    /// From scratch: blocks.
+    #[arg(long, default_value_t = 4)]
+    pub n_layer: usize,
+    /// From scratch: model width.
+    #[arg(long, default_value_t = 128)]
+    pub d_model: usize,
+    /// From scratch: query heads (must divide --d-model).
+    #[arg(long, default_value_t = 4)]
+    pub n_head: usize,
+    /// From scratch: key/value heads (must divide --n-head).
+    #[arg(long, default_value_t = 2)]
+    pub n_kv_head: usize,
+    /// From scratch: hidden width of the SwiGLU MLP.
+    #[arg(long, default_value_t = 352)]
+    pub intermediate_size: usize,
+    /// From scratch: tie the LM head to the token embedding.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
+    pub tied: bool,
+    #[command(flatten)]
+    pub lm: lm::LmArgs,
+    #[command(flatten)]
+    pub train: common::TrainArgs,
+}
+
+impl Args {
+    /// The from-scratch shape (bytes as tokens).
+    fn scratch_config(&self) -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: 256,
+            hidden_size: self.d_model,
+            intermediate_size: self.intermediate_size,
+            num_hidden_layers: self.n_layer,
+            num_attention_heads: self.n_head,
+            num_key_value_heads: self.n_kv_head,
+            head_dim: self.d_model / self.n_head.max(1),
+            max_position_embeddings: self.seq_len.max(1),
+            tie_word_embeddings: self.tied,
+            ..LlamaConfig::default()
+        }
+    }
+}
+
+/// Norm weights and biases: no weight decay.
+const NO_DECAY: [&str; 2] = ["*norm.weight", "*.bias"];
+
+/// Activations per rank of one training step ([`lm::activation_estimate`]), from plain-Candle
+/// probes of 1 and 2 blocks of `cfg` (the units' modules over a `VarMap`).
+fn measure_activation_bytes(
+    cfg: &LlamaConfig,
+    batch: usize,
+    seq_len: usize,
+    checkpointed: bool,
+) -> anyhow::Result<usize> {
+    let held = |layers: usize| -> anyhow::Result<usize> {
+        let varmap = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let emb = llama::token_embedding(cfg, vb.pp("emb"))?;
+        let blocks = (0..layers)
+            .map(|i| llama::Block::new(cfg, vb.pp(format!("b{i}"))))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let norm = llama::final_norm(cfg, vb.pp("norm"))?;
+        let head = llama::lm_head(cfg, vb.pp("head"))?;
+        let ids = Tensor::zeros((batch, seq_len), DType::U32, &Device::Cpu)?;
+        let before = candle_fsdp::alloc::live_bytes();
+        let mut h = emb.forward(&ids)?;
+        for b in &blocks {
+            h = b.forward(&h)?;
+        }
+        let loss = lm_loss(&head.forward(&norm.forward(&h)?)?, &ids)?;
+        let after = candle_fsdp::alloc::live_bytes();
+        drop(loss);
+        Ok(after.saturating_sub(before))
+    };
+    let input = batch * seq_len * cfg.hidden_size * 4;
+    lm::activation_estimate(cfg.num_hidden_layers, input, checkpointed, held)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Args = common::parse(&common::Defaults {
+        batch_size: "8",
+        lr: "3e-4",
+        lr_help: "Peak learning rate (linear warm-up, then cosine decay to --min-lr-factor · lr)",
+        checkpoint_dir: "checkpoints/llama",
+    })?;
+    args.lm.validate()?;
+    anyhow::ensure!(args.seq_len >= 1, "--seq-len must be at least 1");
+    let train = &args.train;
+    let setup = common::setup(train)?;
+    // The model's shape and its config.json (stored in every checkpoint for the export).
+    let (cfg, config_json) = match &args.from_hf {
+        Some(dir) => {
+            let cfg = read_config(dir)?;
+            let path = dir.join(CONFIG_FILE);
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            (cfg, text)
+        }
+        None => {
+            let cfg = args.scratch_config();
+            cfg.validate()
+                .context("--n-layer / --d-model / --n-head / --n-kv-head / --intermediate-size")?;
+            (cfg, config_to_json(&cfg, "float32").to_string())
+        }
+    };
+    anyhow::ensure!(
+        args.seq_len <= cfg.max_position_embeddings,
+        "--seq-len {} is longer than the model's max_position_embeddings {}",
+        args.seq_len,
+        cfg.max_position_embeddings
+    );
+    // Tokens: the directory's tokenizer.json, else bytes.
+    let tokenizer = match &args.from_hf {
+        Some(dir) if dir.join("tokenizer.json").is_file() => {
+            Some(HfTokenizer::load(&dir.join("tokenizer.json"))?)
+        }
+        _ => None,
+    };
+    let codec: &dyn Codec = match &tokenizer {
+        Some(t) => {
+            anyhow::ensure!(
+                t.vocab_size() <= cfg.vocab_size,
+                "tokenizer.json has {} tokens, more than the model's vocab_size {}",
+                t.vocab_size(),
+                cfg.vocab_size
+            );
+            t
+        }
+        None => {
+            anyhow::ensure!(
+                cfg.vocab_size >= 256,
+                "no tokenizer.json beside the model and its vocab_size {} is below 256: bytes \
+                 cannot be its tokens",
+                cfg.vocab_size
+            );
+            &Bytes
+        }
+    };
+    let eval_tokens = match &args.lm.eval_file {
+        Some(path) => Some(
+            codec.encode(
+                &std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --eval-file {}", path.display()))?,
+            )?,
+        ),
+        None => None,
+    };
+    // The corpus is needed only to train.
+    let corpus: Option<Box<dyn Corpus>> = if args.lm.max_steps == 0 && eval_tokens.is_some() {
+        None
+    } else if tokenizer.is_some() {
+        Some(Box::new(TokenCorpus::load(
+            &args.lm.data,
+            codec,
+            args.seq_len,
+        )?))
+    } else {
+        let c = TextCorpus::load(&args.lm.data)
+            .with_context(|| format!("loading the corpus {}", args.lm.data.display()))?;
+        c.check_seq_len(candle_fsdp::data::text::Split::Train, args.seq_len)?;
+        c.check_seq_len(candle_fsdp::data::text::Split::Val, args.seq_len)?;
+        Some(Box::new(c))
+    };
+    let empty = TokenCorpusless;
+    let corpus_ref: &dyn Corpus = corpus.as_deref().unwrap_or(&empty);
+    if setup.prints() {
+        println!(
+            "Llama{}: {} layers, d {}, {} heads ({} key/value) of {}, MLP {}, vocab {}, {}, {:.2} M \
+             parameters; tokens: {}; world size {} ({}), batch {} × {} tokens per rank, {:?}",
+            args.from_hf.as_ref().map_or(String::new(), |d| format!(" from {}", d.display())),
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+            if cfg.tie_word_embeddings { "tied" } else { "untied" },
+            cfg.num_params() as f64 / 1e6,
+            if tokenizer.is_some() { "tokenizer.json" } else { "bytes" },
+            setup.launcher.world_size(),
+            setup.device_desc(),
+            train.batch_size,
+            args.seq_len,
+            train.strategy,
+        );
+    }
+    let budget = match args.lm.max_memory_per_rank {
+        Some(max) => Some(MemoryBudget {
+            max_bytes_per_rank: usize::try_from(max).unwrap_or(usize::MAX),
+            optimizer_bytes_per_element: 8,
+            activation_bytes: measure_activation_bytes(
+                &cfg,
+                train.batch_size,
+                args.seq_len,
+                args.lm.activation_checkpointing,
+            )?,
+        }),
+        None => None,
+    };
+    let extra = BTreeMap::from([(HF_CONFIG_KEY.to_string(), config_json)]);
+    let outcome = common::trainer::run_job(train, &setup.launcher, |pg, session| {
+        let model =
+            FsdpLlama::new(cfg)?.with_activation_checkpointing(args.lm.activation_checkpointing);
+        let parts = LmParts {
+            model: model.clone(),
+            seq_len: args.seq_len,
+            corpus: corpus_ref,
+            codec,
+            eval_tokens: eval_tokens.as_deref(),
+            no_decay: &NO_DECAY,
+            extra: extra.clone(),
+        };
+        let build_pg = pg.clone();
+        let activations = budget.map(|b| b.activation_bytes);
+        LmRank::new(
+            &args.lm,
+            train,
+            parts,
+            pg,
+            session,
+            activations,
+            |mut config| {
+                config.memory_budget = budget;
+                match &args.from_hf {
+                    Some(dir) => {
+                        Ok(
+                            build_from_hf(build_pg, config, dir, args.lm.activation_checkpointing)?
+                                .1,
+                        )
+                    }
+                    None => model
+                        .add_units(FsdpModel::builder(build_pg, config))
+                        .build(),
+                }
+            },
+        )?
+        .run()
+    });
+    common::print_peak_rss(&setup.launcher);
+    let Some(outcome) = outcome? else {
+        return Ok(());
+    };
+    if outcome.steps_trained == 0 && outcome.eval_loss.is_none() {
+        println!(
+            "nothing to train: --max-steps {} is already covered or asks for none",
+            args.lm.max_steps
+        );
+    }
+    if let Some(sample) = &outcome.sample {
+        println!(
+            "sample ({} tokens after {:?}):",
+            args.lm.sample_len, args.lm.prompt
+        );
+        println!("{sample}");
+    }
+    if outcome.steps_trained > 0 {
+        common::print_checkpoint(train)?;
+        if let Some(dir) = candle_fsdp::checkpoint::list_complete(&train.checkpoint_dir)?.pop() {
+            println!(
+                "a Hugging Face directory from it: cargo run --release --bin fsdp-ckpt -- export \
+                 {} --format hf --out DIR [--dtype bf16]",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The corpus of an evaluation-only run: never asked for windows.
+struct TokenCorpusless;
+
+impl Corpus for TokenCorpusless {
+    fn windows(
+        &self,
+        _: candle_fsdp::data::text::Split,
+        _: usize,
+        _: usize,
+        _: u64,
+        _: usize,
+        _: u64,
+        _: &Device,
+    ) -> candle_fsdp::Result<(Tensor, Tensor)> {
+        Err(candle_fsdp::Error::InvalidArgument(
+            "an evaluation-only run has no corpus".into(),
+        ))
+    }
+}

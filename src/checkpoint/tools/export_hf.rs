@@ -1,0 +1,253 @@
+//! `fsdp-ckpt export --format hf`: a sharded checkpoint to a Hugging Face model directory
+//! (`config.json` and `model.safetensors`, or `model.safetensors.index.json` and
+//! `model-0000k-of-0000n.safetensors` above a size), streamed tensor by tensor.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::DType;
+use safetensors::Dtype;
+
+use super::export::{open_shard_files, stream_param};
+use super::{check_checksums, parse_dtype, resolve_checkpoint, st_float};
+use crate::checkpoint::hf::{HF_INDEX_FILE, HF_WEIGHTS_FILE};
+use crate::checkpoint::io::{write_atomic, SafetensorsWriter, TensorSpec};
+use crate::checkpoint::{read_meta, META_FILE};
+use crate::error::{Error, Result};
+
+/// Key of [`crate::checkpoint::TrainState::extra`] under which a training run stores the
+/// Hugging Face `config.json` (as text) of its model, for [`export_hf`].
+pub const HF_CONFIG_KEY: &str = "hf_config";
+
+/// Options of [`export_hf`].
+#[derive(Debug, Clone)]
+pub struct HfExportOptions {
+    /// Dtype of the weights (F32, BF16, F16); `None`: the checkpoint's (f32).
+    pub dtype: Option<DType>,
+    /// Above this many bytes of weights, the files are sharded (each file at most this size,
+    /// or one tensor when a tensor is larger) with an index, as `save_pretrained`'s
+    /// `max_shard_size`. Default 5 GB (5·10⁹ bytes).
+    pub max_shard_bytes: u64,
+    /// The `config.json` to write (its dtype keys updated); `None`: the one the checkpoint
+    /// stores under [`HF_CONFIG_KEY`].
+    pub config: Option<PathBuf>,
+}
+
+impl Default for HfExportOptions {
+    fn default() -> Self {
+        Self {
+            dtype: None,
+            max_shard_bytes: 5_000_000_000,
+            config: None,
+        }
+    }
+}
+
+/// What [`export_hf`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HfExportSummary {
+    /// The checkpoint directory read.
+    pub checkpoint: PathBuf,
+    /// The weight files written, in order.
+    pub files: Vec<PathBuf>,
+    /// Tensors written.
+    pub tensors: usize,
+    /// Bytes of tensor data (the index's `total_size`).
+    pub total_size: u64,
+}
+
+/// The Hugging Face dtype name of a safetensors dtype.
+fn torch_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::BF16 => "bfloat16",
+        Dtype::F16 => "float16",
+        Dtype::F64 => "float64",
+        _ => "float32",
+    }
+}
+
+/// Writes the model of the sharded checkpoint `dir` (a checkpoint, or a root whose newest one
+/// is used) as a Hugging Face model directory `out`, without a process group.
+///
+/// Tensors keep the checkpoint's names (a model whose parameters carry Hugging Face's names,
+/// as `models::llama`, is then loadable by `transformers`' `from_pretrained`), in model order,
+/// parameters then buffers of each unit, converted to `opts.dtype`; safetensors metadata
+/// `format = pt` (what transformers requires). Up to `opts.max_shard_bytes` of data: one
+/// `model.safetensors`; above: consecutive tensors grouped into files of at most that size,
+/// `model-00001-of-0000N.safetensors`, …, and `model.safetensors.index.json`
+/// (`metadata.total_size`, `weight_map`). `config.json` is the checkpoint's
+/// [`HF_CONFIG_KEY`] (or `opts.config`) with `torch_dtype` and `dtype` set to the weights'.
+///
+/// Memory: constant, as [`super::export_full`] (chunks of [`super::CHUNK_ELEMS`]). Each file
+/// is written atomically, `config.json` last; the checkpoint's checksums are verified before
+/// anything is written.
+///
+/// Errors, naming the file: as [`super::export_full`]; no config (the checkpoint stores none
+/// and `opts.config` is `None`) or one that is not a JSON object; `out` inside the checkpoint,
+/// or already holding Hugging Face weights (`model.safetensors`, an index or `model-*` shards:
+/// mixing two exports would load the wrong files); a zero `max_shard_bytes`.
+pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExportSummary> {
+    let dir = resolve_checkpoint(dir)?;
+    if opts.max_shard_bytes == 0 {
+        return Err(Error::InvalidArgument(
+            "max_shard_bytes must be at least 1".into(),
+        ));
+    }
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    if let (Ok(a), Ok(b)) = (std::fs::canonicalize(out), std::fs::canonicalize(&dir)) {
+        if a.starts_with(&b) {
+            return Err(Error::file(
+                out,
+                format!(
+                    "is inside the checkpoint being exported ({})",
+                    dir.display()
+                ),
+            ));
+        }
+    }
+    for e in std::fs::read_dir(out).map_err(|e| Error::io(out, e))? {
+        let name = e.map_err(|e| Error::io(out, e))?.file_name();
+        let name = name.to_string_lossy();
+        if name == HF_WEIGHTS_FILE
+            || name == HF_INDEX_FILE
+            || (name.starts_with("model-") && name.ends_with(".safetensors"))
+        {
+            return Err(Error::file(
+                out,
+                format!("already holds Hugging Face weights ({name}): choose an empty directory"),
+            ));
+        }
+    }
+    let meta = read_meta(&dir)?;
+    let meta_path = dir.join(META_FILE);
+    let config_text = match &opts.config {
+        Some(p) => std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?,
+        None => meta
+            .train
+            .extra
+            .get(HF_CONFIG_KEY)
+            .cloned()
+            .ok_or_else(|| {
+                Error::file(
+                    &meta_path,
+                    format!(
+                        "no Hugging Face config: the checkpoint stores none (train.extra.\
+                     {HF_CONFIG_KEY}, written by a run started from --from-hf or by the llama \
+                     example); give one (--hf-config FILE)"
+                    ),
+                )
+            })?,
+    };
+    let config_src = opts.config.clone().unwrap_or(meta_path.clone());
+    let mut config: serde_json::Value = serde_json::from_str(&config_text)
+        .map_err(|e| Error::file(&config_src, format!("config is not JSON: {e}")))?;
+    check_checksums(&dir, &meta)?;
+    let to = opts.dtype.map(st_float).transpose()?.unwrap_or(Dtype::F32);
+    let obj = config
+        .as_object_mut()
+        .ok_or_else(|| Error::file(&config_src, "config is not a JSON object"))?;
+    for key in ["torch_dtype", "dtype"] {
+        obj.insert(key.into(), torch_name(to).into());
+    }
+    let files = open_shard_files(&dir, &meta)?;
+    // Every tensor: where it comes from (unit, parameter or buffer index), its spec.
+    enum Src {
+        Param(usize, usize),
+        Buffer(usize, usize),
+    }
+    let mut tensors: Vec<(Src, TensorSpec)> = Vec::new();
+    for (k, u) in meta.units.iter().enumerate() {
+        for (i, p) in u.params.iter().enumerate() {
+            let spec = TensorSpec {
+                name: p.name.clone(),
+                dtype: to,
+                shape: p.shape.clone(),
+            };
+            tensors.push((Src::Param(k, i), spec));
+        }
+        for (i, b) in u.buffers.iter().enumerate() {
+            let saved = parse_dtype(&b.dtype, &meta_path, &format!("buffer {}", b.name))?;
+            files[0].check(&format!("buffer.{}", b.name), saved, &b.shape)?;
+            let spec = TensorSpec {
+                name: b.name.clone(),
+                dtype: to,
+                shape: b.shape.clone(),
+            };
+            tensors.push((Src::Buffer(k, i), spec));
+        }
+    }
+    let nbytes =
+        |s: &TensorSpec| (s.shape.iter().product::<usize>() * s.dtype.bitsize() / 8) as u64;
+    let total_size: u64 = tensors.iter().map(|(_, s)| nbytes(s)).sum();
+    // Consecutive tensors grouped into files of at most max_shard_bytes.
+    let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut in_group = 0u64;
+    for (i, (_, s)) in tensors.iter().enumerate() {
+        let n = nbytes(s);
+        if in_group > 0 && in_group + n > opts.max_shard_bytes {
+            groups.push(Vec::new());
+            in_group = 0;
+        }
+        groups.last_mut().expect("one group").push(i);
+        in_group += n;
+    }
+    let count = groups.len();
+    let file_name = |g: usize| {
+        if count == 1 {
+            HF_WEIGHTS_FILE.to_string()
+        } else {
+            format!("model-{:05}-of-{count:05}.safetensors", g + 1)
+        }
+    };
+    let md = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut written = Vec::new();
+    let mut weight_map = BTreeMap::new();
+    for (g, members) in groups.iter().enumerate() {
+        let path = out.join(file_name(g));
+        let specs = members.iter().map(|&i| tensors[i].1.clone()).collect();
+        let mut w = SafetensorsWriter::create(&path, specs, md.clone())?;
+        for &i in members {
+            let (src, spec) = &tensors[i];
+            w.begin_tensor(&spec.name, to, nbytes(spec) as usize)?;
+            match *src {
+                Src::Param(k, j) => {
+                    let u = &meta.units[k];
+                    stream_param(
+                        &files,
+                        &format!("param.{k}"),
+                        u.shard_numel,
+                        &u.params[j],
+                        to,
+                        &mut |b| w.write_part(b),
+                    )?;
+                }
+                Src::Buffer(k, j) => {
+                    let b = &meta.units[k].buffers[j];
+                    let numel: usize = b.shape.iter().product();
+                    files[0].stream(&format!("buffer.{}", b.name), 0..numel, to, &mut |x| {
+                        w.write_part(x)
+                    })?;
+                }
+            }
+            weight_map.insert(spec.name.clone(), file_name(g));
+        }
+        w.finish()?;
+        written.push(path);
+    }
+    if count > 1 {
+        let index = serde_json::json!({
+            "metadata": {"total_size": total_size},
+            "weight_map": weight_map,
+        });
+        let text = serde_json::to_string_pretty(&index).expect("JSON");
+        write_atomic(&out.join(HF_INDEX_FILE), text.as_bytes())?;
+    }
+    let text = serde_json::to_string_pretty(&config).expect("JSON");
+    write_atomic(&out.join("config.json"), text.as_bytes())?;
+    Ok(HfExportSummary {
+        checkpoint: dir,
+        files: written,
+        tensors: tensors.len(),
+        total_size,
+    })
+}

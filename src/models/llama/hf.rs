@@ -1,0 +1,210 @@
+//! Hugging Face model directories for the Llama: `config.json` in and out
+//! ([`config_from_json`], [`config_to_json`]) and the sharded load ([`build_from_hf`]).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde_json::{json, Map, Value};
+
+use super::{FsdpLlama, LlamaConfig, HEAD};
+use crate::checkpoint::hf::build_from_hf_weights;
+use crate::checkpoint::ReadStats;
+use crate::comm::ProcessGroup;
+use crate::error::{Error, Result};
+use crate::fsdp::{FsdpConfig, FsdpModel};
+
+/// The model configuration file of a Hugging Face directory.
+pub const CONFIG_FILE: &str = "config.json";
+
+/// Architectures [`config_from_json`] accepts (the same modules and parameter names; Mistral
+/// only without a sliding window).
+pub const ARCHITECTURES: [&str; 2] = ["LlamaForCausalLM", "MistralForCausalLM"];
+
+/// Reads a Hugging Face `config.json` (given as text; `path` names it in errors).
+///
+/// Read: `architectures` (one of [`ARCHITECTURES`]), `vocab_size`, `hidden_size`,
+/// `intermediate_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`
+/// (default: `num_attention_heads`), `head_dim` (default `hidden_size / num_attention_heads`),
+/// `max_position_embeddings` (default 2048), `rms_norm_eps` (default 1e-6), `rope_theta`, or
+/// transformers 5's `rope_parameters.rope_theta` (default 10000), `tie_word_embeddings`
+/// (default false), `attention_bias`, `mlp_bias` (default false). Other keys (token ids,
+/// `torch_dtype`, `initializer_range`, `use_cache`, `pretraining_tp`, …) do not change the
+/// computation and are ignored.
+///
+/// Errors ([`Error::File`] naming `path` and the key): not JSON; an architecture not in
+/// [`ARCHITECTURES`]; a missing or mistyped required key; keys it cannot honour:
+/// `hidden_act` other than `silu`, a `rope_scaling` / `rope_parameters.rope_type` other than
+/// the default, a `sliding_window`, a non-zero `attention_dropout`; an invalid shape
+/// ([`LlamaConfig::validate`]).
+pub fn config_from_json(text: &str, path: &Path) -> Result<LlamaConfig> {
+    let bad = |msg: String| Error::file(path, msg);
+    let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let o = v
+        .as_object()
+        .ok_or_else(|| bad("expected a JSON object".into()))?;
+    let archs: Vec<&str> = o
+        .get("architectures")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if !archs.iter().any(|a| ARCHITECTURES.contains(a)) {
+        return Err(bad(format!(
+            "unsupported architecture {archs:?} (key `architectures`): supported are {ARCHITECTURES:?}"
+        )));
+    }
+    let usize_key = |k: &str, default: Option<usize>| -> Result<usize> {
+        match o.get(k) {
+            None | Some(Value::Null) => default.ok_or_else(|| bad(format!("key `{k}` is missing"))),
+            Some(x) => x.as_u64().map(|n| n as usize).ok_or_else(|| {
+                bad(format!(
+                    "key `{k}`: expected a non-negative integer, found {x}"
+                ))
+            }),
+        }
+    };
+    let f64_key = |obj: &Map<String, Value>, k: &str, default: f64| -> Result<f64> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(default),
+            Some(x) => x
+                .as_f64()
+                .ok_or_else(|| bad(format!("key `{k}`: expected a number, found {x}"))),
+        }
+    };
+    let bool_key = |k: &str| -> Result<bool> {
+        match o.get(k) {
+            None | Some(Value::Null) => Ok(false),
+            Some(x) => x
+                .as_bool()
+                .ok_or_else(|| bad(format!("key `{k}`: expected true or false, found {x}"))),
+        }
+    };
+    if let Some(act) = o.get("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            return Err(bad(format!(
+                "key `hidden_act` is {act:?}: only \"silu\" (SwiGLU) is supported"
+            )));
+        }
+    }
+    if let Some(s) = o.get("sliding_window").filter(|s| !s.is_null()) {
+        return Err(bad(format!(
+            "key `sliding_window` is {s}: sliding-window attention is not supported"
+        )));
+    }
+    let dropout = f64_key(o, "attention_dropout", 0.0)?;
+    if dropout != 0.0 {
+        return Err(bad(format!(
+            "key `attention_dropout` is {dropout}: attention dropout is not supported (0 only)"
+        )));
+    }
+    let mut rope_theta = f64_key(o, "rope_theta", 10000.0)?;
+    for key in ["rope_scaling", "rope_parameters"] {
+        match o.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(p)) => {
+                let kind = p
+                    .get("rope_type")
+                    .or_else(|| p.get("type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
+                if kind != "default" {
+                    return Err(bad(format!(
+                        "key `{key}.rope_type` is {kind:?}: only the default rotary embedding \
+                         is supported"
+                    )));
+                }
+                rope_theta = f64_key(p, "rope_theta", rope_theta)?;
+            }
+            Some(x) => return Err(bad(format!("key `{key}`: expected an object, found {x}"))),
+        }
+    }
+    let hidden_size = usize_key("hidden_size", None)?;
+    let num_attention_heads = usize_key("num_attention_heads", None)?;
+    let cfg = LlamaConfig {
+        vocab_size: usize_key("vocab_size", None)?,
+        hidden_size,
+        intermediate_size: usize_key("intermediate_size", None)?,
+        num_hidden_layers: usize_key("num_hidden_layers", None)?,
+        num_attention_heads,
+        num_key_value_heads: usize_key("num_key_value_heads", Some(num_attention_heads))?,
+        head_dim: usize_key("head_dim", Some(hidden_size / num_attention_heads.max(1)))?,
+        max_position_embeddings: usize_key("max_position_embeddings", Some(2048))?,
+        rms_norm_eps: f64_key(o, "rms_norm_eps", 1e-6)?,
+        rope_theta,
+        tie_word_embeddings: bool_key("tie_word_embeddings")?,
+        attention_bias: bool_key("attention_bias")?,
+        mlp_bias: bool_key("mlp_bias")?,
+    };
+    cfg.validate().map_err(|e| bad(e.to_string()))?;
+    Ok(cfg)
+}
+
+/// The `config.json` of `cfg` for `LlamaForCausalLM` with weights of `dtype` (`"float32"`,
+/// `"bfloat16"`, `"float16"`): the keys [`config_from_json`] reads (the rotary base both as
+/// `rope_theta` and in `rope_parameters`, which transformers 4 and 5 read respectively),
+/// `hidden_act`, `model_type`, and the dtype as `torch_dtype` and `dtype`.
+pub fn config_to_json(cfg: &LlamaConfig, dtype: &str) -> Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    })
+}
+
+/// Reads `dir/config.json` ([`config_from_json`]).
+///
+/// Errors: the file missing or unreadable (named); as [`config_from_json`].
+pub fn read_config(dir: &Path) -> Result<LlamaConfig> {
+    let path = dir.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    config_from_json(&text, &path)
+}
+
+/// Tensors of a Hugging Face Llama directory that are not parameters here: rotary tables some
+/// older checkpoints store, and a tied model's duplicate `lm_head.weight`.
+fn ignored(cfg: &LlamaConfig) -> impl Fn(&str) -> bool {
+    let tied = cfg.tie_word_embeddings;
+    move |name: &str| {
+        name.ends_with(".rotary_emb.inv_freq") || (tied && name == format!("{HEAD}.weight"))
+    }
+}
+
+/// Builds the Llama of the Hugging Face directory `dir` as a sharded [`FsdpModel`] (a
+/// collective): the shape from `config.json` ([`read_config`]), the parameters from
+/// `model.safetensors` or `model.safetensors.index.json` + shards
+/// ([`crate::checkpoint::hf::build_from_hf_weights`]): each rank memory-maps the files and
+/// copies only the element ranges of its own shards, converting BF16 / F16 to f32 masters.
+/// `activation_checkpointing` is [`FsdpLlama::with_activation_checkpointing`].
+///
+/// Returns the units (for [`FsdpLlama::logits`]), the model and what this rank read.
+///
+/// Errors, on every rank, naming the file and the tensor or key: as [`read_config`]; missing
+/// weights; a missing tensor, a tensor of another shape (expected vs found), a tensor the model
+/// does not have; then the model builder's.
+pub fn build_from_hf(
+    pg: Arc<dyn ProcessGroup>,
+    config: FsdpConfig,
+    dir: &Path,
+    activation_checkpointing: bool,
+) -> Result<(FsdpLlama, FsdpModel, ReadStats)> {
+    // The config is read on every rank; an error here is every rank's (same file).
+    let cfg = read_config(dir)?;
+    let llama = FsdpLlama::new(cfg)?.with_activation_checkpointing(activation_checkpointing);
+    let (model, stats) = build_from_hf_weights(pg, config, llama.spec(), dir, &ignored(&cfg))?;
+    Ok((llama, model, stats))
+}

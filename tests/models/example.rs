@@ -1,0 +1,174 @@
+//! The llama example as a user runs it: `--eval-file` with `--max-steps 0` prints transformers'
+//! loss at world sizes 2 and 3; fine-tune from `--from-hf`, publish with `fsdp-ckpt export
+//! --format hf`, and the published directory evaluates to the loss the run printed.
+//!
+//! The example's binary is the one `cargo test` builds beside this test
+//! (`target/<profile>/examples/llama`); when it was not built (`cargo test --test models`
+//! alone) the tests say so and pass.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use super::common::tmpdir;
+use super::fixture;
+
+/// The example's binary, or why there is none.
+fn example() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let path = exe.parent()?.parent()?.join("examples").join("llama");
+    if path.is_file() {
+        Some(path)
+    } else {
+        println!(
+            "SKIPPED: {} not built (cargo test builds the examples; cargo build --release \
+             --example llama)",
+            path.display()
+        );
+        None
+    }
+}
+
+/// Runs the example with `args`; returns stdout (stderr in the panic message on failure).
+fn run(bin: &PathBuf, args: &[&str]) -> String {
+    let o = Command::new(bin)
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "llama {args:?} failed:\n{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+/// The value of the `eval loss X` line.
+fn eval_loss(out: &str) -> f64 {
+    out.lines()
+        .find_map(|l| l.strip_prefix("eval loss "))
+        .unwrap_or_else(|| panic!("no eval loss line in:\n{out}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn expected_eval() -> (f64, String) {
+    let text = std::fs::read_to_string(fixture("llama-mha").join("expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    (
+        v["eval"]["loss"].as_f64().unwrap(),
+        v["eval"]["seq_len"].as_u64().unwrap().to_string(),
+    )
+}
+
+#[test]
+fn eval_only_prints_transformers_loss_at_world_sizes_2_and_3() {
+    let Some(bin) = example() else { return };
+    let (want, seq_len) = expected_eval();
+    let dir = fixture("llama-mha");
+    let eval = dir.join("eval.txt");
+    for ws in ["2", "3"] {
+        let out = run(
+            &bin,
+            &[
+                "--world-size",
+                ws,
+                "--from-hf",
+                dir.to_str().unwrap(),
+                "--eval-file",
+                eval.to_str().unwrap(),
+                "--max-steps",
+                "0",
+                "--seq-len",
+                &seq_len,
+                "--batch-size",
+                "4",
+            ],
+        );
+        assert!(out.contains("tokens: tokenizer.json"), "{out}");
+        let got = eval_loss(&out);
+        assert!(
+            (got - want).abs() < 1e-4,
+            "ws {ws}: eval loss {got}, transformers {want}"
+        );
+    }
+}
+
+#[test]
+fn fine_tune_export_and_reload_evaluates_to_the_same_loss() {
+    let Some(bin) = example() else { return };
+    let (initial, seq_len) = expected_eval();
+    let root = tmpdir("llama-example");
+    let (dir, ckpt, published) = (
+        fixture("llama-mha"),
+        root.join("ckpt"),
+        root.join("published"),
+    );
+    let eval = dir.join("eval.txt");
+    let out = run(
+        &bin,
+        &[
+            "--world-size",
+            "2",
+            "--from-hf",
+            dir.to_str().unwrap(),
+            "--data",
+            eval.to_str().unwrap(),
+            "--eval-file",
+            eval.to_str().unwrap(),
+            "--max-steps",
+            "3",
+            "--warmup-steps",
+            "1",
+            "--lr",
+            "1e-2",
+            "--seq-len",
+            &seq_len,
+            "--batch-size",
+            "2",
+            "--sample-len",
+            "8",
+            "--prompt",
+            "KING",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ],
+    );
+    let tuned = eval_loss(&out);
+    assert!(
+        (tuned - initial).abs() > 1e-3,
+        "training changed nothing: {tuned}"
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_fsdp-ckpt"))
+        .arg("export")
+        .arg(&ckpt)
+        .args(["--format", "hf", "--out"])
+        .arg(&published)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::copy(dir.join("tokenizer.json"), published.join("tokenizer.json")).unwrap();
+    let out = run(
+        &bin,
+        &[
+            "--world-size",
+            "3",
+            "--from-hf",
+            published.to_str().unwrap(),
+            "--eval-file",
+            eval.to_str().unwrap(),
+            "--max-steps",
+            "0",
+            "--seq-len",
+            &seq_len,
+        ],
+    );
+    assert_eq!(
+        eval_loss(&out),
+        tuned,
+        "the published model is the fine-tuned one"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -1,0 +1,266 @@
+//! Hugging Face checkpoints out: a fine-tuned checkpoint exported with `fsdp-ckpt export
+//! --format hf` (single file and sharded with an index, f32 and bf16) reloads bit-exactly in
+//! our loader at another world size, and, when a Python with `transformers` is present,
+//! `AutoModelForCausalLM.from_pretrained` loads it and computes our logits.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_fsdp::checkpoint::tools::{export_hf, HfExportOptions, HF_CONFIG_KEY};
+use candle_fsdp::checkpoint::{save_sharded, TrainState};
+use candle_fsdp::launch::{launch, Launcher};
+use candle_fsdp::models::llama::hf::build_from_hf;
+use candle_fsdp::models::llama::lm_loss;
+use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, ShardedOptimizer};
+
+use super::common::{tmpdir, to_vec};
+use super::{fixture, inputs, weights_of};
+
+/// A checkpoint directory, the parameters (name, values) and the logits of the inputs.
+type Tuned = (PathBuf, Vec<(String, Vec<f32>)>, Vec<f32>);
+
+/// Fine-tunes fixture `name` for one AdamW step at world size 2 and saves a sharded checkpoint
+/// under `root` storing the fixture's config.json; returns the checkpoint directory, the
+/// parameters after the step (name, values) and the logits of the fixture's inputs then.
+fn fine_tuned(name: &str, root: &Path) -> Tuned {
+    let (ids, targets) = inputs(name);
+    let config = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+    let mut out = launch(&Launcher::threads(2), |pg| {
+        let (llama, mut model, _) =
+            build_from_hf(pg, FsdpConfig::default(), &fixture(name), false)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let logits = llama.logits(&mut model, &ids, true)?;
+        model.backward(&lm_loss(&logits, &targets)?)?;
+        opt.step(&mut model)?;
+        let mut state = TrainState {
+            step: 1,
+            ..Default::default()
+        };
+        state.extra.insert(HF_CONFIG_KEY.into(), config.clone());
+        let dir = save_sharded(root, &model, &opt, &state, 0)?;
+        let params = model
+            .gather_full_params(false)?
+            .expect("every rank")
+            .into_iter()
+            .map(|(n, t)| (n, to_vec(&t)))
+            .collect::<Vec<_>>();
+        let logits = to_vec(&llama.logits(&mut model, &ids, false)?);
+        Ok((dir, params, logits))
+    })
+    .unwrap();
+    out.swap_remove(0)
+}
+
+#[test]
+fn export_import_round_trip_is_bit_exact_single_file_and_sharded() {
+    let root = tmpdir("hf-export");
+    let (ckpt, params, _) = fine_tuned("llama-gqa", &root.join("ckpt"));
+    // One file (the default size limit), then sharded with an index (30 kB files).
+    for (tag, max) in [("single", 5_000_000_000u64), ("sharded", 30_000)] {
+        let out = root.join(tag);
+        let s = export_hf(
+            &ckpt,
+            &out,
+            &HfExportOptions {
+                max_shard_bytes: max,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(s.tensors, params.len());
+        assert_eq!(
+            out.join("model.safetensors.index.json").exists(),
+            tag == "sharded"
+        );
+        if tag == "sharded" {
+            assert!(s.files.len() > 2, "{:?}", s.files);
+            for f in &s.files {
+                // At most 30 kB of tensor data per file, or one larger tensor alone.
+                let bytes = std::fs::read(f).unwrap();
+                let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+                let data: usize = st.tensors().iter().map(|(_, t)| t.data().len()).sum();
+                assert!(
+                    data <= 30_000 || st.len() == 1,
+                    "{f:?}: {data} B in {} tensors",
+                    st.len()
+                );
+            }
+        }
+        // The files hold exactly our values, under the HF names, in f32.
+        let written = weights_of(&out);
+        assert_eq!(written.len(), params.len());
+        for (n, v) in &params {
+            let (_, _, w) = written.iter().find(|(m, _, _)| m == n).unwrap();
+            assert!(
+                v.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{n}"
+            );
+        }
+        // The config is the fixture's, with the dtype of the weights.
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(cfg["torch_dtype"], "float32");
+        assert_eq!(cfg["num_key_value_heads"], 2);
+        // Reloaded at world size 3: bit-exact.
+        let back = launch(&Launcher::threads(3), |pg| {
+            let (_, model, _) = build_from_hf(pg, FsdpConfig::default(), &out, false)?;
+            model.gather_full_params(true)
+        })
+        .unwrap();
+        let back = back.into_iter().next().unwrap().unwrap();
+        assert_eq!(back.len(), params.len());
+        for ((n, v), (m, t)) in params.iter().zip(&back) {
+            assert_eq!(n, m);
+            assert!(
+                v.iter()
+                    .zip(to_vec(t))
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{n}"
+            );
+        }
+    }
+    // A directory already holding weights is refused (mixing two exports).
+    let e = export_hf(&ckpt, &root.join("single"), &HfExportOptions::default()).unwrap_err();
+    assert!(
+        e.to_string().contains("already holds Hugging Face weights"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A Python that can import transformers and torch, or why not.
+fn python_with_transformers() -> Result<String, String> {
+    let py = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    match Command::new(&py)
+        .args([
+            "-c",
+            "import transformers, torch; print(transformers.__version__)",
+        ])
+        .output()
+    {
+        Ok(o) if o.status.success() => Ok(py),
+        Ok(o) => Err(format!(
+            "{py} cannot import transformers and torch: {}",
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        )),
+        Err(e) => Err(format!("no {py}: {e}")),
+    }
+}
+
+#[test]
+fn cli_export_bf16_loads_in_transformers_with_our_logits() {
+    let root = tmpdir("hf-export-cli");
+    let (_, params, logits) = fine_tuned("llama-tied", &root.join("ckpt"));
+    let out = root.join("hf");
+    let o = Command::new(env!("CARGO_BIN_EXE_fsdp-ckpt"))
+        .arg("export")
+        .arg(root.join("ckpt"))
+        .args(["--format", "hf", "--dtype", "bf16", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        stdout.contains("Hugging Face layout") && stdout.contains("1 file(s)"),
+        "{stdout}"
+    );
+    // bf16 values: ours rounded to nearest even, and no lm_head.weight (tied).
+    let written = weights_of(&out);
+    assert!(written.iter().all(|(n, _, _)| n != "lm_head.weight"));
+    for (n, v) in &params {
+        let (_, _, w) = written.iter().find(|(m, _, _)| m == n).unwrap();
+        for (a, b) in v.iter().zip(w) {
+            assert_eq!(
+                half::bf16::from_f32(*a).to_f32().to_bits(),
+                b.to_bits(),
+                "{n}"
+            );
+        }
+    }
+    let python = match python_with_transformers() {
+        Ok(p) => p,
+        Err(why) => {
+            println!("SKIPPED the transformers check of the export: {why}");
+            eprintln!("SKIPPED the transformers check of the export: {why}");
+            let _ = std::fs::remove_dir_all(&root);
+            return;
+        }
+    };
+    // f32 export for the logits comparison (bf16 rounding would dominate the difference).
+    let out32 = root.join("hf32");
+    let o = Command::new(env!("CARGO_BIN_EXE_fsdp-ckpt"))
+        .arg("export")
+        .arg(root.join("ckpt"))
+        .args(["--format", "hf", "--max-shard-size", "40000", "--out"])
+        .arg(&out32)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (ids, _) = inputs("llama-tied");
+    let ids: Vec<Vec<u32>> = ids.to_vec2().unwrap();
+    let script = format!(
+        "import sys, json, torch\n\
+         from transformers import AutoModelForCausalLM\n\
+         for d in sys.argv[1:]:\n\
+         \x20   m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)\n\
+         \x20   with torch.no_grad():\n\
+         \x20       l = m(input_ids=torch.tensor({ids:?})).logits\n\
+         \x20   print(json.dumps(l.flatten().tolist()))\n"
+    );
+    let o = Command::new(&python)
+        .arg("-c")
+        .arg(&script)
+        .arg(&out32)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines: Vec<Vec<f32>> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let d32 = super::max_abs_diff(&lines[0], &logits);
+    let d16 = super::max_abs_diff(&lines[1], &logits);
+    println!("transformers on our export: max |logits - ours| f32 {d32:.3e}, bf16 {d16:.3e}");
+    assert!(d32 < 1e-4, "f32 export: {d32}");
+    assert!(d16 < 0.1, "bf16 export: {d16}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn export_without_a_config_says_how_to_give_one() {
+    let root = tmpdir("hf-export-noconfig");
+    launch(&Launcher::threads(1), |pg| {
+        let (_, model, _) = build_from_hf(pg, FsdpConfig::default(), &fixture("llama-mha"), false)?;
+        let opt = AdamW::new(AdamWConfig::default());
+        save_sharded(&root.join("ckpt"), &model, &opt, &TrainState::default(), 0)?;
+        Ok(())
+    })
+    .unwrap();
+    let e = export_hf(
+        &root.join("ckpt"),
+        &root.join("out"),
+        &HfExportOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("meta.json")
+            && e.contains("no Hugging Face config")
+            && e.contains("--hf-config"),
+        "{e}"
+    );
+    // Given explicitly, it works.
+    let opts = HfExportOptions {
+        config: Some(fixture("llama-mha").join("config.json")),
+        ..Default::default()
+    };
+    export_hf(&root.join("ckpt"), &root.join("out"), &opts).unwrap();
+    assert!(root.join("out/config.json").exists());
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -1,0 +1,116 @@
+//! The Llama decoder built from the fixtures equals transformers: logits and loss at world
+//! sizes 1, 2 and 3 (multi-head, grouped-query with bf16 weights, tied with biases), and one
+//! AdamW step equals `torch.optim.AdamW`'s.
+
+use candle_fsdp::launch::{launch, Launcher};
+use candle_fsdp::models::llama::hf::build_from_hf;
+use candle_fsdp::models::llama::lm_loss;
+use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, ShardedOptimizer};
+
+use super::common::to_vec;
+use super::{expected, fixture, inputs, max_abs_diff, ExpectedFile};
+
+/// Logits and loss of fixture `name` at world size `ws`, compared with transformers' (1e-4),
+/// returning the largest logit difference.
+fn logits_match(name: &str, ws: usize) -> f32 {
+    let (ids, targets) = inputs(name);
+    let want_logits = expected(name, "logits");
+    let want_loss = expected(name, "loss")[0];
+    let out = launch(&Launcher::threads(ws), |pg| {
+        let (llama, mut model, _) =
+            build_from_hf(pg, FsdpConfig::default(), &fixture(name), false)?;
+        let logits = llama.logits(&mut model, &ids, false)?;
+        let loss = lm_loss(&logits, &targets)?.to_scalar::<f32>()?;
+        Ok((to_vec(&logits), loss))
+    })
+    .unwrap();
+    let mut worst = 0.0f32;
+    for (rank, (logits, loss)) in out.iter().enumerate() {
+        let d = max_abs_diff(logits, &want_logits);
+        assert!(d < 1e-4, "{name} ws {ws} rank {rank}: logits differ by {d}");
+        assert!(
+            (loss - want_loss).abs() < 1e-4,
+            "{name} ws {ws} rank {rank}: loss {loss} vs transformers' {want_loss}"
+        );
+        worst = worst.max(d);
+    }
+    eprintln!(
+        "{name} ws {ws}: max |logits - transformers| = {worst:.3e}, loss {:.7} vs {want_loss:.7}",
+        out[0].1
+    );
+    worst
+}
+
+#[test]
+fn multi_head_logits_and_loss_equal_transformers_at_world_sizes_1_2_3() {
+    for ws in [1, 2, 3] {
+        logits_match("llama-mha", ws);
+    }
+}
+
+#[test]
+fn grouped_query_bf16_weights_equal_transformers() {
+    for ws in [1, 3] {
+        logits_match("llama-gqa", ws);
+    }
+}
+
+#[test]
+fn tied_embeddings_with_biases_equal_transformers() {
+    for ws in [1, 2] {
+        logits_match("llama-tied", ws);
+    }
+}
+
+#[test]
+fn one_adamw_step_equals_torch_adamw() {
+    let name = "llama-mha";
+    let (ids, targets) = inputs(name);
+    let want = ExpectedFile::open(name);
+    let text = std::fs::read_to_string(fixture(name).join("expected.json")).unwrap();
+    let meta: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let a = &meta["adamw"];
+    let cfg = AdamWConfig {
+        lr: a["lr"].as_f64().unwrap(),
+        beta1: a["betas"][0].as_f64().unwrap(),
+        beta2: a["betas"][1].as_f64().unwrap(),
+        eps: a["eps"].as_f64().unwrap(),
+        weight_decay: a["weight_decay"].as_f64().unwrap(),
+    };
+    for ws in [1, 2] {
+        let params = launch(&Launcher::threads(ws), |pg| {
+            let (llama, mut model, _) =
+                build_from_hf(pg, FsdpConfig::default(), &fixture(name), false)?;
+            let mut opt = AdamW::new(cfg);
+            let logits = llama.logits(&mut model, &ids, true)?;
+            model.backward(&lm_loss(&logits, &targets)?)?;
+            opt.step(&mut model)?;
+            Ok(model.gather_full_params(false)?.expect("every rank"))
+        })
+        .unwrap();
+        let mut names = want.names();
+        names.retain(|n| n.starts_with("step."));
+        assert_eq!(
+            names.len(),
+            params[0].len(),
+            "one expected tensor per parameter"
+        );
+        let before = super::weights_of(&fixture(name));
+        let mut worst = 0.0f32;
+        for (rank, ps) in params.iter().enumerate() {
+            for (n, t) in ps {
+                let got = to_vec(t);
+                let d = max_abs_diff(&got, &want.get(&format!("step.{n}")));
+                assert!(
+                    d < 1e-5,
+                    "ws {ws} rank {rank}: {n} differs by {d} after one step"
+                );
+                worst = worst.max(d);
+                // The step moved it (by about lr): the comparison is not of unchanged values.
+                let b = &before.iter().find(|(m, _, _)| m == n).unwrap().2;
+                assert!(max_abs_diff(&got, b) > 5e-4, "{n} did not move");
+            }
+        }
+        eprintln!("AdamW step ws {ws}: max |param - torch| = {worst:.3e}");
+    }
+}
