@@ -137,7 +137,7 @@ pub(crate) fn plan(
         .map(|g| padded(g) * (4 + g.reduce_bytes + g.param_bytes))
         .max()
         .unwrap_or(0);
-    let in_flight = if config.sharding_strategy == ShardingStrategy::FullShard {
+    let in_flight = if config.sharding_strategy.reshards_after_forward() {
         let depth = config.limit_all_gathers.unwrap_or(2).max(1);
         2 * gathered.iter().take(depth).sum::<usize>()
     } else {

@@ -8,28 +8,46 @@ use std::collections::HashMap;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
+use super::mesh::Mesh;
 use super::storage;
 use crate::comm::{CommStream, ProcessGroup, ReduceOp, Work};
 use crate::error::Result;
 use crate::flat_param::{FlatParamLayout, FlatParameter, ParamInfo};
 
-/// The comm streams FSDP runs its collectives on (FSDP2's comm context): the runtime creates
-/// them from the group when the model is built and decides which op runs where.
+/// The groups and comm streams FSDP runs its collectives on (FSDP2's comm context): the
+/// runtime creates them from the world group when the model is built and decides which op runs
+/// where.
 pub(crate) struct CommContext {
-    /// Parameter all-gathers (unshard), in issue order.
+    /// The shard group, the replica group (hybrid) and this rank's place in them.
+    pub mesh: Mesh,
+    /// Parameter all-gathers (unshard), in issue order, on the shard group.
     pub all_gather: CommStream,
-    /// Gradient reductions (reduce-scatter; all-reduce under NO_SHARD), so that they never
-    /// queue behind an all-gather.
+    /// Gradient reductions (reduce-scatter; all-reduce under NO_SHARD) on the shard group, so
+    /// that they never queue behind an all-gather.
     pub reduce_scatter: CommStream,
+    /// Hybrid only: the all-reduce of the reduced shards across replicas, on the replica group,
+    /// so that it never queues behind the next reduce-scatter.
+    pub all_reduce: Option<CommStream>,
 }
 
 impl CommContext {
-    /// Creates the two streams (a collective: every rank builds its models in the same order).
-    pub(crate) fn new(pg: &dyn ProcessGroup) -> Result<Self> {
+    /// Creates the streams on `mesh`'s groups (a collective: every rank builds its models in
+    /// the same order).
+    pub(crate) fn new(mesh: Mesh) -> Result<Self> {
         Ok(Self {
-            all_gather: pg.new_stream("all_gather")?,
-            reduce_scatter: pg.new_stream("reduce_scatter")?,
+            all_gather: mesh.shard.new_stream("all_gather")?,
+            reduce_scatter: mesh.shard.new_stream("reduce_scatter")?,
+            all_reduce: match &mesh.replica {
+                Some(g) => Some(g.new_stream("all_reduce_replicas")?),
+                None => None,
+            },
+            mesh,
         })
+    }
+
+    /// The group parameters are sharded over.
+    pub(crate) fn shard_pg(&self) -> &dyn ProcessGroup {
+        self.mesh.shard.as_ref()
     }
 }
 
@@ -276,6 +294,17 @@ pub(crate) fn reduce_grads(
         Ok(out) => pg.reduce_scatter(stream, &input, out, ReduceOp::Avg),
         Err(e) => Work::ready(Err(e.into())),
     }
+}
+
+/// Issues the all-reduce (average) of one reduced chunk (the output of [`reduce_grads`]: shard
+/// and presence flags) across the replicas of a hybrid mesh on `stream`: every replica then holds
+/// the gradient averaged over the whole world.
+pub(crate) fn all_reduce_replicas(
+    replicas: &dyn ProcessGroup,
+    stream: &CommStream,
+    reduced: Tensor,
+) -> Work<Tensor> {
+    replicas.all_reduce(stream, reduced, ReduceOp::Avg)
 }
 
 /// Waits for a gradient reduction and returns the reduced shard (1-D, in `reduce_dtype`).

@@ -546,7 +546,7 @@ impl FsdpModel {
                 })
             });
             let (flat, guard) = self.units[g].gather_for_eval(
-                self.pg.as_ref(),
+                self.comm.shard_pg(),
                 &self.comm.all_gather,
                 &self.mem,
             )?;

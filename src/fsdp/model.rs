@@ -75,9 +75,30 @@ impl FsdpModel {
         }
     }
 
-    /// The process group.
+    /// The process group (the whole world: clipping, the grad scaler and checkpoints reduce
+    /// over it).
     pub fn process_group(&self) -> &Arc<dyn ProcessGroup> {
         &self.pg
+    }
+
+    /// The group the parameters are sharded over: the world, or under the hybrid strategies
+    /// this rank's shard group (its shards' `layout.world_size` ranks; its rank there is the
+    /// shards' `shard_index`).
+    pub fn shard_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.comm.mesh.shard
+    }
+
+    /// Under the hybrid strategies with more than one replica, the group of the ranks that hold
+    /// the same shards as this one (one per shard group); `None` otherwise.
+    pub fn replica_group(&self) -> Option<&Arc<dyn ProcessGroup>> {
+        self.comm.mesh.replica.as_ref()
+    }
+
+    /// Which replica (shard group) this rank belongs to: `world rank / shard size` under the
+    /// hybrid strategies, 0 otherwise. Replica 0 alone writes sharded checkpoints and counts in
+    /// gradient norms.
+    pub fn replica_index(&self) -> usize {
+        self.comm.mesh.replica_index
     }
 
     /// The device of the shards and of every unit's computation ([`FsdpConfig::device`]):
@@ -126,7 +147,7 @@ impl FsdpModel {
             optimizer_bytes_per_element,
             activation_bytes,
         };
-        super::budget::plan(&groups, &self.config, self.pg.world_size(), &budget)
+        super::budget::plan(&groups, &self.config, self.comm.mesh.shard_size(), &budget)
     }
 
     /// Resets the peak counters to the current values.
@@ -165,8 +186,14 @@ impl FsdpModel {
                 tracing::warn!("trace: timing on the host clock: {e}");
             }
         }
-        self.pg
-            .set_observer(tracer.clone().map(|t| t as Arc<dyn CommObserver>));
+        let observer = tracer.clone().map(|t| t as Arc<dyn CommObserver>);
+        self.pg.set_observer(observer.clone());
+        if self.comm.mesh.replica.is_some() {
+            self.comm.mesh.shard.set_observer(observer.clone());
+        }
+        if let Some(g) = &self.comm.mesh.replica {
+            g.set_observer(observer);
+        }
         self.tracer = tracer;
     }
 

@@ -1,0 +1,248 @@
+//! HYBRID_SHARD and its SHARD_GRAD_OP variant: parity with single-process Candle at world sizes
+//! 4 (2 replicas × 2) and 6 (3 × 2 and 2 × 3), every mixed-precision policy against FULL_SHARD
+//! at the same world size, what each rank holds and sends, and the errors of a bad shard size.
+
+use crate::common;
+#[path = "../common/parity.rs"]
+mod harness;
+
+use std::sync::Arc;
+
+use candle_core::DType;
+use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::comm::ProcessGroup;
+use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
+use candle_fsdp::launch::Launcher;
+use candle_fsdp::optim::{Sgd, SgdConfig, ShardedOptimizer};
+use candle_fsdp::{FsdpConfig, FsdpModel, MixedPrecision, ShardingStrategy};
+use common::*;
+use harness::{check, Opt};
+
+fn hybrid(shard_size: usize) -> ShardingStrategy {
+    ShardingStrategy::HybridShard {
+        shard_size: Some(shard_size),
+    }
+}
+
+#[test]
+fn hybrid_shard_matches_single_process_2x2_3x2_2x3() {
+    check(&Launcher::threads(4), hybrid(2), Opt::Adam, true);
+    check(&Launcher::threads(4), hybrid(2), Opt::SgdMomentum, false);
+    check(&Launcher::threads(6), hybrid(2), Opt::Adam, true);
+    check(&Launcher::threads(6), hybrid(3), Opt::SgdMomentum, true);
+    let zero2 = ShardingStrategy::HybridShardGradOp {
+        shard_size: Some(2),
+    };
+    check(&Launcher::threads(4), zero2, Opt::Adam, true);
+}
+
+fn model(
+    pg: Arc<dyn ProcessGroup>,
+    strategy: ShardingStrategy,
+    mp: MixedPrecision,
+) -> candle_fsdp::Result<FsdpModel> {
+    let mut b = FsdpModel::builder(
+        pg,
+        FsdpConfig {
+            seed: 5,
+            sharding_strategy: strategy,
+            mixed_precision: mp,
+            ..Default::default()
+        },
+    );
+    for u in units() {
+        b = b.unit_spec(u);
+    }
+    b.build()
+}
+
+/// Losses (rank 0's) of a few SGD steps at world size 4 under `strategy` and `mp` (with the
+/// grad scaler), and every rank's gathered parameters.
+fn train_ws4(
+    strategy: ShardingStrategy,
+    mp: MixedPrecision,
+) -> (Vec<f32>, Vec<Vec<(String, Vec<f32>)>>) {
+    let data = batches(4, 16, 31);
+    let out = run_ranks_ok(4, ThreadGroupConfig::default(), |pg| {
+        let rank = pg.rank();
+        let mut m = model(pg, strategy, mp)?;
+        let mut opt = Sgd::new(SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            ..Default::default()
+        });
+        // The scaler under every policy (a power of two: exact in f32); f16 needs it.
+        let mut scaler = ShardedGradScaler::new(GradScalerConfig {
+            init_scale: 1024.0,
+            ..Default::default()
+        })?;
+        let mut losses = Vec::new();
+        for (x, y) in &data {
+            let logits = m.forward(&x.narrow(0, rank * 4, 4)?)?;
+            let loss = candle_nn::loss::cross_entropy(
+                &logits.to_dtype(DType::F32)?,
+                &y.narrow(0, rank * 4, 4)?,
+            )?;
+            m.backward(&scaler.scale_loss(&loss)?)?;
+            assert!(scaler.step(&mut m, &mut opt)?, "no overflow expected");
+            m.zero_grad();
+            losses.push(loss.to_scalar::<f32>()?);
+        }
+        let params = m.gather_full_params(false)?.expect("every rank gathers");
+        Ok((
+            losses,
+            params
+                .into_iter()
+                .map(|(k, t)| (k, to_vec(&t)))
+                .collect::<Vec<_>>(),
+        ))
+    })
+    .unwrap();
+    let losses = out[0].0.clone();
+    (losses, out.into_iter().map(|(_, p)| p).collect())
+}
+
+#[test]
+fn every_precision_tracks_full_shard_and_replicas_stay_identical() {
+    for (name, mp, tol) in [
+        ("f32", MixedPrecision::full_f32(), 1e-5),
+        (
+            "bf16 compute, f32 reduce",
+            MixedPrecision::bf16_compute_f32_reduce(),
+            1e-5,
+        ),
+        // A reduction in 16 bits rounds once per stage here (shard group, then replicas)
+        // against once under FULL_SHARD: differences of the order of bf16's / f16's epsilon.
+        ("bf16", MixedPrecision::bf16(), 0.03),
+        ("f16", MixedPrecision::f16(), 0.01),
+    ] {
+        let (want, _) = train_ws4(ShardingStrategy::FullShard, mp);
+        let (got, params) = train_ws4(hybrid(2), mp);
+        for (a, b) in got.iter().zip(&want) {
+            assert!(
+                ((a - b) / b).abs() <= tol,
+                "{name}: hybrid {got:?} vs full shard {want:?}"
+            );
+        }
+        assert_ne!(got[0], got[3], "{name}: training moved the loss");
+        // Every rank of every replica holds bitwise the same parameters.
+        for (r, p) in params.iter().enumerate() {
+            assert!(*p == params[0], "{name}: rank {r} differs from rank 0");
+        }
+    }
+}
+
+/// Sharded bytes per rank and bytes sent by rank 0 in one training step (forward + backward +
+/// optimizer), over every group the model uses, and the bytes of one reduced chunk (shard and
+/// presence flags, f32) of every unit with parameters.
+fn footprint(ws: usize, strategy: ShardingStrategy) -> (usize, [u64; 3], u64) {
+    let x = batches(1, 4 * ws, 3).remove(0).0;
+    run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
+        let rank = pg.rank();
+        let mut m = model(pg.clone(), strategy, MixedPrecision::full_f32())?;
+        let groups = |m: &FsdpModel| {
+            let mut g = vec![m.process_group().clone()];
+            if let Some(r) = m.replica_group() {
+                g.push(m.shard_group().clone());
+                g.push(r.clone());
+            }
+            g
+        };
+        let sent = |m: &FsdpModel| {
+            groups(m).iter().fold([0u64; 3], |acc, g| {
+                let s = g.stats();
+                [
+                    acc[0] + s.all_gather_bytes,
+                    acc[1] + s.reduce_scatter_bytes,
+                    acc[2] + s.other_bytes,
+                ]
+            })
+        };
+        let before = sent(&m);
+        let y = m.forward(&x.narrow(0, rank * 4, 4)?)?;
+        m.backward(&y.sum_all()?)?;
+        Sgd::new(SgdConfig::default()).step(&mut m)?;
+        let after = sent(&m);
+        let bytes = [0, 1, 2].map(|i| after[i] - before[i]);
+        let chunks = m
+            .shards()
+            .filter(|u| u.layout.padded_numel > 0)
+            .map(|u| 4 * (u.layout.shard_numel + u.layout.params.len()) as u64)
+            .sum();
+        Ok((m.memory_stats().sharded_bytes, bytes, chunks))
+    })
+    .unwrap()
+    .remove(0)
+}
+
+#[test]
+fn each_rank_holds_and_sends_what_its_shard_group_would() {
+    // 2 × 2: the sharded state (parameter + gradient shards) of FULL_SHARD at world size 2,
+    // twice FULL_SHARD's at 4; the all-gathers and reduce-scatters of world size 2; one
+    // all-reduce of the reduced shards (and their presence flags) across the 2 replicas.
+    let (full4, full4_sent, _) = footprint(4, ShardingStrategy::FullShard);
+    let (full2, full2_sent, _) = footprint(2, ShardingStrategy::FullShard);
+    let (hyb, hyb_sent, chunks) = footprint(4, hybrid(2));
+    assert_eq!(hyb, full2);
+    assert!(hyb > full4 && hyb <= 2 * full4 + 64, "{hyb} vs {full4}");
+    assert_eq!(hyb_sent[0], full2_sent[0], "all-gather bytes");
+    assert_eq!(hyb_sent[1], full2_sent[1], "reduce-scatter bytes");
+    // The replica all-reduce carries each reduced chunk: one shard + flags per unit, f32.
+    assert!(chunks > 0);
+    assert_eq!(
+        hyb_sent[2] - full2_sent[2],
+        chunks,
+        "replica all-reduce bytes"
+    );
+    assert!(full4_sent[0] < full2_sent[0]);
+}
+
+#[test]
+fn a_bad_or_disagreeing_shard_size_is_a_clear_error() {
+    let e = run_ranks_ok(6, ThreadGroupConfig::default(), |pg| {
+        model(pg, hybrid(4), MixedPrecision::full_f32()).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("shard size 4 does not divide the world size 6"),
+        "{e}"
+    );
+    let e = run_ranks_ok(4, ThreadGroupConfig::default(), |pg| {
+        let s = if pg.rank() == 3 { 4 } else { 2 };
+        model(pg, hybrid(s), MixedPrecision::full_f32()).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("different HYBRID_SHARD shard sizes"), "{e}");
+}
+
+#[test]
+fn strategy_names_parse_and_print_back() {
+    for (s, want) in [
+        (
+            "hybrid-shard",
+            ShardingStrategy::HybridShard { shard_size: None },
+        ),
+        ("HYBRID_SHARD:4", hybrid(4)),
+        (
+            "_hybrid_shard_zero2",
+            ShardingStrategy::HybridShardGradOp { shard_size: None },
+        ),
+        (
+            "hybrid-shard-grad-op:2",
+            ShardingStrategy::HybridShardGradOp {
+                shard_size: Some(2),
+            },
+        ),
+        ("full-shard", ShardingStrategy::FullShard),
+    ] {
+        let got: ShardingStrategy = s.parse().unwrap();
+        assert_eq!(got, want, "{s}");
+        assert_eq!(got.to_string().parse::<ShardingStrategy>().unwrap(), got);
+    }
+    assert_eq!(hybrid(4).to_string(), "hybrid-shard:4");
+    for bad in ["hybrid-shard:0", "hybrid-shard:x", "full-shard:2", "hybrid"] {
+        assert!(bad.parse::<ShardingStrategy>().is_err(), "{bad}");
+    }
+}
