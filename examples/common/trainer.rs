@@ -154,7 +154,7 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
             None
         };
         let config = FsdpConfig {
-            sharding_strategy: args.strategy,
+            sharding_strategy: args.sharding_strategy(),
             seed: args.seed,
             forward_prefetch: !args.no_prefetch,
             backward_prefetch: if args.no_prefetch {

@@ -63,6 +63,7 @@ pub struct ConfigFile {
     pub save_every: Option<u64>,
     pub keep_last: Option<usize>,
     pub strategy: Option<String>,
+    pub shard_size: Option<usize>,
     pub no_prefetch: Option<bool>,
     pub precision: Option<String>,
     pub grad_accum: Option<usize>,
