@@ -148,7 +148,11 @@ impl FsdpModel {
     ) -> Result<FsdpModel> {
         let spec: ModelSpec = spec.into();
         check_device(&config, pg.as_ref())?;
-        let mesh = Mesh::new(&pg, config.sharding_strategy)?;
+        let mesh = Mesh::new(
+            &pg,
+            config.sharding_strategy,
+            config.reshard_after_forward_ranks,
+        )?;
         let mut freeze = FreezePatterns::new(&spec.freeze, &spec.groups)?;
         let recorded = record_groups(spec.groups, &config)?;
         let classified = recorded

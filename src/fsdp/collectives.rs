@@ -28,6 +28,9 @@ pub(crate) struct CommContext {
     /// Hybrid only: the all-reduce of the reduced shards across replicas, on the replica group,
     /// so that it never queues behind the next reduce-scatter.
     pub all_reduce: Option<CommStream>,
+    /// Partial reshard after forward only: the backward's all-gathers inside the secondary
+    /// group.
+    pub all_gather_secondary: Option<CommStream>,
 }
 
 impl CommContext {
@@ -41,6 +44,10 @@ impl CommContext {
                 Some(g) => Some(g.new_stream("all_reduce_replicas")?),
                 None => None,
             },
+            all_gather_secondary: match &mesh.secondary {
+                Some(g) => Some(g.new_stream("all_gather_secondary")?),
+                None => None,
+            },
             mesh,
         })
     }
@@ -48,6 +55,14 @@ impl CommContext {
     /// The group parameters are sharded over.
     pub(crate) fn shard_pg(&self) -> &dyn ProcessGroup {
         self.mesh.shard.as_ref()
+    }
+
+    /// The secondary group of a partial reshard after forward and its stream.
+    pub(crate) fn secondary(&self) -> Option<(&dyn ProcessGroup, &CommStream)> {
+        self.mesh
+            .secondary
+            .as_deref()
+            .zip(self.all_gather_secondary.as_ref())
     }
 }
 
@@ -74,6 +89,28 @@ pub(crate) fn all_gather_shard(
     // buffer is dropped unread. Skipping the zero-fill saves a pass over the unit per gather.
     match unsafe { Tensor::empty(flat.layout().padded_numel, dtype, flat.shard().device()) } {
         Ok(out) => pg.all_gather(stream, &input, out),
+        Err(e) => Work::ready(Err(e.into())),
+    }
+}
+
+/// This rank's piece of a gathered flat buffer for a partial reshard after forward: the
+/// `rank`-th of `pg`'s `world_size` equal chunks, copied (the gathered buffer is dropped).
+pub(crate) fn secondary_piece(pg: &dyn ProcessGroup, flat: &Tensor) -> Result<Tensor> {
+    let n = flat.elem_count() / pg.world_size();
+    Ok(flat.narrow(0, pg.rank() * n, n)?.copy()?)
+}
+
+/// Issues the all-gather of [`secondary_piece`]s inside their group on `stream`: the full flat
+/// buffer again, bit for bit the one they were cut from.
+pub(crate) fn all_gather_secondary(
+    pg: &dyn ProcessGroup,
+    stream: &CommStream,
+    piece: &Tensor,
+) -> Work<Tensor> {
+    let n = piece.elem_count() * pg.world_size();
+    // SAFETY: as in `all_gather_shard`: the all-gather writes every element before `wait`.
+    match unsafe { Tensor::empty(n, piece.dtype(), piece.device()) } {
+        Ok(out) => pg.all_gather(stream, piece, out),
         Err(e) => Work::ready(Err(e.into())),
     }
 }

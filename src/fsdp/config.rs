@@ -186,6 +186,17 @@ pub struct FsdpConfig {
     /// (a `running_mean` buffer) keep f32 compute unless they set their own policy, as PyTorch
     /// FSDP does for batch norm.
     pub mixed_precision: MixedPrecision,
+    /// Partial reshard after forward (FSDP2's `reshard_after_forward=int`, ZeRO++'s hpZ), for
+    /// the strategies that reshard after forward (FULL_SHARD, HYBRID_SHARD): `Some(k)` keeps,
+    /// between a unit's forward and its backward, the unit's gathered parameters sharded over
+    /// groups of `k` consecutive ranks of the shard group (each rank holds `1/k` of them,
+    /// copied from the forward's all-gather) instead of freeing them, so that the backward's
+    /// all-gather runs inside that smaller group (one machine, or one switch). Memory between
+    /// FULL_SHARD's (nothing kept) and SHARD_GRAD_OP's (everything kept): `1/k` of every unit
+    /// waiting for its backward. `k` must divide the shard group's size; `k` = the shard group's
+    /// size is plain FULL_SHARD; `None` (default) too. Ignored by SHARD_GRAD_OP, NO_SHARD and
+    /// units with `reshard_after_forward` off.
+    pub reshard_after_forward_ranks: Option<usize>,
     /// A per-rank memory budget checked before any shard is allocated (`None`: no check). See
     /// [`super::MemoryBudget`] and [`super::FsdpModel::memory_plan`].
     pub memory_budget: Option<super::MemoryBudget>,
@@ -204,6 +215,7 @@ impl Default for FsdpConfig {
                 .map(String::from)
                 .to_vec(),
             mixed_precision: MixedPrecision::default(),
+            reshard_after_forward_ranks: None,
             memory_budget: None,
         }
     }

@@ -6,6 +6,10 @@
 //!
 //! Every other strategy has a one-dimensional mesh: the shard group is the world, there is no
 //! replica group.
+//!
+//! With a partial reshard after forward ([`super::FsdpConfig::reshard_after_forward_ranks`]
+//! `= k`), each shard group is further cut into *secondary groups* of `k` consecutive ranks:
+//! what a unit keeps between its forward and its backward is sharded over this smaller group.
 
 use std::sync::Arc;
 
@@ -22,6 +26,8 @@ pub(crate) struct Mesh {
     pub replica: Option<Arc<dyn ProcessGroup>>,
     /// Which shard group this rank is in (`0..R`; 0 unless hybrid).
     pub replica_index: usize,
+    /// The secondary group of a partial reshard after forward (`None` without one).
+    pub secondary: Option<Arc<dyn ProcessGroup>>,
 }
 
 impl Mesh {
@@ -32,11 +38,28 @@ impl Mesh {
     /// Errors: a shard size of 0 or one that does not divide the world size (naming both); the
     /// launch environment cannot be read (default shard size); ranks asking for different
     /// shard sizes; a sub-group that cannot be created.
-    pub(crate) fn new(world: &Arc<dyn ProcessGroup>, strategy: ShardingStrategy) -> Result<Mesh> {
+    pub(crate) fn new(
+        world: &Arc<dyn ProcessGroup>,
+        strategy: ShardingStrategy,
+        partial: Option<usize>,
+    ) -> Result<Mesh> {
+        let mut mesh = Self::shard_and_replicas(world, strategy)?;
+        if let Some(k) = partial.filter(|_| strategy.reshards_after_forward()) {
+            mesh.secondary = mesh.secondary_groups(world, k)?;
+        }
+        Ok(mesh)
+    }
+
+    /// The shard and replica groups (see [`Mesh::new`]).
+    fn shard_and_replicas(
+        world: &Arc<dyn ProcessGroup>,
+        strategy: ShardingStrategy,
+    ) -> Result<Mesh> {
         let flat = |world: &Arc<dyn ProcessGroup>| Mesh {
             shard: world.clone(),
             replica: None,
             replica_index: 0,
+            secondary: None,
         };
         if !strategy.is_hybrid() {
             return Ok(flat(world));
@@ -92,7 +115,38 @@ impl Mesh {
             shard: shard.ok_or_else(missing)?,
             replica: Some(replica.ok_or_else(missing)?),
             replica_index: world.rank() / s,
+            secondary: None,
         })
+    }
+
+    /// This rank's secondary group of `k` ranks (a collective: every shard group's secondary
+    /// groups are created in order on every rank); `None` when `k` is the shard group's size
+    /// (plain FULL_SHARD).
+    ///
+    /// Errors: `k` of 0 or not dividing the shard group's size (naming both).
+    fn secondary_groups(
+        &self,
+        world: &Arc<dyn ProcessGroup>,
+        k: usize,
+    ) -> Result<Option<Arc<dyn ProcessGroup>>> {
+        let s = self.shard_size();
+        if k == 0 || s % k != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "reshard_after_forward_ranks {k} does not divide the shard group's {s} ranks; \
+                 choose a divisor of {s} (the ranks of one machine, usually)"
+            )));
+        }
+        if k == s {
+            return Ok(None);
+        }
+        let mut mine = None;
+        for first in (0..world.world_size()).step_by(k) {
+            let ranks: Vec<usize> = (first..first + k).collect();
+            if let Some(g) = world.new_group(&ranks)? {
+                mine = Some(g);
+            }
+        }
+        Ok(mine)
     }
 
     /// Ranks of one shard group.
@@ -120,6 +174,7 @@ mod tests {
                 ShardingStrategy::HybridShard {
                     shard_size: Some(2),
                 },
+                None,
             )?;
             Ok((
                 m.shard.rank(),
@@ -147,6 +202,7 @@ mod tests {
                 ShardingStrategy::HybridShard {
                     shard_size: Some(3),
                 },
+                None,
             )
             .map(|_| ())
         })

@@ -206,7 +206,7 @@ impl FsdpModel {
                 self.scheduler.record_gather(g);
             }
         }
-        self.units[g].unshard(self.comm.shard_pg(), &self.comm.all_gather, &self.mem);
+        self.units[g].unshard(&self.comm, &self.mem);
     }
 
     /// Makes group `g`'s parameters present (waiting for its all-gather, issuing it if needed),
@@ -221,7 +221,7 @@ impl FsdpModel {
                 format!("FSDP::wait all_gather {}", self.units[g].name())
             })
         });
-        self.units[g].wait_for_unshard(self.comm.shard_pg(), &self.comm.all_gather, &self.mem)
+        self.units[g].wait_for_unshard(&self.comm, &self.mem)
     }
 
     /// Issues the gathers of `groups` that are neither present nor in flight, as far as

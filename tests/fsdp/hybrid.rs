@@ -246,3 +246,118 @@ fn strategy_names_parse_and_print_back() {
         assert!(bad.parse::<ShardingStrategy>().is_err(), "{bad}");
     }
 }
+
+/// Two SGD steps at world size 4 under `strategy` with `reshard_after_forward_ranks = k`:
+/// rank 0's losses, every rank's gathered parameters, the bytes left unsharded after the first
+/// forward, and the shard group's all-gathers in the first step.
+fn partial_run(
+    strategy: ShardingStrategy,
+    k: Option<usize>,
+) -> (Vec<f32>, Vec<Vec<(String, Vec<f32>)>>, usize, u64) {
+    let data = batches(2, 16, 41);
+    let out = run_ranks_ok(4, ThreadGroupConfig::default(), |pg| {
+        let rank = pg.rank();
+        let mut b = FsdpModel::builder(
+            pg.clone(),
+            FsdpConfig {
+                seed: 5,
+                sharding_strategy: strategy,
+                reshard_after_forward_ranks: k,
+                ..Default::default()
+            },
+        );
+        for u in units() {
+            b = b.unit_spec(u);
+        }
+        let mut m = b.build()?;
+        let mut opt = Sgd::new(SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            ..Default::default()
+        });
+        let (mut losses, mut after_forward, mut gathers) = (Vec::new(), 0, 0);
+        for (step, (x, y)) in data.iter().enumerate() {
+            let before = m.shard_group().stats().all_gather_calls;
+            let logits = m.forward(&x.narrow(0, rank * 4, 4)?)?;
+            if step == 0 {
+                after_forward = m.memory_stats().unsharded_bytes;
+            }
+            let loss = candle_nn::loss::cross_entropy(&logits, &y.narrow(0, rank * 4, 4)?)?;
+            m.backward(&loss)?;
+            if step == 0 {
+                gathers = m.shard_group().stats().all_gather_calls - before;
+            }
+            opt.step(&mut m)?;
+            m.zero_grad();
+            losses.push(loss.to_scalar::<f32>()?);
+        }
+        assert_eq!(m.memory_stats().unsharded_bytes, 0, "pieces dropped");
+        let params = m.gather_full_params(false)?.expect("every rank gathers");
+        let params = params.into_iter().map(|(n, t)| (n, to_vec(&t))).collect();
+        Ok((losses, params, after_forward, gathers))
+    })
+    .unwrap();
+    let (losses, _, after_forward, gathers) = out[0].clone();
+    (
+        losses,
+        out.into_iter().map(|o| o.1).collect(),
+        after_forward,
+        gathers,
+    )
+}
+
+#[test]
+fn partial_reshard_after_forward_is_bitwise_full_shard_with_a_smaller_backward_gather() {
+    // FULL_SHARD over 4 ranks keeping halves (pairs of ranks) between forward and backward;
+    // HYBRID 2 × 2 keeping whole copies (k = 1: no backward gather at all).
+    for (strategy, k) in [(ShardingStrategy::FullShard, 2), (hybrid(2), 1)] {
+        let (want, want_params, full_bytes, full_gathers) = partial_run(strategy, None);
+        let (got, params, bytes, gathers) = partial_run(strategy, Some(k));
+        assert_eq!(got, want, "{strategy} k={k}: losses");
+        assert!(params == want_params, "{strategy} k={k}: parameters");
+        // Each unit with parameters keeps 1/k of its gathered flat buffer (f32) after forward.
+        let shard = if strategy.is_hybrid() { 2 } else { 4 };
+        let kept: usize = partial_layouts()
+            .iter()
+            .map(|&n| 4 * n.div_ceil(shard) * shard / k)
+            .sum();
+        assert_eq!(bytes - full_bytes, kept, "{strategy} k={k}: bytes kept");
+        // The backward's gathers left the shard group for the smaller one.
+        assert!(
+            gathers < full_gathers,
+            "{strategy} k={k}: {gathers} vs {full_gathers}"
+        );
+    }
+    let e = run_ranks_ok(4, ThreadGroupConfig::default(), |pg| {
+        let mut b = FsdpModel::builder(
+            pg,
+            FsdpConfig {
+                reshard_after_forward_ranks: Some(3),
+                ..Default::default()
+            },
+        );
+        for u in units() {
+            b = b.unit_spec(u);
+        }
+        b.build().map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("reshard_after_forward_ranks 3 does not divide the shard group's 4 ranks"),
+        "{e}"
+    );
+}
+
+/// Unpadded parameter elements of each unit of `units()` that has parameters.
+fn partial_layouts() -> Vec<usize> {
+    let out = run_ranks_ok(1, ThreadGroupConfig::default(), |pg| {
+        let m = model(pg, ShardingStrategy::FullShard, MixedPrecision::full_f32())?;
+        Ok(m.shards()
+            .map(|u| u.layout.unpadded_numel)
+            .filter(|&n| n > 0)
+            .collect::<Vec<_>>())
+    })
+    .unwrap();
+    out.into_iter().next().unwrap()
+}
