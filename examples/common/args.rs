@@ -70,6 +70,11 @@ pub struct TrainArgs {
     /// Default: the ranks of one machine (the whole world when the job runs on one).
     #[arg(long, value_name = "N")]
     pub shard_size: Option<usize>,
+    /// Partial reshard after forward (full-shard, hybrid-shard): keep each unit's parameters
+    /// sharded over groups of N ranks between its forward and its backward, whose all-gather
+    /// then stays inside that group; N divides the shard group's size.
+    #[arg(long, value_name = "N")]
+    pub reshard_after_forward: Option<usize>,
     /// Disable forward and backward prefetch.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     pub no_prefetch: bool,

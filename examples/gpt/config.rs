@@ -64,6 +64,7 @@ pub struct ConfigFile {
     pub keep_last: Option<usize>,
     pub strategy: Option<String>,
     pub shard_size: Option<usize>,
+    pub reshard_after_forward: Option<usize>,
     pub no_prefetch: Option<bool>,
     pub precision: Option<String>,
     pub grad_accum: Option<usize>,

@@ -94,6 +94,31 @@ impl FsdpModel {
         self.comm.mesh.replica.as_ref()
     }
 
+    /// Calls and bytes this rank issued, summed over every group the model uses: the world
+    /// group ([`FsdpModel::process_group`], which also carries the caller's own collectives) and,
+    /// when it has them, its shard, replica and secondary (partial reshard) groups. See
+    /// [`ProcessGroup::stats`].
+    pub fn comm_stats(&self) -> crate::comm::CommStatsSnapshot {
+        let mesh = &self.comm.mesh;
+        let mut groups: Vec<&Arc<dyn ProcessGroup>> = vec![&self.pg];
+        for g in [
+            Some(&mesh.shard),
+            mesh.replica.as_ref(),
+            mesh.secondary.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if !groups.iter().any(|h| Arc::ptr_eq(h, g)) {
+                groups.push(g);
+            }
+        }
+        groups.iter().fold(
+            Default::default(),
+            |acc: crate::comm::CommStatsSnapshot, g| acc.zip_with(g.stats(), u64::wrapping_add),
+        )
+    }
+
     /// Which replica (shard group) this rank belongs to: `world rank / shard size` under the
     /// hybrid strategies, 0 otherwise. Replica 0 alone writes sharded checkpoints and counts in
     /// gradient norms.
@@ -191,8 +216,11 @@ impl FsdpModel {
         if self.comm.mesh.replica.is_some() {
             self.comm.mesh.shard.set_observer(observer.clone());
         }
-        if let Some(g) = &self.comm.mesh.replica {
-            g.set_observer(observer);
+        for g in [&self.comm.mesh.replica, &self.comm.mesh.secondary]
+            .into_iter()
+            .flatten()
+        {
+            g.set_observer(observer.clone());
         }
         self.tracer = tracer;
     }
