@@ -241,7 +241,7 @@ fn validate(args: &TrainArgs, env: &LaunchEnv, world_size: usize) -> anyhow::Res
             args.strategy
         );
         anyhow::ensure!(
-            n >= 1 && world_size % n == 0,
+            n >= 1 && world_size.is_multiple_of(n),
             "--shard-size {n} does not divide the world size {world_size}"
         );
     }

@@ -384,7 +384,10 @@ impl FsdpModel {
             .advance_reductions(all, |reduced| {
                 collectives::all_reduce_replicas(replicas.as_ref(), stream, reduced)
             })
-            .map_err(|(g, e)| self.at(e, Some(g), Phase::Backward))
+            .map_err(|b| {
+                let (g, e) = *b;
+                self.at(e, Some(g), Phase::Backward)
+            })
     }
 }
 

@@ -69,7 +69,7 @@ impl Mesh {
             Some(s) => s,
             None => crate::launch::LaunchEnv::detect()?.ranks_on_this_machine(ws),
         };
-        if s == 0 || ws % s != 0 {
+        if s == 0 || !ws.is_multiple_of(s) {
             return Err(Error::InvalidArgument(format!(
                 "{strategy}: shard size {s} does not divide the world size {ws}; choose a shard \
                  size that divides {ws} (the ranks of one machine, usually)"
@@ -130,7 +130,7 @@ impl Mesh {
         k: usize,
     ) -> Result<Option<Arc<dyn ProcessGroup>>> {
         let s = self.shard_size();
-        if k == 0 || s % k != 0 {
+        if k == 0 || !s.is_multiple_of(k) {
             return Err(Error::InvalidArgument(format!(
                 "reshard_after_forward_ranks {k} does not divide the shard group's {s} ranks; \
                  choose a divisor of {s} (the ranks of one machine, usually)"

@@ -91,7 +91,7 @@ impl Scheduler {
         &mut self,
         all: bool,
         mut next: impl FnMut(Tensor) -> Work<Tensor>,
-    ) -> std::result::Result<(), (usize, crate::error::Error)> {
+    ) -> std::result::Result<(), Box<(usize, crate::error::Error)>> {
         while let Some((g, work, _)) = self.reductions.get_mut(self.passed_on) {
             if !all && !work.is_completed() {
                 break;
@@ -99,7 +99,9 @@ impl Scheduler {
             let moved = Work::ready(Err(crate::error::Error::Internal(
                 "a reduction was passed on twice".into(),
             )));
-            let reduced = std::mem::replace(work, moved).wait().map_err(|e| (*g, e))?;
+            let reduced = std::mem::replace(work, moved)
+                .wait()
+                .map_err(|e| Box::new((*g, e)))?;
             *work = next(reduced);
             self.passed_on += 1;
         }

@@ -1,10 +1,10 @@
 //! HYBRID_SHARD and its SHARD_GRAD_OP variant: parity with single-process Candle at world sizes
 //! 4 (2 replicas × 2) and 6 (3 × 2 and 2 × 3), every mixed-precision policy against FULL_SHARD
-//! at the same world size, what each rank holds and sends, and the errors of a bad shard size.
+//! at the same world size, what each rank holds and sends, the errors of a bad shard size, the
+//! default shard size; and the partial reshard after forward.
 
 use crate::common;
-#[path = "../common/parity.rs"]
-mod harness;
+use crate::parity::harness;
 
 use std::sync::Arc;
 
@@ -17,6 +17,9 @@ use candle_fsdp::optim::{Sgd, SgdConfig, ShardedOptimizer};
 use candle_fsdp::{FsdpConfig, FsdpModel, MixedPrecision, ShardingStrategy};
 use common::*;
 use harness::{check, Opt};
+
+/// Every parameter's name and values.
+type Params = Vec<(String, Vec<f32>)>;
 
 fn hybrid(shard_size: usize) -> ShardingStrategy {
     ShardingStrategy::HybridShard {
@@ -34,6 +37,8 @@ fn hybrid_shard_matches_single_process_2x2_3x2_2x3() {
         shard_size: Some(2),
     };
     check(&Launcher::threads(4), zero2, Opt::Adam, true);
+    // Shard groups of one rank: DDP (nothing sharded, gradients all-reduced across replicas).
+    check(&Launcher::threads(2), hybrid(1), Opt::Adam, true);
 }
 
 fn model(
@@ -41,15 +46,19 @@ fn model(
     strategy: ShardingStrategy,
     mp: MixedPrecision,
 ) -> candle_fsdp::Result<FsdpModel> {
-    let mut b = FsdpModel::builder(
+    model_with(
         pg,
         FsdpConfig {
-            seed: 5,
             sharding_strategy: strategy,
             mixed_precision: mp,
             ..Default::default()
         },
-    );
+    )
+}
+
+/// The test model under `config` (seed 5).
+fn model_with(pg: Arc<dyn ProcessGroup>, config: FsdpConfig) -> candle_fsdp::Result<FsdpModel> {
+    let mut b = FsdpModel::builder(pg, FsdpConfig { seed: 5, ..config });
     for u in units() {
         b = b.unit_spec(u);
     }
@@ -58,10 +67,7 @@ fn model(
 
 /// Losses (rank 0's) of a few SGD steps at world size 4 under `strategy` and `mp` (with the
 /// grad scaler), and every rank's gathered parameters.
-fn train_ws4(
-    strategy: ShardingStrategy,
-    mp: MixedPrecision,
-) -> (Vec<f32>, Vec<Vec<(String, Vec<f32>)>>) {
+fn train_ws4(strategy: ShardingStrategy, mp: MixedPrecision) -> (Vec<f32>, Vec<Params>) {
     let data = batches(4, 16, 31);
     let out = run_ranks_ok(4, ThreadGroupConfig::default(), |pg| {
         let rank = pg.rank();
@@ -253,23 +259,18 @@ fn strategy_names_parse_and_print_back() {
 fn partial_run(
     strategy: ShardingStrategy,
     k: Option<usize>,
-) -> (Vec<f32>, Vec<Vec<(String, Vec<f32>)>>, usize, u64) {
+) -> (Vec<f32>, Vec<Params>, usize, u64) {
     let data = batches(2, 16, 41);
     let out = run_ranks_ok(4, ThreadGroupConfig::default(), |pg| {
         let rank = pg.rank();
-        let mut b = FsdpModel::builder(
+        let mut m = model_with(
             pg.clone(),
             FsdpConfig {
-                seed: 5,
                 sharding_strategy: strategy,
                 reshard_after_forward_ranks: k,
                 ..Default::default()
             },
-        );
-        for u in units() {
-            b = b.unit_spec(u);
-        }
-        let mut m = b.build()?;
+        )?;
         let mut opt = Sgd::new(SgdConfig {
             lr: 0.1,
             momentum: 0.9,
@@ -329,17 +330,11 @@ fn partial_reshard_after_forward_is_bitwise_full_shard_with_a_smaller_backward_g
         );
     }
     let e = run_ranks_ok(4, ThreadGroupConfig::default(), |pg| {
-        let mut b = FsdpModel::builder(
-            pg,
-            FsdpConfig {
-                reshard_after_forward_ranks: Some(3),
-                ..Default::default()
-            },
-        );
-        for u in units() {
-            b = b.unit_spec(u);
-        }
-        b.build().map(|_| ())
+        let config = FsdpConfig {
+            reshard_after_forward_ranks: Some(3),
+            ..Default::default()
+        };
+        model_with(pg, config).map(|_| ())
     })
     .unwrap_err()
     .to_string();
@@ -360,4 +355,21 @@ fn partial_layouts() -> Vec<usize> {
     })
     .unwrap();
     out.into_iter().next().unwrap()
+}
+
+#[test]
+fn the_default_shard_size_is_the_ranks_of_one_machine() {
+    // Thread ranks all run on this machine: one shard group of the whole world, no replicas
+    // (FULL_SHARD's layout). Under mpirun or torchrun the size is the launcher's local size.
+    let out = run_ranks_ok(4, ThreadGroupConfig::default(), |pg| {
+        let strategy = ShardingStrategy::HybridShard { shard_size: None };
+        let m = model(pg, strategy, MixedPrecision::full_f32())?;
+        Ok((
+            m.shard_group().world_size(),
+            m.replica_group().is_none(),
+            m.shards().map(|u| u.layout.world_size).max(),
+        ))
+    })
+    .unwrap();
+    assert!(out.iter().all(|&o| o == (4, true, Some(4))), "{out:?}");
 }
