@@ -143,12 +143,19 @@ pub(crate) fn plan(
     } else {
         gathered.iter().sum::<usize>() + gathered.first().copied().unwrap_or(0)
     };
+    // A partial reshard after forward keeps 1/k of every group from its forward to its backward.
+    let kept = match config.reshard_after_forward_ranks {
+        Some(k) if k > 0 && k < ws && config.sharding_strategy.reshards_after_forward() => {
+            gathered.iter().sum::<usize>() / k
+        }
+        _ => 0,
+    };
     MemoryPlan {
         world_size: ws,
         param_shard_bytes: 4 * all,
         grad_shard_bytes: 4 * trainable,
         optimizer_bytes: budget.optimizer_bytes_per_element * trainable,
-        unsharded_bytes: in_flight + backward,
+        unsharded_bytes: in_flight + backward + kept,
         activation_bytes: budget.activation_bytes,
     }
 }

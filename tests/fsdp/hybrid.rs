@@ -255,11 +255,12 @@ fn strategy_names_parse_and_print_back() {
 
 /// Two SGD steps at world size 4 under `strategy` with `reshard_after_forward_ranks = k`:
 /// rank 0's losses, every rank's gathered parameters, the bytes left unsharded after the first
-/// forward, and the shard group's all-gathers in the first step.
+/// forward (measured, and planned by `memory_plan`), and the shard group's all-gathers in the
+/// first step.
 fn partial_run(
     strategy: ShardingStrategy,
     k: Option<usize>,
-) -> (Vec<f32>, Vec<Params>, usize, u64) {
+) -> (Vec<f32>, Vec<Params>, [usize; 2], u64) {
     let data = batches(2, 16, 41);
     let out = run_ranks_ok(4, ThreadGroupConfig::default(), |pg| {
         let rank = pg.rank();
@@ -276,6 +277,7 @@ fn partial_run(
             momentum: 0.9,
             ..Default::default()
         });
+        let planned = m.memory_plan(0, 0).unsharded_bytes;
         let (mut losses, mut after_forward, mut gathers) = (Vec::new(), 0, 0);
         for (step, (x, y)) in data.iter().enumerate() {
             let before = m.shard_group().stats().all_gather_calls;
@@ -295,7 +297,7 @@ fn partial_run(
         assert_eq!(m.memory_stats().unsharded_bytes, 0, "pieces dropped");
         let params = m.gather_full_params(false)?.expect("every rank gathers");
         let params = params.into_iter().map(|(n, t)| (n, to_vec(&t))).collect();
-        Ok((losses, params, after_forward, gathers))
+        Ok((losses, params, [after_forward, planned], gathers))
     })
     .unwrap();
     let (losses, _, after_forward, gathers) = out[0].clone();
@@ -312,8 +314,9 @@ fn partial_reshard_after_forward_is_bitwise_full_shard_with_a_smaller_backward_g
     // FULL_SHARD over 4 ranks keeping halves (pairs of ranks) between forward and backward;
     // HYBRID 2 × 2 keeping whole copies (k = 1: no backward gather at all).
     for (strategy, k) in [(ShardingStrategy::FullShard, 2), (hybrid(2), 1)] {
-        let (want, want_params, full_bytes, full_gathers) = partial_run(strategy, None);
-        let (got, params, bytes, gathers) = partial_run(strategy, Some(k));
+        let (want, want_params, [full_bytes, full_plan], full_gathers) =
+            partial_run(strategy, None);
+        let (got, params, [bytes, plan], gathers) = partial_run(strategy, Some(k));
         assert_eq!(got, want, "{strategy} k={k}: losses");
         assert!(params == want_params, "{strategy} k={k}: parameters");
         // Each unit with parameters keeps 1/k of its gathered flat buffer (f32) after forward.
@@ -323,6 +326,8 @@ fn partial_reshard_after_forward_is_bitwise_full_shard_with_a_smaller_backward_g
             .map(|&n| 4 * n.div_ceil(shard) * shard / k)
             .sum();
         assert_eq!(bytes - full_bytes, kept, "{strategy} k={k}: bytes kept");
+        // The memory plan counts them.
+        assert_eq!(plan - full_plan, kept, "{strategy} k={k}: bytes planned");
         // The backward's gathers left the shard group for the smaller one.
         assert!(
             gathers < full_gathers,
