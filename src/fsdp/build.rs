@@ -142,7 +142,7 @@ impl FsdpModel {
     /// created.
     pub fn build_with(
         pg: Arc<dyn ProcessGroup>,
-        config: FsdpConfig,
+        mut config: FsdpConfig,
         spec: impl Into<ModelSpec>,
         mut fill: impl FnMut(&RecordedParam, std::ops::Range<usize>, &mut [f32]) -> Result<()>,
     ) -> Result<FsdpModel> {
@@ -153,6 +153,12 @@ impl FsdpModel {
             config.sharding_strategy,
             config.reshard_after_forward_ranks,
         )?;
+        // A hybrid strategy's default shard size, resolved (what `config()` then shows).
+        if config.sharding_strategy.is_hybrid() {
+            config.sharding_strategy = config
+                .sharding_strategy
+                .with_shard_size(Some(mesh.shard_size()));
+        }
         let mut freeze = FreezePatterns::new(&spec.freeze, &spec.groups)?;
         let recorded = record_groups(spec.groups, &config)?;
         let classified = recorded

@@ -24,7 +24,8 @@ pub enum ShardingStrategy {
     /// replicas (the ranks of equal position in every shard group), optimizer state sharded
     /// inside the group. `shard_size` must divide the world size; `None` takes the ranks of
     /// one machine (`LOCAL_WORLD_SIZE`, or mpirun's local size; the whole world when the job
-    /// runs on one machine). See `design/fsdp.md`.
+    /// runs on one machine), resolved at build (the model's `config()` shows the size). See
+    /// `design/fsdp.md`.
     HybridShard {
         /// Ranks of one shard group (`None`: ranks per machine).
         shard_size: Option<usize>,

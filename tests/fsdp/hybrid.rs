@@ -373,8 +373,12 @@ fn the_default_shard_size_is_the_ranks_of_one_machine() {
             m.shard_group().world_size(),
             m.replica_group().is_none(),
             m.shards().map(|u| u.layout.world_size).max(),
+            m.config().sharding_strategy,
         ))
     })
     .unwrap();
-    assert!(out.iter().all(|&o| o == (4, true, Some(4))), "{out:?}");
+    assert!(
+        out.iter().all(|&o| o == (4, true, Some(4), hybrid(4))),
+        "{out:?}"
+    );
 }
