@@ -41,7 +41,7 @@ fn main() -> anyhow::Result<()> {
         lr: "1e-3",
         lr_help: "Learning rate",
         checkpoint_dir: "checkpoints/mnist",
-    });
+    })?;
     let train = &args.train;
     let setup = common::setup(train)?;
     let mnist = common::load_mnist(&args.data_dir)?;

@@ -100,7 +100,7 @@ fn main() -> anyhow::Result<()> {
         lr: "3e-3",
         lr_help: "Peak learning rate (cosine decay to 0 over the run)",
         checkpoint_dir: "checkpoints/mnist_cnn",
-    });
+    })?;
     let train = &args.train;
     let setup = common::setup(train)?;
     let mnist = common::load_mnist(&args.data_dir)?;

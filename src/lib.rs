@@ -45,6 +45,8 @@ pub mod alloc;
 pub mod checkpoint;
 pub mod clip;
 pub mod comm;
+#[cfg(feature = "cli")]
+pub mod config_file;
 pub(crate) mod cpu;
 pub mod data;
 pub mod device;

@@ -1,11 +1,13 @@
 //! The flags every example takes, their per-example defaults, and the checks made before any
 //! work starts.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use anyhow::Context;
 use candle_fsdp::checkpoint;
 use candle_fsdp::comm::threads::set_intra_op_threads;
+use candle_fsdp::config_file::{self, ConfigError};
 use candle_fsdp::launch::{LaunchEnv, Launcher};
 use candle_fsdp::{MixedPrecision, ShardingStrategy};
 use clap::{Parser, ValueEnum};
@@ -25,6 +27,11 @@ pub enum AccumMode {
 /// (MNIST's `--epochs`, the GPT's `--max-steps`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
+    /// TOML file of flags: keys are the long flag names (`batch_size = 64`); flags on the
+    /// command line override it; an unknown key is an error; its `[launch]` table is
+    /// fsdp-run's.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Number of ranks: threads of this process (default 2). Under `mpirun` the job's process
     /// count is the world size, and a --world-size that disagrees with it is an error.
     #[arg(long)]
@@ -126,12 +133,31 @@ pub struct Defaults {
     pub checkpoint_dir: &'static str,
 }
 
-/// Parses the command line into an example's `Args` (which flattens [`TrainArgs`]), with that
-/// example's [`Defaults`]; exits with clap's message on a parse error or for `--help`.
-pub fn parse<A: Parser>(defaults: &Defaults) -> A {
+/// Parses the command line, and the `--config` file it names, into an example's `Args` (which
+/// flattens [`TrainArgs`]), with that example's [`Defaults`]; exits with clap's message on a
+/// parse error of the command line or for `--help`.
+///
+/// Errors: the config file's, naming the file and the key or flag
+/// ([`candle_fsdp::config_file`]).
+pub fn parse<A: Parser>(defaults: &Defaults) -> anyhow::Result<A> {
+    parse_from(defaults, std::env::args_os().collect())
+}
+
+/// [`parse`] of the words `argv` (the program's name first).
+pub fn parse_from<A: Parser>(defaults: &Defaults, argv: Vec<OsString>) -> anyhow::Result<A> {
     let mut command = command::<A>(defaults);
-    let matches = command.get_matches_mut();
-    A::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit())
+    let skip = [config_file::LAUNCH_TABLE];
+    let matches = match config_file::parse_with_config(
+        &mut command,
+        argv,
+        config_file::Section::TopLevel { skip: &skip },
+    ) {
+        Ok(m) => m,
+        // The command line's own errors, --help and --version: clap's message and exit code.
+        Err(ConfigError::CommandLine(e)) => e.format(&mut command).exit(),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(A::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit()))
 }
 
 /// The command of an example's `Args` (which flattens [`TrainArgs`]) with that example's

@@ -16,7 +16,7 @@
 //! validation loss on the last 5 % every `--eval-interval` steps and at the end, and a sample
 //! generated from `--prompt`. Checkpoints, resume, precision, accumulation, clipping, trace and
 //! strategy are the MNIST examples' flags (`examples/common/`). Every flag can also come from a
-//! TOML file (`--config FILE`, see `config.rs`); flags on the command line win.
+//! TOML file (`--config FILE`, `candle_fsdp::config_file`); flags on the command line win.
 //!
 //! ```text
 //! cargo run --release --example gpt -- --world-size 2
@@ -27,7 +27,6 @@
 #[path = "../common/mod.rs"]
 #[allow(dead_code, unused_imports)] // the MNIST examples' data and epoch loop are not used here
 mod common;
-mod config;
 mod run;
 
 use std::path::PathBuf;
@@ -35,17 +34,13 @@ use std::path::PathBuf;
 use anyhow::Context;
 use candle_fsdp::data::text::{Split, TextCorpus, VOCAB_SIZE};
 use candle_fsdp::models::gpt::GptConfig;
-use clap::{FromArgMatches, Parser};
+use clap::Parser;
 
 /// Train a GPT-2-style decoder on Shakespeare (bytes as tokens) with FSDP over in-process ranks
 /// (or the processes of an `mpirun` job).
 #[derive(Debug, Parser)]
 #[command(version)]
 pub struct Args {
-    /// TOML file of flags (keys are the long flag names with `_`, e.g. `n_layer = 6`); flags on
-    /// the command line override it, and an unknown key is an error.
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
     /// Transformer blocks.
     #[arg(long, default_value_t = 4)]
     pub n_layer: usize,
@@ -165,21 +160,12 @@ impl Args {
 
 /// Parses the command line (and the `--config` file it names).
 fn parse() -> anyhow::Result<Args> {
-    let mut command = common::args::command::<Args>(&common::Defaults {
+    common::parse(&common::Defaults {
         batch_size: "8",
         lr: "3e-4",
         lr_help: "Peak learning rate (linear warm-up, then cosine decay to --min-lr-factor · lr)",
         checkpoint_dir: "checkpoints/gpt",
-    });
-    let matches = match config::parse_with_config(&mut command, std::env::args_os().collect()) {
-        Ok(m) => m,
-        // The command line's own errors, --help and --version: clap's message and exit code.
-        Err(e) => match e.downcast::<clap::Error>() {
-            Ok(clap_error) => clap_error.format(&mut command).exit(),
-            Err(e) => return Err(e),
-        },
-    };
-    Ok(Args::from_arg_matches(&matches)?)
+    })
 }
 
 fn main() -> anyhow::Result<()> {

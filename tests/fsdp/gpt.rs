@@ -1,12 +1,8 @@
 //! The GPT example's pieces: the byte corpus on disk, the model (plain Candle and as FSDP
-//! units), a short FSDP training run at world size 2, and the `--config` file.
-
-#[allow(dead_code)] // the example's own module; the tests use its parser only
-#[path = "../../examples/gpt/config.rs"]
-mod config;
+//! units), and a short FSDP training run at world size 2 (its `--config` file: tests/tools/config_file.rs).
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use candle_fsdp::data::text::{Split, TextCorpus};
@@ -15,9 +11,6 @@ use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::models::gpt::{gelu, lm_loss, FsdpGpt, Gpt, GptConfig};
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, Sgd, SgdConfig, ShardedOptimizer};
 use candle_nn::VarMap;
-use clap::{FromArgMatches, Parser};
-
-use config::{parse_with_config, ConfigFile};
 
 const CORPUS: &str = "data/shakespeare/shakespeare.txt.gz";
 
@@ -334,96 +327,6 @@ fn trains_at_world_size_2_with_falling_loss() {
             l[0]
         );
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The `--config` file.
-
-#[derive(Debug, Parser)]
-struct MiniArgs {
-    #[arg(long)]
-    config: Option<PathBuf>,
-    #[arg(long, default_value_t = 4)]
-    n_layer: usize,
-    #[arg(long, default_value_t = 3e-4)]
-    lr: f64,
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
-    untied: bool,
-    #[arg(long, default_value = "hello")]
-    prompt: String,
-    #[arg(long, default_value = "full-shard")]
-    strategy: candle_fsdp::ShardingStrategy,
-}
-
-fn parse_mini(argv: &[&str]) -> anyhow::Result<MiniArgs> {
-    let mut cmd = <MiniArgs as clap::CommandFactory>::command();
-    let m = parse_with_config(&mut cmd, argv.iter().map(Into::into).collect())?;
-    Ok(MiniArgs::from_arg_matches(&m)?)
-}
-
-#[test]
-fn config_rejects_an_unknown_key_by_name() {
-    let e = ConfigFile::parse("n_layer = 2\nn_layers = 3\n", Path::new("run.toml"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("n_layers") && e.contains("run.toml"), "{e}");
-    let e = ConfigFile::parse("d_model = \"wide\"\n", Path::new("run.toml"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("d_model"), "{e}");
-}
-
-#[test]
-fn config_settings_become_flags_and_the_command_line_wins() {
-    let f = ConfigFile::parse(
-        "n_layer = 6\nuntied = true\nlr = 0.001\nprompt = \"-dash\"\nno_prefetch = false\n",
-        Path::new("c.toml"),
-    )
-    .unwrap();
-    assert_eq!(
-        f.settings().unwrap(),
-        vec![
-            ("lr".to_string(), Some("0.001".to_string())),
-            ("n_layer".to_string(), Some("6".to_string())),
-            ("prompt".to_string(), Some("-dash".to_string())),
-            ("untied".to_string(), None),
-        ]
-    );
-    let dir = tmpdir("config");
-    let path = dir.join("c.toml");
-    std::fs::write(
-        &path,
-        "n_layer = 6\nuntied = true\nlr = 0.001\nprompt = \"-dash\"\n",
-    )
-    .unwrap();
-    let p = path.to_str().unwrap();
-    let a = parse_mini(&["gpt", "--config", p, "--n-layer", "2"]).unwrap();
-    assert_eq!(
-        (a.n_layer, a.lr, a.untied, a.prompt.as_str()),
-        (2, 0.001, true, "-dash")
-    );
-    let a = parse_mini(&["gpt", "--n-layer", "3"]).unwrap();
-    assert_eq!((a.n_layer, a.lr, a.untied), (3, 3e-4, false));
-    // A switch the file turns on, the command line turns off (`--untied=false`); alone, a
-    // switch is on.
-    let a = parse_mini(&["gpt", "--config", p, "--untied=false"]).unwrap();
-    assert_eq!((a.n_layer, a.untied), (6, false));
-    assert!(parse_mini(&["gpt", "--untied"]).unwrap().untied);
-    // A key the command has no flag for (the example's struct and its flags disagree).
-    std::fs::write(&path, "d_model = 64\n").unwrap();
-    let e = parse_mini(&["gpt", "--config", p]).unwrap_err().to_string();
-    assert!(
-        e.contains("d_model") && e.contains("no flag --d-model"),
-        "{e}"
-    );
-    // A value of the wrong TOML type, and a value clap refuses: the errors name the file.
-    std::fs::write(&path, "lr = \"fast\"\n").unwrap();
-    let e = parse_mini(&["gpt", "--config", p]).unwrap_err().to_string();
-    assert!(e.contains("c.toml") && e.contains("lr"), "{e}");
-    std::fs::write(&path, "strategy = \"fast\"\n").unwrap();
-    let e = parse_mini(&["gpt", "--config", p]).unwrap_err().to_string();
-    assert!(e.contains("c.toml") && e.contains("--strategy"), "{e}");
-    assert!(parse_mini(&["gpt", "--config", p, "--strategy", "no-shard"]).is_ok());
 }
 
 #[path = "../../examples/common/trace_window.rs"]

@@ -12,6 +12,8 @@ mod common;
 #[cfg(feature = "cli")]
 mod ckpt_tool;
 #[cfg(feature = "cli")]
+mod config_file;
+#[cfg(feature = "cli")]
 mod fsdp_run;
 #[cfg(feature = "timeline")]
 mod timeline;
