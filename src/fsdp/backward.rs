@@ -380,6 +380,14 @@ impl FsdpModel {
         else {
             return Ok(());
         };
+        // Waiting for the remaining reduce-scatters is exposed communication.
+        let _w = all
+            .then(|| {
+                self.span(SpanKind::Wait, || {
+                    "FSDP::wait reduce_scatter (to replicas)".into()
+                })
+            })
+            .flatten();
         self.scheduler
             .advance_reductions(all, |reduced| {
                 collectives::all_reduce_replicas(replicas.as_ref(), stream, reduced)
