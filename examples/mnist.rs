@@ -53,7 +53,7 @@ fn main() -> anyhow::Result<()> {
             setup.launcher.world_size(),
             setup.device_desc(),
             train.batch_size,
-            train.strategy,
+            train.sharding_strategy(),
             setup.intra_op
         );
     }

@@ -118,7 +118,7 @@ fn main() -> anyhow::Result<()> {
         args.channels1,
         args.channels2,
         args.hidden,
-        train.strategy,
+        train.sharding_strategy(),
         intra_op
     );
     }

@@ -32,9 +32,14 @@ impl Default for ClipOptions {
 
 /// This rank's part of the norm: the sum of `|g|^p` (f64 accumulation; the L2 case sums
 /// squares with [`ops::sum_squares`], each unit's sum then the units in order), or the max of
-/// `|g|` for the infinity norm.
+/// `|g|` for the infinity norm. Under the hybrid strategies every replica holds the same
+/// shards: only replica 0's ranks contribute to a sum (the others add 0, so the reduction over
+/// the whole world equals one over a single replica, bit for bit).
 fn local_part(model: &FsdpModel, p: f64) -> Result<f64> {
     let mut s = 0f64;
+    if model.replica_index() != 0 && !p.is_infinite() {
+        return Ok(s);
+    }
     for v in model.shards() {
         let Some(g) = v.grad else { continue };
         if p == 2.0 {
@@ -91,8 +96,8 @@ pub fn total_grad_norm(model: &FsdpModel) -> Result<f32> {
 }
 
 /// Total `norm_type`-norm of all gradients of the model, over every rank's shards (a
-/// collective: one all-reduce of one f32, sum of `|g|^p` or max of `|g|` for
-/// `f64::INFINITY`). Under NO_SHARD every rank holds the whole gradient, so no reduction is
+/// collective over the whole world: one all-reduce of one f32, sum of `|g|^p` or max of `|g|`
+/// for `f64::INFINITY`; under the hybrid strategies one replica's shards count). Under NO_SHARD every rank holds the whole gradient, so no reduction is
 /// needed and none is done.
 ///
 /// Errors: gradient sync is off (the gradients would be partial); `norm_type` not > 0 (or

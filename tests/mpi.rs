@@ -11,6 +11,10 @@
 //! - FSDP training equals plain single-process Candle (the thread parity suite's checks);
 //! - a checkpoint saved by the MPI processes loads in thread ranks of another world size and the
 //!   reverse, bit-exactly (parameters and optimizer state, shown by identical later losses).
+//!
+//! `mpi_hybrid_suite` runs HYBRID_SHARD at world sizes 4 (2 × 2) and 6 (3 × 2 and 2 × 3) only
+//! (`.ci/run` starts it alone, `mpirun -n 4|6 <binary> hybrid`): parity with single-process
+//! Candle, and a hybrid checkpoint loaded by FULL_SHARD thread ranks and back, bit-exactly.
 #![cfg(feature = "mpi")]
 
 mod common;
@@ -207,10 +211,18 @@ fn fsdp_matches_single_process(launcher: &Launcher) {
 const PER_RANK: usize = 4;
 
 fn build(pg: Arc<dyn ProcessGroup>) -> candle_fsdp::Result<(FsdpModel, AdamW)> {
+    build_with(pg, ShardingStrategy::FullShard)
+}
+
+fn build_with(
+    pg: Arc<dyn ProcessGroup>,
+    strategy: ShardingStrategy,
+) -> candle_fsdp::Result<(FsdpModel, AdamW)> {
     let mut b = FsdpModel::builder(
         pg,
         FsdpConfig {
             seed: 7,
+            sharding_strategy: strategy,
             ..Default::default()
         },
     );
@@ -268,6 +280,14 @@ fn shared_dir(pg: &Arc<dyn ProcessGroup>, tag: &str) -> PathBuf {
 fn checkpoints_cross_backends_and_world_sizes(launcher: &Launcher) {
     let ws = launcher.world_size();
     let other_ws = if ws == 3 { 2 } else { 3 };
+    checkpoints_cross(launcher, ShardingStrategy::FullShard, other_ws);
+}
+
+/// Saves under `strategy` in the MPI processes, loads in `other_ws` FULL_SHARD thread ranks
+/// (rank 0's process), saves there, loads back in the MPI processes: the same parameters and,
+/// continuing, the same losses as straight through.
+fn checkpoints_cross(launcher: &Launcher, strategy: ShardingStrategy, other_ws: usize) {
+    let ws = launcher.world_size();
     let data = batches(5, PER_RANK * ws.max(other_ws), 11);
     let (first, later) = data.split_at(3);
     let state = TrainState {
@@ -277,7 +297,7 @@ fn checkpoints_cross_backends_and_world_sizes(launcher: &Launcher) {
     launch(launcher, |pg| {
         let root = shared_dir(&pg, "ckpt");
         let (dir_a, dir_b) = (root.join("mpi"), root.join("threads"));
-        let (mut model, mut optim) = build(pg.clone())?;
+        let (mut model, mut optim) = build_with(pg.clone(), strategy)?;
         train(&mut model, &mut optim, first)?;
         checkpoint::save_sharded(&dir_a, &model, &optim, &state, 0)?;
         let saved = params(&model)?;
@@ -303,7 +323,7 @@ fn checkpoints_cross_backends_and_world_sizes(launcher: &Launcher) {
         assert_eq!(agreed, vec![1], "thread ranks loaded other parameters");
         // Every MPI rank: load what the thread ranks saved, continue, and land on the same
         // losses as the uninterrupted run (so the optimizer state survived both trips bitwise).
-        let (mut model, mut optim) = build(pg.clone())?;
+        let (mut model, mut optim) = build_with(pg.clone(), strategy)?;
         checkpoint::load_latest(&dir_b, &mut model, &mut optim)?.expect("a checkpoint");
         assert_eq!(params(&model)?, saved);
         let resumed = train(&mut model, &mut optim, later)?;
@@ -335,5 +355,45 @@ fn mpi_suite() {
     fsdp_matches_single_process(&launcher);
     say("checkpoints cross backends and world sizes bit-exactly");
     checkpoints_cross_backends_and_world_sizes(&launcher);
+    say("done");
+}
+
+#[test]
+fn mpi_hybrid_suite() {
+    let launcher = mpi();
+    let ws = launcher.world_size();
+    let say = |what: &str| {
+        if launcher.local_ranks().start == 0 {
+            eprintln!("mpi hybrid suite (world size {ws}): {what}");
+        }
+    };
+    let shard_sizes: &[usize] = match ws {
+        4 => &[2],
+        6 => &[2, 3],
+        _ => {
+            say("runs at world sizes 4 and 6 only (mpirun -n 4|6): skipped");
+            return;
+        }
+    };
+    for &s in shard_sizes {
+        let hybrid = ShardingStrategy::HybridShard {
+            shard_size: Some(s),
+        };
+        say(&format!(
+            "{} replicas x {s}: training equals single-process Candle",
+            ws / s
+        ));
+        check(&launcher, hybrid, Opt::Adam, true);
+        check(&launcher, hybrid, Opt::SgdMomentum, false);
+        let zero2 = ShardingStrategy::HybridShardGradOp {
+            shard_size: Some(s),
+        };
+        check(&launcher, zero2, Opt::Adam, true);
+        say(&format!(
+            "{} replicas x {s}: checkpoint to FULL_SHARD thread ranks and back, bit-exactly",
+            ws / s
+        ));
+        checkpoints_cross(&launcher, hybrid, 3);
+    }
     say("done");
 }

@@ -68,9 +68,20 @@ pub struct TrainArgs {
     /// Complete checkpoints to keep (0 keeps all).
     #[arg(long, default_value_t = 2)]
     pub keep_last: usize,
-    /// Sharding strategy.
+    /// Sharding strategy: full-shard, shard-grad-op, no-shard, hybrid-shard or
+    /// hybrid-shard-grad-op (a hybrid name may carry its shard size: hybrid-shard:4).
     #[arg(long, default_value = "full-shard")]
     pub strategy: ShardingStrategy,
+    /// Ranks of one shard group under hybrid-shard / hybrid-shard-grad-op (parameters are
+    /// sharded inside the group and replicated across groups); must divide the world size.
+    /// Default: the ranks of one machine (the whole world when the job runs on one).
+    #[arg(long, value_name = "N")]
+    pub shard_size: Option<usize>,
+    /// Partial reshard after forward (full-shard, hybrid-shard): keep each unit's parameters
+    /// sharded over groups of N ranks between its forward and its backward, whose all-gather
+    /// then stays inside that group; N divides the shard group's size.
+    #[arg(long, value_name = "N")]
+    pub reshard_after_forward: Option<usize>,
     /// Disable forward and backward prefetch.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     pub no_prefetch: bool,
@@ -98,6 +109,16 @@ pub struct TrainArgs {
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout_s: u64,
+}
+
+impl TrainArgs {
+    /// `--strategy` with `--shard-size` applied (a hybrid strategy's size given in either place).
+    pub fn sharding_strategy(&self) -> ShardingStrategy {
+        match self.shard_size {
+            Some(n) => self.strategy.with_shard_size(Some(n)),
+            None => self.strategy,
+        }
+    }
 }
 
 /// An example's defaults for the flags of [`TrainArgs`] that have none.
@@ -239,6 +260,17 @@ fn validate(args: &TrainArgs, env: &LaunchEnv, world_size: usize) -> anyhow::Res
         args.clip_grad_norm
     );
     anyhow::ensure!(args.timeout_s >= 1, "--timeout-s must be at least 1");
+    if let Some(n) = args.shard_size {
+        anyhow::ensure!(
+            args.strategy.is_hybrid(),
+            "--shard-size {n} needs --strategy hybrid-shard or hybrid-shard-grad-op (found {})",
+            args.strategy
+        );
+        anyhow::ensure!(
+            n >= 1 && world_size.is_multiple_of(n),
+            "--shard-size {n} does not divide the world size {world_size}"
+        );
+    }
     MixedPrecision::from_name(&args.precision)?;
     if let Some(p) = &args.trace {
         anyhow::ensure!(args.trace_steps >= 1, "--trace-steps must be at least 1");

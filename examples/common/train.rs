@@ -135,13 +135,18 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
         let mut accuracy = f64::NAN;
         let mut epoch_times = Vec::new();
         let mut train_mem = None;
+        let mut train_comm = None;
         for epoch in start_epoch..self.job.epochs {
             let t0 = Instant::now();
             match resume_at.take() {
                 Some(s) => self.sampler.restore(&s)?,
                 None => self.sampler.set_epoch(epoch),
             }
+            let comm0 = self.t.model.comm_stats();
             let (loss_sum, batches) = self.train_epoch(epoch)?;
+            let comm = self.t.model.comm_stats().zip_with(comm0, u64::wrapping_sub);
+            let steps = batches.div_ceil(self.t.args.grad_accum).max(1) as u64;
+            train_comm = Some(comm.zip_with(comm, |v, _| v / steps));
             // Mean train loss over all ranks' batches, reduced to rank 0.
             let sums = self.t.sum_to_rank0(vec![loss_sum as f32, batches as f32])?;
             let train_time = t0.elapsed().as_secs_f64();
@@ -171,6 +176,13 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
         }
         if rank == 0 {
             self.t.report(train_mem);
+            if let Some(c) = train_comm {
+                println!(
+                    "rank 0 sent per optimizer step (last epoch, every group of the model): \
+                     all-gather {} B, reduce-scatter {} B, all-reduce and others {} B",
+                    c.all_gather_bytes, c.reduce_scatter_bytes, c.other_bytes
+                );
+            }
         }
         let spans = self.t.spans();
         Ok((

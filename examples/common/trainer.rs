@@ -173,7 +173,8 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
             None
         };
         let config = FsdpConfig {
-            sharding_strategy: args.strategy,
+            sharding_strategy: args.sharding_strategy(),
+            reshard_after_forward_ranks: args.reshard_after_forward,
             seed: args.seed,
             forward_prefetch: !args.no_prefetch,
             backward_prefetch: if args.no_prefetch {

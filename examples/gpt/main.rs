@@ -124,7 +124,7 @@ fn main() -> anyhow::Result<()> {
             setup.device_desc(),
             train.batch_size,
             cfg.seq_len,
-            train.strategy,
+            train.sharding_strategy(),
             if args.lm.activation_checkpointing {
                 ", blocks checkpointed"
             } else {

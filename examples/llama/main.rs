@@ -241,7 +241,7 @@ fn main() -> anyhow::Result<()> {
             setup.device_desc(),
             train.batch_size,
             args.seq_len,
-            train.strategy,
+            train.sharding_strategy(),
         );
     }
     let budget = match args.lm.max_memory_per_rank {

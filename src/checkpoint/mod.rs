@@ -376,10 +376,11 @@ pub struct FileMeta {
 pub struct CheckpointMeta {
     /// [`FORMAT_VERSION`] of the writer.
     pub format_version: u32,
-    /// World size at save time (number of shard files).
+    /// World size at save time (number of shard files); under the hybrid strategies the shard
+    /// group's size (replica 0 alone writes).
     pub world_size: usize,
     /// Sharding strategy at save time, as `--strategy` spells it (`full-shard`, `shard-grad-op`,
-    /// `no-shard`; [`strategy_name`]). `None` in checkpoints written before it was recorded.
+    /// `no-shard`, `hybrid-shard`, `hybrid-shard-grad-op`; [`strategy_name`]). `None` in checkpoints written before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strategy: Option<String>,
     /// Training state (step, epoch, sampler, RNG, grad scaler, mixed precision, extra); its
@@ -415,12 +416,16 @@ impl CheckpointMeta {
 }
 
 /// The name a [`crate::ShardingStrategy`] is recorded under in [`CheckpointMeta::strategy`]
-/// (the spelling its `FromStr` parses: `full-shard`, `shard-grad-op`, `no-shard`).
+/// (the spelling its `FromStr` parses: `full-shard`, `shard-grad-op`, `no-shard`,
+/// `hybrid-shard`, `hybrid-shard-grad-op`; a hybrid checkpoint is the shard group's, so its
+/// shard size is the checkpoint's world size and is not repeated).
 pub fn strategy_name(strategy: crate::ShardingStrategy) -> &'static str {
     match strategy {
         crate::ShardingStrategy::FullShard => "full-shard",
         crate::ShardingStrategy::ShardGradOp => "shard-grad-op",
         crate::ShardingStrategy::NoShard => "no-shard",
+        crate::ShardingStrategy::HybridShard { .. } => "hybrid-shard",
+        crate::ShardingStrategy::HybridShardGradOp { .. } => "hybrid-shard-grad-op",
     }
 }
 

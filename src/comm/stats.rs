@@ -33,6 +33,21 @@ pub struct CommStatsSnapshot {
     pub other_bytes: u64,
 }
 
+impl CommStatsSnapshot {
+    /// Every counter of `self` and `other` combined with `f` (a sum over groups, a difference
+    /// between two snapshots).
+    pub fn zip_with(self, other: Self, f: impl Fn(u64, u64) -> u64) -> Self {
+        CommStatsSnapshot {
+            all_gather_calls: f(self.all_gather_calls, other.all_gather_calls),
+            all_gather_bytes: f(self.all_gather_bytes, other.all_gather_bytes),
+            reduce_scatter_calls: f(self.reduce_scatter_calls, other.reduce_scatter_calls),
+            reduce_scatter_bytes: f(self.reduce_scatter_bytes, other.reduce_scatter_bytes),
+            other_calls: f(self.other_calls, other.other_calls),
+            other_bytes: f(self.other_bytes, other.other_bytes),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     all_gather_calls: AtomicU64,

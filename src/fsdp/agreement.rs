@@ -53,7 +53,8 @@ impl FsdpModel {
     /// and when no group is sharded (NO_SHARD): no rank can gather anything then (the ranks
     /// agreed on the layouts at build), and the check would cost a collective a step for nothing.
     pub(super) fn issue_agreement(&self) -> Option<(i64, crate::comm::Work<Tensor>)> {
-        if self.pg.world_size() == 1 || self.units.iter().all(|u| u.flat().layout().world_size == 1)
+        if self.comm.shard_pg().world_size() == 1
+            || self.units.iter().all(|u| u.flat().layout().world_size == 1)
         {
             return None;
         }
@@ -66,7 +67,10 @@ impl FsdpModel {
         let work = match Tensor::new(&[fp, mask - fp], &candle_core::Device::Cpu)
             .and_then(|t| t.to_device(&self.config.device))
         {
-            Ok(t) => self.pg.all_reduce(&self.comm.all_gather, t, ReduceOp::Max),
+            Ok(t) => self
+                .comm
+                .shard_pg()
+                .all_reduce(&self.comm.all_gather, t, ReduceOp::Max),
             Err(e) => crate::comm::Work::ready(Err(e.into())),
         };
         Some((mask, work))

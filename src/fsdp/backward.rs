@@ -129,6 +129,7 @@ impl FsdpModel {
                     .map_err(|e| self.at(e, Some(g), Phase::Backward))?;
             }
         }
+        self.pass_on_to_replicas(true)?;
         for (g, work, all_local) in self.scheduler.take_reductions() {
             let _w = self.span(SpanKind::Wait, || {
                 format!("FSDP::wait reduce_scatter {}", self.units[g].name())
@@ -356,7 +357,7 @@ impl FsdpModel {
             self.mark_issue(|| format!("FSDP::reduce_scatter {}", self.units[g].name()));
             let u = &self.units[g];
             let work = collectives::reduce_grads(
-                self.pg.as_ref(),
+                self.comm.shard_pg(),
                 &self.comm.reduce_scatter,
                 u.flat().layout(),
                 fg,
@@ -364,8 +365,37 @@ impl FsdpModel {
             );
             let all_local = self.units[g].take_all_present_locally();
             self.scheduler.push_reduction(g, work, all_local);
+            self.pass_on_to_replicas(false)?;
         }
         Ok(())
+    }
+
+    /// HYBRID_SHARD: issues the replica all-reduce (on its own stream) of every reduce-scatter
+    /// that has completed, oldest first, so it overlaps the rest of the backward; with `all`,
+    /// of every one, waiting for each. Nothing without a replica group.
+    ///
+    /// Errors: a reduce-scatter's, naming its unit.
+    pub(super) fn pass_on_to_replicas(&mut self, all: bool) -> Result<()> {
+        let (Some(replicas), Some(stream)) = (&self.comm.mesh.replica, &self.comm.all_reduce)
+        else {
+            return Ok(());
+        };
+        // Waiting for the remaining reduce-scatters is exposed communication.
+        let _w = all
+            .then(|| {
+                self.span(SpanKind::Wait, || {
+                    "FSDP::wait reduce_scatter (to replicas)".into()
+                })
+            })
+            .flatten();
+        self.scheduler
+            .advance_reductions(all, |reduced| {
+                collectives::all_reduce_replicas(replicas.as_ref(), stream, reduced)
+            })
+            .map_err(|b| {
+                let (g, e) = *b;
+                self.at(e, Some(g), Phase::Backward)
+            })
     }
 }
 

@@ -137,18 +137,25 @@ pub(crate) fn plan(
         .map(|g| padded(g) * (4 + g.reduce_bytes + g.param_bytes))
         .max()
         .unwrap_or(0);
-    let in_flight = if config.sharding_strategy == ShardingStrategy::FullShard {
+    let in_flight = if config.sharding_strategy.reshards_after_forward() {
         let depth = config.limit_all_gathers.unwrap_or(2).max(1);
         2 * gathered.iter().take(depth).sum::<usize>()
     } else {
         gathered.iter().sum::<usize>() + gathered.first().copied().unwrap_or(0)
+    };
+    // A partial reshard after forward keeps 1/k of every group from its forward to its backward.
+    let kept = match config.reshard_after_forward_ranks {
+        Some(k) if k > 0 && k < ws && config.sharding_strategy.reshards_after_forward() => {
+            gathered.iter().sum::<usize>() / k
+        }
+        _ => 0,
     };
     MemoryPlan {
         world_size: ws,
         param_shard_bytes: 4 * all,
         grad_shard_bytes: 4 * trainable,
         optimizer_bytes: budget.optimizer_bytes_per_element * trainable,
-        unsharded_bytes: in_flight + backward,
+        unsharded_bytes: in_flight + backward + kept,
         activation_bytes: budget.activation_bytes,
     }
 }

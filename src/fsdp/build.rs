@@ -20,6 +20,7 @@ use candle_nn::ModuleT;
 use super::agreement::agree_on_model;
 use super::collectives::CommContext;
 use super::config::{FsdpConfig, ShardingStrategy};
+use super::mesh::Mesh;
 use super::model::FsdpModel;
 use super::param_group::ParamGroup;
 use super::spec::{GroupSpec, Member, ModelSpec};
@@ -129,31 +130,45 @@ impl FsdpModel {
     /// Builds the model, filling each shard piece with `fill(param, range_in_param, out)`.
     ///
     /// A collective: it creates the model's comm streams ("all_gather", "reduce_scatter") on the
-    /// group, so every rank builds its models in the same order.
+    /// group, so every rank builds its models in the same order; under the hybrid strategies it
+    /// first creates the shard and replica groups (`super::mesh`) and the replica group's
+    /// stream ("all_reduce_replicas"), and the shards are laid out over the shard group.
     ///
-    /// Errors: no unit; two units of one name; two units (not in one group) that create a tensor
+    /// Errors: a hybrid shard size that does not divide the world size (or differs between
+    /// ranks); no unit; two units of one name; two units (not in one group) that create a tensor
     /// of one name; members of a group that ask for one tensor with two shapes; an invalid
     /// freeze pattern or one that matches no parameter; a constructor that fails; an invalid
     /// mixed-precision policy; ranks that built different models; a stream that cannot be
     /// created.
     pub fn build_with(
         pg: Arc<dyn ProcessGroup>,
-        config: FsdpConfig,
+        mut config: FsdpConfig,
         spec: impl Into<ModelSpec>,
         mut fill: impl FnMut(&RecordedParam, std::ops::Range<usize>, &mut [f32]) -> Result<()>,
     ) -> Result<FsdpModel> {
         let spec: ModelSpec = spec.into();
         check_device(&config, pg.as_ref())?;
+        let mesh = Mesh::new(
+            &pg,
+            config.sharding_strategy,
+            config.reshard_after_forward_ranks,
+        )?;
+        // A hybrid strategy's default shard size, resolved (what `config()` then shows).
+        if config.sharding_strategy.is_hybrid() {
+            config.sharding_strategy = config
+                .sharding_strategy
+                .with_shard_size(Some(mesh.shard_size()));
+        }
         let mut freeze = FreezePatterns::new(&spec.freeze, &spec.groups)?;
         let recorded = record_groups(spec.groups, &config)?;
         let classified = recorded
             .into_iter()
             .map(|g| classify(g, &config, &mut freeze))
             .collect::<Result<Vec<_>>>()?;
-        let (planned, members) = plan_groups(classified, &config, pg.as_ref(), &freeze)?;
-        let units = allocate(planned, &config, pg.as_ref(), &mut fill)?;
+        let (planned, members) = plan_groups(classified, &config, mesh.shard.as_ref(), &freeze)?;
+        let units = allocate(planned, &config, mesh.shard.as_ref(), &mut fill)?;
         agree_on_model(pg.as_ref(), &units, config.sharding_strategy)?;
-        let comm = CommContext::new(pg.as_ref())?;
+        let comm = CommContext::new(mesh)?;
         Ok(FsdpModel::assemble(pg, config, comm, units, members))
     }
 }
@@ -355,8 +370,7 @@ fn classify(
             Ok((p.name.clone(), Var::from_tensor(&t)?))
         })
         .collect::<Result<Vec<_>>>()?;
-    let reshard =
-        config.sharding_strategy == ShardingStrategy::FullShard && first.reshard_after_forward;
+    let reshard = config.sharding_strategy.reshards_after_forward() && first.reshard_after_forward;
     Ok(ClassifiedGroup {
         group,
         trainable,
@@ -380,7 +394,7 @@ struct PlannedGroup {
 
 /// Step 4: one flat layout per group and per frozen twin (`<group>[frozen]`, right after its
 /// group), the members bound to them, and the checks that need the whole plan: every freeze
-/// pattern matched, the memory budget holds.
+/// pattern matched, the memory budget holds. `pg` is the shard group.
 fn plan_groups(
     groups: Vec<ClassifiedGroup>,
     config: &FsdpConfig,
@@ -454,7 +468,7 @@ fn plan_groups(
 }
 
 /// Step 5: allocates each group's shard and fills it piece by piece with
-/// `fill(param, range_in_param, out)` (one group at a time).
+/// `fill(param, range_in_param, out)` (one group at a time); `pg` is the shard group.
 fn allocate(
     planned: Vec<PlannedGroup>,
     config: &FsdpConfig,

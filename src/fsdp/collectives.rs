@@ -8,28 +8,61 @@ use std::collections::HashMap;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
+use super::mesh::Mesh;
 use super::storage;
 use crate::comm::{CommStream, ProcessGroup, ReduceOp, Work};
 use crate::error::Result;
 use crate::flat_param::{FlatParamLayout, FlatParameter, ParamInfo};
 
-/// The comm streams FSDP runs its collectives on (FSDP2's comm context): the runtime creates
-/// them from the group when the model is built and decides which op runs where.
+/// The groups and comm streams FSDP runs its collectives on (FSDP2's comm context): the
+/// runtime creates them from the world group when the model is built and decides which op runs
+/// where.
 pub(crate) struct CommContext {
-    /// Parameter all-gathers (unshard), in issue order.
+    /// The shard group, the replica group (hybrid) and this rank's place in them.
+    pub mesh: Mesh,
+    /// Parameter all-gathers (unshard), in issue order, on the shard group.
     pub all_gather: CommStream,
-    /// Gradient reductions (reduce-scatter; all-reduce under NO_SHARD), so that they never
-    /// queue behind an all-gather.
+    /// Gradient reductions (reduce-scatter; all-reduce under NO_SHARD) on the shard group, so
+    /// that they never queue behind an all-gather.
     pub reduce_scatter: CommStream,
+    /// Hybrid only: the all-reduce of the reduced shards across replicas, on the replica group,
+    /// so that it never queues behind the next reduce-scatter.
+    pub all_reduce: Option<CommStream>,
+    /// Partial reshard after forward only: the backward's all-gathers inside the secondary
+    /// group.
+    pub all_gather_secondary: Option<CommStream>,
 }
 
 impl CommContext {
-    /// Creates the two streams (a collective: every rank builds its models in the same order).
-    pub(crate) fn new(pg: &dyn ProcessGroup) -> Result<Self> {
+    /// Creates the streams on `mesh`'s groups (a collective: every rank builds its models in
+    /// the same order).
+    pub(crate) fn new(mesh: Mesh) -> Result<Self> {
         Ok(Self {
-            all_gather: pg.new_stream("all_gather")?,
-            reduce_scatter: pg.new_stream("reduce_scatter")?,
+            all_gather: mesh.shard.new_stream("all_gather")?,
+            reduce_scatter: mesh.shard.new_stream("reduce_scatter")?,
+            all_reduce: match &mesh.replica {
+                Some(g) => Some(g.new_stream("all_reduce_replicas")?),
+                None => None,
+            },
+            all_gather_secondary: match &mesh.secondary {
+                Some(g) => Some(g.new_stream("all_gather_secondary")?),
+                None => None,
+            },
+            mesh,
         })
+    }
+
+    /// The group parameters are sharded over.
+    pub(crate) fn shard_pg(&self) -> &dyn ProcessGroup {
+        self.mesh.shard.as_ref()
+    }
+
+    /// The secondary group of a partial reshard after forward and its stream.
+    pub(crate) fn secondary(&self) -> Option<(&dyn ProcessGroup, &CommStream)> {
+        self.mesh
+            .secondary
+            .as_deref()
+            .zip(self.all_gather_secondary.as_ref())
     }
 }
 
@@ -56,6 +89,28 @@ pub(crate) fn all_gather_shard(
     // buffer is dropped unread. Skipping the zero-fill saves a pass over the unit per gather.
     match unsafe { Tensor::empty(flat.layout().padded_numel, dtype, flat.shard().device()) } {
         Ok(out) => pg.all_gather(stream, &input, out),
+        Err(e) => Work::ready(Err(e.into())),
+    }
+}
+
+/// This rank's piece of a gathered flat buffer for a partial reshard after forward: the
+/// `rank`-th of `pg`'s `world_size` equal chunks, copied (the gathered buffer is dropped).
+pub(crate) fn secondary_piece(pg: &dyn ProcessGroup, flat: &Tensor) -> Result<Tensor> {
+    let n = flat.elem_count() / pg.world_size();
+    Ok(flat.narrow(0, pg.rank() * n, n)?.copy()?)
+}
+
+/// Issues the all-gather of [`secondary_piece`]s inside their group on `stream`: the full flat
+/// buffer again, bit for bit the one they were cut from.
+pub(crate) fn all_gather_secondary(
+    pg: &dyn ProcessGroup,
+    stream: &CommStream,
+    piece: &Tensor,
+) -> Work<Tensor> {
+    let n = piece.elem_count() * pg.world_size();
+    // SAFETY: as in `all_gather_shard`: the all-gather writes every element before `wait`.
+    match unsafe { Tensor::empty(n, piece.dtype(), piece.device()) } {
+        Ok(out) => pg.all_gather(stream, piece, out),
         Err(e) => Work::ready(Err(e.into())),
     }
 }
@@ -276,6 +331,17 @@ pub(crate) fn reduce_grads(
         Ok(out) => pg.reduce_scatter(stream, &input, out, ReduceOp::Avg),
         Err(e) => Work::ready(Err(e.into())),
     }
+}
+
+/// Issues the all-reduce (average) of one reduced chunk (the output of [`reduce_grads`]: shard
+/// and presence flags) across the replicas of a hybrid mesh on `stream`: every replica then holds
+/// the gradient averaged over the whole world.
+pub(crate) fn all_reduce_replicas(
+    replicas: &dyn ProcessGroup,
+    stream: &CommStream,
+    reduced: Tensor,
+) -> Work<Tensor> {
+    replicas.all_reduce(stream, reduced, ReduceOp::Avg)
 }
 
 /// Waits for a gradient reduction and returns the reduced shard (1-D, in `reduce_dtype`).

@@ -18,21 +18,127 @@ pub enum ShardingStrategy {
     ShardGradOp,
     /// Nothing sharded: every rank holds all parameters; gradients all-reduced (DDP).
     NoShard,
+    /// FULL_SHARD inside *shard groups* of `shard_size` consecutive ranks, replicated across
+    /// them (PyTorch's `HYBRID_SHARD`, FSDP2's 2-D mesh): parameters are all-gathered inside
+    /// the shard group, gradients reduce-scattered inside it and then all-reduced across the
+    /// replicas (the ranks of equal position in every shard group), optimizer state sharded
+    /// inside the group. `shard_size` must divide the world size; `None` takes the ranks of
+    /// one machine (`LOCAL_WORLD_SIZE`, or mpirun's local size; the whole world when the job
+    /// runs on one machine), resolved at build (the model's `config()` shows the size). See
+    /// `design/fsdp.md`.
+    HybridShard {
+        /// Ranks of one shard group (`None`: ranks per machine).
+        shard_size: Option<usize>,
+    },
+    /// [`ShardingStrategy::HybridShard`] with SHARD_GRAD_OP inside the shard group (FSDP1's
+    /// `_HYBRID_SHARD_ZERO2`): parameters kept unsharded from forward to backward.
+    HybridShardGradOp {
+        /// Ranks of one shard group (`None`: ranks per machine).
+        shard_size: Option<usize>,
+    },
+}
+
+impl ShardingStrategy {
+    /// True for the two hybrid strategies.
+    pub fn is_hybrid(self) -> bool {
+        matches!(
+            self,
+            ShardingStrategy::HybridShard { .. } | ShardingStrategy::HybridShardGradOp { .. }
+        )
+    }
+
+    /// The requested shard-group size of a hybrid strategy (`None` otherwise, or when it
+    /// defaults to the ranks per machine).
+    pub fn shard_size(self) -> Option<usize> {
+        match self {
+            ShardingStrategy::HybridShard { shard_size }
+            | ShardingStrategy::HybridShardGradOp { shard_size } => shard_size,
+            _ => None,
+        }
+    }
+
+    /// The same strategy with the shard-group size set to `n` (a no-op for the non-hybrid
+    /// strategies).
+    pub fn with_shard_size(self, n: Option<usize>) -> Self {
+        match self {
+            ShardingStrategy::HybridShard { .. } => ShardingStrategy::HybridShard { shard_size: n },
+            ShardingStrategy::HybridShardGradOp { .. } => {
+                ShardingStrategy::HybridShardGradOp { shard_size: n }
+            }
+            s => s,
+        }
+    }
+
+    /// True when parameters are freed after forward and gathered again for backward
+    /// (FULL_SHARD, HYBRID_SHARD).
+    pub fn reshards_after_forward(self) -> bool {
+        matches!(
+            self,
+            ShardingStrategy::FullShard | ShardingStrategy::HybridShard { .. }
+        )
+    }
 }
 
 impl std::str::FromStr for ShardingStrategy {
     type Err = Error;
 
-    /// Parses `full-shard`, `shard-grad-op` or `no-shard` (PyTorch's `FULL_SHARD`,
-    /// `SHARD_GRAD_OP`, `NO_SHARD` also accepted, in any case).
+    /// Parses `full-shard`, `shard-grad-op`, `no-shard`, `hybrid-shard` or
+    /// `hybrid-shard-grad-op` (PyTorch's `FULL_SHARD`, `SHARD_GRAD_OP`, `NO_SHARD`,
+    /// `HYBRID_SHARD`, `_HYBRID_SHARD_ZERO2` also accepted, in any case); a hybrid name may end
+    /// with `:N`, the shard-group size (`hybrid-shard:4`).
     fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().replace('_', "-").as_str() {
-            "full-shard" => Ok(ShardingStrategy::FullShard),
-            "shard-grad-op" => Ok(ShardingStrategy::ShardGradOp),
-            "no-shard" => Ok(ShardingStrategy::NoShard),
-            _ => Err(Error::InvalidArgument(format!(
-                "unknown sharding strategy {s:?}: expected full-shard, shard-grad-op or no-shard"
-            ))),
+        let norm = s.to_ascii_lowercase().replace('_', "-");
+        let (name, size) = match norm.split_once(':') {
+            Some((n, k)) => {
+                let k: usize = k.trim().parse().ok().filter(|&k| k > 0).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "sharding strategy {s:?}: the shard size after ':' must be a positive \
+                         integer"
+                    ))
+                })?;
+                (n.trim().to_string(), Some(k))
+            }
+            None => (norm, None),
+        };
+        let strategy = match name.trim_start_matches('-') {
+            "full-shard" => ShardingStrategy::FullShard,
+            "shard-grad-op" => ShardingStrategy::ShardGradOp,
+            "no-shard" => ShardingStrategy::NoShard,
+            "hybrid-shard" => ShardingStrategy::HybridShard { shard_size: size },
+            "hybrid-shard-grad-op" | "hybrid-shard-zero2" => {
+                ShardingStrategy::HybridShardGradOp { shard_size: size }
+            }
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "unknown sharding strategy {s:?}: expected full-shard, shard-grad-op, \
+                     no-shard, hybrid-shard or hybrid-shard-grad-op"
+                )))
+            }
+        };
+        if size.is_some() && !strategy.is_hybrid() {
+            return Err(Error::InvalidArgument(format!(
+                "sharding strategy {s:?}: only hybrid-shard and hybrid-shard-grad-op take a \
+                 shard size"
+            )));
+        }
+        Ok(strategy)
+    }
+}
+
+impl std::fmt::Display for ShardingStrategy {
+    /// The name [`std::str::FromStr`] parses back: `full-shard`, `shard-grad-op`, `no-shard`,
+    /// `hybrid-shard[:N]`, `hybrid-shard-grad-op[:N]`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            ShardingStrategy::FullShard => "full-shard",
+            ShardingStrategy::ShardGradOp => "shard-grad-op",
+            ShardingStrategy::NoShard => "no-shard",
+            ShardingStrategy::HybridShard { .. } => "hybrid-shard",
+            ShardingStrategy::HybridShardGradOp { .. } => "hybrid-shard-grad-op",
+        };
+        match self.shard_size() {
+            Some(n) => write!(f, "{name}:{n}"),
+            None => f.write_str(name),
         }
     }
 }
@@ -81,6 +187,17 @@ pub struct FsdpConfig {
     /// (a `running_mean` buffer) keep f32 compute unless they set their own policy, as PyTorch
     /// FSDP does for batch norm.
     pub mixed_precision: MixedPrecision,
+    /// Partial reshard after forward (FSDP2's `reshard_after_forward=int`, ZeRO++'s hpZ), for
+    /// the strategies that reshard after forward (FULL_SHARD, HYBRID_SHARD): `Some(k)` keeps,
+    /// between a unit's forward and its backward, the unit's gathered parameters sharded over
+    /// groups of `k` consecutive ranks of the shard group (each rank holds `1/k` of them,
+    /// copied from the forward's all-gather) instead of freeing them, so that the backward's
+    /// all-gather runs inside that smaller group (one machine, or one switch). Memory between
+    /// FULL_SHARD's (nothing kept) and SHARD_GRAD_OP's (everything kept): `1/k` of every unit
+    /// waiting for its backward. `k` must divide the shard group's size; `k` = the shard group's
+    /// size is plain FULL_SHARD; `None` (default) too. Ignored by SHARD_GRAD_OP, NO_SHARD and
+    /// units with `reshard_after_forward` off.
+    pub reshard_after_forward_ranks: Option<usize>,
     /// A per-rank memory budget checked before any shard is allocated (`None`: no check). See
     /// [`super::MemoryBudget`] and [`super::FsdpModel::memory_plan`].
     pub memory_budget: Option<super::MemoryBudget>,
@@ -99,6 +216,7 @@ impl Default for FsdpConfig {
                 .map(String::from)
                 .to_vec(),
             mixed_precision: MixedPrecision::default(),
+            reshard_after_forward_ranks: None,
             memory_budget: None,
         }
     }

@@ -545,11 +545,7 @@ impl FsdpModel {
                     format!("FSDP::wait all_gather {}", self.units[g].name())
                 })
             });
-            let (flat, guard) = self.units[g].gather_for_eval(
-                self.pg.as_ref(),
-                &self.comm.all_gather,
-                &self.mem,
-            )?;
+            let (flat, guard) = self.units[g].gather_for_eval(&self.comm, &self.mem)?;
             gathered.push(flat);
             guards.push(guard);
         }

@@ -22,6 +22,7 @@
 //! - `param_group`: one parameter group (`ParamGroup`, FSDP2's `FSDPParamGroup`) and its
 //!   explicit state machine: `unshard`, `wait_for_unshard`, `reshard`, `pre_forward`,
 //!   `post_backward`, `finalize`;
+//! - `mesh`: HYBRID_SHARD's 2-D layout (shard groups × replica groups) over `new_group`;
 //! - `collectives`: copy-in / all-gather / copy-out / reduce-scatter over buffers, the only
 //!   place that turns gathered buffers into parameters and gradients into a reduce buffer;
 //! - `storage`: free and refill a parameter's storage in place under a live autograd graph;
@@ -61,6 +62,7 @@ mod collectives;
 pub mod config;
 mod forward;
 pub mod memory;
+mod mesh;
 mod model;
 mod param_group;
 mod scheduler;

@@ -75,9 +75,55 @@ impl FsdpModel {
         }
     }
 
-    /// The process group.
+    /// The process group (the whole world: clipping, the grad scaler and checkpoints reduce
+    /// over it).
     pub fn process_group(&self) -> &Arc<dyn ProcessGroup> {
         &self.pg
+    }
+
+    /// The group the parameters are sharded over: the world, or under the hybrid strategies
+    /// this rank's shard group (its shards' `layout.world_size` ranks; its rank there is the
+    /// shards' `shard_index`).
+    pub fn shard_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.comm.mesh.shard
+    }
+
+    /// Under the hybrid strategies with more than one replica, the group of the ranks that hold
+    /// the same shards as this one (one per shard group); `None` otherwise.
+    pub fn replica_group(&self) -> Option<&Arc<dyn ProcessGroup>> {
+        self.comm.mesh.replica.as_ref()
+    }
+
+    /// Calls and bytes this rank issued, summed over every group the model uses: the world
+    /// group ([`FsdpModel::process_group`], which also carries the caller's own collectives) and,
+    /// when it has them, its shard, replica and secondary (partial reshard) groups. See
+    /// [`ProcessGroup::stats`].
+    pub fn comm_stats(&self) -> crate::comm::CommStatsSnapshot {
+        let mesh = &self.comm.mesh;
+        let mut groups: Vec<&Arc<dyn ProcessGroup>> = vec![&self.pg];
+        for g in [
+            Some(&mesh.shard),
+            mesh.replica.as_ref(),
+            mesh.secondary.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if !groups.iter().any(|h| Arc::ptr_eq(h, g)) {
+                groups.push(g);
+            }
+        }
+        groups.iter().fold(
+            Default::default(),
+            |acc: crate::comm::CommStatsSnapshot, g| acc.zip_with(g.stats(), u64::wrapping_add),
+        )
+    }
+
+    /// Which replica (shard group) this rank belongs to: `world rank / shard size` under the
+    /// hybrid strategies, 0 otherwise. Replica 0 alone writes sharded checkpoints and counts in
+    /// gradient norms.
+    pub fn replica_index(&self) -> usize {
+        self.comm.mesh.replica_index
     }
 
     /// The device of the shards and of every unit's computation ([`FsdpConfig::device`]):
@@ -126,7 +172,7 @@ impl FsdpModel {
             optimizer_bytes_per_element,
             activation_bytes,
         };
-        super::budget::plan(&groups, &self.config, self.pg.world_size(), &budget)
+        super::budget::plan(&groups, &self.config, self.comm.mesh.shard_size(), &budget)
     }
 
     /// Resets the peak counters to the current values.
@@ -165,8 +211,17 @@ impl FsdpModel {
                 tracing::warn!("trace: timing on the host clock: {e}");
             }
         }
-        self.pg
-            .set_observer(tracer.clone().map(|t| t as Arc<dyn CommObserver>));
+        let observer = tracer.clone().map(|t| t as Arc<dyn CommObserver>);
+        self.pg.set_observer(observer.clone());
+        if self.comm.mesh.replica.is_some() {
+            self.comm.mesh.shard.set_observer(observer.clone());
+        }
+        for g in [&self.comm.mesh.replica, &self.comm.mesh.secondary]
+            .into_iter()
+            .flatten()
+        {
+            g.set_observer(observer.clone());
+        }
         self.tracer = tracer;
     }
 

@@ -28,9 +28,9 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Tensor, Var};
 
-use super::collectives;
+use super::collectives::{self, CommContext};
 use super::memory::{MemoryAccount, UnshardGuard};
-use crate::comm::{CommStream, ProcessGroup, Work};
+use crate::comm::Work;
 use crate::error::{Error, Result};
 use crate::flat_param::FlatParameter;
 use crate::mixed_precision::MixedPrecision;
@@ -74,6 +74,11 @@ pub(crate) struct ParamGroup {
     /// This rank's own gradient presence (layout order) in the gradient not reduced yet (the
     /// step's calls, and the `no_sync` accumulation): OR-ed as gradients are added.
     local_present: Vec<bool>,
+    /// Partial reshard after forward: this rank's piece of the step's gathered parameters
+    /// (`param_dtype`, `1/k` of the flat buffer), kept from the step's first gather to the
+    /// group's last backward, with its memory guard; later unshards gather it inside the
+    /// secondary group instead of the shard group.
+    secondary: Option<(Tensor, UnshardGuard)>,
 }
 
 impl ParamGroup {
@@ -97,6 +102,7 @@ impl ParamGroup {
             pending_calls: 0,
             grad_acc: None,
             local_present: Vec::new(),
+            secondary: None,
         }
     }
 
@@ -177,14 +183,10 @@ impl ParamGroup {
         self.vars.is_some() || self.pending_calls > 0
     }
 
-    /// Transition `Sharded → Unsharding`: issues the all-gather in `param_dtype` on `stream`.
-    /// A no-op unless sharded.
-    pub(crate) fn unshard(
-        &mut self,
-        pg: &dyn ProcessGroup,
-        stream: &CommStream,
-        acct: &MemoryAccount,
-    ) {
+    /// Transition `Sharded → Unsharding`: issues the all-gather in `param_dtype` on the shard
+    /// group's all-gather stream, or, when the step keeps a secondary piece (partial reshard
+    /// after forward), inside the secondary group. A no-op unless sharded.
+    pub(crate) fn unshard(&mut self, comm: &CommContext, acct: &MemoryAccount) {
         if !self.is_sharded() {
             return;
         }
@@ -193,7 +195,18 @@ impl ParamGroup {
             self.flat.layout().padded_numel * dtype.size_in_bytes(),
             !self.frozen,
         );
-        let work = collectives::all_gather_shard(pg, stream, &self.flat, dtype, self.gathers());
+        let work = match (&self.secondary, comm.secondary()) {
+            (Some((piece, _)), Some((pg, stream))) => {
+                collectives::all_gather_secondary(pg, stream, piece)
+            }
+            _ => collectives::all_gather_shard(
+                comm.shard_pg(),
+                &comm.all_gather,
+                &self.flat,
+                dtype,
+                self.gathers(),
+            ),
+        };
         self.params = ParamState::Unsharding { work, guard };
     }
 
@@ -201,23 +214,32 @@ impl ParamGroup {
     /// the gathered buffer into the step's parameter tensors (created on the first unshard of
     /// the step, refilled in place afterwards). A no-op when present.
     ///
+    /// With a secondary group (partial reshard after forward), the step's first gather also
+    /// keeps this rank's piece of the gathered buffer for the later ones.
+    ///
     /// Errors: the collective's; a refill error.
     pub(crate) fn wait_for_unshard(
         &mut self,
-        pg: &dyn ProcessGroup,
-        stream: &CommStream,
+        comm: &CommContext,
         acct: &MemoryAccount,
     ) -> Result<()> {
         if self.is_present() {
             return Ok(());
         }
-        self.unshard(pg, stream, acct);
+        self.unshard(comm, acct);
         let ParamState::Unsharding { work, guard } =
             std::mem::replace(&mut self.params, ParamState::Sharded)
         else {
             unreachable!("unshard leaves the parameters unsharding")
         };
         let flat = collectives::wait_gathered(work)?;
+        if let Some((pg, _)) = comm.secondary() {
+            if self.secondary.is_none() && self.reshard_after_forward && self.gathers() {
+                let piece = collectives::secondary_piece(pg, &flat)?;
+                let bytes = piece.elem_count() * piece.dtype().size_in_bytes();
+                self.secondary = Some((piece, acct.unshard_counted(bytes, false)));
+            }
+        }
         let layout = self.flat.layout();
         match &self.vars {
             Some(vars) => collectives::refill_params(layout, &flat, vars)?,
@@ -252,6 +274,7 @@ impl ParamGroup {
     /// to `Sharded`.
     pub(crate) fn finalize(&mut self) {
         self.vars = None;
+        self.secondary = None;
         self.params = ParamState::Sharded;
         self.pending_calls = 0;
         self.grad_acc = None;
@@ -312,11 +335,10 @@ impl ParamGroup {
     /// the group is `Sharded` again afterwards (the buffer's lifetime is the caller's).
     pub(crate) fn gather_for_eval(
         &mut self,
-        pg: &dyn ProcessGroup,
-        stream: &CommStream,
+        comm: &CommContext,
         acct: &MemoryAccount,
     ) -> Result<(Tensor, UnshardGuard)> {
-        self.unshard(pg, stream, acct);
+        self.unshard(comm, acct);
         match std::mem::replace(&mut self.params, ParamState::Sharded) {
             ParamState::Unsharding { work, guard } => {
                 Ok((collectives::wait_gathered(work)?, guard))
@@ -381,6 +403,7 @@ impl ParamGroup {
             return (false, None);
         }
         self.vars = None;
+        self.secondary = None;
         self.params = ParamState::Sharded;
         (true, self.grad_acc.take())
     }

@@ -31,6 +31,9 @@ pub(crate) struct Scheduler {
     /// Gradient reductions issued by this backward, in issue order (group index, work, whether
     /// this rank had every parameter's gradient).
     reductions: Vec<(usize, Work<Tensor>, bool)>,
+    /// Hybrid: how many of `reductions` (a prefix) have been passed on to the replica
+    /// all-reduce ([`Scheduler::advance_reductions`]).
+    passed_on: usize,
     /// The members called by the previous training and eval forwards, in order (the forward
     /// prefetch's prediction).
     prev_tape: [Vec<usize>; 2],
@@ -47,6 +50,7 @@ impl Scheduler {
             forward_prefetch: config.forward_prefetch,
             limit: config.limit_all_gathers,
             reductions: Vec::new(),
+            passed_on: 0,
             prev_tape: [Vec::new(), Vec::new()],
             tape_now: Vec::new(),
             gathered_now: Vec::new(),
@@ -72,7 +76,36 @@ impl Scheduler {
 
     /// Takes every reduction in flight, in issue order.
     pub(crate) fn take_reductions(&mut self) -> Vec<(usize, Work<Tensor>, bool)> {
+        self.passed_on = 0;
         std::mem::take(&mut self.reductions)
+    }
+
+    /// Hybrid's second stage: replaces each reduction not passed on yet, in issue order, by
+    /// `next(its result)` (the replica all-reduce of the reduced chunk), from the oldest on;
+    /// stops at the first one still running unless `all` (then it waits for each). Issue order
+    /// is the same on every rank, so the ranks of a replica group issue their all-reduces in
+    /// the same order whatever finished first where.
+    ///
+    /// Errors: the first failing reduction's or `next`'s error, with its group index.
+    pub(crate) fn advance_reductions(
+        &mut self,
+        all: bool,
+        mut next: impl FnMut(Tensor) -> Work<Tensor>,
+    ) -> std::result::Result<(), Box<(usize, crate::error::Error)>> {
+        while let Some((g, work, _)) = self.reductions.get_mut(self.passed_on) {
+            if !all && !work.is_completed() {
+                break;
+            }
+            let moved = Work::ready(Err(crate::error::Error::Internal(
+                "a reduction was passed on twice".into(),
+            )));
+            let reduced = std::mem::replace(work, moved)
+                .wait()
+                .map_err(|e| Box::new((*g, e)))?;
+            *work = next(reduced);
+            self.passed_on += 1;
+        }
+        Ok(())
     }
 
     /// A forward starts: its tape and gather record start empty.
@@ -175,7 +208,7 @@ impl FsdpModel {
                 self.scheduler.record_gather(g);
             }
         }
-        self.units[g].unshard(self.pg.as_ref(), &self.comm.all_gather, &self.mem);
+        self.units[g].unshard(&self.comm, &self.mem);
     }
 
     /// Makes group `g`'s parameters present (waiting for its all-gather, issuing it if needed),
@@ -190,7 +223,7 @@ impl FsdpModel {
                 format!("FSDP::wait all_gather {}", self.units[g].name())
             })
         });
-        self.units[g].wait_for_unshard(self.pg.as_ref(), &self.comm.all_gather, &self.mem)
+        self.units[g].wait_for_unshard(&self.comm, &self.mem)
     }
 
     /// Issues the gathers of `groups` that are neither present nor in flight, as far as

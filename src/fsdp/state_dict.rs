@@ -39,7 +39,7 @@ impl FsdpModel {
             .mem
             .unshard(u.flat().layout().padded_numel * DType::F32.size_in_bytes());
         let work = collectives::all_gather_shard(
-            self.pg.as_ref(),
+            self.comm.shard_pg(),
             &self.comm.all_gather,
             u.flat(),
             DType::F32,

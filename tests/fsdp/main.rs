@@ -12,6 +12,7 @@ mod empty_batch;
 mod flat_param;
 #[cfg(feature = "gpt")]
 mod gpt;
+mod hybrid;
 mod misuse;
 mod mixed_precision;
 mod new_user;

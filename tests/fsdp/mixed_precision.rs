@@ -13,16 +13,30 @@ use candle_fsdp::data::{BatchLoader, DistributedSampler, Mnist};
 use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
 use candle_fsdp::init::{seeded_var_builder, varmap_values};
 use candle_fsdp::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, ShardedOptimizer};
-use candle_fsdp::{FsdpConfig, FsdpModel, MixedPrecision};
+use candle_fsdp::{FsdpConfig, FsdpModel, MixedPrecision, ShardingStrategy};
 use candle_nn::VarMap;
 use common::*;
 
 fn model(pg: Arc<dyn ProcessGroup>, mp: MixedPrecision) -> candle_fsdp::Result<FsdpModel> {
+    model_with(pg, mp, ShardingStrategy::FullShard)
+}
+
+/// 2 replicas × 2 ranks.
+const HYBRID_2: ShardingStrategy = ShardingStrategy::HybridShard {
+    shard_size: Some(2),
+};
+
+fn model_with(
+    pg: Arc<dyn ProcessGroup>,
+    mp: MixedPrecision,
+    strategy: ShardingStrategy,
+) -> candle_fsdp::Result<FsdpModel> {
     let mut b = FsdpModel::builder(
         pg,
         FsdpConfig {
             seed: 11,
             mixed_precision: mp,
+            sharding_strategy: strategy,
             ..Default::default()
         },
     );
@@ -105,10 +119,17 @@ fn bf16_training_tracks_f32_closely() {
 
 #[test]
 fn inf_on_one_rank_makes_every_rank_skip_and_halve_the_scale() {
-    let data = batches(2, 9, 4);
-    let results = run_ranks_ok(3, ThreadGroupConfig::default(), |pg| {
+    inf_on_one_rank(3, ShardingStrategy::FullShard, 1);
+    // Hybrid 2 × 2, the overflow on a rank of replica 1: the found-inf reduction spans the
+    // world, so replica 0 skips too.
+    inf_on_one_rank(4, HYBRID_2, 3);
+}
+
+fn inf_on_one_rank(ws: usize, strategy: ShardingStrategy, bad_rank: usize) {
+    let data = batches(2, 3 * ws, 4);
+    let results = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
         let rank = pg.rank();
-        let mut m = model(pg, MixedPrecision::f16())?;
+        let mut m = model_with(pg, MixedPrecision::f16(), strategy)?;
         let mut opt = AdamW::new(AdamWConfig::default());
         let mut scaler = ShardedGradScaler::new(GradScalerConfig {
             init_scale: 1024.0,
@@ -126,7 +147,7 @@ fn inf_on_one_rank_makes_every_rank_skip_and_halve_the_scale() {
                 .to_dtype(DType::F32)?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y.narrow(0, rank * 3, 3)?)?;
             m.backward(&scaler.scale_loss(&loss)?)?;
-            if step == 0 && rank == 1 {
+            if step == 0 && rank == bad_rank {
                 // Inject an overflow into one element of one rank's gradient shard.
                 let g = m.shard(1).unwrap().grad.expect("fc1 has a gradient");
                 g.slice_set(&Tensor::new(&[f32::INFINITY], g.device())?, 0, 0)?;
@@ -227,12 +248,18 @@ fn clip_reference(
 #[test]
 fn clip_grad_norm_matches_single_process_clipping() {
     let max_norm = 0.3;
-    for ws in 1..=4 {
+    let three_by_two = ShardingStrategy::HybridShard {
+        shard_size: Some(3),
+    };
+    for (ws, strategy) in (1..=4)
+        .map(|ws| (ws, ShardingStrategy::FullShard))
+        .chain([(4, HYBRID_2), (6, three_by_two)])
+    {
         let data = batches(3, 4 * ws, 13);
         let (ref_norms, ref_params) = clip_reference(&data, max_norm);
         let out = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
             let rank = pg.rank();
-            let mut m = model(pg, MixedPrecision::full_f32())?;
+            let mut m = model_with(pg, MixedPrecision::full_f32(), strategy)?;
             let mut opt = Sgd::new(SgdConfig {
                 lr: 0.5,
                 ..Default::default()
@@ -258,13 +285,18 @@ fn clip_grad_norm_matches_single_process_clipping() {
         .unwrap();
         let (norms, params) = &out[0];
         for (a, b) in norms.iter().zip(&ref_norms) {
-            assert!(((a - b) / b).abs() <= 1e-5, "ws {ws}: norm {a} vs {b}");
+            assert!(
+                ((a - b) / b).abs() <= 1e-5,
+                "ws {ws} {strategy}: norm {a} vs {b}"
+            );
             assert!(*b > max_norm, "clipping must be active in this test");
         }
         for (name, t) in params.as_ref().unwrap() {
             let rel = rel_err(&to_vec(t), &ref_params[name]);
-            assert!(rel <= 1e-5, "ws {ws}: {name}: rel {rel:e}");
+            assert!(rel <= 1e-5, "ws {ws} {strategy}: {name}: rel {rel:e}");
         }
+        // Every rank, of every replica, computed the same norms.
+        assert!(out.iter().all(|(n, _)| n == norms), "ws {ws} {strategy}");
     }
 }
 
@@ -272,13 +304,18 @@ fn clip_grad_norm_matches_single_process_clipping() {
 /// batch: same parameters.
 #[test]
 fn gradient_accumulation_equals_one_large_batch_step_both_ways() {
-    let (ws, k, micro) = (2, 3, 2);
+    accumulation_both_ways(2, ShardingStrategy::FullShard);
+    accumulation_both_ways(4, HYBRID_2);
+}
+
+fn accumulation_both_ways(ws: usize, strategy: ShardingStrategy) {
+    let (k, micro) = (3, 2);
     let data = batches(2, ws * k * micro, 17);
     let train = |accum: Option<bool>| {
         let data = data.clone();
         run_ranks_ok(ws, ThreadGroupConfig::default(), move |pg| {
             let rank = pg.rank();
-            let mut m = model(pg.clone(), MixedPrecision::full_f32())?;
+            let mut m = model_with(pg.clone(), MixedPrecision::full_f32(), strategy)?;
             let mut opt = Sgd::new(SgdConfig {
                 lr: 0.5,
                 momentum: 0.9,
@@ -309,7 +346,7 @@ fn gradient_accumulation_equals_one_large_batch_step_both_ways() {
                 opt.step(&mut m)?;
                 m.zero_grad();
             }
-            let rs_calls = pg.stats().reduce_scatter_calls;
+            let rs_calls = m.shard_group().stats().reduce_scatter_calls;
             Ok((m.gather_full_params(true)?, peak_unsharded_grad, rs_calls))
         })
         .unwrap()
@@ -328,7 +365,7 @@ fn gradient_accumulation_equals_one_large_batch_step_both_ways() {
     for params in [no_sync.unwrap(), after_rs.unwrap()] {
         for ((name, a), (_, b)) in params.iter().zip(&reference) {
             let rel = rel_err(&to_vec(a), &to_vec(b));
-            assert!(rel <= 1e-5, "{name}: rel {rel:e}");
+            assert!(rel <= 1e-5, "{strategy}: {name}: rel {rel:e}");
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::common;
 #[path = "../common/parity.rs"]
-mod harness;
+pub(crate) mod harness;
 
 use candle_core::{DType, Device};
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};

@@ -643,6 +643,13 @@ fn fsdp_conv_sync_batch_norm_matches_single_process_batch_norm() {
         (3, ShardingStrategy::FullShard),
         (2, ShardingStrategy::ShardGradOp),
         (2, ShardingStrategy::NoShard),
+        // 2 replicas × 2: the statistics are reduced over the whole world.
+        (
+            4,
+            ShardingStrategy::HybridShard {
+                shard_size: Some(2),
+            },
+        ),
     ] {
         let (ref_losses, ref_params) = cnn_reference(ws);
         let (losses, params) = cnn_fsdp(ws, strategy);

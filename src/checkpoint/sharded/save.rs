@@ -83,15 +83,16 @@ pub(super) fn optimizer_meta(
     }
 }
 
-/// Every rank's tensor checksums, known to rank 0 (a collective: one sum all-reduce of one
-/// integer per tensor of every file; each rank fills its own file's slots).
+/// Every file's tensor checksums, known to rank 0 (a collective over the world: one sum
+/// all-reduce of one integer per tensor of every file; each writing rank fills its own file's
+/// slots, the ranks of other replicas (hybrid) none).
 pub(super) fn gather_checksums(
     model: &FsdpModel,
     kinds: &[BufferKind],
     mine: &[u32],
 ) -> Result<Vec<BTreeMap<String, u32>>> {
     let pg = model.process_group();
-    let (rank, ws) = (pg.rank(), pg.world_size());
+    let (rank, ws) = writer_place(model);
     let names: Vec<Vec<String>> = (0..ws)
         .map(|r| {
             Ok(rank_file_specs(model, kinds, r)?
@@ -100,7 +101,7 @@ pub(super) fn gather_checksums(
                 .collect())
         })
         .collect::<Result<_>>()?;
-    if names[rank].len() != mine.len() {
+    if model.replica_index() == 0 && names[rank].len() != mine.len() {
         return Err(Error::InvalidArgument(format!(
             "checkpoint checksums: rank {rank} wrote {} tensors, expected {}",
             mine.len(),
@@ -110,10 +111,12 @@ pub(super) fn gather_checksums(
     let total: usize = names.iter().map(Vec::len).sum();
     let at: usize = names[..rank].iter().map(Vec::len).sum();
     let mut v = vec![0u64; total];
-    for (slot, c) in v[at..].iter_mut().zip(mine) {
-        *slot = u64::from(*c);
+    if model.replica_index() == 0 {
+        for (slot, c) in v[at..].iter_mut().zip(mine) {
+            *slot = u64::from(*c);
+        }
     }
-    let v = if ws == 1 {
+    let v = if pg.world_size() == 1 {
         v
     } else {
         pg.all_reduce_u64s(v, ReduceOp::Sum)?
@@ -129,6 +132,14 @@ pub(super) fn gather_checksums(
         .collect())
 }
 
+/// This rank's file and the number of files: its rank in the shard group and the group's size
+/// (the world's unless hybrid: a hybrid checkpoint is the sharded checkpoint of one shard group,
+/// written by replica 0).
+pub(super) fn writer_place(model: &FsdpModel) -> (usize, usize) {
+    let g = model.shard_group();
+    (g.rank(), g.world_size())
+}
+
 /// Saves a sharded checkpoint of `model` and `optim` as `<root>/step-<state.step>/` (a
 /// collective) and returns that directory.
 ///
@@ -138,7 +149,9 @@ pub(super) fn gather_checksums(
 /// policy when `state.mixed_precision` is `None`) and renames the staging directory into place,
 /// replacing a checkpoint of the same step. `keep_last`: complete checkpoints kept under `root`
 /// (older ones, by step, are deleted after the new one is complete; the new one is never
-/// deleted); 0 keeps all. Memory: one copy of this rank's optimizer state
+/// deleted); 0 keeps all. Under the hybrid strategies the checkpoint is the shard group's
+/// (`world_size` = shard size), written once, by the ranks of replica 0; the other replicas take
+/// part in the agreements only. Memory: one copy of this rank's optimizer state
 /// ([`ShardedOptimizer::state`]) plus 64 KiB of conversion buffer.
 ///
 /// Errors (on every rank; previous checkpoints untouched, the staging directory removed): any
@@ -153,11 +166,12 @@ pub fn save_sharded(
     let step = model.step();
     let result = (|| -> Result<PathBuf> {
         let pg = model.process_group().clone();
-        let (rank, ws) = (pg.rank(), pg.world_size());
+        let (rank, ws) = writer_place(model);
+        let writes = model.replica_index() == 0;
         let name = step_dir_name(state.step);
         let final_dir = root.join(&name);
         let staging = root.join(format!(".{name}.partial"));
-        let prep = if rank == 0 {
+        let prep = if pg.rank() == 0 {
             prepare_staging(root, &staging)
         } else {
             Ok(())
@@ -170,6 +184,7 @@ pub fn save_sharded(
         )?;
         let file = staging.join(shard_file_name(rank, ws));
         let (written, ostate) = match optim.state_header() {
+            Ok((ostate, kinds)) if !writes => (Ok(Vec::new()), Some((ostate, kinds))),
             Ok((ostate, kinds)) => match write_rank_file(&file, model, optim, &kinds, rank, ws) {
                 Ok(crcs) => (Ok(crcs), Some((ostate, kinds))),
                 Err(e) => (Err(e), None),
@@ -181,7 +196,7 @@ pub fn save_sharded(
             Err(e) => (Err(e), Vec::new()),
         };
         let cleanup = |staging: &Path| {
-            if rank == 0 && !fault::crash_mode() {
+            if pg.rank() == 0 && !fault::crash_mode() {
                 let _ = fs::remove_dir_all(staging);
             }
         };
@@ -202,7 +217,7 @@ pub fn save_sharded(
                 return Err(e);
             }
         };
-        let finished = if rank == 0 {
+        let finished = if pg.rank() == 0 {
             (|| -> Result<()> {
                 let files = (0..ws)
                     .map(|r| {
