@@ -52,9 +52,11 @@ pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub(crate) mod reduce;
+pub mod shm;
 pub mod stats;
 pub mod store;
 pub mod threads;
+pub(crate) mod wire;
 pub mod work;
 
 use std::any::Any;

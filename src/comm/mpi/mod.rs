@@ -33,7 +33,6 @@
 
 mod ops;
 mod runtime;
-mod wire;
 
 use std::ffi::c_int;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -51,6 +50,7 @@ use self::ops::OpCtx;
 use self::runtime::{check, deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
 use super::buffer::{Kind, Post, RawBytes};
 use super::threads::{check_ranks, panic_message};
+use super::wire;
 use super::{
     CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
 };

@@ -75,7 +75,7 @@
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
-mod host;
+pub(in crate::comm) mod host;
 mod rendezvous;
 mod run;
 
@@ -83,7 +83,6 @@ mod run;
 pub use self::cuda::MAX_CUDA_RANKS;
 pub(crate) use self::run::panic_message;
 use self::run::raise_priority;
-#[cfg(any(feature = "mpi", feature = "nccl"))]
 pub(crate) use self::run::run_one;
 pub use self::run::{
     new_group, run_ranks, run_ranks_ok, set_intra_op_threads, BARRIER_POOL_SPIN_LIMIT,
