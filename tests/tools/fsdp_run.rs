@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fsdp-run");
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_fsdp-run");
 
 /// Runs `fsdp-run args…`; returns (exit code, stdout, stderr, seconds). Panics after 60 s.
 fn run(args: &[&str]) -> (i32, String, String, f64) {
@@ -32,7 +32,7 @@ fn run_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String, f64) {
 }
 
 /// Waits for `child` (killing it after `limit`), reading both pipes.
-fn finish(mut child: Child, limit: Duration) -> (i32, String, String) {
+pub(crate) fn finish(mut child: Child, limit: Duration) -> (i32, String, String) {
     let read = |mut r: Box<dyn Read + Send>| {
         std::thread::spawn(move || {
             let mut s = Vec::new();
@@ -60,7 +60,7 @@ fn finish(mut child: Child, limit: Duration) -> (i32, String, String) {
     )
 }
 
-fn last_line(s: &str) -> &str {
+pub(crate) fn last_line(s: &str) -> &str {
     s.lines().last().unwrap_or("")
 }
 
@@ -710,6 +710,66 @@ fn processes_left_by_ranks_that_succeeded_are_stopped_at_the_end() {
     assert!(
         summary.starts_with("fsdp-run: all 2 processes (ranks 0, 1) finished successfully")
             && summary.contains("stopped 2 processes they left running"),
+        "{summary}"
+    );
+}
+
+// ---- Elastic restarts (issue 24, item 2) ---------------------------------------------------
+
+#[test]
+fn max_restarts_starts_every_process_again_with_the_restart_count() {
+    // Rank 1 fails in attempts 0 and 1 and succeeds in attempt 2.
+    let (code, out, err, _) = run(&[
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--grace-period",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo \"attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"; \
+         if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then exit 3; fi; sleep 0.3",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for attempt in 0..3 {
+        for rank in 0..2 {
+            assert!(
+                out.contains(&format!("[rank {rank}] attempt {attempt} of 3")),
+                "{out}"
+            );
+        }
+    }
+    for restart in 1..=2 {
+        assert!(
+            err.contains(&format!(
+                "restarting all 2 processes (restart {restart} of at most 3)"
+            )),
+            "{err}"
+        );
+    }
+    let summary = last_line(&err);
+    assert!(
+        summary.starts_with("fsdp-run: all 2 processes (ranks 0, 1) finished successfully in")
+            && summary.contains("; 2 restarts (of at most 3): rank 1 exited with code 3 after")
+            && summary.matches("rank 1 exited with code 3 after").count() == 2,
+        "{summary}"
+    );
+}
+
+#[test]
+fn when_the_restarts_run_out_the_last_failure_ends_the_job() {
+    let (code, out, err, _) = run(&["--max-restarts", "1", "--", "sh", "-c", "exit 4"]);
+    assert_eq!(code, 4, "{out}\n{err}");
+    assert!(
+        err.contains("restarting all 1 process (restart 1 of at most 1)"),
+        "{err}"
+    );
+    let summary = last_line(&err);
+    assert!(
+        summary.starts_with("fsdp-run: rank 0 failed first: exited with code 4 after")
+            && summary.contains("; 1 restart (of at most 1): rank 0 exited with code 4 after"),
         "{summary}"
     );
 }

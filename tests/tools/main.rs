@@ -11,6 +11,8 @@ mod common;
 
 #[cfg(feature = "cli")]
 mod ckpt_tool;
+#[cfg(all(feature = "cli", feature = "mnist", feature = "timeline"))]
+mod elastic;
 #[cfg(feature = "cli")]
 mod fsdp_run;
 #[cfg(feature = "timeline")]
