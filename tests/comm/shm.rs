@@ -109,7 +109,7 @@ fn exercise(pg: Arc<dyn ProcessGroup>) -> Result<Vec<(String, Vec<u64>)>> {
 }
 
 /// Starts this binary's `helper_shm_rank` as `world_size` processes (torchrun-style variables,
-/// the store on a free port); returns (exit code, output) of each, after at most 120 s.
+/// the store on a free port); returns (exit code, output) of each (at most 60 s in all).
 fn spawn_job(world_size: usize, mode: &str) -> Vec<(i32, String)> {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -140,32 +140,7 @@ fn spawn_job(world_size: usize, mode: &str) -> Vec<(i32, String)> {
                 .unwrap()
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut children: Vec<Option<std::process::Child>> = children.into_iter().map(Some).collect();
-    let mut done: Vec<Option<(i32, String)>> = vec![None; world_size];
-    while done.iter().any(Option::is_none) {
-        for (i, c) in children.iter_mut().enumerate() {
-            if c.as_mut().is_some_and(|c| c.try_wait().unwrap().is_some()) {
-                let out = c.take().unwrap().wait_with_output().unwrap();
-                done[i] = Some((
-                    out.status.code().unwrap_or(-1),
-                    format!(
-                        "{}{}",
-                        String::from_utf8_lossy(&out.stdout),
-                        String::from_utf8_lossy(&out.stderr)
-                    ),
-                ));
-            }
-        }
-        if Instant::now() > deadline {
-            for c in children.iter_mut().flatten() {
-                let _ = c.kill();
-            }
-            panic!("shm ranks still running after 120 s: a rank hangs");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    done.into_iter().map(Option::unwrap).collect()
+    crate::store::wait_all(children)
 }
 
 #[test]
@@ -237,6 +212,14 @@ fn shm_collectives_are_bitwise_the_thread_backends() {
     }
 }
 
+/// Rank 0's `rank 0: failed after …` line (libtest's "test helper_shm_rank ... " may precede
+/// it).
+fn failure_line(out: &str) -> &str {
+    out.lines()
+        .find_map(|l| l.find("rank 0: failed after").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("{out}"))
+}
+
 #[test]
 fn shm_a_rank_killed_with_sigkill_stops_its_peers_promptly() {
     let results = spawn_job(2, "die");
@@ -247,11 +230,7 @@ fn shm_a_rank_killed_with_sigkill_stops_its_peers_promptly() {
     );
     let (code, out) = &results[0];
     assert_eq!(*code, 0, "{out}");
-    // libtest's "test helper_shm_rank ... " may precede the helper's line.
-    let line = out
-        .lines()
-        .find_map(|l| l.find("rank 0: failed after").map(|i| &l[i..]))
-        .unwrap_or_else(|| panic!("{out}"));
+    let line = failure_line(out);
     let secs: f64 = line["rank 0: failed after ".len()..]
         .split(' ')
         .next()
@@ -279,11 +258,7 @@ fn shm_a_failing_rank_stops_its_peers_with_its_reason() {
     );
     let (code, out) = &results[0];
     assert_eq!(*code, 0, "{out}");
-    // libtest's "test helper_shm_rank ... " may precede the helper's line.
-    let line = out
-        .lines()
-        .find_map(|l| l.find("rank 0: failed after").map(|i| &l[i..]))
-        .unwrap_or_else(|| panic!("{out}"));
+    let line = failure_line(out);
     assert!(
         line.contains("rank 1 failed") && line.contains("rank 1 gives up"),
         "{line}"

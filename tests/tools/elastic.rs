@@ -18,19 +18,10 @@ use super::fsdp_run::{finish, last_line, BIN};
 const FLAGS: [&str; 6] = ["--epochs", "2", "--batch-size", "256", "--save-every", "20"];
 
 fn mnist() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("examples/mnist");
-    assert!(
-        bin.is_file(),
-        "{} is missing: `cargo test` builds the examples (or run `cargo build --release \
-         --example mnist`)",
-        bin.display()
-    );
-    bin
+    crate::common::example_bin(
+        "mnist",
+        "cargo build --release --example mnist` (`cargo test` builds the examples",
+    )
 }
 
 fn data_dir() -> String {
@@ -80,12 +71,6 @@ fn epoch_results(out: &str) -> Vec<String> {
         .collect()
 }
 
-fn final_accuracy(out: &str) -> String {
-    out.lines()
-        .find_map(|l| l.find("final test accuracy").map(|i| l[i..].to_string()))
-        .unwrap_or_else(|| panic!("no final accuracy in:\n{out}"))
-}
-
 /// The bytes of every shard file of `dir`'s final checkpoint equal the reference's.
 fn assert_same_final_checkpoint(dir: &Path) {
     let last = "step-00000236";
@@ -129,7 +114,10 @@ fn mnist_under_fsdp_run_on_cpu_matches_the_thread_run_bitwise() {
     let epochs = epoch_results(&out);
     assert_eq!(epochs.len(), 2, "{out}");
     assert_eq!(epochs, epoch_results(reference));
-    assert_eq!(final_accuracy(&out), final_accuracy(reference));
+    assert_eq!(
+        crate::common::final_accuracy(&out),
+        crate::common::final_accuracy(reference)
+    );
     assert_same_final_checkpoint(&dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -193,7 +181,10 @@ fn a_rank_killed_with_sigkill_restarts_and_ends_like_the_uninterrupted_run() {
     // The restart resumed from a checkpoint of this run, and ended as the uninterrupted run.
     assert!(out.contains("[rank 0] resumed from"), "{out}");
     let (reference, _) = reference();
-    assert_eq!(final_accuracy(&out), final_accuracy(reference));
+    assert_eq!(
+        crate::common::final_accuracy(&out),
+        crate::common::final_accuracy(reference)
+    );
     assert_same_final_checkpoint(&dir);
     let _ = std::fs::remove_dir_all(&dir);
 }

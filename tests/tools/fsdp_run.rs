@@ -773,3 +773,84 @@ fn when_the_restarts_run_out_the_last_failure_ends_the_job() {
         "{summary}"
     );
 }
+
+// ---- --config FILE: the [launch] table (issue 24, item 4) ------------------------------------
+
+#[test]
+fn the_launch_table_of_a_config_file_sets_the_launch_and_flags_override_it() {
+    let dir = crate::common::tmpdir("fsdp-run-config");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("job.toml");
+    std::fs::write(
+        &file,
+        "# The examples' keys are top-level; fsdp-run reads [launch].\nepochs = 3\n\n[launch]\n\
+         nproc_per_node = 3\nmaster_addr = \"localhost\"\nmaster_port = 29877\n",
+    )
+    .unwrap();
+    let file = file.to_str().unwrap();
+    let (code, out, err, _) = run(&["--config", file, "--", "sh", "-c", PRINT_ENV]);
+    assert_eq!(code, 0, "{err}");
+    for r in 0..3 {
+        assert!(
+            out.contains(&format!(
+                "[rank {r}] R={r} W=3 L={r} LW=3 G=0 A=localhost P=29877 "
+            )),
+            "{out}"
+        );
+    }
+    let (code, out, err, _) = run(&[
+        "--config",
+        file,
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29878",
+        "--",
+        "sh",
+        "-c",
+        PRINT_ENV,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("[rank 2]"), "{out}");
+    for r in 0..2 {
+        assert!(
+            out.contains(&format!(
+                "[rank {r}] R={r} W=2 L={r} LW=2 G=0 A=localhost P=29878 "
+            )),
+            "{out}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn config_file_errors_name_the_key_and_the_file() {
+    let dir = crate::common::tmpdir("fsdp-run-config-errors");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("bad.toml");
+    std::fs::write(&file, "[launch]\nnprocs_per_node = 2\n").unwrap();
+    let path = file.to_str().unwrap();
+    let (code, _, err, _) = run(&["--config", path, "--", "true"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("fsdp-run: error: --config {path}: [launch]: "))
+            && err.contains("unknown field `nprocs_per_node`"),
+        "{err}"
+    );
+    std::fs::write(&file, "[launch]\nmax_restarts = \"two\"\n").unwrap();
+    let (code, _, err, _) = run(&["--config", path, "--", "true"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("--config {path}: [launch]: ")) && err.contains("max_restarts"),
+        "{err}"
+    );
+    let missing = dir.join("missing.toml");
+    let missing = missing.to_str().unwrap();
+    let (code, _, err, _) = run(&["--config", missing, "--", "true"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("--config {missing}: cannot read it")),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

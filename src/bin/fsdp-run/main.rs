@@ -23,6 +23,10 @@
 //! - Failure: when a child exits with a nonzero code or is killed by a signal, `fsdp-run` sends
 //!   SIGTERM to the others, SIGKILL to those still running after `--grace-period` seconds
 //!   (default 5), and exits with the first failed child's code (a signal `n` gives `128 + n`).
+//! - `--config FILE` reads the `[launch]` table of a TOML file (the examples' `--config` file):
+//!   `nproc_per_node`, `nnodes`, `node_rank`, `master_addr`, `master_port`, `max_restarts`,
+//!   `grace_period`; flags on the command line override it; an unknown key is an error naming
+//!   the key and the file (see `config`).
 //! - Elastic restarts (`--max-restarts N`, torchrun's flag): when a child fails (nonzero exit
 //!   or a signal), the others are stopped as above and, while restarts are left, every local
 //!   process is started again with `TORCHELASTIC_RESTART_COUNT` = the restart's number (0 in
@@ -68,7 +72,7 @@ use std::process::ExitStatus;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 
 /// Start the processes of a torchrun-style job: sets RANK, WORLD_SIZE, LOCAL_RANK,
 /// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT for each, prefixes their output
@@ -128,6 +132,10 @@ struct Cli {
         default_value_t = 0
     )]
     max_restarts: usize,
+    /// Read the `[launch]` table of this TOML file (keys: nproc_per_node, nnodes, node_rank,
+    /// master_addr, master_port, max_restarts, grace_period); flags given here override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     /// Seconds between SIGTERM and SIGKILL when stopping the processes.
     #[arg(long = "grace-period", value_name = "SECONDS", default_value_t = 5.0)]
     grace_period: f64,
@@ -298,6 +306,7 @@ fn pump(src: impl Read, rank: usize, to_stderr: bool) {
 const JOB_VAR: &str = "FSDP_RUN_JOB";
 
 mod attempt;
+mod config;
 mod proc_table;
 mod watchdog;
 
@@ -318,7 +327,11 @@ fn usage_error(msg: &str) -> ! {
 
 fn main() {
     watchdog_if_asked();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Err(e) = config::apply(&mut cli, &matches) {
+        usage_error(&e);
+    }
     if cli.nproc_per_node == 0 {
         usage_error("--nproc-per-node 0: a job needs at least one process per node");
     }
