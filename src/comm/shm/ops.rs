@@ -190,13 +190,24 @@ impl Ctx<'_> {
         })
     }
 
-    /// Copies `src` into this rank's segment (growing it if needed).
-    fn copy_in(&mut self, src: RawBuf) -> Result<()> {
-        let bytes = src.len * src.dtype.size_in_bytes();
-        self.comm.own.ensure(bytes)?;
-        // SAFETY: `src` is this rank's locked buffer; the segment holds `bytes` (ensured) and
-        // no peer reads it before this rank's next arrival.
-        unsafe { std::ptr::copy_nonoverlapping(src.ptr as *const u8, self.comm.own.data(), bytes) };
+    /// Copies `src` into this rank's segment (growing it if needed), except the elements
+    /// `skip` (which no peer reads).
+    fn copy_in(&mut self, src: RawBuf, skip: std::ops::Range<usize>) -> Result<()> {
+        let size = src.dtype.size_in_bytes();
+        self.comm.own.ensure(src.len * size)?;
+        for (start, end) in [(0, skip.start.min(src.len)), (skip.end.min(src.len), src.len)] {
+            if start < end {
+                // SAFETY: `src` is this rank's locked buffer; the segment holds `src.len`
+                // elements (ensured) and no peer reads it before this rank's next arrival.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src.ptr.add(start * size) as *const u8,
+                        self.comm.own.data().add(start * size),
+                        (end - start) * size,
+                    )
+                };
+            }
+        }
         Ok(())
     }
 
@@ -231,7 +242,7 @@ impl Ctx<'_> {
         let kind = OpKind::AllGather;
         self.with_storage(kind, output, "output", Some(input), |ctx, out, src| {
             let src = src.expect("all-gather has an input");
-            ctx.copy_in(src)?;
+            ctx.copy_in(src, 0..0)?;
             let mut post = ctx.post(kind);
             post.input = Some(src);
             post.output = Some(out);
@@ -258,7 +269,9 @@ impl Ctx<'_> {
         let kind = OpKind::ReduceScatter;
         self.with_storage(kind, output, "output", Some(input), |ctx, out, src| {
             let src = src.expect("reduce-scatter has an input");
-            ctx.copy_in(src)?;
+            // This rank's own chunk is read from its tensor by itself only.
+            let own = ctx.rank() * out.len..(ctx.rank() + 1) * out.len;
+            ctx.copy_in(src, own)?;
             let mut post = ctx.post(kind);
             post.input = Some(src);
             post.output = Some(out);
@@ -282,7 +295,7 @@ impl Ctx<'_> {
     pub(super) fn all_reduce(&mut self, buf: &Tensor, op: ReduceOp) -> Result<()> {
         let kind = OpKind::AllReduce;
         self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
-            ctx.copy_in(mine)?;
+            ctx.copy_in(mine, 0..0)?;
             let mut post = ctx.post(kind);
             post.input = Some(mine);
             post.op = Some(op);
@@ -323,7 +336,7 @@ impl Ctx<'_> {
         let kind = OpKind::Broadcast;
         self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
             if ctx.rank() == root {
-                ctx.copy_in(mine)?;
+                ctx.copy_in(mine, 0..0)?;
             }
             let mut post = ctx.post(kind);
             post.input = Some(mine);
@@ -342,7 +355,7 @@ impl Ctx<'_> {
         let kind = OpKind::Reduce;
         self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
             if ctx.rank() != root {
-                ctx.copy_in(mine)?;
+                ctx.copy_in(mine, 0..0)?;
             }
             let mut post = ctx.post(kind);
             post.input = Some(mine);
