@@ -20,6 +20,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// `path` quoted for `sh` (test directories hold parentheses: `ThreadId(2)`).
+fn q(path: &Path) -> String {
+    format!("'{}'", path.display().to_string().replace('\'', "'\\''"))
+}
+
 /// Runs `sh -c script`; its output.
 fn sh(script: &str) -> Output {
     Command::new("sh")
@@ -101,7 +106,7 @@ impl TwoHosts {
             nb = t.ns[1]
         );
         std::fs::write(t.agent(), agent).map_err(|e| e.to_string())?;
-        sh(&format!("chmod +x {}", t.agent().display()));
+        sh(&format!("chmod +x {}", q(&t.agent())));
         std::fs::write(
             t.dir.join("hostfile"),
             format!("{} slots=1\n{} slots=1\n", t.hosts[0], t.hosts[1]),
@@ -183,9 +188,9 @@ fn mnist() -> PathBuf {
 /// Two epochs of 118 steps, a checkpoint at the end of each.
 fn flags(dir: &Path) -> String {
     format!(
-        "--epochs 2 --batch-size 256 --data-dir {}/data/mnist --checkpoint-dir {}",
-        env!("CARGO_MANIFEST_DIR"),
-        dir.display()
+        "--epochs 2 --batch-size 256 --data-dir {} --checkpoint-dir {}",
+        q(&Path::new(env!("CARGO_MANIFEST_DIR")).join("data/mnist")),
+        q(dir)
     )
 }
 
@@ -201,11 +206,7 @@ fn mpirun_across_two_network_namespaces_reaches_the_single_process_result() {
     let bin = mnist();
     // The single-process reference: world size 2 as threads of one process.
     let reference = hosts.dir.join("reference");
-    let out = sh(&format!(
-        "{} --world-size 2 {}",
-        bin.display(),
-        flags(&reference)
-    ));
+    let out = sh(&format!("{} --world-size 2 {}", q(&bin), flags(&reference)));
     let ref_out = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{ref_out}");
     let before = [hosts.veth_bytes(0), hosts.veth_bytes(1)];
@@ -214,10 +215,10 @@ fn mpirun_across_two_network_namespaces_reaches_the_single_process_result() {
         "mpirun --allow-run-as-root --hostfile {hostfile} -np 2 --display-map \
          --mca plm_rsh_agent {agent} --mca btl tcp,self --mca btl_tcp_if_include {subnet} \
          --mca oob_tcp_if_include {subnet} {bin} {flags}",
-        hostfile = hosts.dir.join("hostfile").display(),
-        agent = hosts.agent().display(),
+        hostfile = q(&hosts.dir.join("hostfile")),
+        agent = q(&hosts.agent()),
         subnet = hosts.subnet,
-        bin = bin.display(),
+        bin = q(&bin),
         flags = flags(&ckpt)
     );
     let child = hosts.on_host(0, &mpirun).spawn().unwrap();
@@ -277,7 +278,7 @@ fn fsdp_run_on_two_hosts_on_cpu_says_the_engine_there_is_mpi() {
                 "{fsdp_run} --nnodes 2 --node-rank {k} --nproc-per-node 1 --master-addr {} \
                  --master-port 29731 -- {} --device cpu {}",
                 hosts.hosts[0],
-                bin.display(),
+                q(&bin),
                 flags(&hosts.dir.join("fsdp-run"))
             );
             hosts.on_host(k, &cmd).spawn().unwrap()

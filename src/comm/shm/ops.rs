@@ -195,7 +195,10 @@ impl Ctx<'_> {
     fn copy_in(&mut self, src: RawBuf, skip: std::ops::Range<usize>) -> Result<()> {
         let size = src.dtype.size_in_bytes();
         self.comm.own.ensure(src.len * size)?;
-        for (start, end) in [(0, skip.start.min(src.len)), (skip.end.min(src.len), src.len)] {
+        for (start, end) in [
+            (0, skip.start.min(src.len)),
+            (skip.end.min(src.len), src.len),
+        ] {
             if start < end {
                 // SAFETY: `src` is this rank's locked buffer; the segment holds `src.len`
                 // elements (ensured) and no peer reads it before this rank's next arrival.
