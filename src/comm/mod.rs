@@ -40,7 +40,9 @@
 //!   collectives of the other ranks fail instead of hanging (how promptly is backend-defined).
 //!
 //! Backends: [`threads`] (N ranks as N threads of one process, shared memory; its docs list the
-//! stronger guarantees only shared memory can give) and `mpi` (feature `mpi`: one rank per
+//! stronger guarantees only shared memory can give), [`shm`] (one rank per process on one
+//! machine, started by `fsdp-run`/torchrun, through segments in `/dev/shm`; the thread
+//! backend's algorithms and bitwise its reductions) and `mpi` (feature `mpi`: one rank per
 //! process, started by `mpirun`; bitwise the same reductions as `threads`). Statistics are counted once for every
 //! backend by the [`stats::Instrumented`] wrapper that launchers put around it.
 
@@ -232,7 +234,7 @@ pub trait ProcessGroup: Send + Sync {
     fn rank(&self) -> usize;
     /// Number of ranks.
     fn world_size(&self) -> usize;
-    /// Backend name: `"threads"` (later `"mpi"`, `"nccl"`).
+    /// Backend name: `"threads"`, `"shm"`, `"mpi"`, `"nccl"`.
     fn backend(&self) -> &'static str;
     /// Device the buffers of collectives must live on (`Device::Cpu` for `threads`).
     fn device(&self) -> &Device;
