@@ -854,3 +854,19 @@ fn config_file_errors_name_the_key_and_the_file() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn shared_memory_segments_a_job_left_are_removed() {
+    // What a rank of the shared-memory backend killed while the ranks meet leaves behind:
+    // files named after rank 0's pid (here the child's own, `$$`).
+    let (code, out, err, _) = run(&[
+        "--",
+        "sh",
+        "-c",
+        "touch /dev/shm/candle-fsdp-$$-123-g-c0-r0 && echo $$",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let pid = out.trim().trim_start_matches("[rank 0] ");
+    let left = std::path::Path::new("/dev/shm").join(format!("candle-fsdp-{pid}-123-g-c0-r0"));
+    assert!(!left.exists(), "{} left behind", left.display());
+}

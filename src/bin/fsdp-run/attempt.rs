@@ -120,6 +120,26 @@ enum Ending {
     StartFailed { code: i32 },
 }
 
+/// Removes the shared-memory segments a job of the shm backend left in `/dev/shm` (named
+/// `candle-fsdp-<pid of rank 0>-…`): a job removes them once every rank mapped them, so only a
+/// job killed while its ranks were meeting leaves any.
+fn remove_segments(procs: &[Proc]) {
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else {
+        return;
+    };
+    let prefixes: Vec<String> = procs
+        .iter()
+        .map(|p| format!("candle-fsdp-{}-", p.child.id()))
+        .collect();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if prefixes.iter().any(|p| name.starts_with(p.as_str())) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// How an attempt ended.
 pub(crate) enum Attempt {
     /// The job is over; exit with this code (the summary line is printed).
@@ -352,6 +372,7 @@ pub(crate) fn run_attempt(
             break;
         }
     }
+    remove_segments(&job.procs);
 
     let procs = &job.procs;
     let elapsed = start.elapsed().as_secs_f64();

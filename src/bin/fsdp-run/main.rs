@@ -23,6 +23,8 @@
 //! - Failure: when a child exits with a nonzero code or is killed by a signal, `fsdp-run` sends
 //!   SIGTERM to the others, SIGKILL to those still running after `--grace-period` seconds
 //!   (default 5), and exits with the first failed child's code (a signal `n` gives `128 + n`).
+//! - Shared memory: after each attempt, the segments a CPU job of the shared-memory backend
+//!   left in `/dev/shm` (only a job killed while its ranks were meeting leaves any) are removed.
 //! - `--config FILE` reads the `[launch]` table of a TOML file (the examples' `--config` file):
 //!   `nproc_per_node`, `nnodes`, `node_rank`, `master_addr`, `master_port`, `max_restarts`,
 //!   `grace_period`; flags on the command line override it; an unknown key is an error naming
