@@ -57,7 +57,8 @@ use super::buffer::{Kind, Post, RawBytes};
 use super::store::TcpStore;
 use super::threads::{check_ranks, panic_message, run_one};
 use super::{
-    CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
+    foreign_stream, host_collectives, join_stream_threads, CommObserver, CommStream, Instrumented,
+    OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
 };
 use crate::error::{Error, Result};
 
@@ -341,12 +342,7 @@ impl ShmProcessGroup {
             .backend_state::<ShmStream>()
             .filter(|s| s.owner == self.id)
         else {
-            return Work::ready(Err(Error::InvalidArgument(format!(
-                "{} on rank {}: stream {:?} was not created by this process group",
-                kind.name(),
-                self.core.rank,
-                stream.name()
-            ))));
+            return Work::ready(Err(foreign_stream(kind, self.core.rank, stream)));
         };
         let mut slot = ss.slot.lock();
         slot.seq += 1;
@@ -455,52 +451,7 @@ impl ProcessGroup for ShmProcessGroup {
         self.default_stream.clone()
     }
 
-    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
-        let input = input.clone();
-        self.issue(stream, OpKind::AllGather, move |ctx| {
-            ctx.all_gather(&input, &output)?;
-            Ok(output)
-        })
-    }
-
-    fn reduce_scatter(
-        &self,
-        stream: &CommStream,
-        input: &Tensor,
-        output: Tensor,
-        op: ReduceOp,
-    ) -> Work<Tensor> {
-        let input = input.clone();
-        self.issue(stream, OpKind::ReduceScatter, move |ctx| {
-            ctx.reduce_scatter(&input, &output, op)?;
-            Ok(output)
-        })
-    }
-
-    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
-        self.issue(stream, OpKind::AllReduce, move |ctx| {
-            ctx.all_reduce(&buf, op)?;
-            Ok(buf)
-        })
-    }
-
-    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
-        self.issue(stream, OpKind::Broadcast, move |ctx| {
-            ctx.broadcast(&buf, root)?;
-            Ok(buf)
-        })
-    }
-
-    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
-        self.issue(stream, OpKind::Reduce, move |ctx| {
-            ctx.reduce(&buf, root, op)?;
-            Ok(buf)
-        })
-    }
-
-    fn barrier(&self, stream: &CommStream) -> Work<()> {
-        self.issue(stream, OpKind::Barrier, |ctx| ctx.barrier())
-    }
+    host_collectives!();
 
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
         let mut setup = self.setup.lock();
@@ -580,12 +531,7 @@ impl Drop for ShmProcessGroup {
                 stream.slot.lock().tx = None;
             }
         }
-        let me = thread::current().id();
-        for handle in self.threads.get_mut().drain(..) {
-            if handle.thread().id() != me {
-                let _ = handle.join();
-            }
-        }
+        join_stream_threads(self.threads.get_mut());
         self.setup.get_mut().comm.depart(self.core.rank);
     }
 }
