@@ -2,6 +2,8 @@
 //! `cli`), with torchrun's flags and variables.
 //!
 //! ```text
+//! fsdp-run --nproc-per-node 2 -- target/release/examples/mnist        # CPU: shared memory
+//! fsdp-run --nproc-per-node 2 --max-restarts 3 -- target/release/examples/mnist --save-every 100
 //! fsdp-run --nproc-per-node 4 -- target/release/examples/gpt --device cuda
 //! fsdp-run --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr node0 -- ./train
 //! ```

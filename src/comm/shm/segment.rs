@@ -424,7 +424,8 @@ pub(super) enum Stop {
 /// How often a waiting rank checks that the missing peers' processes still run.
 const LIVENESS_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Waits until every rank of `headers` arrived at `target`: yields the core for
+/// Waits until every rank of `headers` arrived at `target` (`pids`: their processes, 0 for one
+/// this process cannot see): yields the core for
 /// [`crate::comm::work::YIELD_BEFORE_SLEEP`], then sleeps 50 µs between looks; stops on a
 /// recorded failure, a departed or dead missing peer, or at `deadline`.
 pub(super) fn wait_for(
@@ -452,7 +453,7 @@ pub(super) fn wait_for(
         let now = Instant::now();
         if now.duration_since(checked) >= LIVENESS_EVERY {
             checked = now;
-            if let Some(&j) = missing.iter().find(|&&j| !alive(pids[j])) {
+            if let Some(&j) = missing.iter().find(|&&j| pids[j] != 0 && !alive(pids[j])) {
                 return Err(Stop::Died(j, pids[j]));
             }
         }
