@@ -2,6 +2,8 @@
 //! and all-reduce (f32, sum) from 4 KiB to 256 MiB, at world sizes 2 and 4, on every backend of the build, next
 //! to a single-thread memcpy of the same size, in one run:
 //! - `threads`: the in-process backend (ranks as threads);
+//! - `shm`: the shared-memory backend, one process per rank as under `fsdp-run` (this binary
+//!   started `ws` times with `--shm-worker` and torchrun-style variables);
 //! - `mpi` (feature `mpi`, `mpirun` on PATH): this backend's collectives, one process per rank;
 //! - `mpi-native`: OpenMPI's own `MPI_Allgather` / `MPI_Reduce_scatter_block` / `MPI_Allreduce`
 //!   on the same processes, for reference.
@@ -190,6 +192,71 @@ fn mpi_worker() {
     }
 }
 
+/// A rank of the shared-memory job `shm_rows` starts: rank 0 prints `ROW shm op size seconds`
+/// lines.
+fn shm_worker() {
+    let launcher = Launcher::from_env(None, 1, std::time::Duration::from_secs(300))
+        .expect("a torchrun-style CPU launch");
+    assert_eq!(launcher.backend(), "shm");
+    let rows = launch(&launcher, |pg| sweep(&pg)).expect("shm sweep");
+    if launcher.local_ranks().start == 0 {
+        for (op, size, t) in &rows[0] {
+            println!("ROW shm {op} {size} {t}");
+        }
+    }
+}
+
+/// The shared-memory backend's rows at `ws` processes (this binary started `ws` times, the
+/// store on a free port), or why there are none.
+fn shm_rows(ws: usize) -> Result<Vec<(String, Row)>, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let children = (0..ws)
+        .map(|rank| {
+            Command::new(&exe)
+                .arg("--shm-worker")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", ws.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", ws.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("starting rank {rank}: {e}"))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let mut rows = Vec::new();
+    for (rank, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output().map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(format!("rank {rank} {}", out.status));
+        }
+        rows.extend(parse_rows(&String::from_utf8_lossy(&out.stdout)));
+    }
+    Ok(rows)
+}
+
+/// The `ROW backend op size seconds` lines of a worker's output.
+fn parse_rows(stdout: &str) -> Vec<(String, Row)> {
+    stdout
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            match f.as_slice() {
+                ["ROW", backend, op, size, t] => Some((
+                    backend.to_string(),
+                    (op.to_string(), size.parse().ok()?, t.parse().ok()?),
+                )),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
 /// The MPI backends' rows at `ws` processes, or why there are none.
 fn mpi_rows(ws: usize) -> Result<Vec<(String, Row)>, String> {
     if !cfg!(feature = "mpi") {
@@ -213,19 +280,7 @@ fn mpi_rows(ws: usize) -> Result<Vec<(String, Row)>, String> {
             String::from_utf8_lossy(&out.stderr)
         ));
     }
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            match f.as_slice() {
-                ["ROW", backend, op, size, t] => Some((
-                    backend.to_string(),
-                    (op.to_string(), size.parse().ok()?, t.parse().ok()?),
-                )),
-                _ => None,
-            }
-        })
-        .collect())
+    Ok(parse_rows(&String::from_utf8_lossy(&out.stdout)))
 }
 
 /// Seconds per single-thread copy of `size` bytes (mean of several).
@@ -270,6 +325,10 @@ fn gpu_from_env() -> Option<usize> {
 }
 
 fn main() {
+    if std::env::args().any(|a| a == "--shm-worker") {
+        shm_worker();
+        return;
+    }
     if std::env::args().any(|a| a == "--mpi-worker") {
         #[cfg(feature = "mpi")]
         mpi_worker();
@@ -296,6 +355,10 @@ fn main() {
         }
         if gpu.is_some() {
             continue;
+        }
+        match shm_rows(ws) {
+            Ok(shm) => rows.extend(shm.into_iter().map(|(b, r)| (ws, b, r))),
+            Err(why) => eprintln!("no shm rows at ws {ws}: {why}"),
         }
         match mpi_rows(ws) {
             Ok(mpi) => rows.extend(mpi.into_iter().map(|(b, r)| (ws, b, r))),

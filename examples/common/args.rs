@@ -310,7 +310,10 @@ fn check_checkpoint_dir(args: &TrainArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let existing = checkpoint::list_complete(dir)?;
-    match (args.resume, existing.last()) {
+    match (
+        args.resume || super::trainer::restart_count() > 0,
+        existing.last(),
+    ) {
         (true, None) => println!(
             "--resume: no complete checkpoint in {}: starting from scratch",
             dir.display()

@@ -109,6 +109,16 @@ pub fn print_checkpoint(args: &TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Which restart of the job this process is (`TORCHELASTIC_RESTART_COUNT`, set by
+/// `fsdp-run --max-restarts` and torchrun): 0 on a first start. A restarted process resumes
+/// from the newest complete checkpoint as with `--resume`.
+pub fn restart_count() -> u64 {
+    std::env::var("TORCHELASTIC_RESTART_COUNT")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// A checkpoint [`Trainer::resume`] loaded.
 pub struct Resumed {
     /// Its directory.
@@ -222,9 +232,10 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
         self.tracer.as_ref().map(|t| t.spans()).unwrap_or_default()
     }
 
-    /// Loads `--resume-from`, or the newest checkpoint with `--resume` (reporting the damaged
-    /// ones it passed over), and restores the step, the run id and the grad scaler; `None` (a
-    /// fresh run, with a fresh run id) otherwise. A checkpoint trained with another `--seed` is
+    /// Loads `--resume-from`, or the newest checkpoint with `--resume` or in a restarted job
+    /// ([`restart_count`] > 0; none yet: a fresh start) (reporting the damaged ones it passed
+    /// over), and restores the step, the run id and the grad scaler; `None` (a fresh run, with
+    /// a fresh run id) otherwise. A checkpoint trained with another `--seed` is
     /// an error (the data order would change).
     pub fn resume(&mut self) -> Result<Option<Resumed>> {
         let loaded = match (&self.args.resume_from, self.args.resume) {
@@ -233,12 +244,12 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
                 &mut self.model,
                 &mut self.optim,
             )?),
-            (None, true) => checkpoint::load_latest(
+            (None, resume) if resume || restart_count() > 0 => checkpoint::load_latest(
                 &self.args.checkpoint_dir,
                 &mut self.model,
                 &mut self.optim,
             )?,
-            (None, false) => None,
+            (None, _) => None,
         };
         let Some(loaded) = loaded else {
             self.run_id = Some(self.fresh_run_id()?);

@@ -7,7 +7,7 @@
 //! `checkpoint::tools::export_hf`.
 //!
 //! The parameter names are the file's: a model built this way must name its parameters as the
-//! checkpoint does (`models::llama` uses Hugging Face's names for that reason, decision 49).
+//! checkpoint does (`models::llama` uses Hugging Face's names for that reason, decision 50).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

@@ -40,7 +40,9 @@
 //!   collectives of the other ranks fail instead of hanging (how promptly is backend-defined).
 //!
 //! Backends: [`threads`] (N ranks as N threads of one process, shared memory; its docs list the
-//! stronger guarantees only shared memory can give) and `mpi` (feature `mpi`: one rank per
+//! stronger guarantees only shared memory can give), [`shm`] (one rank per process on one
+//! machine, started by `fsdp-run`/torchrun, through segments in `/dev/shm`; the thread
+//! backend's algorithms and bitwise its reductions) and `mpi` (feature `mpi`: one rank per
 //! process, started by `mpirun`; bitwise the same reductions as `threads`). Statistics are counted once for every
 //! backend by the [`stats::Instrumented`] wrapper that launchers put around it.
 
@@ -52,9 +54,11 @@ pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub(crate) mod reduce;
+pub mod shm;
 pub mod stats;
 pub mod store;
 pub mod threads;
+pub(crate) mod wire;
 pub mod work;
 
 use std::any::Any;
@@ -101,6 +105,90 @@ impl Call {
         }
     }
 }
+
+/// The error of a collective of kind `kind` on `rank` given a stream another group created
+/// (every backend's wording).
+pub(crate) fn foreign_stream(kind: OpKind, rank: usize, stream: &CommStream) -> Error {
+    Error::InvalidArgument(format!(
+        "{} on rank {rank}: stream {:?} was not created by this process group",
+        kind.name(),
+        stream.name()
+    ))
+}
+
+/// Joins the stream threads of a group handle being dropped, except the current thread (a
+/// handle dropped on one of its own streams' threads).
+pub(crate) fn join_stream_threads(threads: &mut Vec<std::thread::JoinHandle<()>>) {
+    let me = std::thread::current().id();
+    for handle in threads.drain(..) {
+        if handle.thread().id() != me {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// The [`ProcessGroup`] collectives of a host backend whose
+/// `issue(stream, kind, body: FnOnce(&mut Ctx) -> Result<T>)` runs `body` on the stream's
+/// thread, with a context that has `all_gather(&input, &output)`, `reduce_scatter(&input,
+/// &output, op)`, `all_reduce(&buf, op)`, `broadcast(&buf, root)`, `reduce(&buf, root, op)` and
+/// `barrier()` (the MPI and shared-memory backends).
+macro_rules! host_collectives {
+    () => {
+        fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
+            let input = input.clone();
+            self.issue(stream, OpKind::AllGather, move |ctx| {
+                ctx.all_gather(&input, &output)?;
+                Ok(output)
+            })
+        }
+
+        fn reduce_scatter(
+            &self,
+            stream: &CommStream,
+            input: &Tensor,
+            output: Tensor,
+            op: ReduceOp,
+        ) -> Work<Tensor> {
+            let input = input.clone();
+            self.issue(stream, OpKind::ReduceScatter, move |ctx| {
+                ctx.reduce_scatter(&input, &output, op)?;
+                Ok(output)
+            })
+        }
+
+        fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
+            self.issue(stream, OpKind::AllReduce, move |ctx| {
+                ctx.all_reduce(&buf, op)?;
+                Ok(buf)
+            })
+        }
+
+        fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
+            self.issue(stream, OpKind::Broadcast, move |ctx| {
+                ctx.broadcast(&buf, root)?;
+                Ok(buf)
+            })
+        }
+
+        fn reduce(
+            &self,
+            stream: &CommStream,
+            buf: Tensor,
+            root: usize,
+            op: ReduceOp,
+        ) -> Work<Tensor> {
+            self.issue(stream, OpKind::Reduce, move |ctx| {
+                ctx.reduce(&buf, root, op)?;
+                Ok(buf)
+            })
+        }
+
+        fn barrier(&self, stream: &CommStream) -> Work<()> {
+            self.issue(stream, OpKind::Barrier, |ctx| ctx.barrier())
+        }
+    };
+}
+pub(crate) use host_collectives;
 
 /// Name of the stream every group has from its creation ([`ProcessGroup::default_stream`]).
 pub const DEFAULT_STREAM: &str = "collective";
@@ -230,7 +318,7 @@ pub trait ProcessGroup: Send + Sync {
     fn rank(&self) -> usize;
     /// Number of ranks.
     fn world_size(&self) -> usize;
-    /// Backend name: `"threads"` (later `"mpi"`, `"nccl"`).
+    /// Backend name: `"threads"`, `"shm"`, `"mpi"`, `"nccl"`.
     fn backend(&self) -> &'static str;
     /// Device the buffers of collectives must live on (`Device::Cpu` for `threads`).
     fn device(&self) -> &Device;

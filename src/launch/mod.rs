@@ -25,7 +25,7 @@
 //!
 //! | `--device` | started plainly | torchrun-style (`fsdp-run`, `torchrun`) | by `mpirun` |
 //! |---|---|---|---|
-//! | `cpu` | `Threads`: `--world-size` threads | error: CPU ranks in separate processes need MPI | `Mpi` (feature `mpi`) |
+//! | `cpu` | `Threads`: `--world-size` threads | `Shm` (ranks of one machine; several machines: an error pointing to `mpirun`) | `Mpi` (feature `mpi`) |
 //! | `cuda[:N]` | `ThreadsOnGpu`: `--world-size` threads on one GPU (feature `cuda`) | `Nccl`, unique id over the TCP store at `MASTER_ADDR:MASTER_PORT` (feature `nccl`) | `Nccl`, unique id over MPI (features `nccl`, `mpi`), else over the store if `MASTER_ADDR`/`MASTER_PORT` are set |
 //!
 //! The GPU of a process: `cuda:N` if given; else `LOCAL_RANK` (torchrun-style), or
@@ -87,6 +87,22 @@ pub enum Launcher {
         /// Group configuration (collective timeout).
         config: crate::comm::mpi::MpiConfig,
     },
+    /// This process's rank of a job of CPU processes on one machine started torchrun-style
+    /// (`fsdp-run`, `torchrun`), on the shared-memory backend ([`crate::comm::shm`]), which
+    /// meets its peers through the TCP store at `addr:port`; [`Launcher::for_device`] builds it
+    /// from the environment.
+    Shm {
+        /// This process's rank.
+        rank: usize,
+        /// Number of processes of the job.
+        world_size: usize,
+        /// `MASTER_ADDR` (leaked once per launcher so that the launcher stays `Copy`).
+        addr: &'static str,
+        /// `MASTER_PORT`.
+        port: u16,
+        /// Group configuration (collective timeout).
+        config: crate::comm::shm::ShmConfig,
+    },
     /// This process's rank of a job of one process per GPU (started torchrun-style or by
     /// `mpirun`), on the NCCL backend ([`crate::comm::nccl`]); [`Launcher::for_device`] builds
     /// it from the environment.
@@ -137,14 +153,15 @@ impl Launcher {
         })
     }
 
-    /// The launcher for how this process was started ([`LaunchEnv::detect`]): `mpirun` gives
-    /// `Launcher::Mpi` (feature `mpi`), a plain start gives [`Launcher::Threads`] with
-    /// `requested` ranks (or `default_threads`). `timeout` is the collective timeout of either.
+    /// The CPU launcher for how this process was started ([`LaunchEnv::detect`]): `mpirun`
+    /// gives `Launcher::Mpi` (feature `mpi`), a torchrun-style start (`fsdp-run`, `torchrun`)
+    /// gives [`Launcher::Shm`], a plain start gives [`Launcher::Threads`] with `requested`
+    /// ranks (or `default_threads`). `timeout` is the collective timeout.
     ///
     /// Errors: invalid launcher variables; `requested` disagrees with the launcher's world size;
-    /// started by `mpirun` in a build without the `mpi` feature; started torchrun-style (e.g.
-    /// by `fsdp-run`: only the NCCL backend, `--device cuda` with feature `nccl`, takes that
-    /// bootstrap; the message says so and points CPU runs to `mpirun`); MPI fails to start.
+    /// started by `mpirun` in a build without the `mpi` feature; started torchrun-style on
+    /// several machines, or without `MASTER_ADDR`/`MASTER_PORT` (see [`Launcher::for_device`]);
+    /// MPI fails to start.
     pub fn from_env(
         requested: Option<usize>,
         default_threads: usize,
@@ -158,15 +175,7 @@ impl Launcher {
                 config: ThreadGroupConfig { timeout },
             }),
             LaunchEnv::Mpi(m) => Launcher::from_mpi_env(&m, timeout),
-            LaunchEnv::Torchrun(t) => Err(Error::InvalidArgument(format!(
-                "this process was started torchrun-style (RANK={}, WORLD_SIZE={}; `fsdp-run` \
-                 and `torchrun` start ranks so), which only the NCCL backend bootstraps from: \
-                 torchrun-style launches need `--device cuda` in a build with `--features \
-                 nccl`. On CPU, multi-process runs use `mpirun` in a build with `--features \
-                 mpi`; or unset RANK and WORLD_SIZE to run every rank as a thread of this \
-                 process",
-                t.rank, t.world_size
-            ))),
+            LaunchEnv::Torchrun(t) => shm_launcher(&t, timeout),
         }
     }
 
@@ -194,7 +203,9 @@ impl Launcher {
     /// plain start). Only `--device cpu` under `mpirun` has a side effect: it initialises MPI.
     ///
     /// Errors ([`Error::InvalidArgument`], each naming the way out): `requested` disagrees
-    /// with the launcher; `--device cpu` under a torchrun-style launch; `--device cuda` in a
+    /// with the launcher; `--device cpu` under a torchrun-style launch of several machines
+    /// (the CPU engine across machines is MPI), or of several ranks without
+    /// `MASTER_ADDR`/`MASTER_PORT`; `--device cuda` in a
     /// build without `cuda`, or one process per GPU without `nccl` (or under `mpirun` without
     /// `mpi` nor `MASTER_ADDR`/`MASTER_PORT`); `cuda:N` with several processes on the machine
     /// (NCCL refuses two ranks on one GPU); a torchrun-style job of several ranks without
@@ -218,7 +229,7 @@ impl Launcher {
                         config: ThreadGroupConfig { timeout },
                     }),
                     LaunchEnv::Mpi(m) => Launcher::from_mpi_env(m, timeout),
-                    LaunchEnv::Torchrun(t) => Err(cpu_under_torchrun(t)),
+                    LaunchEnv::Torchrun(t) => shm_launcher(t, timeout),
                 }
             }
             DeviceSpec::Cuda(n) => n,
@@ -333,12 +344,13 @@ impl Launcher {
             Launcher::ThreadsOnGpu { world_size, .. } => *world_size,
             #[cfg(feature = "mpi")]
             Launcher::Mpi { world_size, .. } => *world_size,
+            Launcher::Shm { world_size, .. } => *world_size,
             #[cfg(feature = "nccl")]
             Launcher::Nccl { world_size, .. } => *world_size,
         }
     }
 
-    /// Backend name of the groups it hands out (`"threads"`, `"mpi"`, `"nccl"`).
+    /// Backend name of the groups it hands out (`"threads"`, `"shm"`, `"mpi"`, `"nccl"`).
     pub fn backend(&self) -> &'static str {
         match self {
             Launcher::Threads { .. } => "threads",
@@ -346,6 +358,7 @@ impl Launcher {
             Launcher::ThreadsOnGpu { .. } => "threads",
             #[cfg(feature = "mpi")]
             Launcher::Mpi { .. } => "mpi",
+            Launcher::Shm { .. } => "shm",
             #[cfg(feature = "nccl")]
             Launcher::Nccl { .. } => "nccl",
         }
@@ -359,6 +372,7 @@ impl Launcher {
             Launcher::ThreadsOnGpu { gpu, .. } => Some(*gpu),
             #[cfg(feature = "mpi")]
             Launcher::Mpi { .. } => None,
+            Launcher::Shm { .. } => None,
             #[cfg(feature = "nccl")]
             Launcher::Nccl { gpu, .. } => Some(*gpu),
         }
@@ -373,6 +387,7 @@ impl Launcher {
             Launcher::ThreadsOnGpu { world_size, .. } => 0..*world_size,
             #[cfg(feature = "mpi")]
             Launcher::Mpi { rank, .. } => *rank..*rank + 1,
+            Launcher::Shm { rank, .. } => *rank..*rank + 1,
             #[cfg(feature = "nccl")]
             Launcher::Nccl { rank, .. } => *rank..*rank + 1,
         }
@@ -398,6 +413,13 @@ impl Launcher {
             } => crate::comm::threads::run_ranks_on_gpu(world_size, config, gpu, f),
             #[cfg(feature = "mpi")]
             Launcher::Mpi { config, .. } => crate::comm::mpi::run(config, f),
+            Launcher::Shm {
+                rank,
+                world_size,
+                addr,
+                port,
+                config,
+            } => crate::comm::shm::run(rank, world_size, addr, port, config, f),
             #[cfg(feature = "nccl")]
             Launcher::Nccl {
                 rank,
@@ -421,15 +443,42 @@ impl Launcher {
     }
 }
 
-/// The error of `--device cpu` in a process started torchrun-style.
-fn cpu_under_torchrun(t: &TorchrunEnv) -> Error {
-    Error::InvalidArgument(format!(
-        "this process was started torchrun-style (RANK={}, WORLD_SIZE={}) with --device cpu: \
-         CPU ranks in separate processes need MPI (start the job with `mpirun` and build with \
-         `--features mpi`); or use --device cuda (NCCL, features `cuda,nccl`), or unset \
-         RANK/WORLD_SIZE to run every rank as a thread of this process",
-        t.rank, t.world_size
-    ))
+/// The shared-memory launcher of a CPU process started torchrun-style.
+///
+/// Errors: ranks on several machines (`LOCAL_WORLD_SIZE < WORLD_SIZE`: across machines the CPU
+/// engine is MPI, the message says how to launch it); several ranks without `MASTER_ADDR` and
+/// `MASTER_PORT`.
+fn shm_launcher(t: &TorchrunEnv, timeout: Duration) -> Result<Launcher> {
+    if t.local_world_size < t.world_size {
+        return Err(Error::InvalidArgument(format!(
+            "this process was started torchrun-style on several machines (WORLD_SIZE={}, \
+             LOCAL_WORLD_SIZE={}, e.g. `fsdp-run --nnodes N`) with --device cpu: CPU processes \
+             share memory on one machine only; across machines the CPU engine is MPI: start \
+             the job with `mpirun --hostfile HOSTS -np {}` in a build with `--features mpi` \
+             (README, \"Many processes and machines\"), or run one machine's ranks with \
+             `fsdp-run --nproc-per-node N`",
+            t.world_size, t.local_world_size, t.world_size
+        )));
+    }
+    let (addr, port) = match (&t.master_addr, t.master_port) {
+        (Some(addr), Some(port)) => (addr.trim().to_string(), port),
+        _ if t.world_size == 1 => (String::new(), 1),
+        _ => {
+            return Err(Error::InvalidArgument(format!(
+                "this process was started torchrun-style (RANK={}, WORLD_SIZE={}) with --device \
+                 cpu but MASTER_ADDR and MASTER_PORT are not both set: the processes meet \
+                 through the TCP store rank 0 serves there (fsdp-run and torchrun set both)",
+                t.rank, t.world_size
+            )))
+        }
+    };
+    Ok(Launcher::Shm {
+        rank: t.rank,
+        world_size: t.world_size,
+        addr: Box::leak(addr.into_boxed_str()),
+        port,
+        config: crate::comm::shm::ShmConfig { timeout },
+    })
 }
 
 /// The first of `vars` that is set, as a GPU ordinal.

@@ -28,7 +28,7 @@
 //! **Parameter names are Hugging Face's** (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, …, `model.norm.weight`, `lm_head.weight`), so
 //! a model directory loads by name ([`hf::build_from_hf`]) and a checkpoint exports to one with
-//! no renaming (decision 49). **Units**: `model.embed_tokens`, each `model.layers.{i}`,
+//! no renaming (decision 50). **Units**: `model.embed_tokens`, each `model.layers.{i}`,
 //! `model.norm` and `lm_head`; with tied embeddings (`tie_word_embeddings`) the head is a second
 //! member of group `model.embed_tokens` and multiplies by `model.embed_tokens.weight` (one
 //! FlatParameter, as GPT's tied head).

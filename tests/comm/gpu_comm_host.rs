@@ -61,17 +61,31 @@ const TORCHRUN_2: [(&str, &str); 6] = [
 ];
 
 #[test]
-fn cpu_runs_threads_or_mpi_and_refuses_torchrun() {
+fn cpu_runs_threads_shm_or_mpi() {
     let l = select("cpu", &[], Some(3)).unwrap();
     assert_eq!(l.backend(), "threads");
     assert_eq!((l.world_size(), l.gpu(), l.local_ranks()), (3, None, 0..3));
     assert_eq!(select("cpu", &[], None).unwrap().world_size(), 2);
 
-    let e = err(select("cpu", &TORCHRUN_2, None));
+    // Torchrun-style on one machine: the shared-memory backend, this process's rank only.
+    let l = select("cpu", &TORCHRUN_2, None).unwrap();
+    assert_eq!(l.backend(), "shm");
+    assert_eq!((l.world_size(), l.gpu(), l.local_ranks()), (2, None, 1..2));
+    // Several machines on CPU: the engine there is MPI, and the error says how to launch it.
+    let mut two_nodes = TORCHRUN_2;
+    two_nodes[1] = ("WORLD_SIZE", "4");
+    let e = err(select("cpu", &two_nodes, None));
     assert!(
-        e.contains("started torchrun-style (RANK=1, WORLD_SIZE=2) with --device cpu")
-            && e.contains("CPU ranks in separate processes need MPI")
-            && e.contains("--device cuda"),
+        e.contains("started torchrun-style on several machines (WORLD_SIZE=4, LOCAL_WORLD_SIZE=2")
+            && e.contains("the CPU engine is MPI")
+            && e.contains("mpirun --hostfile HOSTS -np 4")
+            && e.contains("--features mpi"),
+        "{e}"
+    );
+    // Several ranks need the store's address.
+    let e = err(select("cpu", &TORCHRUN_2[..4], None));
+    assert!(
+        e.contains("MASTER_ADDR and MASTER_PORT are not both set"),
         "{e}"
     );
     let e = err(select("cpu", &TORCHRUN_2, Some(4)));

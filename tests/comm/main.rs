@@ -8,4 +8,5 @@ mod common;
 mod collectives;
 mod failure;
 mod gpu_comm_host;
+mod shm;
 mod store;

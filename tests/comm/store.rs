@@ -488,7 +488,7 @@ fn spawn_rank(
 }
 
 /// Waits for every child (at most 60 s in all); returns (exit code, stdout + stderr) of each.
-fn wait_all(children: Vec<std::process::Child>) -> Vec<(i32, String)> {
+pub(crate) fn wait_all(children: Vec<std::process::Child>) -> Vec<(i32, String)> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut children: Vec<Option<std::process::Child>> = children.into_iter().map(Some).collect();
     let mut done: Vec<Option<(i32, String)>> = vec![None; children.len()];

@@ -153,3 +153,29 @@ pub fn test_path(module_path: &str, name: &str) -> String {
         None => name.to_string(),
     }
 }
+
+/// The example `name` as `cargo test` builds it next to this test binary
+/// (`target/<profile>/examples/<name>`); panics naming `build` (the command that builds it)
+/// when it is missing.
+pub fn example_bin(name: &str, build: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        bin.is_file(),
+        "{} is missing: run `{build}` first",
+        bin.display()
+    );
+    bin
+}
+
+/// The `final test accuracy …` line of an MNIST example's output (after any `[rank r] `).
+pub fn final_accuracy(out: &str) -> String {
+    out.lines()
+        .find_map(|l| l.find("final test accuracy").map(|i| l[i..].to_string()))
+        .unwrap_or_else(|| panic!("no final accuracy in:\n{out}"))
+}

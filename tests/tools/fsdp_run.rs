@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fsdp-run");
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_fsdp-run");
 
 /// Runs `fsdp-run args…`; returns (exit code, stdout, stderr, seconds). Panics after 60 s.
 fn run(args: &[&str]) -> (i32, String, String, f64) {
@@ -32,7 +32,7 @@ fn run_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String, f64) {
 }
 
 /// Waits for `child` (killing it after `limit`), reading both pipes.
-fn finish(mut child: Child, limit: Duration) -> (i32, String, String) {
+pub(crate) fn finish(mut child: Child, limit: Duration) -> (i32, String, String) {
     let read = |mut r: Box<dyn Read + Send>| {
         std::thread::spawn(move || {
             let mut s = Vec::new();
@@ -60,7 +60,7 @@ fn finish(mut child: Child, limit: Duration) -> (i32, String, String) {
     )
 }
 
-fn last_line(s: &str) -> &str {
+pub(crate) fn last_line(s: &str) -> &str {
     s.lines().last().unwrap_or("")
 }
 
@@ -475,18 +475,17 @@ fn helper_store_rank() {
         LaunchEnv::detect().unwrap(),
         LaunchEnv::Torchrun(_)
     ));
-    #[cfg(not(feature = "nccl"))]
-    {
-        let err = candle_fsdp::launch::Launcher::from_env(None, 1, Duration::from_secs(5))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains(
-                "torchrun-style launches need `--device cuda` in a build with `--features nccl`"
-            ) && err.contains("On CPU, multi-process runs use `mpirun`"),
-            "{err}"
-        );
-    }
+    // On CPU, ranks started torchrun-style take the shared-memory backend.
+    let launcher =
+        candle_fsdp::launch::Launcher::from_env(None, 1, Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        (
+            launcher.backend(),
+            launcher.world_size(),
+            launcher.local_ranks()
+        ),
+        ("shm", t.world_size, t.rank..t.rank + 1)
+    );
     let store = TcpStore::connect(
         t.master_addr.as_deref().unwrap(),
         t.master_port.unwrap(),
@@ -713,4 +712,162 @@ fn processes_left_by_ranks_that_succeeded_are_stopped_at_the_end() {
             && summary.contains("stopped 2 processes they left running"),
         "{summary}"
     );
+}
+
+// ---- Elastic restarts (issue 24, item 2) ---------------------------------------------------
+
+#[test]
+fn max_restarts_starts_every_process_again_with_the_restart_count() {
+    // Rank 1 fails in attempts 0 and 1 and succeeds in attempt 2.
+    let (code, out, err, _) = run(&[
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--grace-period",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo \"attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"; \
+         if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then exit 3; fi; sleep 0.3",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for attempt in 0..3 {
+        for rank in 0..2 {
+            assert!(
+                out.contains(&format!("[rank {rank}] attempt {attempt} of 3")),
+                "{out}"
+            );
+        }
+    }
+    for restart in 1..=2 {
+        assert!(
+            err.contains(&format!(
+                "restarting all 2 processes (restart {restart} of at most 3)"
+            )),
+            "{err}"
+        );
+    }
+    let summary = last_line(&err);
+    assert!(
+        summary.starts_with("fsdp-run: all 2 processes (ranks 0, 1) finished successfully in")
+            && summary.contains("; 2 restarts (of at most 3): rank 1 exited with code 3 after")
+            && summary.matches("rank 1 exited with code 3 after").count() == 2,
+        "{summary}"
+    );
+}
+
+#[test]
+fn when_the_restarts_run_out_the_last_failure_ends_the_job() {
+    let (code, out, err, _) = run(&["--max-restarts", "1", "--", "sh", "-c", "exit 4"]);
+    assert_eq!(code, 4, "{out}\n{err}");
+    assert!(
+        err.contains("restarting all 1 process (restart 1 of at most 1)"),
+        "{err}"
+    );
+    let summary = last_line(&err);
+    assert!(
+        summary.starts_with("fsdp-run: rank 0 failed first: exited with code 4 after")
+            && summary.contains("; 1 restart (of at most 1): rank 0 exited with code 4 after"),
+        "{summary}"
+    );
+}
+
+// ---- --config FILE: the [launch] table (issue 24, item 4) ------------------------------------
+
+#[test]
+fn the_launch_table_of_a_config_file_sets_the_launch_and_flags_override_it() {
+    let dir = crate::common::tmpdir("fsdp-run-config");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("job.toml");
+    std::fs::write(
+        &file,
+        "# The examples' keys are top-level; fsdp-run reads [launch].\nepochs = 3\n\n[launch]\n\
+         nproc_per_node = 3\nmaster_addr = \"localhost\"\nmaster_port = 29877\n",
+    )
+    .unwrap();
+    let file = file.to_str().unwrap();
+    let (code, out, err, _) = run(&["--config", file, "--", "sh", "-c", PRINT_ENV]);
+    assert_eq!(code, 0, "{err}");
+    for r in 0..3 {
+        assert!(
+            out.contains(&format!(
+                "[rank {r}] R={r} W=3 L={r} LW=3 G=0 A=localhost P=29877 "
+            )),
+            "{out}"
+        );
+    }
+    let (code, out, err, _) = run(&[
+        "--config",
+        file,
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29878",
+        "--",
+        "sh",
+        "-c",
+        PRINT_ENV,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("[rank 2]"), "{out}");
+    for r in 0..2 {
+        assert!(
+            out.contains(&format!(
+                "[rank {r}] R={r} W=2 L={r} LW=2 G=0 A=localhost P=29878 "
+            )),
+            "{out}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn config_file_errors_name_the_key_and_the_file() {
+    let dir = crate::common::tmpdir("fsdp-run-config-errors");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("bad.toml");
+    std::fs::write(&file, "[launch]\nnprocs_per_node = 2\n").unwrap();
+    let path = file.to_str().unwrap();
+    let (code, _, err, _) = run(&["--config", path, "--", "true"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!(
+            "fsdp-run: error: config file {path}: unknown key nprocs_per_node"
+        )) && err.contains("[launch]"),
+        "{err}"
+    );
+    std::fs::write(&file, "[launch]\nmax_restarts = \"two\"\n").unwrap();
+    let (code, _, err, _) = run(&["--config", path, "--", "true"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("config file {path}: ")) && err.contains("--max-restarts"),
+        "{err}"
+    );
+    let missing = dir.join("missing.toml");
+    let missing = missing.to_str().unwrap();
+    let (code, _, err, _) = run(&["--config", missing, "--", "true"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("config file {missing}: cannot read it")),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn shared_memory_segments_a_job_left_are_removed() {
+    // What a rank of the shared-memory backend killed while the ranks meet leaves behind:
+    // files named after rank 0's pid (here the child's own, `$$`).
+    let (code, out, err, _) = run(&[
+        "--",
+        "sh",
+        "-c",
+        "touch /dev/shm/candle-fsdp-$$-123-g-c0-r0 && echo $$",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let pid = out.trim().trim_start_matches("[rank 0] ");
+    let left = std::path::Path::new("/dev/shm").join(format!("candle-fsdp-{pid}-123-g-c0-r0"));
+    assert!(!left.exists(), "{} left behind", left.display());
 }

@@ -13,6 +13,8 @@ mod common;
 mod ckpt_tool;
 #[cfg(feature = "cli")]
 mod config_file;
+#[cfg(all(feature = "cli", feature = "mnist", feature = "timeline"))]
+mod elastic;
 #[cfg(feature = "cli")]
 mod fsdp_run;
 #[cfg(feature = "timeline")]

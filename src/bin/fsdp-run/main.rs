@@ -2,6 +2,8 @@
 //! `cli`), with torchrun's flags and variables.
 //!
 //! ```text
+//! fsdp-run --nproc-per-node 2 -- target/release/examples/mnist        # CPU: shared memory
+//! fsdp-run --nproc-per-node 2 --max-restarts 3 -- target/release/examples/mnist --save-every 100
 //! fsdp-run --nproc-per-node 4 -- target/release/examples/gpt --device cuda
 //! fsdp-run --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr node0 -- ./train
 //! ```
@@ -23,6 +25,21 @@
 //! - Failure: when a child exits with a nonzero code or is killed by a signal, `fsdp-run` sends
 //!   SIGTERM to the others, SIGKILL to those still running after `--grace-period` seconds
 //!   (default 5), and exits with the first failed child's code (a signal `n` gives `128 + n`).
+//! - Shared memory: after each attempt, the segments a CPU job of the shared-memory backend
+//!   left in `/dev/shm` (only a job killed while its ranks were meeting leaves any) are removed.
+//! - `--config FILE` reads the `[launch]` table of a TOML file (the examples' `--config` file):
+//!   `nproc_per_node`, `nnodes`, `node_rank`, `master_addr`, `master_port`, `max_restarts`,
+//!   `grace_period`; flags on the command line override it; an unknown key is an error naming
+//!   the key and the file (`candle_fsdp::config_file`, as the examples read the rest).
+//! - Elastic restarts (`--max-restarts N`, torchrun's flag): when a child fails (nonzero exit
+//!   or a signal), the others are stopped as above and, while restarts are left, every local
+//!   process is started again with `TORCHELASTIC_RESTART_COUNT` = the restart's number (0 in
+//!   the first attempt) and `TORCHELASTIC_MAX_RESTARTS` = N; a line on stderr says which rank
+//!   failed and that the job restarts. The examples then resume from the newest complete
+//!   checkpoint. A signal sent to `fsdp-run`, or a program that cannot start, is never
+//!   restarted. On several machines each `fsdp-run` restarts its own processes; the ranks of
+//!   the other machines fail in turn (their peers are gone) and restart too, so every machine
+//!   should be given the same `--max-restarts`.
 //! - Signals: SIGINT, SIGTERM and SIGHUP sent to `fsdp-run` are forwarded to every child (each
 //!   child runs in its own process group, so a terminal's Ctrl-C reaches the children once,
 //!   through `fsdp-run`); children still running after the grace period are killed, and
@@ -43,7 +60,9 @@
 //!   `PR_SET_PDEATHSIG`. Not covered: a process that left its rank's process group *and*
 //!   cleared its environment, when `fsdp-run` is killed with SIGKILL (a cgroup would be needed).
 //! - The last line on stderr says how the job ended: every rank succeeded, or which rank failed
-//!   first and how, or which signal stopped the job, and which ranks were stopped.
+//!   first and how, or which signal stopped the job, and which ranks were stopped; with
+//!   `--max-restarts`, also how many restarts happened and why (`; 1 restart (of at most 3):
+//!   rank 1 killed by signal 9 (SIGKILL) after 4.2 s`).
 //!
 //! Exit status: 0 when every child succeeded; the first failed child's status (above); 2 on a
 //! usage error (bad flags, `--node-rank >= --nnodes`, `--nproc-per-node 0`); 127 (126) when
@@ -52,13 +71,13 @@
 
 use std::ffi::OsString;
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
+use candle_fsdp::config_file::{self, ConfigError, Section, LAUNCH_TABLE};
+use clap::{CommandFactory, FromArgMatches, Parser};
 
 /// Start the processes of a torchrun-style job: sets RANK, WORLD_SIZE, LOCAL_RANK,
 /// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT for each, prefixes their output
@@ -69,7 +88,7 @@ use clap::Parser;
     version,
     override_usage = "fsdp-run [OPTIONS] -- PROGRAM [ARGS]...",
     after_help = "Example: fsdp-run --nproc-per-node 4 -- target/release/examples/gpt --device cuda\n\
-                  Exit status: 0 when every process succeeded; else the first failed process's \
+                  Exit status: 0 when every process succeeded (in the last attempt, with --max-restarts); else the first failed process's \
                   (128 + n for signal n); 2 on a usage error; 127 when PROGRAM is not found."
 )]
 struct Cli {
@@ -109,6 +128,19 @@ struct Cli {
         value_parser = clap::value_parser!(u16).range(1..)
     )]
     master_port: u16,
+    /// Restart the job up to N times when a process fails (torchrun's --max-restarts): stop
+    /// the others, start all again with TORCHELASTIC_RESTART_COUNT set to the restart's number.
+    #[arg(
+        long = "max-restarts",
+        alias = "max_restarts",
+        value_name = "N",
+        default_value_t = 0
+    )]
+    max_restarts: usize,
+    /// Read the `[launch]` table of this TOML file (keys: nproc_per_node, nnodes, node_rank,
+    /// master_addr, master_port, max_restarts, grace_period); flags given here override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     /// Seconds between SIGTERM and SIGKILL when stopping the processes.
     #[arg(long = "grace-period", value_name = "SECONDS", default_value_t = 5.0)]
     grace_period: f64,
@@ -278,114 +310,12 @@ fn pump(src: impl Read, rank: usize, to_stderr: bool) {
 /// left their rank's process group after fsdp-run is gone.
 const JOB_VAR: &str = "FSDP_RUN_JOB";
 
+mod attempt;
 mod proc_table;
 mod watchdog;
 
+use attempt::{run_attempt, Attempt};
 use watchdog::{watchdog_if_asked, Watchdog};
-
-/// One local process.
-struct Proc {
-    rank: usize,
-    child: Child,
-    /// Set once reaped.
-    status: Option<ExitStatus>,
-    /// The signals `fsdp-run` sent it (to report how it was stopped).
-    sent: Vec<i32>,
-}
-
-/// The job's processes: the ranks (each the leader of its own process group) and everything
-/// they started. fsdp-run is a child subreaper (Linux), so a process whose parent exits is
-/// re-parented to it: while fsdp-run lives, every process of the job is one of its descendants,
-/// found in `/proc` whatever process group or session it moved to.
-struct Job {
-    procs: Vec<Proc>,
-    me: i32,
-    watchdog: Option<i32>,
-}
-
-impl Job {
-    /// The live processes of the job other than the ranks' own (unreaped) processes.
-    fn others(&self) -> Vec<proc_table::Info> {
-        proc_table::descendants(self.me, self.watchdog)
-            .into_iter()
-            .filter(|p| {
-                !self
-                    .procs
-                    .iter()
-                    .any(|r| r.status.is_none() && r.child.id() as i32 == p.pid)
-            })
-            .collect()
-    }
-
-    /// Sends `sig` to every process group of the job, whether or not its leader (the rank's
-    /// process) has exited, and to the job's processes outside them; `others` are
-    /// [`Job::others`], read by the caller.
-    fn signal_all(&mut self, sig: i32, others: &[proc_table::Info]) {
-        for p in &mut self.procs {
-            if p.status.is_none() {
-                // SAFETY: plain syscall; the group id is the unreaped child's pid.
-                unsafe {
-                    libc::kill(-(p.child.id() as libc::pid_t), sig);
-                }
-                p.sent.push(sig);
-            }
-        }
-        let outside: Vec<proc_table::Info> = others
-            .iter()
-            .copied()
-            .filter(|o| {
-                // Not in a group signalled above.
-                !self
-                    .procs
-                    .iter()
-                    .any(|r| r.status.is_none() && r.child.id() as i32 == o.pgid)
-            })
-            .collect();
-        let ranks: Vec<i32> = self.procs.iter().map(|r| r.child.id() as i32).collect();
-        proc_table::signal(&outside, |g| ranks.contains(&g), sig);
-    }
-
-    /// Reaps every child that exited (the ranks, and orphans re-parented to fsdp-run); returns
-    /// the ranks' indices and statuses, in the order they were reaped.
-    fn reap(&mut self) -> Vec<(usize, ExitStatus)> {
-        let mut reaped = Vec::new();
-        loop {
-            let mut status: libc::c_int = 0;
-            // SAFETY: plain syscall writing `status`.
-            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
-            if pid <= 0 {
-                break;
-            }
-            if let Some(i) = self
-                .procs
-                .iter()
-                .position(|p| p.status.is_none() && p.child.id() as i32 == pid)
-            {
-                let s = ExitStatus::from_raw(status);
-                self.procs[i].status = Some(s);
-                reaped.push((i, s));
-            } else if Some(pid) == self.watchdog {
-                self.watchdog = None;
-            }
-        }
-        reaped
-    }
-}
-
-/// Why the job is ending.
-enum Ending {
-    /// A child failed while the job was running.
-    Failed {
-        rank: usize,
-        status: ExitStatus,
-        /// Seconds since the start.
-        after: f64,
-    },
-    /// `fsdp-run` received a signal, `after` seconds since the start.
-    Signal { sig: i32, after: f64 },
-    /// A rank's program could not be started (the message is printed): exit with `code`.
-    StartFailed { code: i32 },
-}
 
 /// Most processes `fsdp-run` starts on one node (a typo such as `--nproc-per-node 100000`
 /// would otherwise exhaust the machine's processes and threads).
@@ -401,7 +331,17 @@ fn usage_error(msg: &str) -> ! {
 
 fn main() {
     watchdog_if_asked();
-    let cli = Cli::parse();
+    let mut command = Cli::command();
+    let matches = match config_file::parse_with_config(
+        &mut command,
+        std::env::args_os().collect(),
+        Section::Table(LAUNCH_TABLE),
+    ) {
+        Ok(m) => m,
+        Err(ConfigError::CommandLine(e)) => e.format(&mut command).exit(),
+        Err(e) => usage_error(&e.to_string()),
+    };
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit());
     if cli.nproc_per_node == 0 {
         usage_error("--nproc-per-node 0: a job needs at least one process per node");
     }
@@ -434,9 +374,6 @@ fn main() {
         usage_error("--nnodes × --nproc-per-node overflows");
     };
     let grace = Duration::from_secs_f64(cli.grace_period);
-    let program = &cli.command[0];
-    let args = &cli.command[1..];
-
     let start = Instant::now();
     let parent = std::process::id() as libc::pid_t;
     // Orphans of the job re-parent to fsdp-run, which then finds and stops them (Linux).
@@ -454,308 +391,24 @@ fn main() {
     // Before any thread and before the signal handlers (the watchdog must not inherit them).
     let mut watchdog = Watchdog::start(&job_id, grace);
     install_signal_handlers();
-    let (done_tx, done_rx) = mpsc::channel::<()>();
-    let mut job = Job {
-        procs: Vec::with_capacity(cli.nproc_per_node),
-        me: parent,
-        watchdog: watchdog.as_ref().map(|w| w.pid),
+    let mut restarts: Vec<String> = Vec::new();
+    let code = loop {
+        match run_attempt(
+            &cli,
+            world_size,
+            grace,
+            &job_id,
+            parent,
+            &mut watchdog,
+            start,
+            &restarts,
+        ) {
+            Attempt::Exit(code) => break code,
+            Attempt::Restart(why) => restarts.push(why),
+        }
     };
-    let mut ending: Option<Ending> = None;
-    for local in 0..cli.nproc_per_node {
-        let rank = cli.node_rank * cli.nproc_per_node + local;
-        let mut cmd = Command::new(program);
-        cmd.args(args)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world_size.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", cli.nproc_per_node.to_string())
-            .env("GROUP_RANK", cli.node_rank.to_string())
-            .env("MASTER_ADDR", &cli.master_addr)
-            .env("MASTER_PORT", cli.master_port.to_string())
-            .env(JOB_VAR, &job_id)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        for v in MPI_VARS {
-            cmd.env_remove(v);
-        }
-        // SAFETY: the closure runs in the forked child before exec and calls only
-        // async-signal-safe functions (prctl, getppid, _exit).
-        #[cfg(target_os = "linux")]
-        unsafe {
-            cmd.pre_exec(move || {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                let code = match e.kind() {
-                    io::ErrorKind::NotFound => 127,
-                    io::ErrorKind::PermissionDenied => 126,
-                    _ => 1,
-                };
-                eprintln!(
-                    "fsdp-run: error: cannot start {:?} (rank {rank}): {e}",
-                    program.to_string_lossy()
-                );
-                // Stop the ranks already started (below, as any ending).
-                ending = Some(Ending::StartFailed { code });
-                break;
-            }
-        };
-        if let Some(w) = &mut watchdog {
-            w.watch(child.id());
-        }
-        for (src, to_stderr) in [
-            (
-                child
-                    .stdout
-                    .take()
-                    .map(|s| Box::new(s) as Box<dyn Read + Send>),
-                false,
-            ),
-            (
-                child
-                    .stderr
-                    .take()
-                    .map(|s| Box::new(s) as Box<dyn Read + Send>),
-                true,
-            ),
-        ] {
-            if let Some(src) = src {
-                let tx = done_tx.clone();
-                std::thread::spawn(move || {
-                    pump(src, rank, to_stderr);
-                    let _ = tx.send(());
-                });
-            }
-        }
-        job.procs.push(Proc {
-            rank,
-            child,
-            status: None,
-            sent: Vec::new(),
-        });
-    }
-    drop(done_tx);
-    let pumps = job.procs.len() * 2;
-
-    let mut kill_at: Option<Instant> = None;
-    if matches!(ending, Some(Ending::StartFailed { .. })) {
-        let others = job.others();
-        job.signal_all(libc::SIGTERM, &others);
-        kill_at = Some(Instant::now() + grace);
-    }
-    let mut killed_hard = false;
-    let mut killed_on_second_signal = false;
-    // Once every rank's process has exited: when, the processes they left running (each
-    // counted once), and how many of those needed SIGKILL.
-    let mut all_exited_at: Option<Instant> = None;
-    let mut leftovers: std::collections::BTreeSet<i32> = std::collections::BTreeSet::new();
-    let mut leftovers_killed = 0usize;
-    let mut last_scan = Instant::now();
-    loop {
-        let sig = RECEIVED.swap(0, Ordering::SeqCst);
-        if sig != 0 {
-            let others = job.others();
-            if matches!(ending, Some(Ending::Signal { .. })) {
-                // A second signal: no more waiting.
-                leftovers_killed += others.iter().filter(|o| leftovers.contains(&o.pid)).count();
-                job.signal_all(libc::SIGKILL, &others);
-                killed_hard = true;
-                killed_on_second_signal = true;
-            } else {
-                if ending.is_none() {
-                    ending = Some(Ending::Signal {
-                        sig,
-                        after: start.elapsed().as_secs_f64(),
-                    });
-                }
-                job.signal_all(sig, &others);
-                kill_at.get_or_insert(Instant::now() + grace);
-            }
-        }
-        for (i, status) in job.reap() {
-            if !status.success() && ending.is_none() {
-                ending = Some(Ending::Failed {
-                    rank: job.procs[i].rank,
-                    status,
-                    after: start.elapsed().as_secs_f64(),
-                });
-                let others = job.others();
-                job.signal_all(libc::SIGTERM, &others);
-                kill_at = Some(Instant::now() + grace);
-            }
-        }
-        if job.procs.iter().all(|p| p.status.is_some()) {
-            // The ranks are done; whatever they left running is stopped before fsdp-run
-            // exits: SIGTERM, SIGKILL after the grace period. What a signal just sent is
-            // stopping gets a moment to go first.
-            let now = Instant::now();
-            let since = *all_exited_at.get_or_insert(now);
-            if now.duration_since(last_scan) >= Duration::from_millis(50) || since == now {
-                last_scan = now;
-                let others = job.others();
-                if others.is_empty() {
-                    break;
-                }
-                if now.duration_since(since) >= Duration::from_millis(200) {
-                    let new: Vec<proc_table::Info> = others
-                        .iter()
-                        .copied()
-                        .filter(|o| !leftovers.contains(&o.pid))
-                        .collect();
-                    if !new.is_empty() && !killed_hard {
-                        leftovers.extend(new.iter().map(|o| o.pid));
-                        job.signal_all(libc::SIGTERM, &new);
-                        kill_at.get_or_insert(now + grace);
-                    }
-                }
-                if killed_hard && kill_at.is_some_and(|at| now >= at + Duration::from_secs(5)) {
-                    eprintln!(
-                        "fsdp-run: error: {} processes of the job survived SIGKILL (uninterruptible?): {:?}",
-                        others.len(),
-                        others.iter().map(|o| o.pid).collect::<Vec<_>>()
-                    );
-                    break;
-                }
-            }
-        }
-        if let Some(at) = kill_at {
-            if Instant::now() >= at && !killed_hard {
-                let others = job.others();
-                leftovers_killed += others.iter().filter(|o| leftovers.contains(&o.pid)).count();
-                job.signal_all(libc::SIGKILL, &others);
-                killed_hard = true;
-            }
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
     if let Some(w) = watchdog {
         w.release();
     }
-    // Let the output threads copy what the children wrote last (a process the child started
-    // in another session may hold a pipe open: do not wait for it long).
-    let deadline = Instant::now() + Duration::from_secs(2);
-    for _ in 0..pumps {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if done_rx.recv_timeout(left).is_err() {
-            break;
-        }
-    }
-
-    let procs = &job.procs;
-    let elapsed = start.elapsed().as_secs_f64();
-    let stopped = |procs: &[Proc], except: Option<usize>| -> String {
-        let mut parts = Vec::new();
-        for p in procs.iter().filter(|p| Some(p.rank) != except) {
-            let status = p.status.expect("every child was reaped");
-            if p.sent.is_empty() {
-                if !status.success() {
-                    parts.push(format!("rank {} {}", p.rank, describe(status)));
-                }
-                continue;
-            }
-            let how = if p.sent.contains(&libc::SIGKILL)
-                && status.signal() == Some(libc::SIGKILL)
-                && killed_on_second_signal
-            {
-                "killed with SIGKILL on a second signal".to_string()
-            } else if p.sent.contains(&libc::SIGKILL) && status.signal() == Some(libc::SIGKILL) {
-                format!(
-                    "killed with SIGKILL after the grace period of {} s",
-                    grace.as_secs_f64()
-                )
-            } else {
-                describe(status)
-            };
-            parts.push(format!("rank {} {how}", p.rank));
-        }
-        parts.join(", ")
-    };
-    // The processes the ranks left running ("3 processes") and how they were stopped
-    // ("SIGTERM, 1 with SIGKILL after the grace period of 1 s"); None when there were none.
-    let how_left = || -> Option<(String, String)> {
-        if leftovers.is_empty() {
-            return None;
-        }
-        let n = leftovers.len();
-        let count = format!("{n} {}", if n == 1 { "process" } else { "processes" });
-        let how = if leftovers_killed == 0 {
-            "SIGTERM".to_string()
-        } else if killed_on_second_signal {
-            format!("SIGTERM, {leftovers_killed} with SIGKILL on a second signal")
-        } else {
-            format!(
-                "SIGTERM, {leftovers_killed} with SIGKILL after the grace period of {} s",
-                grace.as_secs_f64()
-            )
-        };
-        Some((count, how))
-    };
-    let left_in_groups = || -> String {
-        how_left().map_or(String::new(), |(count, how)| {
-            format!("; {count} left in the ranks' process groups or started by them: stopped with {how}")
-        })
-    };
-    let code = match ending {
-        None => {
-            eprintln!(
-                "fsdp-run: all {} finished successfully in {elapsed:.1} s{}",
-                if procs.len() == 1 {
-                    format!("1 process (rank {})", procs[0].rank)
-                } else {
-                    format!(
-                        "{} processes ({})",
-                        procs.len(),
-                        ranks_list(&procs.iter().map(|p| p.rank).collect::<Vec<_>>())
-                    )
-                },
-                how_left().map_or(String::new(), |(count, how)| format!(
-                    "; stopped {count} they left running (with {how})"
-                ))
-            );
-            0
-        }
-        Some(Ending::StartFailed { code }) => code,
-        Some(Ending::Failed {
-            rank,
-            status,
-            after,
-        }) => {
-            let others = stopped(procs, Some(rank));
-            eprintln!(
-                "fsdp-run: rank {rank} failed first: {} after {after:.1} s{}{}",
-                describe(status),
-                if others.is_empty() {
-                    String::new()
-                } else {
-                    format!("; stopped the others: {others}")
-                },
-                left_in_groups()
-            );
-            exit_code(status)
-        }
-        Some(Ending::Signal { sig, after }) => {
-            let ranks = stopped(procs, None);
-            eprintln!(
-                "fsdp-run: received {} after {after:.1} s and forwarded it; {}{}",
-                signal_name(sig),
-                if ranks.is_empty() {
-                    "every process had already exited successfully".to_string()
-                } else {
-                    ranks
-                },
-                left_in_groups()
-            );
-            128 + sig
-        }
-    };
     std::process::exit(code);
 }

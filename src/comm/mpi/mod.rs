@@ -33,7 +33,6 @@
 
 mod ops;
 mod runtime;
-mod wire;
 
 use std::ffi::c_int;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -51,8 +50,10 @@ use self::ops::OpCtx;
 use self::runtime::{check, deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
 use super::buffer::{Kind, Post, RawBytes};
 use super::threads::{check_ranks, panic_message};
+use super::wire;
 use super::{
-    CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
+    foreign_stream, host_collectives, join_stream_threads, CommObserver, CommStream, Instrumented,
+    OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
 };
 use crate::error::{Error, Result};
 
@@ -245,12 +246,7 @@ impl MpiProcessGroup {
             .backend_state::<MpiStream>()
             .filter(|s| s.owner == self.id)
         else {
-            return Work::ready(Err(Error::InvalidArgument(format!(
-                "{} on rank {}: stream {:?} was not created by this process group",
-                kind.name(),
-                self.rank,
-                stream.name()
-            ))));
+            return Work::ready(Err(foreign_stream(kind, self.rank, stream)));
         };
         let mut slot = ms.slot.lock();
         slot.seq += 1;
@@ -379,52 +375,7 @@ impl ProcessGroup for MpiProcessGroup {
         self.default_stream.clone()
     }
 
-    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
-        let input = input.clone();
-        self.issue(stream, OpKind::AllGather, move |ctx| {
-            ctx.all_gather(&input, &output)?;
-            Ok(output)
-        })
-    }
-
-    fn reduce_scatter(
-        &self,
-        stream: &CommStream,
-        input: &Tensor,
-        output: Tensor,
-        op: ReduceOp,
-    ) -> Work<Tensor> {
-        let input = input.clone();
-        self.issue(stream, OpKind::ReduceScatter, move |ctx| {
-            ctx.reduce_scatter(&input, &output, op)?;
-            Ok(output)
-        })
-    }
-
-    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
-        self.issue(stream, OpKind::AllReduce, move |ctx| {
-            ctx.all_reduce(&buf, op)?;
-            Ok(buf)
-        })
-    }
-
-    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
-        self.issue(stream, OpKind::Broadcast, move |ctx| {
-            ctx.broadcast(&buf, root)?;
-            Ok(buf)
-        })
-    }
-
-    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
-        self.issue(stream, OpKind::Reduce, move |ctx| {
-            ctx.reduce(&buf, root, op)?;
-            Ok(buf)
-        })
-    }
-
-    fn barrier(&self, stream: &CommStream) -> Work<()> {
-        self.issue(stream, OpKind::Barrier, |ctx| ctx.barrier())
-    }
+    host_collectives!();
 
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
         let mut setup = self.setup.lock();
@@ -469,12 +420,7 @@ impl Drop for MpiProcessGroup {
                 stream.slot.lock().tx = None;
             }
         }
-        let me = thread::current().id();
-        for handle in self.threads.get_mut().drain(..) {
-            if handle.thread().id() != me {
-                let _ = handle.join();
-            }
-        }
+        join_stream_threads(self.threads.get_mut());
         if !self.rt.is_poisoned() {
             for comm in self.comms.get_mut().drain(..) {
                 let mut c = comm.0;

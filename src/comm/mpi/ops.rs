@@ -30,11 +30,11 @@ use candle_core::Tensor;
 use mpi::ffi;
 
 use super::runtime::{abandon, check, deadline_after, wait_all, Comm, Runtime, WaitFor};
-use super::wire;
 use crate::comm::buffer::{
     check as check_buf, validate, with_raw_bufs, Kind, Post, Problem, RawBuf,
 };
 use crate::comm::reduce::{chunk, reduce_into, with_elem};
+use crate::comm::wire;
 use crate::comm::{OpKind, ReduceOp};
 use crate::error::Result;
 

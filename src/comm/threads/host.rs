@@ -10,7 +10,7 @@
 //! that, and every other local problem (device, shape, layout, dtype), is posted to the
 //! rendezvous so that every rank fails with the same [`crate::Error::BadBuffer`].
 
-mod copy;
+pub(in crate::comm) mod copy;
 
 use candle_core::Tensor;
 

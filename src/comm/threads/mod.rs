@@ -75,7 +75,7 @@
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
-mod host;
+pub(in crate::comm) mod host;
 mod rendezvous;
 mod run;
 
@@ -83,7 +83,6 @@ mod run;
 pub use self::cuda::MAX_CUDA_RANKS;
 pub(crate) use self::run::panic_message;
 use self::run::raise_priority;
-#[cfg(any(feature = "mpi", feature = "nccl"))]
 pub(crate) use self::run::run_one;
 pub use self::run::{
     new_group, run_ranks, run_ranks_ok, set_intra_op_threads, BARRIER_POOL_SPIN_LIMIT,
@@ -328,12 +327,7 @@ impl ThreadProcessGroup {
             .backend_state::<ThreadStream>()
             .filter(|s| s.owner == self.id)
         else {
-            return Work::ready(Err(Error::InvalidArgument(format!(
-                "{} on rank {}: stream {:?} was not created by this process group",
-                kind.name(),
-                self.rank,
-                stream.name()
-            ))));
+            return Work::ready(Err(crate::comm::foreign_stream(kind, self.rank, stream)));
         };
         // Holding the slot from the sequence number to the send keeps both in the same order.
         let mut slot = ts.slot.lock();
@@ -436,12 +430,7 @@ impl ThreadProcessGroup {
             .filter(|s| s.owner == self.id)
             .and_then(|s| s.device_stream.clone().map(|d| (s, d)))
         else {
-            return Work::ready(Err(Error::InvalidArgument(format!(
-                "{} on rank {}: stream {:?} was not created by this process group",
-                kind.name(),
-                self.rank,
-                stream.name()
-            ))));
+            return Work::ready(Err(crate::comm::foreign_stream(kind, self.rank, stream)));
         };
         let mut slot = ts.slot.lock();
         slot.seq += 1;
@@ -703,12 +692,7 @@ impl Drop for ThreadProcessGroup {
                 stream.slot.lock().tx = None;
             }
         }
-        let me = thread::current().id();
-        for handle in self.threads.get_mut().drain(..) {
-            if handle.thread().id() != me {
-                let _ = handle.join();
-            }
-        }
+        crate::comm::join_stream_threads(self.threads.get_mut());
         self.shared.departed[self.rank].store(true, Ordering::Release);
         self.shared.notify_all();
     }

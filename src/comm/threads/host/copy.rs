@@ -9,7 +9,7 @@ use crate::comm::buffer::RawBuf;
 use crate::comm::reduce::{chunk, reduce_into, Elem};
 use crate::comm::ReduceOp;
 
-pub(super) use crate::comm::reduce::with_elem;
+pub(in crate::comm) use crate::comm::reduce::with_elem;
 
 /// All-gather copy: `out[j*n..(j+1)*n] = input of rank j`.
 ///
@@ -18,7 +18,7 @@ pub(super) use crate::comm::reduce::with_elem;
 /// Every post validated (same dtype `T`, `n` elements each, `out.len == ws * n`); `out` is this
 /// rank's own output, accessed by nobody else; every input stays alive and unmodified until the
 /// second barrier (nobody writes inputs during an all-gather).
-pub(super) unsafe fn gather<T: Elem>(out: RawBuf, srcs: &[RawBuf], n: usize) {
+pub(in crate::comm) unsafe fn gather<T: Elem>(out: RawBuf, srcs: &[RawBuf], n: usize) {
     for (j, src) in srcs.iter().enumerate() {
         // SAFETY: rank j posted its input (n elements of T, validated) and keeps it alive and
         // unmodified until it passes barrier 2, which needs this rank's arrival there; the
@@ -39,7 +39,7 @@ pub(super) unsafe fn gather<T: Elem>(out: RawBuf, srcs: &[RawBuf], n: usize) {
 ///
 /// As [`gather`]: validated posts (`ws * out.len` elements per input), inputs alive and
 /// read-only until barrier 2, `out` this rank's own output, disjoint from every input.
-pub(super) unsafe fn reduce_shard<T: Elem>(
+pub(in crate::comm) unsafe fn reduce_shard<T: Elem>(
     out: RawBuf,
     srcs: &[RawBuf],
     start: usize,
@@ -62,7 +62,7 @@ pub(super) unsafe fn reduce_shard<T: Elem>(
 ///
 /// Validated posts (same length and dtype), all buffers alive and unmoved until barrier 2, and
 /// every rank running phase A on its own chunk index only.
-pub(super) unsafe fn all_reduce_phase_a<T: Elem>(
+pub(in crate::comm) unsafe fn all_reduce_phase_a<T: Elem>(
     bufs: &[RawBuf],
     rank: usize,
     op: ReduceOp,
@@ -86,7 +86,7 @@ pub(super) unsafe fn all_reduce_phase_a<T: Elem>(
 /// # Safety
 ///
 /// As phase A, and every rank finished phase A (the barrier between the phases).
-pub(super) unsafe fn all_reduce_phase_b<T: Elem>(bufs: &[RawBuf], rank: usize, ws: usize) {
+pub(in crate::comm) unsafe fn all_reduce_phase_b<T: Elem>(bufs: &[RawBuf], rank: usize, ws: usize) {
     let dst = bufs[rank].typed::<T>();
     for (j, src) in bufs.iter().enumerate() {
         if j == rank {
@@ -113,7 +113,7 @@ pub(super) unsafe fn all_reduce_phase_b<T: Elem>(bufs: &[RawBuf], rank: usize, w
 ///
 /// Validated posts, all buffers alive and unmoved until barrier 2; during a reduce only the root
 /// reads any buffer and only the root writes (its own).
-pub(super) unsafe fn reduce_to_root<T: Elem>(
+pub(in crate::comm) unsafe fn reduce_to_root<T: Elem>(
     bufs: &[RawBuf],
     root: usize,
     op: ReduceOp,
@@ -131,7 +131,7 @@ pub(super) unsafe fn reduce_to_root<T: Elem>(
 /// Validated posts (same length and dtype); the root's buffer is read-only during a broadcast
 /// and alive until barrier 2; `out` is this rank's own buffer, which nobody else reads during a
 /// broadcast.
-pub(super) unsafe fn copy_from<T: Elem>(out: RawBuf, src: RawBuf) {
+pub(in crate::comm) unsafe fn copy_from<T: Elem>(out: RawBuf, src: RawBuf) {
     // SAFETY: per the function contract; distinct allocations.
     unsafe {
         std::ptr::copy_nonoverlapping(src.typed::<T>() as *const T, out.typed::<T>(), out.len)

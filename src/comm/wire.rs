@@ -1,4 +1,5 @@
-//! The descriptor every rank sends every other rank before a collective moves data: its
+//! The descriptor of a collective (MPI: sent to every peer; shared memory: written to the
+//! rank's segment header) before data moves: its
 //! [`Post`] (kind, sequence number, buffer lengths and dtypes, reduce op, root, stream index,
 //! setup argument, local problem) in a small little-endian byte string. Every rank decodes all
 //! of them and runs the same [`crate::comm::buffer::validate`] as the thread backend, so a
@@ -10,7 +11,8 @@ use crate::comm::buffer::{Kind, Post, Problem, RawBuf, RawBytes};
 use crate::comm::{OpKind, ReduceOp};
 
 /// Largest descriptor of a collective (bytes); setup descriptors carry their argument too.
-pub(super) const OP_DESC_MAX: usize = 128;
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) const OP_DESC_MAX: usize = 128;
 
 const KINDS: [Kind; 8] = [
     Kind::Op(OpKind::AllGather),
@@ -102,7 +104,7 @@ fn location_of(code: u64) -> DeviceLocation {
 }
 
 /// Encodes `post` (its setup argument bytes included); the buffers' addresses are not sent.
-pub(super) fn encode(post: &Post, setup_bytes: &[u8]) -> Vec<u8> {
+pub(crate) fn encode(post: &Post, setup_bytes: &[u8]) -> Vec<u8> {
     let mut w = Writer(Vec::with_capacity(64 + setup_bytes.len()));
     w.u8(index_of(&KINDS, &post.kind));
     w.u64(post.seq);
@@ -211,7 +213,7 @@ impl<'a> Reader<'a> {
 
 /// Decodes a peer's descriptor; the setup argument, if any, points into `bytes` (which must
 /// outlive the post's use). `None` when the bytes are not a descriptor of this version.
-pub(super) fn decode(bytes: &[u8]) -> Option<Post> {
+pub(crate) fn decode(bytes: &[u8]) -> Option<Post> {
     let mut r = Reader { bytes, at: 0 };
     let kind = *KINDS.get(r.u8()? as usize)?;
     let mut post = Post::new(kind, r.u64()?);

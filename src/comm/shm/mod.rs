@@ -1,0 +1,600 @@
+//! Shared-memory backend: the ranks of one machine in separate processes (started by
+//! `fsdp-run` or `torchrun` with `--device cpu`), exchanging data through shared segments in
+//! `/dev/shm`, with the thread backend's algorithms and bit-exact reductions.
+//!
+//! [`ShmProcessGroup::connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`,
+//! served by rank 0): rank 0 names the job's segments and creates its abort slot, every rank
+//! creates its own segments, maps everybody's, and removes its files once every rank mapped
+//! them (nothing stays in `/dev/shm`, even after a `kill -9`). The store is used only for this
+//! rendezvous; [`crate::launch::Launcher::Shm`] runs a job on it.
+//!
+//! # Streams
+//!
+//! As in the MPI backend: every [`CommStream`] is one thread of this process (named
+//! `shm-{rank}-{stream}`) with a communicator of its own (a segment per rank), so an
+//! all-gather and a reduce-scatter are in flight together and each stream keeps issue order.
+//! Stream and sub-group creation run on the caller's thread over a setup communicator.
+//!
+//! # Algorithm and guarantees
+//!
+//! See `ops`: each rank copies its input into its segment, publishes a descriptor in the
+//! segment header and arrives at a barrier (an atomic counter in the header); then every rank
+//! validates every descriptor with the thread backend's code and does its share of the copying
+//! straight from the peers' segments with the thread backend's copy loops and rank-ordered
+//! reduction kernel. Reductions are **bitwise identical to the thread backend's** (and to the
+//! MPI backend's) for every dtype and op; a mismatch is the same [`Error::CollectiveMismatch`] /
+//! [`Error::BadBuffer`] on every rank, and the group stays usable.
+//!
+//! # Failures
+//!
+//! [`ProcessGroup::abort`] records `(rank, reason)` in the job's abort slot (a small shared
+//! file every group of the job maps): every wait of every rank looks at it and fails with
+//! [`Error::PeerFailed`] naming the failed rank. A wait also fails with [`Error::PeerExited`]
+//! when a missing rank dropped its group, with [`Error::PeerFailed`] when a missing rank's
+//! process is gone without a word (a `kill -9`: checked every 20 ms through `/proc`; the
+//! finding is recorded in the abort slot, so every rank stops), and with [`Error::Timeout`]
+//! after [`ShmConfig::timeout`] (which aborts the job too). Unlike the thread backend, every
+//! barrier may fail, also after the data phase: the data lives in the segments, never in a
+//! peer's tensors, so no rank can read freed memory.
+
+mod ops;
+mod segment;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use crossbeam::channel::{unbounded, Sender};
+use parking_lot::Mutex;
+
+use self::ops::{Comm, Ctx};
+use self::segment::{shm_dir, AbortSlot, PeerMap, Segment};
+use super::buffer::{Kind, Post, RawBytes};
+use super::store::TcpStore;
+use super::threads::{check_ranks, panic_message, run_one};
+use super::{
+    foreign_stream, host_collectives, join_stream_threads, CommObserver, CommStream, Instrumented,
+    OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
+};
+use crate::error::{Error, Result};
+
+/// Configuration of a shared-memory process group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShmConfig {
+    /// How long a rank waits in a collective for its peers before failing with
+    /// [`Error::Timeout`] (which also aborts the job); also bounds the store rendezvous.
+    /// Default: 300 s.
+    pub timeout: Duration,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig {
+            timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Store key of the job's segment name prefix (shared by rank 0).
+const PREFIX_KEY: &str = "candle-fsdp/shm/prefix";
+
+/// What every handle and stream of one group shares.
+pub(super) struct Core {
+    rank: usize,
+    world_size: usize,
+    /// Rank in the root group of each rank of this group.
+    root_ranks: Vec<usize>,
+    /// Process id of each rank.
+    pids: Vec<u32>,
+    timeout: Duration,
+    abort: Arc<AbortSlot>,
+    /// Path prefix of this group's segment files.
+    prefix: String,
+}
+
+impl Core {
+    fn path(&self, comm: usize, rank: usize) -> PathBuf {
+        PathBuf::from(format!("{}-c{comm}-r{rank}", self.prefix))
+    }
+
+    /// Creates this rank's segment of communicator `comm`.
+    fn create(&self, comm: usize) -> Result<Segment> {
+        Segment::create(self.path(comm, self.rank))
+    }
+
+    /// Maps the peers' segments of communicator `comm`.
+    fn open(&self, comm: usize, own: Segment) -> Result<Comm> {
+        let peers = (0..self.world_size)
+            .map(|j| match j == self.rank {
+                true => Ok(None),
+                false => PeerMap::open(self.path(comm, j)).map(Some),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Comm { own, peers })
+    }
+}
+
+type Job = Box<dyn FnOnce(&mut Comm) + Send>;
+
+struct StreamSlot {
+    seq: u64,
+    tx: Option<Sender<Job>>,
+}
+
+/// The shared-memory backend's state behind a [`CommStream`].
+struct ShmStream {
+    owner: u64,
+    name: Arc<str>,
+    slot: Mutex<StreamSlot>,
+}
+
+/// Setup operations of one handle: their sequence number, the setup communicator, and how
+/// many communicators the group has (setup and streams).
+struct Setup {
+    seq: u64,
+    comm: Comm,
+    comms: usize,
+}
+
+static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One process's rank of a shared-memory group; see the [module docs](self).
+///
+/// Dropping the handle closes its streams (after the work queued on them) and marks the rank
+/// as departed: peers still waiting for it fail with [`Error::PeerExited`].
+pub struct ShmProcessGroup {
+    id: u64,
+    core: Arc<Core>,
+    device: Device,
+    setup: Mutex<Setup>,
+    default_stream: CommStream,
+    streams: Mutex<Vec<Weak<ShmStream>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    observer: Mutex<Option<Arc<dyn CommObserver>>>,
+    closing: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for ShmProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmProcessGroup")
+            .field("rank", &self.core.rank)
+            .field("world_size", &self.core.world_size)
+            .field("timeout", &self.core.timeout)
+            .finish()
+    }
+}
+
+/// Starts the thread of a stream named `name` on communicator `comm`.
+fn start_stream(
+    owner: u64,
+    core: &Arc<Core>,
+    comm: Comm,
+    name: &str,
+    closing: &Arc<AtomicBool>,
+) -> Result<(Arc<ShmStream>, JoinHandle<()>)> {
+    let (tx, rx) = unbounded::<Job>();
+    let rank = core.rank;
+    let closing = Arc::clone(closing);
+    let handle = thread::Builder::new()
+        .name(format!("shm-{rank}-{name}"))
+        .spawn(move || {
+            let mut comm = comm;
+            for job in rx.iter() {
+                job(&mut comm);
+            }
+            if closing.load(Ordering::Acquire) {
+                comm.depart(rank);
+            }
+        })
+        .map_err(|error| Error::SpawnFailed {
+            what: format!("comm stream {name} of rank {rank}"),
+            error,
+        })?;
+    Ok((
+        Arc::new(ShmStream {
+            owner,
+            name: name.into(),
+            slot: Mutex::new(StreamSlot {
+                seq: 0,
+                tx: Some(tx),
+            }),
+        }),
+        handle,
+    ))
+}
+
+impl ShmProcessGroup {
+    /// Joins the job of `world_size` processes on this machine as `rank`, through the TCP store
+    /// at `addr:port` (rank 0 serves it; see [`TcpStore::connect`]). Every rank calls it.
+    /// A job of one rank needs no store (`addr` and `port` are ignored).
+    ///
+    /// Errors: the store's ([`Error::Store`]: a rank missing, the port taken); a rank on
+    /// another machine (it cannot open the job's segments: [`Error::InvalidArgument`] saying
+    /// that CPU ranks on several machines use `mpirun`); `/dev/shm` full or not writable; a
+    /// thread cannot be started.
+    pub fn connect(
+        rank: usize,
+        world_size: usize,
+        addr: &str,
+        port: u16,
+        config: ShmConfig,
+    ) -> Result<Arc<ShmProcessGroup>> {
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::InvalidArgument(format!(
+                "shared-memory group: rank {rank} of {world_size} ranks"
+            )));
+        }
+        let fresh = || {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            format!(
+                "{}/candle-fsdp-{}-{nanos}",
+                shm_dir().display(),
+                std::process::id()
+            )
+        };
+        if world_size == 1 {
+            let core = Arc::new(Core {
+                rank,
+                world_size,
+                root_ranks: vec![0],
+                pids: vec![std::process::id()],
+                timeout: config.timeout,
+                abort: Arc::new(AbortSlot::private()?),
+                prefix: fresh(),
+            });
+            let comms = [core.create(0)?, core.create(1)?].map(|own| Comm {
+                own,
+                peers: vec![None],
+            });
+            for c in &comms {
+                c.own.unlink();
+            }
+            let [setup, default] = comms;
+            return ShmProcessGroup::create(core, setup, default);
+        }
+        let store = TcpStore::connect(addr, port, rank, world_size, config.timeout)?;
+        let mut slot = None;
+        let prefix = share_prefix(&store, fresh, &mut slot)?;
+        let abort = match slot {
+            Some(slot) => slot,
+            None => AbortSlot::open(&PathBuf::from(format!("{prefix}-abort"))).map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "rank {rank} cannot open the job's shared memory ({e}): the shared-memory \
+                     backend connects the ranks of one machine; CPU ranks on several machines \
+                     use MPI (`mpirun --hostfile HOSTS`, build with `--features mpi`)"
+                ))
+            })?,
+        };
+        let core = Core {
+            rank,
+            world_size,
+            root_ranks: (0..world_size).collect(),
+            pids: Vec::new(),
+            timeout: config.timeout,
+            abort: Arc::new(abort),
+            prefix: format!("{prefix}-g"),
+        };
+        let owns = [core.create(0), core.create(1)];
+        if let Some(Err(e)) = owns.iter().find(|r| r.is_err()) {
+            core.abort.set(rank, &e.to_string());
+        }
+        let [setup, default] = owns;
+        let (setup, default) = (setup?, default?);
+        store.barrier("candle-fsdp/shm/created")?;
+        let setup = core.open(0, setup)?;
+        let default = core.open(1, default)?;
+        store.barrier("candle-fsdp/shm/mapped")?;
+        setup.own.unlink();
+        default.own.unlink();
+        if rank == 0 {
+            let _ = std::fs::remove_file(format!("{prefix}-abort"));
+        }
+        // A peer whose process this one cannot see (another PID namespace sharing /dev/shm) is
+        // not watched: 0 (its failures still arrive through the abort slot and the timeout).
+        let pids = (0..world_size)
+            .map(|j| {
+                setup.peers[j]
+                    .as_ref()
+                    .map_or(std::process::id(), |p| p.pid)
+            })
+            .map(|pid| if segment::alive(pid) { pid } else { 0 })
+            .collect();
+        let core = Arc::new(Core { pids, ..core });
+        ShmProcessGroup::create(core, setup, default)
+    }
+
+    fn create(core: Arc<Core>, setup: Comm, default: Comm) -> Result<Arc<ShmProcessGroup>> {
+        let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
+        let closing = Arc::new(AtomicBool::new(false));
+        let (stream, thread) = start_stream(id, &core, default, DEFAULT_STREAM, &closing)?;
+        Ok(Arc::new(ShmProcessGroup {
+            id,
+            device: Device::Cpu,
+            setup: Mutex::new(Setup {
+                seq: 0,
+                comm: setup,
+                comms: 2,
+            }),
+            streams: Mutex::new(vec![Arc::downgrade(&stream)]),
+            default_stream: CommStream::new(DEFAULT_STREAM, stream),
+            threads: Mutex::new(vec![thread]),
+            observer: Mutex::new(None),
+            closing,
+            core,
+        }))
+    }
+
+    /// The configured collective timeout.
+    pub fn timeout(&self) -> Duration {
+        self.core.timeout
+    }
+
+    /// Enqueues `body` as an operation of `kind` on `stream`.
+    fn issue<T, F>(&self, stream: &CommStream, kind: OpKind, body: F) -> Work<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Ctx<'_>) -> Result<T> + Send + 'static,
+    {
+        let Some(ss) = stream
+            .backend_state::<ShmStream>()
+            .filter(|s| s.owner == self.id)
+        else {
+            return Work::ready(Err(foreign_stream(kind, self.core.rank, stream)));
+        };
+        let mut slot = ss.slot.lock();
+        slot.seq += 1;
+        let seq = slot.seq;
+        let op = format!("{} #{seq} (stream {})", kind.name(), ss.name);
+        let (work, completer) = Work::pending(op.clone(), self.core.rank, &*ss.name);
+        let core = Arc::clone(&self.core);
+        let stream_name = Arc::clone(&ss.name);
+        let observer = self.observer.lock().clone();
+        let job: Job = Box::new(move |comm| {
+            let observed = observer
+                .as_ref()
+                .and_then(|o| o.op_started(&stream_name, kind, &op));
+            let mut ctx = Ctx {
+                core: &core,
+                comm,
+                seq,
+                op: &op,
+            };
+            let result = match catch_unwind(AssertUnwindSafe(|| body(&mut ctx))) {
+                Ok(r) => r,
+                Err(payload) => {
+                    let message = format!("{op}: {}", panic_message(payload.as_ref()));
+                    core.abort.set(
+                        core.root_ranks[core.rank],
+                        &format!("comm stream panicked: {message}"),
+                    );
+                    Err(Error::RankPanicked {
+                        rank: core.rank,
+                        message,
+                    })
+                }
+            };
+            drop(observed);
+            completer.complete(result);
+        });
+        if let Some(tx) = &slot.tx {
+            // A send error means the stream thread is gone: `wait` reports StreamStopped.
+            let _ = tx.send(job);
+        }
+        work
+    }
+
+    /// Records `e` as this rank's failure (a setup step failed half-way: peers must not wait).
+    fn abort_self(&self, e: &Error) {
+        self.core
+            .abort
+            .set(self.core.root_ranks[self.core.rank], &e.to_string());
+    }
+}
+
+impl ProcessGroup for ShmProcessGroup {
+    fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.core.world_size
+    }
+
+    fn backend(&self) -> &'static str {
+        "shm"
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn new_stream(&self, name: &str) -> Result<CommStream> {
+        let mut setup = self.setup.lock();
+        setup.seq += 1;
+        let (seq, index) = (setup.seq, setup.comms);
+        let op = format!("new_stream #{seq} ({name:?})");
+        let mut post = Post::new(Kind::NewStream, seq);
+        post.bytes = Some(RawBytes::of(name.as_bytes()));
+        post.index = Some(index);
+        let core = &*self.core;
+        let comm = {
+            let mut ctx = Ctx {
+                core,
+                comm: &mut setup.comm,
+                seq,
+                op: &op,
+            };
+            let generation = ctx.exchange(&post, name.as_bytes())?;
+            // Every rank creates its segment, then maps the others', then removes its file.
+            let own = core.create(index).inspect_err(|e| self.abort_self(e))?;
+            ctx.sync(generation + 1)?;
+            let comm = core.open(index, own).inspect_err(|e| self.abort_self(e))?;
+            ctx.sync(generation + 2)?;
+            comm.own.unlink();
+            comm
+        };
+        setup.comms += 1;
+        let (stream, thread) = start_stream(self.id, &self.core, comm, name, &self.closing)?;
+        let mut threads = self.threads.lock();
+        threads.retain(|t| !t.is_finished());
+        threads.push(thread);
+        let mut streams = self.streams.lock();
+        streams.retain(|s| s.strong_count() > 0);
+        streams.push(Arc::downgrade(&stream));
+        Ok(CommStream::new(Arc::clone(&stream.name), stream))
+    }
+
+    fn default_stream(&self) -> CommStream {
+        self.default_stream.clone()
+    }
+
+    host_collectives!();
+
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
+        let mut setup = self.setup.lock();
+        setup.seq += 1;
+        let seq = setup.seq;
+        let op = format!("new_group #{seq} ({ranks:?})");
+        let bytes: Vec<u8> = ranks.iter().flat_map(|r| r.to_ne_bytes()).collect();
+        let mut post = Post::new(Kind::NewGroup, seq);
+        post.bytes = Some(RawBytes::of(&bytes));
+        let core = &*self.core;
+        let mut ctx = Ctx {
+            core,
+            comm: &mut setup.comm,
+            seq,
+            op: &op,
+        };
+        let generation = ctx.exchange(&post, &bytes)?;
+        check_ranks(&op, ranks, core.world_size)?;
+        let sub = ranks
+            .iter()
+            .position(|&r| r == core.rank)
+            .map(|local| Core {
+                rank: local,
+                world_size: ranks.len(),
+                root_ranks: ranks.iter().map(|&r| core.root_ranks[r]).collect(),
+                pids: ranks.iter().map(|&r| core.pids[r]).collect(),
+                timeout: core.timeout,
+                abort: Arc::clone(&core.abort),
+                prefix: format!("{}{seq}-g", core.prefix),
+            });
+        // Members create the sub-group's segments, map each other's, then remove their files;
+        // every rank of this group takes part in the barriers.
+        let owns = match &sub {
+            Some(sub) => Some(
+                (|| Ok::<_, Error>((sub.create(0)?, sub.create(1)?)))()
+                    .inspect_err(|e| self.abort_self(e))?,
+            ),
+            None => None,
+        };
+        ctx.sync(generation + 1)?;
+        let comms = match (&sub, owns) {
+            (Some(sub), Some((s, d))) => Some(
+                (|| Ok::<_, Error>((sub.open(0, s)?, sub.open(1, d)?)))()
+                    .inspect_err(|e| self.abort_self(e))?,
+            ),
+            _ => None,
+        };
+        ctx.sync(generation + 2)?;
+        drop(setup);
+        match (sub, comms) {
+            (Some(sub), Some((s, d))) => {
+                s.own.unlink();
+                d.own.unlink();
+                let group = ShmProcessGroup::create(Arc::new(sub), s, d)?;
+                Ok(Some(group as Arc<dyn ProcessGroup>))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    fn abort(&self, reason: &str) {
+        self.core
+            .abort
+            .set(self.core.root_ranks[self.core.rank], reason);
+    }
+
+    fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
+        *self.observer.lock() = observer;
+    }
+}
+
+impl Drop for ShmProcessGroup {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::Release);
+        for stream in self.streams.get_mut().drain(..) {
+            if let Some(stream) = stream.upgrade() {
+                stream.slot.lock().tx = None;
+            }
+        }
+        join_stream_threads(self.threads.get_mut());
+        self.setup.get_mut().comm.depart(self.core.rank);
+    }
+}
+
+/// Runs `f` on this process's rank of a shared-memory job of `world_size` processes that meet
+/// through the store at `addr:port` ([`ShmProcessGroup::connect`]; the group wrapped in
+/// [`Instrumented`]) and returns its result (one element). When `f` fails or panics, the job is
+/// aborted with the error's text: every other rank's collectives fail with
+/// [`Error::PeerFailed`].
+pub fn run<T, F>(
+    rank: usize,
+    world_size: usize,
+    addr: &str,
+    port: u16,
+    config: ShmConfig,
+    f: F,
+) -> Vec<Result<T>>
+where
+    F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
+{
+    match ShmProcessGroup::connect(rank, world_size, addr, port, config) {
+        Ok(group) => {
+            let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
+            vec![run_one(rank, pg, &f)]
+        }
+        Err(e) => vec![Err(e)],
+    }
+}
+
+/// Rank 0 makes the job's prefix and its abort slot (kept in `slot`) and shares the prefix;
+/// the others read it.
+fn share_prefix(
+    store: &TcpStore,
+    fresh: impl FnOnce() -> String,
+    slot: &mut Option<AbortSlot>,
+) -> Result<String> {
+    if store.rank() == 0 {
+        let prefix = fresh();
+        match AbortSlot::create(&PathBuf::from(format!("{prefix}-abort"))) {
+            Ok(s) => *slot = Some(s),
+            Err(e) => {
+                let _ = store.set(PREFIX_KEY, format!("\u{1}{e}").as_bytes());
+                return Err(e);
+            }
+        }
+        store.set(PREFIX_KEY, format!("\u{0}{prefix}").as_bytes())?;
+        return Ok(prefix);
+    }
+    let value = store.get(PREFIX_KEY)?;
+    let text = String::from_utf8_lossy(&value).into_owned();
+    match text.split_at_checked(1) {
+        Some(("\u{0}", prefix)) => Ok(prefix.to_string()),
+        Some(("\u{1}", reason)) => Err(Error::PeerFailed {
+            op: "shared-memory group creation".into(),
+            rank: store.rank(),
+            failed_rank: 0,
+            reason: reason.to_string(),
+        }),
+        _ => Err(Error::InvalidArgument(format!(
+            "store key {PREFIX_KEY:?}: not a value of this version"
+        ))),
+    }
+}

@@ -1,0 +1,469 @@
+//! The shared segments of the shared-memory backend: one file per rank and communicator in
+//! `/dev/shm` (a header, then the data area the rank copies its buffers into), the peers'
+//! mappings of it, the job's abort slot, and the polling wait every barrier uses.
+//!
+//! Files are created with `O_EXCL` and mode 0600, mapped shared, and unlinked as soon as every
+//! rank has mapped them (the mappings stay valid; nothing is left behind in `/dev/shm` even
+//! when a process is killed). A rank grows its own data area when a collective needs more
+//! (`posix_fallocate` first, so that a full `/dev/shm` is an error naming it, not a `SIGBUS`);
+//! peers see the new capacity in the header and map the file again.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::error::{Error, Result};
+
+/// Bytes of a segment's header (the data area starts here, page aligned).
+pub(super) const HEADER_BYTES: usize = 16 << 10;
+/// Longest descriptor a rank posts (a collective's, or a setup operation's with its argument).
+pub(super) const DESC_MAX: usize = 7 << 10;
+/// Data capacity a segment starts with.
+const INITIAL_CAPACITY: usize = 1 << 20;
+
+// Header words (byte offsets).
+const ARRIVALS: usize = 0;
+const DEPARTED: usize = 8;
+const PID: usize = 16;
+const CAPACITY: usize = 24;
+const DESC_LEN: usize = 64;
+const DESC: usize = 128;
+
+/// The directory segments live in: `/dev/shm` where it exists, else the temporary directory.
+pub(super) fn shm_dir() -> PathBuf {
+    let dev_shm = Path::new("/dev/shm");
+    if dev_shm.is_dir() {
+        dev_shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+fn io_error(what: &str, path: &Path, e: std::io::Error) -> Error {
+    Error::InvalidArgument(format!(
+        "shared-memory backend: {what} {}: {e}",
+        path.display()
+    ))
+}
+
+/// The atomic word at `off` of the header at `base`.
+///
+/// # Safety
+///
+/// `base` is the start of a live mapping of at least [`HEADER_BYTES`] bytes, 8-byte aligned.
+unsafe fn word<'a>(base: *mut u8, off: usize) -> &'a AtomicU64 {
+    // SAFETY: per the contract; mapped memory is shared, so it is only accessed atomically here.
+    unsafe { AtomicU64::from_ptr(base.add(off) as *mut u64) }
+}
+
+/// Reserves `bytes` of `file` (so that a full file system is an error now, not a `SIGBUS`).
+fn reserve(file: &File, path: &Path, bytes: usize) -> Result<()> {
+    file.set_len(bytes as u64)
+        .map_err(|e| io_error("cannot size", path, e))?;
+    // SAFETY: plain syscall on an open descriptor.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, bytes as libc::off_t) };
+    if rc != 0 && rc != libc::EOPNOTSUPP && rc != libc::EINVAL {
+        return Err(Error::InvalidArgument(format!(
+            "shared-memory backend: cannot reserve {} MiB in {} ({}): is the shared-memory file \
+             system full? (`df -h {}`)",
+            bytes >> 20,
+            path.display(),
+            std::io::Error::from_raw_os_error(rc),
+            shm_dir().display()
+        )));
+    }
+    Ok(())
+}
+
+fn map(file: &File, path: &Path, len: usize) -> Result<MmapRaw> {
+    MmapOptions::new()
+        .len(len)
+        .map_raw(file)
+        .map_err(|e| io_error("cannot map", path, e))
+}
+
+/// This rank's segment of one communicator.
+pub(super) struct Segment {
+    file: File,
+    map: MmapRaw,
+    capacity: usize,
+    path: PathBuf,
+}
+
+impl Segment {
+    /// Creates the file at `path` (which must not exist) with the initial capacity, and writes
+    /// this process's id into the header.
+    pub(super) fn create(path: PathBuf) -> Result<Segment> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| io_error("cannot create", &path, e))?;
+        let len = HEADER_BYTES + INITIAL_CAPACITY;
+        reserve(&file, &path, len)?;
+        let map = map(&file, &path, len)?;
+        let seg = Segment {
+            file,
+            map,
+            capacity: INITIAL_CAPACITY,
+            path,
+        };
+        seg.word(PID)
+            .store(u64::from(std::process::id()), Ordering::Relaxed);
+        seg.word(CAPACITY)
+            .store(INITIAL_CAPACITY as u64, Ordering::Release);
+        Ok(seg)
+    }
+
+    fn word(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: the mapping is at least HEADER_BYTES long and page aligned.
+        unsafe { word(self.map.as_mut_ptr(), off) }
+    }
+
+    /// Removes the file (every peer has mapped it: the mappings stay valid).
+    pub(super) fn unlink(&self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// The header's address.
+    pub(super) fn header(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    /// The data area's address.
+    pub(super) fn data(&self) -> *mut u8 {
+        // In bounds: the mapping is HEADER_BYTES + capacity long.
+        self.map.as_mut_ptr().wrapping_add(HEADER_BYTES)
+    }
+
+    /// Grows the data area to hold `bytes` (published to peers with the next arrival).
+    ///
+    /// Only between collectives of this communicator: peers finished reading the old area.
+    pub(super) fn ensure(&mut self, bytes: usize) -> Result<()> {
+        if bytes <= self.capacity {
+            return Ok(());
+        }
+        let capacity = bytes.max(2 * self.capacity).next_multiple_of(1 << 20);
+        reserve(&self.file, &self.path, HEADER_BYTES + capacity)?;
+        self.map = map(&self.file, &self.path, HEADER_BYTES + capacity)?;
+        self.capacity = capacity;
+        self.word(CAPACITY)
+            .store(capacity as u64, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// A peer's segment as this rank maps it.
+pub(super) struct PeerMap {
+    file: File,
+    map: MmapRaw,
+    mapped: usize,
+    path: PathBuf,
+    /// The peer's process id (from its header).
+    pub pid: u32,
+}
+
+impl PeerMap {
+    /// Maps the peer's file at `path`.
+    ///
+    /// Errors: the file is missing (the peer runs on another machine, or failed before
+    /// creating it) or cannot be mapped.
+    pub(super) fn open(path: PathBuf) -> Result<PeerMap> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_error("cannot open a peer's segment", &path, e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| io_error("cannot read the size of", &path, e))?
+            .len() as usize;
+        if len < HEADER_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "shared-memory backend: {} is {len} bytes, not a segment",
+                path.display()
+            )));
+        }
+        let map = map(&file, &path, len)?;
+        // SAFETY: mapped at least HEADER_BYTES.
+        let pid = unsafe { word(map.as_mut_ptr(), PID) }.load(Ordering::Relaxed) as u32;
+        Ok(PeerMap {
+            file,
+            map,
+            mapped: len,
+            path,
+            pid,
+        })
+    }
+
+    /// Maps the file again if the peer grew its data area.
+    pub(super) fn refresh(&mut self) -> Result<()> {
+        // SAFETY: mapped at least HEADER_BYTES.
+        let capacity =
+            unsafe { word(self.map.as_mut_ptr(), CAPACITY) }.load(Ordering::Acquire) as usize;
+        if HEADER_BYTES + capacity > self.mapped {
+            self.map = map(&self.file, &self.path, HEADER_BYTES + capacity)?;
+            self.mapped = HEADER_BYTES + capacity;
+        }
+        Ok(())
+    }
+
+    /// Bytes of the data area mapped here.
+    pub(super) fn data_len(&self) -> usize {
+        self.mapped - HEADER_BYTES
+    }
+
+    pub(super) fn header(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    pub(super) fn data(&self) -> *mut u8 {
+        self.map.as_mut_ptr().wrapping_add(HEADER_BYTES)
+    }
+}
+
+/// The header words and descriptor slots of one rank's segment, wherever it is mapped.
+#[derive(Clone, Copy)]
+pub(super) struct Header(pub *mut u8);
+
+impl Header {
+    fn word(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: every Header is built from a live mapping of at least HEADER_BYTES.
+        unsafe { word(self.0, off) }
+    }
+
+    /// The barrier generation the rank reached.
+    pub(super) fn arrivals(&self) -> u64 {
+        self.word(ARRIVALS).load(Ordering::Acquire)
+    }
+
+    /// Publishes arrival at `generation` (everything written before is visible to peers that
+    /// see it).
+    pub(super) fn arrive(&self, generation: u64) {
+        self.word(ARRIVALS).store(generation, Ordering::Release);
+    }
+
+    /// True once the rank's handle on the group was dropped.
+    pub(super) fn departed(&self) -> bool {
+        self.word(DEPARTED).load(Ordering::Acquire) != 0
+    }
+
+    pub(super) fn set_departed(&self) {
+        self.word(DEPARTED).store(1, Ordering::Release);
+    }
+
+    /// Writes `desc` into the slot of `generation`'s parity (before [`Header::arrive`]).
+    pub(super) fn write_desc(&self, generation: u64, desc: &[u8]) {
+        let parity = (generation % 2) as usize;
+        assert!(desc.len() <= DESC_MAX, "descriptor checked by the caller");
+        // SAFETY: the slot lies in the header; only this rank writes it, and peers read it only
+        // after seeing the arrival that follows (double-buffered by parity, as the thread
+        // backend's posts: a peer reads slot `g % 2` before arriving at `g + 1`, and this rank
+        // reaches `g + 2` only after that).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                desc.as_ptr(),
+                self.0.add(DESC + parity * DESC_MAX),
+                desc.len(),
+            )
+        };
+        self.word(DESC_LEN + 8 * parity)
+            .store(desc.len() as u64, Ordering::Relaxed);
+    }
+
+    /// A copy of the descriptor of `generation` (after seeing the arrival).
+    pub(super) fn read_desc(&self, generation: u64) -> Vec<u8> {
+        let parity = (generation % 2) as usize;
+        let len = (self.word(DESC_LEN + 8 * parity).load(Ordering::Relaxed) as usize).min(DESC_MAX);
+        let mut out = vec![0u8; len];
+        // SAFETY: in the header; stable until this rank arrives at the next generation.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.0.add(DESC + parity * DESC_MAX),
+                out.as_mut_ptr(),
+                len,
+            )
+        };
+        out
+    }
+}
+
+/// True while process `pid` runs (a zombie, or no such process, is dead).
+pub(super) fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next()),
+            Some('Z' | 'X')
+        ),
+        // Without /proc (not Linux), signal 0 tells whether the process exists.
+        // SAFETY: plain syscall.
+        Err(_) => unsafe { libc::kill(pid as libc::pid_t, 0) == 0 },
+    }
+}
+
+/// Bytes of the abort slot file.
+const ABORT_BYTES: usize = 8 << 10;
+const ABORT_MAX_REASON: usize = ABORT_BYTES - 64;
+
+/// The job's first failure, shared by every group of the job (the root group and its
+/// sub-groups): state (0 none, 1 being written, 2 set), the failed rank (of the root group),
+/// the reason.
+pub(super) struct AbortSlot {
+    map: MmapRaw,
+    _file: File,
+}
+
+impl AbortSlot {
+    /// Creates the slot file at `path` (rank 0).
+    pub(super) fn create(path: &Path) -> Result<AbortSlot> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|e| io_error("cannot create", path, e))?;
+        reserve(&file, path, ABORT_BYTES)?;
+        Ok(AbortSlot {
+            map: map(&file, path, ABORT_BYTES)?,
+            _file: file,
+        })
+    }
+
+    /// Maps the slot file at `path` (the other ranks).
+    pub(super) fn open(path: &Path) -> Result<AbortSlot> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| io_error("cannot open", path, e))?;
+        Ok(AbortSlot {
+            map: map(&file, path, ABORT_BYTES)?,
+            _file: file,
+        })
+    }
+
+    /// A slot of this process only (a group of one rank).
+    pub(super) fn private() -> Result<AbortSlot> {
+        let map = MmapOptions::new()
+            .len(ABORT_BYTES)
+            .map_anon()
+            .map_err(|e| Error::InvalidArgument(format!("cannot map anonymous memory: {e}")))?;
+        let file = File::open("/dev/null")
+            .map_err(|e| io_error("cannot open", Path::new("/dev/null"), e))?;
+        Ok(AbortSlot {
+            map: map.into(),
+            _file: file,
+        })
+    }
+
+    fn state(&self) -> &AtomicU64 {
+        // SAFETY: mapped ABORT_BYTES, page aligned.
+        unsafe { word(self.map.as_mut_ptr(), 0) }
+    }
+
+    /// Records `(rank, reason)` unless a failure is already recorded.
+    pub(super) fn set(&self, rank: usize, reason: &str) {
+        if self
+            .state()
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return;
+        }
+        let mut cut = reason.len().min(ABORT_MAX_REASON);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let base = self.map.as_mut_ptr();
+        // SAFETY: within the mapping; only the winner of the exchange above writes.
+        unsafe {
+            word(base, 8).store(rank as u64, Ordering::Relaxed);
+            word(base, 16).store(cut as u64, Ordering::Relaxed);
+            std::ptr::copy_nonoverlapping(reason.as_ptr(), base.add(64), cut);
+        }
+        self.state().store(2, Ordering::Release);
+    }
+
+    /// The recorded failure, if any.
+    pub(super) fn get(&self) -> Option<(usize, String)> {
+        if self.state().load(Ordering::Acquire) != 2 {
+            return None;
+        }
+        let base = self.map.as_mut_ptr();
+        // SAFETY: within the mapping; written once before state 2 (seen above).
+        unsafe {
+            let rank = word(base, 8).load(Ordering::Relaxed) as usize;
+            let len = (word(base, 16).load(Ordering::Relaxed) as usize).min(ABORT_MAX_REASON);
+            let bytes = std::slice::from_raw_parts(base.add(64), len);
+            Some((rank, String::from_utf8_lossy(bytes).into_owned()))
+        }
+    }
+}
+
+/// Why a wait for peers stopped.
+pub(super) enum Stop {
+    /// A failure recorded in the abort slot: `(root rank, reason)`.
+    Failed(usize, String),
+    /// A missing rank's handle was dropped (its local rank).
+    Departed(usize),
+    /// A missing rank's process is gone without a word (its local rank and pid).
+    Died(usize, u32),
+    /// The deadline passed; the missing local ranks.
+    Timeout(Vec<usize>),
+}
+
+/// How often a waiting rank checks that the missing peers' processes still run.
+const LIVENESS_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Waits until every rank of `headers` arrived at `target` (`pids`: their processes, 0 for one
+/// this process cannot see): yields the core for
+/// [`crate::comm::work::YIELD_BEFORE_SLEEP`], then sleeps 50 µs between looks; stops on a
+/// recorded failure, a departed or dead missing peer, or at `deadline`.
+pub(super) fn wait_for(
+    headers: &[Header],
+    pids: &[u32],
+    target: u64,
+    abort: &AbortSlot,
+    deadline: Option<Instant>,
+) -> std::result::Result<(), Stop> {
+    let start = Instant::now();
+    let mut checked = start;
+    loop {
+        let missing: Vec<usize> = (0..headers.len())
+            .filter(|&j| headers[j].arrivals() < target)
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if let Some((rank, reason)) = abort.get() {
+            return Err(Stop::Failed(rank, reason));
+        }
+        if let Some(&j) = missing.iter().find(|&&j| headers[j].departed()) {
+            return Err(Stop::Departed(j));
+        }
+        let now = Instant::now();
+        if now.duration_since(checked) >= LIVENESS_EVERY {
+            checked = now;
+            if let Some(&j) = missing.iter().find(|&&j| pids[j] != 0 && !alive(pids[j])) {
+                return Err(Stop::Died(j, pids[j]));
+            }
+        }
+        if deadline.is_some_and(|d| now >= d) {
+            return Err(Stop::Timeout(missing));
+        }
+        if now.duration_since(start) < crate::comm::work::YIELD_BEFORE_SLEEP {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! The shared-memory backend (`comm::shm`): ranks as processes of this test binary (re-executed
+//! with torchrun-style variables, so `Launcher::from_env` picks the backend as under
+//! `fsdp-run`), each checking its results bit for bit against the thread backend's run of the
+//! same job in its own process; a rank killed with SIGKILL or failing with an error stops its
+//! peers promptly with an error naming it.
+
+use std::net::TcpListener;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
+use candle_fsdp::launch::Launcher;
+use candle_fsdp::{Error, Result};
+
+/// Values of every magnitude, different on every rank, so that the order of a reduction shows
+/// in its bits.
+fn data(rank: usize, seed: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let k = (i * 7919 + seed * 104_729 + rank * 31) % 1000;
+            let scale = [1e-3f32, 1.0, 1e3][(i + rank) % 3];
+            (k as f32 * 1.37e-3 - 0.61) * scale
+        })
+        .collect()
+}
+
+fn tensor(rank: usize, seed: usize, n: usize, dtype: DType) -> Result<Tensor> {
+    Ok(Tensor::from_vec(data(rank, seed, n), n, &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+/// The bits of `t` (every dtype used here is exact in f64).
+fn bits(t: &Tensor) -> Result<Vec<u64>> {
+    Ok(t.to_dtype(DType::F64)?
+        .to_vec1::<f64>()?
+        .into_iter()
+        .map(f64::to_bits)
+        .collect())
+}
+
+/// Every collective of the contract on a few streams, a sub-group, segments grown past their
+/// first size, and a mismatch (the same error on every rank, the group usable afterwards):
+/// named results, as bits.
+fn exercise(pg: Arc<dyn ProcessGroup>) -> Result<Vec<(String, Vec<u64>)>> {
+    let (r, ws) = (pg.rank(), pg.world_size());
+    let mut out = Vec::new();
+    let ag = pg.new_stream("all_gather")?;
+    let rs = pg.new_stream("reduce_scatter")?;
+    let def = pg.default_stream();
+    let zeros = |n: usize, dtype| Tensor::zeros(n, dtype, &Device::Cpu);
+    for (dtype, n) in [(DType::F32, 1000), (DType::BF16, 300_001)] {
+        let input = tensor(r, 1, n, dtype)?;
+        let o = pg.all_gather(&ag, &input, zeros(n * ws, dtype)?).wait()?;
+        out.push((format!("all_gather {dtype:?}"), bits(&o)?));
+    }
+    for (dtype, n, op) in [
+        (DType::F32, 700_000, ReduceOp::Sum),
+        (DType::BF16, 1000, ReduceOp::Avg),
+        (DType::F16, 999, ReduceOp::Max),
+    ] {
+        let input = tensor(r, 2, n * ws, dtype)?;
+        let o = pg
+            .reduce_scatter(&rs, &input, zeros(n, dtype)?, op)
+            .wait()?;
+        out.push((format!("reduce_scatter {dtype:?} {op:?}"), bits(&o)?));
+    }
+    for (dtype, n, op) in [
+        (DType::F32, 1_000_003, ReduceOp::Sum),
+        (DType::BF16, 77, ReduceOp::Avg),
+        (DType::F64, 5, ReduceOp::Min),
+    ] {
+        let o = pg.all_reduce(&def, tensor(r, 3, n, dtype)?, op).wait()?;
+        out.push((format!("all_reduce {dtype:?} {op:?}"), bits(&o)?));
+    }
+    let o = pg
+        .broadcast(&def, tensor(r, 4, 5000, DType::F32)?, ws - 1)
+        .wait()?;
+    out.push(("broadcast".into(), bits(&o)?));
+    let o = pg
+        .reduce(&def, tensor(r, 5, 4096, DType::F32)?, 0, ReduceOp::Sum)
+        .wait()?;
+    out.push(("reduce".into(), bits(&o)?));
+    let ints = Tensor::from_vec(vec![r as i64 * 1_000_000_007, -3, 7], 3, &Device::Cpu)?;
+    let o = pg.all_reduce(&def, ints, ReduceOp::Sum).wait()?;
+    out.push(("all_reduce i64".into(), bits(&o)?));
+    pg.barrier(&ag).wait()?;
+    // A mismatch: the same error on every rank, and the group still works.
+    let e = pg
+        .all_reduce(&def, tensor(r, 6, 10 + r, DType::F32)?, ReduceOp::Sum)
+        .wait()
+        .unwrap_err();
+    out.push((format!("mismatch: {e}"), Vec::new()));
+    let v = pg.all_reduce_f32s(data(r, 7, 9), ReduceOp::Sum)?;
+    out.push((
+        "after the mismatch".into(),
+        v.iter().map(|x| x.to_bits() as u64).collect(),
+    ));
+    // A sub-group of the last and the first rank, in that order.
+    if let Some(sub) = pg.new_group(&[ws - 1, 0])? {
+        let v = sub.all_gather_f32s(&data(r, 8, 3))?;
+        out.push((
+            format!("sub-group rank {}", sub.rank()),
+            v.iter().map(|x| x.to_bits() as u64).collect(),
+        ));
+    }
+    Ok(out)
+}
+
+/// Starts this binary's `helper_shm_rank` as `world_size` processes (torchrun-style variables,
+/// the store on a free port); returns (exit code, output) of each (at most 60 s in all).
+fn spawn_job(world_size: usize, mode: &str) -> Vec<(i32, String)> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let children: Vec<_> = (0..world_size)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--ignored",
+                    "--exact",
+                    &crate::common::test_path(module_path!(), "helper_shm_rank"),
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world_size.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world_size.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("SHM_TEST_MODE", mode)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    crate::store::wait_all(children)
+}
+
+#[test]
+#[ignore = "a rank process of the shm_* tests"]
+fn helper_shm_rank() {
+    let mode = std::env::var("SHM_TEST_MODE").unwrap();
+    let launcher = Launcher::from_env(None, 1, Duration::from_secs(60)).unwrap();
+    assert_eq!(launcher.backend(), "shm");
+    let rank = launcher.local_ranks().start;
+    let ws = launcher.world_size();
+    match mode.as_str() {
+        "exact" => {
+            let got = launcher.run(exercise).unwrap().remove(0);
+            let want = run_ranks_ok(ws, ThreadGroupConfig::default(), exercise)
+                .unwrap()
+                .swap_remove(rank);
+            assert_eq!(got.len(), want.len());
+            for ((name, g), (wname, w)) in got.iter().zip(&want) {
+                assert_eq!(name, wname);
+                assert!(
+                    g == w,
+                    "rank {rank}: {name} differs from the thread backend"
+                );
+            }
+            println!(
+                "rank {rank}: {} results bitwise equal to the thread backend's",
+                got.len()
+            );
+        }
+        "die" | "fail" => {
+            let result = launcher.run(|pg| {
+                pg.all_reduce_f32s(vec![1.0; 4], ReduceOp::Sum)?;
+                if pg.rank() == 1 {
+                    if mode == "die" {
+                        // SAFETY: plain syscall: this process kills itself.
+                        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                    }
+                    return Err(Error::InvalidArgument("rank 1 gives up".into()));
+                }
+                let start = Instant::now();
+                let e = pg.all_reduce_f32s(vec![1.0; 4], ReduceOp::Sum).unwrap_err();
+                println!(
+                    "rank {}: failed after {:.1} s: {e}",
+                    pg.rank(),
+                    start.elapsed().as_secs_f64()
+                );
+                Ok(())
+            });
+            if let Err(e) = result {
+                println!("rank {rank}: error: {e}");
+            }
+        }
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+#[test]
+fn shm_collectives_are_bitwise_the_thread_backends() {
+    for (r, (code, out)) in spawn_job(3, "exact").into_iter().enumerate() {
+        assert_eq!(code, 0, "rank {r}:\n{out}");
+        // 13 results, and the sub-group's on its members (ranks 2 and 0).
+        let n = if r == 1 { 13 } else { 14 };
+        assert!(
+            out.contains(&format!(
+                "rank {r}: {n} results bitwise equal to the thread backend's"
+            )),
+            "rank {r}:\n{out}"
+        );
+    }
+}
+
+/// Rank 0's `rank 0: failed after …` line (libtest's "test helper_shm_rank ... " may precede
+/// it).
+fn failure_line(out: &str) -> &str {
+    out.lines()
+        .find_map(|l| l.find("rank 0: failed after").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("{out}"))
+}
+
+#[test]
+fn shm_a_rank_killed_with_sigkill_stops_its_peers_promptly() {
+    let results = spawn_job(2, "die");
+    assert_eq!(
+        results[1].0, -1,
+        "rank 1 died by a signal:\n{}",
+        results[1].1
+    );
+    let (code, out) = &results[0];
+    assert_eq!(*code, 0, "{out}");
+    let line = failure_line(out);
+    let secs: f64 = line["rank 0: failed after ".len()..]
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(secs < 5.0, "{line}");
+    assert!(
+        line.contains("rank 1 failed")
+            && line.contains("ended without reporting an error (killed by a signal"),
+        "{line}"
+    );
+}
+
+#[test]
+fn shm_a_failing_rank_stops_its_peers_with_its_reason() {
+    let results = spawn_job(2, "fail");
+    assert!(
+        results[1]
+            .1
+            .contains("rank 1: error: invalid argument: rank 1 gives up")
+            || results[1].1.contains("rank 1: error: rank 1 gives up"),
+        "{}",
+        results[1].1
+    );
+    let (code, out) = &results[0];
+    assert_eq!(*code, 0, "{out}");
+    let line = failure_line(out);
+    assert!(
+        line.contains("rank 1 failed") && line.contains("rank 1 gives up"),
+        "{line}"
+    );
+}

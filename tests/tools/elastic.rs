@@ -1,0 +1,190 @@
+//! The MNIST example under `fsdp-run` on CPU (the shared-memory backend, issue 24): the same
+//! losses, accuracy and final checkpoint bytes as the in-process thread run; and a job whose
+//! rank 1 is killed with SIGKILL mid-run, restarted by `--max-restarts`, resuming from its
+//! newest checkpoint and ending exactly as the uninterrupted run.
+//!
+//! The example binary is the one `cargo test` builds next to this test binary
+//! (`target/release/examples/mnist`); the data is the repository's `data/mnist`.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use super::fsdp_run::{finish, last_line, BIN};
+
+/// Flags of every run here: two epochs of 118 steps, a checkpoint every 20 steps.
+const FLAGS: [&str; 6] = ["--epochs", "2", "--batch-size", "256", "--save-every", "20"];
+
+fn mnist() -> PathBuf {
+    crate::common::example_bin(
+        "mnist",
+        "cargo build --release --example mnist` (`cargo test` builds the examples",
+    )
+}
+
+fn data_dir() -> String {
+    format!("{}/data/mnist", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn free_port() -> String {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+/// The uninterrupted reference: the thread run (world size 2 in one process); its stdout and
+/// checkpoint directory.
+fn reference() -> &'static (String, PathBuf) {
+    static REF: OnceLock<(String, PathBuf)> = OnceLock::new();
+    REF.get_or_init(|| {
+        let dir = crate::common::tmpdir("elastic-reference");
+        let out = Command::new(mnist())
+            .args(FLAGS)
+            .args(["--world-size", "2", "--data-dir", &data_dir()])
+            .arg("--checkpoint-dir")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (stdout, dir)
+    })
+}
+
+/// `train loss … test accuracy …%` of every epoch line (the times differ between runs).
+fn epoch_results(out: &str) -> Vec<String> {
+    out.lines()
+        .filter_map(|l| {
+            let i = l.find("train loss")?;
+            let j = l.find("  epoch time")?;
+            Some(l[i..j].to_string())
+        })
+        .collect()
+}
+
+/// The bytes of every shard file of `dir`'s final checkpoint equal the reference's.
+fn assert_same_final_checkpoint(dir: &Path) {
+    let last = "step-00000236";
+    let (_, ref_dir) = reference();
+    for r in 0..2 {
+        let name = format!("shard-0000{r}-of-00002.safetensors");
+        let want = std::fs::read(ref_dir.join(last).join(&name)).unwrap();
+        let got = std::fs::read(dir.join(last).join(&name)).unwrap();
+        assert!(
+            want == got,
+            "{name} of {last} differs from the thread run's"
+        );
+    }
+}
+
+#[test]
+fn mnist_under_fsdp_run_on_cpu_matches_the_thread_run_bitwise() {
+    let dir = crate::common::tmpdir("elastic-shm");
+    let (code, out, err) = {
+        let child = Command::new(BIN)
+            .args(["--nproc-per-node", "2", "--master-port", &free_port(), "--"])
+            .arg(mnist())
+            .args(FLAGS)
+            .args(["--data-dir", &data_dir(), "--resume", "--checkpoint-dir"])
+            .arg(&dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        finish(child, Duration::from_secs(120))
+    };
+    assert_eq!(code, 0, "{out}\n{err}");
+    // --resume with no checkpoint yet starts from scratch.
+    assert!(
+        out.contains("[rank 0] --resume: no complete checkpoint in")
+            && out.contains("starting from scratch"),
+        "{out}"
+    );
+    assert!(out.contains("world size 2 (shm on cpu)"), "{out}");
+    let (reference, _) = reference();
+    let epochs = epoch_results(&out);
+    assert_eq!(epochs.len(), 2, "{out}");
+    assert_eq!(epochs, epoch_results(reference));
+    assert_eq!(
+        crate::common::final_accuracy(&out),
+        crate::common::final_accuracy(reference)
+    );
+    assert_same_final_checkpoint(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The process of the rank `rank` of attempt `restart` among the children of `parent`.
+fn rank_process(parent: u32, rank: usize, restart: usize) -> Option<i32> {
+    let children = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+        .unwrap_or_default();
+    children
+        .split_whitespace()
+        .filter_map(|p| p.parse::<i32>().ok())
+        .find(|pid| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let has = |entry: String| env.split(|&b| b == 0).any(|e| e == entry.as_bytes());
+            has(format!("RANK={rank}")) && has(format!("TORCHELASTIC_RESTART_COUNT={restart}"))
+        })
+}
+
+#[test]
+fn a_rank_killed_with_sigkill_restarts_and_ends_like_the_uninterrupted_run() {
+    let dir = crate::common::tmpdir("elastic-restart");
+    let child = Command::new(BIN)
+        .args(["--nproc-per-node", "2", "--max-restarts", "2"])
+        .args(["--master-port", &free_port(), "--"])
+        .arg(mnist())
+        .args(FLAGS)
+        .args(["--data-dir", &data_dir(), "--checkpoint-dir"])
+        .arg(&dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once the first checkpoint is complete, kill rank 1.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let victim = loop {
+        let saved = std::fs::read_dir(&dir)
+            .ok()
+            .is_some_and(|d| d.flatten().any(|e| e.path().join("meta.json").is_file()));
+        if let (true, Some(pid)) = (saved, rank_process(child.id(), 1, 0)) {
+            break pid;
+        }
+        assert!(Instant::now() < deadline, "no checkpoint after 60 s");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    // SAFETY: plain syscall on a child process of the job.
+    unsafe { libc::kill(victim, libc::SIGKILL) };
+    let (code, out, err) = finish(child, Duration::from_secs(120));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        err.contains("fsdp-run: rank 1 failed first: killed by signal 9 (SIGKILL) after")
+            && err.contains("restarting all 2 processes (restart 1 of at most 2)"),
+        "{err}"
+    );
+    let summary = last_line(&err);
+    assert!(
+        summary.starts_with("fsdp-run: all 2 processes (ranks 0, 1) finished successfully in")
+            && summary
+                .contains("; 1 restart (of at most 2): rank 1 killed by signal 9 (SIGKILL) after"),
+        "{summary}"
+    );
+    // The restart resumed from a checkpoint of this run, and ended as the uninterrupted run.
+    assert!(out.contains("[rank 0] resumed from"), "{out}");
+    let (reference, _) = reference();
+    assert_eq!(
+        crate::common::final_accuracy(&out),
+        crate::common::final_accuracy(reference)
+    );
+    assert_same_final_checkpoint(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
