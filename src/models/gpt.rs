@@ -29,16 +29,14 @@
 //! Initialisation as GPT-2: every weight matrix and embedding N(0, 0.02), the two residual
 //! projections of each block N(0, 0.02/√(2L)), biases 0, norms 1 and 0.
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{Device, Module, Tensor};
 use candle_nn::{Embedding, Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder};
 pub use crate::nn::gelu;
-use crate::nn::{
-    causal_attention, cross_entropy, layer_norm, linear_forward, linear_gelu, LayerNorm,
-};
+use crate::nn::{causal_attention, layer_norm, linear_forward, linear_gelu, LayerNorm};
 use crate::unit::UnitSpec;
 
 /// Standard deviation of GPT-2's weight initialisation.
@@ -500,10 +498,9 @@ impl FsdpGpt {
 }
 
 /// Mean next-token cross-entropy of `logits` `(B, T, V)` against `targets` `(B, T)` u32, as an
-/// f32 scalar (logits of another dtype are widened first).
+/// f32 scalar: [`crate::nn::lm_loss`].
 ///
 /// Errors: mismatched shapes; Candle's.
 pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let logits = logits.flatten_to(1)?.to_dtype(DType::F32)?;
-    Ok(cross_entropy(&logits, &targets.flatten_all()?)?)
+    Ok(crate::nn::lm_loss(logits, targets)?)
 }

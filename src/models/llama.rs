@@ -38,7 +38,7 @@
 
 pub mod hf;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{Device, Module, Tensor};
 use candle_nn::{Embedding, Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -483,10 +483,9 @@ impl FsdpLlama {
 }
 
 /// Mean next-token cross-entropy of `logits` `(B, T, V)` against `targets` `(B, T)` u32, as an
-/// f32 scalar (the same loss as [`crate::models::gpt::lm_loss`]).
+/// f32 scalar: [`crate::nn::lm_loss`].
 ///
 /// Errors: mismatched shapes; Candle's.
 pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let logits = logits.flatten_to(1)?.to_dtype(DType::F32)?;
-    Ok(crate::nn::cross_entropy(&logits, &targets.flatten_all()?)?)
+    Ok(crate::nn::lm_loss(logits, targets)?)
 }

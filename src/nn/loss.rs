@@ -47,6 +47,16 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         .apply_op2(&targets.contiguous()?, CrossEntropyOp)
 }
 
+/// Mean next-token cross-entropy of language-model logits `(B, T, V)` (any float dtype,
+/// widened to f32 first) against targets `(B, T)` u32, as an f32 scalar: [`cross_entropy`] over
+/// the `B·T` rows. The loss of both decoders (`models::gpt`, `models::llama`).
+///
+/// Errors: mismatched shapes; Candle's.
+pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logits = logits.flatten_to(1)?.to_dtype(DType::F32)?;
+    cross_entropy(&logits, &targets.flatten_all()?)
+}
+
 /// [`cross_entropy`] as candle-nn computes it: [`candle_nn::loss::cross_entropy`]. Any dtype
 /// and device, differentiable to any order.
 ///

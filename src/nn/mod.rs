@@ -34,7 +34,7 @@ mod softmax;
 pub use activation::{gelu, gelu_composed};
 pub use attention::{causal_attention, causal_attention_composed};
 pub use linear::{linear, linear_forward, linear_gelu, linear_normal, Linear};
-pub use loss::{cross_entropy, cross_entropy_composed};
+pub use loss::{cross_entropy, cross_entropy_composed, lm_loss};
 pub use norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use rope::{rope, rope_composed};
 pub use softmax::{causal_softmax, causal_softmax_composed};
