@@ -17,9 +17,9 @@
 //!   transformers' "rotate half" form: with `θ_i = rope_theta^(−2i/head_dim)`, `i <
 //!   head_dim/2`, position `p`, `cos`/`sin` of `p·θ` repeated twice along the head,
 //!   `x' = x·cos + rotate_half(x)·sin`, `rotate_half([a, b]) = [−b, a]`. The rotation is
-//!   [`crate::nn::rope`] (one graph node); the keys and values are then repeated to
-//!   `n_head` heads and the attention itself is [`crate::nn::causal_attention`]'s fused kernel
-//!   on the concatenated `(B, T, 3·n_head·head_dim)` tensor.
+//!   [`crate::nn::rope`] (one graph node); the attention itself is
+//!   [`crate::nn::causal_attention_gqa`]'s fused kernel on the concatenated
+//!   `(B, T, (n_head + 2·n_kv_head)·head_dim)` tensor, the key/value heads read in place.
 //! - **MLP**: SwiGLU (Shazeer 2020, arXiv:2002.05202), `down(silu(gate(x)) ⊙ up(x))`, hidden
 //!   width `intermediate_size`.
 //! - **Norms**: RMSNorm ([`crate::nn::rms_norm`]), `x / √(mean(x²) + eps) · w`.
@@ -44,7 +44,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder, ModelSpec};
-use crate::nn::{causal_attention, linear_normal, rms_norm, Linear, RmsNorm};
+use crate::nn::{causal_attention_gqa, linear_normal, rms_norm, Linear, RmsNorm};
 use crate::unit::UnitSpec;
 
 /// Standard deviation of the initialisation of a model built from scratch (transformers'
@@ -289,18 +289,17 @@ impl Module for Attention {
         let q = apply_rope(&apply(&self.q, x)?.reshape((b, t, h, hd))?, &cos, &sin)?;
         let k = apply_rope(&apply(&self.k, x)?.reshape((b, t, kvh, hd))?, &cos, &sin)?;
         let v = apply(&self.v, x)?.reshape((b, t, kvh, hd))?;
-        // Key/value head j serves query heads j·rep .. (j+1)·rep (transformers' repeat_kv).
-        let repeat = |z: Tensor| -> candle_core::Result<Tensor> {
-            let rep = h / kvh;
-            if rep == 1 {
-                return z.reshape((b, t, h * hd));
-            }
-            z.unsqueeze(3)?
-                .broadcast_as((b, t, kvh, rep, hd))?
-                .reshape((b, t, h * hd))
-        };
-        let qkv = Tensor::cat(&[q.reshape((b, t, h * hd))?, repeat(k)?, repeat(v)?], 2)?;
-        apply(&self.o, &causal_attention(&qkv, h)?)
+        // Key/value head j serves query heads j·rep .. (j+1)·rep (transformers' repeat_kv),
+        // read in place by the kernel.
+        let qkv = Tensor::cat(
+            &[
+                q.reshape((b, t, h * hd))?,
+                k.reshape((b, t, kvh * hd))?,
+                v.reshape((b, t, kvh * hd))?,
+            ],
+            2,
+        )?;
+        apply(&self.o, &causal_attention_gqa(&qkv, h, kvh)?)
     }
 }
 

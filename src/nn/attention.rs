@@ -30,6 +30,10 @@
 //! the head's buffers; nothing of size `T × T` outlives a tile. The gemms are the `gemm` crate's,
 //! single-threaded inside a task; the exponentials are `crate::cpu::exp_fast`, vectorised.
 //!
+//! Grouped-query attention ([`causal_attention_gqa`]) runs the same tasks, one per query head;
+//! a task reads the key and value blocks of its group's key/value head, and the backward sums
+//! the `dK`, `dV` of a group's query heads (in head order) before writing them once.
+//!
 //! f32, bf16 and f16 inputs run the kernel (computing in f32, rounding the outputs once);
 //! other dtypes and devices run [`causal_attention_composed`].
 
@@ -64,15 +68,35 @@ pub const TILE: usize = 64;
 /// Errors: `qkv` not of rank 3, its last dimension not `3 · d` with `n_head` dividing `d`;
 /// Candle's.
 pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
-    let (_, _, hd) = check_qkv(qkv, n_head)?;
+    causal_attention_gqa(qkv, n_head, n_head)
+}
+
+/// Causal grouped-query attention (Ainslie et al. 2023, "GQA", arXiv:2305.13245) over a fused
+/// projection with fewer key/value heads than query heads, differentiable in `qkv`:
+/// [`causal_attention`] when `n_kv_head == n_head`.
+///
+/// `qkv` is `(B, T, (n_head + 2·n_kv_head)·hd)`: for each position the `n_head·hd` query
+/// features, then the `n_kv_head·hd` key features, then the `n_kv_head·hd` value features. Query
+/// head `h` attends with key/value head `h / (n_head / n_kv_head)` (transformers' `repeat_kv`:
+/// key/value head `j` serves query heads `j·rep .. (j+1)·rep`), without the keys and values
+/// being repeated in memory; their gradients sum over the query heads they serve. The result is
+/// `(B, T, n_head·hd)`, the heads merged.
+///
+/// Equals [`causal_attention_gqa_composed`] up to rounding (tested, values and gradients).
+///
+/// Errors: `qkv` not of rank 3, `n_kv_head` zero or not dividing `n_head`, the last dimension
+/// not a multiple of `n_head + 2·n_kv_head`; Candle's.
+pub fn causal_attention_gqa(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
+    let (_, _, hd) = check_qkv(qkv, n_head, n_kv_head)?;
     let kernel = qkv.device().is_cpu()
         && matches!(qkv.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && qkv.elem_count() > 0;
     if !kernel {
-        return causal_attention_composed(qkv, n_head);
+        return causal_attention_gqa_composed(qkv, n_head, n_kv_head);
     }
     qkv.contiguous()?.apply_op1(AttentionOp {
         n_head,
+        n_kv_head,
         scale: (hd as f32).sqrt().recip(),
     })
 }
@@ -83,14 +107,31 @@ pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
 ///
 /// Errors: as [`causal_attention`].
 pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
-    let (b, t, hd) = check_qkv(qkv, n_head)?;
-    let d = n_head * hd;
-    let qkv = qkv
-        .reshape((b, t, 3, n_head, hd))?
-        .permute((2, 0, 3, 1, 4))?;
-    let q = qkv.get(0)?.contiguous()?;
-    let k = qkv.get(1)?.contiguous()?;
-    let v = qkv.get(2)?.contiguous()?;
+    causal_attention_gqa_composed(qkv, n_head, n_head)
+}
+
+/// [`causal_attention_gqa`] composed of Candle ops: the keys and values repeated to `n_head`
+/// heads (transformers' `repeat_kv`), then [`causal_attention_composed`]'s steps. Candle's
+/// autograd differentiates it; any dtype and device.
+///
+/// Errors: as [`causal_attention_gqa`].
+pub fn causal_attention_gqa_composed(
+    qkv: &Tensor,
+    n_head: usize,
+    n_kv_head: usize,
+) -> Result<Tensor> {
+    let (b, t, hd) = check_qkv(qkv, n_head, n_kv_head)?;
+    let (d, dkv) = (n_head * hd, n_kv_head * hd);
+    let rep = n_head / n_kv_head;
+    let heads = |z: Tensor, n: usize| z.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
+    let repeat = |z: Tensor| -> Result<Tensor> {
+        let z = z.reshape((b, t, n_kv_head, 1, hd))?;
+        let z = z.broadcast_as((b, t, n_kv_head, rep, hd))?.contiguous()?;
+        heads(z.reshape((b, t, d))?, n_head)
+    };
+    let q = heads(qkv.narrow(2, 0, d)?, n_head)?;
+    let k = repeat(qkv.narrow(2, d, dkv)?)?;
+    let v = repeat(qkv.narrow(2, d + dkv, dkv)?)?;
     let scores = q.matmul(&k.t()?)?; // (B, h, T, T)
     let att = causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
     att.matmul(&v)? // (B, h, T, hd)
@@ -99,42 +140,69 @@ pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> 
 }
 
 /// `(B, T, hd)` of a valid `qkv`.
-fn check_qkv(qkv: &Tensor, n_head: usize) -> Result<(usize, usize, usize)> {
+fn check_qkv(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<(usize, usize, usize)> {
     let Ok((b, t, c)) = qkv.dims3() else {
         bail!(
-            "causal_attention: qkv must be (B, T, 3·d), found {:?}",
+            "causal_attention: qkv must be (B, T, 3·d) (grouped-query: (B, T, (n_head + \
+             2·n_kv_head)·hd)), found {:?}",
             qkv.shape()
         )
     };
-    if n_head == 0 || c % 3 != 0 || (c / 3) % n_head != 0 {
+    if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 {
+        bail!(
+            "causal_attention: n_kv_head {n_kv_head} must divide n_head {n_head} (both at least 1)"
+        )
+    }
+    let per = n_head + 2 * n_kv_head;
+    if c % per != 0 && n_kv_head == n_head {
         bail!(
             "causal_attention: qkv's last dimension {c} must be 3·d with n_head {n_head} dividing d"
         )
     }
-    Ok((b, t, c / 3 / n_head))
+    if c % per != 0 {
+        bail!(
+            "causal_attention: qkv's last dimension {c} must be (n_head {n_head} + 2·n_kv_head \
+             {n_kv_head})·hd"
+        )
+    }
+    Ok((b, t, c / per))
 }
 
-/// The shape of one problem: batch `b`, context `t`, `h` heads of `hd` features.
+/// The shape of one problem: batch `b`, context `t`, `h` query heads and `kvh` key/value heads
+/// of `hd` features.
 #[derive(Clone, Copy, Debug)]
 struct Dims {
     b: usize,
     t: usize,
     h: usize,
+    kvh: usize,
     hd: usize,
 }
 
 impl Dims {
-    fn of(l: &Layout, n_head: usize) -> Result<Self> {
+    fn of(l: &Layout, n_head: usize, n_kv_head: usize) -> Result<Self> {
         let (b, t, c) = l.shape().dims3()?;
         Ok(Self {
             b,
             t,
             h: n_head,
-            hd: c / 3 / n_head,
+            kvh: n_kv_head,
+            hd: c / (n_head + 2 * n_kv_head),
         })
     }
+    /// Width of the output: the query heads' features.
     fn d(&self) -> usize {
         self.h * self.hd
+    }
+    /// Width of `qkv`.
+    fn w(&self) -> usize {
+        (self.h + 2 * self.kvh) * self.hd
+    }
+    /// Columns of query head `hi`'s key and value blocks in `qkv`.
+    fn kv_cols(&self, hi: usize) -> (usize, usize) {
+        let j = hi / (self.h / self.kvh);
+        let k = self.d() + j * self.hd;
+        (k, k + self.kvh * self.hd)
     }
 }
 
@@ -340,13 +408,14 @@ fn head_backward(
 }
 
 fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> {
-    let (w, d) = (3 * dims.d(), dims.d());
+    let (w, d) = (dims.w(), dims.d());
     let heads = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
+        let (kc, vc) = dims.kv_cols(hi);
         with_simd(|| {
             let q = gather(x, w, dims, bi, hi * dims.hd);
-            let k = gather(x, w, dims, bi, d + hi * dims.hd);
-            let v = gather(x, w, dims, bi, 2 * d + hi * dims.hd);
+            let k = gather(x, w, dims, bi, kc);
+            let v = gather(x, w, dims, bi, vc);
             head_forward(&q, &k, &v, dims.t, dims.hd, scale)
         })
     });
@@ -364,29 +433,47 @@ fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> {
 }
 
 fn attention_bwd<T: Elem>(x: &[T], y: &[T], g: &[T], dims: Dims, scale: f32) -> Vec<T> {
-    let (w, d) = (3 * dims.d(), dims.d());
-    let heads = parallel_map(dims.b * dims.h, |task| {
+    let (w, d) = (dims.w(), dims.d());
+    let mut heads = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
+        let (kc, vc) = dims.kv_cols(hi);
         with_simd(|| {
             let c = hi * dims.hd;
             let q = gather(x, w, dims, bi, c);
-            let k = gather(x, w, dims, bi, d + c);
-            let v = gather(x, w, dims, bi, 2 * d + c);
+            let k = gather(x, w, dims, bi, kc);
+            let v = gather(x, w, dims, bi, vc);
             let o = gather(y, d, dims, bi, c);
             let d_o = gather(g, d, dims, bi, c);
             head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, scale)
         })
     });
-    // SAFETY: the q, k and v column blocks of every head tile every row: each element is
-    // written once.
+    // A key/value head's gradient is the sum over the query heads it serves, in head order,
+    // kept in the group's first head.
+    let rep = dims.h / dims.kvh;
+    if rep > 1 {
+        for group in heads.chunks_mut(rep) {
+            let (first, rest) = group.split_at_mut(1);
+            for other in rest.iter() {
+                for (acc, add) in first[0][1..].iter_mut().zip(&other[1..]) {
+                    for (a, &b) in acc.iter_mut().zip(add) {
+                        *a += b;
+                    }
+                }
+            }
+        }
+    }
+    // SAFETY: the query blocks of every head and the key and value blocks of every group's
+    // first head tile every row: each element is written once.
     unsafe {
         filled(x.len(), x.len(), |_, dx| {
             for (task, [dq, dk, dv]) in heads.iter().enumerate() {
                 let (bi, hi) = (task / dims.h, task % dims.h);
-                let c = hi * dims.hd;
-                scatter(dx, w, dims, bi, c, dq);
-                scatter(dx, w, dims, bi, d + c, dk);
-                scatter(dx, w, dims, bi, 2 * d + c, dv);
+                scatter(dx, w, dims, bi, hi * dims.hd, dq);
+                if hi % rep == 0 {
+                    let (kc, vc) = dims.kv_cols(hi);
+                    scatter(dx, w, dims, bi, kc, dk);
+                    scatter(dx, w, dims, bi, vc, dv);
+                }
             }
         })
     }
@@ -396,6 +483,7 @@ fn attention_bwd<T: Elem>(x: &[T], y: &[T], g: &[T], dims: Dims, scale: f32) -> 
 #[derive(Clone, Copy, Debug)]
 struct AttentionOp {
     n_head: usize,
+    n_kv_head: usize,
     scale: f32,
 }
 
@@ -410,7 +498,7 @@ impl CustomOp1 for AttentionOp {
             s: &CpuStorage,
             l: &Layout,
         ) -> Result<(CpuStorage, Shape)> {
-            let dims = Dims::of(l, op.n_head)?;
+            let dims = Dims::of(l, op.n_head, op.n_kv_head)?;
             let x = contiguous(s.as_slice::<T>()?, l, "qkv")?;
             let y = attention_fwd(x, dims, op.scale);
             Ok((
@@ -429,6 +517,7 @@ impl CustomOp1 for AttentionOp {
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let op = AttentionBwdOp {
             n_head: self.n_head,
+            n_kv_head: self.n_kv_head,
             scale: self.scale,
         };
         Ok(Some(arg.apply_op3_no_bwd(
@@ -444,6 +533,7 @@ impl CustomOp1 for AttentionOp {
 #[derive(Clone, Copy, Debug)]
 struct AttentionBwdOp {
     n_head: usize,
+    n_kv_head: usize,
     scale: f32,
 }
 
@@ -461,7 +551,7 @@ impl CustomOp3 for AttentionBwdOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let dims = Dims::of(l1, self.n_head)?;
+        let dims = Dims::of(l1, self.n_head, self.n_kv_head)?;
         let out = [dims.b, dims.t, dims.d()];
         if l2.dims() != out || l3.dims() != out || s2.dtype() != s1.dtype() {
             bail!(

@@ -32,7 +32,10 @@ mod rope;
 mod softmax;
 
 pub use activation::{gelu, gelu_composed};
-pub use attention::{causal_attention, causal_attention_composed};
+pub use attention::{
+    causal_attention, causal_attention_composed, causal_attention_gqa,
+    causal_attention_gqa_composed,
+};
 pub use linear::{linear, linear_forward, linear_gelu, linear_normal, Linear};
 pub use loss::{cross_entropy, cross_entropy_composed, lm_loss};
 pub use norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};

@@ -12,8 +12,8 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_fsdp::nn::{
-    causal_attention, causal_attention_composed, cross_entropy, cross_entropy_composed, gelu,
-    gelu_composed,
+    causal_attention, causal_attention_composed, causal_attention_gqa,
+    causal_attention_gqa_composed, cross_entropy, cross_entropy_composed, gelu, gelu_composed,
 };
 use rand::{Rng, SeedableRng};
 
@@ -51,7 +51,7 @@ fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
 
 /// `(y, d loss / d qkv)` for `loss = Σ y ⊙ w` through `f`.
 fn attention_and_grad(
-    f: fn(&Tensor, usize) -> candle_core::Result<Tensor>,
+    f: impl Fn(&Tensor, usize) -> candle_core::Result<Tensor>,
     qkv: &Tensor,
     heads: usize,
     w: &Tensor,
@@ -133,6 +133,74 @@ fn attention_equals_composed_ops_and_f64_reference() {
             "case {case}: gradients differ from f64 by {dg64}"
         );
     }
+}
+
+/// `qkv` of grouped-query attention `(B, T, (h + 2·kvh)·hd)` with its key/value heads repeated
+/// to `h` heads (transformers' `repeat_kv`): the multi-head `(B, T, 3·h·hd)` it means.
+fn repeat_kv(qkv: &[f64], b: usize, t: usize, h: usize, kvh: usize, hd: usize) -> Vec<f64> {
+    let (w, rep) = ((h + 2 * kvh) * hd, h / kvh);
+    let mut out = Vec::with_capacity(b * t * 3 * h * hd);
+    for row in qkv.chunks_exact(w).take(b * t) {
+        out.extend_from_slice(&row[..h * hd]);
+        for block in [&row[h * hd..(h + kvh) * hd], &row[(h + kvh) * hd..]] {
+            for head in 0..h {
+                let j = head / rep;
+                out.extend_from_slice(&block[j * hd..(j + 1) * hd]);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn grouped_query_attention_equals_composed_ops_and_the_repeated_reference() {
+    // (b, t, h, kvh, hd): groups of 2 and 3 query heads, one key/value head for all (MQA), and
+    // kvh = h (plain multi-head through the same entry point).
+    for (case, (b, t, h, kvh, hd)) in [
+        (2, 5, 4, 2, 4),
+        (1, 70, 6, 2, 8),
+        (2, 66, 3, 1, 16),
+        (1, 9, 2, 2, 5),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let qkv = random(40 + case as u64, &[b, t, (h + 2 * kvh) * hd], 1.5);
+        let w = random(50 + case as u64, &[b, t, h * hd], 1.0);
+        let kernel = |x: &Tensor, h| causal_attention_gqa(x, h, kvh);
+        let composed = |x: &Tensor, h| causal_attention_gqa_composed(x, h, kvh);
+        let (y, g) = attention_and_grad(&kernel, &qkv, h, &w);
+        let (yc, gc) = attention_and_grad(&composed, &qkv, h, &w);
+        let (dy, dg) = (max_abs_diff(&y, &yc), max_abs_diff(&g, &gc));
+        assert!(dy < 2e-6, "case {case}: values differ by {dy}");
+        assert!(dg < 2e-5, "case {case}: gradients differ by {dg}");
+        // Values: the multi-head formula on the repeated heads, in f64.
+        let r = attention_reference(&repeat_kv(&values(&qkv), b, t, h, kvh, hd), b, t, h, hd);
+        let dr = max_abs_diff(&y, &r);
+        assert!(
+            dr < 2e-6,
+            "case {case}: values differ from the f64 formula by {dr}"
+        );
+        // Gradients: Candle's autograd of the composed ops in f64 (the repeat's backward sums
+        // over each group).
+        let (_, g64) = attention_and_grad(&composed, &qkv.to_dtype(DType::F64).unwrap(), h, &w);
+        let dg64 = max_abs_diff(&g, &g64);
+        assert!(
+            dg64 < 2e-5,
+            "case {case}: gradients differ from f64 by {dg64}"
+        );
+    }
+    // A group count that does not divide the heads, and a width that does not fit, are named.
+    let e = causal_attention_gqa(&random(1, &[1, 4, 40], 1.0), 4, 3).unwrap_err();
+    assert!(
+        e.to_string().contains("n_kv_head 3 must divide n_head 4"),
+        "{e}"
+    );
+    let e = causal_attention_gqa(&random(1, &[1, 4, 42], 1.0), 4, 2).unwrap_err();
+    assert!(
+        e.to_string().contains("(n_head 4 + 2·n_kv_head 2)·hd"),
+        "{e}"
+    );
 }
 
 #[test]
