@@ -196,12 +196,7 @@ fn main() -> anyhow::Result<()> {
         }
     };
     let eval_tokens = match &args.lm.eval_file {
-        Some(path) => Some(
-            codec.encode(
-                &std::fs::read_to_string(path)
-                    .with_context(|| format!("reading --eval-file {}", path.display()))?,
-            )?,
-        ),
+        Some(path) => Some(lm::read_eval_file(path, codec, args.seq_len)?),
         None => None,
     };
     // The corpus is needed only to train.

@@ -172,3 +172,48 @@ fn fine_tune_export_and_reload_evaluates_to_the_same_loss() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// An `--eval-file` too short for one window is refused at the start, naming the file and the
+/// token counts, before the model is loaded and before any step is trained (it used to fail
+/// after the whole fine-tune, at the evaluation); an empty file likewise.
+#[test]
+fn short_eval_file_is_refused_before_training() {
+    let Some(bin) = example() else { return };
+    let root = tmpdir("llama-example-short-eval");
+    std::fs::create_dir_all(&root).unwrap();
+    let dir = fixture("llama-mha");
+    for (name, text, tokens) in [("short.txt", "To be", 5), ("empty.txt", "", 0)] {
+        let eval = root.join(name);
+        std::fs::write(&eval, text).unwrap();
+        let ckpt = root.join("ckpt");
+        let o = Command::new(&bin)
+            .args(["--world-size", "2", "--from-hf", dir.to_str().unwrap()])
+            .args(["--data", dir.join("eval.txt").to_str().unwrap()])
+            .args(["--eval-file", eval.to_str().unwrap()])
+            .args(["--max-steps", "2", "--seq-len", "16", "--sample-len", "0"])
+            .args(["--checkpoint-dir", ckpt.to_str().unwrap()])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let (out, err) = (
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr),
+        );
+        assert!(!o.status.success(), "{out}");
+        assert!(
+            err.contains(&format!(
+                "--eval-file {}: {tokens} tokens, too few for one window of --seq-len 16 (17 tokens",
+                eval.display()
+            )),
+            "{err}"
+        );
+        assert!(!out.contains("step "), "trained before refusing:\n{out}");
+        assert!(
+            candle_fsdp::checkpoint::list_complete(&ckpt)
+                .unwrap_or_default()
+                .is_empty(),
+            "a checkpoint was saved"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
