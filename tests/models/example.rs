@@ -217,3 +217,57 @@ fn short_eval_file_is_refused_before_training() {
     }
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// The hybrid flags are checked at the start, naming the flag: a zero `--shard-size` (was
+/// "does not divide"), a `--reshard-after-forward` of 0 or not dividing the shard group (was
+/// the runtime's `reshard_after_forward_ranks`, after the data was loaded), and
+/// `--reshard-after-forward` under a strategy that does not reshard after forward (was
+/// silently ignored, while `--shard-size` under a non-hybrid strategy is refused).
+#[test]
+fn hybrid_flags_are_checked_naming_the_flag() {
+    let Some(bin) = example() else { return };
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["--strategy", "hybrid-shard", "--shard-size", "0"],
+            "--shard-size must be at least 1, found 0",
+        ),
+        (
+            &["--reshard-after-forward", "0"],
+            "--reshard-after-forward must be at least 1, found 0",
+        ),
+        (
+            &["--reshard-after-forward", "3"],
+            "--reshard-after-forward 3 does not divide the shard group's 4 ranks (the world size \
+             under full-shard)",
+        ),
+        (
+            &["--strategy", "no-shard", "--reshard-after-forward", "2"],
+            "--reshard-after-forward 2 needs --strategy full-shard or hybrid-shard (found \
+             no-shard",
+        ),
+        (
+            &[
+                "--strategy",
+                "shard-grad-op",
+                "--reshard-after-forward",
+                "2",
+            ],
+            "--reshard-after-forward 2 needs --strategy full-shard or hybrid-shard (found \
+             shard-grad-op",
+        ),
+    ];
+    let root = tmpdir("llama-example-hybrid-flags");
+    for (flags, want) in cases {
+        let o = Command::new(&bin)
+            .args(["--world-size", "4", "--max-steps", "1", "--sample-len", "0"])
+            .args(["--checkpoint-dir", root.join("ckpt").to_str().unwrap()])
+            .args(flags)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{flags:?} ran");
+        assert!(err.contains(want), "{flags:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
