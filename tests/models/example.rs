@@ -1,4 +1,4 @@
-//! The llama example as a user runs it: `--eval-file` with `--max-steps 0` prints transformers'
+//! The examples as a user runs them (mostly llama; the binaries cargo test builds): `--eval-file` with `--max-steps 0` prints transformers'
 //! loss at world sizes 2 and 3; fine-tune from `--from-hf`, publish with `fsdp-ckpt export
 //! --format hf`, and the published directory evaluates to the loss the run printed.
 //!
@@ -269,5 +269,33 @@ fn hybrid_flags_are_checked_naming_the_flag() {
         assert!(!o.status.success(), "{flags:?} ran");
         assert!(err.contains(want), "{flags:?}: {err}");
     }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// `mnist_cnn --epochs 0` (or a resume with every epoch done) says there is nothing to train,
+/// as `mnist` does; it printed "final test accuracy NaN% after 0 epoch(s), mean epoch time
+/// -0.0s".
+#[test]
+fn mnist_cnn_with_nothing_to_train_says_so() {
+    let Some(llama) = example() else { return };
+    let bin = llama.with_file_name("mnist_cnn");
+    if !bin.is_file() {
+        println!("SKIPPED: {} not built", bin.display());
+        return;
+    }
+    let root = tmpdir("mnist-cnn-zero-epochs");
+    let o = Command::new(&bin)
+        .args(["--epochs", "0", "--world-size", "1"])
+        .args(["--checkpoint-dir", root.to_str().unwrap()])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains("nothing to train: --epochs 0 asks for none"),
+        "{out}"
+    );
+    assert!(!out.contains("NaN"), "{out}");
     let _ = std::fs::remove_dir_all(&root);
 }
