@@ -1,6 +1,7 @@
-//! The examples as a user runs them (mostly llama; the binaries cargo test builds): `--eval-file` with `--max-steps 0` prints transformers'
-//! loss at world sizes 2 and 3; fine-tune from `--from-hf`, publish with `fsdp-ckpt export
-//! --format hf`, and the published directory evaluates to the loss the run printed.
+//! The examples as a user runs them (mostly llama): `--eval-file` with `--max-steps 0` prints
+//! transformers' loss at world sizes 2 and 3; fine-tune from `--from-hf`, publish with
+//! `fsdp-ckpt export --format hf`, and the published directory evaluates to the loss the run
+//! printed; bad flags and inputs are refused at the start, naming them.
 //!
 //! The example's binary is the one `cargo test` builds beside this test
 //! (`target/<profile>/examples/llama`); when it was not built (`cargo test --test models`
