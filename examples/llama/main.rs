@@ -149,6 +149,17 @@ fn main() -> anyhow::Result<()> {
     // The model's shape and its config.json (stored in every checkpoint for the export).
     let (cfg, config_json) = match &args.from_hf {
         Some(dir) => {
+            anyhow::ensure!(
+                dir.is_dir(),
+                "--from-hf {}: {} (expected a Hugging Face model directory: config.json and \
+                 model.safetensors or model.safetensors.index.json)",
+                dir.display(),
+                if dir.exists() {
+                    "not a directory"
+                } else {
+                    "no such directory"
+                }
+            );
             let cfg = read_config(dir)?;
             let path = dir.join(CONFIG_FILE);
             let text = std::fs::read_to_string(&path)

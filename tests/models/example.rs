@@ -300,3 +300,31 @@ fn mnist_cnn_with_nothing_to_train_says_so() {
     assert!(!out.contains("NaN"), "{out}");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A `--from-hf` path that does not exist, or is a file (the weights file itself, a common
+/// slip), is named with the flag (it was "DIR/config.json: Not a directory (os error 20)").
+#[test]
+fn from_hf_path_that_is_not_a_directory_is_named() {
+    let Some(bin) = example() else { return };
+    let weights = fixture("llama-mha").join("model.safetensors");
+    let missing = fixture("no-such-model");
+    for (path, what) in [
+        (&weights, "not a directory"),
+        (&missing, "no such directory"),
+    ] {
+        let o = Command::new(&bin)
+            .args(["--from-hf", path.to_str().unwrap(), "--max-steps", "0"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success());
+        assert!(
+            err.contains(&format!(
+                "--from-hf {}: {what} (expected a Hugging Face model directory",
+                path.display()
+            )),
+            "{err}"
+        );
+    }
+}
