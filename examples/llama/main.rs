@@ -160,6 +160,23 @@ fn main() -> anyhow::Result<()> {
                     "no such directory"
                 }
             );
+            if !dir.join(CONFIG_FILE).is_file() {
+                let is_checkpoint = dir.join(candle_fsdp::checkpoint::META_FILE).is_file()
+                    || !candle_fsdp::checkpoint::list_complete(dir)
+                        .unwrap_or_default()
+                        .is_empty();
+                anyhow::bail!(
+                    "--from-hf {}: no {CONFIG_FILE} in it: {}",
+                    dir.display(),
+                    if is_checkpoint {
+                        "it is a candle-fsdp checkpoint, not a Hugging Face directory (continue \
+                         it with --resume --checkpoint-dir, or publish it with fsdp-ckpt export \
+                         --format hf)"
+                    } else {
+                        "not a Hugging Face model directory"
+                    }
+                );
+            }
             let cfg = read_config(dir)?;
             let path = dir.join(CONFIG_FILE);
             let text = std::fs::read_to_string(&path)

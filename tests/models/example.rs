@@ -327,4 +327,34 @@ fn from_hf_path_that_is_not_a_directory_is_named() {
             "{err}"
         );
     }
+    // A directory without config.json: a checkpoint (a common mix-up) is called one.
+    let root = tmpdir("llama-example-from-ckpt");
+    let ckpt = root.join("step-00000001");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    std::fs::write(ckpt.join("meta.json"), "{}").unwrap();
+    let empty = root.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    for (dir, want) in [
+        (
+            &ckpt,
+            "it is a candle-fsdp checkpoint, not a Hugging Face directory",
+        ),
+        (&empty, "not a Hugging Face model directory"),
+    ] {
+        let o = Command::new(&bin)
+            .args(["--from-hf", dir.to_str().unwrap(), "--max-steps", "0"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success());
+        assert!(
+            err.contains(&format!(
+                "--from-hf {}: no config.json in it: {want}",
+                dir.display()
+            )),
+            "{err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
 }
