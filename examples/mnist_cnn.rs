@@ -147,6 +147,20 @@ fn main() -> anyhow::Result<()> {
         // Not rank 0's process (mpirun): rank 0 reports.
         return Ok(());
     };
+    if !outcome.accuracy.is_finite() {
+        // No epoch ran (as the MLP example says it).
+        println!(
+            "nothing to train: --epochs {} {}",
+            args.epochs,
+            if args.epochs == 0 {
+                "asks for none"
+            } else {
+                "is already covered by the checkpoint"
+            }
+        );
+        common::print_checkpoint(train)?;
+        return Ok(());
+    }
     let times = &outcome.epoch_times;
     let mean_time = times.iter().sum::<f64>() / times.len().max(1) as f64;
     println!(

@@ -14,7 +14,8 @@
 //!   the file.
 //! - `key = true` turns a switch on. `key = false` passes `--key=false` to a flag that takes a
 //!   value and leaves a plain switch off. An array gives an appending flag one value per
-//!   element.
+//!   element; to a flag of one value it is an error naming the key, and so is a flag set by
+//!   two keys (`seq_len` and `seq-len`) or a key for `--help` / `--version`.
 //!
 //! ```toml
 //! # examples/gpt/bench.toml: the GPT benchmark configuration.
@@ -116,7 +117,9 @@ impl ConfigFile {
     /// none for a plain switch set to false, one word per element of an array).
     ///
     /// Errors: a key with no flag in `command` (or naming a positional argument or `--config`
-    /// itself), a table outside `section`, a nested table, or an array of tables.
+    /// itself), a key for `--help` / `--version`, two keys of one flag (`n_layer` and
+    /// `n-layer`), an array for a flag of one value, a table outside `section`, a nested table,
+    /// or an array of tables.
     pub fn settings(
         &self,
         command: &Command,
@@ -153,6 +156,8 @@ impl ConfigFile {
             },
         };
         let mut out = Vec::new();
+        // (key, argument id) of the keys read so far: `seq_len` and `seq-len` are one flag.
+        let mut seen: Vec<(String, String)> = Vec::new();
         for (key, value) in entries {
             let long = key.replace('_', "-");
             let flag = format!("--{long}");
@@ -169,9 +174,38 @@ impl ConfigFile {
                         }
                     ))
                 })?;
+            if matches!(
+                arg.get_action(),
+                clap::ArgAction::Help
+                    | clap::ArgAction::HelpShort
+                    | clap::ArgAction::HelpLong
+                    | clap::ArgAction::Version
+            ) {
+                return Err(self.error(format!(
+                    "key {key}: {flag} is not a setting (it prints and exits; give it on the \
+                     command line)"
+                )));
+            }
+            let id = arg.get_id().to_string();
+            if let Some((earlier, _)) = seen.iter().find(|(_, i)| *i == id) {
+                return Err(self.error(format!(
+                    "keys {earlier} and {key} both set {flag}: keep one"
+                )));
+            }
+            seen.push((key.clone(), id.clone()));
+            let appends = matches!(arg.get_action(), clap::ArgAction::Append)
+                || arg.get_num_args().is_some_and(|r| r.max_values() > 1);
+            if let toml::Value::Array(items) = value {
+                if !appends {
+                    return Err(self.error(format!(
+                        "key {key}: {flag} takes one value, found an array of {}",
+                        items.len()
+                    )));
+                }
+            }
             let takes_value = arg.get_action().takes_values();
             let words = self.words(key, &flag, value, takes_value)?;
-            out.push((arg.get_id().to_string(), words));
+            out.push((id, words));
         }
         Ok(out)
     }

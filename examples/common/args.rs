@@ -266,10 +266,44 @@ fn validate(args: &TrainArgs, env: &LaunchEnv, world_size: usize) -> anyhow::Res
             "--shard-size {n} needs --strategy hybrid-shard or hybrid-shard-grad-op (found {})",
             args.strategy
         );
+    }
+    // The size given by --shard-size or in the strategy's name (hybrid-shard:4).
+    let strategy = args.sharding_strategy();
+    if let Some(n) = strategy.shard_size() {
+        anyhow::ensure!(n >= 1, "--shard-size must be at least 1, found {n}");
         anyhow::ensure!(
-            n >= 1 && world_size.is_multiple_of(n),
+            world_size.is_multiple_of(n),
             "--shard-size {n} does not divide the world size {world_size}"
         );
+    }
+    if let Some(k) = args.reshard_after_forward {
+        anyhow::ensure!(
+            strategy.reshards_after_forward(),
+            "--reshard-after-forward {k} needs --strategy full-shard or hybrid-shard (found \
+             {strategy}, which does not reshard after forward)"
+        );
+        anyhow::ensure!(
+            k >= 1,
+            "--reshard-after-forward must be at least 1, found {k}"
+        );
+        // The shard group: the world under full-shard, --shard-size under hybrid-shard (the
+        // runtime checks its default, the ranks of one machine).
+        let group = match strategy {
+            ShardingStrategy::FullShard => Some(world_size),
+            s => s.shard_size(),
+        };
+        if let Some(g) = group {
+            anyhow::ensure!(
+                g.is_multiple_of(k),
+                "--reshard-after-forward {k} does not divide the shard group's {g} ranks \
+                 ({}); choose a divisor of {g}",
+                if strategy == ShardingStrategy::FullShard {
+                    "the world size under full-shard"
+                } else {
+                    "--shard-size"
+                }
+            );
+        }
     }
     MixedPrecision::from_name(&args.precision)?;
     if let Some(p) = &args.trace {

@@ -221,6 +221,30 @@ impl Codec for Bytes {
     }
 }
 
+/// The tokens of `--eval-file` `path`, checked before any model is built or step trained: at
+/// least one window of `seq_len` inputs plus one target.
+///
+/// Errors, naming the flag and the file: unreadable or not UTF-8; fewer than `seq_len + 1`
+/// tokens (an empty file included); the codec's.
+pub fn read_eval_file(
+    path: &std::path::Path,
+    codec: &dyn Codec,
+    seq_len: usize,
+) -> anyhow::Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("--eval-file {}: cannot read it: {e}", path.display()))?;
+    let tokens = codec.encode(&text)?;
+    anyhow::ensure!(
+        tokens.len() > seq_len,
+        "--eval-file {}: {} tokens, too few for one window of --seq-len {seq_len} ({} tokens: \
+         the inputs and one target)",
+        path.display(),
+        tokens.len(),
+        seq_len + 1
+    );
+    Ok(tokens)
+}
+
 /// Mean next-token cross-entropy of `logits` `(B, T, V)` against `targets` `(B, T)`, f32.
 fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let logits = logits.flatten_to(1)?.to_dtype(DType::F32)?;
@@ -466,7 +490,8 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
     /// again and counts nothing. Rank 0 prints and returns `eval loss X`, the mean over all
     /// `n · T` targets.
     ///
-    /// Errors: fewer than `seq_len + 1` tokens; the forwards'.
+    /// Errors: fewer than `seq_len + 1` tokens (which [`read_eval_file`] refuses earlier); the
+    /// forwards'.
     pub fn eval_file(&mut self) -> Result<f32> {
         let tokens = self.parts.eval_tokens.expect("--eval-file given");
         let t = self.parts.seq_len;

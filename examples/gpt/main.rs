@@ -35,7 +35,6 @@ use anyhow::Context;
 use candle_fsdp::data::text::{Split, TextCorpus, VOCAB_SIZE};
 use candle_fsdp::models::gpt::GptConfig;
 use clap::Parser;
-use lm::Codec;
 
 /// Train a GPT-2-style decoder on Shakespeare (bytes as tokens) with FSDP over in-process ranks
 /// (or the processes of an `mpirun` job).
@@ -155,12 +154,7 @@ fn main() -> anyhow::Result<()> {
         None => None,
     };
     let eval_tokens = match &args.lm.eval_file {
-        Some(path) => Some(
-            lm::Bytes.encode(
-                &std::fs::read_to_string(path)
-                    .with_context(|| format!("reading --eval-file {}", path.display()))?,
-            )?,
-        ),
+        Some(path) => Some(lm::read_eval_file(path, &lm::Bytes, args.seq_len)?),
         None => None,
     };
     let outcome = run::train(

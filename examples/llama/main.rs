@@ -149,6 +149,34 @@ fn main() -> anyhow::Result<()> {
     // The model's shape and its config.json (stored in every checkpoint for the export).
     let (cfg, config_json) = match &args.from_hf {
         Some(dir) => {
+            anyhow::ensure!(
+                dir.is_dir(),
+                "--from-hf {}: {} (expected a Hugging Face model directory: config.json and \
+                 model.safetensors or model.safetensors.index.json)",
+                dir.display(),
+                if dir.exists() {
+                    "not a directory"
+                } else {
+                    "no such directory"
+                }
+            );
+            if !dir.join(CONFIG_FILE).is_file() {
+                let is_checkpoint = dir.join(candle_fsdp::checkpoint::META_FILE).is_file()
+                    || !candle_fsdp::checkpoint::list_complete(dir)
+                        .unwrap_or_default()
+                        .is_empty();
+                anyhow::bail!(
+                    "--from-hf {}: no {CONFIG_FILE} in it: {}",
+                    dir.display(),
+                    if is_checkpoint {
+                        "it is a candle-fsdp checkpoint, not a Hugging Face directory (continue \
+                         it with --resume --checkpoint-dir, or publish it with fsdp-ckpt export \
+                         --format hf)"
+                    } else {
+                        "not a Hugging Face model directory"
+                    }
+                );
+            }
             let cfg = read_config(dir)?;
             let path = dir.join(CONFIG_FILE);
             let text = std::fs::read_to_string(&path)
@@ -196,12 +224,7 @@ fn main() -> anyhow::Result<()> {
         }
     };
     let eval_tokens = match &args.lm.eval_file {
-        Some(path) => Some(
-            codec.encode(
-                &std::fs::read_to_string(path)
-                    .with_context(|| format!("reading --eval-file {}", path.display()))?,
-            )?,
-        ),
+        Some(path) => Some(lm::read_eval_file(path, codec, args.seq_len)?),
         None => None,
     };
     // The corpus is needed only to train.

@@ -85,8 +85,8 @@ enum Command {
         #[arg(long, value_enum, default_value = "safetensors")]
         format: ExportFormat,
         /// With `--format hf`: the largest weights file, in bytes (default 5000000000).
-        #[arg(long, default_value_t = 5_000_000_000)]
-        max_shard_size: u64,
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        max_shard_size: Option<u64>,
         /// With `--format hf`: the `config.json` to write (default: the one the checkpoint
         /// stores, saved by a run started from `--from-hf` or by the llama example).
         #[arg(long)]
@@ -144,7 +144,8 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
         } => {
             let opts = tools::HfExportOptions {
                 dtype: dtype.map(DType::from),
-                max_shard_bytes: max_shard_size,
+                max_shard_bytes: max_shard_size
+                    .unwrap_or(tools::HfExportOptions::default().max_shard_bytes),
                 config: hf_config,
             };
             let s = tools::export_hf(&dir, &out, &opts)?;
@@ -158,8 +159,25 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             );
         }
         Command::Export {
-            dir, out, dtype, ..
+            dir,
+            out,
+            dtype,
+            max_shard_size,
+            hf_config,
+            ..
         } => {
+            // The Hugging Face layout's flags would otherwise be ignored without a word.
+            for (flag, given) in [
+                ("--max-shard-size", max_shard_size.is_some()),
+                ("--hf-config", hf_config.is_some()),
+            ] {
+                if given {
+                    return Err(candle_fsdp::Error::InvalidArgument(format!(
+                        "{flag} applies to --format hf only (this export writes one \
+                         safetensors file)"
+                    )));
+                }
+            }
             let s = tools::export_full(&dir, &out, dtype.map(DType::from))?;
             println!(
                 "exported {} to {}: {} tensors, {} bytes (largest tensor {} bytes)",

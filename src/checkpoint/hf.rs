@@ -38,7 +38,8 @@ impl HfWeights {
     /// there is one, else `model.safetensors`.
     ///
     /// Errors, naming the file: neither file present; an index that does not parse or has no
-    /// `weight_map`; a shard file missing, unreadable or corrupt; a tensor the index places in
+    /// `weight_map`; a shard file the index names missing (naming the index, the file and one
+    /// of its tensors), unreadable or corrupt; a tensor the index places in
     /// a file that does not hold it.
     pub fn open(dir: &Path, stats: &mut ReadStats) -> Result<Self> {
         let index = dir.join(HF_INDEX_FILE);
@@ -64,7 +65,17 @@ impl HfWeights {
                                 format!("tensor {tensor}: file {file:?} is not in the directory"),
                             ));
                         }
-                        files.push(MappedFile::open(&dir.join(&file), None, stats)?);
+                        let path = dir.join(&file);
+                        if !path.is_file() {
+                            return Err(Error::file(
+                                &index,
+                                format!(
+                                    "file {file} (holding tensor {tensor}, among others) is \
+                                     missing from the directory"
+                                ),
+                            ));
+                        }
+                        files.push(MappedFile::open(&path, None, stats)?);
                         file_of.insert(file.clone(), files.len() - 1);
                         files.len() - 1
                     }

@@ -1,6 +1,7 @@
-//! The llama example as a user runs it: `--eval-file` with `--max-steps 0` prints transformers'
-//! loss at world sizes 2 and 3; fine-tune from `--from-hf`, publish with `fsdp-ckpt export
-//! --format hf`, and the published directory evaluates to the loss the run printed.
+//! The examples as a user runs them (mostly llama): `--eval-file` with `--max-steps 0` prints
+//! transformers' loss at world sizes 2 and 3; fine-tune from `--from-hf`, publish with
+//! `fsdp-ckpt export --format hf`, and the published directory evaluates to the loss the run
+//! printed; bad flags and inputs are refused at the start, naming them.
 //!
 //! The example's binary is the one `cargo test` builds beside this test
 //! (`target/<profile>/examples/llama`); when it was not built (`cargo test --test models`
@@ -170,5 +171,190 @@ fn fine_tune_export_and_reload_evaluates_to_the_same_loss() {
         tuned,
         "the published model is the fine-tuned one"
     );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// An `--eval-file` too short for one window is refused at the start, naming the file and the
+/// token counts, before the model is loaded and before any step is trained (it used to fail
+/// after the whole fine-tune, at the evaluation); an empty file likewise.
+#[test]
+fn short_eval_file_is_refused_before_training() {
+    let Some(bin) = example() else { return };
+    let root = tmpdir("llama-example-short-eval");
+    std::fs::create_dir_all(&root).unwrap();
+    let dir = fixture("llama-mha");
+    for (name, text, tokens) in [("short.txt", "To be", 5), ("empty.txt", "", 0)] {
+        let eval = root.join(name);
+        std::fs::write(&eval, text).unwrap();
+        let ckpt = root.join("ckpt");
+        let o = Command::new(&bin)
+            .args(["--world-size", "2", "--from-hf", dir.to_str().unwrap()])
+            .args(["--data", dir.join("eval.txt").to_str().unwrap()])
+            .args(["--eval-file", eval.to_str().unwrap()])
+            .args(["--max-steps", "2", "--seq-len", "16", "--sample-len", "0"])
+            .args(["--checkpoint-dir", ckpt.to_str().unwrap()])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let (out, err) = (
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr),
+        );
+        assert!(!o.status.success(), "{out}");
+        assert!(
+            err.contains(&format!(
+                "--eval-file {}: {tokens} tokens, too few for one window of --seq-len 16 (17 tokens",
+                eval.display()
+            )),
+            "{err}"
+        );
+        assert!(!out.contains("step "), "trained before refusing:\n{out}");
+        assert!(
+            candle_fsdp::checkpoint::list_complete(&ckpt)
+                .unwrap_or_default()
+                .is_empty(),
+            "a checkpoint was saved"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The hybrid flags are checked at the start, naming the flag: a zero `--shard-size` (was
+/// "does not divide"), a `--reshard-after-forward` of 0 or not dividing the shard group (was
+/// the runtime's `reshard_after_forward_ranks`, after the data was loaded), and
+/// `--reshard-after-forward` under a strategy that does not reshard after forward (was
+/// silently ignored, while `--shard-size` under a non-hybrid strategy is refused).
+#[test]
+fn hybrid_flags_are_checked_naming_the_flag() {
+    let Some(bin) = example() else { return };
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["--strategy", "hybrid-shard", "--shard-size", "0"],
+            "--shard-size must be at least 1, found 0",
+        ),
+        (
+            &["--reshard-after-forward", "0"],
+            "--reshard-after-forward must be at least 1, found 0",
+        ),
+        (
+            &["--reshard-after-forward", "3"],
+            "--reshard-after-forward 3 does not divide the shard group's 4 ranks (the world size \
+             under full-shard)",
+        ),
+        (
+            &["--strategy", "no-shard", "--reshard-after-forward", "2"],
+            "--reshard-after-forward 2 needs --strategy full-shard or hybrid-shard (found \
+             no-shard",
+        ),
+        (
+            &[
+                "--strategy",
+                "shard-grad-op",
+                "--reshard-after-forward",
+                "2",
+            ],
+            "--reshard-after-forward 2 needs --strategy full-shard or hybrid-shard (found \
+             shard-grad-op",
+        ),
+    ];
+    let root = tmpdir("llama-example-hybrid-flags");
+    for (flags, want) in cases {
+        let o = Command::new(&bin)
+            .args(["--world-size", "4", "--max-steps", "1", "--sample-len", "0"])
+            .args(["--checkpoint-dir", root.join("ckpt").to_str().unwrap()])
+            .args(flags)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{flags:?} ran");
+        assert!(err.contains(want), "{flags:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// `mnist_cnn --epochs 0` (or a resume with every epoch done) says there is nothing to train,
+/// as `mnist` does; it printed "final test accuracy NaN% after 0 epoch(s), mean epoch time
+/// -0.0s".
+#[test]
+fn mnist_cnn_with_nothing_to_train_says_so() {
+    let Some(llama) = example() else { return };
+    let bin = llama.with_file_name("mnist_cnn");
+    if !bin.is_file() {
+        println!("SKIPPED: {} not built", bin.display());
+        return;
+    }
+    let root = tmpdir("mnist-cnn-zero-epochs");
+    let o = Command::new(&bin)
+        .args(["--epochs", "0", "--world-size", "1"])
+        .args(["--checkpoint-dir", root.to_str().unwrap()])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains("nothing to train: --epochs 0 asks for none"),
+        "{out}"
+    );
+    assert!(!out.contains("NaN"), "{out}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A `--from-hf` path that does not exist, or is a file (the weights file itself, a common
+/// slip), is named with the flag (it was "DIR/config.json: Not a directory (os error 20)").
+#[test]
+fn from_hf_path_that_is_not_a_directory_is_named() {
+    let Some(bin) = example() else { return };
+    let weights = fixture("llama-mha").join("model.safetensors");
+    let missing = fixture("no-such-model");
+    for (path, what) in [
+        (&weights, "not a directory"),
+        (&missing, "no such directory"),
+    ] {
+        let o = Command::new(&bin)
+            .args(["--from-hf", path.to_str().unwrap(), "--max-steps", "0"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success());
+        assert!(
+            err.contains(&format!(
+                "--from-hf {}: {what} (expected a Hugging Face model directory",
+                path.display()
+            )),
+            "{err}"
+        );
+    }
+    // A directory without config.json: a checkpoint (a common mix-up) is called one.
+    let root = tmpdir("llama-example-from-ckpt");
+    let ckpt = root.join("step-00000001");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    std::fs::write(ckpt.join("meta.json"), "{}").unwrap();
+    let empty = root.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    for (dir, want) in [
+        (
+            &ckpt,
+            "it is a candle-fsdp checkpoint, not a Hugging Face directory",
+        ),
+        (&empty, "not a Hugging Face model directory"),
+    ] {
+        let o = Command::new(&bin)
+            .args(["--from-hf", dir.to_str().unwrap(), "--max-steps", "0"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success());
+        assert!(
+            err.contains(&format!(
+                "--from-hf {}: no config.json in it: {want}",
+                dir.display()
+            )),
+            "{err}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -264,3 +264,126 @@ fn export_without_a_config_says_how_to_give_one() {
     assert!(root.join("out/config.json").exists());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A checkpoint whose tensors are not those of the config's model is refused before anything
+/// is written (no output directory is created), naming the tensor, the checkpoint's
+/// `meta.json`, the config and both shapes: another Llama's config (`--hf-config` of the
+/// grouped-query fixture for the multi-head checkpoint), a checkpoint of another model, a
+/// config of an architecture that cannot be checked.
+#[test]
+fn export_refuses_a_config_that_does_not_describe_the_checkpoint() {
+    let root = tmpdir("hf-export-mismatch");
+    let (ckpt, _, _) = fine_tuned("llama-mha", &root.join("ckpt"));
+    let out = root.join("out").join("nested");
+    let with_config = |config: PathBuf| HfExportOptions {
+        config: Some(config),
+        ..Default::default()
+    };
+    let gqa = fixture("llama-gqa").join("config.json");
+    let e = export_hf(&ckpt, &out, &with_config(gqa.clone()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("meta.json")
+            && e.contains(&gqa.display().to_string())
+            && e.contains("tensor model.layers.0.self_attn.k_proj.weight: the model of")
+            && e.contains("expects shape [16, 32], the checkpoint has [32, 32]"),
+        "{e}"
+    );
+    assert!(!root.join("out").exists(), "nothing created on refusal");
+
+    // A checkpoint of another model (one plain linear unit), the Llama config stored with it.
+    let other = root.join("other");
+    let config = std::fs::read_to_string(fixture("llama-mha").join("config.json")).unwrap();
+    launch(&Launcher::threads(1), |pg| {
+        let model = candle_fsdp::FsdpModel::builder(pg, FsdpConfig::default())
+            .unit("fc", |vb| candle_nn::linear(4, 4, vb))
+            .build()?;
+        let mut state = TrainState::default();
+        state.extra.insert(HF_CONFIG_KEY.into(), config.clone());
+        save_sharded(
+            &other,
+            &model,
+            &AdamW::new(AdamWConfig::default()),
+            &state,
+            0,
+        )?;
+        Ok(())
+    })
+    .unwrap();
+    let e = export_hf(&other, &out, &HfExportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("tensor model.embed_tokens.weight (shape [64, 32])")
+            && e.contains("is not in the checkpoint"),
+        "{e}"
+    );
+    assert!(!root.join("out").exists());
+
+    // A config whose architecture cannot be checked.
+    let qwen = root.join("qwen.json");
+    std::fs::write(
+        &qwen,
+        config.replace("LlamaForCausalLM", "Qwen2ForCausalLM"),
+    )
+    .unwrap();
+    let e = export_hf(&ckpt, &out, &with_config(qwen))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("Qwen2ForCausalLM") && e.contains("Llama-family"),
+        "{e}"
+    );
+    assert!(!root.join("out").exists());
+
+    // An output path that is a file.
+    let file = root.join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let e = export_hf(&ckpt, &file, &HfExportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("exists and is not a directory"), "{e}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// An export that fails while writing (a full disk, simulated) leaves nothing behind: the
+/// directories it created are removed, and in a directory that existed only its own files
+/// are (the user's other files stay), so that the same command can be run again.
+#[test]
+fn failed_export_removes_what_it_wrote() {
+    use candle_fsdp::checkpoint::fault;
+    let root = tmpdir("hf-export-fail");
+    let (ckpt, _, _) = fine_tuned("llama-mha", &root.join("ckpt"));
+    // Several files (tensors of at most 20 kB each), failing after the first ones.
+    let opts = HfExportOptions {
+        max_shard_bytes: 20_000,
+        ..Default::default()
+    };
+    let fresh = root.join("new").join("model");
+    fault::fail_writes_after(60_000, false);
+    let e = export_hf(&ckpt, &fresh, &opts);
+    fault::disarm();
+    assert!(e.is_err(), "the write should fail");
+    assert!(!root.join("new").exists(), "created directories removed");
+
+    let existing = root.join("existing");
+    std::fs::create_dir_all(&existing).unwrap();
+    std::fs::write(existing.join("README.md"), b"mine").unwrap();
+    fault::fail_writes_after(60_000, false);
+    let e = export_hf(&ckpt, &existing, &opts);
+    fault::disarm();
+    assert!(e.is_err());
+    let left: Vec<String> = std::fs::read_dir(&existing)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, ["README.md"]);
+    // And again, with nothing failing: it works.
+    let s = export_hf(&ckpt, &existing, &opts).unwrap();
+    assert!(s.files.len() > 3, "{:?}", s.files);
+    assert!(existing.join(HF_INDEX_FILE_NAME).exists());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+const HF_INDEX_FILE_NAME: &str = candle_fsdp::checkpoint::hf::HF_INDEX_FILE;

@@ -119,6 +119,27 @@ fn a_missing_tensor_is_named_with_the_file() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A shard file the index names is missing: the index, the file and a tensor it should hold
+/// are named (it was the bare "No such file or directory" of the shard's path).
+#[test]
+fn a_missing_shard_file_is_named_with_the_index() {
+    let dir = edited(
+        "llama-mha-index",
+        "missing-shard",
+        "model.safetensors.index.json",
+        |t| format!("{t} "),
+    );
+    std::fs::remove_file(dir.join("model-00002-of-00004.safetensors")).unwrap();
+    let e = load_error(&dir);
+    assert!(
+        e.contains(
+            "model.safetensors.index.json: file model-00002-of-00004.safetensors (holding tensor "
+        ) && e.contains("is missing from the directory"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_wrong_shape_names_file_tensor_expected_and_found() {
     // config.json says intermediate_size 40; the file's MLP matrices are 48 wide.

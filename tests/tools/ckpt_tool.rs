@@ -1163,3 +1163,37 @@ fn export_into_the_checkpoint_and_negative_second_moments_are_caught() {
     assert!(out.ends_with("2 problems found\n"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--max-shard-size` and `--hf-config` belong to `--format hf`: given to the single-file export
+/// they are refused, naming the flag (they were ignored without a word), and nothing is
+/// written; `--max-shard-size 0` is clap's error naming the flag (it was the library's
+/// `max_shard_bytes must be at least 1`).
+#[test]
+fn hf_only_export_flags_are_refused_elsewhere_and_zero_shard_size_named() {
+    let root = tmp("hf-only-flags");
+    let dir = trained_checkpoint(&root.join("ckpt"), 2, ShardingStrategy::FullShard, 1);
+    let out = root.join("model.safetensors");
+    for (flag, value) in [("--max-shard-size", "1000"), ("--hf-config", "config.json")] {
+        let (code, _, err) = ckpt(&["export", s(&dir), "--out", s(&out), flag, value]);
+        assert_eq!(code, 1, "{err}");
+        assert!(
+            err.contains(&format!("{flag} applies to --format hf only")),
+            "{err}"
+        );
+        assert!(!out.exists());
+    }
+    let (code, _, err) = ckpt(&[
+        "export",
+        s(&dir),
+        "--format",
+        "hf",
+        "--out",
+        s(&root.join("hf")),
+        "--max-shard-size",
+        "0",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--max-shard-size"), "{err}");
+    assert!(!root.join("hf").exists());
+    let _ = std::fs::remove_dir_all(&root);
+}

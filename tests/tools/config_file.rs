@@ -201,3 +201,34 @@ fn one_file_for_the_example_and_the_launcher() {
     let a = parse_mini(&["mini", "--config", &p], Section::Table(LAUNCH_TABLE)).unwrap();
     assert_eq!(a.n_layer, 4);
 }
+
+/// An array for a flag of one value, one flag set by both of its spellings, and a key for
+/// `--help` / `--version` are errors naming the key(s), the flag and the file (they were
+/// clap's "cannot be used multiple times" with no key, and help printed as an error); an
+/// array still gives an appending flag one value per element.
+#[test]
+fn arrays_duplicates_and_help_keys_are_named() {
+    let d = dir("shapes");
+    let cases = [
+        (
+            "n_layer = [1, 2]\n",
+            "key n_layer: --n-layer takes one value, found an array of 2",
+        ),
+        (
+            "n_layer = 2\nn-layer = 3\n",
+            // (the table's key order: `-` sorts before `_`)
+            "keys n-layer and n_layer both set --n-layer: keep one",
+        ),
+        ("help = true\n", "key help: --help is not a setting"),
+    ];
+    for (text, want) in cases {
+        let p = write(&d, text);
+        let e = parse_mini(&["mini", "--config", &p], TOP)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want) && e.contains("c.toml"), "{text}: {e}");
+    }
+    let p = write(&d, "tag = [\"a\", \"b\"]\n");
+    let a = parse_mini(&["mini", "--config", &p], TOP).unwrap();
+    assert_eq!(a.tags, ["a", "b"]);
+}

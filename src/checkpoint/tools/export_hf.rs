@@ -79,13 +79,19 @@ fn torch_name(d: Dtype) -> &'static str {
 /// [`HF_CONFIG_KEY`] (or `opts.config`) with `torch_dtype` and `dtype` set to the weights'.
 ///
 /// Memory: constant, as [`super::export_full`] (chunks of [`super::CHUNK_ELEMS`]). Each file
-/// is written atomically, `config.json` last; the checkpoint's checksums are verified before
-/// anything is written.
+/// is written atomically, `config.json` last. Before anything is written (or `out` created):
+/// the config is read, the checkpoint's tensors are checked against the parameters of the
+/// Llama the config describes (names and shapes; with the cargo feature `llama`), and the
+/// checksums are verified. A failure while writing removes what the export wrote: the
+/// directories it created, or, in a directory that existed, its own files.
 ///
 /// Errors, naming the file: as [`super::export_full`]; no config (the checkpoint stores none
-/// and `opts.config` is `None`) or one that is not a JSON object; `out` inside the checkpoint,
-/// or already holding Hugging Face weights (`model.safetensors`, an index or `model-*` shards:
-/// mixing two exports would load the wrong files); a zero `max_shard_bytes`.
+/// and `opts.config` is `None`) or one that is not a JSON object; a config that is not a
+/// Llama-family one (`models::llama::hf::config_from_json`), or whose model's parameters are
+/// not the checkpoint's (a missing or extra tensor, a shape: config vs checkpoint); `out` a
+/// file, inside the checkpoint, or already holding Hugging Face weights (`model.safetensors`,
+/// an index or `model-*` shards: mixing two exports would load the wrong files); a zero
+/// `max_shard_bytes`.
 pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExportSummary> {
     let dir = resolve_checkpoint(dir)?;
     if opts.max_shard_bytes == 0 {
@@ -93,30 +99,11 @@ pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExp
             "max_shard_bytes must be at least 1".into(),
         ));
     }
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    if let (Ok(a), Ok(b)) = (std::fs::canonicalize(out), std::fs::canonicalize(&dir)) {
-        if a.starts_with(&b) {
-            return Err(Error::file(
-                out,
-                format!(
-                    "is inside the checkpoint being exported ({})",
-                    dir.display()
-                ),
-            ));
-        }
-    }
-    for e in std::fs::read_dir(out).map_err(|e| Error::io(out, e))? {
-        let name = e.map_err(|e| Error::io(out, e))?.file_name();
-        let name = name.to_string_lossy();
-        if name == HF_WEIGHTS_FILE
-            || name == HF_INDEX_FILE
-            || (name.starts_with("model-") && name.ends_with(".safetensors"))
-        {
-            return Err(Error::file(
-                out,
-                format!("already holds Hugging Face weights ({name}): choose an empty directory"),
-            ));
-        }
+    if out.exists() && !out.is_dir() {
+        return Err(Error::file(
+            out,
+            "exists and is not a directory: the Hugging Face layout is a directory",
+        ));
     }
     let meta = read_meta(&dir)?;
     let meta_path = dir.join(META_FILE);
@@ -141,6 +128,8 @@ pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExp
     let config_src = opts.config.clone().unwrap_or(meta_path.clone());
     let mut config: serde_json::Value = serde_json::from_str(&config_text)
         .map_err(|e| Error::file(&config_src, format!("config is not JSON: {e}")))?;
+    #[cfg(feature = "llama")]
+    check_against_config(&config_text, &config_src, &meta, &meta_path)?;
     check_checksums(&dir, &meta)?;
     let to = opts.dtype.map(st_float).transpose()?.unwrap_or(Dtype::F32);
     let obj = config
@@ -149,7 +138,143 @@ pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExp
     for key in ["torch_dtype", "dtype"] {
         obj.insert(key.into(), torch_name(to).into());
     }
-    let files = open_shard_files(&dir, &meta)?;
+    // Everything is checked: only now is `out` created. A failure from here on removes what
+    // this export wrote (the directories it created, or its files in an existing one).
+    let created = first_missing(out);
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let mut written = Vec::new();
+    let result = write_hf(&dir, out, opts, &meta, &config, to, &mut written);
+    if result.is_err() {
+        match &created {
+            Some(top) => {
+                let _ = std::fs::remove_dir_all(top);
+            }
+            None => {
+                for f in &written {
+                    let _ = std::fs::remove_file(f);
+                }
+            }
+        }
+    }
+    result
+}
+
+/// The outermost directory of `path` (itself included) that does not exist yet: what
+/// `create_dir_all(path)` creates. `None` when `path` exists.
+fn first_missing(path: &Path) -> Option<PathBuf> {
+    let mut top = None;
+    let mut p = Some(path);
+    while let Some(q) = p.filter(|q| !q.as_os_str().is_empty() && !q.exists()) {
+        top = Some(q.to_path_buf());
+        p = q.parent();
+    }
+    top
+}
+
+/// Checks that the checkpoint's tensors are exactly the parameters of the Llama that `config`
+/// (read from `config_src`) describes, with its shapes: `--hf-config` of another model, or a
+/// checkpoint of another model, would otherwise publish a directory that `from_pretrained`
+/// refuses, or loads with some weights randomly initialised.
+///
+/// Errors: the config is not a Llama-family config one can check against
+/// (`models::llama::hf::config_from_json`'s errors, naming it); a parameter of the config
+/// missing from the checkpoint, a checkpoint tensor the config's model lacks, or a shape that
+/// differs (config vs checkpoint), naming the tensor, `meta.json` and the config.
+#[cfg(feature = "llama")]
+fn check_against_config(
+    config_text: &str,
+    config_src: &Path,
+    meta: &crate::checkpoint::CheckpointMeta,
+    meta_path: &Path,
+) -> Result<()> {
+    use crate::models::llama::hf::{config_from_json, parameter_shapes};
+    let cfg = config_from_json(config_text, config_src).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "--format hf exports a Llama-family model (models::llama) and checks the \
+             checkpoint against its config: {e}"
+        ))
+    })?;
+    let expected = parameter_shapes(&cfg)?;
+    let mut found: BTreeMap<&str, &[usize]> = BTreeMap::new();
+    for u in &meta.units {
+        for p in &u.params {
+            found.insert(p.name.as_str(), p.shape.as_slice());
+        }
+        for b in &u.buffers {
+            found.insert(b.name.as_str(), b.shape.as_slice());
+        }
+    }
+    let against = format!("the model of {}", config_src.display());
+    for (name, shape) in &expected {
+        match found.get(name.as_str()) {
+            None => {
+                return Err(Error::file(
+                    meta_path,
+                    format!(
+                        "tensor {name} (shape {shape:?}) of {against} is not in the checkpoint: \
+                         the checkpoint is of another model"
+                    ),
+                ))
+            }
+            Some(s) if *s != shape.as_slice() => {
+                return Err(Error::file(
+                    meta_path,
+                    format!(
+                        "tensor {name}: {against} expects shape {shape:?}, the checkpoint \
+                         has {s:?}"
+                    ),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    let known: std::collections::HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+    if let Some(extra) = found.keys().find(|n| !known.contains(*n)) {
+        return Err(Error::file(
+            meta_path,
+            format!("tensor {extra} of the checkpoint is not a parameter of {against}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The writing part of [`export_hf`], into the existing directory `out`; every file it
+/// completes is pushed on `written`.
+fn write_hf(
+    dir: &Path,
+    out: &Path,
+    opts: &HfExportOptions,
+    meta: &crate::checkpoint::CheckpointMeta,
+    config: &serde_json::Value,
+    to: Dtype,
+    written: &mut Vec<PathBuf>,
+) -> Result<HfExportSummary> {
+    if let (Ok(a), Ok(b)) = (std::fs::canonicalize(out), std::fs::canonicalize(dir)) {
+        if a.starts_with(&b) {
+            return Err(Error::file(
+                out,
+                format!(
+                    "is inside the checkpoint being exported ({})",
+                    dir.display()
+                ),
+            ));
+        }
+    }
+    for e in std::fs::read_dir(out).map_err(|e| Error::io(out, e))? {
+        let name = e.map_err(|e| Error::io(out, e))?.file_name();
+        let name = name.to_string_lossy();
+        if name == HF_WEIGHTS_FILE
+            || name == HF_INDEX_FILE
+            || (name.starts_with("model-") && name.ends_with(".safetensors"))
+        {
+            return Err(Error::file(
+                out,
+                format!("already holds Hugging Face weights ({name}): choose an empty directory"),
+            ));
+        }
+    }
+    let meta_path = dir.join(META_FILE);
+    let files = open_shard_files(dir, meta)?;
     // Every tensor: where it comes from (unit, parameter or buffer index), its spec.
     enum Src {
         Param(usize, usize),
@@ -200,7 +325,6 @@ pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExp
         }
     };
     let md = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let mut written = Vec::new();
     let mut weight_map = BTreeMap::new();
     for (g, members) in groups.iter().enumerate() {
         let path = out.join(file_name(g));
@@ -241,12 +365,17 @@ pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExp
         });
         let text = serde_json::to_string_pretty(&index).expect("JSON");
         write_atomic(&out.join(HF_INDEX_FILE), text.as_bytes())?;
+        written.push(out.join(HF_INDEX_FILE));
     }
-    let text = serde_json::to_string_pretty(&config).expect("JSON");
+    let text = serde_json::to_string_pretty(config).expect("JSON");
     write_atomic(&out.join("config.json"), text.as_bytes())?;
     Ok(HfExportSummary {
-        checkpoint: dir,
-        files: written,
+        checkpoint: dir.to_path_buf(),
+        files: written
+            .iter()
+            .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
+            .cloned()
+            .collect(),
         tensors: tensors.len(),
         total_size,
     })

@@ -175,6 +175,20 @@ pub fn read_config(dir: &Path) -> Result<LlamaConfig> {
     config_from_json(&text, &path)
 }
 
+/// The parameters a Llama of shape `cfg` has, under Hugging Face's names, each with its shape,
+/// in model order (a tied model's head is the embedding's `model.embed_tokens.weight`, listed
+/// once). Nothing is allocated (the units' constructors are recorded).
+///
+/// Errors: an invalid shape ([`LlamaConfig::validate`]).
+pub fn parameter_shapes(cfg: &LlamaConfig) -> Result<Vec<(String, Vec<usize>)>> {
+    Ok(FsdpLlama::new(*cfg)?
+        .spec()
+        .record(&candle_core::Device::Cpu)?
+        .into_iter()
+        .map(|p| (p.name, p.shape.dims().to_vec()))
+        .collect())
+}
+
 /// Tensors of a Hugging Face Llama directory that are not parameters here: rotary tables some
 /// older checkpoints store, and a tied model's duplicate `lm_head.weight`.
 fn ignored(cfg: &LlamaConfig) -> impl Fn(&str) -> bool {
