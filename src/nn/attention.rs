@@ -148,7 +148,7 @@ fn check_qkv(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<(usize, us
             qkv.shape()
         )
     };
-    if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 {
+    if n_head == 0 || n_kv_head == 0 || !n_head.is_multiple_of(n_kv_head) {
         bail!(
             "causal_attention: n_kv_head {n_kv_head} must divide n_head {n_head} (both at least 1)"
         )

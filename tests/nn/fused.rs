@@ -169,8 +169,8 @@ fn grouped_query_attention_equals_composed_ops_and_the_repeated_reference() {
         let w = random(50 + case as u64, &[b, t, h * hd], 1.0);
         let kernel = |x: &Tensor, h| causal_attention_gqa(x, h, kvh);
         let composed = |x: &Tensor, h| causal_attention_gqa_composed(x, h, kvh);
-        let (y, g) = attention_and_grad(&kernel, &qkv, h, &w);
-        let (yc, gc) = attention_and_grad(&composed, &qkv, h, &w);
+        let (y, g) = attention_and_grad(kernel, &qkv, h, &w);
+        let (yc, gc) = attention_and_grad(composed, &qkv, h, &w);
         let (dy, dg) = (max_abs_diff(&y, &yc), max_abs_diff(&g, &gc));
         assert!(dy < 2e-6, "case {case}: values differ by {dy}");
         assert!(dg < 2e-5, "case {case}: gradients differ by {dg}");
@@ -183,7 +183,7 @@ fn grouped_query_attention_equals_composed_ops_and_the_repeated_reference() {
         );
         // Gradients: Candle's autograd of the composed ops in f64 (the repeat's backward sums
         // over each group).
-        let (_, g64) = attention_and_grad(&composed, &qkv.to_dtype(DType::F64).unwrap(), h, &w);
+        let (_, g64) = attention_and_grad(composed, &qkv.to_dtype(DType::F64).unwrap(), h, &w);
         let dg64 = max_abs_diff(&g, &g64);
         assert!(
             dg64 < 2e-5,
