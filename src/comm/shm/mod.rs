@@ -214,8 +214,8 @@ impl ShmProcessGroup {
     ///
     /// Errors: the store's ([`Error::Store`]: a rank missing, the port taken); a rank on
     /// another machine (it cannot open the job's segments: [`Error::InvalidArgument`] saying
-    /// that CPU ranks on several machines use `mpirun`); `/dev/shm` full or not writable; a
-    /// thread cannot be started.
+    /// that CPU ranks on several machines use the TCP backend, [`crate::comm::tcp`]);
+    /// `/dev/shm` full or not writable; a thread cannot be started.
     pub fn connect(
         rank: usize,
         world_size: usize,
@@ -267,7 +267,8 @@ impl ShmProcessGroup {
                 Error::InvalidArgument(format!(
                     "rank {rank} cannot open the job's shared memory ({e}): the shared-memory \
                      backend connects the ranks of one machine; CPU ranks on several machines \
-                     use MPI (`mpirun --hostfile HOSTS`, build with `--features mpi`)"
+                     use the TCP backend (chosen when LOCAL_WORLD_SIZE < WORLD_SIZE, as \
+                     `fsdp-run --nnodes N` sets them) or MPI (`mpirun --hostfile HOSTS`)"
                 ))
             })?,
         };
