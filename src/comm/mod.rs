@@ -50,6 +50,7 @@
 pub mod bootstrap;
 pub(crate) mod buffer;
 pub mod host;
+pub(crate) mod host_stream;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

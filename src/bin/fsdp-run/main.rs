@@ -16,7 +16,8 @@
 //! Rank 0 serves the job's rendezvous store at `MASTER_ADDR:MASTER_PORT`
 //! (`candle_fsdp::comm::store`); `fsdp-run` itself opens no port. On several machines, run
 //! one `fsdp-run` per machine with the same `--nnodes`, `--nproc-per-node`, `--master-addr`
-//! (node rank 0's address) and `--master-port`, and its own `--node-rank`.
+//! (node rank 0's address) and `--master-port`, and its own `--node-rank`. With `--device cpu`
+//! the ranks then meet over TCP (`candle_fsdp::comm::tcp`; one machine's ranks share memory).
 //!
 //! - Output: every line a child writes is copied to the same stream of `fsdp-run` (stdout or
 //!   stderr), prefixed `[rank R] `; lines of different ranks never mix within a line (a line

@@ -40,25 +40,24 @@
 mod net;
 mod ops;
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::{self, JoinHandle};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use crossbeam::channel::{unbounded, Sender};
 use parking_lot::Mutex;
 
 use self::net::{mesh, Net};
 pub use self::net::{ADDR_VAR, IFNAME_VAR};
 use self::ops::{Comm, Ctx};
 use super::buffer::{Kind, Post, RawBytes};
+use super::host_stream::{self, HostStream, StreamComm};
 use super::store::TcpStore;
-use super::threads::{check_ranks, panic_message, run_one};
+use super::threads::{check_ranks, run_one};
 use super::{
-    foreign_stream, host_collectives, join_stream_threads, CommObserver, CommStream, Instrumented,
-    OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
+    host_collectives, join_stream_threads, CommObserver, CommStream, Instrumented, OpKind,
+    ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
 };
 use crate::error::{Error, Result};
 
@@ -104,19 +103,8 @@ impl Core {
     }
 }
 
-type Job = Box<dyn FnOnce(&mut Comm) + Send>;
-
-struct StreamSlot {
-    seq: u64,
-    tx: Option<Sender<Job>>,
-}
-
 /// The TCP backend's state behind a [`CommStream`].
-struct TcpStream {
-    owner: u64,
-    name: Arc<str>,
-    slot: Mutex<StreamSlot>,
-}
+type Stream = HostStream<Comm>;
 
 /// Setup operations of one handle: their sequence number, the setup communicator, and how many
 /// communicators the group has (setup and streams).
@@ -138,7 +126,7 @@ pub struct TcpProcessGroup {
     device: Device,
     setup: Mutex<Setup>,
     default_stream: CommStream,
-    streams: Mutex<Vec<Weak<TcpStream>>>,
+    streams: Mutex<Vec<Weak<Stream>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     observer: Mutex<Option<Arc<dyn CommObserver>>>,
     closing: Arc<AtomicBool>,
@@ -161,36 +149,8 @@ fn start_stream(
     comm: Comm,
     name: &str,
     closing: &Arc<AtomicBool>,
-) -> Result<(Arc<TcpStream>, JoinHandle<()>)> {
-    let (tx, rx) = unbounded::<Job>();
-    let rank = core.rank;
-    let closing = Arc::clone(closing);
-    let handle = thread::Builder::new()
-        .name(format!("tcp-{rank}-{name}"))
-        .spawn(move || {
-            let mut comm = comm;
-            for job in rx.iter() {
-                job(&mut comm);
-            }
-            if closing.load(Ordering::Acquire) {
-                comm.depart();
-            }
-        })
-        .map_err(|error| Error::SpawnFailed {
-            what: format!("comm stream {name} of rank {rank}"),
-            error,
-        })?;
-    Ok((
-        Arc::new(TcpStream {
-            owner,
-            name: name.into(),
-            slot: Mutex::new(StreamSlot {
-                seq: 0,
-                tx: Some(tx),
-            }),
-        }),
-        handle,
-    ))
+) -> Result<(Arc<Stream>, JoinHandle<()>)> {
+    HostStream::start("tcp", owner, core.rank, comm, name, closing)
 }
 
 /// Store key of rank `j`'s address.
@@ -308,52 +268,28 @@ impl TcpProcessGroup {
         T: Send + 'static,
         F: FnOnce(&mut Ctx<'_>) -> Result<T> + Send + 'static,
     {
-        let Some(ts) = stream
-            .backend_state::<TcpStream>()
-            .filter(|s| s.owner == self.id)
-        else {
-            return Work::ready(Err(foreign_stream(kind, self.core.rank, stream)));
-        };
-        let mut slot = ts.slot.lock();
-        slot.seq += 1;
-        let seq = slot.seq;
-        let op = format!("{} #{seq} (stream {})", kind.name(), ts.name);
-        let (work, completer) = Work::pending(op.clone(), self.core.rank, &*ts.name);
-        let core = Arc::clone(&self.core);
-        let stream_name = Arc::clone(&ts.name);
-        let observer = self.observer.lock().clone();
-        let job: Job = Box::new(move |comm| {
-            let observed = observer
-                .as_ref()
-                .and_then(|o| o.op_started(&stream_name, kind, &op));
-            let mut ctx = Ctx {
-                core: &core,
-                comm,
-                seq,
-                op: &op,
-            };
-            let result = match catch_unwind(AssertUnwindSafe(|| body(&mut ctx))) {
-                Ok(r) => r,
-                Err(payload) => {
-                    let message = format!("{op}: {}", panic_message(payload.as_ref()));
-                    core.net.abort(
-                        core.root_ranks[core.rank],
-                        &format!("comm stream panicked: {message}"),
-                    );
-                    Err(Error::RankPanicked {
-                        rank: core.rank,
-                        message,
-                    })
-                }
-            };
-            drop(observed);
-            completer.complete(result);
-        });
-        if let Some(tx) = &slot.tx {
-            // A send error means the stream thread is gone: `wait` reports StreamStopped.
-            let _ = tx.send(job);
-        }
-        work
+        let (core, on_panic) = (Arc::clone(&self.core), Arc::clone(&self.core));
+        host_stream::issue(
+            stream,
+            self.id,
+            self.core.rank,
+            kind,
+            self.observer.lock().clone(),
+            move |message: &str| {
+                on_panic.net.abort(
+                    on_panic.root_ranks[on_panic.rank],
+                    &format!("comm stream panicked: {message}"),
+                )
+            },
+            move |comm: &mut Comm, seq, op: &str| {
+                body(&mut Ctx {
+                    core: &core,
+                    comm,
+                    seq,
+                    op,
+                })
+            },
+        )
     }
 
     /// Records `e` as this rank's failure (a setup step failed half-way: peers must not wait).
@@ -468,11 +404,11 @@ impl Drop for TcpProcessGroup {
         self.closing.store(true, Ordering::Release);
         for stream in self.streams.get_mut().drain(..) {
             if let Some(stream) = stream.upgrade() {
-                stream.slot.lock().tx = None;
+                stream.close();
             }
         }
         join_stream_threads(self.threads.get_mut());
-        self.setup.get_mut().comm.depart();
+        self.setup.get_mut().comm.leave(self.core.rank);
     }
 }
 

@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 
 use super::Core;
-use crate::comm::buffer::{check, validate, with_raw_bufs, Kind, Post, Problem, RawBuf};
+use crate::comm::buffer::{validate, with_checked_bufs, Kind, Post, Problem, RawBuf};
+use crate::comm::host_stream::StreamComm;
 use crate::comm::reduce::{chunk, reduce_into, with_elem};
 use crate::comm::{wire, OpKind, ReduceOp};
 use crate::error::{Error, Result};
@@ -53,9 +54,9 @@ pub(super) struct Comm {
     pub scratch: Vec<u64>,
 }
 
-impl Comm {
+impl StreamComm for Comm {
     /// Tells every peer this rank is gone from this communicator (best effort).
-    pub(super) fn depart(&mut self) {
+    fn leave(&mut self, _rank: usize) {
         let mut frame = [0u8; FRAME];
         frame[0] = TAG_BYE;
         for s in self.peers.iter_mut().flatten() {
@@ -377,16 +378,7 @@ impl Ctx<'_> {
         src: Option<&Tensor>,
         body: impl FnOnce(&mut Self, RawBuf, Option<RawBuf>) -> Result<()>,
     ) -> Result<()> {
-        if let Some(problem) = src
-            .and_then(|s| check(s, "input"))
-            .or_else(|| check(dst, which))
-        {
-            return Err(self.fail_with(Kind::Op(kind), problem));
-        }
-        match with_raw_bufs(dst, src, |d, s| body(self, d, s)) {
-            Ok(result) => result,
-            Err(_refused) => Err(self.fail_with(Kind::Op(kind), Problem::Aliased)),
-        }
+        with_checked_bufs(self, kind, dst, which, src, Self::fail_with, body)
     }
 
     fn post(&self, kind: OpKind) -> Post {
