@@ -5,14 +5,18 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::{self, JoinHandle};
 
 use crossbeam::channel::{unbounded, Sender};
 use parking_lot::Mutex;
 
 use super::threads::panic_message;
-use super::{foreign_stream, CommObserver, CommStream, OpKind, Work};
+use super::threads::run_one;
+use super::{
+    foreign_stream, join_stream_threads, CommObserver, CommStream, Instrumented, OpKind,
+    ProcessGroup, Work,
+};
 use crate::error::{Error, Result};
 
 /// A communicator a stream thread owns.
@@ -134,4 +138,37 @@ where
         let _ = tx.send(job);
     }
     work
+}
+
+/// Closes the streams of a group being dropped: sets `closing` (each thread then leaves its
+/// communicator), closes every queue, and joins the threads after the work already queued.
+pub(crate) fn close_streams<C: StreamComm>(
+    closing: &AtomicBool,
+    streams: &mut Vec<Weak<HostStream<C>>>,
+    threads: &mut Vec<JoinHandle<()>>,
+) {
+    closing.store(true, Ordering::Release);
+    for stream in streams.drain(..) {
+        if let Some(stream) = stream.upgrade() {
+            stream.close();
+        }
+    }
+    join_stream_threads(threads);
+}
+
+/// Runs `f` on this process's rank `rank` of a process-per-rank job, given the group its
+/// backend connected (wrapped in [`Instrumented`]) or why it could not; returns its result
+/// (one element). When `f` fails or panics, the job is aborted with the error's text.
+pub(crate) fn run_process_rank<G, T, F>(rank: usize, group: Result<Arc<G>>, f: F) -> Vec<Result<T>>
+where
+    G: ProcessGroup + 'static,
+    F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
+{
+    match group {
+        Ok(group) => {
+            let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
+            vec![run_one(rank, pg, &f)]
+        }
+        Err(e) => vec![Err(e)],
+    }
 }

@@ -54,10 +54,10 @@ use self::ops::{Comm, Ctx};
 use super::buffer::{Kind, Post, RawBytes};
 use super::host_stream::{self, HostStream, StreamComm};
 use super::store::TcpStore;
-use super::threads::{check_ranks, run_one};
+use super::threads::check_ranks;
 use super::{
-    host_collectives, join_stream_threads, CommObserver, CommStream, Instrumented, OpKind,
-    ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
+    host_collectives, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work,
+    DEFAULT_STREAM,
 };
 use crate::error::{Error, Result};
 
@@ -401,20 +401,18 @@ impl ProcessGroup for TcpProcessGroup {
 
 impl Drop for TcpProcessGroup {
     fn drop(&mut self) {
-        self.closing.store(true, Ordering::Release);
-        for stream in self.streams.get_mut().drain(..) {
-            if let Some(stream) = stream.upgrade() {
-                stream.close();
-            }
-        }
-        join_stream_threads(self.threads.get_mut());
+        host_stream::close_streams(
+            &self.closing,
+            self.streams.get_mut(),
+            self.threads.get_mut(),
+        );
         self.setup.get_mut().comm.leave(self.core.rank);
     }
 }
 
 /// Runs `f` on this process's rank of a TCP job of `world_size` processes that meet through
 /// the store at `addr:port` ([`TcpProcessGroup::connect`]; the group wrapped in
-/// [`Instrumented`]) and returns its result (one element). When `f` fails or panics, the job is
+/// [`super::Instrumented`]) and returns its result (one element). When `f` fails or panics, the job is
 /// aborted with the error's text: every other rank's collectives fail with
 /// [`Error::PeerFailed`].
 pub fn run<T, F>(
@@ -428,11 +426,6 @@ pub fn run<T, F>(
 where
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
 {
-    match TcpProcessGroup::connect(rank, world_size, addr, port, config) {
-        Ok(group) => {
-            let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
-            vec![run_one(rank, pg, &f)]
-        }
-        Err(e) => vec![Err(e)],
-    }
+    let group = TcpProcessGroup::connect(rank, world_size, addr, port, config);
+    host_stream::run_process_rank(rank, group, f)
 }
