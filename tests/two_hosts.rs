@@ -203,23 +203,39 @@ fn epochs(out: &str) -> Vec<String> {
         .collect()
 }
 
-/// The single-process reference (world size 2 as threads of one process) with checkpoints in
-/// `dir`: its output.
-fn reference(bin: &Path, dir: &Path) -> String {
-    let out = sh(&format!("{} --world-size 2 {}", q(bin), flags(dir)));
+/// The single-process reference (`ws` thread ranks of one process) with checkpoints in `dir`:
+/// its output.
+fn reference(bin: &Path, dir: &Path, ws: usize) -> String {
+    let out = sh(&format!("{} --world-size {ws} {}", q(bin), flags(dir)));
     let ref_out = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{ref_out}");
     ref_out
 }
 
-/// The final checkpoint's shards in `got` are byte for byte those in `want`.
-fn same_final_shards(want: &Path, got: &Path) {
-    let last = "step-00000236";
-    for r in 0..2 {
-        let name = format!("shard-0000{r}-of-00002.safetensors");
-        let w = std::fs::read(want.join(last).join(&name)).unwrap();
-        let g = std::fs::read(got.join(last).join(&name)).unwrap();
-        assert!(w == g, "{name} differs from the single-process run's");
+/// The final checkpoint's `ws` shards in `got` are byte for byte those in `want` (the newest
+/// `step-*` directory of each, the same step).
+fn same_final_shards(want: &Path, got: &Path, ws: usize) {
+    let newest = |dir: &Path| {
+        let mut steps: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with("step-"))
+            .collect();
+        steps.sort();
+        steps
+            .pop()
+            .unwrap_or_else(|| panic!("no checkpoint in {}", dir.display()))
+    };
+    let last = newest(want);
+    assert_eq!(newest(got), last);
+    for r in 0..ws {
+        let name = format!("shard-{r:05}-of-{ws:05}.safetensors");
+        let w = std::fs::read(want.join(&last).join(&name)).unwrap();
+        let g = std::fs::read(got.join(&last).join(&name)).unwrap();
+        assert!(
+            w == g,
+            "{last}/{name} differs from the single-process run's"
+        );
     }
 }
 
@@ -248,7 +264,7 @@ fn mpirun_across_two_network_namespaces_reaches_the_single_process_result() {
     };
     let bin = mnist();
     let reference = hosts.dir.join("reference");
-    let ref_out = crate::reference(&bin, &reference);
+    let ref_out = crate::reference(&bin, &reference, 2);
     let before = [hosts.veth_bytes(0), hosts.veth_bytes(1)];
     let ckpt = hosts.dir.join("mpi");
     let mpirun = format!(
@@ -280,7 +296,7 @@ fn mpirun_across_two_network_namespaces_reaches_the_single_process_result() {
         crate::common::final_accuracy(&out),
         crate::common::final_accuracy(&ref_out)
     );
-    same_final_shards(&reference, &ckpt);
+    same_final_shards(&reference, &ckpt, 2);
     // The collectives crossed the veth: every step all-gathers and reduce-scatters the model
     // (110 k parameters, 440 KB in f32), 236 steps: far more than 10 MB each way.
     for (i, (rx0, tx0)) in before.into_iter().enumerate() {
@@ -303,24 +319,38 @@ fn mpirun_across_two_network_namespaces_reaches_the_single_process_result() {
 
 #[test]
 fn fsdp_run_on_two_hosts_on_cpu_reaches_the_single_process_result_over_tcp() {
-    let hosts = match TwoHosts::new("f", 12) {
+    fsdp_run_on_two_hosts("f", 12, 1);
+}
+
+#[test]
+fn fsdp_run_on_two_hosts_two_processes_each_reaches_the_single_process_result() {
+    fsdp_run_on_two_hosts("g", 13, 2);
+}
+
+/// `fsdp-run --nnodes 2 --nproc-per-node <per_node>` of the MNIST example on CPU, one launcher
+/// in each namespace (every rank on the TCP backend): rank 0 reports the TCP backend and the
+/// reference's losses and accuracy, the final checkpoint is byte for byte the reference's, and
+/// the traffic crossed the veth.
+fn fsdp_run_on_two_hosts(tag: &str, net: u8, per_node: usize) {
+    let hosts = match TwoHosts::new(tag, net) {
         Ok(h) => h,
         Err(why) => {
             println!("SKIPPED: two hosts cannot be made here: {why}");
             return;
         }
     };
+    let ws = 2 * per_node;
     let bin = mnist();
     let reference = hosts.dir.join("reference");
-    let ref_out = crate::reference(&bin, &reference);
+    let ref_out = crate::reference(&bin, &reference, ws);
     let before = [hosts.veth_bytes(0), hosts.veth_bytes(1)];
     let ckpt = hosts.dir.join("fsdp-run");
     let fsdp_run = env!("CARGO_BIN_EXE_fsdp-run");
     let children: Vec<_> = (0..2)
         .map(|k| {
             let cmd = format!(
-                "{fsdp_run} --nnodes 2 --node-rank {k} --nproc-per-node 1 --master-addr {} \
-                 --master-port 29731 -- {} --device cpu {}",
+                "{fsdp_run} --nnodes 2 --node-rank {k} --nproc-per-node {per_node} \
+                 --master-addr {} --master-port 297{net} -- {} --device cpu {}",
                 hosts.hosts[0],
                 q(&bin),
                 flags(&ckpt)
@@ -337,9 +367,11 @@ fn fsdp_run_on_two_hosts_on_cpu_reaches_the_single_process_result_over_tcp() {
             out
         })
         .collect();
-    // Rank 0 (node 0) reports: the TCP backend, the reference's losses and accuracy.
     let out = &outs[0];
-    assert!(out.contains("world size 2 (tcp on cpu)"), "{out}");
+    assert!(
+        out.contains(&format!("world size {ws} (tcp on cpu)")),
+        "{out}"
+    );
     let want = epochs(&ref_out);
     assert_eq!(want.len(), 2, "{ref_out}");
     assert_eq!(epochs(out), want, "{out}");
@@ -347,8 +379,11 @@ fn fsdp_run_on_two_hosts_on_cpu_reaches_the_single_process_result_over_tcp() {
         crate::common::final_accuracy(out),
         crate::common::final_accuracy(&ref_out)
     );
-    same_final_shards(&reference, &ckpt);
-    println!("fsdp-run on two hosts over tcp: {want:?}, bitwise the reference's checkpoint");
+    same_final_shards(&reference, &ckpt, ws);
+    println!(
+        "fsdp-run on two hosts, {per_node} process(es) each, over tcp: {want:?}, bitwise the \
+         reference's checkpoint"
+    );
     // The collectives crossed the veth (as in the mpirun case: far more than 10 MB each way).
     for (i, (rx0, tx0)) in before.into_iter().enumerate() {
         let (rx, tx) = hosts.veth_bytes(i);
