@@ -127,7 +127,25 @@ pub(crate) enum Backend {
 /// Starts this binary's `helper_shm_rank` as `world_size` processes (torchrun-style variables,
 /// the store on a free port) on `backend`; returns (exit code, output) of each (at most 60 s in
 /// all).
+///
+/// On TCP, rank 0 finds its address through `FSDP_TCP_IFNAME=lo`, rank 1 through
+/// `FSDP_TCP_ADDR=localhost` (a name to resolve), the others by the route toward the store:
+/// every way of choosing the address is used by every job.
 pub(crate) fn spawn_job_on(backend: Backend, world_size: usize, mode: &str) -> Vec<(i32, String)> {
+    spawn_job_with(backend, world_size, mode, |rank| match (backend, rank) {
+        (Backend::Tcp, 0) => vec![("FSDP_TCP_IFNAME", "lo".to_string())],
+        (Backend::Tcp, 1) => vec![("FSDP_TCP_ADDR", "localhost".to_string())],
+        _ => Vec::new(),
+    })
+}
+
+/// [`spawn_job_on`] with the variables `env(rank)` added to each rank's environment.
+pub(crate) fn spawn_job_with(
+    backend: Backend,
+    world_size: usize,
+    mode: &str,
+    env: impl Fn(usize) -> Vec<(&'static str, String)>,
+) -> Vec<(i32, String)> {
     let local = |rank: usize| match backend {
         Backend::Shm => (rank, world_size, "shm"),
         Backend::Tcp => (0, 1, "tcp"),
@@ -157,6 +175,9 @@ pub(crate) fn spawn_job_on(backend: Backend, world_size: usize, mode: &str) -> V
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .env("SHM_TEST_MODE", mode)
+                .env_remove("FSDP_TCP_ADDR")
+                .env_remove("FSDP_TCP_IFNAME")
+                .envs(env(rank))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -217,6 +238,10 @@ fn helper_shm_rank() {
                 println!("rank {rank}: error: {e}");
             }
         }
+        "connect" => match launcher.run(|_| Ok(())) {
+            Ok(_) => println!("rank {rank}: connected"),
+            Err(e) => println!("rank {rank}: connect error: {e}"),
+        },
         other => panic!("unknown mode {other}"),
     }
 }

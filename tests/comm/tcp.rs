@@ -6,7 +6,7 @@
 //! a rank killed with SIGKILL or failing with an error stops every other rank promptly with an
 //! error naming it.
 
-use super::shm::{check_exact, check_failing, check_killed, Backend};
+use super::shm::{check_exact, check_failing, check_killed, spawn_job_with, Backend};
 
 #[test]
 fn tcp_collectives_are_bitwise_the_thread_backends() {
@@ -21,4 +21,30 @@ fn tcp_a_rank_killed_with_sigkill_stops_its_peers_promptly() {
 #[test]
 fn tcp_a_failing_rank_stops_its_peers_with_its_reason() {
     check_failing(Backend::Tcp, 3);
+}
+
+#[test]
+fn tcp_an_address_that_cannot_be_found_is_named_on_every_rank() {
+    let results = spawn_job_with(Backend::Tcp, 2, "connect", |rank| match rank {
+        1 => vec![("FSDP_TCP_IFNAME", "nosuchif0".to_string())],
+        _ => Vec::new(),
+    });
+    let want = "FSDP_TCP_IFNAME=\"nosuchif0\": no such interface with an IP address";
+    let (code, out) = &results[1];
+    assert_eq!(*code, 0, "{out}");
+    assert!(
+        out.contains(&format!(
+            "rank 1: connect error: invalid argument: tcp backend: {want}"
+        )),
+        "{out}"
+    );
+    // Rank 0 learns it through the store instead of waiting for rank 1's address.
+    let (code, out) = &results[0];
+    assert_eq!(*code, 0, "{out}");
+    assert!(
+        out.contains("rank 0: connect error:")
+            && out.contains("rank 1 failed")
+            && out.contains(want),
+        "{out}"
+    );
 }

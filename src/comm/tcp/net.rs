@@ -242,7 +242,14 @@ impl Net {
                 what: "the tcp backend's accept thread".into(),
                 error,
             })?;
-        Ok((addr, Listening { mailbox, stop }))
+        Ok((
+            addr,
+            Listening {
+                mailbox,
+                stop,
+                armed: true,
+            },
+        ))
     }
 
     /// The failure recorded for this job, if any: `(job rank, reason)`.
@@ -314,17 +321,27 @@ impl Drop for Net {
     }
 }
 
-/// A listener accepting, before the peers' addresses are known.
+/// A listener accepting, before the peers' addresses are known (dropped without
+/// [`Listening::join`] succeeding, it stops accepting).
 pub(super) struct Listening {
     mailbox: Arc<Mailbox>,
     stop: Arc<AtomicBool>,
+    armed: bool,
+}
+
+impl Drop for Listening {
+    fn drop(&mut self) {
+        if self.armed {
+            self.stop.store(true, Ordering::Release);
+        }
+    }
 }
 
 impl Listening {
     /// The job's `Net` for this rank (`rank`, every rank's `addrs`): connects the control
     /// plane (waiting at most until `deadline`) and starts watching it.
     pub(super) fn join(
-        self,
+        mut self,
         rank: usize,
         addrs: Vec<String>,
         deadline: Instant,
@@ -333,7 +350,7 @@ impl Listening {
         let mut net = Net {
             rank,
             addrs,
-            mailbox: self.mailbox,
+            mailbox: Arc::clone(&self.mailbox),
             control: Vec::new(),
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
@@ -341,13 +358,7 @@ impl Listening {
             stop: Arc::clone(&self.stop),
         };
         let members: Vec<usize> = (0..ws).collect();
-        let conns = match mesh(&net, CONTROL_KEY, &members, rank, deadline) {
-            Ok(c) => c,
-            Err(e) => {
-                self.stop.store(true, Ordering::Release);
-                return Err(e);
-            }
-        };
+        let conns = mesh(&net, CONTROL_KEY, &members, rank, deadline)?;
         let mut readers = Vec::new();
         for (j, c) in conns.into_iter().enumerate() {
             let Some(c) = c else {
@@ -366,6 +377,8 @@ impl Listening {
             readers.push((j, reader));
             net.control.push(Some(Mutex::new(c)));
         }
+        // From here on the `Net` owns the listener's lifetime (its drop stops it).
+        self.armed = false;
         let net = Arc::new(net);
         let weak = Arc::downgrade(&net);
         std::thread::Builder::new()
@@ -472,7 +485,9 @@ pub(super) fn mesh(
             let wait = deadline.saturating_duration_since(Instant::now());
             match TcpStream::connect_timeout(&target, wait.max(Duration::from_millis(1))) {
                 Ok(s) => break s,
-                Err(e) if Instant::now() >= deadline => return Err(unreachable(j, e.to_string())),
+                Err(e) if Instant::now() >= deadline || net.failure().is_some() => {
+                    return Err(unreachable(j, e.to_string()))
+                }
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         };

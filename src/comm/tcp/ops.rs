@@ -19,7 +19,8 @@
 //!
 //! Sockets are non-blocking; [`Ctx::transfer`] writes and reads every peer's queue as the
 //! kernel accepts, sleeping in `poll` at most 50 ms at a time, and between two polls looks at
-//! the job's failure slot and the deadline. A connection that breaks fails the operation with
+//! the job's failure slot and the deadline (the group's timeout without a byte moving, so a
+//! large buffer on a slow network is not cut short). A connection that breaks fails the operation with
 //! [`Error::PeerFailed`] naming the peer (or [`Error::PeerExited`] when its group was dropped).
 
 use std::io::{ErrorKind, Read, Write};
@@ -160,8 +161,10 @@ impl Ctx<'_> {
         self.peer_failed((job_rank, reason))
     }
 
-    /// Sends `sends` and receives `recvs` (each peer's messages in order) by `deadline`.
-    fn transfer(&mut self, sends: &[Io], recvs: &[Io], deadline: Instant) -> Result<()> {
+    /// Sends `sends` and receives `recvs` (each peer's messages in order); fails with
+    /// [`Error::Timeout`] when no byte moved for the group's timeout.
+    fn transfer(&mut self, sends: &[Io], recvs: &[Io]) -> Result<()> {
+        let mut deadline = self.deadline();
         let ws = self.ws();
         let mut sq: Vec<Vec<Io>> = vec![Vec::new(); ws];
         let mut rq: Vec<Vec<Io>> = vec![Vec::new(); ws];
@@ -172,6 +175,7 @@ impl Ctx<'_> {
             rq[m.peer].push(*m);
         }
         loop {
+            let mut moved = false;
             for j in 0..ws {
                 while let Some(m) = sq[j].last_mut() {
                     let s = self.comm.peers[j].as_ref().expect("a peer's connection");
@@ -182,6 +186,7 @@ impl Ctx<'_> {
                         Ok(n) => {
                             m.ptr = m.ptr.wrapping_add(n);
                             m.len -= n;
+                            moved = true;
                             if m.len == 0 {
                                 sq[j].pop();
                             }
@@ -201,6 +206,7 @@ impl Ctx<'_> {
                         Ok(n) => {
                             m.ptr = m.ptr.wrapping_add(n);
                             m.len -= n;
+                            moved = true;
                             if m.len == 0 {
                                 rq[j].pop();
                             }
@@ -221,7 +227,9 @@ impl Ctx<'_> {
                 return Err(self.peer_failed(f));
             }
             let now = Instant::now();
-            if now >= deadline {
+            if moved {
+                deadline = now + self.core.timeout;
+            } else if now >= deadline {
                 let reason = format!("timed out in {}", self.op);
                 self.core
                     .net
@@ -261,7 +269,6 @@ impl Ctx<'_> {
             return Err(self.peer_failed(f));
         }
         let (ws, rank) = (self.ws(), self.rank());
-        let deadline = self.deadline();
         let desc = wire::encode(post, setup_bytes);
         let mut mine = vec![0u8; FRAME];
         mine[0] = TAG_DESC;
@@ -286,7 +293,7 @@ impl Ctx<'_> {
                 len: FRAME,
             })
             .collect();
-        self.transfer(&sends, &recvs, deadline)?;
+        self.transfer(&sends, &recvs)?;
         if let Some(&j) = peers.iter().find(|&&j| frames[j][0] == TAG_BYE) {
             return Err(self.departed(j));
         }
@@ -339,7 +346,7 @@ impl Ctx<'_> {
                     len: d.len() - INLINE,
                 })
                 .collect();
-            self.transfer(&sends, &recvs, deadline)?;
+            self.transfer(&sends, &recvs)?;
         }
         let mut posts = Vec::with_capacity(ws);
         for (j, d) in descs.iter().enumerate() {
@@ -408,7 +415,6 @@ impl Ctx<'_> {
         }
         let scratch = self.comm.scratch.as_mut_ptr() as *mut u8;
         let longest = ranges.iter().map(|r| r.1).max().unwrap_or(0);
-        let deadline = self.deadline();
         let mut off = 0;
         while off < longest {
             let sends: Vec<Io> = (0..ws)
@@ -433,7 +439,7 @@ impl Ctx<'_> {
                     .collect(),
                 false => Vec::new(),
             };
-            self.transfer(&sends, &recvs, deadline)?;
+            self.transfer(&sends, &recvs)?;
             if receives && n > 0 {
                 let own = src.ptr.wrapping_add((ranges[rank].0 + off) * size);
                 let srcs: Vec<*const u8> = (0..ws)
@@ -486,8 +492,7 @@ impl Ctx<'_> {
                     len: bytes,
                 })
                 .collect();
-            let deadline = ctx.deadline();
-            ctx.transfer(&sends, &recvs, deadline)
+            ctx.transfer(&sends, &recvs)
         })
     }
 
@@ -540,8 +545,7 @@ impl Ctx<'_> {
                     len: ranges[j].1 * size,
                 })
                 .collect();
-            let deadline = ctx.deadline();
-            ctx.transfer(&sends, &recvs, deadline)
+            ctx.transfer(&sends, &recvs)
         })
     }
 
@@ -559,13 +563,12 @@ impl Ctx<'_> {
                 ptr: mine.ptr,
                 len: bytes,
             };
-            let deadline = ctx.deadline();
             match rank == root {
                 true => {
                     let sends: Vec<Io> = (0..ws).filter(|&j| j != root).map(io).collect();
-                    ctx.transfer(&sends, &[], deadline)
+                    ctx.transfer(&sends, &[])
                 }
-                false => ctx.transfer(&[], &[io(root)], deadline),
+                false => ctx.transfer(&[], &[io(root)]),
             }
         })
     }
