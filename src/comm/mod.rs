@@ -321,7 +321,7 @@ pub trait ProcessGroup: Send + Sync {
     fn rank(&self) -> usize;
     /// Number of ranks.
     fn world_size(&self) -> usize;
-    /// Backend name: `"threads"`, `"shm"`, `"mpi"`, `"nccl"`.
+    /// Backend name: `"threads"`, `"shm"`, `"tcp"`, `"mpi"`, `"nccl"`.
     fn backend(&self) -> &'static str;
     /// Device the buffers of collectives must live on (`Device::Cpu` for `threads`).
     fn device(&self) -> &Device;

@@ -6,6 +6,7 @@
 //! fsdp-run --nproc-per-node 2 --max-restarts 3 -- target/release/examples/mnist --save-every 100
 //! fsdp-run --nproc-per-node 4 -- target/release/examples/gpt --device cuda
 //! fsdp-run --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr node0 -- ./train
+//! fsdp-run --nnodes 2 --node-rank 0 --master-addr node0 -- target/release/examples/mnist  # CPU: TCP
 //! ```
 //!
 //! For local process `l` of `N` (`--nproc-per-node`) on node `K` (`--node-rank`) of `M`
