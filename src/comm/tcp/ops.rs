@@ -76,6 +76,32 @@ struct Io {
     len: usize,
 }
 
+/// Moves as many bytes of `queue`'s messages (the last one first) as `step` moves without
+/// blocking; returns whether any moved, or why the connection broke.
+fn pump(
+    queue: &mut Vec<Io>,
+    mut step: impl FnMut(&Io) -> std::io::Result<usize>,
+) -> std::result::Result<bool, String> {
+    let mut moved = false;
+    while let Some(m) = queue.last_mut() {
+        match step(m) {
+            Ok(0) => return Err("end of stream".into()),
+            Ok(n) => {
+                m.ptr = m.ptr.wrapping_add(n);
+                m.len -= n;
+                moved = true;
+                if m.len == 0 {
+                    queue.pop();
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(moved)
+}
+
 /// One collective (or setup operation) on one rank.
 pub(super) struct Ctx<'a> {
     pub core: &'a Core,
@@ -177,44 +203,25 @@ impl Ctx<'_> {
         loop {
             let mut moved = false;
             for j in 0..ws {
-                while let Some(m) = sq[j].last_mut() {
-                    let s = self.comm.peers[j].as_ref().expect("a peer's connection");
-                    // SAFETY: the caller keeps `m.ptr[..m.len]` alive and unchanged.
-                    let bytes = unsafe { std::slice::from_raw_parts(m.ptr, m.len) };
-                    match (&*s).write(bytes) {
-                        Ok(0) => return Err(self.lost(j, "it accepts no more data")),
-                        Ok(n) => {
-                            m.ptr = m.ptr.wrapping_add(n);
-                            m.len -= n;
-                            moved = true;
-                            if m.len == 0 {
-                                sq[j].pop();
-                            }
-                        }
-                        Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                        Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                        Err(e) => return Err(self.lost(j, &e.to_string())),
-                    }
+                if sq[j].is_empty() && rq[j].is_empty() {
+                    continue;
                 }
-                while let Some(m) = rq[j].last_mut() {
-                    let s = self.comm.peers[j].as_ref().expect("a peer's connection");
+                let s = self.comm.peers[j].as_ref();
+                let broke = (|| {
+                    let s = s.expect("a peer's connection");
+                    // SAFETY: the caller keeps `m.ptr[..m.len]` alive and unchanged.
+                    moved |= pump(&mut sq[j], |m| {
+                        (&*s).write(unsafe { std::slice::from_raw_parts(m.ptr, m.len) })
+                    })?;
                     // SAFETY: the caller gives this rank `m.ptr[..m.len]` to write, untouched
                     // by anybody else until the transfer returns.
-                    let bytes = unsafe { std::slice::from_raw_parts_mut(m.ptr, m.len) };
-                    match (&*s).read(bytes) {
-                        Ok(0) => return Err(self.lost(j, "end of stream")),
-                        Ok(n) => {
-                            m.ptr = m.ptr.wrapping_add(n);
-                            m.len -= n;
-                            moved = true;
-                            if m.len == 0 {
-                                rq[j].pop();
-                            }
-                        }
-                        Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                        Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                        Err(e) => return Err(self.lost(j, &e.to_string())),
-                    }
+                    moved |= pump(&mut rq[j], |m| {
+                        (&*s).read(unsafe { std::slice::from_raw_parts_mut(m.ptr, m.len) })
+                    })?;
+                    Ok::<(), String>(())
+                })();
+                if let Err(what) = broke {
+                    return Err(self.lost(j, &what));
                 }
             }
             let busy: Vec<usize> = (0..ws)
