@@ -215,6 +215,25 @@ fn helper_shm_rank() {
                 got.len()
             );
         }
+        "leave" => {
+            launcher
+                .run(|pg| {
+                    pg.all_reduce_f32s(vec![1.0; 4], ReduceOp::Sum)?;
+                    if pg.rank() == 1 {
+                        // Done: the group is dropped without an error.
+                        return Ok(());
+                    }
+                    let start = Instant::now();
+                    let e = pg.all_reduce_f32s(vec![1.0; 4], ReduceOp::Sum).unwrap_err();
+                    println!(
+                        "rank {}: failed after {:.1} s: {e}",
+                        pg.rank(),
+                        start.elapsed().as_secs_f64()
+                    );
+                    Ok(())
+                })
+                .unwrap();
+        }
         "die" | "fail" => {
             let result = launcher.run(|pg| {
                 pg.all_reduce_f32s(vec![1.0; 4], ReduceOp::Sum)?;
@@ -277,7 +296,7 @@ pub(crate) fn failure_line(out: &str, r: usize) -> &str {
 }
 
 /// Seconds of a failure line.
-fn failure_secs(line: &str, r: usize) -> f64 {
+pub(crate) fn failure_secs(line: &str, r: usize) -> f64 {
     line[format!("rank {r}: failed after ").len()..]
         .split(' ')
         .next()

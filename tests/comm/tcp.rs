@@ -3,10 +3,13 @@
 //! in every process, which makes `Launcher::from_env` pick the TCP backend as it does for
 //! `fsdp-run --nnodes N` (the ranks meet over the loopback interface). Every collective, several
 //! dtypes, a sub-group, a mismatch and a long setup argument are bitwise the thread backend's;
-//! a rank killed with SIGKILL or failing with an error stops every other rank promptly with an
-//! error naming it.
+//! a rank killed with SIGKILL, failing with an error or leaving the job stops every other rank
+//! promptly with an error naming it; an address that cannot be found is named on every rank.
 
-use super::shm::{check_exact, check_failing, check_killed, spawn_job_with, Backend};
+use super::shm::{
+    check_exact, check_failing, check_killed, failure_line, failure_secs, spawn_job_on,
+    spawn_job_with, Backend,
+};
 
 #[test]
 fn tcp_collectives_are_bitwise_the_thread_backends() {
@@ -47,4 +50,20 @@ fn tcp_an_address_that_cannot_be_found_is_named_on_every_rank() {
             && out.contains(want),
         "{out}"
     );
+}
+
+#[test]
+fn tcp_a_rank_that_left_is_named_by_the_others() {
+    let results = spawn_job_on(Backend::Tcp, 3, "leave");
+    for (r, (code, out)) in results.iter().enumerate() {
+        assert_eq!(*code, 0, "rank {r}:\n{out}");
+        if r != 1 {
+            let line = failure_line(out, r);
+            assert!(failure_secs(line, r) < 5.0, "{line}");
+            assert!(
+                line.contains("rank 1 already exited without joining this collective"),
+                "{line}"
+            );
+        }
+    }
 }
