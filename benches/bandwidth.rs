@@ -4,6 +4,8 @@
 //! - `threads`: the in-process backend (ranks as threads);
 //! - `shm`: the shared-memory backend, one process per rank as under `fsdp-run` (this binary
 //!   started `ws` times with `--shm-worker` and torchrun-style variables);
+//! - `tcp`: the TCP backend, one process per rank as under `fsdp-run --nnodes N` (the same
+//!   workers with `LOCAL_WORLD_SIZE=1` in each, over the loopback interface);
 //! - `mpi` (feature `mpi`, `mpirun` on PATH): this backend's collectives, one process per rank;
 //! - `mpi-native`: OpenMPI's own `MPI_Allgather` / `MPI_Reduce_scatter_block` / `MPI_Allreduce`
 //!   on the same processes, for reference.
@@ -192,23 +194,24 @@ fn mpi_worker() {
     }
 }
 
-/// A rank of the shared-memory job `shm_rows` starts: rank 0 prints `ROW shm op size seconds`
-/// lines.
+/// A rank of the job `worker_rows` starts (the shared-memory or TCP backend, as the launcher
+/// picks from the variables): rank 0 prints `ROW <backend> op size seconds` lines.
 fn shm_worker() {
     let launcher = Launcher::from_env(None, 1, std::time::Duration::from_secs(300))
         .expect("a torchrun-style CPU launch");
-    assert_eq!(launcher.backend(), "shm");
-    let rows = launch(&launcher, |pg| sweep(&pg)).expect("shm sweep");
+    let backend = launcher.backend();
+    let rows = launch(&launcher, |pg| sweep(&pg)).expect("worker sweep");
     if launcher.local_ranks().start == 0 {
         for (op, size, t) in &rows[0] {
-            println!("ROW shm {op} {size} {t}");
+            println!("ROW {backend} {op} {size} {t}");
         }
     }
 }
 
-/// The shared-memory backend's rows at `ws` processes (this binary started `ws` times, the
-/// store on a free port), or why there are none.
-fn shm_rows(ws: usize) -> Result<Vec<(String, Row)>, String> {
+/// The rows of the shared-memory (`tcp` false) or TCP (`tcp` true: every process alone on its
+/// "machine", `LOCAL_WORLD_SIZE=1`) backend at `ws` processes (this binary started `ws` times,
+/// the store on a free port), or why there are none.
+fn worker_rows(ws: usize, tcp: bool) -> Result<Vec<(String, Row)>, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -220,8 +223,8 @@ fn shm_rows(ws: usize) -> Result<Vec<(String, Row)>, String> {
                 .arg("--shm-worker")
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", ws.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", ws.to_string())
+                .env("LOCAL_RANK", if tcp { 0 } else { rank }.to_string())
+                .env("LOCAL_WORLD_SIZE", if tcp { 1 } else { ws }.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .stdout(std::process::Stdio::piped())
@@ -356,9 +359,11 @@ fn main() {
         if gpu.is_some() {
             continue;
         }
-        match shm_rows(ws) {
-            Ok(shm) => rows.extend(shm.into_iter().map(|(b, r)| (ws, b, r))),
-            Err(why) => eprintln!("no shm rows at ws {ws}: {why}"),
+        for (tcp, name) in [(false, "shm"), (true, "tcp")] {
+            match worker_rows(ws, tcp) {
+                Ok(got) => rows.extend(got.into_iter().map(|(b, r)| (ws, b, r))),
+                Err(why) => eprintln!("no {name} rows at ws {ws}: {why}"),
+            }
         }
         match mpi_rows(ws) {
             Ok(mpi) => rows.extend(mpi.into_iter().map(|(b, r)| (ws, b, r))),

@@ -539,3 +539,28 @@ pub(crate) fn with_raw_bufs<R>(
         ))
     })
 }
+
+/// Runs a host backend's collective `kind` on the raw buffers of `dst` (written; `which` names
+/// it) and `src` (read), both locked for the whole call ([`with_raw_bufs`]). A buffer this rank
+/// cannot use takes part in the descriptor exchange only to report why: `fail` posts the
+/// problem and returns the error every rank then gets.
+pub(crate) fn with_checked_bufs<X>(
+    x: &mut X,
+    kind: OpKind,
+    dst: &Tensor,
+    which: &'static str,
+    src: Option<&Tensor>,
+    fail: fn(&mut X, Kind, Problem) -> Error,
+    body: impl FnOnce(&mut X, RawBuf, Option<RawBuf>) -> Result<()>,
+) -> Result<()> {
+    if let Some(problem) = src
+        .and_then(|s| check(s, "input"))
+        .or_else(|| check(dst, which))
+    {
+        return Err(fail(x, Kind::Op(kind), problem));
+    }
+    match with_raw_bufs(dst, src, |d, s| body(&mut *x, d, s)) {
+        Ok(result) => result,
+        Err(_refused) => Err(fail(x, Kind::Op(kind), Problem::Aliased)),
+    }
+}

@@ -42,13 +42,15 @@
 //! Backends: [`threads`] (N ranks as N threads of one process, shared memory; its docs list the
 //! stronger guarantees only shared memory can give), [`shm`] (one rank per process on one
 //! machine, started by `fsdp-run`/torchrun, through segments in `/dev/shm`; the thread
-//! backend's algorithms and bitwise its reductions) and `mpi` (feature `mpi`: one rank per
+//! backend's algorithms and bitwise its reductions), [`tcp`] (one rank per process on several
+//! machines, started the same way, over TCP connections; bitwise the same reductions) and `mpi` (feature `mpi`: one rank per
 //! process, started by `mpirun`; bitwise the same reductions as `threads`). Statistics are counted once for every
 //! backend by the [`stats::Instrumented`] wrapper that launchers put around it.
 
 pub mod bootstrap;
 pub(crate) mod buffer;
 pub mod host;
+pub(crate) mod host_stream;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
@@ -57,6 +59,7 @@ pub(crate) mod reduce;
 pub mod shm;
 pub mod stats;
 pub mod store;
+pub mod tcp;
 pub mod threads;
 pub(crate) mod wire;
 pub mod work;
@@ -318,7 +321,7 @@ pub trait ProcessGroup: Send + Sync {
     fn rank(&self) -> usize;
     /// Number of ranks.
     fn world_size(&self) -> usize;
-    /// Backend name: `"threads"`, `"shm"`, `"mpi"`, `"nccl"`.
+    /// Backend name: `"threads"`, `"shm"`, `"tcp"`, `"mpi"`, `"nccl"`.
     fn backend(&self) -> &'static str;
     /// Device the buffers of collectives must live on (`Device::Cpu` for `threads`).
     fn device(&self) -> &Device;

@@ -25,7 +25,7 @@
 //!
 //! | `--device` | started plainly | torchrun-style (`fsdp-run`, `torchrun`) | by `mpirun` |
 //! |---|---|---|---|
-//! | `cpu` | `Threads`: `--world-size` threads | `Shm` (ranks of one machine; several machines: an error pointing to `mpirun`) | `Mpi` (feature `mpi`) |
+//! | `cpu` | `Threads`: `--world-size` threads | `Shm` (ranks of one machine); `Tcp` (ranks on several machines: `LOCAL_WORLD_SIZE < WORLD_SIZE`) | `Mpi` (feature `mpi`) |
 //! | `cuda[:N]` | `ThreadsOnGpu`: `--world-size` threads on one GPU (feature `cuda`) | `Nccl`, unique id over the TCP store at `MASTER_ADDR:MASTER_PORT` (feature `nccl`) | `Nccl`, unique id over MPI (features `nccl`, `mpi`), else over the store if `MASTER_ADDR`/`MASTER_PORT` are set |
 //!
 //! The GPU of a process: `cuda:N` if given; else `LOCAL_RANK` (torchrun-style), or
@@ -103,6 +103,22 @@ pub enum Launcher {
         /// Group configuration (collective timeout).
         config: crate::comm::shm::ShmConfig,
     },
+    /// This process's rank of a job of CPU processes on several machines started
+    /// torchrun-style (`fsdp-run --nnodes N`, `torchrun`; `LOCAL_WORLD_SIZE < WORLD_SIZE`), on
+    /// the TCP backend ([`crate::comm::tcp`]), which meets its peers through the TCP store at
+    /// `addr:port`; [`Launcher::for_device`] builds it from the environment.
+    Tcp {
+        /// This process's rank.
+        rank: usize,
+        /// Number of processes of the job.
+        world_size: usize,
+        /// `MASTER_ADDR` (leaked once per launcher so that the launcher stays `Copy`).
+        addr: &'static str,
+        /// `MASTER_PORT`.
+        port: u16,
+        /// Group configuration (collective timeout).
+        config: crate::comm::tcp::TcpConfig,
+    },
     /// This process's rank of a job of one process per GPU (started torchrun-style or by
     /// `mpirun`), on the NCCL backend ([`crate::comm::nccl`]); [`Launcher::for_device`] builds
     /// it from the environment.
@@ -159,8 +175,8 @@ impl Launcher {
     /// ranks (or `default_threads`). `timeout` is the collective timeout.
     ///
     /// Errors: invalid launcher variables; `requested` disagrees with the launcher's world size;
-    /// started by `mpirun` in a build without the `mpi` feature; started torchrun-style on
-    /// several machines, or without `MASTER_ADDR`/`MASTER_PORT` (see [`Launcher::for_device`]);
+    /// started by `mpirun` in a build without the `mpi` feature; started torchrun-style
+    /// without `MASTER_ADDR`/`MASTER_PORT` (see [`Launcher::for_device`]);
     /// MPI fails to start.
     pub fn from_env(
         requested: Option<usize>,
@@ -203,8 +219,7 @@ impl Launcher {
     /// plain start). Only `--device cpu` under `mpirun` has a side effect: it initialises MPI.
     ///
     /// Errors ([`Error::InvalidArgument`], each naming the way out): `requested` disagrees
-    /// with the launcher; `--device cpu` under a torchrun-style launch of several machines
-    /// (the CPU engine across machines is MPI), or of several ranks without
+    /// with the launcher; `--device cpu` under a torchrun-style launch of several ranks without
     /// `MASTER_ADDR`/`MASTER_PORT`; `--device cuda` in a
     /// build without `cuda`, or one process per GPU without `nccl` (or under `mpirun` without
     /// `mpi` nor `MASTER_ADDR`/`MASTER_PORT`); `cuda:N` with several processes on the machine
@@ -345,6 +360,7 @@ impl Launcher {
             #[cfg(feature = "mpi")]
             Launcher::Mpi { world_size, .. } => *world_size,
             Launcher::Shm { world_size, .. } => *world_size,
+            Launcher::Tcp { world_size, .. } => *world_size,
             #[cfg(feature = "nccl")]
             Launcher::Nccl { world_size, .. } => *world_size,
         }
@@ -359,6 +375,7 @@ impl Launcher {
             #[cfg(feature = "mpi")]
             Launcher::Mpi { .. } => "mpi",
             Launcher::Shm { .. } => "shm",
+            Launcher::Tcp { .. } => "tcp",
             #[cfg(feature = "nccl")]
             Launcher::Nccl { .. } => "nccl",
         }
@@ -373,6 +390,7 @@ impl Launcher {
             #[cfg(feature = "mpi")]
             Launcher::Mpi { .. } => None,
             Launcher::Shm { .. } => None,
+            Launcher::Tcp { .. } => None,
             #[cfg(feature = "nccl")]
             Launcher::Nccl { gpu, .. } => Some(*gpu),
         }
@@ -388,6 +406,7 @@ impl Launcher {
             #[cfg(feature = "mpi")]
             Launcher::Mpi { rank, .. } => *rank..*rank + 1,
             Launcher::Shm { rank, .. } => *rank..*rank + 1,
+            Launcher::Tcp { rank, .. } => *rank..*rank + 1,
             #[cfg(feature = "nccl")]
             Launcher::Nccl { rank, .. } => *rank..*rank + 1,
         }
@@ -420,6 +439,13 @@ impl Launcher {
                 port,
                 config,
             } => crate::comm::shm::run(rank, world_size, addr, port, config, f),
+            Launcher::Tcp {
+                rank,
+                world_size,
+                addr,
+                port,
+                config,
+            } => crate::comm::tcp::run(rank, world_size, addr, port, config, f),
             #[cfg(feature = "nccl")]
             Launcher::Nccl {
                 rank,
@@ -443,23 +469,12 @@ impl Launcher {
     }
 }
 
-/// The shared-memory launcher of a CPU process started torchrun-style.
+/// The launcher of a CPU process started torchrun-style: [`Launcher::Shm`] when every rank
+/// runs on this machine, [`Launcher::Tcp`] when the ranks span machines
+/// (`LOCAL_WORLD_SIZE < WORLD_SIZE`, e.g. `fsdp-run --nnodes N`).
 ///
-/// Errors: ranks on several machines (`LOCAL_WORLD_SIZE < WORLD_SIZE`: across machines the CPU
-/// engine is MPI, the message says how to launch it); several ranks without `MASTER_ADDR` and
-/// `MASTER_PORT`.
+/// Errors: several ranks without `MASTER_ADDR` and `MASTER_PORT`.
 fn shm_launcher(t: &TorchrunEnv, timeout: Duration) -> Result<Launcher> {
-    if t.local_world_size < t.world_size {
-        return Err(Error::InvalidArgument(format!(
-            "this process was started torchrun-style on several machines (WORLD_SIZE={}, \
-             LOCAL_WORLD_SIZE={}, e.g. `fsdp-run --nnodes N`) with --device cpu: CPU processes \
-             share memory on one machine only; across machines the CPU engine is MPI: start \
-             the job with `mpirun --hostfile HOSTS -np {}` in a build with `--features mpi` \
-             (README, \"Many processes and machines\"), or run one machine's ranks with \
-             `fsdp-run --nproc-per-node N`",
-            t.world_size, t.local_world_size, t.world_size
-        )));
-    }
     let (addr, port) = match (&t.master_addr, t.master_port) {
         (Some(addr), Some(port)) => (addr.trim().to_string(), port),
         _ if t.world_size == 1 => (String::new(), 1),
@@ -472,10 +487,20 @@ fn shm_launcher(t: &TorchrunEnv, timeout: Duration) -> Result<Launcher> {
             )))
         }
     };
+    let addr: &'static str = Box::leak(addr.into_boxed_str());
+    if t.local_world_size < t.world_size {
+        return Ok(Launcher::Tcp {
+            rank: t.rank,
+            world_size: t.world_size,
+            addr,
+            port,
+            config: crate::comm::tcp::TcpConfig { timeout },
+        });
+    }
     Ok(Launcher::Shm {
         rank: t.rank,
         world_size: t.world_size,
-        addr: Box::leak(addr.into_boxed_str()),
+        addr,
         port,
         config: crate::comm::shm::ShmConfig { timeout },
     })

@@ -61,7 +61,7 @@ const TORCHRUN_2: [(&str, &str); 6] = [
 ];
 
 #[test]
-fn cpu_runs_threads_shm_or_mpi() {
+fn cpu_runs_threads_shm_tcp_or_mpi() {
     let l = select("cpu", &[], Some(3)).unwrap();
     assert_eq!(l.backend(), "threads");
     assert_eq!((l.world_size(), l.gpu(), l.local_ranks()), (3, None, 0..3));
@@ -71,17 +71,13 @@ fn cpu_runs_threads_shm_or_mpi() {
     let l = select("cpu", &TORCHRUN_2, None).unwrap();
     assert_eq!(l.backend(), "shm");
     assert_eq!((l.world_size(), l.gpu(), l.local_ranks()), (2, None, 1..2));
-    // Several machines on CPU: the engine there is MPI, and the error says how to launch it.
+    // Several machines on CPU (LOCAL_WORLD_SIZE < WORLD_SIZE): the TCP backend, this
+    // process's rank only.
     let mut two_nodes = TORCHRUN_2;
     two_nodes[1] = ("WORLD_SIZE", "4");
-    let e = err(select("cpu", &two_nodes, None));
-    assert!(
-        e.contains("started torchrun-style on several machines (WORLD_SIZE=4, LOCAL_WORLD_SIZE=2")
-            && e.contains("the CPU engine is MPI")
-            && e.contains("mpirun --hostfile HOSTS -np 4")
-            && e.contains("--features mpi"),
-        "{e}"
-    );
+    let l = select("cpu", &two_nodes, None).unwrap();
+    assert_eq!(l.backend(), "tcp");
+    assert_eq!((l.world_size(), l.gpu(), l.local_ranks()), (4, None, 1..2));
     // Several ranks need the store's address.
     let e = err(select("cpu", &TORCHRUN_2[..4], None));
     assert!(

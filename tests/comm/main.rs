@@ -10,3 +10,4 @@ mod failure;
 mod gpu_comm_host;
 mod shm;
 mod store;
+mod tcp;

@@ -2,7 +2,9 @@
 //! with torchrun-style variables, so `Launcher::from_env` picks the backend as under
 //! `fsdp-run`), each checking its results bit for bit against the thread backend's run of the
 //! same job in its own process; a rank killed with SIGKILL or failing with an error stops its
-//! peers promptly with an error naming it.
+//! peers promptly with an error naming it. The TCP backend's tests (`super::tcp`) run the
+//! same jobs with `LOCAL_WORLD_SIZE=1` in every process, which makes the launcher pick the TCP
+//! backend on one machine ([`Backend::Tcp`]).
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -43,7 +45,7 @@ fn bits(t: &Tensor) -> Result<Vec<u64>> {
 /// Every collective of the contract on a few streams, a sub-group, segments grown past their
 /// first size, and a mismatch (the same error on every rank, the group usable afterwards):
 /// named results, as bits.
-fn exercise(pg: Arc<dyn ProcessGroup>) -> Result<Vec<(String, Vec<u64>)>> {
+pub(crate) fn exercise(pg: Arc<dyn ProcessGroup>) -> Result<Vec<(String, Vec<u64>)>> {
     let (r, ws) = (pg.rank(), pg.world_size());
     let mut out = Vec::new();
     let ag = pg.new_stream("all_gather")?;
@@ -86,6 +88,9 @@ fn exercise(pg: Arc<dyn ProcessGroup>) -> Result<Vec<(String, Vec<u64>)>> {
     let o = pg.all_reduce(&def, ints, ReduceOp::Sum).wait()?;
     out.push(("all_reduce i64".into(), bits(&o)?));
     pg.barrier(&ag).wait()?;
+    // A stream whose name is longer than a collective's descriptor.
+    let long = pg.new_stream(&"a-long-stream-name-".repeat(20))?;
+    pg.barrier(&long).wait()?;
     // A mismatch: the same error on every rank, and the group still works.
     let e = pg
         .all_reduce(&def, tensor(r, 6, 10 + r, DType::F32)?, ReduceOp::Sum)
@@ -108,9 +113,43 @@ fn exercise(pg: Arc<dyn ProcessGroup>) -> Result<Vec<(String, Vec<u64>)>> {
     Ok(out)
 }
 
+/// The backend a job of [`spawn_job_on`] runs on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Backend {
+    /// Every process says it shares the machine with the others (`LOCAL_WORLD_SIZE` = world
+    /// size): the shared-memory backend.
+    Shm,
+    /// Every process says it is alone on its machine (`LOCAL_WORLD_SIZE=1`, as on separate
+    /// machines): the TCP backend, over the loopback interface.
+    Tcp,
+}
+
 /// Starts this binary's `helper_shm_rank` as `world_size` processes (torchrun-style variables,
-/// the store on a free port); returns (exit code, output) of each (at most 60 s in all).
-fn spawn_job(world_size: usize, mode: &str) -> Vec<(i32, String)> {
+/// the store on a free port) on `backend`; returns (exit code, output) of each (at most 60 s in
+/// all).
+///
+/// On TCP, rank 0 finds its address through `FSDP_TCP_IFNAME=lo`, rank 1 through
+/// `FSDP_TCP_ADDR=localhost` (a name to resolve), the others by the route toward the store:
+/// every way of choosing the address is used by every job.
+pub(crate) fn spawn_job_on(backend: Backend, world_size: usize, mode: &str) -> Vec<(i32, String)> {
+    spawn_job_with(backend, world_size, mode, |rank| match (backend, rank) {
+        (Backend::Tcp, 0) => vec![("FSDP_TCP_IFNAME", "lo".to_string())],
+        (Backend::Tcp, 1) => vec![("FSDP_TCP_ADDR", "localhost".to_string())],
+        _ => Vec::new(),
+    })
+}
+
+/// [`spawn_job_on`] with the variables `env(rank)` added to each rank's environment.
+pub(crate) fn spawn_job_with(
+    backend: Backend,
+    world_size: usize,
+    mode: &str,
+    env: impl Fn(usize) -> Vec<(&'static str, String)>,
+) -> Vec<(i32, String)> {
+    let local = |rank: usize| match backend {
+        Backend::Shm => (rank, world_size, "shm"),
+        Backend::Tcp => (0, 1, "tcp"),
+    };
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -119,6 +158,7 @@ fn spawn_job(world_size: usize, mode: &str) -> Vec<(i32, String)> {
         .to_string();
     let children: Vec<_> = (0..world_size)
         .map(|rank| {
+            let (local_rank, local_ws, name) = local(rank);
             Command::new(std::env::current_exe().unwrap())
                 .args([
                     "--ignored",
@@ -129,11 +169,15 @@ fn spawn_job(world_size: usize, mode: &str) -> Vec<(i32, String)> {
                 ])
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world_size.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world_size.to_string())
+                .env("LOCAL_RANK", local_rank.to_string())
+                .env("LOCAL_WORLD_SIZE", local_ws.to_string())
+                .env("SHM_TEST_BACKEND", name)
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .env("SHM_TEST_MODE", mode)
+                .env_remove("FSDP_TCP_ADDR")
+                .env_remove("FSDP_TCP_IFNAME")
+                .envs(env(rank))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -148,7 +192,8 @@ fn spawn_job(world_size: usize, mode: &str) -> Vec<(i32, String)> {
 fn helper_shm_rank() {
     let mode = std::env::var("SHM_TEST_MODE").unwrap();
     let launcher = Launcher::from_env(None, 1, Duration::from_secs(60)).unwrap();
-    assert_eq!(launcher.backend(), "shm");
+    let backend = std::env::var("SHM_TEST_BACKEND").unwrap();
+    assert_eq!(launcher.backend(), backend);
     let rank = launcher.local_ranks().start;
     let ws = launcher.world_size();
     match mode.as_str() {
@@ -169,6 +214,25 @@ fn helper_shm_rank() {
                 "rank {rank}: {} results bitwise equal to the thread backend's",
                 got.len()
             );
+        }
+        "leave" => {
+            launcher
+                .run(|pg| {
+                    pg.all_reduce_f32s(vec![1.0; 4], ReduceOp::Sum)?;
+                    if pg.rank() == 1 {
+                        // Done: the group is dropped without an error.
+                        return Ok(());
+                    }
+                    let start = Instant::now();
+                    let e = pg.all_reduce_f32s(vec![1.0; 4], ReduceOp::Sum).unwrap_err();
+                    println!(
+                        "rank {}: failed after {:.1} s: {e}",
+                        pg.rank(),
+                        start.elapsed().as_secs_f64()
+                    );
+                    Ok(())
+                })
+                .unwrap();
         }
         "die" | "fail" => {
             let result = launcher.run(|pg| {
@@ -193,13 +257,23 @@ fn helper_shm_rank() {
                 println!("rank {rank}: error: {e}");
             }
         }
+        "connect" => match launcher.run(|_| Ok(())) {
+            Ok(_) => println!("rank {rank}: connected"),
+            Err(e) => println!("rank {rank}: connect error: {e}"),
+        },
         other => panic!("unknown mode {other}"),
     }
 }
 
 #[test]
 fn shm_collectives_are_bitwise_the_thread_backends() {
-    for (r, (code, out)) in spawn_job(3, "exact").into_iter().enumerate() {
+    check_exact(Backend::Shm);
+}
+
+/// A job of 3 ranks on `backend` runs [`exercise`]; every rank's results equal the thread
+/// backend's bit for bit.
+pub(crate) fn check_exact(backend: Backend) {
+    for (r, (code, out)) in spawn_job_on(backend, 3, "exact").into_iter().enumerate() {
         assert_eq!(code, 0, "rank {r}:\n{out}");
         // 13 results, and the sub-group's on its members (ranks 2 and 0).
         let n = if r == 1 { 13 } else { 14 };
@@ -212,42 +286,60 @@ fn shm_collectives_are_bitwise_the_thread_backends() {
     }
 }
 
-/// Rank 0's `rank 0: failed after …` line (libtest's "test helper_shm_rank ... " may precede
+/// Rank `r`'s `rank r: failed after …` line (libtest's "test helper_shm_rank ... " may precede
 /// it).
-fn failure_line(out: &str) -> &str {
+pub(crate) fn failure_line(out: &str, r: usize) -> &str {
+    let start = format!("rank {r}: failed after");
     out.lines()
-        .find_map(|l| l.find("rank 0: failed after").map(|i| &l[i..]))
+        .find_map(|l| l.find(&start).map(|i| &l[i..]))
         .unwrap_or_else(|| panic!("{out}"))
+}
+
+/// Seconds of a failure line.
+pub(crate) fn failure_secs(line: &str, r: usize) -> f64 {
+    line[format!("rank {r}: failed after ").len()..]
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 #[test]
 fn shm_a_rank_killed_with_sigkill_stops_its_peers_promptly() {
-    let results = spawn_job(2, "die");
+    check_killed(Backend::Shm, 2);
+}
+
+/// Rank 1 of `world_size` kills itself with SIGKILL between two collectives: every other rank
+/// fails within 5 s with an error naming rank 1 and saying its process ended.
+pub(crate) fn check_killed(backend: Backend, world_size: usize) {
+    let results = spawn_job_on(backend, world_size, "die");
     assert_eq!(
         results[1].0, -1,
         "rank 1 died by a signal:\n{}",
         results[1].1
     );
-    let (code, out) = &results[0];
-    assert_eq!(*code, 0, "{out}");
-    let line = failure_line(out);
-    let secs: f64 = line["rank 0: failed after ".len()..]
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(secs < 5.0, "{line}");
-    assert!(
-        line.contains("rank 1 failed")
-            && line.contains("ended without reporting an error (killed by a signal"),
-        "{line}"
-    );
+    for (r, (code, out)) in results.iter().enumerate().filter(|(r, _)| *r != 1) {
+        assert_eq!(*code, 0, "{out}");
+        let line = failure_line(out, r);
+        assert!(failure_secs(line, r) < 5.0, "{line}");
+        assert!(
+            line.contains("rank 1 failed")
+                && line.contains("ended without reporting an error (killed by a signal"),
+            "{line}"
+        );
+    }
 }
 
 #[test]
 fn shm_a_failing_rank_stops_its_peers_with_its_reason() {
-    let results = spawn_job(2, "fail");
+    check_failing(Backend::Shm, 2);
+}
+
+/// Rank 1 of `world_size` fails with an error: every other rank's collective fails with an
+/// error naming rank 1 and carrying its reason.
+pub(crate) fn check_failing(backend: Backend, world_size: usize) {
+    let results = spawn_job_on(backend, world_size, "fail");
     assert!(
         results[1]
             .1
@@ -256,11 +348,13 @@ fn shm_a_failing_rank_stops_its_peers_with_its_reason() {
         "{}",
         results[1].1
     );
-    let (code, out) = &results[0];
-    assert_eq!(*code, 0, "{out}");
-    let line = failure_line(out);
-    assert!(
-        line.contains("rank 1 failed") && line.contains("rank 1 gives up"),
-        "{line}"
-    );
+    for (r, (code, out)) in results.iter().enumerate().filter(|(r, _)| *r != 1) {
+        assert_eq!(*code, 0, "{out}");
+        let line = failure_line(out, r);
+        assert!(failure_secs(line, r) < 5.0, "{line}");
+        assert!(
+            line.contains("rank 1 failed") && line.contains("rank 1 gives up"),
+            "{line}"
+        );
+    }
 }

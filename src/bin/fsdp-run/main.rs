@@ -6,6 +6,7 @@
 //! fsdp-run --nproc-per-node 2 --max-restarts 3 -- target/release/examples/mnist --save-every 100
 //! fsdp-run --nproc-per-node 4 -- target/release/examples/gpt --device cuda
 //! fsdp-run --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr node0 -- ./train
+//! fsdp-run --nnodes 2 --node-rank 0 --master-addr node0 -- target/release/examples/mnist  # CPU: TCP
 //! ```
 //!
 //! For local process `l` of `N` (`--nproc-per-node`) on node `K` (`--node-rank`) of `M`
@@ -16,7 +17,8 @@
 //! Rank 0 serves the job's rendezvous store at `MASTER_ADDR:MASTER_PORT`
 //! (`candle_fsdp::comm::store`); `fsdp-run` itself opens no port. On several machines, run
 //! one `fsdp-run` per machine with the same `--nnodes`, `--nproc-per-node`, `--master-addr`
-//! (node rank 0's address) and `--master-port`, and its own `--node-rank`.
+//! (node rank 0's address) and `--master-port`, and its own `--node-rank`. With `--device cpu`
+//! the ranks then meet over TCP (`candle_fsdp::comm::tcp`; one machine's ranks share memory).
 //!
 //! - Output: every line a child writes is copied to the same stream of `fsdp-run` (stdout or
 //!   stderr), prefixed `[rank R] `; lines of different ranks never mix within a line (a line

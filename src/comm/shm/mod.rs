@@ -40,25 +40,24 @@
 mod ops;
 mod segment;
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::{self, JoinHandle};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
-use crossbeam::channel::{unbounded, Sender};
 use parking_lot::Mutex;
 
 use self::ops::{Comm, Ctx};
 use self::segment::{shm_dir, AbortSlot, PeerMap, Segment};
 use super::buffer::{Kind, Post, RawBytes};
+use super::host_stream::{self, HostStream};
 use super::store::TcpStore;
-use super::threads::{check_ranks, panic_message, run_one};
+use super::threads::check_ranks;
 use super::{
-    foreign_stream, host_collectives, join_stream_threads, CommObserver, CommStream, Instrumented,
-    OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
+    host_collectives, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work,
+    DEFAULT_STREAM,
 };
 use crate::error::{Error, Result};
 
@@ -118,19 +117,8 @@ impl Core {
     }
 }
 
-type Job = Box<dyn FnOnce(&mut Comm) + Send>;
-
-struct StreamSlot {
-    seq: u64,
-    tx: Option<Sender<Job>>,
-}
-
 /// The shared-memory backend's state behind a [`CommStream`].
-struct ShmStream {
-    owner: u64,
-    name: Arc<str>,
-    slot: Mutex<StreamSlot>,
-}
+type ShmStream = HostStream<Comm>;
 
 /// Setup operations of one handle: their sequence number, the setup communicator, and how
 /// many communicators the group has (setup and streams).
@@ -176,35 +164,7 @@ fn start_stream(
     name: &str,
     closing: &Arc<AtomicBool>,
 ) -> Result<(Arc<ShmStream>, JoinHandle<()>)> {
-    let (tx, rx) = unbounded::<Job>();
-    let rank = core.rank;
-    let closing = Arc::clone(closing);
-    let handle = thread::Builder::new()
-        .name(format!("shm-{rank}-{name}"))
-        .spawn(move || {
-            let mut comm = comm;
-            for job in rx.iter() {
-                job(&mut comm);
-            }
-            if closing.load(Ordering::Acquire) {
-                comm.depart(rank);
-            }
-        })
-        .map_err(|error| Error::SpawnFailed {
-            what: format!("comm stream {name} of rank {rank}"),
-            error,
-        })?;
-    Ok((
-        Arc::new(ShmStream {
-            owner,
-            name: name.into(),
-            slot: Mutex::new(StreamSlot {
-                seq: 0,
-                tx: Some(tx),
-            }),
-        }),
-        handle,
-    ))
+    HostStream::start("shm", owner, core.rank, comm, name, closing)
 }
 
 impl ShmProcessGroup {
@@ -214,8 +174,8 @@ impl ShmProcessGroup {
     ///
     /// Errors: the store's ([`Error::Store`]: a rank missing, the port taken); a rank on
     /// another machine (it cannot open the job's segments: [`Error::InvalidArgument`] saying
-    /// that CPU ranks on several machines use `mpirun`); `/dev/shm` full or not writable; a
-    /// thread cannot be started.
+    /// that CPU ranks on several machines use the TCP backend, [`crate::comm::tcp`]);
+    /// `/dev/shm` full or not writable; a thread cannot be started.
     pub fn connect(
         rank: usize,
         world_size: usize,
@@ -267,7 +227,8 @@ impl ShmProcessGroup {
                 Error::InvalidArgument(format!(
                     "rank {rank} cannot open the job's shared memory ({e}): the shared-memory \
                      backend connects the ranks of one machine; CPU ranks on several machines \
-                     use MPI (`mpirun --hostfile HOSTS`, build with `--features mpi`)"
+                     use the TCP backend (chosen when LOCAL_WORLD_SIZE < WORLD_SIZE, as \
+                     `fsdp-run --nnodes N` sets them) or MPI (`mpirun --hostfile HOSTS`)"
                 ))
             })?,
         };
@@ -341,52 +302,28 @@ impl ShmProcessGroup {
         T: Send + 'static,
         F: FnOnce(&mut Ctx<'_>) -> Result<T> + Send + 'static,
     {
-        let Some(ss) = stream
-            .backend_state::<ShmStream>()
-            .filter(|s| s.owner == self.id)
-        else {
-            return Work::ready(Err(foreign_stream(kind, self.core.rank, stream)));
-        };
-        let mut slot = ss.slot.lock();
-        slot.seq += 1;
-        let seq = slot.seq;
-        let op = format!("{} #{seq} (stream {})", kind.name(), ss.name);
-        let (work, completer) = Work::pending(op.clone(), self.core.rank, &*ss.name);
-        let core = Arc::clone(&self.core);
-        let stream_name = Arc::clone(&ss.name);
-        let observer = self.observer.lock().clone();
-        let job: Job = Box::new(move |comm| {
-            let observed = observer
-                .as_ref()
-                .and_then(|o| o.op_started(&stream_name, kind, &op));
-            let mut ctx = Ctx {
-                core: &core,
-                comm,
-                seq,
-                op: &op,
-            };
-            let result = match catch_unwind(AssertUnwindSafe(|| body(&mut ctx))) {
-                Ok(r) => r,
-                Err(payload) => {
-                    let message = format!("{op}: {}", panic_message(payload.as_ref()));
-                    core.abort.set(
-                        core.root_ranks[core.rank],
-                        &format!("comm stream panicked: {message}"),
-                    );
-                    Err(Error::RankPanicked {
-                        rank: core.rank,
-                        message,
-                    })
-                }
-            };
-            drop(observed);
-            completer.complete(result);
-        });
-        if let Some(tx) = &slot.tx {
-            // A send error means the stream thread is gone: `wait` reports StreamStopped.
-            let _ = tx.send(job);
-        }
-        work
+        let (core, on_panic) = (Arc::clone(&self.core), Arc::clone(&self.core));
+        host_stream::issue(
+            stream,
+            self.id,
+            self.core.rank,
+            kind,
+            self.observer.lock().clone(),
+            move |message: &str| {
+                on_panic.abort.set(
+                    on_panic.root_ranks[on_panic.rank],
+                    &format!("comm stream panicked: {message}"),
+                )
+            },
+            move |comm: &mut Comm, seq, op: &str| {
+                body(&mut Ctx {
+                    core: &core,
+                    comm,
+                    seq,
+                    op,
+                })
+            },
+        )
     }
 
     /// Records `e` as this rank's failure (a setup step failed half-way: peers must not wait).
@@ -528,20 +465,18 @@ impl ProcessGroup for ShmProcessGroup {
 
 impl Drop for ShmProcessGroup {
     fn drop(&mut self) {
-        self.closing.store(true, Ordering::Release);
-        for stream in self.streams.get_mut().drain(..) {
-            if let Some(stream) = stream.upgrade() {
-                stream.slot.lock().tx = None;
-            }
-        }
-        join_stream_threads(self.threads.get_mut());
+        host_stream::close_streams(
+            &self.closing,
+            self.streams.get_mut(),
+            self.threads.get_mut(),
+        );
         self.setup.get_mut().comm.depart(self.core.rank);
     }
 }
 
 /// Runs `f` on this process's rank of a shared-memory job of `world_size` processes that meet
 /// through the store at `addr:port` ([`ShmProcessGroup::connect`]; the group wrapped in
-/// [`Instrumented`]) and returns its result (one element). When `f` fails or panics, the job is
+/// [`super::Instrumented`]) and returns its result (one element). When `f` fails or panics, the job is
 /// aborted with the error's text: every other rank's collectives fail with
 /// [`Error::PeerFailed`].
 pub fn run<T, F>(
@@ -555,13 +490,8 @@ pub fn run<T, F>(
 where
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
 {
-    match ShmProcessGroup::connect(rank, world_size, addr, port, config) {
-        Ok(group) => {
-            let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
-            vec![run_one(rank, pg, &f)]
-        }
-        Err(e) => vec![Err(e)],
-    }
+    let group = ShmProcessGroup::connect(rank, world_size, addr, port, config);
+    host_stream::run_process_rank(rank, group, f)
 }
 
 /// Rank 0 makes the job's prefix and its abort slot (kept in `slot`) and shares the prefix;

@@ -17,7 +17,7 @@ use candle_core::Tensor;
 
 use super::segment::{wait_for, Header, PeerMap, Segment, Stop, DESC_MAX};
 use super::Core;
-use crate::comm::buffer::{check, validate, with_raw_bufs, Kind, Post, Problem, RawBuf};
+use crate::comm::buffer::{validate, with_checked_bufs, Kind, Post, Problem, RawBuf};
 use crate::comm::threads::host::copy::{self, with_elem};
 use crate::comm::{wire, OpKind, ReduceOp};
 use crate::error::{Error, Result};
@@ -40,6 +40,12 @@ impl Comm {
     /// Marks this rank as gone on this communicator.
     pub(super) fn depart(&self, rank: usize) {
         self.header(rank).set_departed();
+    }
+}
+
+impl crate::comm::host_stream::StreamComm for Comm {
+    fn leave(&mut self, rank: usize) {
+        self.depart(rank);
     }
 }
 
@@ -225,16 +231,7 @@ impl Ctx<'_> {
         src: Option<&Tensor>,
         body: impl FnOnce(&mut Self, RawBuf, Option<RawBuf>) -> Result<()>,
     ) -> Result<()> {
-        if let Some(problem) = src
-            .and_then(|s| check(s, "input"))
-            .or_else(|| check(dst, which))
-        {
-            return Err(self.fail_with(Kind::Op(kind), problem));
-        }
-        match with_raw_bufs(dst, src, |d, s| body(self, d, s)) {
-            Ok(result) => result,
-            Err(_refused) => Err(self.fail_with(Kind::Op(kind), Problem::Aliased)),
-        }
+        with_checked_bufs(self, kind, dst, which, src, Self::fail_with, body)
     }
 
     fn post(&self, kind: OpKind) -> Post {
