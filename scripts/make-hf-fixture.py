@@ -11,6 +11,7 @@ Under tests/models/fixtures/ it writes, each a Hugging Face model directory (con
   llama-gqa/          4 heads, 2 key/value heads, bf16 weights (the reference computes in f32
                       with the bf16-rounded values, which is what loading gives)
   llama-tied/         tied embeddings, attention_bias and mlp_bias, f32
+  llama3-rope/        4 heads, 2 key/value heads, Llama 3's rotary scaling (rope_type "llama3")
 llama-mha also gets a character-level `tokenizer.json` (64 symbols, made with the `tokenizers`
 package) and `eval.txt` (the start of the shipped Shakespeare, filtered to those symbols), whose
 `--eval-file` loss at `--seq-len 16` (consecutive windows, a last partial one dropped) is
@@ -128,3 +129,9 @@ add_tokenizer_and_eval("llama-mha", config(), 1)
 make("llama-mha-index", config(), 1, shard="30KB", expect=False)
 make("llama-gqa", config(num_key_value_heads=2), 2, dtype=torch.bfloat16)
 make("llama-tied", config(tie_word_embeddings=True, attention_bias=True, mlp_bias=True), 3)
+# Llama 3's rotary scaling: with head_dim 8 and rope_theta 1e4 the wavelengths are 6.3, 63, 628
+# and 6283 positions; against original_max_position_embeddings 64 (low 1, high 4: bounds 16 and
+# 64) the first is kept, the second smoothed, the last two divided by the factor.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=64)
+make("llama3-rope", config(num_key_value_heads=2, max_position_embeddings=128, rope_parameters=LLAMA3_ROPE), 4)

@@ -76,6 +76,10 @@ pub struct LlamaConfig {
     pub rms_norm_eps: f64,
     /// Base of the rotary frequencies.
     pub rope_theta: f64,
+    /// Llama 3's scaling of the rotary frequencies (`rope_type: "llama3"`); `None`: the
+    /// default rotary embedding.
+    #[serde(default)]
+    pub rope_scaling: Option<Llama3RopeScaling>,
     /// The LM head multiplies by the token embedding's weight.
     pub tie_word_embeddings: bool,
     /// Biases on the q, k, v and o projections.
@@ -99,10 +103,79 @@ impl Default for LlamaConfig {
             max_position_embeddings: 256,
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,
+            rope_scaling: None,
             tie_word_embeddings: false,
             attention_bias: false,
             mlp_bias: false,
         }
+    }
+}
+
+/// Llama 3's frequency-dependent rotary scaling (transformers' `rope_type: "llama3"`,
+/// `_compute_llama3_parameters`; Meta's Llama 3.1 release): with `θ_i` the default
+/// frequencies, wavelength `λ_i = 2π/θ_i`, `L` = `original_max_position_embeddings`, `lo` =
+/// `low_freq_factor`, `hi` = `high_freq_factor`:
+///
+/// ```text
+///     λ_i < L/hi            θ_i                        (high frequencies kept)
+///     λ_i > L/lo            θ_i / factor               (low frequencies slowed)
+///     otherwise             (1 − s)·θ_i/factor + s·θ_i,   s = (L/λ_i − lo) / (hi − lo)
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Llama3RopeScaling {
+    /// How much the low frequencies are slowed (Llama 3.1: 8).
+    pub factor: f64,
+    /// Wavelengths above `L / low_freq_factor` are fully scaled (Llama 3.1: 1).
+    pub low_freq_factor: f64,
+    /// Wavelengths below `L / high_freq_factor` are kept (Llama 3.1: 4).
+    pub high_freq_factor: f64,
+    /// `L`: the context the model was first trained with (Llama 3.1: 8192).
+    pub original_max_position_embeddings: usize,
+}
+
+impl Llama3RopeScaling {
+    /// The scaled frequency of default frequency `inv` (radians per position).
+    pub fn scale(&self, inv: f64) -> f64 {
+        let l = self.original_max_position_embeddings as f64;
+        let wavelen = 2.0 * std::f64::consts::PI / inv;
+        if wavelen < l / self.high_freq_factor {
+            inv
+        } else if wavelen > l / self.low_freq_factor {
+            inv / self.factor
+        } else {
+            let s = (l / wavelen - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor);
+            (1.0 - s) * inv / self.factor + s * inv
+        }
+    }
+
+    /// Checks the numbers, naming the key under `rope_scaling`.
+    fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("factor", self.factor),
+            ("low_freq_factor", self.low_freq_factor),
+            ("high_freq_factor", self.high_freq_factor),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "Llama rope_scaling.{name} must be a positive finite number, found {v}"
+                )));
+            }
+        }
+        if self.low_freq_factor >= self.high_freq_factor {
+            return Err(Error::InvalidArgument(format!(
+                "Llama rope_scaling.low_freq_factor {} must be below high_freq_factor {}",
+                self.low_freq_factor, self.high_freq_factor
+            )));
+        }
+        if self.original_max_position_embeddings == 0 {
+            return Err(Error::InvalidArgument(
+                "Llama rope_scaling.original_max_position_embeddings must be at least 1, found 0"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -153,6 +226,9 @@ impl LlamaConfig {
                     "Llama {name} must be a positive finite number, found {v}"
                 )));
             }
+        }
+        if let Some(scaling) = &self.rope_scaling {
+            scaling.validate()?;
         }
         Ok(())
     }
@@ -219,8 +295,9 @@ pub fn lm_head(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Linear>
 }
 
 /// The rotary tables of positions `0..t`: `(cos, sin)`, each `(t, head_dim)` f32, the
-/// frequencies `θ_i = rope_theta^(−2i/head_dim)` repeated twice along the head (transformers'
-/// `LlamaRotaryEmbedding`; angles computed in f64, rounded once).
+/// frequencies `θ_i = rope_theta^(−2i/head_dim)` (scaled by [`Llama3RopeScaling::scale`] when
+/// the config has one) repeated twice along the head (transformers' `LlamaRotaryEmbedding`;
+/// angles computed in f64, rounded once).
 pub fn rope_tables(
     cfg: &LlamaConfig,
     t: usize,
@@ -233,7 +310,10 @@ pub fn rope_tables(
     for p in 0..t {
         for j in 0..hd {
             let i = j % half;
-            let inv = 1.0 / cfg.rope_theta.powf((2 * i) as f64 / hd as f64);
+            let mut inv = 1.0 / cfg.rope_theta.powf((2 * i) as f64 / hd as f64);
+            if let Some(scaling) = &cfg.rope_scaling {
+                inv = scaling.scale(inv);
+            }
             let a = p as f64 * inv;
             cos.push(a.cos() as f32);
             sin.push(a.sin() as f32);

@@ -234,8 +234,15 @@ fn an_unsupported_architecture_or_key_is_named() {
         (
             "rope",
             "\"rope_type\": \"default\"",
+            "\"rope_type\": \"yarn\"",
+            "key `rope_parameters.rope_type` is \"yarn\"",
+        ),
+        // Llama 3's scaling needs its numbers.
+        (
+            "llama3",
+            "\"rope_type\": \"default\"",
             "\"rope_type\": \"llama3\"",
-            "key `rope_parameters.rope_type` is \"llama3\"",
+            "key `rope_parameters.factor`: a number is needed for rope_type \"llama3\"",
         ),
     ] {
         let dir = edited("llama-mha", tag, "config.json", |t| t.replace(from, to));

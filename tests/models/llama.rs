@@ -62,6 +62,34 @@ fn tied_embeddings_with_biases_equal_transformers() {
     }
 }
 
+/// Llama 3's rotary scaling (`rope_type: "llama3"`, as Llama 3.1 / 3.2 configs have it):
+/// transformers' logits, and the fixture does exercise the scaling (its tables differ from the
+/// unscaled ones at the fixture's positions).
+#[test]
+fn llama3_rope_scaling_equals_transformers() {
+    use candle_fsdp::models::llama::{hf::read_config, rope_tables};
+    let cfg = read_config(&fixture("llama3-rope")).unwrap();
+    let scaling = cfg
+        .rope_scaling
+        .expect("the fixture's config has llama3 scaling");
+    assert_eq!(
+        (scaling.factor, scaling.original_max_position_embeddings),
+        (8.0, 64)
+    );
+    let dev = candle_core::Device::Cpu;
+    let (_, sin) = rope_tables(&cfg, 12, &dev).unwrap();
+    let plain = candle_fsdp::models::llama::LlamaConfig {
+        rope_scaling: None,
+        ..cfg
+    };
+    let (_, sin_plain) = rope_tables(&plain, 12, &dev).unwrap();
+    let d = max_abs_diff(&to_vec(&sin), &to_vec(&sin_plain));
+    assert!(d > 0.1, "scaled and plain tables differ by only {d}");
+    for ws in [1, 2] {
+        logits_match("llama3-rope", ws);
+    }
+}
+
 #[test]
 fn one_adamw_step_equals_torch_adamw() {
     let name = "llama-mha";

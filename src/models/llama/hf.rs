@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
-use super::{FsdpLlama, LlamaConfig, HEAD};
+use super::{FsdpLlama, Llama3RopeScaling, LlamaConfig, HEAD};
 use crate::checkpoint::hf::build_from_hf_weights;
 use crate::checkpoint::ReadStats;
 use crate::comm::ProcessGroup;
@@ -34,7 +34,8 @@ pub const ARCHITECTURES: [&str; 2] = ["LlamaForCausalLM", "MistralForCausalLM"];
 /// Errors ([`Error::File`] naming `path` and the key): not JSON; an architecture not in
 /// [`ARCHITECTURES`]; a missing or mistyped required key; keys it cannot honour:
 /// `hidden_act` other than `silu`, a `rope_scaling` / `rope_parameters.rope_type` other than
-/// the default, a `sliding_window`, a non-zero `attention_dropout`; an invalid shape
+/// the default or `"llama3"` (whose `factor`, `low_freq_factor`, `high_freq_factor` and
+/// `original_max_position_embeddings` are read: [`Llama3RopeScaling`]), a `sliding_window`, a non-zero `attention_dropout`; an invalid shape
 /// ([`LlamaConfig::validate`]).
 pub fn config_from_json(text: &str, path: &Path) -> Result<LlamaConfig> {
     let bad = |msg: String| Error::file(path, msg);
@@ -97,6 +98,7 @@ pub fn config_from_json(text: &str, path: &Path) -> Result<LlamaConfig> {
         )));
     }
     let mut rope_theta = f64_key(o, "rope_theta", 10000.0)?;
+    let mut rope_scaling = None;
     for key in ["rope_scaling", "rope_parameters"] {
         match o.get(key) {
             None | Some(Value::Null) => {}
@@ -106,11 +108,43 @@ pub fn config_from_json(text: &str, path: &Path) -> Result<LlamaConfig> {
                     .or_else(|| p.get("type"))
                     .and_then(Value::as_str)
                     .unwrap_or("default");
-                if kind != "default" {
-                    return Err(bad(format!(
-                        "key `{key}.rope_type` is {kind:?}: only the default rotary embedding \
-                         is supported"
-                    )));
+                match kind {
+                    "default" => {}
+                    "llama3" => {
+                        let number = |k: &str| -> Result<f64> {
+                            p.get(k).and_then(Value::as_f64).ok_or_else(|| {
+                                bad(format!(
+                                    "key `{key}.{k}`: a number is needed for rope_type \"llama3\", \
+                                     found {}",
+                                    p.get(k).map_or("nothing".to_string(), |v| v.to_string())
+                                ))
+                            })
+                        };
+                        let factor = number("factor")?;
+                        let low_freq_factor = number("low_freq_factor")?;
+                        let high_freq_factor = number("high_freq_factor")?;
+                        let original = p
+                            .get("original_max_position_embeddings")
+                            .and_then(Value::as_u64)
+                            .ok_or_else(|| {
+                                bad(format!(
+                                    "key `{key}.original_max_position_embeddings`: a \
+                                     non-negative integer is needed for rope_type \"llama3\""
+                                ))
+                            })?;
+                        rope_scaling = Some(Llama3RopeScaling {
+                            factor,
+                            low_freq_factor,
+                            high_freq_factor,
+                            original_max_position_embeddings: original as usize,
+                        });
+                    }
+                    _ => {
+                        return Err(bad(format!(
+                            "key `{key}.rope_type` is {kind:?}: supported are the default rotary \
+                             embedding and \"llama3\""
+                        )))
+                    }
                 }
                 rope_theta = f64_key(p, "rope_theta", rope_theta)?;
             }
@@ -130,6 +164,7 @@ pub fn config_from_json(text: &str, path: &Path) -> Result<LlamaConfig> {
         max_position_embeddings: usize_key("max_position_embeddings", Some(2048))?,
         rms_norm_eps: f64_key(o, "rms_norm_eps", 1e-6)?,
         rope_theta,
+        rope_scaling,
         tie_word_embeddings: bool_key("tie_word_embeddings")?,
         attention_bias: bool_key("attention_bias")?,
         mlp_bias: bool_key("mlp_bias")?,
@@ -156,7 +191,8 @@ pub fn config_to_json(cfg: &LlamaConfig, dtype: &str) -> Value {
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope_parameters(cfg),
+        "rope_scaling": cfg.rope_scaling.map(|_| rope_parameters(cfg)),
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": cfg.attention_bias,
         "mlp_bias": cfg.mlp_bias,
@@ -164,6 +200,22 @@ pub fn config_to_json(cfg: &LlamaConfig, dtype: &str) -> Value {
         "torch_dtype": dtype,
         "dtype": dtype,
     })
+}
+
+/// `rope_parameters` of `cfg` for [`config_to_json`]: the rotary base, and Llama 3's scaling
+/// when it has one (also written as `rope_scaling` there, which transformers 4 reads).
+fn rope_parameters(cfg: &LlamaConfig) -> Value {
+    match &cfg.rope_scaling {
+        None => json!({"rope_type": "default", "rope_theta": cfg.rope_theta}),
+        Some(s) => json!({
+            "rope_type": "llama3",
+            "rope_theta": cfg.rope_theta,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }),
+    }
 }
 
 /// Reads `dir/config.json` ([`config_from_json`]).
