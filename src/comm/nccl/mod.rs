@@ -90,13 +90,14 @@
 //! detected (a hang until the timeout). [`ProcessGroup::barrier`] is an all-reduce of one
 //! element on the stream.
 
+mod meet;
 mod raw;
 mod watchdog;
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{CudaDevice, DType, Device, Layout, Tensor};
@@ -104,6 +105,9 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use cudarc::nccl::{result, sys};
 use parking_lot::Mutex;
 
+#[cfg(feature = "mpi")]
+use self::meet::mpi_unique_id;
+use self::meet::watch_store;
 pub use self::raw::UniqueId;
 use self::raw::{move_dtype, reduce_dtype, RawComm};
 use self::watchdog::{Failure, Family, NcclOp};
@@ -827,127 +831,6 @@ impl Drop for NcclGroup {
     fn drop(&mut self) {
         self.family.group_closed();
     }
-}
-
-/// Starts the thread that waits on this rank's inbox in the job's store and fails `family`
-/// on a peer's notice; installs the family's notifier (publishing this rank's failures) and
-/// its close hook (stopping the thread).
-fn watch_store(family: &Arc<Family>, store: Arc<TcpStore>) -> Result<()> {
-    let weak = Arc::downgrade(family);
-    let watcher_store = Arc::clone(&store);
-    let rank = store.rank();
-    std::thread::Builder::new()
-        .name(format!("nccl-notices-{rank}"))
-        .spawn(move || loop {
-            let started = Instant::now();
-            match bootstrap::wait_notice(&*watcher_store) {
-                Ok(bootstrap::Notice::Closed) => return,
-                Ok(bootstrap::Notice::Failed {
-                    rank: failed_rank,
-                    reason,
-                }) => {
-                    if let Some(family) = weak.upgrade() {
-                        family.fail(
-                            Failure::Rank {
-                                failed_rank,
-                                reason,
-                            },
-                            false,
-                        );
-                    }
-                    return;
-                }
-                Err(e) => {
-                    // The store's timeout passed with no notice: wait again. An immediate error
-                    // is a lost connection (rank 0's process ended): stop watching.
-                    if weak.strong_count() == 0 || started.elapsed() < Duration::from_secs(1) {
-                        tracing::debug!("rank {rank}: stopped watching for failure notices: {e}");
-                        return;
-                    }
-                }
-            }
-        })
-        .map_err(|error| Error::SpawnFailed {
-            what: format!("the failure-notice watcher of rank {rank}"),
-            error,
-        })?;
-    let notify_store = Arc::clone(&store);
-    family.set_peer_channel(
-        Box::new(move |failed_rank, reason| {
-            if let Err(e) = bootstrap::publish_failure(&*notify_store, failed_rank, reason) {
-                tracing::warn!("rank {failed_rank}: could not tell the peers it failed: {e}");
-            }
-        }),
-        Box::new(move || {
-            if let Err(e) = bootstrap::close_inbox(&*store) {
-                tracing::debug!("closing this rank's inbox: {e}");
-            }
-        }),
-    );
-    Ok(())
-}
-
-/// The root communicator's unique id, broadcast over `MPI_COMM_WORLD` from rank 0, with a
-/// status byte first so that a failure of rank 0 fails every rank at once.
-#[cfg(feature = "mpi")]
-fn mpi_unique_id(rank: usize, world_size: usize) -> Result<UniqueId> {
-    use mpi::ffi;
-    let (mpi_rank, mpi_size) = crate::comm::mpi::world_rank_and_size()?;
-    if (mpi_rank, mpi_size) != (rank, world_size) {
-        return Err(Error::InvalidArgument(format!(
-            "NCCL over MPI: rank {rank} of {world_size} requested but MPI says rank {mpi_rank} \
-             of {mpi_size}"
-        )));
-    }
-    let mut msg = [0u8; 129];
-    let mut local_error = None;
-    if rank == 0 {
-        match UniqueId::new() {
-            Ok(id) => msg[1..].copy_from_slice(&id.0),
-            Err(e) => {
-                msg[0] = 1;
-                let text = e.to_string();
-                let n = text.len().min(128);
-                msg[1..1 + n].copy_from_slice(&text.as_bytes()[..n]);
-                local_error = Some(e);
-            }
-        }
-    }
-    // SAFETY: MPI is initialised (world_rank_and_size above) with MPI_THREAD_MULTIPLE; `msg`
-    // is a live buffer of 129 bytes on every rank; every rank of MPI_COMM_WORLD calls this
-    // broadcast once, from rank 0.
-    let rc = unsafe {
-        ffi::MPI_Bcast(
-            msg.as_mut_ptr().cast(),
-            msg.len() as std::ffi::c_int,
-            ffi::RSMPI_UINT8_T,
-            0,
-            ffi::RSMPI_COMM_WORLD,
-        )
-    };
-    if rc != ffi::MPI_SUCCESS as std::ffi::c_int {
-        return Err(Error::Mpi {
-            call: "MPI_Bcast (NCCL unique id)".into(),
-            rank,
-            code: rc,
-            message: "broadcasting the NCCL unique id failed".into(),
-        });
-    }
-    if let Some(e) = local_error {
-        return Err(e);
-    }
-    if msg[0] != 0 {
-        let end = msg[1..].iter().position(|&b| b == 0).map_or(128, |p| p);
-        return Err(Error::PeerFailed {
-            op: "bootstrap (MPI_Bcast of the NCCL unique id)".into(),
-            rank,
-            failed_rank: 0,
-            reason: String::from_utf8_lossy(&msg[1..1 + end]).into_owned(),
-        });
-    }
-    let mut id = [0u8; 128];
-    id.copy_from_slice(&msg[1..]);
-    Ok(UniqueId(id))
 }
 
 /// Runs `f` on this process's rank of an NCCL job on GPU `gpu` (the handle wrapped in
