@@ -385,6 +385,38 @@ impl Error {
         }
     }
 
+    /// This error's text without the stack traces Candle attaches when `RUST_BACKTRACE` is set
+    /// (`candle_core::Error::WithBacktrace`, at any depth under [`Error::InStep`] and Candle's
+    /// `Context` / `WithPath` layers). This is the text a failing rank sends to the others in
+    /// its abort notice: its own stack would be noise in their messages, and several processes'
+    /// multi-line traces interleave on a shared terminal.
+    pub fn message(&self) -> String {
+        fn traces(e: &candle_core::Error, out: &mut Vec<String>) {
+            match e {
+                candle_core::Error::WithBacktrace { inner, backtrace } => {
+                    out.push(format!("\n{backtrace}"));
+                    traces(inner, out);
+                }
+                candle_core::Error::Context { inner, .. }
+                | candle_core::Error::WithPath { inner, .. } => traces(inner, out),
+                _ => {}
+            }
+        }
+        let mut found = Vec::new();
+        let mut e = self;
+        while let Error::InStep { source, .. } = e {
+            e = source;
+        }
+        if let Error::Candle(c) = e {
+            traces(c, &mut found);
+        }
+        let mut text = self.to_string();
+        for trace in found.iter().filter(|t| t.len() > 1) {
+            text = text.replacen(trace.as_str(), "", 1);
+        }
+        text
+    }
+
     /// A data or checkpoint file problem.
     pub fn file(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
         Error::File {
@@ -396,3 +428,27 @@ impl Error {
 
 /// Result alias used throughout the crate.
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Candle's stack traces (at any depth) are left out of `message`, and only they.
+    #[test]
+    fn message_leaves_out_candle_stack_traces() {
+        let traced = candle_core::Error::WithBacktrace {
+            inner: Box::new(candle_core::Error::Msg("injected".into())),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        }
+        .context("in the user's module");
+        let e = Error::from(traced).in_step(Some("block"), Phase::Forward, 5);
+        let full = e.to_string();
+        assert!(full.lines().count() > 2, "no trace to leave out: {full}");
+        assert_eq!(
+            e.message(),
+            "forward of unit block at step 5: in the user's module\ninjected"
+        );
+        let plain = Error::InvalidArgument("bad\nvalue".into());
+        assert_eq!(plain.message(), plain.to_string());
+    }
+}

@@ -534,7 +534,7 @@ fn helper_store_rank() {
     let store = match TcpStore::connect("127.0.0.1", port, rank, world_size, timeout) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("rank {rank}: error: {e}");
+            crate::common::report_rank_error(rank, &e);
             std::process::exit(1);
         }
     };
@@ -578,7 +578,7 @@ fn helper_store_rank() {
         }
     })();
     if let Err(e) = result {
-        eprintln!("rank {rank}: error: {e}");
+        crate::common::report_rank_error(rank, &e);
         if rank == 0 {
             // Rank 0's exit ends the store: give the others the time to read their own reply
             // (else they may report the lost connection instead).

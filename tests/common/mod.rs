@@ -7,6 +7,22 @@ use candle_fsdp::unit::UnitSpec;
 use candle_nn::{Activation, Init, VarBuilder};
 use rand::{Rng, SeedableRng};
 
+/// Prints `rank {rank}: error: {message}` to stderr in one `write` call, the message without
+/// Candle's stack traces ([`candle_fsdp::Error::message`]). A rank process of a multi-process
+/// test shares its output pipe with the others; a line shorter than `PIPE_BUF` (4096 bytes)
+/// written at once is never split by theirs, where `eprintln!` writes piece by piece.
+pub fn report_rank_error(rank: usize, e: &candle_fsdp::Error) {
+    eprint_line(&format!("rank {rank}: error: {}", e.message()));
+}
+
+/// Writes `line` and a newline to stderr in one `write` call (see [`report_rank_error`]).
+pub fn eprint_line(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(format!("{line}\n").as_bytes());
+}
+
 /// A module with one learnable scalar that multiplies its input (numel 1: smaller than any
 /// world size above 1, so most ranks hold only padding).
 pub struct Scale {

@@ -453,7 +453,7 @@ where
             super::threads::run_one(rank, pg, &f)
         }
         Err(e) => {
-            rt.abort(&e.to_string());
+            rt.abort(&e.message());
             Err(e)
         }
     };

@@ -189,7 +189,7 @@ where
     let result = match catch_unwind(AssertUnwindSafe(|| f(Arc::clone(&pg)))) {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(e)) => {
-            pg.abort(&e.to_string());
+            pg.abort(&e.message());
             Err(e)
         }
         Err(payload) => {
