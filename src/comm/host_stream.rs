@@ -4,7 +4,7 @@
 //! job through the backend's hook) and completes its [`Work`].
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{self, JoinHandle};
 
@@ -15,7 +15,7 @@ use super::threads::panic_message;
 use super::threads::run_one;
 use super::{
     foreign_stream, join_stream_threads, CommObserver, CommStream, Instrumented, OpKind,
-    ProcessGroup, Work,
+    ProcessGroup, Work, DEFAULT_STREAM,
 };
 use crate::error::{Error, Result};
 
@@ -44,7 +44,7 @@ pub(crate) struct HostStream<C> {
 impl<C: StreamComm> HostStream<C> {
     /// Starts the thread (named `{backend}-{rank}-{name}`) of a stream of group `owner` on
     /// `comm`; when the thread ends while `closing` is set, it leaves the communicator.
-    pub(crate) fn start(
+    fn start(
         backend: &str,
         owner: u64,
         rank: usize,
@@ -92,7 +92,7 @@ impl<C: StreamComm> HostStream<C> {
 /// stream of group `owner` (rank `rank`); `on_panic(message)` runs on the stream's thread
 /// when the body panics (the backend aborts the job), and the operation then fails with
 /// [`Error::RankPanicked`].
-pub(crate) fn issue<C, T, F>(
+fn issue<C, T, F>(
     stream: &CommStream,
     owner: u64,
     rank: usize,
@@ -140,20 +140,94 @@ where
     work
 }
 
-/// Closes the streams of a group being dropped: sets `closing` (each thread then leaves its
-/// communicator), closes every queue, and joins the threads after the work already queued.
-pub(crate) fn close_streams<C: StreamComm>(
-    closing: &AtomicBool,
-    streams: &mut Vec<Weak<HostStream<C>>>,
-    threads: &mut Vec<JoinHandle<()>>,
-) {
-    closing.store(true, Ordering::Release);
-    for stream in streams.drain(..) {
-        if let Some(stream) = stream.upgrade() {
-            stream.close();
-        }
+/// Identifies a group's streams: a stream handed to another group's collective is refused.
+static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The comm streams of one group handle of a host backend (`backend` names it in thread
+/// names): its default stream, the streams created since (their threads are joined when the
+/// group is dropped, see [`HostStreams::close`]) and the observer its operations report to.
+pub(crate) struct HostStreams<C> {
+    id: u64,
+    backend: &'static str,
+    rank: usize,
+    default: CommStream,
+    streams: Mutex<Vec<Weak<HostStream<C>>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    observer: Mutex<Option<Arc<dyn CommObserver>>>,
+    closing: Arc<AtomicBool>,
+}
+
+impl<C: StreamComm> HostStreams<C> {
+    /// Starts the default stream ([`DEFAULT_STREAM`]) of a new group handle of rank `rank` on
+    /// communicator `default`.
+    pub(crate) fn new(backend: &'static str, rank: usize, default: C) -> Result<Self> {
+        let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
+        let closing = Arc::new(AtomicBool::new(false));
+        let (stream, thread) =
+            HostStream::start(backend, id, rank, default, DEFAULT_STREAM, &closing)?;
+        Ok(HostStreams {
+            id,
+            backend,
+            rank,
+            streams: Mutex::new(vec![Arc::downgrade(&stream)]),
+            default: CommStream::new(DEFAULT_STREAM, stream),
+            threads: Mutex::new(vec![thread]),
+            observer: Mutex::new(None),
+            closing,
+        })
     }
-    join_stream_threads(threads);
+
+    /// The default stream.
+    pub(crate) fn default_stream(&self) -> CommStream {
+        self.default.clone()
+    }
+
+    /// Starts a stream named `name` on communicator `comm` (already agreed with the peers).
+    pub(crate) fn add(&self, comm: C, name: &str) -> Result<CommStream> {
+        let (stream, thread) =
+            HostStream::start(self.backend, self.id, self.rank, comm, name, &self.closing)?;
+        let mut threads = self.threads.lock();
+        threads.retain(|t| !t.is_finished());
+        threads.push(thread);
+        let mut streams = self.streams.lock();
+        streams.retain(|s| s.strong_count() > 0);
+        streams.push(Arc::downgrade(&stream));
+        Ok(CommStream::new(Arc::clone(&stream.name), stream))
+    }
+
+    /// Sets the observer of the operations issued from now on.
+    pub(crate) fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
+        *self.observer.lock() = observer;
+    }
+
+    /// [`issue`] on one of these streams, reported to the current observer.
+    pub(crate) fn issue<T, F>(
+        &self,
+        stream: &CommStream,
+        kind: OpKind,
+        on_panic: impl FnOnce(&str) + Send + 'static,
+        body: F,
+    ) -> Work<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut C, u64, &str) -> Result<T> + Send + 'static,
+    {
+        let observer = self.observer.lock().clone();
+        issue(stream, self.id, self.rank, kind, observer, on_panic, body)
+    }
+
+    /// Closes the streams of a group being dropped: sets `closing` (each thread then leaves
+    /// its communicator), closes every queue, and joins the threads after the work already
+    /// queued.
+    pub(crate) fn close(&mut self) {
+        self.closing.store(true, Ordering::Release);
+        for stream in self.streams.get_mut().drain(..) {
+            if let Some(stream) = stream.upgrade() {
+                stream.close();
+            }
+        }
+        join_stream_threads(self.threads.get_mut());
+    }
 }
 
 /// Runs `f` on this process's rank `rank` of a process-per-rank job, given the group its

@@ -41,9 +41,7 @@ mod ops;
 mod segment;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
@@ -52,13 +50,10 @@ use parking_lot::Mutex;
 use self::ops::{Comm, Ctx};
 use self::segment::{shm_dir, AbortSlot, PeerMap, Segment};
 use super::buffer::{Kind, Post, RawBytes};
-use super::host_stream::{self, HostStream};
+use super::host_stream::{self, HostStreams};
 use super::store::TcpStore;
 use super::threads::check_ranks;
-use super::{
-    host_collectives, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work,
-    DEFAULT_STREAM,
-};
+use super::{host_collectives, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 
 /// Configuration of a shared-memory process group.
@@ -117,9 +112,6 @@ impl Core {
     }
 }
 
-/// The shared-memory backend's state behind a [`CommStream`].
-type ShmStream = HostStream<Comm>;
-
 /// Setup operations of one handle: their sequence number, the setup communicator, and how
 /// many communicators the group has (setup and streams).
 struct Setup {
@@ -128,22 +120,15 @@ struct Setup {
     comms: usize,
 }
 
-static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
-
 /// One process's rank of a shared-memory group; see the [module docs](self).
 ///
 /// Dropping the handle closes its streams (after the work queued on them) and marks the rank
 /// as departed: peers still waiting for it fail with [`Error::PeerExited`].
 pub struct ShmProcessGroup {
-    id: u64,
     core: Arc<Core>,
     device: Device,
     setup: Mutex<Setup>,
-    default_stream: CommStream,
-    streams: Mutex<Vec<Weak<ShmStream>>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
-    observer: Mutex<Option<Arc<dyn CommObserver>>>,
-    closing: Arc<AtomicBool>,
+    streams: HostStreams<Comm>,
 }
 
 impl std::fmt::Debug for ShmProcessGroup {
@@ -154,17 +139,6 @@ impl std::fmt::Debug for ShmProcessGroup {
             .field("timeout", &self.core.timeout)
             .finish()
     }
-}
-
-/// Starts the thread of a stream named `name` on communicator `comm`.
-fn start_stream(
-    owner: u64,
-    core: &Arc<Core>,
-    comm: Comm,
-    name: &str,
-    closing: &Arc<AtomicBool>,
-) -> Result<(Arc<ShmStream>, JoinHandle<()>)> {
-    HostStream::start("shm", owner, core.rank, comm, name, closing)
 }
 
 impl ShmProcessGroup {
@@ -243,7 +217,7 @@ impl ShmProcessGroup {
         };
         let owns = [core.create(0), core.create(1)];
         if let Some(Err(e)) = owns.iter().find(|r| r.is_err()) {
-            core.abort.set(rank, &e.to_string());
+            core.abort.set(rank, &e.message());
         }
         let [setup, default] = owns;
         let (setup, default) = (setup?, default?);
@@ -271,22 +245,14 @@ impl ShmProcessGroup {
     }
 
     fn create(core: Arc<Core>, setup: Comm, default: Comm) -> Result<Arc<ShmProcessGroup>> {
-        let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
-        let closing = Arc::new(AtomicBool::new(false));
-        let (stream, thread) = start_stream(id, &core, default, DEFAULT_STREAM, &closing)?;
         Ok(Arc::new(ShmProcessGroup {
-            id,
             device: Device::Cpu,
             setup: Mutex::new(Setup {
                 seq: 0,
                 comm: setup,
                 comms: 2,
             }),
-            streams: Mutex::new(vec![Arc::downgrade(&stream)]),
-            default_stream: CommStream::new(DEFAULT_STREAM, stream),
-            threads: Mutex::new(vec![thread]),
-            observer: Mutex::new(None),
-            closing,
+            streams: HostStreams::new("shm", core.rank, default)?,
             core,
         }))
     }
@@ -303,12 +269,9 @@ impl ShmProcessGroup {
         F: FnOnce(&mut Ctx<'_>) -> Result<T> + Send + 'static,
     {
         let (core, on_panic) = (Arc::clone(&self.core), Arc::clone(&self.core));
-        host_stream::issue(
+        self.streams.issue(
             stream,
-            self.id,
-            self.core.rank,
             kind,
-            self.observer.lock().clone(),
             move |message: &str| {
                 on_panic.abort.set(
                     on_panic.root_ranks[on_panic.rank],
@@ -330,7 +293,7 @@ impl ShmProcessGroup {
     fn abort_self(&self, e: &Error) {
         self.core
             .abort
-            .set(self.core.root_ranks[self.core.rank], &e.to_string());
+            .set(self.core.root_ranks[self.core.rank], &e.message());
     }
 }
 
@@ -377,18 +340,11 @@ impl ProcessGroup for ShmProcessGroup {
             comm
         };
         setup.comms += 1;
-        let (stream, thread) = start_stream(self.id, &self.core, comm, name, &self.closing)?;
-        let mut threads = self.threads.lock();
-        threads.retain(|t| !t.is_finished());
-        threads.push(thread);
-        let mut streams = self.streams.lock();
-        streams.retain(|s| s.strong_count() > 0);
-        streams.push(Arc::downgrade(&stream));
-        Ok(CommStream::new(Arc::clone(&stream.name), stream))
+        self.streams.add(comm, name)
     }
 
     fn default_stream(&self) -> CommStream {
-        self.default_stream.clone()
+        self.streams.default_stream()
     }
 
     host_collectives!();
@@ -459,17 +415,13 @@ impl ProcessGroup for ShmProcessGroup {
     }
 
     fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
-        *self.observer.lock() = observer;
+        self.streams.set_observer(observer);
     }
 }
 
 impl Drop for ShmProcessGroup {
     fn drop(&mut self) {
-        host_stream::close_streams(
-            &self.closing,
-            self.streams.get_mut(),
-            self.threads.get_mut(),
-        );
+        self.streams.close();
         self.setup.get_mut().comm.depart(self.core.rank);
     }
 }

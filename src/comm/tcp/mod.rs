@@ -40,9 +40,7 @@
 mod net;
 mod ops;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
@@ -52,13 +50,10 @@ use self::net::{mesh, Net};
 pub use self::net::{ADDR_VAR, IFNAME_VAR};
 use self::ops::{Comm, Ctx};
 use super::buffer::{Kind, Post, RawBytes};
-use super::host_stream::{self, HostStream, StreamComm};
+use super::host_stream::{self, HostStreams, StreamComm};
 use super::store::TcpStore;
 use super::threads::check_ranks;
-use super::{
-    host_collectives, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work,
-    DEFAULT_STREAM,
-};
+use super::{host_collectives, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 
 /// Configuration of a TCP process group.
@@ -103,9 +98,6 @@ impl Core {
     }
 }
 
-/// The TCP backend's state behind a [`CommStream`].
-type Stream = HostStream<Comm>;
-
 /// Setup operations of one handle: their sequence number, the setup communicator, and how many
 /// communicators the group has (setup and streams).
 struct Setup {
@@ -114,22 +106,15 @@ struct Setup {
     comms: usize,
 }
 
-static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
-
 /// One process's rank of a TCP group; see the [module docs](self).
 ///
 /// Dropping the handle closes its streams (after the work queued on them) and tells the peers
 /// it left: those still waiting for it fail with [`Error::PeerExited`].
 pub struct TcpProcessGroup {
-    id: u64,
     core: Arc<Core>,
     device: Device,
     setup: Mutex<Setup>,
-    default_stream: CommStream,
-    streams: Mutex<Vec<Weak<Stream>>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
-    observer: Mutex<Option<Arc<dyn CommObserver>>>,
-    closing: Arc<AtomicBool>,
+    streams: HostStreams<Comm>,
 }
 
 impl std::fmt::Debug for TcpProcessGroup {
@@ -140,17 +125,6 @@ impl std::fmt::Debug for TcpProcessGroup {
             .field("timeout", &self.core.timeout)
             .finish()
     }
-}
-
-/// Starts the thread of a stream named `name` on communicator `comm`.
-fn start_stream(
-    owner: u64,
-    core: &Arc<Core>,
-    comm: Comm,
-    name: &str,
-    closing: &Arc<AtomicBool>,
-) -> Result<(Arc<Stream>, JoinHandle<()>)> {
-    HostStream::start("tcp", owner, core.rank, comm, name, closing)
 }
 
 /// Store key of rank `j`'s address.
@@ -237,22 +211,14 @@ impl TcpProcessGroup {
     }
 
     fn create(core: Arc<Core>, setup: Comm, default: Comm) -> Result<Arc<TcpProcessGroup>> {
-        let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
-        let closing = Arc::new(AtomicBool::new(false));
-        let (stream, thread) = start_stream(id, &core, default, DEFAULT_STREAM, &closing)?;
         Ok(Arc::new(TcpProcessGroup {
-            id,
             device: Device::Cpu,
             setup: Mutex::new(Setup {
                 seq: 0,
                 comm: setup,
                 comms: 2,
             }),
-            streams: Mutex::new(vec![Arc::downgrade(&stream)]),
-            default_stream: CommStream::new(DEFAULT_STREAM, stream),
-            threads: Mutex::new(vec![thread]),
-            observer: Mutex::new(None),
-            closing,
+            streams: HostStreams::new("tcp", core.rank, default)?,
             core,
         }))
     }
@@ -269,12 +235,9 @@ impl TcpProcessGroup {
         F: FnOnce(&mut Ctx<'_>) -> Result<T> + Send + 'static,
     {
         let (core, on_panic) = (Arc::clone(&self.core), Arc::clone(&self.core));
-        host_stream::issue(
+        self.streams.issue(
             stream,
-            self.id,
-            self.core.rank,
             kind,
-            self.observer.lock().clone(),
             move |message: &str| {
                 on_panic.net.abort(
                     on_panic.root_ranks[on_panic.rank],
@@ -296,7 +259,7 @@ impl TcpProcessGroup {
     fn abort_self(&self, e: &Error) {
         self.core
             .net
-            .abort(self.core.root_ranks[self.core.rank], &e.to_string());
+            .abort(self.core.root_ranks[self.core.rank], &e.message());
     }
 }
 
@@ -335,18 +298,11 @@ impl ProcessGroup for TcpProcessGroup {
         .exchange(&post, name.as_bytes())?;
         let comm = core.connect(index).inspect_err(|e| self.abort_self(e))?;
         setup.comms += 1;
-        let (stream, thread) = start_stream(self.id, &self.core, comm, name, &self.closing)?;
-        let mut threads = self.threads.lock();
-        threads.retain(|t| !t.is_finished());
-        threads.push(thread);
-        let mut streams = self.streams.lock();
-        streams.retain(|s| s.strong_count() > 0);
-        streams.push(Arc::downgrade(&stream));
-        Ok(CommStream::new(Arc::clone(&stream.name), stream))
+        self.streams.add(comm, name)
     }
 
     fn default_stream(&self) -> CommStream {
-        self.default_stream.clone()
+        self.streams.default_stream()
     }
 
     host_collectives!();
@@ -395,17 +351,13 @@ impl ProcessGroup for TcpProcessGroup {
     }
 
     fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
-        *self.observer.lock() = observer;
+        self.streams.set_observer(observer);
     }
 }
 
 impl Drop for TcpProcessGroup {
     fn drop(&mut self) {
-        host_stream::close_streams(
-            &self.closing,
-            self.streams.get_mut(),
-            self.threads.get_mut(),
-        );
+        self.streams.close();
         self.setup.get_mut().comm.leave(self.core.rank);
     }
 }
