@@ -5,9 +5,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
-use candle_fsdp::data::text::{Split, DEFAULT_VAL_FRACTION};
+use candle_fsdp::data::text::{sample_window_starts, Split, DEFAULT_VAL_FRACTION};
 use candle_fsdp::Result;
-use rand::{Rng, SeedableRng};
 
 use super::lm::{Codec, Corpus};
 
@@ -99,14 +98,10 @@ impl Corpus for TokenCorpus {
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
         let data = self.split(split);
-        let stream = seed
-            ^ (rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            ^ index.wrapping_mul(0xbf58_476d_1ce4_e5b9)
-            ^ u64::from(split == Split::Val) << 63;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(stream);
+        // The byte corpus's sampler (same windows for the same seed, split, rank and step).
+        let starts = sample_window_starts(data.len(), split, batch, seq_len, seed, rank, index)?;
         let (mut x, mut y) = (Vec::new(), Vec::new());
-        for _ in 0..batch {
-            let s = rng.random_range(0..data.len() - seq_len);
+        for s in starts {
             x.extend_from_slice(&data[s..s + seq_len]);
             y.extend_from_slice(&data[s + 1..s + seq_len + 1]);
         }

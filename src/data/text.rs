@@ -171,9 +171,15 @@ impl TextCorpus {
         step: u64,
     ) -> Result<Vec<usize>> {
         self.check_seq_len(split, seq_len)?;
-        let starts = self.split(split).len() - seq_len;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(stream_seed(seed, split, rank, step));
-        Ok((0..batch).map(|_| rng.random_range(0..starts)).collect())
+        sample_window_starts(
+            self.split(split).len(),
+            split,
+            batch,
+            seq_len,
+            seed,
+            rank,
+            step,
+        )
     }
 
     /// One batch of `(inputs, targets)`, each a `(batch, seq_len)` u32 tensor on `device`
@@ -209,6 +215,34 @@ impl TextCorpus {
             Tensor::from_vec(targets, (batch, seq_len), device)?,
         ))
     }
+}
+
+/// The first token of each of the `batch` windows of `seq_len + 1` tokens drawn for `(seed,
+/// split, rank, step)` from a split of `len` tokens: uniform over its `len − seq_len` possible
+/// starts, one random stream per `(seed, split, rank, step)`. The sampler of
+/// [`TextCorpus::window_starts`], for corpora of other tokens (a tokenizer's ids).
+///
+/// Errors: `seq_len` 0, or `len < seq_len + 1` (no window fits).
+pub fn sample_window_starts(
+    len: usize,
+    split: Split,
+    batch: usize,
+    seq_len: usize,
+    seed: u64,
+    rank: usize,
+    step: u64,
+) -> Result<Vec<usize>> {
+    if seq_len == 0 || len < seq_len + 1 {
+        return Err(Error::InvalidArgument(format!(
+            "the {} split has {len} tokens, too few for one window of seq_len {seq_len} \
+             (seq_len + 1 tokens, seq_len at least 1)",
+            split.name()
+        )));
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(stream_seed(seed, split, rank, step));
+    Ok((0..batch)
+        .map(|_| rng.random_range(0..len - seq_len))
+        .collect())
 }
 
 /// One random stream per `(seed, split, rank, step)`: SplitMix64 finalisers chained over the
