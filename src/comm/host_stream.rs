@@ -3,7 +3,6 @@
 //! numbers an operation, reports it to the observer, turns a panic into an error (aborting the
 //! job through the backend's hook) and completes its [`Work`].
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{self, JoinHandle};
@@ -11,8 +10,7 @@ use std::thread::{self, JoinHandle};
 use crossbeam::channel::{unbounded, Sender};
 use parking_lot::Mutex;
 
-use super::threads::panic_message;
-use super::threads::run_one;
+use super::threads::{run_one, run_stream_op};
 use super::{
     foreign_stream, join_stream_threads, CommObserver, CommStream, Instrumented, OpKind,
     ProcessGroup, Work, DEFAULT_STREAM,
@@ -122,14 +120,7 @@ where
         let observed = observer
             .as_ref()
             .and_then(|o| o.op_started(&stream_name, kind, &op));
-        let result = match catch_unwind(AssertUnwindSafe(|| body(comm, seq, &op))) {
-            Ok(r) => r,
-            Err(payload) => {
-                let message = format!("{op}: {}", panic_message(payload.as_ref()));
-                on_panic(&message);
-                Err(Error::RankPanicked { rank, message })
-            }
-        };
+        let result = run_stream_op(&op, rank, || body(comm, seq, &op), on_panic);
         drop(observed);
         completer.complete(result);
     });

@@ -35,7 +35,6 @@ mod ops;
 mod runtime;
 
 use std::ffi::c_int;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{self, JoinHandle};
@@ -49,7 +48,7 @@ use parking_lot::Mutex;
 use self::ops::OpCtx;
 use self::runtime::{check, deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
 use super::buffer::{Kind, Post, RawBytes};
-use super::threads::{check_ranks, panic_message};
+use super::threads::{check_ranks, run_stream_op};
 use super::wire;
 use super::{
     foreign_stream, host_collectives, join_stream_threads, CommObserver, CommStream, Instrumented,
@@ -272,14 +271,12 @@ impl MpiProcessGroup {
                 scratch,
                 desc_max: wire::OP_DESC_MAX,
             };
-            let result = match catch_unwind(AssertUnwindSafe(|| body(&mut ctx))) {
-                Ok(r) => r,
-                Err(payload) => {
-                    let message = format!("{op}: {}", panic_message(payload.as_ref()));
-                    rt.abort(&format!("rank {rank}: comm stream panicked: {message}"));
-                    Err(Error::RankPanicked { rank, message })
-                }
-            };
+            let result = run_stream_op(
+                &op,
+                rank,
+                || body(&mut ctx),
+                |message| rt.abort(&format!("rank {rank}: comm stream panicked: {message}")),
+            );
             drop(observed);
             completer.complete(result);
         });

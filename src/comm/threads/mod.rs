@@ -81,16 +81,15 @@ mod run;
 
 #[cfg(feature = "cuda")]
 pub use self::cuda::MAX_CUDA_RANKS;
-pub(crate) use self::run::panic_message;
 use self::run::raise_priority;
 pub(crate) use self::run::run_one;
+pub(crate) use self::run::run_stream_op;
 pub use self::run::{
     new_group, run_ranks, run_ranks_ok, set_intra_op_threads, BARRIER_POOL_SPIN_LIMIT,
 };
 #[cfg(feature = "cuda")]
 pub use self::run::{new_group_on_gpu, run_ranks_on_gpu};
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{self, JoinHandle};
@@ -351,14 +350,12 @@ impl ThreadProcessGroup {
                 seq,
                 op: &op,
             };
-            let result = match catch_unwind(AssertUnwindSafe(|| body(&ctx))) {
-                Ok(r) => r,
-                Err(payload) => {
-                    let message = format!("{op}: {}", panic_message(payload.as_ref()));
-                    shared.abort(rank, &format!("comm stream panicked: {message}"));
-                    Err(Error::RankPanicked { rank, message })
-                }
-            };
+            let result = run_stream_op(
+                &op,
+                rank,
+                || body(&ctx),
+                |message| shared.abort(rank, &format!("comm stream panicked: {message}")),
+            );
             drop(observed);
             completer.complete(result);
         });
@@ -458,30 +455,31 @@ impl ThreadProcessGroup {
                 seq,
                 op: &op,
             };
-            let done = match catch_unwind(AssertUnwindSafe(|| match &ready {
-                Ok(ready) => {
-                    let job = cuda::CudaJob {
-                        stream: &device_stream,
-                        cuda: &rc.cuda,
-                        device: &rc.device,
-                        ready,
-                        timing,
-                    };
-                    body(&ctx, &job)
-                }
-                Err(e) => {
-                    let e = Error::Cuda(format!("{op} on rank {rank}: {e}"));
-                    shared.abort(rank, &e.to_string());
-                    cuda::CudaDone::failed(e)
-                }
-            })) {
-                Ok(done) => done,
-                Err(payload) => {
-                    let message = format!("{op}: {}", panic_message(payload.as_ref()));
-                    shared.abort(rank, &format!("comm stream panicked: {message}"));
-                    cuda::CudaDone::failed(Error::RankPanicked { rank, message })
-                }
-            };
+            let done = run_stream_op(
+                &op,
+                rank,
+                || {
+                    Ok(match &ready {
+                        Ok(ready) => {
+                            let job = cuda::CudaJob {
+                                stream: &device_stream,
+                                cuda: &rc.cuda,
+                                device: &rc.device,
+                                ready,
+                                timing,
+                            };
+                            body(&ctx, &job)
+                        }
+                        Err(e) => {
+                            let e = Error::Cuda(format!("{op} on rank {rank}: {e}"));
+                            shared.abort(rank, &e.to_string());
+                            cuda::CudaDone::failed(e)
+                        }
+                    })
+                },
+                |message| shared.abort(rank, &format!("comm stream panicked: {message}")),
+            )
+            .unwrap_or_else(cuda::CudaDone::failed);
             drop(observed);
             let cuda::CudaDone {
                 final_event,

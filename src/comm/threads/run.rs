@@ -119,6 +119,22 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// Runs the body of operation `op` of rank `rank` on its comm stream's thread: a panic in it
+/// becomes [`Error::RankPanicked`] (`"{op}: {panic message}"`) after `on_panic` has been given
+/// that message (the backend aborts the job with it, so peers never wait on this rank).
+pub(crate) fn run_stream_op<T>(
+    op: &str,
+    rank: usize,
+    body: impl FnOnce() -> Result<T>,
+    on_panic: impl FnOnce(&str),
+) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|payload| {
+        let message = format!("{op}: {}", panic_message(payload.as_ref()));
+        on_panic(&message);
+        Err(Error::RankPanicked { rank, message })
+    })
+}
+
 /// Runs `f` on `world_size` ranks of a fresh in-process group, one thread per rank (named
 /// `rank-{r}`), and returns each rank's result (index = rank). Each rank's handle is wrapped in
 /// [`Instrumented`], so [`ProcessGroup::stats`] counts its collectives.
