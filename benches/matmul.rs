@@ -5,6 +5,10 @@
 //!
 //! `cargo bench --bench matmul`: one line per shape, GFLOP/s = 2·m·n·k / time, for the best
 //! of 5 rounds of 5 products and for the mean of all 25 (after one warm-up product).
+//!
+//! `MATMUL_MODE=cold` writes 64 MiB of other memory before each product (its operands leave
+//! the caches, as in a training step, where a product's operands were last touched many ops
+//! earlier); `sleep` waits 3 ms before each (the pool's threads fall asleep); `coldsleep` both.
 
 use std::time::Instant;
 
@@ -33,6 +37,7 @@ fn main() -> candle_core::Result<()> {
         "threads {} (RAYON_NUM_THREADS or all cores)",
         candle_core::utils::get_num_threads()
     );
+    let mut flush = vec![0f32; 16 << 20];
     for (m, k, n) in SHAPES {
         let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
         let b = Tensor::randn(0f32, 1.0, (k, n), &Device::Cpu)?;
@@ -54,6 +59,7 @@ fn main() -> candle_core::Result<()> {
             for _ in 0..5 {
                 let mut round = 0.0;
                 for _ in 0..5 {
+                    surroundings(&mut flush);
                     let t = Instant::now();
                     std::hint::black_box(a.matmul(&rhs)?);
                     round += t.elapsed().as_secs_f64();
@@ -74,4 +80,18 @@ fn main() -> candle_core::Result<()> {
         }
     }
     Ok(())
+}
+
+/// What runs between two timed products, as `MATMUL_MODE` says (see the file's documentation).
+fn surroundings(flush: &mut [f32]) {
+    let mode = std::env::var("MATMUL_MODE").unwrap_or_default();
+    if mode.contains("cold") {
+        for (i, v) in flush.iter_mut().enumerate() {
+            *v += i as f32;
+        }
+        std::hint::black_box(&flush);
+    }
+    if mode.contains("sleep") {
+        std::thread::sleep(std::time::Duration::from_millis(3));
+    }
 }

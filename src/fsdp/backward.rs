@@ -272,7 +272,20 @@ impl FsdpModel {
             }
         }
         let grads = match surrogate {
-            Some(s) if s.track_op() => Some(s.backward()?),
+            Some(s) if s.track_op() => {
+                // Fused nodes (`nn::block`) send their parameters' gradients here instead of
+                // through Candle's graph; they join the store where Candle's would be.
+                let sink = crate::nn::grad_sink::collect();
+                let mut grads = s.backward()?;
+                for (p, g) in sink.finish() {
+                    let g = match grads.get(&p) {
+                        Some(old) => (old + g)?,
+                        None => g,
+                    };
+                    grads.insert(&p, g);
+                }
+                Some(grads)
+            }
             _ => None,
         };
         let call = &self.step_calls()[c];
@@ -340,6 +353,7 @@ impl FsdpModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let module = self.bind(m, groups, Params::Recompute)?;
+        let _armed = crate::nn::grad_sink::arm();
         let outs = module.forward_t(&inputs, true)?;
         let outputs: Vec<Option<Tensor>> = outs
             .into_iter()

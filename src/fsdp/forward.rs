@@ -248,6 +248,10 @@ impl FsdpModel {
                 detached: checkpoint,
             },
         )?;
+        // Fused nodes built by this call send their parameters' gradients to the sink its
+        // backward opens (`nn::grad_sink`); armed through the connectivity check, which counts
+        // the parameters they promised as reached.
+        let _armed = crate::nn::grad_sink::arm();
         let outs = self.run(m, module.as_ref(), &inputs.inputs, true)?;
         drop(module);
         self.post_forward(m, pos, groups, checkpoint, inputs, outs)
@@ -495,7 +499,10 @@ impl FsdpModel {
                 }
                 let vars = u.param_tensors().unwrap_or(&[]);
                 for (p, v) in u.flat().layout().params.iter().zip(vars) {
-                    if member.params.contains(&p.name) && !reached.contains(&v.id()) {
+                    if member.params.contains(&p.name)
+                        && !reached.contains(&v.id())
+                        && !crate::nn::grad_sink::promised(v)
+                    {
                         return Err(Error::Disconnected {
                             unit: member.spec.name.clone(),
                             what: format!(

@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder};
+use crate::nn::block::{gpt_block, GptBlockParams};
 pub use crate::nn::gelu;
 use crate::nn::{causal_attention, layer_norm, linear_forward, linear_gelu, LayerNorm};
 use crate::unit::UnitSpec;
@@ -292,8 +293,50 @@ impl Block {
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        // Inside the FSDP runtime's training forward: the whole block as one node.
+        if let Some(y) = self.fused(x)? {
+            return Ok(y);
+        }
         let h = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
         &h + self.mlp.forward(&self.ln2.forward(&h)?)?
+    }
+}
+
+impl Block {
+    /// The block as one node ([`crate::nn::block`]) where it applies, else `None`.
+    fn fused(&self, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (Some(b1), Some(bq), Some(bp), Some(b2), Some(bf), Some(bm)) = (
+            self.ln1.bias(),
+            self.attn.qkv.bias(),
+            self.attn.proj.bias(),
+            self.ln2.bias(),
+            self.mlp.fc.bias(),
+            self.mlp.proj.bias(),
+        ) else {
+            return Ok(None);
+        };
+        if !self.ln1.remove_mean() || !self.ln2.remove_mean() || self.ln1.eps() != self.ln2.eps() {
+            return Ok(None);
+        }
+        let params = GptBlockParams {
+            tensors: [
+                self.ln1.weight(),
+                b1,
+                self.attn.qkv.weight(),
+                bq,
+                self.attn.proj.weight(),
+                bp,
+                self.ln2.weight(),
+                b2,
+                self.mlp.fc.weight(),
+                bf,
+                self.mlp.proj.weight(),
+                bm,
+            ],
+            n_head: self.attn.n_head,
+            eps: self.ln1.eps(),
+        };
+        gpt_block(x, &params)
     }
 }
 

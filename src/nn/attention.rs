@@ -171,12 +171,12 @@ fn check_qkv(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<(usize, us
 /// The shape of one problem: batch `b`, context `t`, `h` query heads and `kvh` key/value heads
 /// of `hd` features.
 #[derive(Clone, Copy, Debug)]
-struct Dims {
-    b: usize,
-    t: usize,
-    h: usize,
-    kvh: usize,
-    hd: usize,
+pub(super) struct Dims {
+    pub(super) b: usize,
+    pub(super) t: usize,
+    pub(super) h: usize,
+    pub(super) kvh: usize,
+    pub(super) hd: usize,
 }
 
 impl Dims {
@@ -407,7 +407,7 @@ fn head_backward(
     [dq, dk, dv]
 }
 
-fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> {
+pub(super) fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
     let heads = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
@@ -432,7 +432,7 @@ fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> {
     }
 }
 
-fn attention_bwd<T: Elem>(x: &[T], y: &[T], g: &[T], dims: Dims, scale: f32) -> Vec<T> {
+pub(super) fn attention_bwd<T: Elem>(x: &[T], y: &[T], g: &[T], dims: Dims, scale: f32) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
     let mut heads = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);

@@ -25,6 +25,8 @@
 
 mod activation;
 mod attention;
+pub(crate) mod block;
+pub(crate) mod grad_sink;
 mod linear;
 mod loss;
 mod norm;

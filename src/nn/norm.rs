@@ -332,7 +332,13 @@ const ROWS: usize = 32;
 
 /// The forward of [`LayerNorm`] on the CPU: `y = (x − μ)/σ · w (+ b)` per row of size `w.len()`,
 /// tiles of [`ROWS`] rows split over the rank's threads.
-fn norm_fwd<T: Elem>(x: &[T], w: &[T], b: Option<&[T]>, eps: f32, remove_mean: bool) -> Vec<T> {
+pub(super) fn norm_fwd<T: Elem>(
+    x: &[T],
+    w: &[T],
+    b: Option<&[T]>,
+    eps: f32,
+    remove_mean: bool,
+) -> Vec<T> {
     let d = w.len();
     let w: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
     let b: Vec<f32> = match b {
@@ -360,7 +366,7 @@ fn norm_fwd<T: Elem>(x: &[T], w: &[T], b: Option<&[T]>, eps: f32, remove_mean: b
 /// The backward of [`LayerNorm`] on the CPU, for the output gradient `g`: `dx` (the input's
 /// size) followed by `dw` and `db` (each `w.len()`), in one buffer. Tiles of [`ROWS`] rows run
 /// over the rank's threads, each with its own `dw`, `db` partial sums, added in tile order.
-fn norm_bwd<T: Elem>(x: &[T], w: &[T], g: &[T], eps: f32, remove_mean: bool) -> Vec<T> {
+pub(super) fn norm_bwd<T: Elem>(x: &[T], w: &[T], g: &[T], eps: f32, remove_mean: bool) -> Vec<T> {
     let d = w.len();
     let w: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
     let mut out: Vec<std::mem::MaybeUninit<T>> = Vec::with_capacity(x.len() + 2 * d);

@@ -1,0 +1,514 @@
+//! A whole pre-norm GPT-2 block as one graph node, inside the FSDP runtime.
+//!
+//! ```text
+//! h   = x + (attn(ln1(x)) · W_projᵀ + b_proj)        attn: causal multi-head over ln1(x)·W_qkvᵀ + b_qkv
+//! out = h + (gelu(ln2(h) · W_fcᵀ + b_fc) · W_mpᵀ + b_mp)
+//! ```
+//!
+//! Composed of the one-node layers ([`super::layer_norm`], [`super::linear_forward`],
+//! [`super::causal_attention`], [`super::linear_gelu`]) and two residual additions, a block is
+//! nine graph nodes and twenty-one node inputs: Candle's backward keeps a zero-filled
+//! gradient accumulator for each and adds every gradient into it, about 45 MB of extra memory
+//! traffic a block at the benchmark's shapes, and the residual additions are two more passes.
+//! This node runs the same kernels ([`super::norm`], the `gemm` crate, [`super::attention`],
+//! [`super::activation`]) in one forward and one backward that hand the intermediate
+//! gradients from kernel to kernel directly, and fold each residual addition and bias into its
+//! projection's gemm (the gemm accumulates into a buffer holding `x + b`).
+//!
+//! Its only graph input is `x`: the twelve parameters' gradients go to the runtime's sink
+//! ([`super::grad_sink`]), so the node exists only while a unit's training forward is armed
+//! ([`gpt_block`] returns `None` otherwise, and the model composes the layers). The backward
+//! reads the parameters as they are then (the runtime has refilled them), as every other node
+//! does.
+
+use std::sync::Mutex;
+
+use candle_core::{
+    bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Storage, Tensor,
+};
+
+use super::attention::{attention_bwd, attention_fwd, Dims};
+use super::grad_sink;
+use super::norm::{norm_bwd, norm_fwd};
+use crate::cpu::{filled, gemm_f32, parallel_chunks, with_simd};
+
+/// The parameters of one block, in [`gpt_block`]'s order: `ln1` weight and bias `(d,)`, `qkv`
+/// weight `(3d, d)` and bias `(3d,)`, attention projection `(d, d)` and `(d,)`, `ln2` `(d,)`
+/// twice, MLP `fc` `(k, d)` and `(k,)`, MLP projection `(d, k)` and `(d,)`.
+pub(crate) struct GptBlockParams<'a> {
+    /// The twelve parameter tensors, in the order above.
+    pub tensors: [&'a Tensor; 12],
+    /// Attention heads (dividing `d`).
+    pub n_head: usize,
+    /// Epsilon of both layer norms.
+    pub eps: f64,
+}
+
+/// The block applied to `x` `(B, T, d)` as one node, or `None` where the node does not apply and
+/// the caller must compose the layers: outside an armed unit forward
+/// ([`grad_sink::armed`]), an `x` that carries no gradient (the parameters' gradients would
+/// then have no node to come from), anything but f32 on the CPU, non-contiguous parameters, an
+/// empty batch.
+///
+/// Errors: parameters whose shapes do not fit `x` and each other.
+pub(crate) fn gpt_block(x: &Tensor, p: &GptBlockParams<'_>) -> Result<Option<Tensor>> {
+    let applies = grad_sink::armed()
+        && x.track_op()
+        && x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && x.rank() == 3
+        && x.elem_count() > 0
+        && p.tensors
+            .iter()
+            .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous());
+    if !applies {
+        return Ok(None);
+    }
+    let d = x.dim(2)?;
+    let k = p.tensors[8].dim(0)?;
+    let want: [&[usize]; 12] = [
+        &[d],
+        &[d],
+        &[3 * d, d],
+        &[3 * d],
+        &[d, d],
+        &[d],
+        &[d],
+        &[d],
+        &[k, d],
+        &[k],
+        &[d, k],
+        &[d],
+    ];
+    for (i, (t, w)) in p.tensors.iter().zip(want).enumerate() {
+        if t.dims() != w {
+            bail!(
+                "gpt block: parameter {i} is {:?}, expected {w:?} for an input {:?}",
+                t.shape(),
+                x.shape()
+            )
+        }
+    }
+    if p.n_head == 0 || !d.is_multiple_of(p.n_head) {
+        bail!("gpt block: n_head {} must divide d {d}", p.n_head)
+    }
+    let op = BlockOp {
+        params: p.tensors.map(Tensor::clone),
+        n_head: p.n_head,
+        eps: p.eps as f32,
+        saved: Mutex::new(None),
+    };
+    grad_sink::promise(p.tensors);
+    Ok(Some(x.contiguous()?.apply_op1(op)?))
+}
+
+/// The node: the parameters (read at forward and backward) and the activations the forward
+/// keeps for the backward.
+struct BlockOp {
+    params: [Tensor; 12],
+    n_head: usize,
+    eps: f32,
+    saved: Mutex<Option<Saved>>,
+}
+
+/// The forward's intermediate values (`N = B·T` rows): `ln1(x)` `(N, d)`, `qkv` `(N, 3d)`, the
+/// attention output `(N, d)`, `h` `(N, d)`, `ln2(h)` `(N, d)`, the MLP's pre-activation and its
+/// GELU `(N, k)`.
+struct Saved {
+    a1: Vec<f32>,
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    h: Vec<f32>,
+    a2: Vec<f32>,
+    f: Vec<f32>,
+    gl: Vec<f32>,
+}
+
+/// The f32 data of each tensor (contiguous, checked by [`gpt_block`]), read-locked for `f`.
+fn with_data<R>(ts: &[Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result<R> {
+    let guards: Vec<_> = ts.iter().map(Tensor::storage_and_layout).collect();
+    let mut data = Vec::with_capacity(ts.len());
+    for (s, l) in &guards {
+        let Storage::Cpu(s) = &**s else {
+            bail!("gpt block: a parameter left the CPU")
+        };
+        let o = l.start_offset();
+        data.push(&s.as_slice::<f32>()?[o..o + l.shape().elem_count()]);
+    }
+    f(&data)
+}
+
+/// `rows` copies of `row` (a bias broadcast over the rows), or `base + row` per row when `base`
+/// is given: the buffer a projection's gemm then accumulates into.
+fn rows_plus(rows: usize, row: &[f32], base: Option<&[f32]>) -> Vec<f32> {
+    let w = row.len();
+    // SAFETY: each chunk of whole rows is written element by element.
+    unsafe {
+        filled(rows * w, 64 * w, |i, out| {
+            with_simd(|| {
+                for (r, o) in out.chunks_exact_mut(w).enumerate() {
+                    match base {
+                        Some(b) => {
+                            let b = &b[(i * 64 + r) * w..][..w];
+                            for ((o, &b), &v) in o.iter_mut().zip(b).zip(row) {
+                                o.write(b + v);
+                            }
+                        }
+                        None => {
+                            for (o, &v) in o.iter_mut().zip(row) {
+                                o.write(v);
+                            }
+                        }
+                    }
+                }
+            })
+        })
+    }
+}
+
+/// `dst (n × out) += a (n × inp) · wᵀ` for `w` `(out, inp)` row-major.
+fn a_wt(dst: &mut [f32], a: &[f32], w: &[f32], n: usize, inp: usize, out: usize) {
+    debug_assert!(dst.len() == n * out && a.len() == n * inp && w.len() == out * inp);
+    // SAFETY: the three operands hold exactly their shapes (asserted by the callers' sizes).
+    unsafe {
+        gemm_f32(
+            (n, out, inp),
+            dst.as_mut_ptr(),
+            out,
+            true,
+            (a, inp, 1),
+            (w, 1, inp),
+            true,
+        )
+    }
+}
+
+/// `g (n × out) · w (out × inp)`, a new `(n, inp)` buffer (the input's gradient).
+fn g_w(g: &[f32], w: &[f32], n: usize, out: usize, inp: usize) -> Vec<f32> {
+    let mut dst = Vec::with_capacity(n * inp);
+    // SAFETY: operands of their full shapes; the gemm writes every element of `dst` (no
+    // accumulation), so the length is set after.
+    unsafe {
+        gemm_f32(
+            (n, inp, out),
+            dst.as_mut_ptr(),
+            inp,
+            false,
+            (g, out, 1),
+            (w, inp, 1),
+            true,
+        );
+        dst.set_len(n * inp);
+    }
+    dst
+}
+
+/// `gᵀ (out × n) · a (n × inp)`, a new `(out, inp)` buffer (the weight's gradient).
+fn gt_a(g: &[f32], a: &[f32], n: usize, out: usize, inp: usize) -> Vec<f32> {
+    let mut dst = Vec::with_capacity(out * inp);
+    // SAFETY: as in `g_w`.
+    unsafe {
+        gemm_f32(
+            (out, inp, n),
+            dst.as_mut_ptr(),
+            inp,
+            false,
+            (g, 1, out),
+            (a, inp, 1),
+            true,
+        );
+        dst.set_len(out * inp);
+    }
+    dst
+}
+
+/// The column sums of `g` `(rows, w)` (a bias's gradient), rows in order.
+fn col_sums(g: &[f32], w: usize) -> Vec<f32> {
+    let mut s = vec![0f32; w];
+    with_simd(|| {
+        for row in g.chunks_exact(w) {
+            for (a, &v) in s.iter_mut().zip(row) {
+                *a += v;
+            }
+        }
+    });
+    s
+}
+
+/// `a += b`, split over the rank's threads.
+fn add_into(a: &mut [f32], b: &[f32]) {
+    const CHUNK: usize = 1 << 14;
+    parallel_chunks(a, CHUNK, |i, a| {
+        let b = &b[i * CHUNK..][..a.len()];
+        with_simd(|| {
+            for (x, &y) in a.iter_mut().zip(b) {
+                *x += y;
+            }
+        })
+    });
+}
+
+impl BlockOp {
+    fn dims(&self, b: usize, t: usize, d: usize) -> Dims {
+        Dims {
+            b,
+            t,
+            h: self.n_head,
+            kvh: self.n_head,
+            hd: d / self.n_head,
+        }
+    }
+
+    fn scale(&self, d: usize) -> f32 {
+        ((d / self.n_head) as f32).sqrt().recip()
+    }
+}
+
+impl CustomOp1 for BlockOp {
+    fn name(&self) -> &'static str {
+        "gpt-block"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, t, d) = l.shape().dims3()?;
+        let n = b * t;
+        let Some((o1, o2)) = l.contiguous_offsets() else {
+            bail!("gpt block: the input is not contiguous")
+        };
+        let x = &s.as_slice::<f32>()?[o1..o2];
+        let (saved, out) = with_data(&self.params, |p| {
+            let [ln1w, ln1b, wqkv, bqkv, wp, bp, ln2w, ln2b, wfc, bfc, wmp, bmp] = p else {
+                bail!("gpt block: twelve parameters expected")
+            };
+            let k = bfc.len();
+            let a1 = norm_fwd(x, ln1w, Some(ln1b), self.eps, true);
+            let mut qkv = rows_plus(n, bqkv, None);
+            a_wt(&mut qkv, &a1, wqkv, n, d, 3 * d);
+            let att = attention_fwd(&qkv, self.dims(b, t, d), self.scale(d));
+            let mut h = rows_plus(n, bp, Some(x));
+            a_wt(&mut h, &att, wp, n, d, d);
+            let a2 = norm_fwd(&h, ln2w, Some(ln2b), self.eps, true);
+            let mut f = rows_plus(n, bfc, None);
+            a_wt(&mut f, &a2, wfc, n, d, k);
+            let gl = super::activation::gelu_fwd(&f);
+            let mut out = rows_plus(n, bmp, Some(&h));
+            a_wt(&mut out, &gl, wmp, n, k, d);
+            let saved = Saved {
+                a1,
+                qkv,
+                att,
+                h,
+                a2,
+                f,
+                gl,
+            };
+            Ok((saved, out))
+        })?;
+        *self.saved.lock().map_err(|_| poisoned())? = Some(saved);
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let Some(s) = self.saved.lock().map_err(|_| poisoned())?.take() else {
+            bail!("gpt block backward: the forward's activations are missing (a second backward?)")
+        };
+        let (b, t, d) = arg.dims3()?;
+        let n = b * t;
+        let g = grad_res.contiguous()?;
+        let x = arg.contiguous()?;
+        let io = [x.clone(), g.clone()];
+        let (dx, grads) = with_data(&io, |xg| {
+            let (x, g) = (xg[0], xg[1]);
+            with_data(&self.params, |p| {
+                let [ln1w, _, wqkv, _, wp, _, ln2w, _, wfc, _, wmp, _] = p else {
+                    bail!("gpt block: twelve parameters expected")
+                };
+                let k = wfc.len() / d;
+                // MLP projection: out = h + gl · W_mpᵀ + b_mp.
+                let dwmp = gt_a(g, &s.gl, n, d, k);
+                let dbmp = col_sums(g, d);
+                let dgl = g_w(g, wmp, n, d, k);
+                drop(s.gl);
+                let df = super::activation::gelu_bwd(&s.f, &dgl);
+                drop((dgl, s.f));
+                let dwfc = gt_a(&df, &s.a2, n, k, d);
+                let dbfc = col_sums(&df, k);
+                let da2 = g_w(&df, wfc, n, k, d);
+                drop((df, s.a2));
+                let mut n2 = norm_bwd(&s.h, ln2w, &da2, self.eps, true);
+                drop((da2, s.h));
+                let (dh, ln2g) = n2.split_at_mut(n * d);
+                add_into(dh, g);
+                let (dln2w, dln2b) = (ln2g[..d].to_vec(), ln2g[d..].to_vec());
+                // Attention projection: h = x + att · W_pᵀ + b_p.
+                let dwp = gt_a(dh, &s.att, n, d, d);
+                let dbp = col_sums(dh, d);
+                let datt = g_w(dh, wp, n, d, d);
+                let dqkv = attention_bwd(&s.qkv, &s.att, &datt, self.dims(b, t, d), self.scale(d));
+                drop((datt, s.att, s.qkv));
+                let dwqkv = gt_a(&dqkv, &s.a1, n, 3 * d, d);
+                let dbqkv = col_sums(&dqkv, 3 * d);
+                let da1 = g_w(&dqkv, wqkv, n, 3 * d, d);
+                drop((dqkv, s.a1));
+                let mut n1 = norm_bwd(x, ln1w, &da1, self.eps, true);
+                drop(da1);
+                let (dx, ln1g) = n1.split_at_mut(n * d);
+                add_into(dx, dh);
+                let (dln1w, dln1b) = (ln1g[..d].to_vec(), ln1g[d..].to_vec());
+                n1.truncate(n * d);
+                let grads = [
+                    dln1w, dln1b, dwqkv, dbqkv, dwp, dbp, dln2w, dln2b, dwfc, dbfc, dwmp, dbmp,
+                ];
+                Ok((n1, grads))
+            })
+        })?;
+        for (param, grad) in self.params.iter().zip(grads) {
+            let grad = Tensor::from_vec(grad, param.shape(), &Device::Cpu)?;
+            grad_sink::send(param, grad)?;
+        }
+        Ok(Some(Tensor::from_vec(dx, (b, t, d), &Device::Cpu)?))
+    }
+}
+
+fn poisoned() -> candle_core::Error {
+    candle_core::Error::Msg("gpt block: a panic poisoned the saved activations' lock".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::{causal_attention, linear_forward, linear_gelu, LayerNorm};
+    use candle_core::{Module, Var};
+
+    const EPS: f64 = 1e-5;
+
+    fn randn(shape: &[usize], std: f64, seed: u64) -> Var {
+        // A seeded value per element (Candle's `randn` takes no seed).
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|i| {
+                let z = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    ^ seed.wrapping_mul(0xD1B5_4A32_D192_ED03);
+                let u = (z >> 40) as f64 / (1u64 << 24) as f64;
+                ((u - 0.5) * 3.4 * std) as f32
+            })
+            .collect();
+        Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap()).unwrap()
+    }
+
+    /// The block composed of the one-node layers: the model's path outside the runtime.
+    fn composed(x: &Tensor, p: &[Var], n_head: usize) -> Result<Tensor> {
+        let t = |i: usize| p[i].as_tensor().clone();
+        let a1 = LayerNorm::new(t(0), t(1), EPS).forward(x)?;
+        let att = causal_attention(&linear_forward(&a1, &t(2), Some(&t(3)))?, n_head)?;
+        let h = (x + linear_forward(&att, &t(4), Some(&t(5)))?)?;
+        let a2 = LayerNorm::new(t(6), t(7), EPS).forward(&h)?;
+        let m = linear_forward(&linear_gelu(&a2, &t(8), &t(9))?, &t(10), Some(&t(11)))?;
+        &h + m
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+        let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+            / scale
+    }
+
+    /// The node's output, its input's gradient and the twelve gradients it sends equal the
+    /// composed layers' (Candle's autograd) to f32 rounding.
+    #[test]
+    fn one_node_block_matches_the_composed_layers() {
+        let (b, t, d, k, n_head) = (2, 24, 32, 128, 4);
+        let shapes: [&[usize]; 12] = [
+            &[d],
+            &[d],
+            &[3 * d, d],
+            &[3 * d],
+            &[d, d],
+            &[d],
+            &[d],
+            &[d],
+            &[k, d],
+            &[k],
+            &[d, k],
+            &[d],
+        ];
+        let p: Vec<Var> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let v = randn(s, 0.3, 10 + i as u64);
+                // Norm weights around 1.
+                if s.len() == 1 && (i == 0 || i == 6) {
+                    Var::from_tensor(&(v.as_tensor() + 1.0).unwrap()).unwrap()
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let x = randn(&[b, t, d], 1.0, 1);
+        let r = randn(&[b, t, d], 1.0, 2).as_tensor().clone();
+
+        let want = composed(x.as_tensor(), &p, n_head).unwrap();
+        let want_grads = (&want * &r).unwrap().sum_all().unwrap().backward().unwrap();
+
+        let params = GptBlockParams {
+            tensors: std::array::from_fn(|i| p[i].as_tensor()),
+            n_head,
+            eps: EPS,
+        };
+        assert!(
+            gpt_block(x.as_tensor(), &params).unwrap().is_none(),
+            "not armed: composed"
+        );
+        let armed = grad_sink::arm();
+        let got = gpt_block(x.as_tensor(), &params)
+            .unwrap()
+            .expect("armed: one node");
+        assert!(p.iter().all(|v| grad_sink::promised(v.as_tensor())));
+        drop(armed);
+        assert!(
+            max_rel(&got, &want) < 1e-5,
+            "output {}",
+            max_rel(&got, &want)
+        );
+        let sink = grad_sink::collect();
+        let grads = (&got * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        let sent = sink.finish();
+        let dx = grads.get(x.as_tensor()).expect("the input's gradient");
+        let dx_want = want_grads.get(x.as_tensor()).unwrap();
+        assert!(max_rel(dx, dx_want) < 1e-5, "dx {}", max_rel(dx, dx_want));
+        assert_eq!(sent.len(), 12);
+        for (i, ((param, grad), v)) in sent.iter().zip(&p).enumerate() {
+            assert_eq!(param.id(), v.as_tensor().id(), "parameter {i} in order");
+            assert!(
+                grads.get(v.as_tensor()).is_none(),
+                "parameter {i} past Candle's graph"
+            );
+            let e = max_rel(grad, want_grads.get(v.as_tensor()).unwrap());
+            assert!(e < 2e-5, "parameter {i}: relative error {e}");
+        }
+        // A second backward of the same node has no activations left: a clear error.
+        let sink = grad_sink::collect();
+        let e = (&got * &r)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("activations are missing"), "{e}");
+        drop(sink);
+        // A backward with no sink open names the way to run it.
+        let armed = grad_sink::arm();
+        let again = gpt_block(x.as_tensor(), &params).unwrap().unwrap();
+        drop(armed);
+        let e = again.sum_all().unwrap().backward().unwrap_err().to_string();
+        assert!(e.contains("FsdpModel::backward"), "{e}");
+    }
+}
