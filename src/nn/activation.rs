@@ -70,11 +70,14 @@ pub(super) fn gelu_fwd<T: Elem>(x: &[T]) -> Vec<T> {
     unsafe {
         filled(x.len(), CHUNK, |i, out| {
             let x = &x[i * CHUNK..i * CHUNK + out.len()];
-            with_simd(|| {
-                for (o, &v) in out.iter_mut().zip(x) {
-                    o.write(T::from_f32(gelu_f32(v.to_f32())));
-                }
-            })
+            with_simd(
+                #[inline(always)]
+                || {
+                    for (o, &v) in out.iter_mut().zip(x) {
+                        o.write(T::from_f32(gelu_f32(v.to_f32())));
+                    }
+                },
+            )
         })
     }
 }
@@ -85,11 +88,14 @@ pub(super) fn gelu_bwd<T: Elem>(x: &[T], g: &[T]) -> Vec<T> {
         filled(x.len(), CHUNK, |i, out| {
             let r = i * CHUNK..i * CHUNK + out.len();
             let (x, g) = (&x[r.clone()], &g[r]);
-            with_simd(|| {
-                for ((o, &x), &g) in out.iter_mut().zip(x).zip(g) {
-                    o.write(T::from_f32(g.to_f32() * gelu_grad_f32(x.to_f32())));
-                }
-            })
+            with_simd(
+                #[inline(always)]
+                || {
+                    for ((o, &x), &g) in out.iter_mut().zip(x).zip(g) {
+                        o.write(T::from_f32(g.to_f32() * gelu_grad_f32(x.to_f32())));
+                    }
+                },
+            )
         })
     }
 }

@@ -412,12 +412,15 @@ pub(super) fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> 
     let heads = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
         let (kc, vc) = dims.kv_cols(hi);
-        with_simd(|| {
-            let q = gather(x, w, dims, bi, hi * dims.hd);
-            let k = gather(x, w, dims, bi, kc);
-            let v = gather(x, w, dims, bi, vc);
-            head_forward(&q, &k, &v, dims.t, dims.hd, scale)
-        })
+        with_simd(
+            #[inline(always)]
+            || {
+                let q = gather(x, w, dims, bi, hi * dims.hd);
+                let k = gather(x, w, dims, bi, kc);
+                let v = gather(x, w, dims, bi, vc);
+                head_forward(&q, &k, &v, dims.t, dims.hd, scale)
+            },
+        )
     });
     let n = dims.b * dims.t * d;
     // SAFETY: the heads' column blocks tile every row of every batch element: each element is
@@ -437,15 +440,18 @@ pub(super) fn attention_bwd<T: Elem>(x: &[T], y: &[T], g: &[T], dims: Dims, scal
     let mut heads = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
         let (kc, vc) = dims.kv_cols(hi);
-        with_simd(|| {
-            let c = hi * dims.hd;
-            let q = gather(x, w, dims, bi, c);
-            let k = gather(x, w, dims, bi, kc);
-            let v = gather(x, w, dims, bi, vc);
-            let o = gather(y, d, dims, bi, c);
-            let d_o = gather(g, d, dims, bi, c);
-            head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, scale)
-        })
+        with_simd(
+            #[inline(always)]
+            || {
+                let c = hi * dims.hd;
+                let q = gather(x, w, dims, bi, c);
+                let k = gather(x, w, dims, bi, kc);
+                let v = gather(x, w, dims, bi, vc);
+                let o = gather(y, d, dims, bi, c);
+                let d_o = gather(g, d, dims, bi, c);
+                head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, scale)
+            },
+        )
     });
     // A key/value head's gradient is the sum over the query heads it serves, in head order,
     // kept in the group's first head.

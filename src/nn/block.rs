@@ -145,23 +145,26 @@ fn rows_plus(rows: usize, row: &[f32], base: Option<&[f32]>) -> Vec<f32> {
     // SAFETY: each chunk of whole rows is written element by element.
     unsafe {
         filled(rows * w, 64 * w, |i, out| {
-            with_simd(|| {
-                for (r, o) in out.chunks_exact_mut(w).enumerate() {
-                    match base {
-                        Some(b) => {
-                            let b = &b[(i * 64 + r) * w..][..w];
-                            for ((o, &b), &v) in o.iter_mut().zip(b).zip(row) {
-                                o.write(b + v);
+            with_simd(
+                #[inline(always)]
+                || {
+                    for (r, o) in out.chunks_exact_mut(w).enumerate() {
+                        match base {
+                            Some(b) => {
+                                let b = &b[(i * 64 + r) * w..][..w];
+                                for ((o, &b), &v) in o.iter_mut().zip(b).zip(row) {
+                                    o.write(b + v);
+                                }
                             }
-                        }
-                        None => {
-                            for (o, &v) in o.iter_mut().zip(row) {
-                                o.write(v);
+                            None => {
+                                for (o, &v) in o.iter_mut().zip(row) {
+                                    o.write(v);
+                                }
                             }
                         }
                     }
-                }
-            })
+                },
+            )
         })
     }
 }
@@ -225,13 +228,16 @@ fn gt_a(g: &[f32], a: &[f32], n: usize, out: usize, inp: usize) -> Vec<f32> {
 /// The column sums of `g` `(rows, w)` (a bias's gradient), rows in order.
 fn col_sums(g: &[f32], w: usize) -> Vec<f32> {
     let mut s = vec![0f32; w];
-    with_simd(|| {
-        for row in g.chunks_exact(w) {
-            for (a, &v) in s.iter_mut().zip(row) {
-                *a += v;
+    with_simd(
+        #[inline(always)]
+        || {
+            for row in g.chunks_exact(w) {
+                for (a, &v) in s.iter_mut().zip(row) {
+                    *a += v;
+                }
             }
-        }
-    });
+        },
+    );
     s
 }
 
@@ -240,11 +246,14 @@ fn add_into(a: &mut [f32], b: &[f32]) {
     const CHUNK: usize = 1 << 14;
     parallel_chunks(a, CHUNK, |i, a| {
         let b = &b[i * CHUNK..][..a.len()];
-        with_simd(|| {
-            for (x, &y) in a.iter_mut().zip(b) {
-                *x += y;
-            }
-        })
+        with_simd(
+            #[inline(always)]
+            || {
+                for (x, &y) in a.iter_mut().zip(b) {
+                    *x += y;
+                }
+            },
+        )
     });
 }
 

@@ -458,13 +458,16 @@ impl CustomOp3 for LinearBwdOp {
             // db = Σ_rows g
             std::ptr::write_bytes(base.add(n * inp + out * inp), 0, out);
             let db = std::slice::from_raw_parts_mut(base.add(n * inp + out * inp), out);
-            with_simd(|| {
-                for row in g.chunks_exact(out) {
-                    for (a, &v) in db.iter_mut().zip(row) {
-                        *a += v;
+            with_simd(
+                #[inline(always)]
+                || {
+                    for row in g.chunks_exact(out) {
+                        for (a, &v) in db.iter_mut().zip(row) {
+                            *a += v;
+                        }
                     }
-                }
-            });
+                },
+            );
             all.set_len(total);
         }
         Ok((CpuStorage::F32(all), Shape::from(total)))

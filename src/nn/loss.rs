@@ -121,15 +121,18 @@ impl CustomOp2 for CrossEntropyOp {
         let x = contiguous(s1.as_slice::<f32>()?, l1, "logits")?;
         let t = targets_of(s2, l2, v)?;
         let partial = parallel_map(n.div_ceil(ROWS), |c| {
-            with_simd(|| {
-                let mut buf = vec![0f32; v];
-                let rows = c * ROWS..((c + 1) * ROWS).min(n);
-                rows.map(|i| {
-                    let row = &x[i * v..(i + 1) * v];
-                    (log_sum_exp(row, &mut buf) - row[t[i]]) as f64
-                })
-                .sum::<f64>()
-            })
+            with_simd(
+                #[inline(always)]
+                || {
+                    let mut buf = vec![0f32; v];
+                    let rows = c * ROWS..((c + 1) * ROWS).min(n);
+                    rows.map(|i| {
+                        let row = &x[i * v..(i + 1) * v];
+                        (log_sum_exp(row, &mut buf) - row[t[i]]) as f64
+                    })
+                    .sum::<f64>()
+                },
+            )
         });
         let loss = partial.iter().sum::<f64>() / n as f64;
         Ok((CpuStorage::F32(vec![loss as f32]), Shape::from(())))
@@ -180,21 +183,24 @@ impl CustomOp3 for CrossEntropyBwdOp {
         let k = g[0] / n as f32;
         let mut out = vec![0f32; n * v];
         parallel_chunks(&mut out, ROWS * v, |c, out| {
-            with_simd(|| {
-                for (r, o) in out.chunks_exact_mut(v).enumerate() {
-                    let i = c * ROWS + r;
-                    let row = &x[i * v..(i + 1) * v];
-                    let m = max16(row);
-                    for (e, &x) in o.iter_mut().zip(row) {
-                        *e = exp_fast(x - m);
+            with_simd(
+                #[inline(always)]
+                || {
+                    for (r, o) in out.chunks_exact_mut(v).enumerate() {
+                        let i = c * ROWS + r;
+                        let row = &x[i * v..(i + 1) * v];
+                        let m = max16(row);
+                        for (e, &x) in o.iter_mut().zip(row) {
+                            *e = exp_fast(x - m);
+                        }
+                        let scale = k / sum16(o, |e| e);
+                        for e in o.iter_mut() {
+                            *e *= scale;
+                        }
+                        o[t[i]] -= k;
                     }
-                    let scale = k / sum16(o, |e| e);
-                    for e in o.iter_mut() {
-                        *e *= scale;
-                    }
-                    o[t[i]] -= k;
-                }
-            })
+                },
+            )
         });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }

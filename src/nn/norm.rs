@@ -348,17 +348,20 @@ pub(super) fn norm_fwd<T: Elem>(
     // SAFETY: each tile of whole rows is written element by element (zip over its rows).
     unsafe {
         filled(x.len(), ROWS * d, |i, out| {
-            with_simd(|| {
-                let mut buf = vec![0f32; d];
-                let x = &x[i * ROWS * d..i * ROWS * d + out.len()];
-                for (xs, ys) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-                    let row = T::load(xs, &mut buf);
-                    let (mean, rstd) = row_stats(row, eps, remove_mean);
-                    for (((y, &v), &w), &b) in ys.iter_mut().zip(row).zip(&w).zip(&b) {
-                        y.write(T::from_f32((v - mean) * rstd * w + b));
+            with_simd(
+                #[inline(always)]
+                || {
+                    let mut buf = vec![0f32; d];
+                    let x = &x[i * ROWS * d..i * ROWS * d + out.len()];
+                    for (xs, ys) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+                        let row = T::load(xs, &mut buf);
+                        let (mean, rstd) = row_stats(row, eps, remove_mean);
+                        for (((y, &v), &w), &b) in ys.iter_mut().zip(row).zip(&w).zip(&b) {
+                            y.write(T::from_f32((v - mean) * rstd * w + b));
+                        }
                     }
-                }
-            })
+                },
+            )
         })
     }
 }
@@ -374,41 +377,44 @@ pub(super) fn norm_bwd<T: Elem>(x: &[T], w: &[T], g: &[T], eps: f32, remove_mean
     unsafe { out.set_len(x.len() + 2 * d) };
     let (dx, params) = out.split_at_mut(x.len());
     let partials = parallel_chunks_map(dx, ROWS * d, |i, dx| {
-        with_simd(|| {
-            let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
-            let (mut x_buf, mut g_buf) = (vec![0f32; d], vec![0f32; d]);
-            let (mut xh, mut gh) = (vec![0f32; d], vec![0f32; d]);
-            let r = i * ROWS * d..i * ROWS * d + dx.len();
-            let (x, g) = (&x[r.clone()], &g[r]);
-            for ((xs, gs), dxs) in x
-                .chunks_exact(d)
-                .zip(g.chunks_exact(d))
-                .zip(dx.chunks_exact_mut(d))
-            {
-                let xs = T::load(xs, &mut x_buf);
-                let gs = T::load(gs, &mut g_buf);
-                let (mean, rstd) = row_stats(xs, eps, remove_mean);
-                let params = w.iter().zip(dw.iter_mut()).zip(db.iter_mut());
-                let row = xh.iter_mut().zip(gh.iter_mut()).zip(xs).zip(gs);
-                for ((((xh, gh), &x), &g), ((&w, dw), db)) in row.zip(params) {
-                    let h = (x - mean) * rstd;
-                    *xh = h;
-                    *gh = g * w;
-                    *dw += g * h;
-                    *db += g;
+        with_simd(
+            #[inline(always)]
+            || {
+                let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
+                let (mut x_buf, mut g_buf) = (vec![0f32; d], vec![0f32; d]);
+                let (mut xh, mut gh) = (vec![0f32; d], vec![0f32; d]);
+                let r = i * ROWS * d..i * ROWS * d + dx.len();
+                let (x, g) = (&x[r.clone()], &g[r]);
+                for ((xs, gs), dxs) in x
+                    .chunks_exact(d)
+                    .zip(g.chunks_exact(d))
+                    .zip(dx.chunks_exact_mut(d))
+                {
+                    let xs = T::load(xs, &mut x_buf);
+                    let gs = T::load(gs, &mut g_buf);
+                    let (mean, rstd) = row_stats(xs, eps, remove_mean);
+                    let params = w.iter().zip(dw.iter_mut()).zip(db.iter_mut());
+                    let row = xh.iter_mut().zip(gh.iter_mut()).zip(xs).zip(gs);
+                    for ((((xh, gh), &x), &g), ((&w, dw), db)) in row.zip(params) {
+                        let h = (x - mean) * rstd;
+                        *xh = h;
+                        *gh = g * w;
+                        *dw += g * h;
+                        *db += g;
+                    }
+                    let mean_gh = if remove_mean {
+                        sum16(&gh, |v| v) / d as f32
+                    } else {
+                        0.0
+                    };
+                    let mean_ghxh = dot16(&gh, &xh) / d as f32;
+                    for ((o, &gh), &xh) in dxs.iter_mut().zip(&gh).zip(&xh) {
+                        o.write(T::from_f32((gh - mean_gh - xh * mean_ghxh) * rstd));
+                    }
                 }
-                let mean_gh = if remove_mean {
-                    sum16(&gh, |v| v) / d as f32
-                } else {
-                    0.0
-                };
-                let mean_ghxh = dot16(&gh, &xh) / d as f32;
-                for ((o, &gh), &xh) in dxs.iter_mut().zip(&gh).zip(&xh) {
-                    o.write(T::from_f32((gh - mean_gh - xh * mean_ghxh) * rstd));
-                }
-            }
-            (dw, db)
-        })
+                (dw, db)
+            },
+        )
     });
     let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
     for (pw, pb) in &partials {

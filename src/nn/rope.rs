@@ -101,26 +101,30 @@ impl RopeOp {
         unsafe {
             filled(x.len(), CHUNK, |i, out| {
                 let start = i * CHUNK;
-                with_simd(|| {
-                    for (k, o) in out.iter_mut().enumerate() {
-                        let e = start + k;
-                        let (row, j) = (e / row_len, e % row_len);
-                        let p = (row / self.heads) % self.t;
-                        let (partner, sgn) = if j < half {
-                            (e + half, -1.0f32)
-                        } else {
-                            (e - half, 1.0)
-                        };
-                        let (c, s) = (self.cos[p * hd + j], self.sin[p * hd + j]);
-                        let v = if self.backward {
-                            let jp = if j < half { j + half } else { j - half };
-                            x[e].to_f32() * c - sgn * x[partner].to_f32() * self.sin[p * hd + jp]
-                        } else {
-                            x[e].to_f32() * c + sgn * x[partner].to_f32() * s
-                        };
-                        o.write(T::from_f32(v));
-                    }
-                })
+                with_simd(
+                    #[inline(always)]
+                    || {
+                        for (k, o) in out.iter_mut().enumerate() {
+                            let e = start + k;
+                            let (row, j) = (e / row_len, e % row_len);
+                            let p = (row / self.heads) % self.t;
+                            let (partner, sgn) = if j < half {
+                                (e + half, -1.0f32)
+                            } else {
+                                (e - half, 1.0)
+                            };
+                            let (c, s) = (self.cos[p * hd + j], self.sin[p * hd + j]);
+                            let v = if self.backward {
+                                let jp = if j < half { j + half } else { j - half };
+                                x[e].to_f32() * c
+                                    - sgn * x[partner].to_f32() * self.sin[p * hd + jp]
+                            } else {
+                                x[e].to_f32() * c + sgn * x[partner].to_f32() * s
+                            };
+                            o.write(T::from_f32(v));
+                        }
+                    },
+                )
             })
         }
     }

@@ -267,9 +267,17 @@ fn split4(
             .zip(g.par_chunks(CHUNK))
             .zip(m.par_chunks_mut(CHUNK))
             .zip(v.par_chunks_mut(CHUNK))
-            .for_each(|(((p, g), m), v)| with_simd(|| f(p, g, m, v)));
+            .for_each(|(((p, g), m), v)| {
+                with_simd(
+                    #[inline(always)]
+                    || f(p, g, m, v),
+                )
+            });
     } else {
-        with_simd(|| f(p, g, m, v))
+        with_simd(
+            #[inline(always)]
+            || f(p, g, m, v),
+        )
     }
 }
 
