@@ -140,6 +140,17 @@ pub(crate) fn param_views(
         .collect()
 }
 
+/// Copy-out without a copy for a training step whose parameters are read only by fused nodes
+/// ([`super::param_group::ParamGroup`]'s views binding): each parameter as a detached view of
+/// `flat` (sharing its storage, no autograd edge), in layout order.
+pub(crate) fn param_detached_views(layout: &FlatParamLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
+    layout
+        .params
+        .iter()
+        .map(|p| Ok(view(p, flat)?.detach()))
+        .collect()
+}
+
 /// Copy-out into fresh autograd variables, one per parameter (in layout order), each a contiguous
 /// copy of its range of the gathered buffer. Per-parameter variables rather than views of one flat
 /// variable: Candle's `narrow` backward would pad every parameter's gradient to the whole flat

@@ -461,7 +461,7 @@ impl FsdpModel {
     /// (candle-nn 0.11's fused `layer_norm` / `rms_norm`) would give every unit below a silent
     /// zero gradient.
     pub(super) fn check_connected(
-        &self,
+        &mut self,
         m: usize,
         groups: &[usize],
         input_vars: &[Tensor],
@@ -492,17 +492,40 @@ impl FsdpModel {
                         .map(|n| n.id()),
                 );
             }
+            let mut observed = Vec::with_capacity(groups.len());
             for &g in groups {
                 let u = &self.units[g];
                 if u.is_frozen() {
                     continue;
                 }
                 let vars = u.param_tensors().unwrap_or(&[]);
+                // Every parameter read only by fused nodes (promised, no autograd edge): the
+                // group may bind views instead of variables from the next step on.
+                observed.push((
+                    g,
+                    !vars.is_empty()
+                        && vars.iter().all(|v| {
+                            crate::nn::grad_sink::promised(v) && !reached.contains(&v.id())
+                        }),
+                ));
                 for (p, v) in u.flat().layout().params.iter().zip(vars) {
                     if member.params.contains(&p.name)
                         && !reached.contains(&v.id())
                         && !crate::nn::grad_sink::promised(v)
                     {
+                        if u.binds_views_now() {
+                            return Err(Error::Disconnected {
+                                unit: member.spec.name.clone(),
+                                what: format!(
+                                    "unit {}: parameter {} was bound as a view for fused nodes \
+                                     (every call of the first step read it only through one, \
+                                     e.g. nn's GPT block), but this call did not consume it \
+                                     through a fused node, so it would get no gradient: the \
+                                     unit must take the same path in every training step",
+                                    member.spec.name, p.name
+                                ),
+                            });
+                        }
                         return Err(Error::Disconnected {
                             unit: member.spec.name.clone(),
                             what: format!(
@@ -518,6 +541,9 @@ impl FsdpModel {
                         });
                     }
                 }
+            }
+            for (g, fused) in observed {
+                self.units[g].note_call_fusion(fused);
             }
         }
         if (trainable || !input_vars.is_empty())

@@ -79,6 +79,16 @@ pub(crate) struct ParamGroup {
     /// group's last backward, with its memory guard; later unshards gather it inside the
     /// secondary group instead of the shard group.
     secondary: Option<(Tensor, UnshardGuard)>,
+    /// Whether every parameter of the group is read only by fused nodes that send their
+    /// gradients through the runtime's sink (`nn::grad_sink`): promised by a fused node and
+    /// reached by no autograd edge, in every training call of the first step that ran with
+    /// variables (`None` until that step ends). See [`ParamGroup::binds_views`].
+    fused_only: Option<bool>,
+    /// This step's observations for [`ParamGroup::fused_only`] (AND over its calls).
+    step_fused: Option<bool>,
+    /// The step's parameter tensors are views of the shard (no copies): nothing to refill,
+    /// and the shard's storage must never be freed by a reshard.
+    views_bound: bool,
 }
 
 impl ParamGroup {
@@ -103,7 +113,48 @@ impl ParamGroup {
             grad_acc: None,
             local_present: Vec::new(),
             secondary: None,
+            fused_only: None,
+            step_fused: None,
+            views_bound: false,
         }
+    }
+
+    /// Records one training call's observation for [`ParamGroup::fused_only`]: whether every
+    /// parameter of the group was promised by a fused node and reached by no autograd edge.
+    pub(crate) fn note_call_fusion(&mut self, fused: bool) {
+        self.step_fused = Some(self.step_fused.unwrap_or(true) && fused);
+    }
+
+    /// Whether the step's parameter tensors are bound as views of the unsharded buffer instead
+    /// of variable copies: the group does not gather (one rank holds it whole: world size 1,
+    /// NO_SHARD), so the cast shard *is* the unsharded buffer, and every parameter is read only
+    /// by fused nodes ([`ParamGroup::fused_only`], learned on the first step), which need no
+    /// autograd variable. Saves the copy-out at each unshard and its memory (decision 65).
+    fn binds_views(&self) -> bool {
+        self.fused_only == Some(true)
+            && !self.frozen
+            && !self.gathers()
+            && self.flat.shard().device().is_cpu()
+            && self.policy.param_dtype == self.flat.shard().dtype()
+    }
+
+    /// Whether the step's parameter tensors are views bound for fused nodes (see
+    /// [`ParamGroup::binds_views`]).
+    pub(crate) fn binds_views_now(&self) -> bool {
+        self.views_bound
+    }
+
+    /// The step ended for this group: a first step's observations decide
+    /// [`ParamGroup::fused_only`] once.
+    fn end_step_observation(&mut self) {
+        if let Some(fused) = self.step_fused.take() {
+            if self.fused_only.is_none() {
+                self.fused_only = Some(fused);
+            } else if !fused {
+                self.fused_only = Some(false);
+            }
+        }
+        self.views_bound = false;
     }
 
     /// Ors `present` into this rank's gradient presence.
@@ -242,7 +293,13 @@ impl ParamGroup {
         }
         let layout = self.flat.layout();
         match &self.vars {
+            // Views of the shard already hold the values.
+            Some(_) if self.views_bound => {}
             Some(vars) => collectives::refill_params(layout, &flat, vars)?,
+            None if self.binds_views() => {
+                self.vars = Some(collectives::param_detached_views(layout, &flat)?);
+                self.views_bound = true;
+            }
             None => {
                 self.vars = Some(if self.frozen {
                     collectives::param_copies(layout, &flat)?
@@ -262,7 +319,8 @@ impl ParamGroup {
     /// Errors: the in-place free's (a device without an implementation).
     pub(crate) fn reshard(&mut self) -> Result<()> {
         if self.is_present() {
-            if let Some(vars) = &self.vars {
+            // Views alias the master shard: there is nothing of the step's own to free.
+            if let (Some(vars), false) = (&self.vars, self.views_bound) {
                 collectives::free_params(vars)?;
             }
             self.params = ParamState::Sharded;
@@ -273,6 +331,7 @@ impl ParamGroup {
     /// Drops any step state (variables, gathers in flight, guards, the step's gradient): back
     /// to `Sharded`.
     pub(crate) fn finalize(&mut self) {
+        self.end_step_observation();
         self.vars = None;
         self.secondary = None;
         self.params = ParamState::Sharded;
@@ -402,6 +461,7 @@ impl ParamGroup {
         if self.pending_calls > 0 {
             return (false, None);
         }
+        self.end_step_observation();
         self.vars = None;
         self.secondary = None;
         self.params = ParamState::Sharded;

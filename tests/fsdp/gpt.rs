@@ -9,7 +9,9 @@ use candle_fsdp::data::text::{Split, TextCorpus};
 use candle_fsdp::init::seeded_var_builder;
 use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::models::gpt::{gelu, lm_loss, FsdpGpt, Gpt, GptConfig};
-use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, Sgd, SgdConfig, ShardedOptimizer};
+use candle_fsdp::{
+    AdamW, AdamWConfig, FsdpConfig, FsdpModel, Sgd, SgdConfig, ShardedOptimizer, ShardingStrategy,
+};
 use candle_nn::VarMap;
 
 const CORPUS: &str = "data/shakespeare/shakespeare.txt.gz";
@@ -283,6 +285,69 @@ fn fsdp_units_match_the_plain_model_before_and_after_a_step() {
         }
         // The step moved the logits (the comparison above is not vacuous).
         assert!(max_abs_diff(&before, &after) > 1e-3);
+    }
+}
+
+/// Over several steps the units keep matching the plain model where a group binds views of its
+/// shard instead of variables (decision 65): at world size 1 (FULL_SHARD) and under NO_SHARD at
+/// world size 2 no group gathers, so from the second step on the blocks, whose parameters only
+/// the one-node block reads, compute from views of the master shard; SGD steps on the whole
+/// batch (world size 1) or on half of it per rank (NO_SHARD) must give the plain model's logits
+/// after every step. With activation checkpointing too (the block is built in the recompute).
+#[test]
+fn views_of_the_shard_after_the_first_step_match_the_plain_model() {
+    let cfg = small(false);
+    let (x, y) = (ids(4, 16, 5), ids(4, 16, 6));
+    let (reference, vm) = plain(cfg);
+    let mut sgd = <candle_nn::SGD as candle_nn::Optimizer>::new(vm.all_vars(), 0.1).unwrap();
+    let mut want = Vec::new();
+    for _ in 0..4 {
+        let loss = lm_loss(&reference.forward(&x).unwrap(), &y).unwrap();
+        candle_nn::Optimizer::backward_step(&mut sgd, &loss).unwrap();
+        want.push(reference.forward(&x).unwrap().to_vec3::<f32>().unwrap());
+    }
+    let strategies = [
+        (1, ShardingStrategy::FullShard, false),
+        (1, ShardingStrategy::FullShard, true),
+        (2, ShardingStrategy::NoShard, false),
+    ];
+    for (ws, strategy, checkpointed) in strategies {
+        let got = launch(&Launcher::threads(ws), |pg| {
+            let rank = pg.rank();
+            let gpt = FsdpGpt::new(cfg)?.with_activation_checkpointing(checkpointed);
+            let config = FsdpConfig {
+                sharding_strategy: strategy,
+                ..fsdp_config(0)
+            };
+            let mut model = gpt.add_units(FsdpModel::builder(pg, config)).build()?;
+            let mut sgd = Sgd::new(SgdConfig {
+                lr: 0.1,
+                ..Default::default()
+            });
+            let per = 4 / ws;
+            let mut after = Vec::new();
+            for _ in 0..4 {
+                let rows = |t: &Tensor| t.narrow(0, per * rank, per);
+                let logits = gpt.logits(&mut model, &rows(&x)?, true)?;
+                model.zero_grad();
+                model.backward(&lm_loss(&logits, &rows(&y)?)?)?;
+                sgd.step(&mut model)?;
+                after.push(gpt.logits(&mut model, &x, false)?.to_vec3::<f32>()?);
+            }
+            Ok(after)
+        })
+        .unwrap();
+        for (rank, steps) in got.iter().enumerate() {
+            for (step, (g, w)) in steps.iter().zip(&want).enumerate() {
+                let d = max_abs_diff(g, w);
+                assert!(
+                    d < 2e-4,
+                    "world size {ws}, {strategy:?}, checkpointed {checkpointed}, rank {rank}, \
+                     after step {}: |fsdp - plain| {d}",
+                    step + 1
+                );
+            }
+        }
     }
 }
 
