@@ -292,12 +292,10 @@ fn tile_probs(q: &[f32], k: &[f32], hd: usize, r0: usize, br: usize, scale: f32,
     for (i, row) in p.chunks_exact_mut(kend).enumerate() {
         let n = r0 + i + 1;
         let (live, masked) = row.split_at_mut(n);
-        for v in live.iter_mut() {
-            *v *= scale;
-        }
+        // softmax(s·x) = exp(s·(x − max x)) / Σ: the scale folded into the exponential's pass.
         let m = max16(live);
         for v in live.iter_mut() {
-            *v = exp_fast(*v - m);
+            *v = exp_fast(scale * (*v - m));
         }
         let inv = sum16(live, |v| v).recip();
         for v in live.iter_mut() {

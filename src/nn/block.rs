@@ -30,7 +30,7 @@ use candle_core::{
 use super::attention::{attention_bwd, attention_fwd, Dims};
 use super::grad_sink;
 use super::norm::{norm_bwd, norm_fwd};
-use crate::cpu::{filled, gemm_f32, parallel_chunks, with_simd};
+use crate::cpu::{filled, gemm_f32, parallel_chunks, parallel_map, with_simd};
 
 /// The parameters of one block, in [`gpt_block`]'s order: `ln1` weight and bias `(d,)`, `qkv`
 /// weight `(3d, d)` and bias `(3d,)`, attention projection `(d, d)` and `(d,)`, `ln2` `(d,)`
@@ -226,19 +226,32 @@ fn gt_a(g: &[f32], a: &[f32], n: usize, out: usize, inp: usize) -> Vec<f32> {
     dst
 }
 
-/// The column sums of `g` `(rows, w)` (a bias's gradient), rows in order.
+/// The column sums of `g` `(rows, w)` (a bias's gradient): partial sums over tiles of 64 rows
+/// on the rank's threads, added in tile order (the same bits whatever the thread count).
 fn col_sums(g: &[f32], w: usize) -> Vec<f32> {
-    let mut s = vec![0f32; w];
-    with_simd(
-        #[inline(always)]
-        || {
-            for row in g.chunks_exact(w) {
-                for (a, &v) in s.iter_mut().zip(row) {
-                    *a += v;
+    const ROWS: usize = 64;
+    let tiles = g.len().div_ceil(ROWS * w);
+    let partials = parallel_map(tiles, |i| {
+        let mut s = vec![0f32; w];
+        with_simd(
+            #[inline(always)]
+            || {
+                let end = ((i + 1) * ROWS * w).min(g.len());
+                for row in g[i * ROWS * w..end].chunks_exact(w) {
+                    for (a, &v) in s.iter_mut().zip(row) {
+                        *a += v;
+                    }
                 }
-            }
-        },
-    );
+            },
+        );
+        s
+    });
+    let mut s = vec![0f32; w];
+    for p in &partials {
+        for (a, &v) in s.iter_mut().zip(p) {
+            *a += v;
+        }
+    }
     s
 }
 
