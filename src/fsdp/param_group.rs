@@ -86,9 +86,13 @@ pub(crate) struct ParamGroup {
     fused_only: Option<bool>,
     /// This step's observations for [`ParamGroup::fused_only`] (AND over its calls).
     step_fused: Option<bool>,
-    /// The step's parameter tensors are views of the shard (no copies): nothing to refill,
-    /// and the shard's storage must never be freed by a reshard.
+    /// The step's parameter tensors are views (no copies) of the shard (a group that does not
+    /// gather: nothing to refill, and the shard's storage is never freed) or of `unsharded`.
     views_bound: bool,
+    /// A gathering group bound to views: the step's unsharded flat buffer the views share;
+    /// `reshard` frees its storage in place, the next gather's buffer moves into it
+    /// ([`super::storage::adopt`]).
+    unsharded: Option<Tensor>,
 }
 
 impl ParamGroup {
@@ -116,6 +120,7 @@ impl ParamGroup {
             fused_only: None,
             step_fused: None,
             views_bound: false,
+            unsharded: None,
         }
     }
 
@@ -126,16 +131,18 @@ impl ParamGroup {
     }
 
     /// Whether the step's parameter tensors are bound as views of the unsharded buffer instead
-    /// of variable copies: the group does not gather (one rank holds it whole: world size 1,
-    /// NO_SHARD), so the cast shard *is* the unsharded buffer, and every parameter is read only
-    /// by fused nodes ([`ParamGroup::fused_only`], learned on the first step), which need no
-    /// autograd variable. Saves the copy-out at each unshard and its memory (decision 65).
+    /// of variable copies: every parameter is read only by fused nodes
+    /// ([`ParamGroup::fused_only`], learned on the first step), which need no autograd
+    /// variable, on the CPU. A group that does not gather (world size 1, NO_SHARD) views its
+    /// cast shard, which *is* the unsharded buffer (`param_dtype` = the shard's dtype); a
+    /// gathering group views its gathered buffer, freed in place at reshard and refilled by
+    /// moving the next gather's buffer in. Saves the copy-out and the refill at each unshard
+    /// (decision 66).
     fn binds_views(&self) -> bool {
         self.fused_only == Some(true)
             && !self.frozen
-            && !self.gathers()
             && self.flat.shard().device().is_cpu()
-            && self.policy.param_dtype == self.flat.shard().dtype()
+            && (self.gathers() || self.policy.param_dtype == self.flat.shard().dtype())
     }
 
     /// Whether the step's parameter tensors are views bound for fused nodes (see
@@ -155,6 +162,7 @@ impl ParamGroup {
             }
         }
         self.views_bound = false;
+        self.unsharded = None;
     }
 
     /// Ors `present` into this rank's gradient presence.
@@ -293,12 +301,20 @@ impl ParamGroup {
         }
         let layout = self.flat.layout();
         match &self.vars {
-            // Views of the shard already hold the values.
-            Some(_) if self.views_bound => {}
+            // Views of the shard already hold the values; views of a gathered buffer get the
+            // new gather's buffer moved into the storage they share.
+            Some(_) if self.views_bound => {
+                if let Some(u) = &self.unsharded {
+                    super::storage::adopt(u, &flat)?;
+                }
+            }
             Some(vars) => collectives::refill_params(layout, &flat, vars)?,
             None if self.binds_views() => {
                 self.vars = Some(collectives::param_detached_views(layout, &flat)?);
                 self.views_bound = true;
+                if self.gathers() {
+                    self.unsharded = Some(flat.clone());
+                }
             }
             None => {
                 self.vars = Some(if self.frozen {
@@ -319,9 +335,12 @@ impl ParamGroup {
     /// Errors: the in-place free's (a device without an implementation).
     pub(crate) fn reshard(&mut self) -> Result<()> {
         if self.is_present() {
-            // Views alias the master shard: there is nothing of the step's own to free.
-            if let (Some(vars), false) = (&self.vars, self.views_bound) {
-                collectives::free_params(vars)?;
+            match (&self.vars, self.views_bound, &self.unsharded) {
+                (Some(vars), false, _) => collectives::free_params(vars)?,
+                // Views of the gathered buffer: free the buffer they share.
+                (Some(_), true, Some(u)) => super::storage::free(u)?,
+                // Views alias the master shard: there is nothing of the step's own to free.
+                _ => {}
             }
             self.params = ParamState::Sharded;
         }

@@ -301,6 +301,139 @@ pub(crate) fn refill(t: &Tensor, src: &Tensor) -> Result<()> {
     t.inplace_op2(src, &Refill).map_err(Error::from)
 }
 
+/// Moves the buffer out of a storage, leaving it empty (the first half of [`adopt`]).
+struct Take(std::sync::Mutex<Option<CpuStorage>>);
+
+impl candle_core::InplaceOp1 for Take {
+    fn name(&self) -> &'static str {
+        "fsdp-take-storage"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let n = layout.shape().elem_count();
+        if !(layout.is_contiguous() && layout.start_offset() == 0 && buffer_len(storage) == Some(n))
+        {
+            candle_core::bail!("fsdp-adopt: the source must be a whole f32/bf16/f16/f64 buffer")
+        }
+        let empty = match storage {
+            CpuStorage::F32(_) => CpuStorage::F32(Vec::new()),
+            CpuStorage::BF16(_) => CpuStorage::BF16(Vec::new()),
+            CpuStorage::F16(_) => CpuStorage::F16(Vec::new()),
+            _ => CpuStorage::F64(Vec::new()),
+        };
+        let taken = std::mem::replace(storage, empty);
+        *self
+            .0
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("fsdp-adopt: poisoned".into()))? = Some(taken);
+        Ok(())
+    }
+}
+
+/// Puts a taken buffer into a storage (the second half of [`adopt`]).
+struct Put(std::sync::Mutex<Option<CpuStorage>>);
+
+impl candle_core::InplaceOp1 for Put {
+    fn name(&self) -> &'static str {
+        "fsdp-put-storage"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let mut slot = self
+            .0
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("fsdp-adopt: poisoned".into()))?;
+        let Some(buffer) = slot.take() else {
+            candle_core::bail!("fsdp-adopt: nothing to put")
+        };
+        if buffer.dtype() != storage.dtype()
+            || buffer_len(&buffer) != Some(layout.shape().elem_count())
+        {
+            candle_core::bail!("fsdp-adopt: the buffer does not fit the destination")
+        }
+        *storage = buffer;
+        Ok(())
+    }
+}
+
+/// Refills `dst`'s storage in place with `src`'s buffer itself, without a copy: `src` (a whole
+/// contiguous CPU tensor of `dst`'s dtype and element count, typically a fresh all-gather
+/// output that nothing else references) is left empty. Every tensor sharing `dst`'s storage
+/// (the views of a group bound for fused nodes) then reads the new values.
+///
+/// Errors: dtype or element-count mismatch, a source that is not a whole buffer, a device other
+/// than the CPU.
+pub(crate) fn adopt(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if dst.dtype() != src.dtype() || dst.elem_count() != src.elem_count() {
+        return Err(Error::InvalidArgument(format!(
+            "adopt: destination of {:?} x {} elements from a source of {:?} x {}",
+            dst.dtype(),
+            dst.elem_count(),
+            src.dtype(),
+            src.elem_count()
+        )));
+    }
+    if !dst.device().is_cpu() || !src.device().is_cpu() {
+        return Err(Error::InvalidArgument(
+            "adopt: only CPU buffers move without a copy".into(),
+        ));
+    }
+    let take = Take(std::sync::Mutex::new(None));
+    src.inplace_op1(&take)?;
+    let put = Put(take.0);
+    dst.inplace_op1(&put).map_err(Error::from)
+}
+
 /// True when `a` and `b` share one storage (views of each other): the one definition,
 /// [`crate::device::same_storage`].
 pub(crate) use crate::device::same_storage;
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// `adopt` moves the source's buffer into the destination's storage: every view of the
+    /// destination reads the new values, the source is left empty, nothing is copied; a source
+    /// of another size is refused with both sizes named.
+    #[test]
+    fn adopt_moves_the_buffer_under_every_view() {
+        let dst = Tensor::arange(0f32, 6., &Device::Cpu).unwrap();
+        let view = dst.narrow(0, 2, 3).unwrap().detach();
+        free(&dst).unwrap();
+        let src = Tensor::arange(10f32, 16., &Device::Cpu).unwrap();
+        let ptr = {
+            let (s, _) = src.storage_and_layout();
+            match &*s {
+                candle_core::Storage::Cpu(CpuStorage::F32(v)) => v.as_ptr() as usize,
+                _ => unreachable!(),
+            }
+        };
+        adopt(&dst, &src).unwrap();
+        assert_eq!(view.to_vec1::<f32>().unwrap(), [12., 13., 14.]);
+        assert_eq!(
+            dst.to_vec1::<f32>().unwrap(),
+            [10., 11., 12., 13., 14., 15.]
+        );
+        let (s, _) = dst.storage_and_layout();
+        match &*s {
+            candle_core::Storage::Cpu(CpuStorage::F32(v)) => assert_eq!(v.as_ptr() as usize, ptr),
+            _ => unreachable!(),
+        }
+        drop(s);
+        let (s, _) = src.storage_and_layout();
+        match &*s {
+            candle_core::Storage::Cpu(CpuStorage::F32(v)) => assert!(v.is_empty()),
+            _ => unreachable!(),
+        }
+        drop(s);
+        let e = adopt(
+            &dst,
+            &Tensor::zeros(5, candle_core::DType::F32, &Device::Cpu).unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("6 elements") && e.contains("x 5"), "{e}");
+    }
+}

@@ -288,12 +288,13 @@ fn fsdp_units_match_the_plain_model_before_and_after_a_step() {
     }
 }
 
-/// Over several steps the units keep matching the plain model where a group binds views of its
-/// shard instead of variables (decision 65): at world size 1 (FULL_SHARD) and under NO_SHARD at
-/// world size 2 no group gathers, so from the second step on the blocks, whose parameters only
-/// the one-node block reads, compute from views of the master shard; SGD steps on the whole
-/// batch (world size 1) or on half of it per rank (NO_SHARD) must give the plain model's logits
-/// after every step. With activation checkpointing too (the block is built in the recompute).
+/// Over several steps the units keep matching the plain model where a group binds views
+/// instead of variables (decision 66): from the second step on the blocks, whose parameters only
+/// the one-node block reads, compute from views of the master shard where no group gathers
+/// (world size 1, NO_SHARD) and of the gathered buffer otherwise (freed at reshard, the next
+/// gather's buffer moved in); SGD steps on the batch split over the ranks must give the plain
+/// model's logits after every step, for FULL_SHARD (also checkpointed: the block is built in the
+/// recompute), SHARD_GRAD_OP, NO_SHARD and HYBRID_SHARD.
 #[test]
 fn views_of_the_shard_after_the_first_step_match_the_plain_model() {
     let cfg = small(false);
@@ -310,6 +311,16 @@ fn views_of_the_shard_after_the_first_step_match_the_plain_model() {
         (1, ShardingStrategy::FullShard, false),
         (1, ShardingStrategy::FullShard, true),
         (2, ShardingStrategy::NoShard, false),
+        (2, ShardingStrategy::FullShard, false),
+        (2, ShardingStrategy::FullShard, true),
+        (2, ShardingStrategy::ShardGradOp, false),
+        (
+            4,
+            ShardingStrategy::HybridShard {
+                shard_size: Some(2),
+            },
+            false,
+        ),
     ];
     for (ws, strategy, checkpointed) in strategies {
         let got = launch(&Launcher::threads(ws), |pg| {
