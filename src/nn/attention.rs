@@ -211,13 +211,12 @@ impl Dims {
 #[inline(always)]
 fn gather<T: Elem>(src: &[T], width: usize, dims: Dims, bi: usize, col: usize) -> Vec<f32> {
     let (t, hd) = (dims.t, dims.hd);
-    let mut out = vec![0f32; t * hd];
+    // Extended row by row: no zero-fill of a buffer every element of which is written.
+    let mut out = Vec::with_capacity(t * hd);
     let base = bi * t * width + col;
-    for (i, row) in out.chunks_exact_mut(hd).enumerate() {
+    for i in 0..t {
         let s = &src[base + i * width..base + i * width + hd];
-        for (o, &v) in row.iter_mut().zip(s) {
-            *o = v.to_f32();
-        }
+        out.extend(s.iter().map(|&v| v.to_f32()));
     }
     out
 }
