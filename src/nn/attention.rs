@@ -207,16 +207,31 @@ impl Dims {
 }
 
 /// Copies column block `col .. col + hd` of the `(T, width)` matrix of batch element `bi` into a
-/// contiguous f32 `(T, hd)` buffer.
+/// contiguous f32 `(T, hd)` buffer, adding `bias[col .. col + hd]` to every row when given (a
+/// `qkv` whose projection's bias was left for this pass, `nn::block`).
 #[inline(always)]
-fn gather<T: Elem>(src: &[T], width: usize, dims: Dims, bi: usize, col: usize) -> Vec<f32> {
+fn gather<T: Elem>(
+    src: &[T],
+    width: usize,
+    dims: Dims,
+    bi: usize,
+    col: usize,
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
     let (t, hd) = (dims.t, dims.hd);
     // Extended row by row: no zero-fill of a buffer every element of which is written.
     let mut out = Vec::with_capacity(t * hd);
     let base = bi * t * width + col;
     for i in 0..t {
         let s = &src[base + i * width..base + i * width + hd];
-        out.extend(s.iter().map(|&v| v.to_f32()));
+        match bias {
+            None => out.extend(s.iter().map(|&v| v.to_f32())),
+            Some(b) => out.extend(
+                s.iter()
+                    .zip(&b[col..col + hd])
+                    .map(|(&v, &b)| v.to_f32() + b),
+            ),
+        }
     }
     out
 }
@@ -404,7 +419,14 @@ fn head_backward(
     [dq, dk, dv]
 }
 
-pub(super) fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> {
+/// The kernel's forward over `x` = `qkv` `(B, T, w)`, plus `bias` (`w`) added to every row of
+/// `x` when given.
+pub(super) fn attention_fwd<T: Elem>(
+    x: &[T],
+    bias: Option<&[f32]>,
+    dims: Dims,
+    scale: f32,
+) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
     let heads = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
@@ -412,9 +434,9 @@ pub(super) fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> 
         with_simd(
             #[inline(always)]
             || {
-                let q = gather(x, w, dims, bi, hi * dims.hd);
-                let k = gather(x, w, dims, bi, kc);
-                let v = gather(x, w, dims, bi, vc);
+                let q = gather(x, w, dims, bi, hi * dims.hd, bias);
+                let k = gather(x, w, dims, bi, kc, bias);
+                let v = gather(x, w, dims, bi, vc, bias);
                 head_forward(&q, &k, &v, dims.t, dims.hd, scale)
             },
         )
@@ -432,7 +454,16 @@ pub(super) fn attention_fwd<T: Elem>(x: &[T], dims: Dims, scale: f32) -> Vec<T> 
     }
 }
 
-pub(super) fn attention_bwd<T: Elem>(x: &[T], y: &[T], g: &[T], dims: Dims, scale: f32) -> Vec<T> {
+/// The kernel's backward: `grad x` from `x` (+ `bias` as in [`attention_fwd`]), the output `y`
+/// and its gradient `g`.
+pub(super) fn attention_bwd<T: Elem>(
+    x: &[T],
+    bias: Option<&[f32]>,
+    y: &[T],
+    g: &[T],
+    dims: Dims,
+    scale: f32,
+) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
     let mut heads = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
@@ -441,11 +472,11 @@ pub(super) fn attention_bwd<T: Elem>(x: &[T], y: &[T], g: &[T], dims: Dims, scal
             #[inline(always)]
             || {
                 let c = hi * dims.hd;
-                let q = gather(x, w, dims, bi, c);
-                let k = gather(x, w, dims, bi, kc);
-                let v = gather(x, w, dims, bi, vc);
-                let o = gather(y, d, dims, bi, c);
-                let d_o = gather(g, d, dims, bi, c);
+                let q = gather(x, w, dims, bi, c, bias);
+                let k = gather(x, w, dims, bi, kc, bias);
+                let v = gather(x, w, dims, bi, vc, bias);
+                let o = gather(y, d, dims, bi, c, None);
+                let d_o = gather(g, d, dims, bi, c, None);
                 head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, scale)
             },
         )
@@ -503,7 +534,7 @@ impl CustomOp1 for AttentionOp {
         ) -> Result<(CpuStorage, Shape)> {
             let dims = Dims::of(l, op.n_head, op.n_kv_head)?;
             let x = contiguous(s.as_slice::<T>()?, l, "qkv")?;
-            let y = attention_fwd(x, dims, op.scale);
+            let y = attention_fwd(x, None, dims, op.scale);
             Ok((
                 T::to_cpu_storage_owned(y),
                 Shape::from((dims.b, dims.t, dims.d())),
@@ -576,7 +607,7 @@ impl CustomOp3 for AttentionBwdOp {
             let xs = contiguous(x.0.as_slice::<T>()?, x.1, "qkv")?;
             let ys = contiguous(y.0.as_slice::<T>()?, y.1, "attention output")?;
             let gs = contiguous(g.0.as_slice::<T>()?, g.1, "output gradient")?;
-            let dx = attention_bwd(xs, ys, gs, dims, op.scale);
+            let dx = attention_bwd(xs, None, ys, gs, dims, op.scale);
             Ok((T::to_cpu_storage_owned(dx), x.1.shape().clone()))
         }
         match s1.dtype() {

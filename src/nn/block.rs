@@ -13,7 +13,9 @@
 //! This node runs the same kernels ([`super::norm`], the `gemm` crate, [`super::attention`],
 //! [`super::activation`]) in one forward and one backward that hand the intermediate
 //! gradients from kernel to kernel directly, and fold each residual addition and bias into its
-//! projection's gemm (the gemm accumulates into a buffer holding `x + b`).
+//! projection's gemm (the gemm accumulates into a buffer holding `x + b`), or into the pass that
+//! reads the projection's output anyway: the MLP's first bias into the GELU, the `qkv` bias into
+//! the attention kernel's gathers.
 //!
 //! Its only graph input is `x`: the twelve parameters' gradients go to the runtime's sink
 //! ([`super::grad_sink`]), so the node exists only while a unit's training forward is armed
@@ -111,8 +113,10 @@ struct BlockOp {
     saved: Mutex<Option<Saved>>,
 }
 
-/// The forward's intermediate values kept for the backward (`N = B·T` rows): `qkv` `(N, 3d)`,
-/// the attention output `(N, d)`, `h` `(N, d)`, the MLP's pre-activation and its GELU `(N, k)`.
+/// The forward's intermediate values kept for the backward (`N = B·T` rows): `qkv` without its
+/// bias `(N, 3d)`,
+/// the attention output `(N, d)`, `h` `(N, d)`, the MLP's pre-activation without its bias and
+/// its GELU `(N, k)`.
 /// The two layer norms' outputs are recomputed in the backward from `x` and `h` (one cheap pass
 /// each, just before the product that reads them, instead of `2·N·d` floats kept: 30 → 26 MB
 /// a block at the benchmark's shapes, measured speed-neutral); the GELU is kept
@@ -184,6 +188,63 @@ fn a_wt(dst: &mut [f32], a: &[f32], w: &[f32], n: usize, inp: usize, out: usize)
             (w, 1, inp),
             true,
         )
+    }
+}
+
+/// `a (n × inp) · wᵀ` for `w` `(out, inp)` row-major, a new `(n, out)` buffer.
+fn a_wt_new(a: &[f32], w: &[f32], n: usize, inp: usize, out: usize) -> Vec<f32> {
+    let mut dst = Vec::with_capacity(n * out);
+    // SAFETY: operands of their full shapes; the gemm writes every element of `dst` (no
+    // accumulation), so the length is set after.
+    unsafe {
+        gemm_f32(
+            (n, out, inp),
+            dst.as_mut_ptr(),
+            out,
+            false,
+            (a, inp, 1),
+            (w, 1, inp),
+            true,
+        );
+        dst.set_len(n * out);
+    }
+    dst
+}
+
+/// GELU (tanh approximation) of `f + b` (`b` added to every row of `f` `(rows, b.len())`):
+/// the activation, or with `g` its backward `g ⊙ gelu'(f + b)`. One pass over the rank's
+/// threads, the same per-element formulas as [`super::gelu`].
+fn gelu_bias(f: &[f32], b: &[f32], g: Option<&[f32]>) -> Vec<f32> {
+    let k = b.len();
+    let chunk = (1 << 16) / k.max(1) * k.max(1);
+    let chunk = chunk.max(k);
+    // SAFETY: each chunk of whole rows is written element by element.
+    unsafe {
+        filled(f.len(), chunk, |i, out| {
+            let r = i * chunk..i * chunk + out.len();
+            let f = &f[r.clone()];
+            with_simd(
+                #[inline(always)]
+                || match g {
+                    None => {
+                        for (o, f) in out.chunks_exact_mut(k).zip(f.chunks_exact(k)) {
+                            for ((o, &v), &b) in o.iter_mut().zip(f).zip(b) {
+                                o.write(super::activation::gelu_f32(v + b));
+                            }
+                        }
+                    }
+                    Some(g) => {
+                        let g = &g[r];
+                        let rows = out.chunks_exact_mut(k).zip(f.chunks_exact(k));
+                        for ((o, f), g) in rows.zip(g.chunks_exact(k)) {
+                            for (((o, &v), &b), &g) in o.iter_mut().zip(f).zip(b).zip(g) {
+                                o.write(g * super::activation::gelu_grad_f32(v + b));
+                            }
+                        }
+                    }
+                },
+            )
+        })
     }
 }
 
@@ -305,15 +366,16 @@ impl CustomOp1 for BlockOp {
             };
             let k = bfc.len();
             let a1 = norm_fwd(x, ln1w, Some(ln1b), self.eps, true);
-            let mut qkv = rows_plus(n, bqkv, None);
-            a_wt(&mut qkv, &a1, wqkv, n, d, 3 * d);
-            let att = attention_fwd(&qkv, self.dims(b, t, d), self.scale(d));
+            // qkv without its bias, which the attention kernel's gathers add.
+            let qkv = a_wt_new(&a1, wqkv, n, d, 3 * d);
+            let att = attention_fwd(&qkv, Some(bqkv), self.dims(b, t, d), self.scale(d));
             let mut h = rows_plus(n, bp, Some(x));
             a_wt(&mut h, &att, wp, n, d, d);
             let a2 = norm_fwd(&h, ln2w, Some(ln2b), self.eps, true);
-            let mut f = rows_plus(n, bfc, None);
-            a_wt(&mut f, &a2, wfc, n, d, k);
-            let gl = super::activation::gelu_fwd(&f);
+            // f = a2 · W_fcᵀ without its bias, which the GELU pass adds (no bias rows written
+            // and read back); the backward adds it again for gelu'.
+            let f = a_wt_new(&a2, wfc, n, d, k);
+            let gl = gelu_bias(&f, bfc, None);
             let mut out = rows_plus(n, bmp, Some(&h));
             a_wt(&mut out, &gl, wmp, n, k, d);
             drop((a1, a2));
@@ -336,7 +398,7 @@ impl CustomOp1 for BlockOp {
         let (dx, grads) = with_data(&io, |xg| {
             let (x, g) = (xg[0], xg[1]);
             with_data(&self.params, |p| {
-                let [ln1w, ln1b, wqkv, _, wp, _, ln2w, ln2b, wfc, _, wmp, _] = p else {
+                let [ln1w, ln1b, wqkv, bqkv, wp, _, ln2w, ln2b, wfc, bfc, wmp, _] = p else {
                     bail!("gpt block: twelve parameters expected")
                 };
                 let k = wfc.len() / d;
@@ -345,7 +407,7 @@ impl CustomOp1 for BlockOp {
                 let dbmp = col_sums(g, d);
                 let dgl = g_w(g, wmp, n, d, k);
                 drop(s.gl);
-                let df = super::activation::gelu_bwd(&s.f, &dgl);
+                let df = gelu_bias(&s.f, bfc, Some(&dgl));
                 drop((dgl, s.f));
                 let a2 = norm_fwd(&s.h, ln2w, Some(ln2b), self.eps, true);
                 let dwfc = gt_a(&df, &a2, n, k, d);
@@ -361,7 +423,14 @@ impl CustomOp1 for BlockOp {
                 let dwp = gt_a(dh, &s.att, n, d, d);
                 let dbp = col_sums(dh, d);
                 let datt = g_w(dh, wp, n, d, d);
-                let dqkv = attention_bwd(&s.qkv, &s.att, &datt, self.dims(b, t, d), self.scale(d));
+                let dqkv = attention_bwd(
+                    &s.qkv,
+                    Some(bqkv),
+                    &s.att,
+                    &datt,
+                    self.dims(b, t, d),
+                    self.scale(d),
+                );
                 drop((datt, s.att, s.qkv));
                 let a1 = norm_fwd(x, ln1w, Some(ln1b), self.eps, true);
                 let dwqkv = gt_a(&dqkv, &a1, n, 3 * d, d);
