@@ -6,7 +6,6 @@
 //! against the CPU thread backend. Expectations follow the features this test is built with.
 
 use std::collections::HashMap;
-use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -272,13 +271,7 @@ fn mpirun_with_cuda_is_nccl_over_mpi_or_the_store() {
 
 // ---- the bootstrap over the TCP store, ranks as threads ------------------------------------
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use crate::common::free_port;
 
 /// Runs `f` on `world_size` ranks (threads), each with its store client.
 fn with_stores<R: Send>(

@@ -6,7 +6,6 @@
 //! same jobs with `LOCAL_WORLD_SIZE=1` in every process, which makes the launcher pick the TCP
 //! backend on one machine ([`Backend::Tcp`]).
 
-use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -150,12 +149,7 @@ pub(crate) fn spawn_job_with(
         Backend::Shm => (rank, world_size, "shm"),
         Backend::Tcp => (0, 1, "tcp"),
     };
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = crate::common::free_port().to_string();
     let children: Vec<_> = (0..world_size)
         .map(|rank| {
             let (local_rank, local_ws, name) = local(rank);

@@ -17,13 +17,7 @@ use candle_fsdp::Error;
 const T: Duration = Duration::from_secs(20);
 
 /// A port nothing listens on now (bound then released).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use crate::common::free_port;
 
 /// Connects `world_size` ranks as threads; runs `f` on each; returns the results by rank.
 fn ranks<R: Send>(

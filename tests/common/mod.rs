@@ -23,6 +23,35 @@ pub fn eprint_line(line: &str) {
         .write_all(format!("{line}\n").as_bytes());
 }
 
+/// A TCP port on 127.0.0.1 that nothing listens on now, for a test's store or backend to bind
+/// later, chosen *below* the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`).
+///
+/// The usual `bind(":0")`-then-close hands out a port from that range, which the kernel gives
+/// again to any socket of the machine that binds port 0 or connects out meanwhile: a test that
+/// binds its port a while later (a server started after its clients) then failed now and then
+/// with "Address already in use" while the other tests of its binary opened connections. A port
+/// outside the range is only ever taken by an explicit bind; candidates are spread by process
+/// id and a per-process counter, and each is checked free by binding it.
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768)
+        .clamp(2048, 65535);
+    let (base, span) = (1024u32, low - 1024);
+    let seed = std::process::id().wrapping_mul(7919);
+    for _ in 0..1000 {
+        let k = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (base + (seed.wrapping_add(k.wrapping_mul(104_729)) % span)) as u16;
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port below the ephemeral range {low} after 1000 tries")
+}
+
 /// A module with one learnable scalar that multiplies its input (numel 1: smaller than any
 /// world size above 1, so most ranks hold only padding).
 pub struct Scale {

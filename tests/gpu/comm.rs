@@ -481,11 +481,7 @@ mod nccl {
     #[test]
     #[ignore = "needs a GPU; scripts/gpu-check.sh runs it"]
     fn nccl_group_bootstrapped_over_the_store() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = crate::common::free_port();
         let bootstrap = NcclBootstrap::Store {
             addr: "127.0.0.1",
             port,
@@ -493,11 +489,7 @@ mod nccl {
         let g = NcclGroup::new(&device(), 0, 1, bootstrap, config(TIMEOUT)).unwrap();
         world_of_one(g.clone());
         // The launcher over the same kind of bootstrap runs the closure on this rank.
-        let port2 = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port2 = crate::common::free_port();
         let launcher = Launcher::Nccl {
             rank: 0,
             world_size: 1,

@@ -6,7 +6,6 @@
 //! The example binary is the one `cargo test` builds next to this test binary
 //! (`target/release/examples/mnist`); the data is the repository's `data/mnist`.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -29,12 +28,7 @@ fn data_dir() -> String {
 }
 
 fn free_port() -> String {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
+    crate::common::free_port().to_string()
 }
 
 /// The uninterrupted reference: the thread run (world size 2 in one process); its stdout and

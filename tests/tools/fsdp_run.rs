@@ -7,7 +7,6 @@
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read};
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -512,12 +511,7 @@ fn helper_store_rank() {
 
 #[test]
 fn ranks_started_by_fsdp_run_bootstrap_through_the_store() {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = crate::common::free_port().to_string();
     let exe = std::env::current_exe().unwrap();
     let (code, out, err, _) = run(&[
         "--nproc-per-node",
