@@ -1643,3 +1643,38 @@ fn threads_a_late_rank_times_out_the_others() {
     }
     assert!(*elapsed1 < Duration::from_secs(1));
 }
+
+/// A world of one rank runs its closure on a worker of rayon's global pool when there is more
+/// than one intra-op thread (its kernels' parallel regions then start on an awake worker,
+/// decision 68); ranks that share the process keep threads of their own. The result and an
+/// error come back the same way.
+#[test]
+fn a_lone_rank_runs_on_a_pool_worker_and_ranks_that_share_the_process_do_not() {
+    let pooled = candle_core::utils::get_num_threads() > 1;
+    let lone = run_ranks(1, ThreadGroupConfig::default(), |_| {
+        Ok(rayon::current_thread_index())
+    });
+    assert_eq!(lone.len(), 1);
+    assert_eq!(lone[0].as_ref().unwrap().is_some(), pooled, "{lone:?}");
+    let shared = run_ranks(2, ThreadGroupConfig::default(), |_| {
+        Ok(rayon::current_thread_index())
+    });
+    assert!(
+        shared.iter().all(|r| r.as_ref().unwrap().is_none()),
+        "{shared:?}"
+    );
+    let failed = run_ranks(1, ThreadGroupConfig::default(), |_| -> Result<()> {
+        Err(Error::InvalidArgument("on purpose".into()))
+    });
+    assert!(
+        matches!(&failed[0], Err(Error::InvalidArgument(m)) if m == "on purpose"),
+        "{failed:?}"
+    );
+    let panicked = run_ranks(1, ThreadGroupConfig::default(), |_| -> Result<()> {
+        panic!("on purpose")
+    });
+    assert!(
+        matches!(&panicked[0], Err(Error::RankPanicked { rank: 0, message }) if message.contains("on purpose")),
+        "{panicked:?}"
+    );
+}

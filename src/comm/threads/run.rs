@@ -147,6 +147,14 @@ pub(crate) fn run_stream_op<T>(
 ///
 /// If the group cannot be created (`world_size == 0`), the result is a single `Err`; a rank
 /// whose thread cannot be spawned gets [`Error::SpawnFailed`].
+///
+/// A world of one rank with more than one intra-op thread (`RAYON_NUM_THREADS`) runs `f` on a
+/// worker of rayon's global pool (the rank's thread waits for it): every kernel's parallel
+/// region then starts on a worker that is already awake, and splits with the pool's other
+/// workers, instead of handing each region from a thread outside the pool to sleeping workers
+/// and back (decision 68: the GPT bench step at world size 1, 569–580 → 540–547 ms). Ranks
+/// that share one process keep their own threads: a rank blocked in a collective must not hold
+/// a worker that another rank's kernels are waiting for.
 pub fn run_ranks<T, F>(world_size: usize, config: ThreadGroupConfig, f: F) -> Vec<Result<T>>
 where
     T: Send,
@@ -166,6 +174,7 @@ where
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T> + Send + Sync,
 {
     let f = &f;
+    let on_pool = groups.len() == 1 && candle_core::utils::get_num_threads() > 1;
     thread::scope(|scope| {
         let handles: Vec<_> = groups
             .into_iter()
@@ -176,7 +185,13 @@ where
                 // as departed.
                 thread::Builder::new()
                     .name(format!("rank-{rank}"))
-                    .spawn_scoped(scope, move || run_one(rank, pg, f))
+                    .spawn_scoped(scope, move || {
+                        if on_pool {
+                            on_pool_worker(|| run_one(rank, pg, f))
+                        } else {
+                            run_one(rank, pg, f)
+                        }
+                    })
             })
             .collect();
         handles
@@ -196,6 +211,13 @@ where
             })
             .collect()
     })
+}
+
+/// Runs `g` on a worker of rayon's global pool and returns its value (the calling thread, outside
+/// the pool, waits): `rayon::scope` runs its body inside the pool. `g` catches its own panics
+/// ([`run_one`]), so none crosses the pool.
+fn on_pool_worker<R: Send>(g: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| g())
 }
 
 pub(crate) fn run_one<T, F>(rank: usize, pg: Arc<dyn ProcessGroup>, f: &F) -> Result<T>
