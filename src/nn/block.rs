@@ -68,22 +68,8 @@ pub(crate) fn gpt_block(x: &Tensor, p: &GptBlockParams<'_>) -> Result<Option<Ten
     }
     let d = x.dim(2)?;
     let k = p.tensors[8].dim(0)?;
-    let want: [&[usize]; 12] = [
-        &[d],
-        &[d],
-        &[3 * d, d],
-        &[3 * d],
-        &[d, d],
-        &[d],
-        &[d],
-        &[d],
-        &[k, d],
-        &[k],
-        &[d, k],
-        &[d],
-    ];
-    for (i, (t, w)) in p.tensors.iter().zip(want).enumerate() {
-        if t.dims() != w {
+    for (i, (t, w)) in p.tensors.iter().zip(param_shapes(d, k)).enumerate() {
+        if t.dims() != w.as_slice() {
             bail!(
                 "gpt block: parameter {i} is {:?}, expected {w:?} for an input {:?}",
                 t.shape(),
@@ -102,6 +88,24 @@ pub(crate) fn gpt_block(x: &Tensor, p: &GptBlockParams<'_>) -> Result<Option<Ten
     };
     grad_sink::promise(p.tensors);
     Ok(Some(x.contiguous()?.apply_op1(op)?))
+}
+
+/// The twelve parameters' shapes in [`GptBlockParams`]' order, for width `d` and MLP width `k`.
+fn param_shapes(d: usize, k: usize) -> [Vec<usize>; 12] {
+    [
+        vec![d],
+        vec![d],
+        vec![3 * d, d],
+        vec![3 * d],
+        vec![d, d],
+        vec![d],
+        vec![d],
+        vec![d],
+        vec![k, d],
+        vec![k],
+        vec![d, k],
+        vec![d],
+    ]
 }
 
 /// The node: the parameters (read at forward and backward) and the activations the forward
@@ -511,20 +515,7 @@ mod tests {
     #[test]
     fn one_node_block_matches_the_composed_layers() {
         let (b, t, d, k, n_head) = (2, 24, 32, 128, 4);
-        let shapes: [&[usize]; 12] = [
-            &[d],
-            &[d],
-            &[3 * d, d],
-            &[3 * d],
-            &[d, d],
-            &[d],
-            &[d],
-            &[d],
-            &[k, d],
-            &[k],
-            &[d, k],
-            &[d],
-        ];
+        let shapes = param_shapes(d, k);
         let p: Vec<Var> = shapes
             .iter()
             .enumerate()
