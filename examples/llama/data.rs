@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
-use candle_fsdp::data::text::{sample_window_starts, Split, DEFAULT_VAL_FRACTION};
+use candle_fsdp::data::text::{
+    Split, TextCorpus, TokenCorpus as LibTokenCorpus, DEFAULT_VAL_FRACTION,
+};
 use candle_fsdp::Result;
 
 use super::lm::{Codec, Corpus};
@@ -49,40 +51,30 @@ impl Codec for HfTokenizer {
     }
 }
 
-/// A text as token ids: the last [`DEFAULT_VAL_FRACTION`] of the tokens is the validation split;
-/// windows as the byte corpus's (`seq_len + 1` consecutive tokens anywhere in the split, drawn
-/// from `(seed, split, rank, index)`).
-pub struct TokenCorpus {
-    tokens: Vec<u32>,
-    split_at: usize,
-}
+/// A text as token ids: the whole file tokenized, then the last [`DEFAULT_VAL_FRACTION`] of the
+/// tokens held out for validation ([`LibTokenCorpus`]); windows as the byte corpus's
+/// (`seq_len + 1` consecutive tokens anywhere in the split, drawn from `(seed, split, rank,
+/// index)`).
+pub struct TokenCorpus(LibTokenCorpus);
 
 impl TokenCorpus {
-    /// Reads and tokenizes `path` (plain or gzipped text).
+    /// Reads and tokenizes `path` (plain or gzipped UTF-8 text).
     ///
-    /// Errors: unreadable file; too few tokens for one window of `seq_len` in each split.
+    /// Errors: unreadable file, not UTF-8; too few tokens for one window of `seq_len` in each
+    /// split.
     pub fn load(path: &Path, codec: &dyn Codec, seq_len: usize) -> anyhow::Result<Self> {
-        let corpus = candle_fsdp::data::text::TextCorpus::load(path)
+        let corpus = TextCorpus::load(path)
             .with_context(|| format!("loading the corpus {}", path.display()))?;
-        let mut text = String::from_utf8_lossy(corpus.split(Split::Train)).into_owned();
-        text.push_str(&String::from_utf8_lossy(corpus.split(Split::Val)));
-        let tokens = codec.encode(&text)?;
-        let val = ((tokens.len() as f64 * DEFAULT_VAL_FRACTION).round() as usize).max(1);
-        let split_at = tokens.len().saturating_sub(val);
+        let c = LibTokenCorpus::tokenize(&corpus, DEFAULT_VAL_FRACTION, |t| codec.encode(t))?;
+        let (train, val) = (c.split(Split::Train).len(), c.split(Split::Val).len());
         anyhow::ensure!(
-            split_at > seq_len && tokens.len() - split_at > seq_len,
-            "{}: {} tokens, too few for a window of --seq-len {seq_len} in each split",
+            train > seq_len && val > seq_len,
+            "{}: {} tokens ({train} training, {val} validation), too few for a window of \
+             --seq-len {seq_len} in each split",
             path.display(),
-            tokens.len()
+            c.tokens().len()
         );
-        Ok(Self { tokens, split_at })
-    }
-
-    fn split(&self, split: Split) -> &[u32] {
-        match split {
-            Split::Train => &self.tokens[..self.split_at],
-            Split::Val => &self.tokens[self.split_at..],
-        }
+        Ok(Self(c))
     }
 }
 
@@ -97,17 +89,7 @@ impl Corpus for TokenCorpus {
         index: u64,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        let data = self.split(split);
-        // The byte corpus's sampler (same windows for the same seed, split, rank and step).
-        let starts = sample_window_starts(data.len(), split, batch, seq_len, seed, rank, index)?;
-        let (mut x, mut y) = (Vec::new(), Vec::new());
-        for s in starts {
-            x.extend_from_slice(&data[s..s + seq_len]);
-            y.extend_from_slice(&data[s + 1..s + seq_len + 1]);
-        }
-        Ok((
-            Tensor::from_vec(x, (batch, seq_len), device)?,
-            Tensor::from_vec(y, (batch, seq_len), device)?,
-        ))
+        self.0
+            .windows(split, batch, seq_len, seed, rank, index, device)
     }
 }

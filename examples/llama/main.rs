@@ -38,7 +38,9 @@ use anyhow::Context;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_fsdp::checkpoint::tools::HF_CONFIG_KEY;
 use candle_fsdp::data::text::TextCorpus;
-use candle_fsdp::models::llama::hf::{build_from_hf, config_to_json, read_config, CONFIG_FILE};
+use candle_fsdp::models::llama::hf::{
+    build_from_resolved, config_to_json, resolve, HfLlamaDir, CONFIG_FILE,
+};
 use candle_fsdp::models::llama::{self, lm_loss, FsdpLlama, LlamaConfig};
 use candle_fsdp::{FsdpModel, MemoryBudget};
 use clap::Parser;
@@ -147,7 +149,7 @@ fn main() -> anyhow::Result<()> {
     let train = &args.train;
     let setup = common::setup(train)?;
     // The model's shape and its config.json (stored in every checkpoint for the export).
-    let (cfg, config_json) = match &args.from_hf {
+    let (cfg, config_json, resolved): (_, _, Option<HfLlamaDir>) = match &args.from_hf {
         Some(dir) => {
             anyhow::ensure!(
                 dir.is_dir(),
@@ -177,17 +179,20 @@ fn main() -> anyhow::Result<()> {
                     }
                 );
             }
-            let cfg = read_config(dir)?;
-            let path = dir.join(CONFIG_FILE);
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            (cfg, text)
+            // Resolved as transformers resolves it: which weights file, whether the head is
+            // tied (the config and its text as they load).
+            let resolved = resolve(dir)?;
+            (
+                resolved.config,
+                resolved.config_json.clone(),
+                Some(resolved),
+            )
         }
         None => {
             let cfg = args.scratch_config();
             cfg.validate()
                 .context("--n-layer / --d-model / --n-head / --n-kv-head / --intermediate-size")?;
-            (cfg, config_to_json(&cfg, "float32").to_string())
+            (cfg, config_to_json(&cfg, "float32").to_string(), None)
         }
     };
     anyhow::ensure!(
@@ -266,6 +271,10 @@ fn main() -> anyhow::Result<()> {
             args.seq_len,
             train.sharding_strategy(),
         );
+        // What the directory's resolution decided beyond the plain case.
+        for d in resolved.iter().flat_map(|r| &r.decisions) {
+            println!("{}: {d}", resolved.as_ref().expect("decided").dir.display());
+        }
     }
     let budget = match args.lm.max_memory_per_rank {
         Some(max) => Some(MemoryBudget {
@@ -304,13 +313,14 @@ fn main() -> anyhow::Result<()> {
             activations,
             |mut config| {
                 config.memory_budget = budget;
-                match &args.from_hf {
-                    Some(dir) => {
-                        Ok(
-                            build_from_hf(build_pg, config, dir, args.lm.activation_checkpointing)?
-                                .1,
-                        )
-                    }
+                match &resolved {
+                    Some(dir) => Ok(build_from_resolved(
+                        build_pg,
+                        config,
+                        dir,
+                        args.lm.activation_checkpointing,
+                    )?
+                    .1),
                     None => model
                         .add_units(FsdpModel::builder(build_pg, config))
                         .build(),

@@ -86,7 +86,10 @@ impl TextCorpus {
     /// A corpus from bytes already in memory; `path` only names it in errors.
     ///
     /// The validation split is the last `round(len · val_fraction)` bytes, at least one; the
-    /// training split the rest, at least one.
+    /// training split the rest, at least one. The split falls on a UTF-8 character boundary:
+    /// when that point is inside a multi-byte character, the character goes to the validation
+    /// split (the point moves back to its first byte, while the training split keeps a byte), so
+    /// that each split of a UTF-8 file is UTF-8 and they join to the file.
     ///
     /// Errors: a `val_fraction` outside `(0, 1)`; fewer than 2 bytes.
     pub fn from_bytes(path: impl Into<PathBuf>, bytes: Vec<u8>, val_fraction: f64) -> Result<Self> {
@@ -107,8 +110,25 @@ impl TextCorpus {
         let val_len = ((len as f64 * val_fraction).round() as usize).clamp(1, len - 1);
         Ok(Self {
             path,
-            split_at: len - val_len,
+            split_at: char_boundary_at_or_before(&bytes, len - val_len),
             bytes,
+        })
+    }
+
+    /// The whole corpus as text (both splits, in order).
+    ///
+    /// Errors, naming the file: it is not UTF-8 (with the byte offset of the first invalid
+    /// sequence).
+    pub fn text(&self) -> Result<&str> {
+        std::str::from_utf8(&self.bytes).map_err(|e| {
+            Error::file(
+                &self.path,
+                format!(
+                    "not UTF-8 text: an invalid byte sequence at byte {} (a tokenizer reads \
+                     text; without --tokenizer the corpus is read as bytes)",
+                    e.valid_up_to()
+                ),
+            )
         })
     }
 
@@ -349,5 +369,125 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("f.txt") && e.contains("(0, 1)"), "{e}");
+    }
+}
+
+/// `at` moved back to the first byte of the UTF-8 character it falls inside: over at most three
+/// continuation bytes (`0b10xx_xxxx`) to a lead byte whose sequence length reaches past `at`,
+/// never below 1. `at` itself when it is on a boundary or the bytes there are not UTF-8.
+fn char_boundary_at_or_before(bytes: &[u8], at: usize) -> usize {
+    let continuation = |b: u8| b & 0xC0 == 0x80;
+    if at >= bytes.len() || !continuation(bytes[at]) {
+        return at;
+    }
+    for b in (at.saturating_sub(3).max(1)..at).rev() {
+        if !continuation(bytes[b]) {
+            // A lead byte of `n` bytes (`n` leading ones, 2 to 4) covers bytes `b..b + n`.
+            let n = bytes[b].leading_ones() as usize;
+            return if (2..=4).contains(&n) && b + n > at {
+                b
+            } else {
+                at
+            };
+        }
+    }
+    at
+}
+
+/// A text corpus as a tokenizer's ids: the whole file tokenized at once, then the last
+/// `val_fraction` of the **tokens** held out for validation. (Splitting the text first and
+/// tokenizing each part would cut a word's tokens, and a cut inside a multi-byte character
+/// would decode as U+FFFD at both ends.) Windows are drawn as [`TextCorpus::windows`] draws
+/// them ([`sample_window_starts`]).
+#[derive(Debug, Clone)]
+pub struct TokenCorpus {
+    path: PathBuf,
+    tokens: Vec<u32>,
+    /// First token of the validation split.
+    split_at: usize,
+}
+
+impl TokenCorpus {
+    /// Tokenizes the whole of `corpus` ([`TextCorpus::text`]) with `encode` and holds out the
+    /// last `round(n · val_fraction)` of its `n` tokens (at least one) for validation.
+    ///
+    /// Errors, naming the file: the corpus is not UTF-8; `encode`'s error; fewer than 2 tokens;
+    /// a `val_fraction` outside `(0, 1)`.
+    pub fn tokenize<E: std::fmt::Display>(
+        corpus: &TextCorpus,
+        val_fraction: f64,
+        encode: impl FnOnce(&str) -> std::result::Result<Vec<u32>, E>,
+    ) -> Result<Self> {
+        let path = corpus.path().to_path_buf();
+        if !(val_fraction > 0.0 && val_fraction < 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "{}: the validation fraction must be in (0, 1), found {val_fraction}",
+                path.display()
+            )));
+        }
+        let tokens = encode(corpus.text()?)
+            .map_err(|e| Error::file(&path, format!("tokenizing it: {e}")))?;
+        let n = tokens.len();
+        if n < 2 {
+            return Err(Error::file(
+                &path,
+                format!("a corpus needs at least 2 tokens (one for each split), found {n}"),
+            ));
+        }
+        let val = ((n as f64 * val_fraction).round() as usize).clamp(1, n - 1);
+        Ok(Self {
+            path,
+            tokens,
+            split_at: n - val,
+        })
+    }
+
+    /// The file the corpus was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Every token, both splits in order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The tokens of one split.
+    pub fn split(&self, split: Split) -> &[u32] {
+        match split {
+            Split::Train => &self.tokens[..self.split_at],
+            Split::Val => &self.tokens[self.split_at..],
+        }
+    }
+
+    /// One batch of `(inputs, targets)`, each `(batch, seq_len)` u32 on `device`: the windows
+    /// of [`sample_window_starts`] over the split's tokens, the targets shifted left by one.
+    ///
+    /// Errors: `batch` 0; as [`sample_window_starts`]; the tensors cannot be made.
+    #[allow(clippy::too_many_arguments)]
+    pub fn windows(
+        &self,
+        split: Split,
+        batch: usize,
+        seq_len: usize,
+        seed: u64,
+        rank: usize,
+        step: u64,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        if batch == 0 {
+            return Err(Error::InvalidArgument("batch must be at least 1".into()));
+        }
+        let data = self.split(split);
+        let starts = sample_window_starts(data.len(), split, batch, seq_len, seed, rank, step)?;
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        for s in starts {
+            x.extend_from_slice(&data[s..s + seq_len]);
+            y.extend_from_slice(&data[s + 1..s + seq_len + 1]);
+        }
+        Ok((
+            Tensor::from_vec(x, (batch, seq_len), device)?,
+            Tensor::from_vec(y, (batch, seq_len), device)?,
+        ))
     }
 }

@@ -8,3 +8,5 @@
 mod data;
 #[cfg(feature = "mnist")]
 mod metrics;
+#[cfg(feature = "gpt")]
+mod text;

@@ -9,7 +9,7 @@ use std::process::Command;
 use candle_fsdp::checkpoint::tools::{export_hf, HfExportOptions, HF_CONFIG_KEY};
 use candle_fsdp::checkpoint::{save_sharded, TrainState};
 use candle_fsdp::launch::{launch, Launcher};
-use candle_fsdp::models::llama::hf::build_from_hf;
+use candle_fsdp::models::llama::hf::{build_from_hf, resolve};
 use candle_fsdp::models::llama::lm_loss;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, ShardedOptimizer};
 
@@ -17,14 +17,15 @@ use super::common::{tmpdir, to_vec};
 use super::{fixture, inputs, weights_of};
 
 /// A checkpoint directory, the parameters (name, values) and the logits of the inputs.
-type Tuned = (PathBuf, Vec<(String, Vec<f32>)>, Vec<f32>);
+pub(super) type Tuned = (PathBuf, Vec<(String, Vec<f32>)>, Vec<f32>);
 
 /// Fine-tunes fixture `name` for one AdamW step at world size 2 and saves a sharded checkpoint
-/// under `root` storing the fixture's config.json; returns the checkpoint directory, the
+/// under `root` storing the fixture's config.json as it loads; returns the checkpoint directory, the
 /// parameters after the step (name, values) and the logits of the fixture's inputs then.
-fn fine_tuned(name: &str, root: &Path) -> Tuned {
+pub(super) fn fine_tuned(name: &str, root: &Path) -> Tuned {
     let (ids, targets) = inputs(name);
-    let config = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+    // config.json as it loads (untied when the files' head differs: `resolve`).
+    let config = resolve(&fixture(name)).unwrap().config_json;
     let mut out = launch(&Launcher::threads(2), |pg| {
         let (llama, mut model, _) =
             build_from_hf(pg, FsdpConfig::default(), &fixture(name), false)?;

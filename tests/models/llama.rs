@@ -12,7 +12,7 @@ use super::{expected, fixture, inputs, max_abs_diff, ExpectedFile};
 
 /// Logits and loss of fixture `name` at world size `ws`, compared with transformers' (1e-4),
 /// returning the largest logit difference.
-fn logits_match(name: &str, ws: usize) -> f32 {
+pub(super) fn logits_match(name: &str, ws: usize) -> f32 {
     let (ids, targets) = inputs(name);
     let want_logits = expected(name, "logits");
     let want_loss = expected(name, "loss")[0];

@@ -3,7 +3,8 @@
 //! (`fsdp-ckpt export --format hf`).
 //!
 //! The fixtures under `tests/models/fixtures/` are tiny random `LlamaForCausalLM`s written by
-//! `scripts/make-hf-fixture.py` with what transformers computed.
+//! `scripts/make-hf-fixture.py` with what transformers computed; the `resolve-*` ones, by
+//! `scripts/make-hf-resolve-fixture.py`, with what transformers' `from_pretrained` decided.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -11,6 +12,7 @@ mod common;
 mod example;
 mod hf_export;
 mod hf_load;
+mod hf_resolve;
 mod llama;
 
 use std::path::PathBuf;

@@ -1,14 +1,17 @@
 //! Hugging Face model directories for the Llama: `config.json` in and out
-//! ([`config_from_json`], [`config_to_json`]) and the sharded load ([`build_from_hf`]).
+//! ([`config_from_json`], [`config_to_json`]), the directory resolved as transformers'
+//! `from_pretrained` resolves it ([`resolve`]: which weights file, whether the head is tied) and
+//! the sharded load ([`build_from_hf`]).
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
-use super::{FsdpLlama, Llama3RopeScaling, LlamaConfig, HEAD};
-use crate::checkpoint::hf::build_from_hf_weights;
-use crate::checkpoint::ReadStats;
+use super::{FsdpLlama, Llama3RopeScaling, LlamaConfig, EMBED, HEAD};
+use crate::checkpoint::hf::{build_from_hf_weights, HfNames, HfWeights, TiedHead};
+use crate::checkpoint::{agree, ReadStats};
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::fsdp::{FsdpConfig, FsdpModel};
@@ -250,27 +253,151 @@ fn ignored(cfg: &LlamaConfig) -> impl Fn(&str) -> bool {
     }
 }
 
+/// A Hugging Face Llama directory resolved as transformers' `from_pretrained` (5.x) resolves
+/// it: [`resolve`].
+#[derive(Debug, Clone)]
+pub struct HfLlamaDir {
+    /// The directory.
+    pub dir: PathBuf,
+    /// The model's shape as it loads: `config.json`'s, with `tie_word_embeddings` turned off
+    /// when the files hold a head that differs from the embedding.
+    pub config: LlamaConfig,
+    /// `config.json`'s text, with `tie_word_embeddings` set to `false` in that case (what a
+    /// checkpoint stores for `fsdp-ckpt export --format hf`).
+    pub config_json: String,
+    /// What was decided that is not the plain case, one sentence each, for a line on rank 0
+    /// ("not tying lm_head: …", "using model.safetensors; ignoring …"); empty when plain.
+    pub decisions: Vec<String>,
+    /// Parameter → the file tensor it is read from, where they differ.
+    sources: BTreeMap<String, String>,
+}
+
+/// Resolves the Hugging Face directory `dir` as transformers' `from_pretrained` does:
+/// - the config: `dir/config.json` ([`read_config`]);
+/// - the weights file: `model.safetensors` when present, an index beside it ignored; else
+///   `model.safetensors.index.json` and its shards ([`HfWeights::open`]);
+/// - a tied head (`tie_word_embeddings: true`, [`HfWeights::resolve_tied_head`]): a
+///   `lm_head.weight` in the files that differs from `model.embed_tokens.weight` is loaded as an
+///   untied head (transformers: "both are present in the checkpoints with different values, so
+///   we will NOT tie them"); a file with `lm_head.weight` and no embedding ties the embedding to
+///   the head (the embedding reads the head's values).
+///
+/// Reads the headers, and the two tables when both are present under a tied config (to compare
+/// them). Each non-plain choice is one sentence of [`HfLlamaDir::decisions`].
+///
+/// Errors, naming the file and the key or tensor: as [`read_config`] and [`HfWeights::open`];
+/// a read of the two tables.
+pub fn resolve(dir: &Path) -> Result<HfLlamaDir> {
+    let mut cfg = read_config(dir)?;
+    let path = dir.join(CONFIG_FILE);
+    let mut config_json = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let weights = HfWeights::open(dir, &mut ReadStats::default())?;
+    let mut decisions = weights.decisions().to_vec();
+    let mut sources = BTreeMap::new();
+    let (embedding, head) = (format!("{EMBED}.weight"), format!("{HEAD}.weight"));
+    if cfg.tie_word_embeddings {
+        let file = |n: &str| {
+            weights
+                .file_of(n)
+                .and_then(Path::file_name)
+                .map_or(String::new(), |f| f.to_string_lossy().into_owned())
+        };
+        match weights.resolve_tied_head(&embedding, &head)? {
+            TiedHead::Tied => {}
+            TiedHead::Untied => {
+                decisions.push(format!(
+                    "not tying {HEAD}: {config} says tie_word_embeddings: true, but {head} \
+                     ({}) differs from {embedding} ({}); both are loaded, as transformers does, \
+                     and the model is saved untied",
+                    file(&head),
+                    file(&embedding),
+                    config = path.display(),
+                ));
+                cfg.tie_word_embeddings = false;
+                let mut v: Value = serde_json::from_str(&config_json)
+                    .map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
+                v["tie_word_embeddings"] = Value::Bool(false);
+                config_json = serde_json::to_string_pretty(&v).expect("JSON");
+            }
+            TiedHead::TiedFromHead => {
+                decisions.push(format!(
+                    "tying {embedding} to {head}: the weights ({}) hold the head and no \
+                     embedding, and {} says tie_word_embeddings: true (as transformers does)",
+                    file(&head),
+                    path.display(),
+                ));
+                sources.insert(embedding, head);
+            }
+        }
+    }
+    Ok(HfLlamaDir {
+        dir: dir.to_path_buf(),
+        config: cfg,
+        config_json,
+        decisions,
+        sources,
+    })
+}
+
 /// Builds the Llama of the Hugging Face directory `dir` as a sharded [`FsdpModel`] (a
-/// collective): the shape from `config.json` ([`read_config`]), the parameters from
-/// `model.safetensors` or `model.safetensors.index.json` + shards
-/// ([`crate::checkpoint::hf::build_from_hf_weights`]): each rank memory-maps the files and
-/// copies only the element ranges of its own shards, converting BF16 / F16 to f32 masters.
-/// `activation_checkpointing` is [`FsdpLlama::with_activation_checkpointing`].
+/// collective): the directory resolved as transformers resolves it ([`resolve`], agreed on by
+/// every rank; its [`HfLlamaDir::decisions`] logged on rank 0 with `tracing::warn!`), then
+/// [`build_from_resolved`].
 ///
-/// Returns the units (for [`FsdpLlama::logits`]), the model and what this rank read.
+/// Returns the units (for [`FsdpLlama::logits`]; their config is the resolved one), the model
+/// and what this rank read.
 ///
-/// Errors, on every rank, naming the file and the tensor or key: as [`read_config`]; missing
-/// weights; a missing tensor, a tensor of another shape (expected vs found), a tensor the model
-/// does not have; then the model builder's.
+/// Errors, on every rank, naming the file and the tensor or key: as [`resolve`] and
+/// [`build_from_resolved`].
 pub fn build_from_hf(
     pg: Arc<dyn ProcessGroup>,
     config: FsdpConfig,
     dir: &Path,
     activation_checkpointing: bool,
 ) -> Result<(FsdpLlama, FsdpModel, ReadStats)> {
-    // The config is read on every rank; an error here is every rank's (same file).
-    let cfg = read_config(dir)?;
+    let (resolved, local) = match resolve(dir) {
+        Ok(r) => (Some(r), Ok(())),
+        Err(e) => (None, Err(e)),
+    };
+    agree(
+        pg.as_ref(),
+        "resolving the Hugging Face directory",
+        dir,
+        local,
+    )?;
+    let resolved = resolved.expect("resolved on every rank");
+    if pg.rank() == 0 {
+        for d in &resolved.decisions {
+            tracing::warn!("{}: {d}", dir.display());
+        }
+    }
+    build_from_resolved(pg, config, &resolved, activation_checkpointing)
+}
+
+/// Builds the Llama of a resolved directory ([`resolve`]) as a sharded [`FsdpModel`] (a
+/// collective): the shape from [`HfLlamaDir::config`], the parameters from the weights file it
+/// chose ([`crate::checkpoint::hf::build_from_hf_weights`]): each rank memory-maps the files and
+/// copies only the element ranges of its own shards, converting BF16 / F16 to f32 masters.
+/// `activation_checkpointing` is [`FsdpLlama::with_activation_checkpointing`].
+///
+/// Returns the units, the model and what this rank read.
+///
+/// Errors, on every rank, naming the file and the tensor: missing weights; a missing tensor, a
+/// tensor of another shape (expected vs found), a tensor the model does not have; then the
+/// model builder's.
+pub fn build_from_resolved(
+    pg: Arc<dyn ProcessGroup>,
+    config: FsdpConfig,
+    resolved: &HfLlamaDir,
+    activation_checkpointing: bool,
+) -> Result<(FsdpLlama, FsdpModel, ReadStats)> {
+    let cfg = resolved.config;
     let llama = FsdpLlama::new(cfg)?.with_activation_checkpointing(activation_checkpointing);
-    let (model, stats) = build_from_hf_weights(pg, config, llama.spec(), dir, &ignored(&cfg))?;
+    let ignored = ignored(&cfg);
+    let names = HfNames {
+        sources: resolved.sources.clone(),
+        ignored: &ignored,
+    };
+    let (model, stats) = build_from_hf_weights(pg, config, llama.spec(), &resolved.dir, &names)?;
     Ok((llama, model, stats))
 }
