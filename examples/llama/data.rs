@@ -5,9 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
-use candle_fsdp::data::text::{
-    Split, TextCorpus, TokenCorpus as LibTokenCorpus, DEFAULT_VAL_FRACTION,
-};
+use candle_fsdp::data::text::{Split, TextCorpus, TokenCorpus, DEFAULT_VAL_FRACTION};
 use candle_fsdp::Result;
 
 use super::lm::{Codec, Corpus};
@@ -51,31 +49,23 @@ impl Codec for HfTokenizer {
     }
 }
 
-/// A text as token ids: the whole file tokenized, then the last [`DEFAULT_VAL_FRACTION`] of the
-/// tokens held out for validation ([`LibTokenCorpus`]); windows as the byte corpus's
-/// (`seq_len + 1` consecutive tokens anywhere in the split, drawn from `(seed, split, rank,
-/// index)`).
-pub struct TokenCorpus(LibTokenCorpus);
-
-impl TokenCorpus {
-    /// Reads and tokenizes `path` (plain or gzipped UTF-8 text).
-    ///
-    /// Errors: unreadable file, not UTF-8; too few tokens for one window of `seq_len` in each
-    /// split.
-    pub fn load(path: &Path, codec: &dyn Codec, seq_len: usize) -> anyhow::Result<Self> {
-        let corpus = TextCorpus::load(path)
-            .with_context(|| format!("loading the corpus {}", path.display()))?;
-        let c = LibTokenCorpus::tokenize(&corpus, DEFAULT_VAL_FRACTION, |t| codec.encode(t))?;
-        let (train, val) = (c.split(Split::Train).len(), c.split(Split::Val).len());
-        anyhow::ensure!(
-            train > seq_len && val > seq_len,
-            "{}: {} tokens ({train} training, {val} validation), too few for a window of \
-             --seq-len {seq_len} in each split",
-            path.display(),
-            c.tokens().len()
-        );
-        Ok(Self(c))
-    }
+/// Reads and tokenizes `path` (plain or gzipped UTF-8 text): the whole file tokenized, then the
+/// last [`DEFAULT_VAL_FRACTION`] of the tokens held out for validation ([`TokenCorpus`]).
+///
+/// Errors: unreadable file, not UTF-8; too few tokens for one window of `seq_len` in each split.
+pub fn load_tokens(path: &Path, codec: &dyn Codec, seq_len: usize) -> anyhow::Result<TokenCorpus> {
+    let corpus =
+        TextCorpus::load(path).with_context(|| format!("loading the corpus {}", path.display()))?;
+    let c = TokenCorpus::tokenize(&corpus, DEFAULT_VAL_FRACTION, |t| codec.encode(t))?;
+    let (train, val) = (c.split(Split::Train).len(), c.split(Split::Val).len());
+    anyhow::ensure!(
+        train > seq_len && val > seq_len,
+        "{}: {} tokens ({train} training, {val} validation), too few for a window of \
+         --seq-len {seq_len} in each split",
+        path.display(),
+        c.tokens().len()
+    );
+    Ok(c)
 }
 
 impl Corpus for TokenCorpus {
@@ -89,7 +79,6 @@ impl Corpus for TokenCorpus {
         index: u64,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        self.0
-            .windows(split, batch, seq_len, seed, rank, index, device)
+        TokenCorpus::windows(self, split, batch, seq_len, seed, rank, index, device)
     }
 }

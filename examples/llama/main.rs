@@ -45,7 +45,7 @@ use candle_fsdp::models::llama::{self, lm_loss, FsdpLlama, LlamaConfig};
 use candle_fsdp::{FsdpModel, MemoryBudget};
 use clap::Parser;
 
-use data::{HfTokenizer, TokenCorpus};
+use data::{load_tokens, HfTokenizer};
 use lm::{Bytes, Codec, Corpus, LmParts, LmRank};
 
 /// Fine-tune a Llama from a Hugging Face directory (or train a small one from scratch) with FSDP
@@ -236,11 +236,7 @@ fn main() -> anyhow::Result<()> {
     let corpus: Option<Box<dyn Corpus>> = if args.lm.max_steps == 0 && eval_tokens.is_some() {
         None
     } else if tokenizer.is_some() {
-        Some(Box::new(TokenCorpus::load(
-            &args.lm.data,
-            codec,
-            args.seq_len,
-        )?))
+        Some(Box::new(load_tokens(&args.lm.data, codec, args.seq_len)?))
     } else {
         let c = TextCorpus::load(&args.lm.data)
             .with_context(|| format!("loading the corpus {}", args.lm.data.display()))?;
@@ -272,8 +268,10 @@ fn main() -> anyhow::Result<()> {
             train.sharding_strategy(),
         );
         // What the directory's resolution decided beyond the plain case.
-        for d in resolved.iter().flat_map(|r| &r.decisions) {
-            println!("{}: {d}", resolved.as_ref().expect("decided").dir.display());
+        if let Some(r) = &resolved {
+            for d in &r.decisions {
+                println!("{}: {d}", r.dir.display());
+            }
         }
     }
     let budget = match args.lm.max_memory_per_rank {

@@ -218,23 +218,51 @@ impl TextCorpus {
         step: u64,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        if batch == 0 {
-            return Err(Error::InvalidArgument("batch must be at least 1".into()));
-        }
-        let data = self.split(split);
-        let starts = self.window_starts(split, batch, seq_len, seed, rank, step)?;
-        let mut inputs = Vec::with_capacity(batch * seq_len);
-        let mut targets = Vec::with_capacity(batch * seq_len);
-        for s in starts {
-            let w = &data[s..s + seq_len + 1];
-            inputs.extend(w[..seq_len].iter().map(|&b| b as u32));
-            targets.extend(w[1..].iter().map(|&b| b as u32));
-        }
-        Ok((
-            Tensor::from_vec(inputs, (batch, seq_len), device)?,
-            Tensor::from_vec(targets, (batch, seq_len), device)?,
-        ))
+        self.check_seq_len(split, seq_len)?;
+        windows_of(
+            self.split(split),
+            split,
+            batch,
+            seq_len,
+            seed,
+            rank,
+            step,
+            device,
+        )
     }
+}
+
+/// The `(inputs, targets)` batch of [`sample_window_starts`] over the tokens `data` of `split`,
+/// each `(batch, seq_len)` u32 on `device`, the targets the inputs shifted left by one: the
+/// windows of both [`TextCorpus`] (bytes) and [`TokenCorpus`] (ids).
+///
+/// Errors: `batch` 0; as [`sample_window_starts`]; the tensors cannot be made.
+#[allow(clippy::too_many_arguments)]
+fn windows_of<T: Copy + Into<u32>>(
+    data: &[T],
+    split: Split,
+    batch: usize,
+    seq_len: usize,
+    seed: u64,
+    rank: usize,
+    step: u64,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    if batch == 0 {
+        return Err(Error::InvalidArgument("batch must be at least 1".into()));
+    }
+    let starts = sample_window_starts(data.len(), split, batch, seq_len, seed, rank, step)?;
+    let mut inputs = Vec::with_capacity(batch * seq_len);
+    let mut targets = Vec::with_capacity(batch * seq_len);
+    for s in starts {
+        let w = &data[s..s + seq_len + 1];
+        inputs.extend(w[..seq_len].iter().map(|&t| t.into()));
+        targets.extend(w[1..].iter().map(|&t| t.into()));
+    }
+    Ok((
+        Tensor::from_vec(inputs, (batch, seq_len), device)?,
+        Tensor::from_vec(targets, (batch, seq_len), device)?,
+    ))
 }
 
 /// The first token of each of the `batch` windows of `seq_len + 1` tokens drawn for `(seed,
@@ -475,19 +503,15 @@ impl TokenCorpus {
         step: u64,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        if batch == 0 {
-            return Err(Error::InvalidArgument("batch must be at least 1".into()));
-        }
-        let data = self.split(split);
-        let starts = sample_window_starts(data.len(), split, batch, seq_len, seed, rank, step)?;
-        let (mut x, mut y) = (Vec::new(), Vec::new());
-        for s in starts {
-            x.extend_from_slice(&data[s..s + seq_len]);
-            y.extend_from_slice(&data[s + 1..s + seq_len + 1]);
-        }
-        Ok((
-            Tensor::from_vec(x, (batch, seq_len), device)?,
-            Tensor::from_vec(y, (batch, seq_len), device)?,
-        ))
+        windows_of(
+            self.split(split),
+            split,
+            batch,
+            seq_len,
+            seed,
+            rank,
+            step,
+            device,
+        )
     }
 }

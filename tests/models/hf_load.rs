@@ -12,7 +12,7 @@ use super::common::tmpdir;
 use super::{fixture, inputs};
 
 /// Every parameter of the model built from `dir` at world size `ws`, gathered (name, values).
-fn loaded(dir: &Path, ws: usize) -> Vec<(String, Vec<f32>)> {
+pub(super) fn loaded(dir: &Path, ws: usize) -> Vec<(String, Vec<f32>)> {
     let mut out = launch(&Launcher::threads(ws), |pg| {
         let (_, model, _) = build_from_hf(pg, FsdpConfig::default(), dir, false)?;
         let params = model.gather_full_params(true)?;
@@ -82,7 +82,7 @@ fn edited(name: &str, tag: &str, file: &str, edit: impl Fn(&str) -> String) -> P
 }
 
 /// The error of building from `dir` at world size 2 (on every rank), as text.
-fn load_error(dir: &Path) -> String {
+pub(super) fn load_error(dir: &Path) -> String {
     let e = launch(&Launcher::threads(2), |pg| {
         build_from_hf(pg, FsdpConfig::default(), dir, false).map(|_| ())
     })

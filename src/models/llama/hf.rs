@@ -288,9 +288,9 @@ pub struct HfLlamaDir {
 /// Errors, naming the file and the key or tensor: as [`read_config`] and [`HfWeights::open`];
 /// a read of the two tables.
 pub fn resolve(dir: &Path) -> Result<HfLlamaDir> {
-    let mut cfg = read_config(dir)?;
     let path = dir.join(CONFIG_FILE);
     let mut config_json = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let mut cfg = config_from_json(&config_json, &path)?;
     let weights = HfWeights::open(dir, &mut ReadStats::default())?;
     let mut decisions = weights.decisions().to_vec();
     let mut sources = BTreeMap::new();
