@@ -395,9 +395,10 @@ mod gpu {
         pub end: CudaEvent,
     }
 
-    /// A timing event recorded on `stream`.
+    /// A timing event recorded on `stream`: created with `CU_EVENT_DEFAULT`, since cudarc's
+    /// default (`record_event(None)`) disables timing and `elapsed_ms` would fail on it.
     pub(super) fn timing_event(stream: &CudaStream) -> Option<CudaEvent> {
-        stream.record_event(None).ok()
+        crate::cuda::record(stream, true).ok()
     }
 }
 
@@ -429,8 +430,13 @@ impl Tracer {
         let cuda =
             |e: cudarc::driver::DriverError| crate::Error::Cuda(format!("trace clock: {e:?}"));
         stream.synchronize().map_err(cuda)?;
-        let origin = stream.record_event(None).map_err(cuda)?;
+        let origin = stream
+            .record_event(Some(crate::cuda::event_flags(true)))
+            .map_err(cuda)?;
         origin.synchronize().map_err(cuda)?;
+        // A clock whose events cannot be timed would leave every GPU span on its issue time
+        // with no duration: refuse it here (the caller keeps host timing) rather than then.
+        origin.elapsed_ms(&origin).map_err(cuda)?;
         let origin_us = self.origin.elapsed().as_secs_f64() * 1e6;
         *self.gpu.lock() = Some(gpu::GpuClock {
             stream,

@@ -89,16 +89,25 @@ pub fn context(device: &CudaDevice) -> Arc<CudaContext> {
 
 /// Records an event on `stream` (timing disabled unless `timing`).
 ///
+/// The flags are always given: cudarc's `record_event(None)` creates the event with
+/// `CU_EVENT_DISABLE_TIMING`, whose `elapsed_ms` fails (`CUDA_ERROR_INVALID_HANDLE`).
+///
 /// Errors: the driver's.
 pub fn record(stream: &CudaStream, timing: bool) -> Result<CudaEvent> {
-    let flags = if timing {
-        None
-    } else {
-        Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-    };
     stream
-        .record_event(flags)
+        .record_event(Some(event_flags(timing)))
         .map_err(|e| Error::Cuda(format!("recording an event: {e:?}")))
+}
+
+/// Event creation flags: `CU_EVENT_DEFAULT` (timing on, for `elapsed_ms`) when `timing`, else
+/// `CU_EVENT_DISABLE_TIMING` (cheaper; for waits and completion only).
+pub fn event_flags(timing: bool) -> cudarc::driver::sys::CUevent_flags {
+    use cudarc::driver::sys::CUevent_flags;
+    if timing {
+        CUevent_flags::CU_EVENT_DEFAULT
+    } else {
+        CUevent_flags::CU_EVENT_DISABLE_TIMING
+    }
 }
 
 /// Makes `consumer` wait (on the device, the host does not block) for everything issued on

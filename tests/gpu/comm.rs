@@ -506,36 +506,89 @@ mod nccl {
         assert_eq!(v, vec![vec![2.0]]);
     }
 
-    /// Keeps the compute stream busy for about `ms` milliseconds (a spin kernel).
-    fn spin(dev: &Device, ms: u64) {
-        let Device::Cuda(cuda) = dev else {
-            panic!("a CUDA device")
-        };
-        let src = r#"
-            extern "C" __global__ void spin(long long cycles) {
-                long long start = clock64();
-                while (clock64() - start < cycles) { }
-            }"#;
-        let ptx = cudarc::nvrtc::compile_ptx(src).unwrap();
-        let func = cuda
-            .get_or_load_custom_func("spin", "test_spin", &ptx.to_src())
-            .unwrap();
-        let clock_khz = cuda
-            .cuda_stream()
-            .context()
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
-            .map_or(2_000_000, |khz| khz as i64);
-        let cycles: i64 = clock_khz * ms as i64;
-        let mut b = func.builder();
-        use cudarc::driver::PushKernelArg;
-        b.arg(&cycles);
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the kernel takes one long long and touches no memory.
-        unsafe { b.launch(cfg) }.unwrap();
+    /// Holds a device's compute stream until [`Gate::open`] (or `cap`, a safety net): a
+    /// one-thread kernel polling a flag in mapped host memory, so that what waits behind it is
+    /// stuck for as long as the test says, whatever the GPU's clock (a fixed-length spin was
+    /// not: on an H200 the "stuck" collective of this test completed within its 300 ms timeout).
+    struct Gate {
+        flag: *mut u32,
+        /// Recorded right after the gate kernel: it has finished once this completed.
+        passed: cudarc::driver::CudaEvent,
+    }
+
+    impl Gate {
+        fn close(dev: &Device, cap: Duration) -> Gate {
+            use cudarc::driver::{result, sys, PushKernelArg};
+            let Device::Cuda(cuda) = dev else {
+                panic!("a CUDA device")
+            };
+            let stream = cuda.cuda_stream();
+            stream.context().bind_to_thread().unwrap();
+            // SAFETY: 4 bytes of page-locked host memory, mapped into the device's address
+            // space (DEVICEMAP); written before any kernel reads it; freed in `drop` only once
+            // the kernel has finished.
+            let (flag, dptr) = unsafe {
+                let host = result::malloc_host(
+                    4,
+                    sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+                )
+                .unwrap() as *mut u32;
+                std::ptr::write_volatile(host, 0);
+                let mut dptr: sys::CUdeviceptr = 0;
+                sys::cuMemHostGetDevicePointer_v2(&mut dptr, host.cast(), 0)
+                    .result()
+                    .unwrap();
+                (host, dptr)
+            };
+            let src = r#"
+                extern "C" __global__ void gate(const volatile unsigned int* flag,
+                                                unsigned long long cap_ns) {
+                    unsigned long long start, now;
+                    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+                    do {
+                        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+                    } while (*flag == 0u && now - start < cap_ns);
+                }"#;
+            let ptx = cudarc::nvrtc::compile_ptx(src).unwrap();
+            let func = cuda
+                .get_or_load_custom_func("gate", "test_gate", &ptx.to_src())
+                .unwrap();
+            let cap_ns = cap.as_nanos() as u64;
+            let mut b = func.builder();
+            b.arg(&dptr);
+            b.arg(&cap_ns);
+            let cfg = cudarc::driver::LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (1, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the kernel reads one u32 at `dptr`, mapped host memory that lives until
+            // the kernel has finished (`drop`).
+            unsafe { b.launch(cfg) }.unwrap();
+            let passed = stream.record_event(None).unwrap();
+            Gate { flag, passed }
+        }
+
+        fn open(&self) {
+            // SAFETY: the flag is live until `drop`; the kernel only reads it.
+            unsafe { std::ptr::write_volatile(self.flag, 1) };
+        }
+    }
+
+    impl Drop for Gate {
+        fn drop(&mut self) {
+            self.open();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !self.passed.try_is_complete().unwrap_or(false) {
+                if Instant::now() > deadline {
+                    // The kernel may still read the flag: leak it rather than free it.
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // SAFETY: the kernel that read the flag has finished.
+            unsafe { cudarc::driver::result::free_host(self.flag.cast()) }.unwrap();
+        }
     }
 
     #[test]
@@ -551,48 +604,69 @@ mod nccl {
         )
         .unwrap();
         let pg: Arc<dyn ProcessGroup> = g;
-        // The comm stream waits for the compute stream, busy for 3 s: the collective cannot
-        // complete within the 300 ms timeout.
-        spin(&dev, 3000);
+        // One collective first, with everything the stuck one uses created beforehand: the
+        // first use of a kernel (NCCL's, Candle's fill) may load it lazily, and the driver may
+        // synchronise the context to do so, which would block the host behind the gate.
+        let warm = pg
+            .all_reduce(
+                &pg.default_stream(),
+                Tensor::ones(8, DType::F32, &dev).unwrap(),
+                ReduceOp::Sum,
+            )
+            .wait()
+            .unwrap();
+        assert_eq!(warm.to_vec1::<f32>().unwrap(), vec![1.0; 8]);
+        let x = Tensor::ones(8, DType::F32, &dev).unwrap();
+        let (gx, gy) = (
+            Tensor::ones(2, DType::F32, &dev).unwrap(),
+            Tensor::zeros(2, DType::F32, &dev).unwrap(),
+        );
+        let Device::Cuda(cuda) = &dev else {
+            panic!("a CUDA device")
+        };
+        cuda.cuda_stream().synchronize().unwrap();
+        // The comm stream waits for the compute stream, held by the gate until the test opens
+        // it (20 s at most): the collective cannot complete within the 300 ms timeout.
+        let gate = Gate::close(&dev, Duration::from_secs(20));
         let started = Instant::now();
-        let w = pg.all_reduce(
-            &pg.default_stream(),
-            Tensor::ones(8, DType::F32, &dev).unwrap(),
-            ReduceOp::Sum,
-        );
-        let e = w.wait().unwrap_err();
-        assert!(
-            started.elapsed() < Duration::from_secs(3),
-            "{:?}",
-            started.elapsed()
-        );
+        let w = pg.all_reduce(&pg.default_stream(), x, ReduceOp::Sum);
+        let issued = started.elapsed();
+        let outcome = w.wait();
+        let waited = started.elapsed();
+        gate.open();
+        let e = match outcome {
+            Err(e) => e,
+            Ok(_) => panic!(
+                "the collective completed (issue took {issued:?}, the wait {waited:?}) while \
+                 the compute stream it waits for was held: the host must have waited for the \
+                 device while issuing it"
+            ),
+        };
+        assert!(waited < Duration::from_secs(3), "{waited:?}");
         match &e {
             Error::Timeout { op, rank, .. } => {
                 assert_eq!(
                     (op.as_str(), *rank),
-                    ("all_reduce #1 (stream collective)", 0)
+                    ("all_reduce #2 (stream collective)", 0)
                 )
             }
             other => panic!("expected a timeout, got {other}"),
         }
         // Every later collective fails too, naming itself and the one that timed out.
         let e = pg
-            .all_gather(
-                &pg.default_stream(),
-                &Tensor::ones(2, DType::F32, &dev).unwrap(),
-                Tensor::zeros(2, DType::F32, &dev).unwrap(),
-            )
+            .all_gather(&pg.default_stream(), &gx, gy)
             .wait()
             .unwrap_err()
             .to_string();
         assert!(
             e.starts_with(
-                "all_gather #2 (stream collective) on rank 0 failed: aborted by the \
-                           watchdog: all_reduce #1 (stream collective) did not complete"
+                "all_gather #3 (stream collective) on rank 0 failed: aborted by the \
+                           watchdog: all_reduce #2 (stream collective) did not complete"
             ),
             "{e}"
         );
         assert!(pg.new_stream("late").is_err());
+        drop(gate);
     }
 
     #[test]

@@ -437,7 +437,14 @@ fn token(event: &CudaEvent) -> usize {
 
 /// Enqueued device work of one rank's collective after barrier 1: the first error is kept and
 /// later steps are skipped, but the caller still takes part in every barrier (peers may be
-/// reading this rank's buffers). Events are kept alive until the end of the collective.
+/// reading this rank's buffers).
+///
+/// The events whose handles were published as tokens live as long as the `Steps`: it must be
+/// dropped only after the collective's last host barrier ([`Ctx::sync`] after
+/// [`Steps::finish`]), once every peer has enqueued its waits on them. A peer that calls
+/// `cuStreamWaitEvent` on a handle already destroyed reads freed driver state (seen on a GPU as
+/// `CUDA_ERROR_CONTEXT_IS_DESTROYED`, a crash, or a wait on an unrelated event that reused the
+/// handle).
 struct Steps<'a> {
     stream: &'a Arc<CudaStream>,
     op: &'a str,
@@ -542,7 +549,10 @@ impl<'a> Steps<'a> {
         });
     }
 
-    fn finish(mut self) -> (Option<Arc<CudaEvent>>, Result<()>) {
+    /// Records the final event and returns it with the outcome. Takes `&mut self`: the events
+    /// published to the peers stay alive until the caller drops the `Steps`, after the last
+    /// barrier.
+    fn finish(&mut self) -> (Option<Arc<CudaEvent>>, Result<()>) {
         let final_event = if self.first_err.is_none() {
             match crate::cuda::record(self.stream, false) {
                 Ok(ev) => Some(Arc::new(ev)),
@@ -825,8 +835,10 @@ impl Ctx<'_> {
         let dones = self.sync_with_token(generation, t);
         steps.wait_tokens(&dones, "done");
         let (final_event, result) = steps.finish();
-        // Every peer has enqueued its waits on this rank's events: they may be destroyed.
+        // Every peer has enqueued its waits on this rank's events (`pre`, `phase-A`, `done`):
+        // only now may they be destroyed. `sync` cannot fail, so no path drops them earlier.
         self.sync(generation + 1);
+        drop(steps);
         drop(pre);
         if let Err(e) = &result {
             self.shared.abort(rank, &e.to_string());
@@ -866,7 +878,9 @@ impl Ctx<'_> {
         let mut steps = Steps::new(stream, self.op, self.rank);
         steps.wait_tokens(&pres, "arrival");
         let (final_event, result) = steps.finish();
+        // As in `cuda_body`: the published events outlive the peers' waits on them.
         self.sync(generation + 1);
+        drop(steps);
         drop(pre);
         CudaDone {
             final_event,
