@@ -1,6 +1,10 @@
 //! Reference models used by the examples, tests and benchmarks, written as FSDP units: the
-//! MNIST MLP (cargo feature `mnist`) and a GPT-2-style decoder ([`gpt`], cargo feature `gpt`).
+//! MNIST MLP (cargo feature `mnist`), a GPT-2-style decoder ([`gpt`], cargo feature `gpt`), and
+//! the one decoder of the Hugging Face families ([`decoder`]: Llama, Mistral, Qwen2, Qwen3,
+//! Phi-3, Gemma 2, GPT-2; [`llama`] its Llama names; cargo feature `llama`).
 
+#[cfg(feature = "llama")]
+pub mod decoder;
 #[cfg(feature = "gpt")]
 pub mod gpt;
 #[cfg(feature = "llama")]

@@ -161,9 +161,9 @@ impl LanguageModel for candle_fsdp::models::gpt::FsdpGpt {
 }
 
 #[cfg(feature = "llama")]
-impl LanguageModel for candle_fsdp::models::llama::FsdpLlama {
+impl LanguageModel for candle_fsdp::models::decoder::FsdpDecoder {
     fn logits(&self, model: &mut FsdpModel, ids: &Tensor, train: bool) -> Result<Tensor> {
-        candle_fsdp::models::llama::FsdpLlama::logits(self, model, ids, train)
+        candle_fsdp::models::decoder::FsdpDecoder::logits(self, model, ids, train)
     }
 }
 

@@ -1,6 +1,7 @@
-//! A Llama-family decoder (`candle_fsdp::models::llama`) fine-tuned, or trained from scratch,
-//! with FSDP over N ranks running as threads of this process (or one per process under
-//! `mpirun`).
+//! A decoder of the Hugging Face families (`candle_fsdp::models::decoder`: Llama, Mistral,
+//! Qwen2 / Qwen2.5, Qwen3, Phi-3, Gemma 2, GPT-2) fine-tuned, or a small Llama trained from
+//! scratch, with FSDP over N ranks running as threads of this process (or one per process
+//! under `mpirun`).
 //!
 //! With `--from-hf DIR` the model is a Hugging Face directory's (`config.json` and
 //! `model.safetensors` or `model.safetensors.index.json` + shards; each rank reads only its
@@ -38,17 +39,17 @@ use anyhow::Context;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_fsdp::checkpoint::tools::HF_CONFIG_KEY;
 use candle_fsdp::data::text::TextCorpus;
-use candle_fsdp::models::llama::hf::{
-    build_from_resolved, config_to_json, resolve, HfLlamaDir, CONFIG_FILE,
-};
-use candle_fsdp::models::llama::{self, lm_loss, FsdpLlama, LlamaConfig};
+use candle_fsdp::models::decoder::hf::{build_from_resolved, resolve, HfDir, CONFIG_FILE};
+use candle_fsdp::models::decoder::{self, lm_loss, DecoderConfig, FsdpDecoder};
+use candle_fsdp::models::llama::{hf::config_to_json, LlamaConfig};
 use candle_fsdp::{FsdpModel, MemoryBudget};
 use clap::Parser;
 
 use data::{load_tokens, HfTokenizer};
 use lm::{Bytes, Codec, Corpus, LmParts, LmRank};
 
-/// Fine-tune a Llama from a Hugging Face directory (or train a small one from scratch) with FSDP
+/// Fine-tune a decoder from a Hugging Face directory (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+/// Gemma 2, GPT-2), or train a small Llama from scratch, with FSDP
 /// over in-process ranks (or the processes of an `mpirun` job).
 #[derive(Debug, Parser)]
 #[command(version)]
@@ -102,13 +103,19 @@ impl Args {
     }
 }
 
-/// Norm weights and biases: no weight decay.
-const NO_DECAY: [&str; 2] = ["*norm.weight", "*.bias"];
+/// Norm weights (GPT-2's `ln_1`, `ln_2`, `ln_f` too) and biases: no weight decay.
+const NO_DECAY: [&str; 5] = [
+    "*norm.weight",
+    "*.bias",
+    "*.ln_1.weight",
+    "*.ln_2.weight",
+    "*.ln_f.weight",
+];
 
 /// Activations per rank of one training step ([`lm::activation_estimate`]), from plain-Candle
 /// probes of 1 and 2 blocks of `cfg` (the units' modules over a `VarMap`).
 fn measure_activation_bytes(
-    cfg: &LlamaConfig,
+    cfg: &DecoderConfig,
     batch: usize,
     seq_len: usize,
     checkpointed: bool,
@@ -116,12 +123,12 @@ fn measure_activation_bytes(
     let held = |layers: usize| -> anyhow::Result<usize> {
         let varmap = candle_nn::VarMap::new();
         let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-        let emb = llama::token_embedding(cfg, vb.pp("emb"))?;
+        let emb = decoder::token_embedding(cfg, vb.pp("emb"))?;
         let blocks = (0..layers)
-            .map(|i| llama::Block::new(cfg, vb.pp(format!("b{i}"))))
+            .map(|i| decoder::Block::new(cfg, i, vb.pp(format!("b{i}"))))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let norm = llama::final_norm(cfg, vb.pp("norm"))?;
-        let head = llama::lm_head(cfg, vb.pp("head"))?;
+        let norm = decoder::final_norm(cfg, vb.pp("norm"))?;
+        let head = decoder::lm_head(cfg, vb.pp("head"))?;
         let ids = Tensor::zeros((batch, seq_len), DType::U32, &Device::Cpu)?;
         let before = candle_fsdp::alloc::live_bytes();
         let mut h = emb.forward(&ids)?;
@@ -149,7 +156,7 @@ fn main() -> anyhow::Result<()> {
     let train = &args.train;
     let setup = common::setup(train)?;
     // The model's shape and its config.json (stored in every checkpoint for the export).
-    let (cfg, config_json, resolved): (_, _, Option<HfLlamaDir>) = match &args.from_hf {
+    let (cfg, config_json, resolved): (DecoderConfig, _, Option<HfDir>) = match &args.from_hf {
         Some(dir) => {
             anyhow::ensure!(
                 dir.is_dir(),
@@ -183,7 +190,7 @@ fn main() -> anyhow::Result<()> {
             // tied (the config and its text as they load).
             let resolved = resolve(dir)?;
             (
-                resolved.config,
+                resolved.config.clone(),
                 resolved.config_json.clone(),
                 Some(resolved),
             )
@@ -192,7 +199,11 @@ fn main() -> anyhow::Result<()> {
             let cfg = args.scratch_config();
             cfg.validate()
                 .context("--n-layer / --d-model / --n-head / --n-kv-head / --intermediate-size")?;
-            (cfg, config_to_json(&cfg, "float32").to_string(), None)
+            (
+                cfg.into(),
+                config_to_json(&cfg, "float32").to_string(),
+                None,
+            )
         }
     };
     anyhow::ensure!(
@@ -248,9 +259,12 @@ fn main() -> anyhow::Result<()> {
     let corpus_ref: &dyn Corpus = corpus.as_deref().unwrap_or(&empty);
     if setup.prints() {
         println!(
-            "Llama{}: {} layers, d {}, {} heads ({} key/value) of {}, MLP {}, vocab {}, {}, {:.2} M \
+            "{}{}: {} layers, d {}, {} heads ({} key/value) of {}, MLP {}, vocab {}, {}, {:.2} M \
              parameters; tokens: {}; world size {} ({}), batch {} × {} tokens per rank, {:?}",
-            args.from_hf.as_ref().map_or(String::new(), |d| format!(" from {}", d.display())),
+            cfg.table().architecture,
+            args.from_hf
+                .as_ref()
+                .map_or(String::new(), |d| format!(" from {}", d.display())),
             cfg.num_hidden_layers,
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -258,9 +272,17 @@ fn main() -> anyhow::Result<()> {
             cfg.head_dim,
             cfg.intermediate_size,
             cfg.vocab_size,
-            if cfg.tie_word_embeddings { "tied" } else { "untied" },
-            cfg.num_params() as f64 / 1e6,
-            if tokenizer.is_some() { "tokenizer.json" } else { "bytes" },
+            if cfg.tie_word_embeddings {
+                "tied"
+            } else {
+                "untied"
+            },
+            cfg.num_params()? as f64 / 1e6,
+            if tokenizer.is_some() {
+                "tokenizer.json"
+            } else {
+                "bytes"
+            },
             setup.launcher.world_size(),
             setup.device_desc(),
             train.batch_size,
@@ -289,8 +311,8 @@ fn main() -> anyhow::Result<()> {
     };
     let extra = BTreeMap::from([(HF_CONFIG_KEY.to_string(), config_json)]);
     let outcome = common::trainer::run_job(train, &setup.launcher, |pg, session| {
-        let model =
-            FsdpLlama::new(cfg)?.with_activation_checkpointing(args.lm.activation_checkpointing);
+        let model = FsdpDecoder::new(cfg.clone())?
+            .with_activation_checkpointing(args.lm.activation_checkpointing);
         let parts = LmParts {
             model: model.clone(),
             seq_len: args.seq_len,

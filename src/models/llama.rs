@@ -35,21 +35,21 @@
 //!
 //! Every parameter is f32 (the master copy) unless a mixed-precision policy gathers it in
 //! another dtype; the rotary tables follow the activations' dtype.
+//!
+//! The model is the Llama family of the one decoder ([`crate::models::decoder`]): this module
+//! keeps the Llama's own config type ([`LlamaConfig`], what a from-scratch run chooses), its
+//! `config.json` writer ([`hf::config_to_json`]) and the names it has always had
+//! ([`FsdpLlama`] is [`FsdpDecoder`]).
 
 pub mod hf;
 
-use candle_core::{Device, Module, Tensor};
-use candle_nn::{Embedding, Init, VarBuilder};
+use candle_core::{Device, Tensor};
+use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder, ModelSpec};
-use crate::nn::{causal_attention_gqa, linear_normal, rms_norm, Linear, RmsNorm};
-use crate::unit::UnitSpec;
-
-/// Standard deviation of the initialisation of a model built from scratch (transformers'
-/// `initializer_range` default).
-const INIT_STD: f64 = 0.02;
+pub use crate::models::decoder::Llama3RopeScaling;
+use crate::models::decoder::{self, Activation, DecoderConfig, Family, FsdpDecoder, LayerType};
 
 /// The shape of a Llama: Hugging Face `LlamaConfig`'s fields under their names (see
 /// [`hf::config_from_json`] for the keys read from a `config.json` and those refused).
@@ -111,126 +111,15 @@ impl Default for LlamaConfig {
     }
 }
 
-/// Llama 3's frequency-dependent rotary scaling (transformers' `rope_type: "llama3"`,
-/// `_compute_llama3_parameters`; Meta's Llama 3.1 release): with `θ_i` the default
-/// frequencies, wavelength `λ_i = 2π/θ_i`, `L` = `original_max_position_embeddings`, `lo` =
-/// `low_freq_factor`, `hi` = `high_freq_factor`:
-///
-/// ```text
-///     λ_i < L/hi            θ_i                        (high frequencies kept)
-///     λ_i > L/lo            θ_i / factor               (low frequencies slowed)
-///     otherwise             (1 − s)·θ_i/factor + s·θ_i,   s = (L/λ_i − lo) / (hi − lo)
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Llama3RopeScaling {
-    /// How much the low frequencies are slowed (Llama 3.1: 8).
-    pub factor: f64,
-    /// Wavelengths above `L / low_freq_factor` are fully scaled (Llama 3.1: 1).
-    pub low_freq_factor: f64,
-    /// Wavelengths below `L / high_freq_factor` are kept (Llama 3.1: 4).
-    pub high_freq_factor: f64,
-    /// `L`: the context the model was first trained with (Llama 3.1: 8192).
-    pub original_max_position_embeddings: usize,
-}
-
-impl Llama3RopeScaling {
-    /// The scaled frequency of default frequency `inv` (radians per position).
-    pub fn scale(&self, inv: f64) -> f64 {
-        let l = self.original_max_position_embeddings as f64;
-        let wavelen = 2.0 * std::f64::consts::PI / inv;
-        if wavelen < l / self.high_freq_factor {
-            inv
-        } else if wavelen > l / self.low_freq_factor {
-            inv / self.factor
-        } else {
-            let s = (l / wavelen - self.low_freq_factor)
-                / (self.high_freq_factor - self.low_freq_factor);
-            (1.0 - s) * inv / self.factor + s * inv
-        }
-    }
-
-    /// Checks the numbers, naming the key under `rope_scaling`.
-    fn validate(&self) -> Result<()> {
-        for (name, v) in [
-            ("factor", self.factor),
-            ("low_freq_factor", self.low_freq_factor),
-            ("high_freq_factor", self.high_freq_factor),
-        ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(Error::InvalidArgument(format!(
-                    "Llama rope_scaling.{name} must be a positive finite number, found {v}"
-                )));
-            }
-        }
-        if self.low_freq_factor >= self.high_freq_factor {
-            return Err(Error::InvalidArgument(format!(
-                "Llama rope_scaling.low_freq_factor {} must be below high_freq_factor {}",
-                self.low_freq_factor, self.high_freq_factor
-            )));
-        }
-        if self.original_max_position_embeddings == 0 {
-            return Err(Error::InvalidArgument(
-                "Llama rope_scaling.original_max_position_embeddings must be at least 1, found 0"
-                    .into(),
-            ));
-        }
-        Ok(())
-    }
-}
-
 impl LlamaConfig {
     /// Checks the shape.
     ///
-    /// Errors ([`Error::InvalidArgument`], naming the key): a zero size; `num_key_value_heads`
-    /// not dividing `num_attention_heads`; an odd `head_dim` (RoPE rotates pairs); an epsilon
-    /// or `rope_theta` that is not a positive finite number.
+    /// Errors ([`crate::Error::InvalidArgument`], naming the key): as
+    /// [`DecoderConfig::validate`] (a zero size; `num_key_value_heads` not dividing
+    /// `num_attention_heads`; an odd `head_dim`; an epsilon or `rope_theta` that is not a
+    /// positive finite number).
     pub fn validate(&self) -> Result<()> {
-        for (name, v) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("max_position_embeddings", self.max_position_embeddings),
-        ] {
-            if v == 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "Llama {name} must be at least 1, found 0"
-                )));
-            }
-        }
-        if !self
-            .num_attention_heads
-            .is_multiple_of(self.num_key_value_heads)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "Llama num_key_value_heads {} must divide num_attention_heads {}",
-                self.num_key_value_heads, self.num_attention_heads
-            )));
-        }
-        if !self.head_dim.is_multiple_of(2) {
-            return Err(Error::InvalidArgument(format!(
-                "Llama head_dim must be even (rotary embeddings rotate pairs), found {}",
-                self.head_dim
-            )));
-        }
-        for (name, v) in [
-            ("rms_norm_eps", self.rms_norm_eps),
-            ("rope_theta", self.rope_theta),
-        ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(Error::InvalidArgument(format!(
-                    "Llama {name} must be a positive finite number, found {v}"
-                )));
-            }
-        }
-        if let Some(scaling) = &self.rope_scaling {
-            scaling.validate()?;
-        }
-        Ok(())
+        DecoderConfig::from(*self).validate()
     }
 
     /// Number of parameters (a tied head counts once).
@@ -254,196 +143,111 @@ impl LlamaConfig {
     }
 }
 
-/// `Linear(in, out)` with weight `(out, in)` N(0, 0.02) and, when `bias`, a zero bias.
-fn linear(
-    in_dim: usize,
-    out_dim: usize,
-    bias: bool,
-    vb: VarBuilder,
-) -> candle_core::Result<Linear> {
-    linear_normal(in_dim, out_dim, INIT_STD, bias, vb)
+impl From<LlamaConfig> for DecoderConfig {
+    /// The Llama family's decoder of this shape (`attention_bias` on q, k, v and o).
+    fn from(c: LlamaConfig) -> Self {
+        DecoderConfig {
+            family: Family::Llama,
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            num_hidden_layers: c.num_hidden_layers,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            max_position_embeddings: c.max_position_embeddings,
+            norm_eps: c.rms_norm_eps,
+            rope_theta: c.rope_theta,
+            rope_scaling: c.rope_scaling,
+            tie_word_embeddings: c.tie_word_embeddings,
+            qkv_bias: c.attention_bias,
+            o_bias: c.attention_bias,
+            mlp_bias: c.mlp_bias,
+            qk_norm: false,
+            activation: Activation::Silu,
+            sliding_window: None,
+            layer_types: vec![LayerType::FullAttention; c.num_hidden_layers],
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+            query_pre_attn_scalar: None,
+        }
+    }
 }
 
-/// `l` applied to `x` `(…, in)` → `(…, out)` ([`crate::nn::linear_forward`]: one graph node).
-fn apply(l: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
-    l.forward(x)
+impl TryFrom<&DecoderConfig> for LlamaConfig {
+    type Error = Error;
+
+    /// The Llama shape of a Llama-family decoder config.
+    ///
+    /// Errors: another family, or options a Llama does not have (a window, soft-caps, q/k
+    /// norms, a bias on q, k, v but not o), naming them.
+    fn try_from(c: &DecoderConfig) -> Result<Self> {
+        let plain = c.family == Family::Llama
+            && c.qkv_bias == c.o_bias
+            && !c.qk_norm
+            && c.activation == Activation::Silu
+            && c.sliding_window.is_none()
+            && c.attn_logit_softcapping.is_none()
+            && c.final_logit_softcapping.is_none()
+            && c.query_pre_attn_scalar.is_none();
+        if !plain {
+            return Err(Error::InvalidArgument(format!(
+                "a {} decoder is not a Llama (models::decoder builds it)",
+                c.table().architecture
+            )));
+        }
+        Ok(LlamaConfig {
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            num_hidden_layers: c.num_hidden_layers,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            max_position_embeddings: c.max_position_embeddings,
+            rms_norm_eps: c.norm_eps,
+            rope_theta: c.rope_theta,
+            rope_scaling: c.rope_scaling,
+            tie_word_embeddings: c.tie_word_embeddings,
+            attention_bias: c.qkv_bias,
+            mlp_bias: c.mlp_bias,
+        })
+    }
 }
 
 /// The token embedding `model.embed_tokens`: ids `(B, T)` u32 → `(B, T, d)`; parameter
-/// `weight` `(V, d)`, N(0, 0.02).
-pub fn token_embedding(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Embedding> {
-    let w = vb.get_with_hints(
-        (cfg.vocab_size, cfg.hidden_size),
-        "weight",
-        Init::Randn {
-            mean: 0.0,
-            stdev: INIT_STD,
-        },
-    )?;
-    Ok(Embedding::new(w, cfg.hidden_size))
+/// `weight` `(V, d)`, N(0, 0.02) ([`decoder::token_embedding`]).
+pub fn token_embedding(
+    cfg: &LlamaConfig,
+    vb: VarBuilder,
+) -> candle_core::Result<decoder::Embedding> {
+    decoder::token_embedding(&(*cfg).into(), vb)
 }
 
 /// The final norm `model.norm`: RMSNorm, parameter `weight` `(d,)`.
-pub fn final_norm(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<RmsNorm> {
-    rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb)
+pub fn final_norm(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<decoder::Norm> {
+    decoder::final_norm(&(*cfg).into(), vb)
 }
 
-/// The LM head: `(B, T, d)` → logits `(B, T, V)`, no bias; parameter `weight` `(V, d)` (with
-/// tied weights built under the embedding's prefix, where it is the embedding's table).
-pub fn lm_head(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Linear> {
-    linear(cfg.hidden_size, cfg.vocab_size, false, vb)
+/// The LM head: `(B, T, d)` → logits `(B, T, V)`, no bias; parameter `weight` `(V, d)`.
+pub fn lm_head(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<decoder::Head> {
+    decoder::lm_head(&(*cfg).into(), vb)
 }
 
-/// The rotary tables of positions `0..t`: `(cos, sin)`, each `(t, head_dim)` f32, the
-/// frequencies `θ_i = rope_theta^(−2i/head_dim)` (scaled by [`Llama3RopeScaling::scale`] when
-/// the config has one) repeated twice along the head (transformers' `LlamaRotaryEmbedding`;
-/// angles computed in f64, rounded once).
+/// The rotary tables of positions `0..t` ([`decoder::rope_tables`]): `(cos, sin)`, each `(t,
+/// head_dim)` f32.
 pub fn rope_tables(
     cfg: &LlamaConfig,
     t: usize,
     device: &Device,
 ) -> candle_core::Result<(Tensor, Tensor)> {
-    let hd = cfg.head_dim;
-    let half = hd / 2;
-    let mut cos = Vec::with_capacity(t * hd);
-    let mut sin = Vec::with_capacity(t * hd);
-    for p in 0..t {
-        for j in 0..hd {
-            let i = j % half;
-            let mut inv = 1.0 / cfg.rope_theta.powf((2 * i) as f64 / hd as f64);
-            if let Some(scaling) = &cfg.rope_scaling {
-                inv = scaling.scale(inv);
-            }
-            let a = p as f64 * inv;
-            cos.push(a.cos() as f32);
-            sin.push(a.sin() as f32);
-        }
-    }
-    Ok((
-        Tensor::from_vec(cos, (t, hd), device)?,
-        Tensor::from_vec(sin, (t, hd), device)?,
-    ))
+    decoder::rope_tables(&(*cfg).into(), t, device)
 }
 
-/// Rotary embedding of `x` `(B, T, heads, head_dim)` with tables `(T, head_dim)`:
-/// `x·cos + rotate_half(x)·sin`, one graph node ([`crate::nn::rope`]).
-pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
-    crate::nn::rope(x, cos, sin)
-}
-
-/// Grouped-query causal self-attention `self_attn`: `(B, T, d)` → `(B, T, d)`. Parameters
-/// `q_proj.weight` `(n_head·hd, d)`, `k_proj.weight`, `v_proj.weight` `(n_kv_head·hd, d)`,
-/// `o_proj.weight` `(d, n_head·hd)` (and their biases with `attention_bias`).
-#[derive(Debug, Clone)]
-pub struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    cfg: LlamaConfig,
-}
-
-impl Attention {
-    /// Builds the layer.
-    pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Self> {
-        let (d, hd, b) = (cfg.hidden_size, cfg.head_dim, cfg.attention_bias);
-        Ok(Self {
-            q: linear(d, cfg.num_attention_heads * hd, b, vb.pp("q_proj"))?,
-            k: linear(d, cfg.num_key_value_heads * hd, b, vb.pp("k_proj"))?,
-            v: linear(d, cfg.num_key_value_heads * hd, b, vb.pp("v_proj"))?,
-            o: linear(cfg.num_attention_heads * hd, d, b, vb.pp("o_proj"))?,
-            cfg: *cfg,
-        })
-    }
-}
-
-impl Module for Attention {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let (h, kvh, hd) = (
-            self.cfg.num_attention_heads,
-            self.cfg.num_key_value_heads,
-            self.cfg.head_dim,
-        );
-        let (cos, sin) = rope_tables(&self.cfg, t, x.device())?;
-        let q = apply_rope(&apply(&self.q, x)?.reshape((b, t, h, hd))?, &cos, &sin)?;
-        let k = apply_rope(&apply(&self.k, x)?.reshape((b, t, kvh, hd))?, &cos, &sin)?;
-        let v = apply(&self.v, x)?.reshape((b, t, kvh, hd))?;
-        // Key/value head j serves query heads j·rep .. (j+1)·rep (transformers' repeat_kv),
-        // read in place by the kernel.
-        let qkv = Tensor::cat(
-            &[
-                q.reshape((b, t, h * hd))?,
-                k.reshape((b, t, kvh * hd))?,
-                v.reshape((b, t, kvh * hd))?,
-            ],
-            2,
-        )?;
-        apply(&self.o, &causal_attention_gqa(&qkv, h, kvh)?)
-    }
-}
-
-/// The SwiGLU MLP `mlp`: `down_proj(silu(gate_proj(x)) ⊙ up_proj(x))`. Parameters
-/// `gate_proj.weight`, `up_proj.weight` `(I, d)`, `down_proj.weight` `(d, I)` (and biases
-/// with `mlp_bias`).
-#[derive(Debug, Clone)]
-pub struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-}
-
-impl Mlp {
-    /// Builds the layer.
-    pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Self> {
-        let (d, i, b) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
-        Ok(Self {
-            gate: linear(d, i, b, vb.pp("gate_proj"))?,
-            up: linear(d, i, b, vb.pp("up_proj"))?,
-            down: linear(i, d, b, vb.pp("down_proj"))?,
-        })
-    }
-}
-
-impl Module for Mlp {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let g = apply(&self.gate, x)?.silu()?;
-        apply(&self.down, &(g * apply(&self.up, x)?)?)
-    }
-}
-
-/// One decoder block `model.layers.{i}`, `(B, T, d)` → `(B, T, d)`:
-/// `h = x + self_attn(input_layernorm(x)); h + mlp(post_attention_layernorm(h))`. One FSDP
-/// unit.
-#[derive(Debug, Clone)]
-pub struct Block {
-    input_layernorm: RmsNorm,
-    self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
-}
-
-impl Block {
-    /// Builds the block (parameters `input_layernorm.weight`, `self_attn.*`,
-    /// `post_attention_layernorm.weight`, `mlp.*` under `vb`).
-    pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Self> {
-        let (d, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        Ok(Self {
-            input_layernorm: rms_norm(d, eps, vb.pp("input_layernorm"))?,
-            self_attn: Attention::new(cfg, vb.pp("self_attn"))?,
-            post_attention_layernorm: rms_norm(d, eps, vb.pp("post_attention_layernorm"))?,
-            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
-        })
-    }
-}
-
-impl Module for Block {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let h = (x + self.self_attn.forward(&self.input_layernorm.forward(x)?)?)?;
-        &h + self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&h)?)?
-    }
+/// One decoder block `model.layers.{i}` of a Llama ([`decoder::Block`]):
+/// `h = x + self_attn(input_layernorm(x)); h + mlp(post_attention_layernorm(h))`.
+pub fn block(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<decoder::Block> {
+    decoder::Block::new(&(*cfg).into(), 0, vb)
 }
 
 /// Unit name (and parameter prefix) of block `i`: `model.layers.{i}`.
@@ -458,108 +262,9 @@ pub const NORM: &str = "model.norm";
 /// Unit name of the LM head.
 pub const HEAD: &str = "lm_head";
 
-/// The Llama as FSDP units: [`FsdpLlama::add_units`] / [`FsdpLlama::spec`] give them to a
-/// model builder, [`hf::build_from_hf`] builds them from a Hugging Face directory,
-/// [`FsdpLlama::logits`] runs them.
-#[derive(Debug, Clone)]
-pub struct FsdpLlama {
-    cfg: LlamaConfig,
-    activation_checkpointing: bool,
-}
-
-impl FsdpLlama {
-    /// The units of `cfg`.
-    ///
-    /// Errors: an invalid `cfg` ([`LlamaConfig::validate`]).
-    pub fn new(cfg: LlamaConfig) -> Result<Self> {
-        cfg.validate()?;
-        Ok(Self {
-            cfg,
-            activation_checkpointing: false,
-        })
-    }
-
-    /// Activation checkpointing of the blocks ([`UnitSpec::with_activation_checkpointing`]).
-    pub fn with_activation_checkpointing(mut self, on: bool) -> Self {
-        self.activation_checkpointing = on;
-        self
-    }
-
-    /// The shape.
-    pub fn config(&self) -> &LlamaConfig {
-        &self.cfg
-    }
-
-    /// The units in model order: the members of group `model.embed_tokens` (the embedding
-    /// and, tied, the head), then each block, `model.norm` and, untied, `lm_head`.
-    fn units(&self) -> (Vec<UnitSpec>, Vec<UnitSpec>) {
-        let cfg = self.cfg;
-        let emb = UnitSpec::new(EMBED, move |vb| token_embedding(&cfg, vb));
-        let head = UnitSpec::new(HEAD, move |vb| lm_head(&cfg, vb));
-        let mut rest: Vec<UnitSpec> = (0..cfg.num_hidden_layers)
-            .map(|i| {
-                UnitSpec::new(block_name(i), move |vb| Block::new(&cfg, vb))
-                    .with_activation_checkpointing(self.activation_checkpointing)
-            })
-            .collect();
-        rest.push(UnitSpec::new(NORM, move |vb| final_norm(&cfg, vb)));
-        if cfg.tie_word_embeddings {
-            (vec![emb, head], rest)
-        } else {
-            rest.push(head);
-            (vec![emb], rest)
-        }
-    }
-
-    /// The units as a [`ModelSpec`] (module docs): group `model.embed_tokens` (the embedding
-    /// and, tied, the head), each block, `model.norm`, and, untied, `lm_head`.
-    pub fn spec(&self) -> ModelSpec {
-        let (emb, rest) = self.units();
-        let mut s = ModelSpec::new();
-        s.push_group(EMBED, emb);
-        rest.into_iter().for_each(|u| s.push_unit(u));
-        s
-    }
-
-    /// Adds the units of [`FsdpLlama::spec`] to `builder`, for a model initialised from
-    /// scratch (matrices and the embedding N(0, 0.02), norms 1, biases 0).
-    pub fn add_units(&self, builder: FsdpModelBuilder) -> FsdpModelBuilder {
-        let (emb, rest) = self.units();
-        builder.group(EMBED, emb).units(rest)
-    }
-
-    /// The forward through the units: logits `(B, T, V)` of token ids `(B, T)` u32 in the
-    /// head's `param_dtype` (f32 without a mixed-precision policy).
-    ///
-    /// Errors: a context longer than `max_position_embeddings`; the units'.
-    pub fn forward(&self, f: &mut Forward<'_>, ids: &Tensor) -> Result<Tensor> {
-        let (_, t) = ids.dims2()?;
-        if t > self.cfg.max_position_embeddings {
-            return Err(Error::InvalidArgument(format!(
-                "Llama context of {t} tokens is longer than max_position_embeddings {}",
-                self.cfg.max_position_embeddings
-            )));
-        }
-        let mut h = f.call1(EMBED, ids)?;
-        for i in 0..self.cfg.num_hidden_layers {
-            h = f.call1(&block_name(i), &h)?;
-        }
-        let h = f.call1(NORM, &h)?;
-        f.call1(HEAD, &h)
-    }
-
-    /// [`FsdpLlama::forward`] as a training forward of `model` (`train`) or an inference one.
-    /// A collective.
-    ///
-    /// Errors: as [`FsdpLlama::forward`]; the model's.
-    pub fn logits(&self, model: &mut FsdpModel, ids: &Tensor, train: bool) -> Result<Tensor> {
-        if train {
-            model.forward_with(|f| self.forward(f, ids))
-        } else {
-            model.forward_eval_with(|f| self.forward(f, ids))
-        }
-    }
-}
+/// The Llama as FSDP units: the decoder ([`FsdpDecoder`]) of a [`LlamaConfig`]
+/// (`FsdpLlama::new(cfg)` converts it).
+pub type FsdpLlama = FsdpDecoder;
 
 /// Mean next-token cross-entropy of `logits` `(B, T, V)` against `targets` `(B, T)` u32, as an
 /// f32 scalar: [`crate::nn::lm_loss`].

@@ -1,45 +1,70 @@
 //! Causal multi-head self-attention as one graph node, straight from the fused `qkv`
 //! projection: a flash-style CPU kernel (Dao et al. 2022, "FlashAttention", arXiv:2205.14135)
-//! that never materialises the `(B, h, T, T)` scores.
+//! that never materialises the `(B, h, T, T)` scores. [`attention`] takes the options the model
+//! families need ([`AttentionOptions`]): grouped-query heads, the scale of the scores, a sliding
+//! window and logit soft-capping.
 //!
 //! # Formulas
 //!
-//! For each batch element and head, with `Q`, `K`, `V` its `(T, hd)` slices of `qkv`,
-//! `s = 1/√hd` and the causal mask (query `i` sees keys `j ≤ i`):
+//! For each batch element and head, with `Q`, `K`, `V` its `(T, hd)` slices of `qkv`, `s` the
+//! scale (`1/√hd` unless given), `c` the soft-cap and `W` the window:
 //!
 //! ```text
-//!     S = s · Q·Kᵀ        P_ij = exp(S_ij) / Σ_{k ≤ i} exp(S_ik)  (j ≤ i; 0 above)     O = P·V
+//!     U = s · Q·Kᵀ          Z = c · tanh(U / c)   (soft-capping on; Z = U when off)
+//!     A(i) = { j : i − W < j ≤ i }                (a window W; { j : j ≤ i } without one)
+//!     P_ij = exp(Z_ij) / Σ_{k ∈ A(i)} exp(Z_ik)   (j ∈ A(i); 0 elsewhere)        O = P·V
 //! ```
 //!
 //! and with `dO` the output's gradient and `D_i = Σ_j dO_ij · O_ij` (= `Σ_j P_ij · dP_ij`):
 //!
 //! ```text
-//!     dP = dO·Vᵀ     dS = s · P ⊙ (dP − D)     dQ = dS·K     dK = dSᵀ·Q     dV = Pᵀ·dO
+//!     dP = dO·Vᵀ     dZ = P ⊙ (dP − D)     dS = s · dZ ⊙ (1 − (Z/c)²)   (dS = s · dZ when off)
+//!     dQ = dS·K      dK = dSᵀ·Q            dV = Pᵀ·dO
 //! ```
+//!
+//! `dS` is the gradient of `Q·Kᵀ`. The soft-cap factor is the chain rule through
+//! `Z = c · tanh(U / c)`: `dZ/dU = 1 − tanh²(U / c) = 1 − (Z/c)²`, elementwise, applied to `dS`
+//! before the two gemms that read it (entries outside `A(i)` have `P = 0`, hence `dS = 0`).
+//! Soft-capping is Gemma 2's (Gemma Team 2024, "Gemma 2", arXiv:2408.00118, §2: attention
+//! logits capped at 50 as `soft_cap · tanh(logits / soft_cap)`) in the order of transformers'
+//! Gemma 2 `eager_attention_forward`: `Q·Kᵀ · scaling`, then `/ softcap`, `tanh`, `· softcap`,
+//! then the mask and the softmax, with `scaling = query_pre_attn_scalar^−½`. The window is
+//! transformers' sliding-window mask (`masking_utils.sliding_window_overlay`:
+//! `kv_idx > q_idx − sliding_window`, with the causal `kv_idx ≤ q_idx`): `W` keys, the query's
+//! own position included.
 //!
 //! # Kernel
 //!
 //! Work is cut into one task per `(batch, head)`; the tasks run over rayon's pool under the rule
 //! of `crate::cpu::parallel_map`. A task copies its `Q`, `K`, `V` into contiguous f32 buffers and
-//! walks the queries in tiles of [`TILE`] rows. For the tile of rows `r0..r1` only keys `0..r1`
-//! exist (causality), so the tile's scores are one `(r1 − r0) × r1` gemm, the softmax of each row
-//! is exact in one pass (its whole row is there: no running maximum is needed), and the tile's
-//! output one `(r1 − r0) × hd` gemm. The backward recomputes each tile's `P` the same way
-//! instead of storing it (FlashAttention's recomputation) and accumulates `dK`, `dV` over the
-//! tiles with gemms that read their destination. Scratch per task: two `TILE × T` f32 tiles and
-//! the head's buffers; nothing of size `T × T` outlives a tile. The gemms are the `gemm` crate's,
-//! single-threaded inside a task; the exponentials are `crate::cpu::exp_fast`, vectorised.
+//! walks the queries in tiles of [`TILE`] rows. For the tile of rows `r0..r1` only keys
+//! `k0..r1` exist, `k0 = 0` without a window (causality) and `k0 = max(0, r0 + 1 − W)` with one
+//! (whole key blocks left of the window are never computed), so the tile's scores are one
+//! `(r1 − r0) × (r1 − k0)` gemm, the softmax of each row is exact in one pass over its keys
+//! `A(i)` (its whole row is there: no running maximum is needed; the entries of the tile outside
+//! `A(i)` are set to zero probability), and the tile's output one `(r1 − r0) × hd` gemm. With
+//! soft-capping the `tanh` is taken inside the exponential's pass (the row's maximum is taken
+//! on `U`, `tanh` being increasing); the backward keeps `1 − (Z/c)²` of the tile in a third
+//! tile buffer. The backward recomputes each tile's `P` the same way instead of storing it
+//! (FlashAttention's recomputation) and accumulates `dK`, `dV` over the tiles with gemms that
+//! read their destination. Scratch per task: two `TILE × min(T, TILE − 1 + W)` f32 tiles (three
+//! in a soft-capped backward) and the head's buffers; nothing of size `T × T` outlives a tile.
+//! The gemms are the `gemm` crate's, single-threaded inside a task; the exponentials are
+//! `crate::cpu::exp_fast`, vectorised, and so is `tanh` (`(1 − e)/(1 + e)` with
+//! `e = exp(−2|x|)`). Without a window or a soft-cap (the plain causal case, also what the GPT
+//! block of `nn::block` runs) the kernel performs exactly the plain causal kernel's operations,
+//! bit for bit: the options cost a branch per row and nothing per element.
 //!
-//! Grouped-query attention ([`causal_attention_gqa`]) runs the same tasks, one per query head;
-//! a task reads the key and value blocks of its group's key/value head, and the backward sums
-//! the `dK`, `dV` of a group's query heads (in head order) before writing them once.
+//! Grouped-query attention runs the same tasks, one per query head; a task reads the key and
+//! value blocks of its group's key/value head, and the backward sums the `dK`, `dV` of a group's
+//! query heads (in head order) before writing them once.
 //!
-//! f32, bf16 and f16 inputs run the kernel (computing in f32, rounding the outputs once);
-//! other dtypes and devices run [`causal_attention_composed`].
+//! f32, bf16 and f16 inputs on the CPU run the kernel (computing in f32, rounding the outputs
+//! once); other dtypes and devices run [`attention_composed`].
 
 use candle_core::{
-    backend::BackendStorage, bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape,
-    Tensor,
+    backend::BackendStorage, bail, CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result,
+    Shape, Tensor, D,
 };
 
 use std::mem::MaybeUninit;
@@ -53,74 +78,111 @@ use crate::cpu::{
 /// stays in L2 for the contexts used here.
 pub const TILE: usize = 64;
 
-/// Causal multi-head self-attention over a fused projection, differentiable in `qkv`.
+/// Options of [`attention`] and [`attention_composed`]: the heads, the scale of the scores, a
+/// sliding window and logit soft-capping (the formulas: [`attention`]).
+/// [`AttentionOptions::new`] is the plain causal case.
 ///
-/// `qkv` is `(B, T, 3·d)`: for each position, the `d` query features, then the `d` key features,
-/// then the `d` value features, head `h` at columns `h·hd .. (h+1)·hd` of each (`hd = d /
-/// n_head`), which is what a `Linear(d, 3d)` followed by a reshape to `(B, T, 3, n_head, hd)`
-/// means in GPT-2 and nanoGPT. The result is `(B, T, d)`, head `h` at columns `h·hd ..`: the
-/// heads already merged, ready for the output projection. Scores are scaled by `1/√hd` and
-/// masked causally; see the [module documentation](self) for the formulas and the kernel.
-///
-/// Equals [`causal_attention_composed`] up to rounding (the tests compare both, values and
-/// gradients, and an f64 reference).
-///
-/// Errors: `qkv` not of rank 3, its last dimension not `3 · d` with `n_head` dividing `d`;
-/// Candle's.
-pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
-    causal_attention_gqa(qkv, n_head, n_head)
+/// Valid options: `n_kv_head ≥ 1` dividing `n_head`; `scale`, when given, finite and positive;
+/// `window`, when given, at least 1; `softcap`, when given, finite and positive. The functions
+/// taking them return an error naming the option otherwise.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionOptions {
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads (grouped-query attention when below `n_head`; it must divide `n_head`).
+    /// Key/value head `j` serves query heads `j·rep .. (j+1)·rep`, `rep = n_head / n_kv_head`
+    /// (transformers' `repeat_kv`).
+    pub n_kv_head: usize,
+    /// Multiplier of the scores `Q·Kᵀ`; `None`: `1/√hd`. (Gemma 2: `query_pre_attn_scalar^−½`.)
+    pub scale: Option<f64>,
+    /// Sliding window `W`: query `i` sees keys `j` with `i − W < j ≤ i` (transformers'
+    /// sliding-window mask, `kv_idx > q_idx − sliding_window`), `W` keys with its own. `None`:
+    /// all `j ≤ i`. A window of `T` or more is the same as none.
+    pub window: Option<usize>,
+    /// Logit soft-capping `c` (Gemma 2's `attn_logit_softcapping`): the scaled scores `u`
+    /// become `c · tanh(u / c)` before the softmax. `None`: off.
+    pub softcap: Option<f64>,
 }
 
-/// Causal grouped-query attention (Ainslie et al. 2023, "GQA", arXiv:2305.13245) over a fused
-/// projection with fewer key/value heads than query heads, differentiable in `qkv`:
-/// [`causal_attention`] when `n_kv_head == n_head`.
+impl AttentionOptions {
+    /// The plain causal case: `n_head` query heads, `n_kv_head` key/value heads, scale
+    /// `1/√hd`, no window, no soft-capping.
+    pub fn new(n_head: usize, n_kv_head: usize) -> Self {
+        Self {
+            n_head,
+            n_kv_head,
+            scale: None,
+            window: None,
+            softcap: None,
+        }
+    }
+}
+
+/// Causal self-attention over a fused projection with the options of [`AttentionOptions`]
+/// (grouped-query heads, scale, sliding window, logit soft-capping), differentiable in `qkv`.
 ///
 /// `qkv` is `(B, T, (n_head + 2·n_kv_head)·hd)`: for each position the `n_head·hd` query
-/// features, then the `n_kv_head·hd` key features, then the `n_kv_head·hd` value features. Query
-/// head `h` attends with key/value head `h / (n_head / n_kv_head)` (transformers' `repeat_kv`:
-/// key/value head `j` serves query heads `j·rep .. (j+1)·rep`), without the keys and values
-/// being repeated in memory; their gradients sum over the query heads they serve. The result is
-/// `(B, T, n_head·hd)`, the heads merged.
+/// features, then the `n_kv_head·hd` key features, then the `n_kv_head·hd` value features,
+/// head `h` at columns `h·hd .. (h+1)·hd` of each block. With `n_kv_head == n_head` this is
+/// `(B, T, 3·d)`, what a `Linear(d, 3d)` followed by a reshape to `(B, T, 3, n_head, hd)` means
+/// in GPT-2 and nanoGPT. Query head `h` attends with key/value head `h / (n_head / n_kv_head)`
+/// (Ainslie et al. 2023, "GQA", arXiv:2305.13245; transformers' `repeat_kv`), without the keys
+/// and values being repeated in memory; their gradients sum over the query heads they serve.
+/// The result is `(B, T, n_head·hd)` in `qkv`'s dtype, head `h` at columns `h·hd ..`: the heads
+/// merged, ready for the output projection. For each batch element and query head, query
+/// position `i`, with `s` the scale, `c` the soft-cap and `W` the window:
 ///
-/// Equals [`causal_attention_gqa_composed`] up to rounding (tested, values and gradients).
+/// ```text
+///     z_ij = c · tanh(s · q_i·k_j / c)      (s · q_i·k_j without a soft-cap)
+///     A(i) = { j : i − W < j ≤ i }           ({ j : j ≤ i } without a window)
+///     y_i  = Σ_{j ∈ A(i)} exp(z_ij) · v_j / Σ_{j ∈ A(i)} exp(z_ij)
+/// ```
 ///
-/// Errors: `qkv` not of rank 3, `n_kv_head` zero or not dividing `n_head`, the last dimension
-/// not a multiple of `n_head + 2·n_kv_head`; Candle's.
-pub fn causal_attention_gqa(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
-    let (_, _, hd) = check_qkv(qkv, n_head, n_kv_head)?;
+/// (the gradient's formulas, the soft-cap's slope among them, and the kernel are in the
+/// documentation of the module, `src/nn/attention.rs`).
+///
+/// Dtypes and devices: f32, bf16 and f16 on the CPU run the flash-style kernel (a forward and
+/// a backward custom op, computing in f32); anything else (f64, other devices, an empty
+/// `qkv`) runs [`attention_composed`]. Both give the same values up to rounding (the tests
+/// compare them, values and gradients, and an f64 reference).
+///
+/// Errors: `qkv` not of rank 3; `n_kv_head` zero or not dividing `n_head`; the last dimension
+/// not a multiple of `n_head + 2·n_kv_head`; an invalid `scale`, `window` or `softcap` (each
+/// error names the option); Candle's.
+pub fn attention(qkv: &Tensor, opts: &AttentionOptions) -> Result<Tensor> {
+    let (_, _, hd) = check(qkv, opts)?;
     let kernel = qkv.device().is_cpu()
         && matches!(qkv.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && qkv.elem_count() > 0;
     if !kernel {
-        return causal_attention_gqa_composed(qkv, n_head, n_kv_head);
+        return attention_composed(qkv, opts);
     }
     qkv.contiguous()?.apply_op1(AttentionOp {
-        n_head,
-        n_kv_head,
-        scale: (hd as f32).sqrt().recip(),
+        n_head: opts.n_head,
+        n_kv_head: opts.n_kv_head,
+        scores: Scores {
+            scale: match opts.scale {
+                None => (hd as f32).sqrt().recip(),
+                Some(s) => s as f32,
+            },
+            window: opts.window,
+            softcap: opts.softcap.map(|c| c as f32),
+        },
     })
 }
 
-/// [`causal_attention`] composed of Candle ops: split `qkv` into `(B, n_head, T, hd)` queries,
-/// keys and values, `Q·Kᵀ`, [`causal_softmax`] with scale `1/√hd`, `·V`, and the heads merged
-/// back to `(B, T, d)`. Candle's autograd differentiates it; any dtype and device.
+/// [`attention`] composed of Candle ops: split `qkv` into `(B, n_head, T, hd)` queries and
+/// keys and values repeated to `n_head` heads (transformers' `repeat_kv`), `U = scale · Q·Kᵀ`,
+/// then either [`causal_softmax`] (no soft-cap, no window shorter than `T`) or `c · tanh(U / c)`
+/// when soft-capped, plus a `(T, T)` mask (0 where `i − W < j ≤ i`, −∞ elsewhere) and
+/// `candle_nn::ops::softmax`; then `·V` and the heads merged back to `(B, T, n_head·hd)`. The
+/// `(B, n_head, T, T)` scores are materialised. Candle's autograd differentiates it; any dtype
+/// and device. The reference of [`attention`]'s kernel in the tests.
 ///
-/// Errors: as [`causal_attention`].
-pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
-    causal_attention_gqa_composed(qkv, n_head, n_head)
-}
-
-/// [`causal_attention_gqa`] composed of Candle ops: the keys and values repeated to `n_head`
-/// heads (transformers' `repeat_kv`), then [`causal_attention_composed`]'s steps. Candle's
-/// autograd differentiates it; any dtype and device.
-///
-/// Errors: as [`causal_attention_gqa`].
-pub fn causal_attention_gqa_composed(
-    qkv: &Tensor,
-    n_head: usize,
-    n_kv_head: usize,
-) -> Result<Tensor> {
-    let (b, t, hd) = check_qkv(qkv, n_head, n_kv_head)?;
+/// Errors: as [`attention`].
+pub fn attention_composed(qkv: &Tensor, opts: &AttentionOptions) -> Result<Tensor> {
+    let (b, t, hd) = check(qkv, opts)?;
+    let (n_head, n_kv_head) = (opts.n_head, opts.n_kv_head);
     let (d, dkv) = (n_head * hd, n_kv_head * hd);
     let rep = n_head / n_kv_head;
     let heads = |z: Tensor, n: usize| z.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
@@ -133,35 +195,111 @@ pub fn causal_attention_gqa_composed(
     let k = repeat(qkv.narrow(2, d, dkv)?)?;
     let v = repeat(qkv.narrow(2, d + dkv, dkv)?)?;
     let scores = q.matmul(&k.t()?)?; // (B, h, T, T)
-    let att = causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
+    let scale = opts.scale.unwrap_or(1.0 / (hd as f64).sqrt());
+    let window = opts.window.filter(|&w| w < t);
+    let att = if opts.softcap.is_none() && window.is_none() {
+        causal_softmax(&scores, scale)?
+    } else {
+        let z = match opts.softcap {
+            None => (scores * scale)?,
+            Some(c) => ((scores * (scale / c))?.tanh()? * c)?,
+        };
+        let mask = window_mask(t, window, qkv.device())?.to_dtype(z.dtype())?;
+        candle_nn::ops::softmax(&z.broadcast_add(&mask)?, D::Minus1)?
+    };
     att.matmul(&v)? // (B, h, T, hd)
         .transpose(1, 2)?
         .reshape((b, t, d))
+}
+
+/// The `(T, T)` f32 mask of query `i` (rows) and key `j` (columns): 0 where `j ≤ i` and, with a
+/// window `W`, `j > i − W`; −∞ elsewhere.
+fn window_mask(t: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
+    let seen = |i: usize, j: usize| j <= i && window.is_none_or(|w| j + w > i);
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if seen(i, j) { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(mask, (t, t), device)
+}
+
+/// Causal multi-head self-attention over a fused projection, differentiable in `qkv`: [`attention`]
+/// with `AttentionOptions::new(n_head, n_head)` (scale `1/√hd`, no window, no soft-cap).
+///
+/// `qkv` is `(B, T, 3·d)`: for each position, the `d` query features, then the `d` key
+/// features, then the `d` value features, head `h` at columns `h·hd .. (h+1)·hd` of each
+/// (`hd = d / n_head`). The result is `(B, T, d)`, the heads merged.
+///
+/// Errors: `qkv` not of rank 3, its last dimension not `3 · d` with `n_head` dividing `d`;
+/// Candle's.
+pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
+    causal_attention_gqa(qkv, n_head, n_head)
+}
+
+/// Causal grouped-query attention over a fused projection, differentiable in `qkv`:
+/// [`attention`] with `AttentionOptions::new(n_head, n_kv_head)` (scale `1/√hd`, no window, no
+/// soft-cap). `qkv` is `(B, T, (n_head + 2·n_kv_head)·hd)`, the result `(B, T, n_head·hd)`.
+///
+/// Errors: as [`attention`].
+pub fn causal_attention_gqa(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
+    attention(qkv, &AttentionOptions::new(n_head, n_kv_head))
+}
+
+/// [`causal_attention`] composed of Candle ops: [`attention_composed`] with
+/// `AttentionOptions::new(n_head, n_head)`. Any dtype and device.
+///
+/// Errors: as [`causal_attention`].
+pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
+    causal_attention_gqa_composed(qkv, n_head, n_head)
+}
+
+/// [`causal_attention_gqa`] composed of Candle ops: [`attention_composed`] with
+/// `AttentionOptions::new(n_head, n_kv_head)`. Any dtype and device.
+///
+/// Errors: as [`causal_attention_gqa`].
+pub fn causal_attention_gqa_composed(
+    qkv: &Tensor,
+    n_head: usize,
+    n_kv_head: usize,
+) -> Result<Tensor> {
+    attention_composed(qkv, &AttentionOptions::new(n_head, n_kv_head))
+}
+
+/// `(B, T, hd)` of a valid `qkv` under valid options.
+fn check(qkv: &Tensor, opts: &AttentionOptions) -> Result<(usize, usize, usize)> {
+    let dims = check_qkv(qkv, opts.n_head, opts.n_kv_head)?;
+    // Positive and finite, in f64 and as the kernel's f32.
+    let positive = |v: f64| v.is_finite() && v > 0.0 && (v as f32).is_finite() && v as f32 > 0.0;
+    if let Some(s) = opts.scale.filter(|&s| !positive(s)) {
+        bail!("attention: option `scale` must be finite and positive, found {s}")
+    }
+    if opts.window == Some(0) {
+        bail!("attention: option `window` must be at least 1 (keys i − W < j ≤ i), found 0")
+    }
+    if let Some(c) = opts.softcap.filter(|&c| !positive(c)) {
+        bail!("attention: option `softcap` must be finite and positive, found {c}")
+    }
+    Ok(dims)
 }
 
 /// `(B, T, hd)` of a valid `qkv`.
 fn check_qkv(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<(usize, usize, usize)> {
     let Ok((b, t, c)) = qkv.dims3() else {
         bail!(
-            "causal_attention: qkv must be (B, T, 3·d) (grouped-query: (B, T, (n_head + \
+            "attention: qkv must be (B, T, 3·d) (grouped-query: (B, T, (n_head + \
              2·n_kv_head)·hd)), found {:?}",
             qkv.shape()
         )
     };
     if n_head == 0 || n_kv_head == 0 || !n_head.is_multiple_of(n_kv_head) {
-        bail!(
-            "causal_attention: n_kv_head {n_kv_head} must divide n_head {n_head} (both at least 1)"
-        )
+        bail!("attention: n_kv_head {n_kv_head} must divide n_head {n_head} (both at least 1)")
     }
     let per = n_head + 2 * n_kv_head;
     if c % per != 0 && n_kv_head == n_head {
-        bail!(
-            "causal_attention: qkv's last dimension {c} must be 3·d with n_head {n_head} dividing d"
-        )
+        bail!("attention: qkv's last dimension {c} must be 3·d with n_head {n_head} dividing d")
     }
     if c % per != 0 {
         bail!(
-            "causal_attention: qkv's last dimension {c} must be (n_head {n_head} + 2·n_kv_head \
+            "attention: qkv's last dimension {c} must be (n_head {n_head} + 2·n_kv_head \
              {n_kv_head})·hd"
         )
     }
@@ -289,53 +427,145 @@ fn gemm(
     }
 }
 
-/// The probabilities `P` of query rows `r0 .. r0 + br` against keys `0 .. kend` (`kend = r0 +
-/// br`) into `p` (`br × kend`, row-major): `s · q·kᵀ`, then the causal softmax of each row,
-/// zero above the diagonal.
+/// What the kernel does to a head's scores `Q·Kᵀ`, past the shapes: the scale, the window and
+/// the soft-cap of [`AttentionOptions`], in f32.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Scores {
+    /// `s` (positive).
+    pub(super) scale: f32,
+    /// `W` (at least 1), or all earlier keys.
+    pub(super) window: Option<usize>,
+    /// `c` (positive), or no soft-capping.
+    pub(super) softcap: Option<f32>,
+}
+
+impl Scores {
+    /// The plain causal case with scale `s`.
+    pub(super) fn causal(scale: f32) -> Self {
+        Self {
+            scale,
+            window: None,
+            softcap: None,
+        }
+    }
+
+    /// The first key query `i` sees: `max(0, i + 1 − W)`, 0 without a window.
+    #[inline(always)]
+    fn first_key(&self, i: usize) -> usize {
+        match self.window {
+            None => 0,
+            Some(w) => (i + 1).saturating_sub(w),
+        }
+    }
+
+    /// The most keys a tile of [`TILE`] rows reads: `min(T, TILE − 1 + W)`.
+    fn tile_width(&self, t: usize) -> usize {
+        match self.window {
+            None => t,
+            Some(w) => t.min((TILE - 1).saturating_add(w)),
+        }
+    }
+}
+
+/// `(tanh x, 1 − tanh² x)` as `((1 − e) / (1 + e), 4e / (1 + e)²)` with `e = exp(−2|x|)` and the
+/// sign of `x` restored on the first: a vectorised exponential, no overflow, both tails exact to
+/// a few f32 ulps (the second one relatively), absolute error a few ulps of 1 near 0.
 #[inline(always)]
-fn tile_probs(q: &[f32], k: &[f32], hd: usize, r0: usize, br: usize, scale: f32, p: &mut [f32]) {
-    let kend = r0 + br;
+fn tanh_and_slope(x: f32) -> (f32, f32) {
+    let e = exp_fast(-2.0 * x.abs());
+    let inv = (1.0 + e).recip();
+    ((1.0 - e).copysign(x) * inv, 4.0 * e * inv * inv)
+}
+
+/// The probabilities `P` of query rows `r0 .. r0 + br` against keys `k0 .. kend` (`k0 =
+/// sc.first_key(r0)`, `kend = r0 + br`) into `p` (`br × (kend − k0)`, row-major): `s · q·kᵀ`,
+/// soft-capped when `sc.softcap` is set, then the softmax of each row over its keys, zero
+/// outside them. With `slope` (soft-capping only) `1 − (Z/c)²` of each entry goes there (zero
+/// outside the row's keys). Returns `k0`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn tile_probs(
+    q: &[f32],
+    k: &[f32],
+    hd: usize,
+    r0: usize,
+    br: usize,
+    sc: Scores,
+    p: &mut [f32],
+    mut slope: Option<&mut [f32]>,
+) -> usize {
+    let (k0, kend) = (sc.first_key(r0), r0 + br);
+    let n = kend - k0;
     gemm(
-        (br, kend, hd),
+        (br, n, hd),
         p,
-        kend,
+        n,
         false,
         (&q[r0 * hd..], hd, 1),
-        (k, 1, hd),
+        (&k[k0 * hd..], 1, hd),
     );
-    for (i, row) in p.chunks_exact_mut(kend).enumerate() {
-        let n = r0 + i + 1;
-        let (live, masked) = row.split_at_mut(n);
+    let scale = sc.scale;
+    for (i, row) in p.chunks_exact_mut(n).enumerate() {
+        // Keys first_key(r0 + i) ..= r0 + i, at lo .. hi of the tile's row.
+        let (lo, hi) = (sc.first_key(r0 + i) - k0, r0 + i + 1 - k0);
+        let (left, rest) = row.split_at_mut(lo);
+        let (live, masked) = rest.split_at_mut(hi - lo);
         // softmax(s·x) = exp(s·(x − max x)) / Σ: the scale folded into the exponential's pass.
         let m = max16(live);
-        for v in live.iter_mut() {
-            *v = exp_fast(scale * (*v - m));
+        match (sc.softcap, slope.as_deref_mut()) {
+            (None, _) => {
+                for v in live.iter_mut() {
+                    *v = exp_fast(scale * (*v - m));
+                }
+            }
+            // Z = c·tanh(a·x), a = s/c: tanh is increasing, so max Z = c·tanh(a·max x).
+            (Some(c), None) => {
+                let a = scale / c;
+                let mz = c * tanh_and_slope(a * m).0;
+                for v in live.iter_mut() {
+                    *v = exp_fast(c * tanh_and_slope(a * *v).0 - mz);
+                }
+            }
+            (Some(c), Some(slope)) => {
+                let a = scale / c;
+                let mz = c * tanh_and_slope(a * m).0;
+                let srow = &mut slope[i * n..(i + 1) * n];
+                srow[..lo].fill(0.0);
+                srow[hi..].fill(0.0);
+                for (v, f) in live.iter_mut().zip(&mut srow[lo..hi]) {
+                    let (th, d) = tanh_and_slope(a * *v);
+                    *f = d;
+                    *v = exp_fast(c * th - mz);
+                }
+            }
         }
         let inv = sum16(live, |v| v).recip();
         for v in live.iter_mut() {
             *v *= inv;
         }
+        left.fill(0.0);
         masked.fill(0.0);
     }
+    k0
 }
 
 /// One head's forward: `O` (`T × hd`) from its `Q`, `K`, `V`.
 #[inline(always)]
-fn head_forward(q: &[f32], k: &[f32], v: &[f32], t: usize, hd: usize, scale: f32) -> Vec<f32> {
+fn head_forward(q: &[f32], k: &[f32], v: &[f32], t: usize, hd: usize, sc: Scores) -> Vec<f32> {
     let mut o = vec![0f32; t * hd];
-    let mut p = vec![0f32; TILE * t];
+    let mut p = vec![0f32; TILE * sc.tile_width(t)];
     for r0 in (0..t).step_by(TILE) {
         let br = TILE.min(t - r0);
-        let kend = r0 + br;
-        let p = &mut p[..br * kend];
-        tile_probs(q, k, hd, r0, br, scale, p);
+        let n = r0 + br - sc.first_key(r0);
+        let p = &mut p[..br * n];
+        let k0 = tile_probs(q, k, hd, r0, br, sc, p, None);
         gemm(
-            (br, hd, kend),
+            (br, hd, n),
             &mut o[r0 * hd..],
             hd,
             false,
-            (p, kend, 1),
-            (v, hd, 1),
+            (p, n, 1),
+            (&v[k0 * hd..], hd, 1),
         );
     }
     o
@@ -353,7 +583,7 @@ fn head_backward(
     d_o: &[f32],
     t: usize,
     hd: usize,
-    scale: f32,
+    sc: Scores,
 ) -> [Vec<f32>; 3] {
     let delta: Vec<f32> = o
         .chunks_exact(hd)
@@ -361,58 +591,83 @@ fn head_backward(
         .map(|(o, g)| dot16(o, g))
         .collect();
     let (mut dq, mut dk, mut dv) = (vec![0f32; t * hd], vec![0f32; t * hd], vec![0f32; t * hd]);
-    let (mut p, mut ds) = (vec![0f32; TILE * t], vec![0f32; TILE * t]);
+    let width = sc.tile_width(t);
+    let (mut p, mut ds) = (vec![0f32; TILE * width], vec![0f32; TILE * width]);
+    // 1 − (Z/c)² of a tile: soft-capping only.
+    let slope_len = if sc.softcap.is_some() {
+        TILE * width
+    } else {
+        0
+    };
+    let mut slope = vec![0f32; slope_len];
+    let scale = sc.scale;
     for r0 in (0..t).step_by(TILE) {
         let br = TILE.min(t - r0);
-        let kend = r0 + br;
-        let p = &mut p[..br * kend];
-        let ds = &mut ds[..br * kend];
-        tile_probs(q, k, hd, r0, br, scale, p);
-        // dV[0..kend] += Pᵀ · dO[r0..r1]
+        let n = r0 + br - sc.first_key(r0);
+        let p = &mut p[..br * n];
+        let ds = &mut ds[..br * n];
+        let mut tile_slope = sc.softcap.map(|_| &mut slope[..br * n]);
+        let k0 = tile_probs(q, k, hd, r0, br, sc, p, tile_slope.as_deref_mut());
+        // dV[k0..kend] += Pᵀ · dO[r0..r1]
         gemm(
-            (kend, hd, br),
-            &mut dv,
+            (n, hd, br),
+            &mut dv[k0 * hd..],
             hd,
             true,
-            (p, 1, kend),
+            (p, 1, n),
             (&d_o[r0 * hd..], hd, 1),
         );
-        // dP = dO[r0..r1] · V[0..kend]ᵀ
+        // dP = dO[r0..r1] · V[k0..kend]ᵀ
         gemm(
-            (br, kend, hd),
+            (br, n, hd),
             ds,
-            kend,
+            n,
             false,
             (&d_o[r0 * hd..], hd, 1),
-            (v, 1, hd),
+            (&v[k0 * hd..], 1, hd),
         );
-        // dS = s · P ⊙ (dP − D)
-        for (i, (ds_row, p_row)) in ds
-            .chunks_exact_mut(kend)
-            .zip(p.chunks_exact(kend))
-            .enumerate()
-        {
-            let di = delta[r0 + i];
-            for (g, &pv) in ds_row.iter_mut().zip(p_row) {
-                *g = scale * pv * (*g - di);
+        // dS = s · P ⊙ (dP − D) [⊙ (1 − (Z/c)²)]
+        match tile_slope {
+            None => {
+                for (i, (ds_row, p_row)) in
+                    ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).enumerate()
+                {
+                    let di = delta[r0 + i];
+                    for (g, &pv) in ds_row.iter_mut().zip(p_row) {
+                        *g = scale * pv * (*g - di);
+                    }
+                }
+            }
+            Some(slope) => {
+                for (i, ((ds_row, p_row), f_row)) in ds
+                    .chunks_exact_mut(n)
+                    .zip(p.chunks_exact(n))
+                    .zip(slope.chunks_exact(n))
+                    .enumerate()
+                {
+                    let di = delta[r0 + i];
+                    for ((g, &pv), &f) in ds_row.iter_mut().zip(p_row).zip(f_row) {
+                        *g = scale * pv * (*g - di) * f;
+                    }
+                }
             }
         }
-        // dQ[r0..r1] = dS · K[0..kend]
+        // dQ[r0..r1] = dS · K[k0..kend]
         gemm(
-            (br, hd, kend),
+            (br, hd, n),
             &mut dq[r0 * hd..],
             hd,
             false,
-            (ds, kend, 1),
-            (k, hd, 1),
+            (ds, n, 1),
+            (&k[k0 * hd..], hd, 1),
         );
-        // dK[0..kend] += dSᵀ · Q[r0..r1]
+        // dK[k0..kend] += dSᵀ · Q[r0..r1]
         gemm(
-            (kend, hd, br),
-            &mut dk,
+            (n, hd, br),
+            &mut dk[k0 * hd..],
             hd,
             true,
-            (ds, 1, kend),
+            (ds, 1, n),
             (&q[r0 * hd..], hd, 1),
         );
     }
@@ -420,13 +675,19 @@ fn head_backward(
 }
 
 /// The kernel's forward over `x` = `qkv` `(B, T, w)`, plus `bias` (`w`) added to every row of
-/// `x` when given.
+/// `x` when given: plain causal attention with scale `scale` (the GPT block's, `nn::block`).
 pub(super) fn attention_fwd<T: Elem>(
     x: &[T],
     bias: Option<&[f32]>,
     dims: Dims,
     scale: f32,
 ) -> Vec<T> {
+    attention_fwd_with(x, bias, dims, Scores::causal(scale))
+}
+
+/// [`attention_fwd`] with the scores' options `sc`.
+#[inline(always)]
+fn attention_fwd_with<T: Elem>(x: &[T], bias: Option<&[f32]>, dims: Dims, sc: Scores) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
     let heads = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
@@ -437,7 +698,7 @@ pub(super) fn attention_fwd<T: Elem>(
                 let q = gather(x, w, dims, bi, hi * dims.hd, bias);
                 let k = gather(x, w, dims, bi, kc, bias);
                 let v = gather(x, w, dims, bi, vc, bias);
-                head_forward(&q, &k, &v, dims.t, dims.hd, scale)
+                head_forward(&q, &k, &v, dims.t, dims.hd, sc)
             },
         )
     });
@@ -455,7 +716,7 @@ pub(super) fn attention_fwd<T: Elem>(
 }
 
 /// The kernel's backward: `grad x` from `x` (+ `bias` as in [`attention_fwd`]), the output `y`
-/// and its gradient `g`.
+/// and its gradient `g`: plain causal attention with scale `scale` (the GPT block's).
 pub(super) fn attention_bwd<T: Elem>(
     x: &[T],
     bias: Option<&[f32]>,
@@ -463,6 +724,19 @@ pub(super) fn attention_bwd<T: Elem>(
     g: &[T],
     dims: Dims,
     scale: f32,
+) -> Vec<T> {
+    attention_bwd_with(x, bias, y, g, dims, Scores::causal(scale))
+}
+
+/// [`attention_bwd`] with the scores' options `sc`.
+#[inline(always)]
+fn attention_bwd_with<T: Elem>(
+    x: &[T],
+    bias: Option<&[f32]>,
+    y: &[T],
+    g: &[T],
+    dims: Dims,
+    sc: Scores,
 ) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
     let mut heads = parallel_map(dims.b * dims.h, |task| {
@@ -477,7 +751,7 @@ pub(super) fn attention_bwd<T: Elem>(
                 let v = gather(x, w, dims, bi, vc, bias);
                 let o = gather(y, d, dims, bi, c, None);
                 let d_o = gather(g, d, dims, bi, c, None);
-                head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, scale)
+                head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, sc)
             },
         )
     });
@@ -513,12 +787,12 @@ pub(super) fn attention_bwd<T: Elem>(
     }
 }
 
-/// The forward custom op of [`causal_attention`]; its backward is [`AttentionBwdOp`].
+/// The forward custom op of [`attention`]; its backward is [`AttentionBwdOp`].
 #[derive(Clone, Copy, Debug)]
 struct AttentionOp {
     n_head: usize,
     n_kv_head: usize,
-    scale: f32,
+    scores: Scores,
 }
 
 impl CustomOp1 for AttentionOp {
@@ -534,7 +808,7 @@ impl CustomOp1 for AttentionOp {
         ) -> Result<(CpuStorage, Shape)> {
             let dims = Dims::of(l, op.n_head, op.n_kv_head)?;
             let x = contiguous(s.as_slice::<T>()?, l, "qkv")?;
-            let y = attention_fwd(x, None, dims, op.scale);
+            let y = attention_fwd_with(x, None, dims, op.scores);
             Ok((
                 T::to_cpu_storage_owned(y),
                 Shape::from((dims.b, dims.t, dims.d())),
@@ -552,7 +826,7 @@ impl CustomOp1 for AttentionOp {
         let op = AttentionBwdOp {
             n_head: self.n_head,
             n_kv_head: self.n_kv_head,
-            scale: self.scale,
+            scores: self.scores,
         };
         Ok(Some(arg.apply_op3_no_bwd(
             res,
@@ -562,13 +836,13 @@ impl CustomOp1 for AttentionOp {
     }
 }
 
-/// The backward kernel of [`causal_attention`] as a (no-backward) custom op on
-/// `(qkv, y, grad_y)`, giving `grad_qkv`.
+/// The backward kernel of [`attention`] as a (no-backward) custom op on `(qkv, y, grad_y)`,
+/// giving `grad_qkv`.
 #[derive(Clone, Copy, Debug)]
 struct AttentionBwdOp {
     n_head: usize,
     n_kv_head: usize,
-    scale: f32,
+    scores: Scores,
 }
 
 impl CustomOp3 for AttentionBwdOp {
@@ -607,7 +881,7 @@ impl CustomOp3 for AttentionBwdOp {
             let xs = contiguous(x.0.as_slice::<T>()?, x.1, "qkv")?;
             let ys = contiguous(y.0.as_slice::<T>()?, y.1, "attention output")?;
             let gs = contiguous(g.0.as_slice::<T>()?, g.1, "output gradient")?;
-            let dx = attention_bwd(xs, None, ys, gs, dims, op.scale);
+            let dx = attention_bwd_with(xs, None, ys, gs, dims, op.scores);
             Ok((T::to_cpu_storage_owned(dx), x.1.shape().clone()))
         }
         match s1.dtype() {

@@ -131,7 +131,7 @@ fn export_import_round_trip_is_bit_exact_single_file_and_sharded() {
 }
 
 /// A Python that can import transformers and torch, or why not.
-fn python_with_transformers() -> Result<String, String> {
+pub(super) fn python_with_transformers() -> Result<String, String> {
     let py = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     match Command::new(&py)
         .args([
@@ -323,17 +323,17 @@ fn export_refuses_a_config_that_does_not_describe_the_checkpoint() {
     assert!(!root.join("out").exists());
 
     // A config whose architecture cannot be checked.
-    let qwen = root.join("qwen.json");
+    let neox = root.join("neox.json");
     std::fs::write(
-        &qwen,
-        config.replace("LlamaForCausalLM", "Qwen2ForCausalLM"),
+        &neox,
+        config.replace("LlamaForCausalLM", "GPTNeoXForCausalLM"),
     )
     .unwrap();
-    let e = export_hf(&ckpt, &out, &with_config(qwen))
+    let e = export_hf(&ckpt, &out, &with_config(neox))
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("Qwen2ForCausalLM") && e.contains("Llama-family"),
+        e.contains("GPTNeoXForCausalLM") && e.contains("decoder's families"),
         "{e}"
     );
     assert!(!root.join("out").exists());

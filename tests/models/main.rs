@@ -10,6 +10,7 @@
 mod common;
 
 mod example;
+mod families;
 mod hf_export;
 mod hf_load;
 mod hf_resolve;

@@ -6,7 +6,10 @@
 //! - `softmax_linear`: the causal softmax and the one-node linear layer.
 //! - `fused`: causal attention (against the composed ops and a direct f64 reference), GELU,
 //!   cross-entropy and the vectorised exponential.
+//! - `attention_options`: attention's scale, sliding window, logit soft-capping and grouped
+//!   heads, every combination, against a direct f64 reference and the composed ops.
 
+mod attention_options;
 mod fused;
 mod norms;
 mod softmax_linear;

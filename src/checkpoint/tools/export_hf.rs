@@ -81,13 +81,14 @@ fn torch_name(d: Dtype) -> &'static str {
 /// Memory: constant, as [`super::export_full`] (chunks of [`super::CHUNK_ELEMS`]). Each file
 /// is written atomically, `config.json` last. Before anything is written (or `out` created):
 /// the config is read, the checkpoint's tensors are checked against the parameters of the
-/// Llama the config describes (names and shapes; with the cargo feature `llama`), and the
+/// decoder the config describes (any family of `models::decoder`: names and shapes; with the
+/// cargo feature `llama`), and the
 /// checksums are verified. A failure while writing removes what the export wrote: the
 /// directories it created, or, in a directory that existed, its own files.
 ///
 /// Errors, naming the file: as [`super::export_full`]; no config (the checkpoint stores none
 /// and `opts.config` is `None`) or one that is not a JSON object; a config that is not a
-/// Llama-family one (`models::llama::hf::config_from_json`), or whose model's parameters are
+/// decoder family's (`models::decoder::family::config_from_json`), or whose model's parameters are
 /// not the checkpoint's (a missing or extra tensor, a shape: config vs checkpoint); `out` a
 /// file, inside the checkpoint, or already holding Hugging Face weights (`model.safetensors`,
 /// an index or `model-*` shards: mixing two exports would load the wrong files); a zero
@@ -171,13 +172,13 @@ fn first_missing(path: &Path) -> Option<PathBuf> {
     top
 }
 
-/// Checks that the checkpoint's tensors are exactly the parameters of the Llama that `config`
+/// Checks that the checkpoint's tensors are exactly the parameters of the decoder that `config`
 /// (read from `config_src`) describes, with its shapes: `--hf-config` of another model, or a
 /// checkpoint of another model, would otherwise publish a directory that `from_pretrained`
 /// refuses, or loads with some weights randomly initialised.
 ///
-/// Errors: the config is not a Llama-family config one can check against
-/// (`models::llama::hf::config_from_json`'s errors, naming it); a parameter of the config
+/// Errors: the config is not one of the decoder's families
+/// (`models::decoder::family::config_from_json`'s errors, naming it); a parameter of the config
 /// missing from the checkpoint, a checkpoint tensor the config's model lacks, or a shape that
 /// differs (config vs checkpoint), naming the tensor, `meta.json` and the config.
 #[cfg(feature = "llama")]
@@ -187,11 +188,12 @@ fn check_against_config(
     meta: &crate::checkpoint::CheckpointMeta,
     meta_path: &Path,
 ) -> Result<()> {
-    use crate::models::llama::hf::{config_from_json, parameter_shapes};
+    use crate::models::decoder::family::config_from_json;
+    use crate::models::decoder::hf::parameter_shapes;
     let cfg = config_from_json(config_text, config_src).map_err(|e| {
         Error::InvalidArgument(format!(
-            "--format hf exports a Llama-family model (models::llama) and checks the \
-             checkpoint against its config: {e}"
+            "--format hf exports a model of the decoder's families (models::decoder) and \
+             checks the checkpoint against its config: {e}"
         ))
     })?;
     let expected = parameter_shapes(&cfg)?;

@@ -1,0 +1,326 @@
+//! The options of `nn::attention` ([`AttentionOptions`]: scale, sliding window, logit
+//! soft-capping, grouped-query heads) in the fused kernel against a direct f64 reference written
+//! out here (values) and against `attention_composed` under Candle's autograd (gradients, in f32
+//! and in f64), for every combination of the options, contexts across the kernel's 64-row tile
+//! and below it; a window of `T` or more is no window (bit-equal); a window hides the keys left
+//! of it (changing them leaves the output bit-equal); bf16 within its rounding; invalid options
+//! are errors naming the option.
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_fsdp::nn::{attention, attention_composed, causal_attention_gqa, AttentionOptions};
+use rand::{Rng, SeedableRng};
+
+fn random(seed: u64, shape: &[usize], spread: f64) -> Tensor {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| (spread * (rng.random::<f64>() * 2.0 - 1.0)) as f32)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+}
+
+fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+type AttentionFn = fn(&Tensor, &AttentionOptions) -> candle_core::Result<Tensor>;
+
+/// `(y, d loss / d qkv)` for `loss = Σ y ⊙ w` through `f`.
+fn attention_and_grad(
+    f: AttentionFn,
+    qkv: &Tensor,
+    opts: &AttentionOptions,
+    w: &Tensor,
+) -> (Vec<f64>, Vec<f64>) {
+    let v = Var::from_tensor(qkv).unwrap();
+    let y = f(v.as_tensor(), opts).unwrap();
+    let loss = (&y * w.to_dtype(y.dtype()).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    (values(&y), values(grads.get(v.as_tensor()).unwrap()))
+}
+
+/// Attention over `(B, T, (h + 2·kvh)·hd)` computed directly in f64 from the formulas:
+/// `u = scale · q·k`, `z = c · tanh(u / c)` when soft-capped, softmax over the keys `j` with
+/// `i − W < j ≤ i` (`j ≤ i` without a window), `·v`; query head `hi` reads key/value head
+/// `hi / (h / kvh)`.
+fn attention_reference(
+    qkv: &[f64],
+    (b, t, hd): (usize, usize, usize),
+    opts: &AttentionOptions,
+) -> Vec<f64> {
+    let (h, kvh) = (opts.n_head, opts.n_kv_head);
+    let (w, d, rep) = ((h + 2 * kvh) * hd, h * hd, h / kvh);
+    let scale = opts.scale.unwrap_or(1.0 / (hd as f64).sqrt());
+    let at = |bi: usize, ti: usize, c: usize| qkv[(bi * t + ti) * w + c];
+    let mut y = vec![0f64; b * t * d];
+    for bi in 0..b {
+        for hi in 0..h {
+            let (kc, vc) = (d + (hi / rep) * hd, d + kvh * hd + (hi / rep) * hd);
+            for i in 0..t {
+                let first = opts.window.map_or(0, |win| (i + 1).saturating_sub(win));
+                let z: Vec<f64> = (first..=i)
+                    .map(|j| {
+                        let u = (0..hd)
+                            .map(|c| at(bi, i, hi * hd + c) * at(bi, j, kc + c))
+                            .sum::<f64>()
+                            * scale;
+                        match opts.softcap {
+                            None => u,
+                            Some(cap) => cap * (u / cap).tanh(),
+                        }
+                    })
+                    .collect();
+                let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = z.iter().map(|v| (v - m).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for c in 0..hd {
+                    y[(bi * t + i) * d + hi * hd + c] = (first..=i)
+                        .map(|j| e[j - first] / sum * at(bi, j, vc + c))
+                        .sum();
+                }
+            }
+        }
+    }
+    y
+}
+
+/// Every combination of window {none, 3, T + 5}, soft-cap {none, 2}, scale {1/√hd, 0.3}, for
+/// grouped-query (4 heads, 2 key/value heads) and multi-head (2 and 2) attention, at T = 70 (a
+/// full tile and a ragged one: tiles matter, and the window's first key moves inside the second
+/// tile) and T = 5: kernel values against the f64 formula, kernel gradients against Candle's
+/// autograd of the composed ops in f32 and in f64.
+#[test]
+fn attention_options_equal_f64_reference_and_composed_gradients() {
+    let mut case = 0u64;
+    for (b, t, hd) in [(1, 70, 8), (2, 5, 4)] {
+        for (h, kvh) in [(4, 2), (2, 2)] {
+            for window in [None, Some(3), Some(t + 5)] {
+                for softcap in [None, Some(2.0)] {
+                    for scale in [None, Some(0.3)] {
+                        case += 1;
+                        let opts = AttentionOptions {
+                            n_head: h,
+                            n_kv_head: kvh,
+                            scale,
+                            window,
+                            softcap,
+                        };
+                        let what = format!("T {t}, {opts:?}");
+                        let qkv = random(100 + case, &[b, t, (h + 2 * kvh) * hd], 1.5);
+                        let w = random(200 + case, &[b, t, h * hd], 1.0);
+                        let (y, g) = attention_and_grad(attention, &qkv, &opts, &w);
+
+                        // Values: the formula in f64, and the composed ops in f64 equal it.
+                        let r = attention_reference(&values(&qkv), (b, t, hd), &opts);
+                        let dr = max_abs_diff(&y, &r);
+                        assert!(dr < 2e-6, "{what}: values differ from f64 by {dr}");
+                        let q64 = qkv.to_dtype(DType::F64).unwrap();
+                        let (y64, g64) = attention_and_grad(attention_composed, &q64, &opts, &w);
+                        let dc = max_abs_diff(&y64, &r);
+                        assert!(dc < 1e-12, "{what}: composed f64 is not the formula ({dc})");
+
+                        // Gradients: the composed ops under Candle's autograd, f32 and f64.
+                        let (yc, gc) = attention_and_grad(attention_composed, &qkv, &opts, &w);
+                        let (dy, dg) = (max_abs_diff(&y, &yc), max_abs_diff(&g, &gc));
+                        assert!(dy < 2e-6, "{what}: values differ from composed by {dy}");
+                        assert!(dg < 2e-5, "{what}: gradients differ from composed by {dg}");
+                        let dg64 = max_abs_diff(&g, &g64);
+                        assert!(dg64 < 2e-5, "{what}: gradients differ from f64 by {dg64}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A window of `T` or more is no window: the kernel runs the same operations (bit-equal values
+/// and gradients), the composed ops agree.
+#[test]
+fn window_of_t_or_more_is_no_window() {
+    let (b, t, h, kvh, hd) = (2, 70, 4, 2, 8);
+    let qkv = random(7, &[b, t, (h + 2 * kvh) * hd], 1.5);
+    let w = random(8, &[b, t, h * hd], 1.0);
+    for softcap in [None, Some(2.0)] {
+        let none = AttentionOptions {
+            softcap,
+            ..AttentionOptions::new(h, kvh)
+        };
+        let (y, g) = attention_and_grad(attention, &qkv, &none, &w);
+        for win in [t, t + 1, t + 5, usize::MAX] {
+            let opts = AttentionOptions {
+                window: Some(win),
+                ..none
+            };
+            let (yw, gw) = attention_and_grad(attention, &qkv, &opts, &w);
+            assert_eq!(y, yw, "window {win}, softcap {softcap:?}: values");
+            assert_eq!(g, gw, "window {win}, softcap {softcap:?}: gradients");
+            let (yc, gc) = attention_and_grad(attention_composed, &qkv, &opts, &w);
+            assert!(max_abs_diff(&y, &yc) < 2e-6 && max_abs_diff(&g, &gc) < 2e-5);
+        }
+    }
+    // The options' plain case is the plain causal kernel.
+    let plain = values(&causal_attention_gqa(&qkv, h, kvh).unwrap());
+    let new = values(&attention(&qkv, &AttentionOptions::new(h, kvh)).unwrap());
+    assert_eq!(plain, new);
+}
+
+/// With a window `W`, output `i` depends on positions `i − W + 1 ..= i` only: changing every
+/// other position leaves it bit-equal (the kernel skips those keys, it does not merely weigh
+/// them by ~0); a window of 1 returns each position's own value.
+#[test]
+fn window_hides_the_keys_left_of_it() {
+    let (b, t, h, kvh, hd, win) = (1, 150, 2, 1, 8, 20);
+    let wd = (h + 2 * kvh) * hd;
+    let qkv = random(9, &[b, t, wd], 1.0);
+    for softcap in [None, Some(2.0)] {
+        let opts = AttentionOptions {
+            window: Some(win),
+            softcap,
+            ..AttentionOptions::new(h, kvh)
+        };
+        let y = values(&attention(&qkv, &opts).unwrap());
+        // Rows 100..120 see keys 81..120: replace positions 0..81 (two whole tiles and more)
+        // and 120..150.
+        let changed = Tensor::cat(
+            &[
+                &random(10, &[b, 81, wd], 1.0),
+                &qkv.narrow(1, 81, 39).unwrap(),
+                &random(11, &[b, 30, wd], 1.0),
+            ],
+            1,
+        )
+        .unwrap();
+        let y2 = values(&attention(&changed, &opts).unwrap());
+        let d = h * hd;
+        assert_eq!(y[100 * d..120 * d], y2[100 * d..120 * d], "{softcap:?}");
+        assert_ne!(y[..100 * d], y2[..100 * d]);
+    }
+    let own = AttentionOptions {
+        window: Some(1),
+        ..AttentionOptions::new(h, kvh)
+    };
+    let y = values(&attention(&qkv, &own).unwrap());
+    let v = values(&qkv.narrow(2, (h + kvh) * hd, hd).unwrap());
+    for (i, row) in y.chunks_exact(h * hd).enumerate() {
+        for head in row.chunks_exact(hd) {
+            assert_eq!(head, &v[i * hd..(i + 1) * hd]);
+        }
+    }
+}
+
+/// bf16 and f16 inputs with every option on stay within their rounding of the f32 kernel.
+#[test]
+fn attention_options_half_precision_within_rounding() {
+    let (b, t, h, kvh, hd) = (2, 70, 4, 2, 8);
+    let qkv = random(12, &[b, t, (h + 2 * kvh) * hd], 1.0);
+    let w = random(13, &[b, t, h * hd], 1.0);
+    let opts = AttentionOptions {
+        n_head: h,
+        n_kv_head: kvh,
+        scale: Some(0.3),
+        window: Some(3),
+        softcap: Some(2.0),
+    };
+    let (y, g) = attention_and_grad(attention, &qkv, &opts, &w);
+    for (dtype, tol) in [(DType::BF16, 3e-2), (DType::F16, 4e-3)] {
+        let (yh, gh) = attention_and_grad(attention, &qkv.to_dtype(dtype).unwrap(), &opts, &w);
+        let (dy, dg) = (max_abs_diff(&y, &yh), max_abs_diff(&g, &gh));
+        assert!(dy < tol, "{dtype:?}: values differ from f32 by {dy}");
+        assert!(
+            dg < 4.0 * tol,
+            "{dtype:?}: gradients differ from f32 by {dg}"
+        );
+    }
+}
+
+/// Invalid options are errors naming the option, from the kernel's entry point and the
+/// composed one alike (and for an input the kernel does not take, f64).
+#[test]
+fn attention_rejects_bad_options() {
+    let qkv = random(14, &[1, 4, 24], 1.0);
+    let base = AttentionOptions::new(2, 1);
+    let bad = [
+        (
+            AttentionOptions {
+                window: Some(0),
+                ..base
+            },
+            "`window`",
+        ),
+        (
+            AttentionOptions {
+                softcap: Some(0.0),
+                ..base
+            },
+            "`softcap`",
+        ),
+        (
+            AttentionOptions {
+                softcap: Some(-1.0),
+                ..base
+            },
+            "`softcap`",
+        ),
+        (
+            AttentionOptions {
+                softcap: Some(f64::NAN),
+                ..base
+            },
+            "`softcap`",
+        ),
+        (
+            AttentionOptions {
+                softcap: Some(f64::INFINITY),
+                ..base
+            },
+            "`softcap`",
+        ),
+        (
+            AttentionOptions {
+                scale: Some(f64::NAN),
+                ..base
+            },
+            "`scale`",
+        ),
+        (
+            AttentionOptions {
+                scale: Some(f64::INFINITY),
+                ..base
+            },
+            "`scale`",
+        ),
+        (
+            AttentionOptions {
+                scale: Some(-0.5),
+                ..base
+            },
+            "`scale`",
+        ),
+    ];
+    for (opts, name) in bad {
+        for x in [qkv.clone(), qkv.to_dtype(DType::F64).unwrap()] {
+            for f in [attention as AttentionFn, attention_composed] {
+                let e = f(&x, &opts).unwrap_err().to_string();
+                assert!(e.contains(name), "{opts:?}: {e}");
+            }
+        }
+    }
+    // The valid base runs.
+    assert_eq!(attention(&qkv, &base).unwrap().dims(), [1, 4, 12]);
+}
