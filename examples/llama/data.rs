@@ -54,8 +54,12 @@ impl Codec for HfTokenizer {
 ///
 /// Errors: unreadable file, not UTF-8; too few tokens for one window of `seq_len` in each split.
 pub fn load_tokens(path: &Path, codec: &dyn Codec, seq_len: usize) -> anyhow::Result<TokenCorpus> {
-    let corpus =
-        TextCorpus::load(path).with_context(|| format!("loading the corpus {}", path.display()))?;
+    let corpus = TextCorpus::load(path).with_context(|| {
+        format!(
+            "loading the corpus {} (--data; a relative path is from the current directory)",
+            path.display()
+        )
+    })?;
     let c = TokenCorpus::tokenize(&corpus, DEFAULT_VAL_FRACTION, |t| codec.encode(t))?;
     let (train, val) = (c.split(Split::Train).len(), c.split(Split::Val).len());
     anyhow::ensure!(

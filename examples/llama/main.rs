@@ -206,12 +206,19 @@ fn main() -> anyhow::Result<()> {
             )
         }
     };
+    let config_src = args.from_hf.as_ref().map_or_else(
+        || "the from-scratch shape".to_string(),
+        |d| d.join(CONFIG_FILE).display().to_string(),
+    );
+    let learned_positions = cfg.names().positions.is_some();
     anyhow::ensure!(
-        args.seq_len <= cfg.max_position_embeddings,
-        "--seq-len {} is longer than the model's max_position_embeddings {}",
+        !learned_positions || args.seq_len <= cfg.max_position_embeddings,
+        "--seq-len {} is longer than n_positions {} of {config_src}: the model's learned position \
+         table has that many rows",
         args.seq_len,
         cfg.max_position_embeddings
     );
+    let beyond_context = !learned_positions && args.seq_len > cfg.max_position_embeddings;
     // Tokens: the directory's tokenizer.json, else bytes.
     let tokenizer = match &args.from_hf {
         Some(dir) if dir.join("tokenizer.json").is_file() => {
@@ -223,7 +230,11 @@ fn main() -> anyhow::Result<()> {
         Some(t) => {
             anyhow::ensure!(
                 t.vocab_size() <= cfg.vocab_size,
-                "tokenizer.json has {} tokens, more than the model's vocab_size {}",
+                "{} has {} tokens, more than the model's vocab_size {} ({config_src})",
+                args.from_hf.as_ref().map_or_else(String::new, |d| d
+                    .join("tokenizer.json")
+                    .display()
+                    .to_string()),
                 t.vocab_size(),
                 cfg.vocab_size
             );
@@ -249,8 +260,13 @@ fn main() -> anyhow::Result<()> {
     } else if tokenizer.is_some() {
         Some(Box::new(load_tokens(&args.lm.data, codec, args.seq_len)?))
     } else {
-        let c = TextCorpus::load(&args.lm.data)
-            .with_context(|| format!("loading the corpus {}", args.lm.data.display()))?;
+        let c = TextCorpus::load(&args.lm.data).with_context(|| {
+            format!(
+                "loading the corpus {} (--data; a relative path is from the current \
+                     directory)",
+                args.lm.data.display()
+            )
+        })?;
         c.check_seq_len(candle_fsdp::data::text::Split::Train, args.seq_len)?;
         c.check_seq_len(candle_fsdp::data::text::Split::Val, args.seq_len)?;
         Some(Box::new(c))
@@ -294,6 +310,14 @@ fn main() -> anyhow::Result<()> {
             for d in &r.decisions {
                 println!("{}: {d}", r.dir.display());
             }
+        }
+        if beyond_context {
+            println!(
+                "note: --seq-len {} is longer than max_position_embeddings {} of {config_src} \
+                 (the context the model was trained with); rotary positions extend to it, as in \
+                 transformers",
+                args.seq_len, cfg.max_position_embeddings
+            );
         }
     }
     let budget = match args.lm.max_memory_per_rank {

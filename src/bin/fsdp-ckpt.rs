@@ -84,8 +84,10 @@ enum Command {
         /// `--max-shard-size`) as `transformers`' `save_pretrained` writes them.
         #[arg(long, value_enum, default_value = "safetensors")]
         format: ExportFormat,
-        /// With `--format hf`: the largest weights file, in bytes (default 5000000000).
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        /// With `--format hf`: the largest weights file: bytes, or a size with a unit as
+        /// `save_pretrained`'s `max_shard_size` takes it (`5GB` = 5·10⁹, `500MB`, `100KB`;
+        /// `2GiB` = 2·2³⁰, `MiB`, `KiB`) (default 5GB).
+        #[arg(long, value_name = "SIZE", value_parser = parse_size)]
         max_shard_size: Option<u64>,
         /// With `--format hf`: the `config.json` to write (default: the one the checkpoint
         /// stores, saved by a run started from `--from-hf` or by the llama example).
@@ -260,5 +262,61 @@ fn main() -> ExitCode {
             eprintln!("fsdp-ckpt: error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// A size in bytes: plain digits, or digits (a decimal point allowed) and a unit, `B`, `KB`,
+/// `MB`, `GB`, `TB` (powers of 10, as transformers' `convert_file_size_to_int`) or `KiB`,
+/// `MiB`, `GiB`, `TiB` (powers of 2); at least 1 byte.
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = (&t[..split], t[split..].trim());
+    let scale: f64 = match unit {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "TiB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => {
+            return Err(format!(
+                "{s:?}: expected bytes or a size with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, \
+                 TiB), e.g. 5GB"
+            ))
+        }
+    };
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number before the unit, e.g. 5GB"))?;
+    let bytes = (n * scale).round();
+    if !(bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(format!("{s:?}: must be at least 1 byte"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_read_as_transformers_reads_them() {
+        assert_eq!(parse_size("1000"), Ok(1000));
+        assert_eq!(parse_size("5GB"), Ok(5_000_000_000));
+        assert_eq!(parse_size("500MB"), Ok(500_000_000));
+        assert_eq!(parse_size("1.5KB"), Ok(1500));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
+        assert!(parse_size("0").unwrap_err().contains("at least 1 byte"));
+        assert!(parse_size("5XB")
+            .unwrap_err()
+            .contains("expected bytes or a size"));
+        assert!(parse_size("GB").unwrap_err().contains("expected a number"));
     }
 }

@@ -480,12 +480,8 @@ impl MappedFile {
         // mapped. Checkpoint files are only ever replaced by rename, which leaves this mapping
         // on the old inode.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let (n, header) = safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| {
-            Error::file(
-                path,
-                format!("corrupt or truncated safetensors file: {e:?}"),
-            )
-        })?;
+        let (n, header) = safetensors::SafeTensors::read_metadata(&mmap)
+            .map_err(|e| Error::file(path, explain_safetensors_error(&mmap, &e)))?;
         stats.files_opened += 1;
         stats.header_bytes += 8 + n as u64;
         let tensors = header
@@ -644,5 +640,35 @@ impl MappedFile {
         let mut v = vec![0.0f32; n];
         self.read_f32(name, 0..n, &mut v, stats)?;
         Ok(Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?)
+    }
+}
+
+/// Why `bytes` is not a readable safetensors file, in sizes: the header length against the
+/// file's, or where the header says the tensor data ends against the bytes there are; else
+/// the safetensors crate's error `e`.
+fn explain_safetensors_error(bytes: &[u8], e: &safetensors::SafeTensorError) -> String {
+    let len = bytes.len() as u64;
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes checked"));
+    if 8 + n > len {
+        return format!(
+            "corrupt or truncated safetensors file: its header says {n} bytes of JSON follow \
+             the 8-byte length, but the file has {len} bytes in all"
+        );
+    }
+    let end = serde_json::from_slice::<serde_json::Value>(&bytes[8..(8 + n) as usize])
+        .ok()
+        .and_then(|v| {
+            v.as_object()?
+                .values()
+                .filter_map(|t| t.get("data_offsets")?.get(1)?.as_u64())
+                .max()
+        });
+    match end {
+        Some(end) if 8 + n + end != len => format!(
+            "corrupt or truncated safetensors file: its header places tensor data up to byte \
+             {} (8 + {n} header bytes + {end}), but the file has {len} bytes",
+            8 + n + end
+        ),
+        _ => format!("corrupt or truncated safetensors file: {e:?}"),
     }
 }

@@ -160,7 +160,8 @@ pub struct DecoderConfig {
     pub num_key_value_heads: usize,
     /// Width of one head (transformers' default `hidden_size / num_attention_heads`).
     pub head_dim: usize,
-    /// Longest context: GPT-2's position table rows; otherwise only checked.
+    /// Longest context: GPT-2's position table rows (`n_positions`); for rotary families the
+    /// context the model was trained with (longer ones run, as in transformers).
     pub max_position_embeddings: usize,
     /// Epsilon of every norm (`rms_norm_eps`, GPT-2's `layer_norm_epsilon`).
     pub norm_eps: f64,
@@ -413,13 +414,17 @@ impl FsdpDecoder {
     /// The forward through the units: logits `(B, T, V)` of token ids `(B, T)` u32 in the
     /// head's `param_dtype` (f32 without a mixed-precision policy).
     ///
-    /// Errors: a context longer than `max_position_embeddings`; the units'.
+    /// Errors: with learned positions (GPT-2), a context longer than the table
+    /// (`max_position_embeddings`, GPT-2's `n_positions`); the units'.
     pub fn forward(&self, f: &mut Forward<'_>, ids: &Tensor) -> Result<Tensor> {
         let (_, t) = ids.dims2()?;
         let cfg = &self.cfg;
-        if t > cfg.max_position_embeddings {
+        // Learned positions have a table of that many rows; rotary positions extend to any
+        // context (transformers computes them, and so do we).
+        if cfg.names().positions.is_some() && t > cfg.max_position_embeddings {
             return Err(Error::InvalidArgument(format!(
-                "{} context of {t} tokens is longer than max_position_embeddings {}",
+                "{} context of {t} tokens is longer than n_positions {} (the rows of its \
+                 learned position table)",
                 cfg.table().architecture,
                 cfg.max_position_embeddings
             )));

@@ -450,3 +450,77 @@ fn gpt2_weights_published_without_the_transformer_prefix_load() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_truncated_weights_file_says_how_many_bytes_are_missing() {
+    let name = "family-qwen3";
+    let dir = edited_config(name, "trunc", |t| format!("{t}\n"));
+    let f = dir.join("model.safetensors");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() - 1000]).unwrap();
+    let e = resolve(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains(&format!("places tensor data up to byte {} (", bytes.len()))
+            && e.contains(&format!("but the file has {} bytes", bytes.len() - 1000)),
+        "{e}"
+    );
+    // Cut inside the header.
+    std::fs::write(&f, &bytes[..100]).unwrap();
+    let e = resolve(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("bytes of JSON follow the 8-byte length, but the file has 100 bytes"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_unsupported_rope_type_is_named_under_the_key_the_file_uses() {
+    // transformers 4's configs write `type`, transformers 5's `rope_type`.
+    let dir = edited_config("family-qwen2", "yarn", |t| {
+        t.replacen(
+            '{',
+            "{\n  \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4.0},",
+            1,
+        )
+    });
+    let e = resolve(&dir).unwrap_err().to_string();
+    assert!(e.contains("key `rope_scaling.type` is \"yarn\""), "{e}");
+    assert!(!e.contains("invalid argument"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn rotary_models_run_past_max_position_embeddings_and_gpt2_names_n_positions() {
+    // transformers computes rotary positions for any context; GPT-2's table has n_positions
+    // rows.
+    let long = |name: &str, max: usize| {
+        let dir = edited_config(name, "long", |t| {
+            let key = if name == "family-gpt2" {
+                "n_positions"
+            } else {
+                "max_position_embeddings"
+            };
+            t.replace(&format!("\"{key}\": 64"), &format!("\"{key}\": {max}"))
+        });
+        let (ids, _) = inputs(name);
+        let r = launch(&Launcher::threads(1), |pg| {
+            let (decoder, mut model, _) = build_from_hf(pg, FsdpConfig::default(), &dir, false)?;
+            decoder.logits(&mut model, &ids, false).map(|l| to_vec(&l))
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        r
+    };
+    // 8 positions of context for 12 tokens: Qwen3's logits are transformers' (rotary tables do
+    // not depend on the maximum).
+    let got = long("family-qwen3", 8).unwrap();
+    assert!(max_abs_diff(&got[0], &super::expected("family-qwen3", "logits")) < 1e-4);
+    // GPT-2 with an 8-row table cannot take 12 tokens (the weights' table has 64 rows, so the
+    // shape check speaks first); the forward's own check names n_positions.
+    let e = long("family-gpt2", 8).unwrap_err().to_string();
+    assert!(
+        e.contains("transformer.wpe.weight") && e.contains("expected shape [8, 32]"),
+        "{e}"
+    );
+}

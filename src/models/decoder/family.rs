@@ -250,7 +250,10 @@ pub fn config_from_json(text: &str, path: &Path) -> Result<DecoderConfig> {
         BlockStyle::Gpt2 => gpt2_config(&keys)?,
         BlockStyle::Llama => llama_style_config(family, &keys)?,
     };
-    cfg.validate().map_err(|e| bad(e.to_string()))?;
+    cfg.validate().map_err(|e| match e {
+        Error::InvalidArgument(m) => bad(m),
+        e => bad(e.to_string()),
+    })?;
     Ok(cfg)
 }
 
@@ -340,11 +343,14 @@ fn rope(keys: &Keys<'_>) -> Result<(f64, Option<Llama3RopeScaling>)> {
         match keys.get(key) {
             None => {}
             Some(Value::Object(p)) => {
-                let kind = p
-                    .get("rope_type")
-                    .or_else(|| p.get("type"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("default");
+                // transformers 4 wrote `type`, 5 writes `rope_type`: the error names the one
+                // the file has.
+                let type_key = if p.contains_key("rope_type") {
+                    "rope_type"
+                } else {
+                    "type"
+                };
+                let kind = p.get(type_key).and_then(Value::as_str).unwrap_or("default");
                 match kind {
                     "default" => {}
                     "llama3" => {
@@ -378,7 +384,7 @@ fn rope(keys: &Keys<'_>) -> Result<(f64, Option<Llama3RopeScaling>)> {
                     }
                     _ => {
                         return Err(keys.bad(format!(
-                            "key `{key}.rope_type` is {kind:?}: supported are the default rotary \
+                            "key `{key}.{type_key}` is {kind:?}: supported are the default rotary \
                              embedding and \"llama3\""
                         )))
                     }
