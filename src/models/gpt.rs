@@ -145,7 +145,7 @@ impl GptConfig {
 
 /// The causal mask of `seq_len` positions: `(seq_len, seq_len)` f32, 0 where a query may see a
 /// key (key ≤ query), −∞ above the diagonal. The attention applies it inside
-/// [`causal_softmax`]; this is the mask for code that adds it to scores itself.
+/// [`crate::nn::causal_softmax`]; this is the mask for code that adds it to scores itself.
 pub fn causal_mask(seq_len: usize, device: &Device) -> candle_core::Result<Tensor> {
     let values: Vec<f32> = (0..seq_len)
         .flat_map(|q| (0..seq_len).map(move |k| if k <= q { 0.0 } else { f32::NEG_INFINITY }))
@@ -211,7 +211,7 @@ pub fn lm_head(cfg: &GptConfig, vb: VarBuilder) -> candle_core::Result<Linear> {
 /// Causal multi-head self-attention: `(B, T, d)` → `(B, T, d)`, T ≤ `seq_len`.
 /// Parameters `qkv.weight` `(3d, d)`, `qkv.bias` `(3d,)` (queries, keys, values, each `d`
 /// wide, head-major), `proj.weight` `(d, d)`, `proj.bias` `(d,)`. The scores of each head are
-/// `q·kᵀ / √(d/h)`, normalised by [`causal_softmax`] (query `i` sees keys `j ≤ i`).
+/// `q·kᵀ / √(d/h)`, normalised by [`crate::nn::causal_softmax`] (query `i` sees keys `j ≤ i`).
 #[derive(Debug, Clone)]
 pub struct CausalSelfAttention {
     qkv: Linear,

@@ -92,7 +92,7 @@ impl Module for Linear {
 }
 
 /// A [`Linear`] of `in_dim → out_dim` with a bias, parameters from `vb`: candle-nn's
-/// [`candle_nn::linear`] (same names, same init), with the one-node forward.
+/// [`candle_nn::linear()`] (same names, same init), with the one-node forward.
 ///
 /// Errors: Candle's (a parameter of another shape in `vb`).
 pub fn linear(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<Linear> {

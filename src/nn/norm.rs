@@ -60,7 +60,7 @@ use crate::cpu::{contiguous, dot16, filled, parallel_chunks_map, sum16, with_sim
 /// `y = (x − mean(x)) / sqrt(var(x) + eps) · weight + bias` (Ba et al. 2016), each statistic over
 /// the last dimension; with `remove_mean` false (see [`LayerNorm::rms_norm`]) no mean is removed
 /// and it is RMSNorm (Zhang & Sennrich 2019); without a bias the `+ bias` is absent. See the
-/// [module documentation](self) for the backward formulas and why this exists: candle-nn's
+/// module documentation (`src/nn/norm.rs`) for the backward formulas and why this exists: candle-nn's
 /// `LayerNorm` runs a fused kernel with no backward, so nothing at or below it trains.
 ///
 /// Shapes: input `(…, D)` of any rank ≥ 1, output the input's shape; `weight` and `bias` are
@@ -256,7 +256,7 @@ pub fn layer_norm_no_bias(size: usize, eps: f64, vb: VarBuilder) -> Result<Layer
 /// `y = x / sqrt(mean(x²) + eps) · weight` (Zhang & Sennrich 2019), the mean over the last
 /// dimension. candle-nn's [`candle_nn::RmsNorm`] runs a fused kernel with no backward on
 /// contiguous inputs, so nothing at or below it trains; this one has one (see the
-/// [module documentation](self) for the formulas).
+/// module documentation (`src/nn/norm.rs`) for the formulas).
 ///
 /// Shapes: input `(…, D)` of any rank ≥ 1, output the input's shape, `weight` `(D,)`. Dtypes: f32,
 /// bf16, f16 and f64, the weight of the input's dtype; half-precision statistics in f32.

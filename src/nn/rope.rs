@@ -29,7 +29,7 @@ const CHUNK: usize = 1 << 15;
 /// Rotary embedding of `x` `(B, T, heads, head_dim)` with tables `cos`, `sin` `(T,
 /// head_dim)` (f32; [`rope_composed`] gives the formula): `x ⊙ cos + rotate_half(x) ⊙ sin`,
 /// differentiable in `x` (the tables are constants). Same values as [`rope_composed`] up to
-/// rounding; see the [module documentation](self).
+/// rounding; see the module documentation (`src/nn/rope.rs`).
 ///
 /// Errors: `x` not 4-D, an odd `head_dim`, tables of another shape than `(T, head_dim)`;
 /// Candle's.

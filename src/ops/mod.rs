@@ -435,7 +435,7 @@ pub fn check_finite_(t: &Tensor, found_inf: &Tensor) -> Result<()> {
 /// in f64 in element order: the local part of a total L2 norm
 /// (`torch.nn.utils.clip_grad_norm_`'s norm, accumulated more precisely than f32). On a GPU the
 /// f64 sum runs in the kernels' fixed tree order (equal up to rounding) and is read back;
-/// [`cuda::sum_squares_into`] keeps it on the device.
+/// `cuda::sum_squares_into` (cargo feature `cuda`) keeps it on the device.
 ///
 /// Errors: as [`adamw_step`].
 pub fn sum_squares(t: &Tensor) -> Result<f64> {

@@ -59,7 +59,7 @@ impl SgdConfig {
 /// the hyper-parameters of the parameter's group. Momentum buffers: one f32 tensor per unit
 /// shard on its device.
 ///
-/// Not `Clone`, for the reason given at [`AdamW`].
+/// Not `Clone`, for the reason given at [`crate::AdamW`].
 #[derive(Debug)]
 pub struct Sgd {
     groups: Vec<ParamGroup<SgdConfig>>,

@@ -3,7 +3,7 @@
 //!
 //! [`new_group`] creates one [`ThreadProcessGroup`] handle per rank; [`run_ranks`] /
 //! [`run_ranks_ok`] run a closure on every rank in its own thread (named `rank-{r}`), each with
-//! its handle wrapped in [`Instrumented`] (statistics), and collect the results
+//! its handle wrapped in [`crate::comm::Instrumented`] (statistics), and collect the results
 //! ([`crate::launch::Launcher::Threads`] is the same launcher behind the common API).
 //!
 //! # Streams
@@ -66,7 +66,7 @@
 //!
 //! # On CUDA tensors (feature `cuda`)
 //!
-//! [`new_group_on_gpu`] / [`run_ranks_on_gpu`] (and [`crate::launch::Launcher::ThreadsOnGpu`])
+//! `new_group_on_gpu` / `run_ranks_on_gpu` (and `crate::launch::Launcher::ThreadsOnGpu`; cargo feature `cuda`)
 //! put every rank on one GPU, each with a Candle device of its own (its own compute stream;
 //! [`ProcessGroup::device`] returns it) and one CUDA comm stream per stream of the group. The
 //! host side above is unchanged; the data movement is enqueued on the comm streams and ordered
