@@ -333,6 +333,7 @@ fn main() -> anyhow::Result<()> {
         }),
         None => None,
     };
+    check_resumed_model(train, &cfg, &config_src, setup.prints())?;
     let extra = BTreeMap::from([(HF_CONFIG_KEY.to_string(), config_json)]);
     let outcome = common::trainer::run_job(train, &setup.launcher, |pg, session| {
         let model = FsdpDecoder::new(cfg.clone())?
@@ -421,4 +422,53 @@ impl Corpus for TokenCorpusless {
             "an evaluation-only run has no corpus".into(),
         ))
     }
+}
+
+/// With `--resume` / `--resume-from`, the checkpoint to resume must be of this run's model: its
+/// stored `config.json` (train state `hf_config`) is read as a decoder config and its
+/// parameters compared with `cfg`'s (names and shapes). Another model is an error naming both
+/// (instead of the load's list of missing tensors); the same parameters under a config that
+/// differs otherwise (a window, a cap) continue with this run's, said on stdout.
+fn check_resumed_model(
+    train: &common::TrainArgs,
+    cfg: &DecoderConfig,
+    config_src: &str,
+    prints: bool,
+) -> anyhow::Result<()> {
+    use candle_fsdp::checkpoint::{list_complete, read_meta, META_FILE};
+    use candle_fsdp::models::decoder::{family::config_from_json, hf::parameter_shapes};
+    let dir = match (&train.resume_from, train.resume) {
+        (Some(d), _) => d.clone(),
+        (None, true) => match list_complete(&train.checkpoint_dir)?.pop() {
+            Some(d) => d,
+            None => return Ok(()),
+        },
+        (None, false) => return Ok(()),
+    };
+    let meta = read_meta(&dir)?;
+    let Some(text) = meta.train.extra.get(HF_CONFIG_KEY) else {
+        return Ok(());
+    };
+    let at = dir.join(META_FILE);
+    let theirs = config_from_json(text, &at)?;
+    let (a, b) = (parameter_shapes(&theirs)?, parameter_shapes(cfg)?);
+    anyhow::ensure!(
+        a == b,
+        "{} is a checkpoint of another model: a {} of {} parameters (its stored config.json), \
+         where this run's is a {} of {} parameters ({config_src}); resume it with the model it \
+         was trained from, or start this one in another --checkpoint-dir",
+        dir.display(),
+        theirs.table().architecture,
+        a.len(),
+        cfg.table().architecture,
+        b.len(),
+    );
+    if prints && &theirs != cfg {
+        println!(
+            "note: {}'s stored config.json differs from {config_src} beyond the parameters' \
+             shapes; this run continues with {config_src}'s (and stores it in its checkpoints)",
+            dir.display()
+        );
+    }
+    Ok(())
 }

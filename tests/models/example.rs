@@ -358,3 +358,62 @@ fn from_hf_path_that_is_not_a_directory_is_named() {
     }
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn resuming_a_checkpoint_with_another_model_names_both() {
+    let Some(bin) = example() else { return };
+    let (_, seq_len) = expected_eval();
+    let root = tmpdir("llama-example-other");
+    let (llama, ckpt) = (fixture("llama-mha"), root.join("ckpt"));
+    let eval = llama.join("eval.txt");
+    // Qwen3 of the same vocabulary, with the Llama's character tokenizer beside it.
+    let qwen3 = root.join("qwen3");
+    std::fs::create_dir_all(&qwen3).unwrap();
+    for f in std::fs::read_dir(fixture("family-qwen3")).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), qwen3.join(f.file_name())).unwrap();
+    }
+    std::fs::copy(llama.join("tokenizer.json"), qwen3.join("tokenizer.json")).unwrap();
+    let common = |dir: &PathBuf| -> Vec<String> {
+        [
+            "--world-size",
+            "1",
+            "--from-hf",
+            dir.to_str().unwrap(),
+            "--data",
+            eval.to_str().unwrap(),
+            "--max-steps",
+            "1",
+            "--seq-len",
+            &seq_len,
+            "--batch-size",
+            "2",
+            "--sample-len",
+            "0",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let args = common(&llama);
+    run(&bin, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut args = common(&qwen3);
+    let steps = args.iter().position(|a| a == "--max-steps").unwrap() + 1;
+    args[steps] = "2".into();
+    args.push("--resume".into());
+    let o = Command::new(&bin)
+        .args(&args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("is a checkpoint of another model: a LlamaForCausalLM")
+            && err.contains("this run's is a Qwen3ForCausalLM")
+            && err.contains("qwen3/config.json"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
