@@ -1,9 +1,10 @@
-//! The models users fine-tune: the Llama decoder against transformers' numbers, Hugging Face
-//! model directories in (single file, sharded index, errors, per-rank memory) and out
-//! (`fsdp-ckpt export --format hf`).
+//! The models users fine-tune: the one decoder's families (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+//! Gemma 2, GPT-2) against transformers' numbers, Hugging Face model directories in (single
+//! file, sharded index, errors, per-rank memory) and out (`fsdp-ckpt export --format hf`).
 //!
-//! The fixtures under `tests/models/fixtures/` are tiny random `LlamaForCausalLM`s written by
-//! `scripts/make-hf-fixture.py` with what transformers computed; the `resolve-*` ones, by
+//! The fixtures under `tests/models/fixtures/` are tiny random models with what transformers
+//! computed: `llama-*` `LlamaForCausalLM`s written by `scripts/make-hf-fixture.py`, `family-*`
+//! one per family by `scripts/make-hf-family-fixture.py`; the `resolve-*` ones, by
 //! `scripts/make-hf-resolve-fixture.py`, with what transformers' `from_pretrained` decided.
 
 #[path = "../common/mod.rs"]
