@@ -205,6 +205,18 @@ pub trait Codec: Sync {
     fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>>;
     /// The text of `ids` (lossy).
     fn decode(&self, ids: &[u32]) -> String;
+    /// The ids of a file's bytes: [`Codec::encode`] of them as UTF-8 (an error naming the
+    /// first byte that is not); byte codecs take any bytes.
+    fn encode_bytes(&self, bytes: &[u8]) -> anyhow::Result<Vec<u32>> {
+        let text = std::str::from_utf8(bytes).map_err(|e| {
+            anyhow::anyhow!(
+                "not UTF-8 text (byte {} is not part of a UTF-8 character), which a tokenizer \
+                 needs",
+                e.valid_up_to()
+            )
+        })?;
+        self.encode(text)
+    }
 }
 
 /// Bytes are tokens (vocabulary 256).
@@ -219,6 +231,11 @@ impl Codec for Bytes {
         let bytes: Vec<u8> = ids.iter().map(|&t| t as u8).collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
+
+    /// Every byte is a token, UTF-8 or not (as the byte corpus of `--data` trains on).
+    fn encode_bytes(&self, bytes: &[u8]) -> anyhow::Result<Vec<u32>> {
+        Ok(bytes.iter().map(|&b| u32::from(b)).collect())
+    }
 }
 
 /// The tokens of `--eval-file` `path`, checked before any model is built or step trained: at
@@ -231,9 +248,11 @@ pub fn read_eval_file(
     codec: &dyn Codec,
     seq_len: usize,
 ) -> anyhow::Result<Vec<u32>> {
-    let text = std::fs::read_to_string(path)
+    let bytes = std::fs::read(path)
         .map_err(|e| anyhow::anyhow!("--eval-file {}: cannot read it: {e}", path.display()))?;
-    let tokens = codec.encode(&text)?;
+    let tokens = codec
+        .encode_bytes(&bytes)
+        .map_err(|e| anyhow::anyhow!("--eval-file {}: {e}", path.display()))?;
     anyhow::ensure!(
         tokens.len() > seq_len,
         "--eval-file {}: {} tokens, too few for one window of --seq-len {seq_len} ({} tokens: \

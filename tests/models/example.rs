@@ -417,3 +417,61 @@ fn resuming_a_checkpoint_with_another_model_names_both() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn a_non_utf8_eval_file_is_bytes_for_bytes_and_named_for_a_tokenizer() {
+    let Some(bin) = example() else { return };
+    let root = tmpdir("llama-example-bytes");
+    std::fs::create_dir_all(&root).unwrap();
+    let file = root.join("eval.bin");
+    // 200 repetitions of "abc", two bytes that are no UTF-8, "def".
+    let bytes: Vec<u8> = (0..200)
+        .flat_map(|_| [b'a', b'b', b'c', 0xff, 0xfe, b'd', b'e', b'f'])
+        .collect();
+    std::fs::write(&file, &bytes).unwrap();
+    let ckpt = root.join("ckpt");
+    // Bytes are the tokens of a from-scratch model: every byte evaluates.
+    let out = run(
+        &bin,
+        &[
+            "--eval-file",
+            file.to_str().unwrap(),
+            "--max-steps",
+            "0",
+            "--seq-len",
+            "16",
+            "--n-layer",
+            "1",
+            "--d-model",
+            "32",
+            "--n-head",
+            "2",
+            "--n-kv-head",
+            "2",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ],
+    );
+    let loss = eval_loss(&out);
+    assert!(loss.is_finite() && loss > 0.0, "{out}");
+    // A tokenizer needs text: the first byte that is not UTF-8 is named.
+    let o = Command::new(&bin)
+        .args(["--from-hf", fixture("llama-mha").to_str().unwrap()])
+        .args(["--eval-file", file.to_str().unwrap(), "--max-steps", "0"])
+        .args([
+            "--seq-len",
+            "16",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("eval.bin: not UTF-8 text (byte 3 is not part of a UTF-8 character)"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
