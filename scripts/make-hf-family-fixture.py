@@ -17,6 +17,8 @@ heads, intermediate 48, eager attention, every dropout 0, pad_token_id null):
                       k_norm, no attention bias, untied
   family-phi3/        Phi3ForCausalLM, 2 layers, fused qkv_proj and gate_up_proj, no sliding window,
                       partial_rotary_factor 1, default rope, untied
+  family-gemma2-pad/  the same configuration with pad_token_id 0 (as published), the first
+                      sequence left-padded with it (transformers' padding_idx: no gradient)
   family-gemma2/      Gemma2ForCausalLM, 4 layers (sliding, full, sliding, full), head_dim 8,
                       gelu_pytorch_tanh, query_pre_attn_scalar 12, attention softcap 5, final logit
                       softcap 3, sliding_window 4, tied embeddings
@@ -89,8 +91,9 @@ def phi3_config():
                       attn_implementation="eager")
 
 
-def gemma2_config():
+def gemma2_config(**extra):
     kw = dict(COMMON, num_hidden_layers=4)
+    kw.update(extra)
     del kw["hidden_act"]
     return Gemma2Config(**kw, head_dim=8, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
                         query_pre_attn_scalar=12, attn_logit_softcapping=5.0,
@@ -133,7 +136,7 @@ def spec(shape_of):
     return [{"name": n, "shape": list(s)} for n, s in shape_of]
 
 
-def make(name, family, cls, cfg, seed, dtype=torch.float32, variants=()):
+def make(name, family, cls, cfg, seed, dtype=torch.float32, variants=(), pad=None):
     torch.manual_seed(seed)
     model = cls(cfg).float()
     assert model.config._attn_implementation == "eager", model.config._attn_implementation
@@ -145,6 +148,9 @@ def make(name, family, cls, cfg, seed, dtype=torch.float32, variants=()):
     model.eval()
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, V, (B, T + 1), generator=g)
+    if pad is not None:
+        # Left padding of the first sequence: the embedding's padding_idx row is looked up.
+        ids[0, :3] = pad
     inputs, targets = ids[:, :T], ids[:, 1:]
     logits = model(input_ids=inputs).logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
@@ -212,3 +218,6 @@ make("family-gemma2", "gemma2", Gemma2ForCausalLM, gemma2_config(), 16,
      variants=[("sliding_window 4 -> 1000", {"sliding_window": 1000}),
                ("softcaps 5, 3 -> None", {"attn_logit_softcapping": None, "final_logit_softcapping": None})])
 make("family-gpt2", "gpt2", GPT2LMHeadModel, gpt2_config(), 17)
+# Gemma 2 as published sets pad_token_id 0: transformers' embedding (padding_idx) gives that row
+# no gradient from its lookups (the tied head's gradient still reaches it).
+make("family-gemma2-pad", "gemma2", Gemma2ForCausalLM, gemma2_config(pad_token_id=0), 18, pad=0)

@@ -197,6 +197,11 @@ pub struct DecoderConfig {
     /// Scores scaled by `query_pre_attn_scalar^−½` instead of `head_dim^−½` (Gemma 2).
     #[serde(default)]
     pub query_pre_attn_scalar: Option<f64>,
+    /// The embedding row whose lookups send no gradient (transformers' `nn.Embedding(…,
+    /// padding_idx=pad_token_id)`; the values are looked up as any row's, and a tied head's
+    /// gradient still reaches the row). `None`: every row trains (GPT-2, no `pad_token_id`).
+    #[serde(default)]
+    pub pad_token_id: Option<u32>,
 }
 
 impl DecoderConfig {
@@ -290,6 +295,15 @@ impl DecoderConfig {
                 self.layer_types.len(),
                 self.num_hidden_layers
             )));
+        }
+        if let Some(p) = self.pad_token_id {
+            if p as usize >= self.vocab_size {
+                return Err(Error::InvalidArgument(format!(
+                    "{model} pad_token_id {p} is outside the vocabulary of {} (transformers' \
+                     embedding refuses it too)",
+                    self.vocab_size
+                )));
+            }
         }
         let sliding = self.layer_types.contains(&LayerType::SlidingAttention);
         match self.sliding_window {

@@ -170,6 +170,7 @@ impl From<LlamaConfig> for DecoderConfig {
             attn_logit_softcapping: None,
             final_logit_softcapping: None,
             query_pre_attn_scalar: None,
+            pad_token_id: None,
         }
     }
 }

@@ -574,7 +574,30 @@ fn llama_style_config(family: Family, keys: &Keys<'_>) -> Result<DecoderConfig> 
         } else {
             None
         },
+        pad_token_id: pad_token_id(keys)?,
     })
+}
+
+/// `pad_token_id` as the embedding's `padding_idx` (a negative one counts from the end, as
+/// PyTorch's `nn.Embedding` takes it).
+fn pad_token_id(keys: &Keys<'_>) -> Result<Option<u32>> {
+    let Some(v) = keys.get("pad_token_id") else {
+        return Ok(None);
+    };
+    let vocab = keys.usize("vocab_size", None)? as i64;
+    let p = v.as_i64().ok_or_else(|| {
+        keys.bad(format!(
+            "key `pad_token_id`: expected an integer, found {v}"
+        ))
+    })?;
+    let row = if p < 0 { vocab + p } else { p };
+    if row < 0 || row >= vocab {
+        return Err(keys.bad(format!(
+            "key `pad_token_id` is {p}: outside the vocabulary of {vocab} (transformers' \
+             embedding refuses it too)"
+        )));
+    }
+    Ok(Some(row as u32))
 }
 
 /// GPT-2's config (`GPT2Config` keys).
@@ -617,20 +640,8 @@ fn gpt2_config(keys: &Keys<'_>) -> Result<DecoderConfig> {
         attn_logit_softcapping: None,
         final_logit_softcapping: None,
         query_pre_attn_scalar: None,
-    })
-}
-
-/// A sentence for [`super::hf::HfDir::decisions`] when `config.json` names a `pad_token_id`
-/// inside the vocabulary: transformers builds the embedding with `padding_idx`, whose row gets
-/// no gradient; here every row trains.
-pub(crate) fn pad_note(text: &str, vocab: usize) -> Option<String> {
-    let v: Value = serde_json::from_str(text).ok()?;
-    let pad = v.get("pad_token_id")?.as_u64()?;
-    ((pad as usize) < vocab).then(|| {
-        format!(
-            "pad_token_id {pad}: transformers' embedding (padding_idx) gives row {pad} no \
-             gradient; here it trains like every row (mask padded targets out of the loss)"
-        )
+        // GPT2Model's `wte` has no padding_idx.
+        pad_token_id: None,
     })
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::family::{config_from_json, gpt2_dropout_note, pad_note, Family};
+use super::family::{config_from_json, gpt2_dropout_note, Family};
 use super::{DecoderConfig, FsdpDecoder};
 use crate::checkpoint::hf::{build_from_hf_weights, HfNames, HfWeights, TiedHead};
 use crate::checkpoint::{agree, ReadStats};
@@ -102,7 +102,6 @@ pub fn resolve(dir: &Path) -> Result<HfDir> {
     if cfg.family == Family::Gpt2 {
         decisions.extend(gpt2_dropout_note(&config_json));
     }
-    decisions.extend(pad_note(&config_json, cfg.vocab_size));
     // Parameters stored without the base prefix (one rule for the whole file, as
     // transformers decides per checkpoint).
     let mut sources = BTreeMap::new();

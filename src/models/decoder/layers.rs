@@ -3,7 +3,7 @@
 //! the final norm and the head. Every op is one of [`crate::nn`]'s differentiable kernels
 //! (one graph node each on the CPU) or a Candle op.
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use super::family::BlockStyle;
@@ -59,16 +59,23 @@ impl Module for Norm {
 }
 
 /// The token embedding: ids `(B, T)` u32 → `(B, T, d)`, parameter `weight` `(V, d)` N(0,
-/// 0.02); times `√d` rounded to the output's dtype for Gemma (transformers' `normalizer`).
+/// 0.02); times `√d` rounded to the output's dtype for Gemma (transformers' `normalizer`). With
+/// a `pad_token_id`, the lookups of that row send no gradient (transformers' `padding_idx`):
+/// the looked-up rows at its positions are detached, `O(B·T·d)`.
 #[derive(Debug, Clone)]
 pub struct Embedding {
     table: candle_nn::Embedding,
     scale: Option<f64>,
+    pad: Option<u32>,
 }
 
 impl Module for Embedding {
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.table.forward(ids)?;
+        let mut h = self.table.forward(ids)?;
+        if let Some(p) = self.pad {
+            let at_pad = ids.eq(p)?.unsqueeze(D::Minus1)?.broadcast_as(h.shape())?;
+            h = at_pad.where_cond(&h.detach(), &h)?;
+        }
         match self.scale {
             None => Ok(h),
             Some(s) => {
@@ -99,6 +106,7 @@ pub fn token_embedding(cfg: &DecoderConfig, vb: VarBuilder) -> candle_core::Resu
             .table()
             .embed_scale
             .then(|| (cfg.hidden_size as f64).sqrt()),
+        pad: cfg.pad_token_id,
     })
 }
 
