@@ -180,10 +180,11 @@ impl TryFrom<&DecoderConfig> for LlamaConfig {
 
     /// The Llama shape of a Llama-family decoder config.
     ///
-    /// Errors: another family, or options a Llama does not have (a window, soft-caps, q/k
-    /// norms, a bias on q, k, v but not o), naming them.
+    /// Errors: a family other than Llama and Mistral, or options a Llama does not have (a
+    /// window, soft-caps, q/k norms, a bias on q, k, v but not o), naming them.
     fn try_from(c: &DecoderConfig) -> Result<Self> {
-        let plain = c.family == Family::Llama
+        // A Mistral without a window is a Llama.
+        let plain = matches!(c.family, Family::Llama | Family::Mistral)
             && c.qkv_bias == c.o_bias
             && !c.qk_norm
             && c.activation == Activation::Silu
@@ -245,12 +246,6 @@ pub fn rope_tables(
     decoder::rope_tables(&(*cfg).into(), t, device)
 }
 
-/// One decoder block `model.layers.{i}` of a Llama ([`decoder::Block`]):
-/// `h = x + self_attn(input_layernorm(x)); h + mlp(post_attention_layernorm(h))`.
-pub fn block(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<decoder::Block> {
-    decoder::Block::new(&(*cfg).into(), 0, vb)
-}
-
 /// Unit name (and parameter prefix) of block `i`: `model.layers.{i}`.
 pub fn block_name(i: usize) -> String {
     format!("model.layers.{i}")
@@ -267,10 +262,4 @@ pub const HEAD: &str = "lm_head";
 /// (`FsdpLlama::new(cfg)` converts it).
 pub type FsdpLlama = FsdpDecoder;
 
-/// Mean next-token cross-entropy of `logits` `(B, T, V)` against `targets` `(B, T)` u32, as an
-/// f32 scalar: [`crate::nn::lm_loss`].
-///
-/// Errors: mismatched shapes; Candle's.
-pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    Ok(crate::nn::lm_loss(logits, targets)?)
-}
+pub use crate::models::decoder::lm_loss;

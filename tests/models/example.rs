@@ -45,6 +45,17 @@ fn run(bin: &PathBuf, args: &[&str]) -> String {
     out
 }
 
+/// Runs the example with `args`, which must fail; returns stderr.
+fn fails(bin: &PathBuf, args: &[&str]) -> String {
+    let o = Command::new(bin)
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "llama {args:?} succeeded");
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
 /// The value of the `eval loss X` line.
 fn eval_loss(out: &str) -> f64 {
     out.lines()
@@ -402,13 +413,7 @@ fn resuming_a_checkpoint_with_another_model_names_both() {
     let steps = args.iter().position(|a| a == "--max-steps").unwrap() + 1;
     args[steps] = "2".into();
     args.push("--resume".into());
-    let o = Command::new(&bin)
-        .args(&args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success());
+    let err = fails(&bin, &args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(
         err.contains("is a checkpoint of another model: a LlamaForCausalLM")
             && err.contains("this run's is a Qwen3ForCausalLM")
@@ -455,20 +460,22 @@ fn a_non_utf8_eval_file_is_bytes_for_bytes_and_named_for_a_tokenizer() {
     let loss = eval_loss(&out);
     assert!(loss.is_finite() && loss > 0.0, "{out}");
     // A tokenizer needs text: the first byte that is not UTF-8 is named.
-    let o = Command::new(&bin)
-        .args(["--from-hf", fixture("llama-mha").to_str().unwrap()])
-        .args(["--eval-file", file.to_str().unwrap(), "--max-steps", "0"])
-        .args([
+    let llama = fixture("llama-mha");
+    let err = fails(
+        &bin,
+        &[
+            "--from-hf",
+            llama.to_str().unwrap(),
+            "--eval-file",
+            file.to_str().unwrap(),
+            "--max-steps",
+            "0",
             "--seq-len",
             "16",
             "--checkpoint-dir",
             ckpt.to_str().unwrap(),
-        ])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success());
+        ],
+    );
     assert!(
         err.contains("eval.bin: not UTF-8 text (byte 3 is not part of a UTF-8 character)"),
         "{err}"

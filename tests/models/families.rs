@@ -108,7 +108,7 @@ fn gpt2_equals_transformers() {
 
 /// One AdamW step at world size `ws` from fixture `name` equals `torch.optim.AdamW`'s (1e-5),
 /// and moved every parameter.
-fn adamw_step_matches(name: &str, ws: usize) -> f32 {
+pub(super) fn adamw_step_matches(name: &str, ws: usize) -> f32 {
     let (ids, targets) = inputs(name);
     let want = ExpectedFile::open(name);
     let text = std::fs::read_to_string(fixture(name).join("expected.json")).unwrap();

@@ -5,10 +5,10 @@
 use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::models::llama::hf::build_from_hf;
 use candle_fsdp::models::llama::lm_loss;
-use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, ShardedOptimizer};
+use candle_fsdp::FsdpConfig;
 
 use super::common::to_vec;
-use super::{expected, fixture, inputs, max_abs_diff, ExpectedFile};
+use super::{expected, fixture, inputs, max_abs_diff};
 
 /// Logits and loss of fixture `name` at world size `ws`, compared with transformers' (1e-4),
 /// returning the largest logit difference.
@@ -92,53 +92,7 @@ fn llama3_rope_scaling_equals_transformers() {
 
 #[test]
 fn one_adamw_step_equals_torch_adamw() {
-    let name = "llama-mha";
-    let (ids, targets) = inputs(name);
-    let want = ExpectedFile::open(name);
-    let text = std::fs::read_to_string(fixture(name).join("expected.json")).unwrap();
-    let meta: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let a = &meta["adamw"];
-    let cfg = AdamWConfig {
-        lr: a["lr"].as_f64().unwrap(),
-        beta1: a["betas"][0].as_f64().unwrap(),
-        beta2: a["betas"][1].as_f64().unwrap(),
-        eps: a["eps"].as_f64().unwrap(),
-        weight_decay: a["weight_decay"].as_f64().unwrap(),
-    };
     for ws in [1, 2] {
-        let params = launch(&Launcher::threads(ws), |pg| {
-            let (llama, mut model, _) =
-                build_from_hf(pg, FsdpConfig::default(), &fixture(name), false)?;
-            let mut opt = AdamW::new(cfg);
-            let logits = llama.logits(&mut model, &ids, true)?;
-            model.backward(&lm_loss(&logits, &targets)?)?;
-            opt.step(&mut model)?;
-            Ok(model.gather_full_params(false)?.expect("every rank"))
-        })
-        .unwrap();
-        let mut names = want.names();
-        names.retain(|n| n.starts_with("step."));
-        assert_eq!(
-            names.len(),
-            params[0].len(),
-            "one expected tensor per parameter"
-        );
-        let before = super::weights_of(&fixture(name));
-        let mut worst = 0.0f32;
-        for (rank, ps) in params.iter().enumerate() {
-            for (n, t) in ps {
-                let got = to_vec(t);
-                let d = max_abs_diff(&got, &want.get(&format!("step.{n}")));
-                assert!(
-                    d < 1e-5,
-                    "ws {ws} rank {rank}: {n} differs by {d} after one step"
-                );
-                worst = worst.max(d);
-                // The step moved it (by about lr): the comparison is not of unchanged values.
-                let b = &before.iter().find(|(m, _, _)| m == n).unwrap().2;
-                assert!(max_abs_diff(&got, b) > 5e-4, "{n} did not move");
-            }
-        }
-        eprintln!("AdamW step ws {ws}: max |param - torch| = {worst:.3e}");
+        super::families::adamw_step_matches("llama-mha", ws);
     }
 }

@@ -6,35 +6,10 @@
 //! of it (changing them leaves the output bit-equal); bf16 within its rounding; invalid options
 //! are errors naming the option.
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_fsdp::nn::{attention, attention_composed, causal_attention_gqa, AttentionOptions};
-use rand::{Rng, SeedableRng};
 
-fn random(seed: u64, shape: &[usize], spread: f64) -> Tensor {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|_| (spread * (rng.random::<f64>() * 2.0 - 1.0)) as f32)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-fn values(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap()
-}
-
-fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max)
-}
+use super::fused::{max_abs_diff, random, values};
 
 type AttentionFn = fn(&Tensor, &AttentionOptions) -> candle_core::Result<Tensor>;
 

@@ -17,7 +17,7 @@ use candle_fsdp::nn::{
 };
 use rand::{Rng, SeedableRng};
 
-fn random(seed: u64, shape: &[usize], spread: f64) -> Tensor {
+pub(super) fn random(seed: u64, shape: &[usize], spread: f64) -> Tensor {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let n: usize = shape.iter().product();
     let v: Vec<f32> = (0..n)
@@ -26,7 +26,7 @@ fn random(seed: u64, shape: &[usize], spread: f64) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
-fn values(t: &Tensor) -> Vec<f64> {
+pub(super) fn values(t: &Tensor) -> Vec<f64> {
     t.to_dtype(DType::F64)
         .unwrap()
         .flatten_all()
@@ -35,7 +35,7 @@ fn values(t: &Tensor) -> Vec<f64> {
         .unwrap()
 }
 
-fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+pub(super) fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)

@@ -284,6 +284,11 @@ impl Keys<'_> {
         }
     }
 
+    /// An integer that may be absent or null (`None`).
+    fn opt_usize(&self, k: &str) -> Result<Option<usize>> {
+        self.get(k).map(|_| self.usize(k, None)).transpose()
+    }
+
     fn f64_in(&self, obj: &Map<String, Value>, k: &str, default: f64) -> Result<f64> {
         match obj.get(k).filter(|v| !v.is_null()) {
             None => Ok(default),
@@ -500,19 +505,11 @@ fn llama_style_config(family: Family, keys: &Keys<'_>) -> Result<DecoderConfig> 
     // Where transformers 5.25 reads a window, and which layers it slides in.
     let window = match family {
         Family::Llama => None,
-        Family::Mistral | Family::Phi3 => keys
-            .get("sliding_window")
-            .map(|_| keys.usize("sliding_window", None))
-            .transpose()?,
-        Family::Qwen2 | Family::Qwen3 => {
-            if keys.bool("use_sliding_window", false)? {
-                keys.get("sliding_window")
-                    .map(|_| keys.usize("sliding_window", None))
-                    .transpose()?
-            } else {
-                None
-            }
+        Family::Mistral | Family::Phi3 => keys.opt_usize("sliding_window")?,
+        Family::Qwen2 | Family::Qwen3 if keys.bool("use_sliding_window", false)? => {
+            keys.opt_usize("sliding_window")?
         }
+        Family::Qwen2 | Family::Qwen3 => None,
         Family::Gemma2 => Some(keys.usize("sliding_window", Some(4096))?),
         Family::Gpt2 => unreachable!("GPT-2 is read by gpt2_config"),
     };

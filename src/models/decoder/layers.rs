@@ -3,6 +3,8 @@
 //! the final norm and the head. Every op is one of [`crate::nn`]'s differentiable kernels
 //! (one graph node each on the CPU) or a Candle op.
 
+use std::sync::{Arc, Mutex};
+
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
@@ -78,15 +80,20 @@ impl Module for Embedding {
         }
         match self.scale {
             None => Ok(h),
-            Some(s) => {
-                // transformers: torch.tensor(hidden_size ** 0.5, dtype=hidden_states.dtype).
-                let s = Tensor::new(&[s], h.device())?
-                    .to_dtype(h.dtype())?
-                    .to_dtype(DType::F64)?
-                    .to_vec1::<f64>()?[0];
-                h.affine(s, 0.0)
-            }
+            // transformers: torch.tensor(hidden_size ** 0.5, dtype=hidden_states.dtype),
+            // rounded here on the host (no device round trip in the step).
+            Some(s) => h.affine(round_to(s, h.dtype()), 0.0),
         }
+    }
+}
+
+/// `v` rounded to `dtype` (nearest even), as a tensor of that dtype would hold it.
+fn round_to(v: f64, dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => v as f32 as f64,
+        DType::BF16 => half::bf16::from_f64(v).to_f64(),
+        DType::F16 => half::f16::from_f64(v).to_f64(),
+        _ => v,
     }
 }
 
@@ -264,7 +271,13 @@ pub struct Attention {
     opts: AttentionOptions,
     hd: usize,
     rope: Option<DecoderConfig>,
+    /// The rotary tables of the last context length and device (computed once, not every
+    /// forward: the step's contexts repeat).
+    tables: Arc<Mutex<Option<RopeTables>>>,
 }
+
+/// `(t, device, cos, sin)` of [`rope_tables`].
+type RopeTables = (usize, candle_core::DeviceLocation, Tensor, Tensor);
 
 impl Attention {
     /// The attention of layer `layer` of `cfg` under `vb`.
@@ -315,7 +328,29 @@ impl Attention {
             opts,
             hd,
             rope: (!gpt2).then(|| cfg.clone()),
+            tables: Arc::default(),
         })
+    }
+}
+
+impl Attention {
+    /// [`rope_tables`] of `t` positions on `device`, from the cache when the last call had the
+    /// same context and device.
+    fn tables(
+        &self,
+        cfg: &DecoderConfig,
+        t: usize,
+        device: &Device,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let mut cache = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((ct, loc, cos, sin)) = cache.as_ref() {
+            if *ct == t && *loc == device.location() {
+                return Ok((cos.clone(), sin.clone()));
+            }
+        }
+        let (cos, sin) = rope_tables(cfg, t, device)?;
+        *cache = Some((t, device.location(), cos.clone(), sin.clone()));
+        Ok((cos, sin))
     }
 }
 
@@ -345,7 +380,7 @@ impl Module for Attention {
             k = kn.forward(&k)?;
         }
         if let Some(cfg) = &self.rope {
-            let (cos, sin) = rope_tables(cfg, t, x.device())?;
+            let (cos, sin) = self.tables(cfg, t, x.device())?;
             q = crate::nn::rope(&q, &cos, &sin)?;
             k = crate::nn::rope(&k, &cos, &sin)?;
         }

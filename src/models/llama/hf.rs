@@ -25,8 +25,7 @@ pub const ARCHITECTURES: [&str; 2] = ["LlamaForCausalLM", "MistralForCausalLM"];
 /// [`ARCHITECTURES`], or a Mistral with a sliding window (the decoder builds those).
 pub fn config_from_json(text: &str, path: &Path) -> Result<LlamaConfig> {
     let cfg = decoder::family::config_from_json(text, path)?;
-    let llama_like = matches!(cfg.family, Family::Llama | Family::Mistral);
-    if !llama_like || cfg.sliding_window.is_some() {
+    if !matches!(cfg.family, Family::Llama | Family::Mistral) || cfg.sliding_window.is_some() {
         return Err(Error::file(
             path,
             format!(
@@ -41,11 +40,7 @@ pub fn config_from_json(text: &str, path: &Path) -> Result<LlamaConfig> {
             ),
         ));
     }
-    LlamaConfig::try_from(&decoder::DecoderConfig {
-        family: Family::Llama,
-        ..cfg
-    })
-    .map_err(|e| Error::file(path, e.to_string()))
+    LlamaConfig::try_from(&cfg).map_err(|e| Error::file(path, e.to_string()))
 }
 
 /// The `config.json` of `cfg` for `LlamaForCausalLM` with weights of `dtype` (`"float32"`,
