@@ -712,7 +712,20 @@ fn processes_left_by_ranks_that_succeeded_are_stopped_at_the_end() {
 
 #[test]
 fn max_restarts_starts_every_process_again_with_the_restart_count() {
-    // Rank 1 fails in attempts 0 and 1 and succeeds in attempt 2.
+    // Rank 1 fails in attempts 0 and 1 and succeeds in attempt 2. It fails only once rank 0
+    // has printed its line of the attempt (a marker file): otherwise, on a loaded machine, the
+    // restart may stop rank 0 before its shell has started, and its line is rightly never
+    // printed (fsdp-run loses no line a rank wrote; it cannot print one never written).
+    let dir = std::env::temp_dir().join(format!("fsdp-run-restarts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!(
+        "c=$TORCHELASTIC_RESTART_COUNT; echo \"attempt $c of $TORCHELASTIC_MAX_RESTARTS\"; \
+         if [ $RANK = 0 ]; then touch {d}/printed-$c; fi; \
+         if [ $RANK = 1 ] && [ $c -lt 2 ]; then i=0; \
+           while [ ! -e {d}/printed-$c ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; \
+           exit 3; fi; sleep 0.3",
+        d = dir.display()
+    );
     let (code, out, err, _) = run(&[
         "--nproc-per-node",
         "2",
@@ -723,9 +736,9 @@ fn max_restarts_starts_every_process_again_with_the_restart_count() {
         "--",
         "sh",
         "-c",
-        "echo \"attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"; \
-         if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then exit 3; fi; sleep 0.3",
+        &script,
     ]);
+    let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(code, 0, "{out}\n{err}");
     for attempt in 0..3 {
         for rank in 0..2 {
