@@ -273,9 +273,9 @@ impl FsdpModel {
         }
         let grads = match surrogate {
             Some(s) if s.track_op() => {
-                // Fused nodes (`nn::block`) send their parameters' gradients here instead of
+                // Fused nodes (`fsdp::fused`) send their parameters' gradients here instead of
                 // through Candle's graph; they join the store where Candle's would be.
-                let sink = crate::nn::grad_sink::collect();
+                let sink = super::fused::collect();
                 let mut grads = s.backward()?;
                 for (p, g) in sink.finish() {
                     let g = match grads.get(&p) {
@@ -353,7 +353,7 @@ impl FsdpModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let module = self.bind(m, groups, Params::Recompute)?;
-        let _armed = crate::nn::grad_sink::arm();
+        let _armed = super::fused::arm();
         let outs = module.forward_t(&inputs, true)?;
         let outputs: Vec<Option<Tensor>> = outs
             .into_iter()

@@ -249,9 +249,9 @@ impl FsdpModel {
             },
         )?;
         // Fused nodes built by this call send their parameters' gradients to the sink its
-        // backward opens (`nn::grad_sink`); armed through the connectivity check, which counts
+        // backward opens (`fsdp::fused`); armed through the connectivity check, which counts
         // the parameters they promised as reached.
-        let _armed = crate::nn::grad_sink::arm();
+        let _armed = super::fused::arm();
         let outs = self.run(m, module.as_ref(), &inputs.inputs, true)?;
         drop(module);
         self.post_forward(m, pos, groups, checkpoint, inputs, outs)
@@ -504,14 +504,14 @@ impl FsdpModel {
                 observed.push((
                     g,
                     !vars.is_empty()
-                        && vars.iter().all(|v| {
-                            crate::nn::grad_sink::promised(v) && !reached.contains(&v.id())
-                        }),
+                        && vars
+                            .iter()
+                            .all(|v| super::fused::promised(v) && !reached.contains(&v.id())),
                 ));
                 for (p, v) in u.flat().layout().params.iter().zip(vars) {
                     if member.params.contains(&p.name)
                         && !reached.contains(&v.id())
-                        && !crate::nn::grad_sink::promised(v)
+                        && !super::fused::promised(v)
                     {
                         if u.binds_views_now() {
                             return Err(Error::Disconnected {

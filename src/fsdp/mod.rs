@@ -13,6 +13,8 @@
 //!   → `run` → `post_forward`;
 //! - `backward`: [`FsdpModel::backward`]; one call's backward is `pre_backward` →
 //!   `backward_compute` (or `recompute`) → `post_backward` → `issue_reduction`;
+//! - [`fused`]: the fused-node seam — a unit's forward as one graph node whose parameters'
+//!   gradients are sent to the runtime past Candle's graph (public: users' own fused units);
 //! - `call`: how unit calls join the caller's autograd graph (Candle custom ops), reaching the
 //!   model only through the `CallBackward` trait;
 //! - `scheduler`: the prefetcher — what to gather when (forward prefetch predicted from the
@@ -61,6 +63,7 @@ mod call;
 mod collectives;
 pub mod config;
 mod forward;
+pub mod fused;
 pub mod memory;
 mod mesh;
 mod model;

@@ -80,7 +80,7 @@ pub(crate) struct ParamGroup {
     /// secondary group instead of the shard group.
     secondary: Option<(Tensor, UnshardGuard)>,
     /// Whether every parameter of the group is read only by fused nodes that send their
-    /// gradients through the runtime's sink (`nn::grad_sink`): promised by a fused node and
+    /// gradients through the runtime's sink (`fsdp::fused`): promised by a fused node and
     /// reached by no autograd edge, in every training call of the first step that ran with
     /// variables (`None` until that step ends). See [`ParamGroup::binds_views`].
     fused_only: Option<bool>,

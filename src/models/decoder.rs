@@ -29,6 +29,7 @@
 //! another dtype.
 
 pub mod family;
+mod fused;
 pub mod hf;
 mod layers;
 

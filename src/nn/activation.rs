@@ -52,15 +52,16 @@ fn tanh_fast(u: f32) -> f32 {
     1.0 - 2.0 / (1.0 + exp_fast(2.0 * u))
 }
 
+/// GELU, tanh approximation: `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`.
 #[inline(always)]
-pub(super) fn gelu_f32(x: f32) -> f32 {
+pub fn gelu_f32(x: f32) -> f32 {
     let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
     0.5 * x * (1.0 + t)
 }
 
 /// d gelu / dx = (1 + t)/2 + x/2 · (1 − t²) · √(2/π) · (1 + 3 · 0.044715 x²).
 #[inline(always)]
-pub(super) fn gelu_grad_f32(x: f32) -> f32 {
+pub fn gelu_grad_f32(x: f32) -> f32 {
     let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
 }

@@ -52,7 +52,7 @@
 //! The gemms are the `gemm` crate's, single-threaded inside a task; the exponentials are
 //! `crate::cpu::exp_fast`, vectorised, and so is `tanh` (`(1 − e)/(1 + e)` with
 //! `e = exp(−2|x|)`). Without a window or a soft-cap (the plain causal case, also what the GPT
-//! block of `nn::block` runs) the kernel performs exactly the plain causal kernel's operations,
+//! block of `models/gpt/block.rs` runs) the kernel performs exactly the plain causal kernel's operations,
 //! bit for bit: the options cost a branch per row and nothing per element.
 //!
 //! Grouped-query attention runs the same tasks, one per query head; a task reads the key and
@@ -346,7 +346,7 @@ impl Dims {
 
 /// Copies column block `col .. col + hd` of the `(T, width)` matrix of batch element `bi` into a
 /// contiguous f32 `(T, hd)` buffer, adding `bias[col .. col + hd]` to every row when given (a
-/// `qkv` whose projection's bias was left for this pass, `nn::block`).
+/// `qkv` whose projection's bias was left for this pass, as the fused blocks do).
 #[inline(always)]
 fn gather<T: Elem>(
     src: &[T],
@@ -440,15 +440,6 @@ pub(super) struct Scores {
 }
 
 impl Scores {
-    /// The plain causal case with scale `s`.
-    pub(super) fn causal(scale: f32) -> Self {
-        Self {
-            scale,
-            window: None,
-            softcap: None,
-        }
-    }
-
     /// The first key query `i` sees: `max(0, i + 1 − W)`, 0 without a window.
     #[inline(always)]
     fn first_key(&self, i: usize) -> usize {
@@ -675,19 +666,14 @@ fn head_backward(
 }
 
 /// The kernel's forward over `x` = `qkv` `(B, T, w)`, plus `bias` (`w`) added to every row of
-/// `x` when given: plain causal attention with scale `scale` (the GPT block's, `nn::block`).
-pub(super) fn attention_fwd<T: Elem>(
+/// `x` when given, with the scores' options `sc` (`nn::kernels::attention_forward`).
+#[inline(always)]
+pub(super) fn attention_fwd_with<T: Elem>(
     x: &[T],
     bias: Option<&[f32]>,
     dims: Dims,
-    scale: f32,
+    sc: Scores,
 ) -> Vec<T> {
-    attention_fwd_with(x, bias, dims, Scores::causal(scale))
-}
-
-/// [`attention_fwd`] with the scores' options `sc`.
-#[inline(always)]
-fn attention_fwd_with<T: Elem>(x: &[T], bias: Option<&[f32]>, dims: Dims, sc: Scores) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
     let heads = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
@@ -715,22 +701,10 @@ fn attention_fwd_with<T: Elem>(x: &[T], bias: Option<&[f32]>, dims: Dims, sc: Sc
     }
 }
 
-/// The kernel's backward: `grad x` from `x` (+ `bias` as in [`attention_fwd`]), the output `y`
-/// and its gradient `g`: plain causal attention with scale `scale` (the GPT block's).
-pub(super) fn attention_bwd<T: Elem>(
-    x: &[T],
-    bias: Option<&[f32]>,
-    y: &[T],
-    g: &[T],
-    dims: Dims,
-    scale: f32,
-) -> Vec<T> {
-    attention_bwd_with(x, bias, y, g, dims, Scores::causal(scale))
-}
-
-/// [`attention_bwd`] with the scores' options `sc`.
+/// The kernel's backward: `grad x` from `x` (+ `bias` as in [`attention_fwd_with`]), the output
+/// `y` and its gradient `g`, with the scores' options `sc`.
 #[inline(always)]
-fn attention_bwd_with<T: Elem>(
+pub(super) fn attention_bwd_with<T: Elem>(
     x: &[T],
     bias: Option<&[f32]>,
     y: &[T],

@@ -11,7 +11,7 @@
 //! | [`gelu`] | `activation.rs` | `Tensor::gelu` (single-threaded, one `tanh` per element) |
 //! | [`rope`] ([`rope_composed`]) | `rope.rs` | rotary position embeddings as narrows, a negation, a concatenation and two broadcast products (six nodes) |
 //! | [`cross_entropy`] | `loss.rs` | `candle_nn::loss::cross_entropy` (log-softmax, gather, mean: a `(N, V)` log-probability tensor) |
-//! | the GPT block (crate-private, `block.rs`, used by [`crate::models::gpt::Block`]) | `block.rs`, `grad_sink.rs` | inside the FSDP runtime's training calls: the nine nodes above of a pre-norm block as one, its parameters' gradients sent to the runtime past Candle's graph |
+//! | [`kernels`]: the same kernels over plain f32 slices (matmul views, norms, attention, rotary, SiLU/GELU, bias sums) | `kernels.rs` | the building blocks of fused nodes ([`crate::fsdp::fused`]): the GPT block (`models/gpt/block.rs`), the decoder families' block (`models/decoder/fused.rs`), users' own |
 //!
 //! Every op is one graph node whose backward is a hand-written CPU kernel (f32, and bf16/f16
 //! where noted, computed in f32), and falls back to the composed Candle ops on other devices and
@@ -26,8 +26,7 @@
 
 mod activation;
 mod attention;
-pub(crate) mod block;
-pub(crate) mod grad_sink;
+pub mod kernels;
 mod linear;
 mod loss;
 mod norm;

@@ -20,11 +20,11 @@ use crate::nn::{
 /// Parameters `weight` `(D,)` (and `bias` for LayerNorm).
 #[derive(Debug, Clone)]
 pub struct Norm {
-    inner: NormKind,
+    pub(super) inner: NormKind,
 }
 
 #[derive(Debug, Clone)]
-enum NormKind {
+pub(super) enum NormKind {
     Rms(RmsNorm),
     /// `(1 + w)`: the stored offset and epsilon.
     RmsOffset(Tensor, f64),
@@ -197,9 +197,9 @@ pub fn rope_tables(
 /// A projection of the family: `Linear` (weight `(out, in)`) or GPT-2's `Conv1D` (weight `(in,
 /// out)`, read through a transposed view by the same one-node kernel, no copy).
 #[derive(Debug, Clone)]
-struct Proj {
-    weight: Tensor,
-    bias: Option<Tensor>,
+pub(super) struct Proj {
+    pub(super) weight: Tensor,
+    pub(super) bias: Option<Tensor>,
     conv1d: bool,
 }
 
@@ -252,7 +252,7 @@ impl Module for Proj {
 /// The query, key and value projections: separate, or one fused tensor split after the
 /// matmul (Phi-3's `qkv_proj`, GPT-2's `c_attn`).
 #[derive(Debug, Clone)]
-enum Qkv {
+pub(super) enum Qkv {
     Separate { q: Proj, k: Proj, v: Proj },
     Fused(Proj),
 }
@@ -264,13 +264,13 @@ enum Qkv {
 /// [`crate::nn::attention`] with the layer's window, the soft-cap and the scale.
 #[derive(Debug, Clone)]
 pub struct Attention {
-    qkv: Qkv,
-    o: Proj,
-    q_norm: Option<Norm>,
+    pub(super) qkv: Qkv,
+    pub(super) o: Proj,
+    pub(super) q_norm: Option<Norm>,
     k_norm: Option<Norm>,
-    opts: AttentionOptions,
-    hd: usize,
-    rope: Option<DecoderConfig>,
+    pub(super) opts: AttentionOptions,
+    pub(super) hd: usize,
+    pub(super) rope: Option<DecoderConfig>,
     /// The rotary tables of the last context length and device (computed once, not every
     /// forward: the step's contexts repeat).
     tables: Arc<Mutex<Option<RopeTables>>>,
@@ -336,7 +336,7 @@ impl Attention {
 impl Attention {
     /// [`rope_tables`] of `t` positions on `device`, from the cache when the last call had the
     /// same context and device.
-    fn tables(
+    pub(super) fn tables(
         &self,
         cfg: &DecoderConfig,
         t: usize,
@@ -403,12 +403,12 @@ impl Module for Attention {
 /// `c_proj(gelu(c_fc(x)))`.
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    kind: MlpKind,
-    act: Activation,
+    pub(super) kind: MlpKind,
+    pub(super) act: Activation,
 }
 
 #[derive(Debug, Clone)]
-enum MlpKind {
+pub(super) enum MlpKind {
     Gated { gate: Proj, up: Proj, down: Proj },
     GatedFused { gate_up: Proj, down: Proj, i: usize },
     Plain { fc: Proj, proj: Proj },
@@ -477,14 +477,14 @@ impl Module for Mlp {
 /// ```
 #[derive(Debug, Clone)]
 pub struct Block {
-    norm1: Norm,
-    attn: Attention,
+    pub(super) norm1: Norm,
+    pub(super) attn: Attention,
     /// Gemma 2's norm of the attention's output.
-    post_attn: Option<Norm>,
-    norm2: Norm,
-    mlp: Mlp,
+    pub(super) post_attn: Option<Norm>,
+    pub(super) norm2: Norm,
+    pub(super) mlp: Mlp,
     /// Gemma 2's norm of the MLP's output.
-    post_mlp: Option<Norm>,
+    pub(super) post_mlp: Option<Norm>,
 }
 
 impl Block {
@@ -530,6 +530,11 @@ impl Block {
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        // Inside the FSDP runtime's training forward: the whole block as one node
+        // (`decoder/fused.rs`) where it applies.
+        if let Some(y) = super::fused::block(self, x)? {
+            return Ok(y);
+        }
         let mut a = self.attn.forward(&self.norm1.forward(x)?)?;
         if let Some(n) = &self.post_attn {
             a = n.forward(&a)?;

@@ -5,20 +5,20 @@
 //! out = h + (gelu(ln2(h) · W_fcᵀ + b_fc) · W_mpᵀ + b_mp)
 //! ```
 //!
-//! Composed of the one-node layers ([`super::layer_norm`], [`super::linear_forward`],
-//! [`super::causal_attention`], [`super::linear_gelu`]) and two residual additions, a block is
+//! Composed of the one-node layers ([`crate::nn::layer_norm`], [`crate::nn::linear_forward`],
+//! [`crate::nn::causal_attention`], [`crate::nn::linear_gelu`]) and two residual additions, a block is
 //! nine graph nodes and twenty-one node inputs: Candle's backward keeps a zero-filled
 //! gradient accumulator for each and adds every gradient into it, about 45 MB of extra memory
 //! traffic a block at the benchmark's shapes, and the residual additions are two more passes.
-//! This node runs the same kernels ([`super::norm`], the `gemm` crate, [`super::attention`],
-//! [`super::activation`]) in one forward and one backward that hand the intermediate
+//! This node runs the same kernels ([`crate::nn::kernels`]: norms, the `gemm` crate, attention,
+//! GELU) in one forward and one backward that hand the intermediate
 //! gradients from kernel to kernel directly, and fold each residual addition and bias into its
 //! projection's gemm (the gemm accumulates into a buffer holding `x + b`), or into the pass that
 //! reads the projection's output anyway: the MLP's first bias into the GELU, the `qkv` bias into
 //! the attention kernel's gathers.
 //!
 //! Its only graph input is `x`: the twelve parameters' gradients go to the runtime's sink
-//! ([`super::grad_sink`]), so the node exists only while a unit's training forward is armed
+//! ([`crate::fsdp::fused`]), so the node exists only while a unit's training forward is armed
 //! ([`gpt_block`] returns `None` otherwise, and the model composes the layers). The backward
 //! reads the parameters as they are then (the runtime has refilled them), as every other node
 //! does.
@@ -29,10 +29,13 @@ use candle_core::{
     bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Storage, Tensor,
 };
 
-use super::attention::{attention_bwd, attention_fwd, Dims};
-use super::grad_sink;
-use super::norm::{norm_bwd, norm_fwd};
-use crate::cpu::{filled, gemm_f32, parallel_chunks, parallel_map, with_simd};
+use crate::cpu::{filled, gemm_f32, with_simd};
+use crate::fsdp::fused as grad_sink;
+use crate::nn::kernels::{
+    add_assign as add_into, attention_backward, attention_forward, broadcast_rows as rows_plus,
+    col_sums, gelu_tanh, gelu_tanh_grad, norm_backward, norm_forward, AttentionOptions,
+    AttentionShape,
+};
 
 /// The parameters of one block, in [`gpt_block`]'s order: `ln1` weight and bias `(d,)`, `qkv`
 /// weight `(3d, d)` and bias `(3d,)`, attention projection `(d, d)` and `(d,)`, `ln2` `(d,)`
@@ -147,37 +150,6 @@ fn with_data<R>(ts: &[Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result
     f(&data)
 }
 
-/// `rows` copies of `row` (a bias broadcast over the rows), or `base + row` per row when `base`
-/// is given: the buffer a projection's gemm then accumulates into.
-fn rows_plus(rows: usize, row: &[f32], base: Option<&[f32]>) -> Vec<f32> {
-    let w = row.len();
-    // SAFETY: each chunk of whole rows is written element by element.
-    unsafe {
-        filled(rows * w, 64 * w, |i, out| {
-            with_simd(
-                #[inline(always)]
-                || {
-                    for (r, o) in out.chunks_exact_mut(w).enumerate() {
-                        match base {
-                            Some(b) => {
-                                let b = &b[(i * 64 + r) * w..][..w];
-                                for ((o, &b), &v) in o.iter_mut().zip(b).zip(row) {
-                                    o.write(b + v);
-                                }
-                            }
-                            None => {
-                                for (o, &v) in o.iter_mut().zip(row) {
-                                    o.write(v);
-                                }
-                            }
-                        }
-                    }
-                },
-            )
-        })
-    }
-}
-
 /// `dst (n × out) += a (n × inp) · wᵀ` for `w` `(out, inp)` row-major.
 fn a_wt(dst: &mut [f32], a: &[f32], w: &[f32], n: usize, inp: usize, out: usize) {
     debug_assert!(dst.len() == n * out && a.len() == n * inp && w.len() == out * inp);
@@ -233,7 +205,7 @@ fn gelu_bias(f: &[f32], b: &[f32], g: Option<&[f32]>) -> Vec<f32> {
                     None => {
                         for (o, f) in out.chunks_exact_mut(k).zip(f.chunks_exact(k)) {
                             for ((o, &v), &b) in o.iter_mut().zip(f).zip(b) {
-                                o.write(super::activation::gelu_f32(v + b));
+                                o.write(gelu_tanh(v + b));
                             }
                         }
                     }
@@ -242,7 +214,7 @@ fn gelu_bias(f: &[f32], b: &[f32], g: Option<&[f32]>) -> Vec<f32> {
                         let rows = out.chunks_exact_mut(k).zip(f.chunks_exact(k));
                         for ((o, f), g) in rows.zip(g.chunks_exact(k)) {
                             for (((o, &v), &b), &g) in o.iter_mut().zip(f).zip(b).zip(g) {
-                                o.write(g * super::activation::gelu_grad_f32(v + b));
+                                o.write(g * gelu_tanh_grad(v + b));
                             }
                         }
                     }
@@ -291,64 +263,20 @@ fn gt_a(g: &[f32], a: &[f32], n: usize, out: usize, inp: usize) -> Vec<f32> {
     dst
 }
 
-/// The column sums of `g` `(rows, w)` (a bias's gradient): partial sums over tiles of 64 rows
-/// on the rank's threads, added in tile order (the same bits whatever the thread count).
-fn col_sums(g: &[f32], w: usize) -> Vec<f32> {
-    const ROWS: usize = 64;
-    let tiles = g.len().div_ceil(ROWS * w);
-    let partials = parallel_map(tiles, |i| {
-        let mut s = vec![0f32; w];
-        with_simd(
-            #[inline(always)]
-            || {
-                let end = ((i + 1) * ROWS * w).min(g.len());
-                for row in g[i * ROWS * w..end].chunks_exact(w) {
-                    for (a, &v) in s.iter_mut().zip(row) {
-                        *a += v;
-                    }
-                }
-            },
-        );
-        s
-    });
-    let mut s = vec![0f32; w];
-    for p in &partials {
-        for (a, &v) in s.iter_mut().zip(p) {
-            *a += v;
-        }
-    }
-    s
-}
-
-/// `a += b`, split over the rank's threads.
-fn add_into(a: &mut [f32], b: &[f32]) {
-    const CHUNK: usize = 1 << 14;
-    parallel_chunks(a, CHUNK, |i, a| {
-        let b = &b[i * CHUNK..][..a.len()];
-        with_simd(
-            #[inline(always)]
-            || {
-                for (x, &y) in a.iter_mut().zip(b) {
-                    *x += y;
-                }
-            },
-        )
-    });
-}
-
 impl BlockOp {
-    fn dims(&self, b: usize, t: usize, d: usize) -> Dims {
-        Dims {
-            b,
-            t,
-            h: self.n_head,
-            kvh: self.n_head,
-            hd: d / self.n_head,
+    fn shape(&self, batch: usize, seq: usize, d: usize) -> AttentionShape {
+        AttentionShape {
+            batch,
+            seq,
+            n_head: self.n_head,
+            n_kv_head: self.n_head,
+            head_dim: d / self.n_head,
         }
     }
 
-    fn scale(&self, d: usize) -> f32 {
-        ((d / self.n_head) as f32).sqrt().recip()
+    /// Plain causal attention, scale `1/√hd`.
+    fn opts(&self) -> AttentionOptions {
+        AttentionOptions::new(self.n_head, self.n_head)
     }
 }
 
@@ -369,13 +297,13 @@ impl CustomOp1 for BlockOp {
                 bail!("gpt block: twelve parameters expected")
             };
             let k = bfc.len();
-            let a1 = norm_fwd(x, ln1w, Some(ln1b), self.eps, true);
+            let a1 = norm_forward(x, ln1w, Some(ln1b), self.eps, true);
             // qkv without its bias, which the attention kernel's gathers add.
             let qkv = a_wt_new(&a1, wqkv, n, d, 3 * d);
-            let att = attention_fwd(&qkv, Some(bqkv), self.dims(b, t, d), self.scale(d));
+            let att = attention_forward(&qkv, Some(bqkv), self.shape(b, t, d), &self.opts());
             let mut h = rows_plus(n, bp, Some(x));
             a_wt(&mut h, &att, wp, n, d, d);
-            let a2 = norm_fwd(&h, ln2w, Some(ln2b), self.eps, true);
+            let a2 = norm_forward(&h, ln2w, Some(ln2b), self.eps, true);
             // f = a2 · W_fcᵀ without its bias, which the GELU pass adds (no bias rows written
             // and read back); the backward adds it again for gelu'.
             let f = a_wt_new(&a2, wfc, n, d, k);
@@ -413,40 +341,36 @@ impl CustomOp1 for BlockOp {
                 drop(s.gl);
                 let df = gelu_bias(&s.f, bfc, Some(&dgl));
                 drop((dgl, s.f));
-                let a2 = norm_fwd(&s.h, ln2w, Some(ln2b), self.eps, true);
+                let a2 = norm_forward(&s.h, ln2w, Some(ln2b), self.eps, true);
                 let dwfc = gt_a(&df, &a2, n, k, d);
                 let dbfc = col_sums(&df, k);
                 let da2 = g_w(&df, wfc, n, k, d);
                 drop((df, a2));
-                let mut n2 = norm_bwd(&s.h, ln2w, &da2, self.eps, true);
+                let (mut dh, dln2w, dln2b) = norm_backward(&s.h, ln2w, &da2, self.eps, true);
                 drop((da2, s.h));
-                let (dh, ln2g) = n2.split_at_mut(n * d);
-                add_into(dh, g);
-                let (dln2w, dln2b) = (ln2g[..d].to_vec(), ln2g[d..].to_vec());
+                add_into(&mut dh, g);
+                let dh = &dh[..];
                 // Attention projection: h = x + att · W_pᵀ + b_p.
                 let dwp = gt_a(dh, &s.att, n, d, d);
                 let dbp = col_sums(dh, d);
                 let datt = g_w(dh, wp, n, d, d);
-                let dqkv = attention_bwd(
+                let dqkv = attention_backward(
                     &s.qkv,
                     Some(bqkv),
                     &s.att,
                     &datt,
-                    self.dims(b, t, d),
-                    self.scale(d),
+                    self.shape(b, t, d),
+                    &self.opts(),
                 );
                 drop((datt, s.att, s.qkv));
-                let a1 = norm_fwd(x, ln1w, Some(ln1b), self.eps, true);
+                let a1 = norm_forward(x, ln1w, Some(ln1b), self.eps, true);
                 let dwqkv = gt_a(&dqkv, &a1, n, 3 * d, d);
                 let dbqkv = col_sums(&dqkv, 3 * d);
                 let da1 = g_w(&dqkv, wqkv, n, 3 * d, d);
                 drop((dqkv, a1));
-                let mut n1 = norm_bwd(x, ln1w, &da1, self.eps, true);
+                let (mut n1, dln1w, dln1b) = norm_backward(x, ln1w, &da1, self.eps, true);
                 drop(da1);
-                let (dx, ln1g) = n1.split_at_mut(n * d);
-                add_into(dx, dh);
-                let (dln1w, dln1b) = (ln1g[..d].to_vec(), ln1g[d..].to_vec());
-                n1.truncate(n * d);
+                add_into(&mut n1, dh);
                 let grads = [
                     dln1w, dln1b, dwqkv, dbqkv, dwp, dbp, dln2w, dln2b, dwfc, dbfc, dwmp, dbmp,
                 ];

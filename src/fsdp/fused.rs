@@ -1,0 +1,363 @@
+//! Fused nodes: how a unit's forward becomes **one** graph node whose only graph input is its
+//! activation, while its parameters still get their gradients — the seam behind the GPT's and
+//! the decoder families' one-node blocks, public for users' own units.
+//!
+//! # Why
+//!
+//! Candle's backward keeps one zero-filled accumulator per node input and adds every gradient
+//! into it; a transformer block composed of a dozen nodes with twenty-odd inputs pays that in
+//! memory traffic, and a custom op takes at most three inputs. A fused node therefore takes only
+//! `x` as its graph input and hands its parameters' gradients to a *sink* instead: the FSDP
+//! runtime, which back-propagates each unit call on its own, opens a sink around that backward
+//! and adds what was sent into the call's gradient store before flattening it, exactly where
+//! Candle's gradients would have been (then reduce-scatter, accumulation, the optimizer: all
+//! unchanged). A group whose parameters are read only by fused nodes is bound as views of the
+//! gathered buffer, without autograd variables (`design/fsdp.md`).
+//!
+//! # The protocol (per rank thread; a unit's forward and backward run on its rank's thread)
+//!
+//! - **Forward.** The runtime arms the thread around every training call of a unit. A fused
+//!   node may be built only while [`armed`]; it [`promise`]s the parameters whose gradients it
+//!   will send (the runtime's connectivity check counts them as reached).
+//! - **Backward.** The runtime collects around the call's backward; the node's backward
+//!   [`send`]s `(parameter, gradient)` pairs, each a term of that parameter's gradient (terms of
+//!   one parameter from several nodes or calls are added).
+//!
+//! Outside the runtime nothing is armed, and a unit takes its composed path (every gradient
+//! through Candle): a fused unit must compute the same function both ways, and must take the
+//! same path in every training step (the runtime checks it).
+//!
+//! # Two ways to write one
+//!
+//! - **[`FusedOp`] and [`apply`]**: write the forward and the backward over Candle tensors (any
+//!   device; the backward returns the input's and each parameter's gradient); [`apply`] makes the
+//!   node, promises and sends. The forward's output is copied once into the node (one pass over
+//!   the output, on any device). `examples/fused_unit.rs` trains such a unit under FSDP.
+//! - **A Candle `CustomOp1`** over `x` whose `cpu_fwd` runs slice kernels (for instance
+//!   [`crate::nn::kernels`]) and whose `bwd` calls [`send`] for each parameter: no copy at all;
+//!   the GPT block (`models/gpt/block.rs`) and the decoder block (`models/decoder/fused.rs`) are
+//!   built this way. Call [`promise`] when building the node, and build it only when
+//!   [`armed`].
+
+use std::cell::RefCell;
+
+use candle_core::{bail, Result, Tensor, TensorId};
+
+#[derive(Default)]
+struct State {
+    /// Nesting depth of [`arm`].
+    armed: usize,
+    /// Parameters promised by fused nodes built while armed.
+    promised: Vec<TensorId>,
+    /// Open collections ([`collect`]), innermost last.
+    frames: Vec<Vec<(Tensor, Tensor)>>,
+}
+
+thread_local! {
+    static STATE: RefCell<State> = RefCell::new(State::default());
+}
+
+/// While the guard lives, fused nodes may send their parameters' gradients to a sink
+/// ([`armed`] is true on this thread). Returned by [`arm`].
+#[must_use = "the thread is armed only while the guard lives"]
+pub(crate) struct Armed(());
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            s.armed -= 1;
+            if s.armed == 0 {
+                s.promised.clear();
+            }
+        });
+    }
+}
+
+/// Arms this thread: a training call of a unit whose backward will [`collect`].
+pub(crate) fn arm() -> Armed {
+    STATE.with(|s| s.borrow_mut().armed += 1);
+    Armed(())
+}
+
+/// True while this thread runs a training call of a unit inside the FSDP runtime (forward, or
+/// an activation-checkpointing recompute): a fused node built now will find a sink open in its
+/// backward. False everywhere else (evaluation, plain Candle): compose the unit instead.
+pub fn armed() -> bool {
+    STATE.with(|s| s.borrow().armed > 0)
+}
+
+/// Records that a fused node built now will send the gradients of `params` (their ids): call it
+/// when building the node, with the tensors the unit read its parameters as (the runtime's
+/// bound parameters). Outside an armed call it has no effect (nothing is kept).
+pub fn promise<'a>(params: impl IntoIterator<Item = &'a Tensor>) {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.armed == 0 {
+            return;
+        }
+        let ids: Vec<TensorId> = params.into_iter().map(Tensor::id).collect();
+        s.promised.extend(ids);
+    })
+}
+
+/// Whether a fused node built since the thread was armed promised `param`'s gradient.
+pub(crate) fn promised(param: &Tensor) -> bool {
+    STATE.with(|s| s.borrow().promised.contains(&param.id()))
+}
+
+/// An open collection of sent gradients; [`Collector::finish`] takes them. Dropping it
+/// unfinished (an error on the way) discards them.
+#[must_use = "the gradients sent are returned by finish"]
+pub(crate) struct Collector {
+    depth: usize,
+    done: bool,
+}
+
+/// Opens a collection on this thread, for the backward of one unit call.
+pub(crate) fn collect() -> Collector {
+    let depth = STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        s.frames.push(Vec::new());
+        s.frames.len()
+    });
+    Collector { depth, done: false }
+}
+
+impl Collector {
+    /// The `(parameter, gradient)` pairs sent since [`collect`], in the order sent.
+    pub(crate) fn finish(mut self) -> Vec<(Tensor, Tensor)> {
+        self.done = true;
+        STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            debug_assert_eq!(
+                s.frames.len(),
+                self.depth,
+                "collections closed out of order"
+            );
+            s.frames.pop().unwrap_or_default()
+        })
+    }
+}
+
+impl Drop for Collector {
+    fn drop(&mut self) {
+        if !self.done {
+            STATE.with(|s| {
+                let mut s = s.borrow_mut();
+                s.frames.truncate(self.depth - 1);
+            });
+        }
+    }
+}
+
+/// Sends `grad` (`param`'s shape and dtype) as a term of `param`'s gradient to the runtime:
+/// call it from a fused node's backward, once per parameter (or several times: terms add).
+///
+/// Errors: no collection is open on this thread (the node was back-propagated outside the
+/// FSDP runtime's backward of its unit, e.g. by `loss.backward()` instead of
+/// `FsdpModel::backward`).
+pub fn send(param: &Tensor, grad: Tensor) -> Result<()> {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        match s.frames.last_mut() {
+            Some(frame) => {
+                frame.push((param.clone(), grad));
+                Ok(())
+            }
+            None => bail!(
+                "a fused node's backward ran outside the FSDP runtime's backward of its unit: \
+                 its parameters' gradients have nowhere to go (back-propagate through \
+                 FsdpModel::backward)"
+            ),
+        }
+    })
+}
+
+/// A unit's computation as one fused node, written over Candle tensors: see the module
+/// documentation and [`apply`].
+///
+/// Both methods run without autograd (their inputs are detached): the forward computes the
+/// output's value, the backward the gradients by hand.
+pub trait FusedOp: Send + Sync + 'static {
+    /// A name for errors and Candle's graph (`"my-block"`).
+    fn name(&self) -> &'static str;
+
+    /// The output for input `x` and parameters `params` (in the order given to [`apply`]).
+    /// Anything the backward needs may be kept in `self` (interior mutability: the node is
+    /// back-propagated at most once per forward).
+    fn forward(&self, x: &Tensor, params: &[Tensor]) -> Result<Tensor>;
+
+    /// The gradients for the output's gradient `grad` (the output's shape): the input's
+    /// (`x`'s shape), and each parameter's in `params`' order (`None`: no gradient, as for a
+    /// parameter the output does not depend on). `params` hold the values the runtime gathered
+    /// again for the backward (the forward's values).
+    fn backward(
+        &self,
+        x: &Tensor,
+        params: &[Tensor],
+        grad: &Tensor,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)>;
+}
+
+/// `op` applied to `x` as one graph node whose parameters' gradients go to the FSDP runtime, or
+/// `None` where a fused node does not apply and the caller must compose the unit: outside an
+/// armed training call ([`armed`]), or for an `x` that carries no gradient (the parameters'
+/// gradients would have no node to come from; for a frozen stem, compose the first unit or let
+/// it take the input's gradient).
+///
+/// `params` are the unit's parameter tensors as its constructor got them from the
+/// `VarBuilder`; the output is `op.forward`'s, copied into the node once.
+///
+/// Errors: `op`'s; a backward whose gradients do not match `x` and `params` in number and
+/// shape (naming `op`, the parameter and both shapes); a backward outside the runtime's
+/// ([`send`]).
+pub fn apply<O: FusedOp>(x: &Tensor, params: &[Tensor], op: O) -> Result<Option<Tensor>> {
+    if !armed() || !x.track_op() {
+        return Ok(None);
+    }
+    let detached: Vec<Tensor> = params.iter().map(Tensor::detach).collect();
+    let mut value = op.forward(&x.detach(), &detached)?;
+    if value.layout().start_offset() != 0 || !value.is_contiguous() {
+        // A fresh storage holding exactly the output, read from its start by the node.
+        value = value.contiguous()?.affine(1.0, 0.0)?;
+    }
+    if value.device().location() != x.device().location() || value.dtype() != x.dtype() {
+        bail!(
+            "fused op {}: its forward returned {:?} on {:?}, but the node's input is {:?} on {:?} \
+             (a fused node's output keeps its input's dtype and device)",
+            op.name(),
+            value.dtype(),
+            value.device().location(),
+            x.dtype(),
+            x.device().location()
+        )
+    }
+    promise(params);
+    let node = Node {
+        op,
+        params: params.to_vec(),
+        shape: value.shape().clone(),
+        value: std::sync::Mutex::new(Some(value)),
+    };
+    x.apply_op1(node).map(Some)
+}
+
+/// The graph node of [`apply`]: the op, the parameters as bound, the forward's value until the
+/// node takes it.
+struct Node<O> {
+    op: O,
+    params: Vec<Tensor>,
+    shape: candle_core::Shape,
+    value: std::sync::Mutex<Option<Tensor>>,
+}
+
+impl<O: FusedOp> Node<O> {
+    fn take(&self) -> Result<Tensor> {
+        let v = self.value.lock().unwrap_or_else(|e| e.into_inner()).take();
+        v.ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "fused op {}: the node was evaluated twice",
+                self.op.name()
+            ))
+        })
+    }
+}
+
+impl<O: FusedOp> candle_core::CustomOp1 for Node<O> {
+    fn name(&self) -> &'static str {
+        self.op.name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        _s: &candle_core::CpuStorage,
+        _l: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        let v = self.take()?;
+        let (s, l) = v.storage_and_layout();
+        match &*s {
+            candle_core::Storage::Cpu(s) => Ok((s.try_clone(l)?, self.shape.clone())),
+            _ => bail!("fused op {}: the output left the CPU", self.op.name()),
+        }
+    }
+
+    fn cuda_fwd(
+        &self,
+        _s: &candle_core::CudaStorage,
+        _l: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        let v = self.take()?;
+        let (s, l) = v.storage_and_layout();
+        match &*s {
+            candle_core::Storage::Cuda(s) => Ok((s.try_clone(l)?, self.shape.clone())),
+            _ => bail!("fused op {}: the output left the GPU", self.op.name()),
+        }
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let params: Vec<Tensor> = self.params.iter().map(Tensor::detach).collect();
+        let (dx, grads) = self
+            .op
+            .backward(&arg.detach(), &params, &grad_res.detach())?;
+        let name = self.op.name();
+        if dx.shape() != arg.shape() {
+            bail!(
+                "fused op {name}: the input's gradient is {:?}, the input {:?}",
+                dx.shape(),
+                arg.shape()
+            )
+        }
+        if grads.len() != params.len() {
+            bail!(
+                "fused op {name}: the backward returned {} parameter gradients for {} parameters",
+                grads.len(),
+                params.len()
+            )
+        }
+        for (i, (p, g)) in self.params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            if g.shape() != p.shape() {
+                bail!(
+                    "fused op {name}: parameter {i}'s gradient is {:?}, the parameter {:?}",
+                    g.shape(),
+                    p.shape()
+                )
+            }
+            send(p, g.to_dtype(p.dtype())?)?;
+        }
+        Ok(Some(dx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn arming_nests_and_collections_return_what_was_sent() {
+        let p = Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(!armed());
+        {
+            let _a = arm();
+            let _b = arm();
+            promise([&p]);
+            assert!(armed() && promised(&p));
+        }
+        assert!(!armed() && !promised(&p));
+        let e = send(&p, p.clone()).unwrap_err().to_string();
+        assert!(e.contains("outside the FSDP runtime"), "{e}");
+        let outer = collect();
+        send(&p, p.ones_like().unwrap()).unwrap();
+        let inner = collect();
+        send(&p, p.clone()).unwrap();
+        drop(inner);
+        let got = outer.finish();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].1.to_vec1::<f32>().unwrap(), [1.0; 3]);
+        assert!(send(&p, p.clone()).is_err());
+    }
+}

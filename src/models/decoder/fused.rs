@@ -1,0 +1,786 @@
+//! The decoder block of the rotary families (Llama, Mistral, Qwen2, Phi-3, Gemma 2) as one graph
+//! node inside the FSDP runtime's training calls ([`crate::fsdp::fused`]): RMSNorm (Gemma's
+//! `1 + w` too), the q/k/v projections from separate weights (or Phi-3's fused `qkv_proj`)
+//! written straight into one `qkv` buffer (no concatenation), their biases and the rotary
+//! embedding in one pass, grouped-query attention with the layer's window, soft-cap and scale
+//! ([`crate::nn::kernels::attention_forward`]), the output projection accumulating into `x` (+
+//! its bias), the gated MLP (SwiGLU / GeGLU; separate or fused `gate_up_proj`) with the gate's
+//! activation and the product in one pass, the down projection accumulating into `h`; Gemma 2's
+//! sandwich norms around both.
+//!
+//! ```text
+//! a1 = norm₁(x)                 qkv = rope(a1 · [W_q; W_k; W_v]ᵀ + b_qkv)      (N, (h + 2kv)·hd)
+//! o  = attn(qkv) · W_oᵀ + b_o   h = x + o          (Gemma 2: h = x + norm_pa(o))
+//! a2 = norm₂(h)                 [g, u] = a2 · [W_g; W_u]ᵀ + b                    (N, 2I)
+//! m  = act(g) ⊙ u               out = h + m · W_dᵀ + b_d   (Gemma 2: h + norm_pf(m · W_dᵀ))
+//! ```
+//!
+//! The forward keeps `qkv` (rotated), the attention's output, `h`, `[g, u]` (and Gemma 2's two
+//! pre-norm projections); the backward recomputes the two norms' outputs and `m` (in the same
+//! pass as the gate's gradient) instead of keeping them. The backward runs the formulas in
+//! reverse and sends the parameters' gradients to the runtime; the rotary embedding's backward
+//! is the rotation by the opposite angles.
+//!
+//! Not fused (the block composes its layers instead, with the same values): GPT-2's style
+//! (LayerNorm, `Conv1D`), Qwen3's q/k norms, anything but f32 on the CPU, an input without
+//! gradient, outside an armed training call.
+
+use std::sync::Mutex;
+
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+
+use super::family::BlockStyle;
+use super::layers::{Block, MlpKind, NormKind, Proj, Qkv};
+use super::Activation;
+use crate::fsdp::fused;
+use crate::nn::kernels::{
+    add_assign, attention_backward, attention_forward, broadcast_rows, col_sums, col_sums_strided,
+    gelu_tanh, gelu_tanh_grad, matmul, matmul_new, norm_backward, norm_forward, rope_in_place,
+    silu, silu_grad, AttentionOptions, AttentionShape, Mat,
+};
+
+/// One projection's share of a fused buffer: its weight `(rows, in)` (and bias `(rows,)`)
+/// index in the node's parameter list, written at columns `col .. col + rows`.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    w: usize,
+    b: Option<usize>,
+    col: usize,
+    rows: usize,
+}
+
+/// A norm's weight index and whether it is Gemma's offset (`1 + w`).
+#[derive(Clone, Copy, Debug)]
+struct NormAt {
+    w: usize,
+    offset: bool,
+}
+
+/// Where each parameter sits in the node's list, and the shapes.
+#[derive(Clone, Debug)]
+struct Plan {
+    n1: NormAt,
+    qkv: Vec<Piece>,
+    o: Piece,
+    post_attn: Option<NormAt>,
+    n2: NormAt,
+    gate_up: Vec<Piece>,
+    down: Piece,
+    post_mlp: Option<NormAt>,
+    eps: f32,
+    act: Activation,
+    n_head: usize,
+    n_kv_head: usize,
+    hd: usize,
+    inter: usize,
+}
+
+/// `block` applied to `x` `(B, T, d)` as one node, or `None` where it does not apply (see the
+/// module documentation) and the caller composes the layers.
+///
+/// Errors: Candle's (the rotary tables).
+pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
+    let applies = fused::armed()
+        && x.track_op()
+        && x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && x.rank() == 3
+        && x.elem_count() > 0
+        && blk.attn.q_norm.is_none()
+        && blk
+            .attn
+            .rope
+            .as_ref()
+            .is_some_and(|c| c.table().style != BlockStyle::Gpt2);
+    if !applies {
+        return Ok(None);
+    }
+    let mut params: Vec<Tensor> = Vec::new();
+    let mut push = |t: &Tensor| {
+        params.push(t.clone());
+        params.len() - 1
+    };
+    let mut eps = None;
+    let mut norm = |n: &super::layers::Norm, push: &mut dyn FnMut(&Tensor) -> usize| {
+        let (w, e, offset) = match &n.inner {
+            NormKind::Rms(r) => (r.weight(), r.eps(), false),
+            NormKind::RmsOffset(w, e) => (w, *e, true),
+            NormKind::Layer(_) => return None,
+        };
+        if eps.is_some_and(|old| old != e) {
+            return None;
+        }
+        eps = Some(e);
+        Some(NormAt { w: push(w), offset })
+    };
+    let piece = |p: &Proj, col: usize, push: &mut dyn FnMut(&Tensor) -> usize| -> Result<Piece> {
+        let rows = p.weight.dim(0)?;
+        Ok(Piece {
+            w: push(&p.weight),
+            b: p.bias.as_ref().map(&mut *push),
+            col,
+            rows,
+        })
+    };
+    let Some(n1) = norm(&blk.norm1, &mut push) else {
+        return Ok(None);
+    };
+    let qkv = match &blk.attn.qkv {
+        Qkv::Separate { q, k, v } => {
+            let pq = piece(q, 0, &mut push)?;
+            let pk = piece(k, pq.rows, &mut push)?;
+            let pv = piece(v, pq.rows + pk.rows, &mut push)?;
+            vec![pq, pk, pv]
+        }
+        Qkv::Fused(p) => vec![piece(p, 0, &mut push)?],
+    };
+    let o = piece(&blk.attn.o, 0, &mut push)?;
+    let post_attn = match &blk.post_attn {
+        Some(n) => match norm(n, &mut push) {
+            Some(at) => Some(at),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    let Some(n2) = norm(&blk.norm2, &mut push) else {
+        return Ok(None);
+    };
+    let (gate_up, down, inter) = match &blk.mlp.kind {
+        MlpKind::Gated { gate, up, down } => {
+            let pg = piece(gate, 0, &mut push)?;
+            let pu = piece(up, pg.rows, &mut push)?;
+            (vec![pg, pu], piece(down, 0, &mut push)?, pg.rows)
+        }
+        MlpKind::GatedFused { gate_up, down, i } => (
+            vec![piece(gate_up, 0, &mut push)?],
+            piece(down, 0, &mut push)?,
+            *i,
+        ),
+        MlpKind::Plain { .. } => return Ok(None),
+    };
+    let post_mlp = match &blk.post_mlp {
+        Some(n) => match norm(n, &mut push) {
+            Some(at) => Some(at),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    let Some(eps) = eps else { return Ok(None) };
+    if !params
+        .iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous())
+    {
+        return Ok(None);
+    }
+    let opts = blk.attn.opts;
+    let plan = Plan {
+        n1,
+        qkv,
+        o,
+        post_attn,
+        n2,
+        gate_up,
+        down,
+        post_mlp,
+        eps: eps as f32,
+        act: blk.mlp.act,
+        n_head: opts.n_head,
+        n_kv_head: opts.n_kv_head,
+        hd: blk.attn.hd,
+        inter,
+    };
+    plan.check(&params, x.dim(2)?)?;
+    let t = x.dim(1)?;
+    let cfg = blk.attn.rope.as_ref().expect("checked above");
+    let (cos, sin) = blk.attn.tables(cfg, t, x.device())?;
+    let op = BlockOp {
+        plan,
+        opts,
+        cos: cos.flatten_all()?.to_vec1::<f32>()?,
+        sin: sin.flatten_all()?.to_vec1::<f32>()?,
+        params: params.clone(),
+        saved: Mutex::new(None),
+    };
+    fused::promise(&params);
+    Ok(Some(x.contiguous()?.apply_op1(op)?))
+}
+
+impl Plan {
+    /// Width of `qkv`.
+    fn w(&self) -> usize {
+        (self.n_head + 2 * self.n_kv_head) * self.hd
+    }
+
+    /// The parameters' shapes against the plan, for width `d`.
+    fn check(&self, params: &[Tensor], d: usize) -> Result<()> {
+        let (w, ho) = (self.w(), self.n_head * self.hd);
+        let mut want: Vec<(usize, Vec<usize>)> = vec![(self.n1.w, vec![d]), (self.n2.w, vec![d])];
+        for n in [self.post_attn, self.post_mlp].into_iter().flatten() {
+            want.push((n.w, vec![d]));
+        }
+        let mut pieces = |ps: &[Piece], width: usize, inp: usize| {
+            let total: usize = ps.iter().map(|p| p.rows).sum();
+            for p in ps {
+                want.push((p.w, vec![p.rows, inp]));
+                if let Some(b) = p.b {
+                    want.push((b, vec![p.rows]));
+                }
+            }
+            total == width
+        };
+        let fits = pieces(&self.qkv, w, d)
+            && pieces(&self.gate_up, 2 * self.inter, d)
+            && pieces(std::slice::from_ref(&self.o), d, ho)
+            && pieces(std::slice::from_ref(&self.down), d, self.inter);
+        for (i, shape) in want {
+            if params[i].dims() != shape.as_slice() {
+                bail!(
+                    "decoder block: parameter {i} is {:?}, expected {shape:?} for width {d}",
+                    params[i].shape()
+                )
+            }
+        }
+        if !fits {
+            bail!(
+                "decoder block: the projections do not fill qkv ({w}) and gate/up ({})",
+                2 * self.inter
+            )
+        }
+        Ok(())
+    }
+}
+
+/// The node: the plan, the attention's options, the rotary tables `(T, hd)`, the parameters (read
+/// at forward and backward), and the activations kept for the backward.
+struct BlockOp {
+    plan: Plan,
+    opts: AttentionOptions,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    params: Vec<Tensor>,
+    saved: Mutex<Option<Saved>>,
+}
+
+/// What the forward keeps (`N` rows): `qkv` with its biases, rotated `(N, W)`; the attention's
+/// output `(N, h·hd)`; `h` `(N, d)`; `[g, u]` with biases `(N, 2I)`; Gemma 2's attention output
+/// before its norm and MLP output before its norm `(N, d)`.
+struct Saved {
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    h: Vec<f32>,
+    gu: Vec<f32>,
+    o: Option<Vec<f32>>,
+    mo: Option<Vec<f32>>,
+}
+
+/// The f32 data of each tensor (contiguous, checked by [`block`]), read-locked for `f`.
+fn with_data<R>(ts: &[Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result<R> {
+    let guards: Vec<_> = ts.iter().map(Tensor::storage_and_layout).collect();
+    let mut data = Vec::with_capacity(ts.len());
+    for (s, l) in &guards {
+        let candle_core::Storage::Cpu(s) = &**s else {
+            bail!("decoder block: a tensor left the CPU")
+        };
+        let o = l.start_offset();
+        data.push(&s.as_slice::<f32>()?[o..o + l.shape().elem_count()]);
+    }
+    f(&data)
+}
+
+/// A norm's effective weight: `w`, or `1 + w` for Gemma's offset.
+fn norm_weight(p: &[&[f32]], n: NormAt) -> Vec<f32> {
+    if n.offset {
+        p[n.w].iter().map(|w| 1.0 + w).collect()
+    } else {
+        p[n.w].to_vec()
+    }
+}
+
+/// Adds `bias` (columns `col ..` of rows of `width`) to every row of `x`, on the rank's threads.
+fn add_bias(x: &mut [f32], width: usize, col: usize, bias: &[f32]) {
+    crate::cpu::parallel_chunks(x, 64 * width, |_, rows| {
+        crate::cpu::with_simd(
+            #[inline(always)]
+            || {
+                for row in rows.chunks_exact_mut(width) {
+                    for (v, &b) in row[col..col + bias.len()].iter_mut().zip(bias) {
+                        *v += b;
+                    }
+                }
+            },
+        )
+    });
+}
+
+/// The projections `pieces` of `a` `(n, inp)` into the columns of a new `(n, width)` buffer,
+/// plus their biases.
+fn project(
+    a: &[f32],
+    n: usize,
+    inp: usize,
+    pieces: &[Piece],
+    width: usize,
+    p: &[&[f32]],
+) -> Vec<f32> {
+    let mut out = vec![0f32; n * width];
+    for pc in pieces {
+        let w = Mat::new(p[pc.w], pc.rows, inp).t();
+        matmul(&mut out[pc.col..], width, false, Mat::new(a, n, inp), w);
+        if let Some(b) = pc.b {
+            add_bias(&mut out, width, pc.col, p[b]);
+        }
+    }
+    out
+}
+
+/// The backward of [`project`] for the gradient `g` `(n, width)` of its output: each piece's
+/// weight (and bias) gradient in `grads`, and the input's gradient `(n, inp)`.
+#[allow(clippy::too_many_arguments)]
+fn project_bwd(
+    g: &[f32],
+    a: &[f32],
+    n: usize,
+    inp: usize,
+    pieces: &[Piece],
+    width: usize,
+    p: &[&[f32]],
+    grads: &mut [Option<Vec<f32>>],
+) -> Vec<f32> {
+    let gm = Mat::new(g, n, width);
+    let mut da = vec![0f32; n * inp];
+    for (i, pc) in pieces.iter().enumerate() {
+        let gp = gm.columns(pc.col..pc.col + pc.rows);
+        grads[pc.w] = Some(matmul_new(gp.t(), Mat::new(a, n, inp)));
+        if let Some(b) = pc.b {
+            grads[b] = Some(col_sums_strided(g, width, pc.col..pc.col + pc.rows));
+        }
+        matmul(&mut da, inp, i > 0, gp, Mat::new(p[pc.w], pc.rows, inp));
+    }
+    da
+}
+
+/// The gated MLP's middle, one pass over the rank's threads: `m = act(g) ⊙ u` from `gu` `(n,
+/// 2I)`; with `dm` `(n, I)`, also `[dg, du] = [dm ⊙ u ⊙ act'(g), dm ⊙ act(g)]` `(n, 2I)`.
+fn gate(gu: &[f32], dm: Option<&[f32]>, i: usize, act: Activation) -> (Vec<f32>, Vec<f32>) {
+    const ROWS: usize = 64;
+    let n = gu.len() / (2 * i).max(1);
+    let mut m = vec![0f32; n * i];
+    let mut dgu = vec![0f32; if dm.is_some() { n * 2 * i } else { 0 }];
+    let run = |k: usize, m: &mut [f32], d: Option<&mut [f32]>| {
+        let gu = &gu[k * ROWS * 2 * i..];
+        let dm = dm.map(|dm| &dm[k * ROWS * i..]);
+        crate::cpu::with_simd(
+            #[inline(always)]
+            || match act {
+                Activation::Silu => gate_rows::<true>(gu, dm, m, d, i),
+                Activation::GeluTanh => gate_rows::<false>(gu, dm, m, d, i),
+            },
+        )
+    };
+    if n > ROWS && crate::cpu::threads() > 1 {
+        use rayon::prelude::*;
+        if dm.is_some() {
+            m.par_chunks_mut(ROWS * i)
+                .zip(dgu.par_chunks_mut(ROWS * 2 * i))
+                .enumerate()
+                .for_each(|(k, (m, d))| run(k, m, Some(d)));
+        } else {
+            m.par_chunks_mut(ROWS * i)
+                .enumerate()
+                .for_each(|(k, m)| run(k, m, None));
+        }
+    } else if dm.is_some() {
+        for (k, (m, d)) in m
+            .chunks_mut(ROWS * i)
+            .zip(dgu.chunks_mut(ROWS * 2 * i))
+            .enumerate()
+        {
+            run(k, m, Some(d));
+        }
+    } else {
+        for (k, m) in m.chunks_mut(ROWS * i).enumerate() {
+            run(k, m, None);
+        }
+    }
+    (m, dgu)
+}
+
+/// [`gate`]'s rows: `m` (rows of `i`) from `gu` (rows of `2i`, from the same row), and with
+/// `dm` and `d` the gradient rows; SiLU when `SILU`, else the tanh GELU.
+#[inline(always)]
+fn gate_rows<const SILU: bool>(
+    gu: &[f32],
+    dm: Option<&[f32]>,
+    m: &mut [f32],
+    d: Option<&mut [f32]>,
+    i: usize,
+) {
+    #[inline(always)]
+    fn f<const SILU: bool>(x: f32) -> f32 {
+        if SILU {
+            silu(x)
+        } else {
+            gelu_tanh(x)
+        }
+    }
+    #[inline(always)]
+    fn df<const SILU: bool>(x: f32) -> f32 {
+        if SILU {
+            silu_grad(x)
+        } else {
+            gelu_tanh_grad(x)
+        }
+    }
+    for (r, mrow) in m.chunks_exact_mut(i).enumerate() {
+        let (g, u) = gu[r * 2 * i..][..2 * i].split_at(i);
+        for ((o, &g), &u) in mrow.iter_mut().zip(g).zip(u) {
+            *o = f::<SILU>(g) * u;
+        }
+    }
+    if let (Some(d), Some(dm)) = (d, dm) {
+        for (r, drow) in d.chunks_exact_mut(2 * i).enumerate() {
+            let (g, u) = gu[r * 2 * i..][..2 * i].split_at(i);
+            let dmr = &dm[r * i..][..i];
+            let (dg, du) = drow.split_at_mut(i);
+            for j in 0..i {
+                dg[j] = dmr[j] * u[j] * df::<SILU>(g[j]);
+                du[j] = dmr[j] * f::<SILU>(g[j]);
+            }
+        }
+    }
+}
+
+impl BlockOp {
+    fn shape(&self, b: usize, t: usize) -> AttentionShape {
+        AttentionShape {
+            batch: b,
+            seq: t,
+            n_head: self.plan.n_head,
+            n_kv_head: self.plan.n_kv_head,
+            head_dim: self.plan.hd,
+        }
+    }
+}
+
+impl CustomOp1 for BlockOp {
+    fn name(&self) -> &'static str {
+        "decoder-block"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, t, d) = l.shape().dims3()?;
+        let n = b * t;
+        let Some((o1, o2)) = l.contiguous_offsets() else {
+            bail!("decoder block: the input is not contiguous")
+        };
+        let x = &s.as_slice::<f32>()?[o1..o2];
+        let pl = &self.plan;
+        let (w, ho, i) = (pl.w(), pl.n_head * pl.hd, pl.inter);
+        let (saved, out) = with_data(&self.params, |p| {
+            let a1 = norm_forward(x, &norm_weight(p, pl.n1), None, pl.eps, false);
+            let mut qkv = project(&a1, n, d, &pl.qkv, w, p);
+            drop(a1);
+            rope_in_place(
+                &mut qkv,
+                w,
+                0,
+                pl.n_head + pl.n_kv_head,
+                t,
+                &self.cos,
+                &self.sin,
+                false,
+            );
+            let att = attention_forward(&qkv, None, self.shape(b, t), &self.opts);
+            let bo = pl.o.b.map(|i| p[i]);
+            let wo = Mat::new(p[pl.o.w], d, ho).t();
+            let (h, o) = match pl.post_attn {
+                None => {
+                    let mut h = broadcast_rows(n, bo.unwrap_or(&vec![0.0; d]), Some(x));
+                    matmul(&mut h, d, true, Mat::new(&att, n, ho), wo);
+                    (h, None)
+                }
+                Some(pa) => {
+                    let mut o = broadcast_rows(n, bo.unwrap_or(&vec![0.0; d]), None);
+                    matmul(&mut o, d, true, Mat::new(&att, n, ho), wo);
+                    let mut h = norm_forward(&o, &norm_weight(p, pa), None, pl.eps, false);
+                    add_assign(&mut h, x);
+                    (h, Some(o))
+                }
+            };
+            let a2 = norm_forward(&h, &norm_weight(p, pl.n2), None, pl.eps, false);
+            let gu = project(&a2, n, d, &pl.gate_up, 2 * i, p);
+            drop(a2);
+            let (m, _) = gate(&gu, None, i, pl.act);
+            let bd = pl.down.b.map(|i| p[i]);
+            let wd = Mat::new(p[pl.down.w], d, i).t();
+            let (out, mo) = match pl.post_mlp {
+                None => {
+                    let mut out = broadcast_rows(n, bd.unwrap_or(&vec![0.0; d]), Some(&h));
+                    matmul(&mut out, d, true, Mat::new(&m, n, i), wd);
+                    (out, None)
+                }
+                Some(pf) => {
+                    let mut mo = broadcast_rows(n, bd.unwrap_or(&vec![0.0; d]), None);
+                    matmul(&mut mo, d, true, Mat::new(&m, n, i), wd);
+                    let mut out = norm_forward(&mo, &norm_weight(p, pf), None, pl.eps, false);
+                    add_assign(&mut out, &h);
+                    (out, Some(mo))
+                }
+            };
+            Ok((
+                Saved {
+                    qkv,
+                    att,
+                    h,
+                    gu,
+                    o,
+                    mo,
+                },
+                out,
+            ))
+        })?;
+        *self.saved.lock().map_err(|_| poisoned())? = Some(saved);
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let Some(s) = self.saved.lock().map_err(|_| poisoned())?.take() else {
+            bail!("decoder block backward: the forward's activations are missing (a second backward?)")
+        };
+        let (b, t, d) = arg.dims3()?;
+        let n = b * t;
+        let pl = &self.plan;
+        let (w, ho, i) = (pl.w(), pl.n_head * pl.hd, pl.inter);
+        let io = [arg.contiguous()?, grad_res.contiguous()?];
+        let mut grads: Vec<Option<Vec<f32>>> = vec![None; self.params.len()];
+        let dx = with_data(&io, |xg| {
+            let (x, g) = (xg[0], xg[1]);
+            with_data(&self.params, |p| {
+                // MLP: out = h + [norm_pf](m · W_dᵀ + b_d).
+                let dmo_own;
+                let dmo: &[f32] = match (pl.post_mlp, &s.mo) {
+                    (Some(pf), Some(mo)) => {
+                        let (dmo, dw, _) = norm_backward(mo, &norm_weight(p, pf), g, pl.eps, false);
+                        grads[pf.w] = Some(dw);
+                        dmo_own = dmo;
+                        &dmo_own
+                    }
+                    _ => g,
+                };
+                if let Some(bi) = pl.down.b {
+                    grads[bi] = Some(col_sums(dmo, d));
+                }
+                let dm = matmul_new(Mat::new(dmo, n, d), Mat::new(p[pl.down.w], d, i));
+                let (m, dgu) = gate(&s.gu, Some(&dm), i, pl.act);
+                drop(dm);
+                grads[pl.down.w] = Some(matmul_new(Mat::new(dmo, n, d).t(), Mat::new(&m, n, i)));
+                drop(m);
+                let w2 = norm_weight(p, pl.n2);
+                let a2 = norm_forward(&s.h, &w2, None, pl.eps, false);
+                let da2 = project_bwd(&dgu, &a2, n, d, &pl.gate_up, 2 * i, p, &mut grads);
+                drop((a2, dgu));
+                let (mut dh, dw2, _) = norm_backward(&s.h, &w2, &da2, pl.eps, false);
+                grads[pl.n2.w] = Some(dw2);
+                drop(da2);
+                add_assign(&mut dh, g);
+                // Attention: h = x + [norm_pa](att · W_oᵀ + b_o).
+                let do_own;
+                let do_: &[f32] = match (pl.post_attn, &s.o) {
+                    (Some(pa), Some(o)) => {
+                        let (d_o, dw, _) =
+                            norm_backward(o, &norm_weight(p, pa), &dh, pl.eps, false);
+                        grads[pa.w] = Some(dw);
+                        do_own = d_o;
+                        &do_own
+                    }
+                    _ => &dh,
+                };
+                if let Some(bi) = pl.o.b {
+                    grads[bi] = Some(col_sums(do_, d));
+                }
+                grads[pl.o.w] = Some(matmul_new(Mat::new(do_, n, d).t(), Mat::new(&s.att, n, ho)));
+                let datt = matmul_new(Mat::new(do_, n, d), Mat::new(p[pl.o.w], d, ho));
+                let mut dqkv =
+                    attention_backward(&s.qkv, None, &s.att, &datt, self.shape(b, t), &self.opts);
+                drop(datt);
+                rope_in_place(
+                    &mut dqkv,
+                    w,
+                    0,
+                    pl.n_head + pl.n_kv_head,
+                    t,
+                    &self.cos,
+                    &self.sin,
+                    true,
+                );
+                let w1 = norm_weight(p, pl.n1);
+                let a1 = norm_forward(x, &w1, None, pl.eps, false);
+                let da1 = project_bwd(&dqkv, &a1, n, d, &pl.qkv, w, p, &mut grads);
+                drop((a1, dqkv));
+                let (mut dx, dw1, _) = norm_backward(x, &w1, &da1, pl.eps, false);
+                grads[pl.n1.w] = Some(dw1);
+                add_assign(&mut dx, &dh);
+                Ok(dx)
+            })
+        })?;
+        for (k, (param, grad)) in self.params.iter().zip(grads).enumerate() {
+            let Some(grad) = grad else {
+                bail!("decoder block backward: no gradient computed for parameter {k}")
+            };
+            fused::send(param, Tensor::from_vec(grad, param.shape(), &Device::Cpu)?)?;
+        }
+        Ok(Some(Tensor::from_vec(dx, (b, t, d), &Device::Cpu)?))
+    }
+}
+
+fn poisoned() -> candle_core::Error {
+    candle_core::Error::Msg("decoder block: a panic poisoned the saved activations' lock".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Module, Var};
+    use candle_nn::{VarBuilder, VarMap};
+
+    use crate::models::decoder::{family::config_from_json, DecoderConfig};
+
+    fn config(fixture: &str) -> DecoderConfig {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/models/fixtures")
+            .join(fixture)
+            .join("config.json");
+        config_from_json(&std::fs::read_to_string(&path).unwrap(), &path).unwrap()
+    }
+
+    /// A seeded value per element, uniform in ±1.7·std around `mean`.
+    fn values(n: usize, mean: f32, std: f32, seed: u64) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let z = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    ^ seed.wrapping_mul(0xD1B5_4A32_D192_ED03);
+                let u = (z >> 40) as f32 / (1u64 << 24) as f32;
+                mean + (u - 0.5) * 3.4 * std
+            })
+            .collect()
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+        let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+            / scale
+    }
+
+    /// The block of `fixture`'s layer `layer` with seeded weights (norms around 1, biases and
+    /// weights ±0.3), and its parameters.
+    fn block_of(fixture: &str, layer: usize) -> (DecoderConfig, Block, Vec<Var>) {
+        let cfg = config(fixture);
+        let map = VarMap::new();
+        let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+        let blk = Block::new(&cfg, layer, vb).unwrap();
+        let mut vars: Vec<(String, Var)> = map.data().lock().unwrap().clone().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        for (i, (name, v)) in vars.iter().enumerate() {
+            let n = v.elem_count();
+            let norm = name.contains("norm") && !name.contains("bias");
+            // Gemma's norms store the offset from 1.
+            let mean = if norm && !cfg.table().norm_offset {
+                1.0
+            } else {
+                0.0
+            };
+            let t = Tensor::from_vec(
+                values(n, mean, 0.3, 100 + i as u64),
+                v.shape(),
+                &Device::Cpu,
+            )
+            .unwrap();
+            v.set(&t).unwrap();
+        }
+        (cfg, blk, vars.into_iter().map(|(_, v)| v).collect())
+    }
+
+    /// The one node's output, its input's gradient and every parameter's gradient (sent to the
+    /// runtime's sink) equal the composed layers' (Candle's autograd), for each family the node
+    /// covers: grouped-query heads, biases everywhere (Llama's `attention_bias` and `mlp_bias`;
+    /// Qwen2's q/k/v only), Mistral's window, Phi-3's fused projections, Gemma 2's sandwich
+    /// norms with the `1 + w` offset, soft-capped scores, its scale and GELU gate.
+    #[test]
+    fn one_node_decoder_block_matches_the_composed_layers() {
+        let cases = [
+            ("llama-tied", 0),
+            ("llama-gqa", 1),
+            ("family-mistral", 0),
+            ("family-qwen2", 1),
+            ("family-phi3", 0),
+            ("family-gemma2", 0),
+            ("family-gemma2", 1),
+        ];
+        for (fixture, layer) in cases {
+            let (cfg, blk, vars) = block_of(fixture, layer);
+            let (b, t, d) = (2, 13, cfg.hidden_size);
+            let x = Var::from_vec(values(b * t * d, 0.0, 1.0, 7), (b, t, d), &Device::Cpu).unwrap();
+            let r =
+                Tensor::from_vec(values(b * t * d, 0.0, 1.0, 8), (b, t, d), &Device::Cpu).unwrap();
+            assert!(
+                block(&blk, x.as_tensor()).unwrap().is_none(),
+                "{fixture}: not armed"
+            );
+            let want = blk.forward(x.as_tensor()).unwrap();
+            let want_grads = (&want * &r).unwrap().sum_all().unwrap().backward().unwrap();
+
+            let armed = fused::arm();
+            let got = block(&blk, x.as_tensor())
+                .unwrap()
+                .unwrap_or_else(|| panic!("{fixture}: armed, one node"));
+            assert!(
+                vars.iter().all(|v| fused::promised(v.as_tensor())),
+                "{fixture}"
+            );
+            drop(armed);
+            let e = max_rel(&got, &want);
+            assert!(e < 2e-5, "{fixture} layer {layer}: output {e}");
+            let sink = fused::collect();
+            let grads = (&got * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            let sent = sink.finish();
+            let dx = grads.get(x.as_tensor()).unwrap();
+            let e = max_rel(dx, want_grads.get(x.as_tensor()).unwrap());
+            assert!(e < 2e-5, "{fixture} layer {layer}: dx {e}");
+            assert_eq!(
+                sent.len(),
+                vars.len(),
+                "{fixture}: one gradient per parameter"
+            );
+            for v in &vars {
+                let (_, g) = sent
+                    .iter()
+                    .find(|(p, _)| p.id() == v.as_tensor().id())
+                    .unwrap_or_else(|| panic!("{fixture}: a parameter's gradient not sent"));
+                assert!(grads.get(v.as_tensor()).is_none(), "past Candle's graph");
+                let e = max_rel(g, want_grads.get(v.as_tensor()).unwrap());
+                assert!(
+                    e < 5e-5,
+                    "{fixture} layer {layer}: parameter {:?}: {e}",
+                    v.shape()
+                );
+            }
+        }
+    }
+
+    /// Qwen3's q/k norms and GPT-2's style compose (no node), armed or not.
+    #[test]
+    fn families_the_node_does_not_cover_compose() {
+        for fixture in ["family-qwen3", "family-gpt2"] {
+            let (cfg, blk, _) = block_of(fixture, 0);
+            let x = Var::zeros((1, 3, cfg.hidden_size), DType::F32, &Device::Cpu).unwrap();
+            let _armed = fused::arm();
+            assert!(block(&blk, x.as_tensor()).unwrap().is_none(), "{fixture}");
+        }
+    }
+}
