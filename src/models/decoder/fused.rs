@@ -1,4 +1,4 @@
-//! The decoder block of the rotary families (Llama, Mistral, Qwen2, Phi-3, Gemma 2) as one graph
+//! The decoder block of the rotary families (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2) as one graph
 //! node inside the FSDP runtime's training calls ([`crate::fsdp::fused`]): RMSNorm (Gemma's
 //! `1 + w` too), the q/k/v projections from separate weights (or Phi-3's fused `qkv_proj`)
 //! written straight into one `qkv` buffer (no concatenation), their biases and the rotary
@@ -21,8 +21,11 @@
 //! reverse and sends the parameters' gradients to the runtime; the rotary embedding's backward
 //! is the rotation by the opposite angles.
 //!
+//! Qwen3's per-head q/k norms run between the projection and the rotation (the pre-norm
+//! columns kept for the backward).
+//!
 //! Not fused (the block composes its layers instead, with the same values): GPT-2's style
-//! (LayerNorm, `Conv1D`), Qwen3's q/k norms, anything but f32 on the CPU, an input without
+//! (LayerNorm, `Conv1D`), anything but f32 on the CPU, an input without
 //! gradient, outside an armed training call.
 
 use std::sync::Mutex;
@@ -61,6 +64,8 @@ struct NormAt {
 struct Plan {
     n1: NormAt,
     qkv: Vec<Piece>,
+    /// Qwen3's per-head norms of the queries and of the keys (weights `(hd,)`).
+    qk_norm: Option<(NormAt, NormAt)>,
     o: Piece,
     post_attn: Option<NormAt>,
     n2: NormAt,
@@ -86,7 +91,6 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
         && x.dtype() == DType::F32
         && x.rank() == 3
         && x.elem_count() > 0
-        && blk.attn.q_norm.is_none()
         && blk
             .attn
             .rope
@@ -134,6 +138,14 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
         }
         Qkv::Fused(p) => vec![piece(p, 0, &mut push)?],
     };
+    let qk_norm = match (&blk.attn.q_norm, &blk.attn.k_norm) {
+        (Some(qn), Some(kn)) => match (norm(qn, &mut push), norm(kn, &mut push)) {
+            (Some(q), Some(k)) => Some((q, k)),
+            _ => return Ok(None),
+        },
+        (None, None) => None,
+        _ => return Ok(None),
+    };
     let o = piece(&blk.attn.o, 0, &mut push)?;
     let post_attn = match &blk.post_attn {
         Some(n) => match norm(n, &mut push) {
@@ -176,6 +188,7 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
     let plan = Plan {
         n1,
         qkv,
+        qk_norm,
         o,
         post_attn,
         n2,
@@ -215,6 +228,10 @@ impl Plan {
     fn check(&self, params: &[Tensor], d: usize) -> Result<()> {
         let (w, ho) = (self.w(), self.n_head * self.hd);
         let mut want: Vec<(usize, Vec<usize>)> = vec![(self.n1.w, vec![d]), (self.n2.w, vec![d])];
+        if let Some((qn, kn)) = self.qk_norm {
+            want.push((qn.w, vec![self.hd]));
+            want.push((kn.w, vec![self.hd]));
+        }
         for n in [self.post_attn, self.post_mlp].into_iter().flatten() {
             want.push((n.w, vec![d]));
         }
@@ -266,6 +283,8 @@ struct BlockOp {
 /// before its norm and MLP output before its norm `(N, d)`.
 struct Saved {
     qkv: Vec<f32>,
+    /// Qwen3: the queries' and keys' columns before their norms, `(N, h·hd)` and `(N, kv·hd)`.
+    qk_pre: Option<(Vec<f32>, Vec<f32>)>,
     att: Vec<f32>,
     h: Vec<f32>,
     gu: Vec<f32>,
@@ -310,6 +329,22 @@ fn add_bias(x: &mut [f32], width: usize, col: usize, bias: &[f32]) {
             },
         )
     });
+}
+
+/// Columns `cols` of `x` (rows of `width`) as a new `(rows, cols.len())` buffer.
+fn columns(x: &[f32], width: usize, cols: std::ops::Range<usize>) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len() / width * cols.len());
+    for row in x.chunks_exact(width) {
+        out.extend_from_slice(&row[cols.clone()]);
+    }
+    out
+}
+
+/// Writes `src` (rows of `cols`) into columns `col .. col + cols` of `x` (rows of `width`).
+fn put_columns(x: &mut [f32], width: usize, col: usize, src: &[f32], cols: usize) {
+    for (row, s) in x.chunks_exact_mut(width).zip(src.chunks_exact(cols)) {
+        row[col..col + cols].copy_from_slice(s);
+    }
 }
 
 /// The projections `pieces` of `a` `(n, inp)` into the columns of a new `(n, width)` buffer,
@@ -480,6 +515,15 @@ impl CustomOp1 for BlockOp {
             let a1 = norm_forward(x, &norm_weight(p, pl.n1), None, pl.eps, false);
             let mut qkv = project(&a1, n, d, &pl.qkv, w, p);
             drop(a1);
+            let (hq, hk) = (pl.n_head * pl.hd, pl.n_kv_head * pl.hd);
+            let qk_pre = pl.qk_norm.map(|(qn, kn)| {
+                let (q, k) = (columns(&qkv, w, 0..hq), columns(&qkv, w, hq..hq + hk));
+                let nq = norm_forward(&q, p[qn.w], None, pl.eps, false);
+                let nk = norm_forward(&k, p[kn.w], None, pl.eps, false);
+                put_columns(&mut qkv, w, 0, &nq, hq);
+                put_columns(&mut qkv, w, hq, &nk, hk);
+                (q, k)
+            });
             rope_in_place(
                 &mut qkv,
                 w,
@@ -530,6 +574,7 @@ impl CustomOp1 for BlockOp {
             Ok((
                 Saved {
                     qkv,
+                    qk_pre,
                     att,
                     h,
                     gu,
@@ -613,6 +658,17 @@ impl CustomOp1 for BlockOp {
                     &self.sin,
                     true,
                 );
+                if let (Some((qn, kn)), Some((q, k))) = (pl.qk_norm, &s.qk_pre) {
+                    let (hq, hk) = (pl.n_head * pl.hd, pl.n_kv_head * pl.hd);
+                    let dq = columns(&dqkv, w, 0..hq);
+                    let (dq, dwq, _) = norm_backward(q, p[qn.w], &dq, pl.eps, false);
+                    let dk = columns(&dqkv, w, hq..hq + hk);
+                    let (dk, dwk, _) = norm_backward(k, p[kn.w], &dk, pl.eps, false);
+                    put_columns(&mut dqkv, w, 0, &dq, hq);
+                    put_columns(&mut dqkv, w, hq, &dk, hk);
+                    grads[qn.w] = Some(dwq);
+                    grads[kn.w] = Some(dwk);
+                }
                 let w1 = norm_weight(p, pl.n1);
                 let a1 = norm_forward(x, &w1, None, pl.eps, false);
                 let da1 = project_bwd(&dqkv, &a1, n, d, &pl.qkv, w, p, &mut grads);
@@ -709,7 +765,7 @@ mod tests {
     /// The one node's output, its input's gradient and every parameter's gradient (sent to the
     /// runtime's sink) equal the composed layers' (Candle's autograd), for each family the node
     /// covers: grouped-query heads, biases everywhere (Llama's `attention_bias` and `mlp_bias`;
-    /// Qwen2's q/k/v only), Mistral's window, Phi-3's fused projections, Gemma 2's sandwich
+    /// Qwen2's q/k/v only), Mistral's window, Phi-3's fused projections, Qwen3's q/k norms, Gemma 2's sandwich
     /// norms with the `1 + w` offset, soft-capped scores, its scale and GELU gate.
     #[test]
     fn one_node_decoder_block_matches_the_composed_layers() {
@@ -721,6 +777,7 @@ mod tests {
             ("family-phi3", 0),
             ("family-gemma2", 0),
             ("family-gemma2", 1),
+            ("family-qwen3", 0),
         ];
         for (fixture, layer) in cases {
             let (cfg, blk, vars) = block_of(fixture, layer);
@@ -773,14 +830,12 @@ mod tests {
         }
     }
 
-    /// Qwen3's q/k norms and GPT-2's style compose (no node), armed or not.
+    /// GPT-2's style composes (no node), armed or not.
     #[test]
     fn families_the_node_does_not_cover_compose() {
-        for fixture in ["family-qwen3", "family-gpt2"] {
-            let (cfg, blk, _) = block_of(fixture, 0);
-            let x = Var::zeros((1, 3, cfg.hidden_size), DType::F32, &Device::Cpu).unwrap();
-            let _armed = fused::arm();
-            assert!(block(&blk, x.as_tensor()).unwrap().is_none(), "{fixture}");
-        }
+        let (cfg, blk, _) = block_of("family-gpt2", 0);
+        let x = Var::zeros((1, 3, cfg.hidden_size), DType::F32, &Device::Cpu).unwrap();
+        let _armed = fused::arm();
+        assert!(block(&blk, x.as_tensor()).unwrap().is_none());
     }
 }

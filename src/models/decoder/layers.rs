@@ -267,7 +267,7 @@ pub struct Attention {
     pub(super) qkv: Qkv,
     pub(super) o: Proj,
     pub(super) q_norm: Option<Norm>,
-    k_norm: Option<Norm>,
+    pub(super) k_norm: Option<Norm>,
     pub(super) opts: AttentionOptions,
     pub(super) hd: usize,
     pub(super) rope: Option<DecoderConfig>,
