@@ -7,6 +7,8 @@
 pub mod decoder;
 #[cfg(feature = "gpt")]
 pub mod gpt;
+#[cfg(any(feature = "gpt", feature = "llama"))]
+mod gpt2_block;
 #[cfg(feature = "llama")]
 pub mod llama;
 

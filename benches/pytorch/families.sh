@@ -8,6 +8,9 @@
 #   FAMILIES="llama qwen3" STEPS=12 ROUNDS=3 bash benches/pytorch/families.sh
 #   SIZE=tiny STEPS=3 bash benches/pytorch/families.sh         # seconds: checks the script only
 #   LOG_DIR=logs bash benches/pytorch/families.sh              # keep each run's full output
+#   BASE_BIN=/other/target/release/examples bash benches/pytorch/families.sh
+#                     # also an older build's llama example, alternated with ours in each round
+#                     # (before/after a change on the same machine): two more columns
 #
 # Per family: a random model written once by benches/pytorch/families.py --save (config.json +
 # model.safetensors, f32; the bench size: 6 layers, hidden 512, 8 heads, 2 key/value heads of 64,
@@ -57,9 +60,9 @@ run() {
 theirs() { # family dir log
     run "$3" python benches/pytorch/families.py --family "$1" --from "$2" --steps "$STEPS"
 }
-ours() { # dir log
+ours() { # dir log [bin dir]
     rm -rf "$TMP/ckpt"
-    run "$2" "$BIN/llama" --from-hf "$1" --world-size 1 --seq-len "$SEQ" --batch-size "$BATCH" \
+    run "$2" "${3:-$BIN}/llama" --from-hf "$1" --world-size 1 --seq-len "$SEQ" --batch-size "$BATCH" \
         --max-steps "$STEPS" --log-interval 1 --eval-interval 0 --eval-batches 1 --sample-len 0 \
         --checkpoint-dir "$TMP/ckpt"
 }
@@ -71,8 +74,13 @@ cell() { # ms: "ms (tok/s)", or "failed"
     fi
 }
 
-echo "| family | transformers ms/step (tok/s) | candle-fsdp ms/step (tok/s) | ratio (our tok/s / theirs) |"
-echo "|---|---|---|---|"
+if [ -n "${BASE_BIN:-}" ]; then
+    echo "| family | transformers ms/step (tok/s) | candle-fsdp ms/step (tok/s) | ratio (our tok/s / theirs) | baseline build ms/step (tok/s) | ours / baseline (tok/s) |"
+    echo "|---|---|---|---|---|---|"
+else
+    echo "| family | transformers ms/step (tok/s) | candle-fsdp ms/step (tok/s) | ratio (our tok/s / theirs) |"
+    echo "|---|---|---|---|"
+fi
 for f in $FAMILIES; do
     dir="$TMP/$f"
     if ! run "$TMP/$f.save.log" python benches/pytorch/families.py --family "$f" --save "$dir"; then
@@ -84,6 +92,14 @@ for f in $FAMILIES; do
         theirs "$f" "$dir" "$TMP/$f.transformers.$r.log" && t=$(steps_median "$TMP/$f.transformers.$r.log")
         attn=$(sed -n 's/^transformers .* attn \([a-z_]*\),.*/\1/p' "$TMP/$f.transformers.$r.log")
         ours "$dir" "$TMP/$f.ours.$r.log" && o=$(steps_median "$TMP/$f.ours.$r.log")
+        extra=""
+        if [ -n "${BASE_BIN:-}" ]; then
+            bs=""
+            ours "$dir" "$TMP/$f.base.$r.log" "$BASE_BIN" && bs=$(steps_median "$TMP/$f.base.$r.log")
+            bratio="—"
+            [ -n "$bs" ] && [ -n "$o" ] && bratio=$(awk -v b="$bs" -v o="$o" 'BEGIN {printf "%.2f×", b / o}')
+            extra=" $(cell "$bs") | $bratio |"
+        fi
         label="$(name "$f") (${attn:-?})"
         [ "$ROUNDS" -gt 1 ] && label="$label, round $r"
         if [ -n "$t" ] && [ -n "$o" ]; then
@@ -91,7 +107,7 @@ for f in $FAMILIES; do
         else
             ratio="—"
         fi
-        echo "| $label | $(cell "$t") | $(cell "$o") | $ratio |"
+        echo "| $label | $(cell "$t") | $(cell "$o") | $ratio |$extra"
     done
 done
 echo

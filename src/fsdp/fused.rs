@@ -35,7 +35,7 @@
 //!   the output, on any device). `examples/fused_unit.rs` trains such a unit under FSDP.
 //! - **A Candle `CustomOp1`** over `x` whose `cpu_fwd` runs slice kernels (for instance
 //!   [`crate::nn::kernels`]) and whose `bwd` calls [`send`] for each parameter: no copy at all;
-//!   the GPT block (`models/gpt/block.rs`) and the decoder block (`models/decoder/fused.rs`) are
+//!   the GPT block (`models/gpt2_block.rs`) and the decoder block (`models/decoder/fused.rs`) are
 //!   built this way. Call [`promise`] when building the node, and build it only when
 //!   [`armed`].
 

@@ -29,18 +29,16 @@
 //! Initialisation as GPT-2: every weight matrix and embedding N(0, 0.02), the two residual
 //! projections of each block N(0, 0.02/√(2L)), biases 0, norms 1 and 0.
 
-mod block;
-
 use candle_core::{Device, Module, Tensor};
 use candle_nn::{Embedding, Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use super::gpt2_block::{gpt_block, GptBlockParams};
 use crate::error::{Error, Result};
 use crate::fsdp::{Forward, FsdpModel, FsdpModelBuilder};
 pub use crate::nn::gelu;
 use crate::nn::{causal_attention, layer_norm, linear_forward, linear_gelu, LayerNorm};
 use crate::unit::UnitSpec;
-use block::{gpt_block, GptBlockParams};
 
 /// Standard deviation of GPT-2's weight initialisation.
 const INIT_STD: f64 = 0.02;
@@ -305,7 +303,7 @@ impl Module for Block {
 }
 
 impl Block {
-    /// The block as one node (`gpt/block.rs`, through [`crate::fsdp::fused`]) where it applies, else `None`.
+    /// The block as one node (`models/gpt2_block.rs`, through [`crate::fsdp::fused`]) where it applies, else `None`.
     fn fused(&self, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let (Some(b1), Some(bq), Some(bp), Some(b2), Some(bf), Some(bm)) = (
             self.ln1.bias(),
@@ -337,6 +335,7 @@ impl Block {
             ],
             n_head: self.attn.n_head,
             eps: self.ln1.eps(),
+            conv1d: false,
         };
         gpt_block(x, &params)
     }

@@ -24,18 +24,20 @@
 //! Qwen3's per-head q/k norms run between the projection and the rotation (the pre-norm
 //! columns kept for the backward).
 //!
-//! Not fused (the block composes its layers instead, with the same values): GPT-2's style
-//! (LayerNorm, `Conv1D`), anything but f32 on the CPU, an input without
+//! GPT-2's style (LayerNorm with biases, `Conv1D` weights, learned positions) runs the GPT's
+//! block node (`models/gpt2_block.rs`) over its `(in, out)` weights.
+//!
+//! Not fused (the block composes its layers instead, with the same values): anything but f32 on the CPU, an input without
 //! gradient, outside an armed training call.
 
 use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
 
-use super::family::BlockStyle;
 use super::layers::{Block, MlpKind, NormKind, Proj, Qkv};
 use super::Activation;
 use crate::fsdp::fused;
+use crate::models::gpt2_block::{gpt_block, GptBlockParams};
 use crate::nn::kernels::{
     add_assign, attention_backward, attention_forward, broadcast_rows, col_sums, col_sums_strided,
     gelu_tanh, gelu_tanh_grad, matmul, matmul_new, norm_backward, norm_forward, rope_in_place,
@@ -90,14 +92,12 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
         && x.device().is_cpu()
         && x.dtype() == DType::F32
         && x.rank() == 3
-        && x.elem_count() > 0
-        && blk
-            .attn
-            .rope
-            .as_ref()
-            .is_some_and(|c| c.table().style != BlockStyle::Gpt2);
+        && x.elem_count() > 0;
     if !applies {
         return Ok(None);
+    }
+    if blk.attn.rope.is_none() {
+        return gpt2(blk, x);
     }
     let mut params: Vec<Tensor> = Vec::new();
     let mut push = |t: &Tensor| {
@@ -216,6 +216,63 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
     };
     fused::promise(&params);
     Ok(Some(x.contiguous()?.apply_op1(op)?))
+}
+
+/// GPT-2's block (no rotary tables: learned positions) as the GPT's one node
+/// ([`crate::models::gpt2_block`]) over its `Conv1D` weights, or `None` for a layout it does
+/// not cover.
+fn gpt2(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
+    let (NormKind::Layer(n1), NormKind::Layer(n2)) = (&blk.norm1.inner, &blk.norm2.inner) else {
+        return Ok(None);
+    };
+    let (Qkv::Fused(qkv), MlpKind::Plain { fc, proj }) = (&blk.attn.qkv, &blk.mlp.kind) else {
+        return Ok(None);
+    };
+    let o = &blk.attn.o;
+    let (Some(b1), Some(b2), Some(bq), Some(bo), Some(bf), Some(bp)) = (
+        n1.bias(),
+        n2.bias(),
+        qkv.bias.as_ref(),
+        o.bias.as_ref(),
+        fc.bias.as_ref(),
+        proj.bias.as_ref(),
+    ) else {
+        return Ok(None);
+    };
+    let opts = blk.attn.opts;
+    let plain = opts.n_kv_head == opts.n_head
+        && opts.scale.is_none()
+        && opts.window.is_none()
+        && opts.softcap.is_none()
+        && blk.post_attn.is_none()
+        && blk.post_mlp.is_none()
+        && n1.remove_mean()
+        && n2.remove_mean()
+        && n1.eps() == n2.eps()
+        && blk.mlp.act == Activation::GeluTanh;
+    if !plain {
+        return Ok(None);
+    }
+    let params = GptBlockParams {
+        tensors: [
+            n1.weight(),
+            b1,
+            &qkv.weight,
+            bq,
+            &o.weight,
+            bo,
+            n2.weight(),
+            b2,
+            &fc.weight,
+            bf,
+            &proj.weight,
+            bp,
+        ],
+        n_head: opts.n_head,
+        eps: n1.eps(),
+        conv1d: true,
+    };
+    gpt_block(x, &params)
 }
 
 impl Plan {
@@ -765,7 +822,7 @@ mod tests {
     /// The one node's output, its input's gradient and every parameter's gradient (sent to the
     /// runtime's sink) equal the composed layers' (Candle's autograd), for each family the node
     /// covers: grouped-query heads, biases everywhere (Llama's `attention_bias` and `mlp_bias`;
-    /// Qwen2's q/k/v only), Mistral's window, Phi-3's fused projections, Qwen3's q/k norms, Gemma 2's sandwich
+    /// Qwen2's q/k/v only), Mistral's window, Phi-3's fused projections, Qwen3's q/k norms, GPT-2 (the GPT's node over `Conv1D` weights), Gemma 2's sandwich
     /// norms with the `1 + w` offset, soft-capped scores, its scale and GELU gate.
     #[test]
     fn one_node_decoder_block_matches_the_composed_layers() {
@@ -778,6 +835,7 @@ mod tests {
             ("family-gemma2", 0),
             ("family-gemma2", 1),
             ("family-qwen3", 0),
+            ("family-gpt2", 1),
         ];
         for (fixture, layer) in cases {
             let (cfg, blk, vars) = block_of(fixture, layer);
@@ -828,14 +886,5 @@ mod tests {
                 );
             }
         }
-    }
-
-    /// GPT-2's style composes (no node), armed or not.
-    #[test]
-    fn families_the_node_does_not_cover_compose() {
-        let (cfg, blk, _) = block_of("family-gpt2", 0);
-        let x = Var::zeros((1, 3, cfg.hidden_size), DType::F32, &Device::Cpu).unwrap();
-        let _armed = fused::arm();
-        assert!(block(&blk, x.as_tensor()).unwrap().is_none());
     }
 }

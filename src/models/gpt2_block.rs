@@ -1,4 +1,6 @@
-//! A whole pre-norm GPT-2 block as one graph node, inside the FSDP runtime.
+//! A whole pre-norm GPT-2 block as one graph node, inside the FSDP runtime: the block of
+//! [`crate::models::gpt`] (weights `(out, in)`) and of the decoder's GPT-2 family
+//! ([`crate::models::decoder`], Hugging Face's `Conv1D` weights `(in, out)`).
 //!
 //! ```text
 //! h   = x + (attn(ln1(x)) · W_projᵀ + b_proj)        attn: causal multi-head over ln1(x)·W_qkvᵀ + b_qkv
@@ -39,7 +41,9 @@ use crate::nn::kernels::{
 
 /// The parameters of one block, in [`gpt_block`]'s order: `ln1` weight and bias `(d,)`, `qkv`
 /// weight `(3d, d)` and bias `(3d,)`, attention projection `(d, d)` and `(d,)`, `ln2` `(d,)`
-/// twice, MLP `fc` `(k, d)` and `(k,)`, MLP projection `(d, k)` and `(d,)`.
+/// twice, MLP `fc` `(k, d)` and `(k,)`, MLP projection `(d, k)` and `(d,)` — or, with
+/// `conv1d`, the four weights transposed, `(in, out)` (GPT-2's `Conv1D`, as Hugging Face stores
+/// them): `(d, 3d)`, `(d, d)`, `(d, k)`, `(k, d)`.
 pub(crate) struct GptBlockParams<'a> {
     /// The twelve parameter tensors, in the order above.
     pub tensors: [&'a Tensor; 12],
@@ -47,6 +51,8 @@ pub(crate) struct GptBlockParams<'a> {
     pub n_head: usize,
     /// Epsilon of both layer norms.
     pub eps: f64,
+    /// The weights are `(in, out)` (`Conv1D`), read and differentiated in that layout.
+    pub conv1d: bool,
 }
 
 /// The block applied to `x` `(B, T, d)` as one node, or `None` where the node does not apply and
@@ -70,8 +76,13 @@ pub(crate) fn gpt_block(x: &Tensor, p: &GptBlockParams<'_>) -> Result<Option<Ten
         return Ok(None);
     }
     let d = x.dim(2)?;
-    let k = p.tensors[8].dim(0)?;
-    for (i, (t, w)) in p.tensors.iter().zip(param_shapes(d, k)).enumerate() {
+    let k = p.tensors[9].dim(0)?;
+    for (i, (t, w)) in p
+        .tensors
+        .iter()
+        .zip(param_shapes(d, k, p.conv1d))
+        .enumerate()
+    {
         if t.dims() != w.as_slice() {
             bail!(
                 "gpt block: parameter {i} is {:?}, expected {w:?} for an input {:?}",
@@ -87,26 +98,35 @@ pub(crate) fn gpt_block(x: &Tensor, p: &GptBlockParams<'_>) -> Result<Option<Ten
         params: p.tensors.map(Tensor::clone),
         n_head: p.n_head,
         eps: p.eps as f32,
+        t: p.conv1d,
         saved: Mutex::new(None),
     };
     grad_sink::promise(p.tensors);
     Ok(Some(x.contiguous()?.apply_op1(op)?))
 }
 
-/// The twelve parameters' shapes in [`GptBlockParams`]' order, for width `d` and MLP width `k`.
-fn param_shapes(d: usize, k: usize) -> [Vec<usize>; 12] {
+/// The twelve parameters' shapes in [`GptBlockParams`]' order, for width `d` and MLP width `k`
+/// (the weights transposed with `conv1d`).
+fn param_shapes(d: usize, k: usize, conv1d: bool) -> [Vec<usize>; 12] {
+    let w = |out: usize, inp: usize| {
+        if conv1d {
+            vec![inp, out]
+        } else {
+            vec![out, inp]
+        }
+    };
     [
         vec![d],
         vec![d],
-        vec![3 * d, d],
+        w(3 * d, d),
         vec![3 * d],
-        vec![d, d],
+        w(d, d),
         vec![d],
         vec![d],
         vec![d],
-        vec![k, d],
+        w(k, d),
         vec![k],
-        vec![d, k],
+        w(d, k),
         vec![d],
     ]
 }
@@ -117,6 +137,8 @@ struct BlockOp {
     params: [Tensor; 12],
     n_head: usize,
     eps: f32,
+    /// The weights are `(in, out)` (`Conv1D`).
+    t: bool,
     saved: Mutex<Option<Saved>>,
 }
 
@@ -150,8 +172,19 @@ fn with_data<R>(ts: &[Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result
     f(&data)
 }
 
-/// `dst (n × out) += a (n × inp) · wᵀ` for `w` `(out, inp)` row-major.
-fn a_wt(dst: &mut [f32], a: &[f32], w: &[f32], n: usize, inp: usize, out: usize) {
+/// The strides `(rs, cs)` of the `inp × out` matrix `wᵀ` for a weight `w` `(out, inp)`
+/// row-major, or `(inp, out)` when `t` (`Conv1D`).
+fn wt(inp: usize, out: usize, t: bool) -> (usize, usize) {
+    if t {
+        (out, 1)
+    } else {
+        (1, inp)
+    }
+}
+
+/// `dst (n × out) += a (n × inp) · wᵀ` for `w` `(out, inp)` row-major (`(inp, out)` when `t`).
+fn a_wt(dst: &mut [f32], a: &[f32], w: &[f32], (n, inp, out): (usize, usize, usize), t: bool) {
+    let (rs, cs) = wt(inp, out, t);
     debug_assert!(dst.len() == n * out && a.len() == n * inp && w.len() == out * inp);
     // SAFETY: the three operands hold exactly their shapes (asserted by the callers' sizes).
     unsafe {
@@ -161,14 +194,16 @@ fn a_wt(dst: &mut [f32], a: &[f32], w: &[f32], n: usize, inp: usize, out: usize)
             out,
             true,
             (a, inp, 1),
-            (w, 1, inp),
+            (w, rs, cs),
             true,
         )
     }
 }
 
-/// `a (n × inp) · wᵀ` for `w` `(out, inp)` row-major, a new `(n, out)` buffer.
-fn a_wt_new(a: &[f32], w: &[f32], n: usize, inp: usize, out: usize) -> Vec<f32> {
+/// `a (n × inp) · wᵀ` for `w` `(out, inp)` row-major (`(inp, out)` when `t`), a new `(n, out)`
+/// buffer.
+fn a_wt_new(a: &[f32], w: &[f32], (n, inp, out): (usize, usize, usize), t: bool) -> Vec<f32> {
+    let (rs, cs) = wt(inp, out, t);
     let mut dst = Vec::with_capacity(n * out);
     // SAFETY: operands of their full shapes; the gemm writes every element of `dst` (no
     // accumulation), so the length is set after.
@@ -179,7 +214,7 @@ fn a_wt_new(a: &[f32], w: &[f32], n: usize, inp: usize, out: usize) -> Vec<f32> 
             out,
             false,
             (a, inp, 1),
-            (w, 1, inp),
+            (w, rs, cs),
             true,
         );
         dst.set_len(n * out);
@@ -224,8 +259,10 @@ fn gelu_bias(f: &[f32], b: &[f32], g: Option<&[f32]>) -> Vec<f32> {
     }
 }
 
-/// `g (n × out) · w (out × inp)`, a new `(n, inp)` buffer (the input's gradient).
-fn g_w(g: &[f32], w: &[f32], n: usize, out: usize, inp: usize) -> Vec<f32> {
+/// `g (n × out) · w (out × inp)`, a new `(n, inp)` buffer (the input's gradient); `w` stored
+/// `(inp, out)` when `t`.
+fn g_w(g: &[f32], w: &[f32], (n, out, inp): (usize, usize, usize), t: bool) -> Vec<f32> {
+    let (cs, rs) = wt(inp, out, t);
     let mut dst = Vec::with_capacity(n * inp);
     // SAFETY: operands of their full shapes; the gemm writes every element of `dst` (no
     // accumulation), so the length is set after.
@@ -236,7 +273,7 @@ fn g_w(g: &[f32], w: &[f32], n: usize, out: usize, inp: usize) -> Vec<f32> {
             inp,
             false,
             (g, out, 1),
-            (w, inp, 1),
+            (w, rs, cs),
             true,
         );
         dst.set_len(n * inp);
@@ -244,20 +281,33 @@ fn g_w(g: &[f32], w: &[f32], n: usize, out: usize, inp: usize) -> Vec<f32> {
     dst
 }
 
-/// `gᵀ (out × n) · a (n × inp)`, a new `(out, inp)` buffer (the weight's gradient).
-fn gt_a(g: &[f32], a: &[f32], n: usize, out: usize, inp: usize) -> Vec<f32> {
+/// The weight's gradient, a new buffer in the weight's layout: `gᵀ (out × n) · a (n × inp)`,
+/// or `aᵀ · g` `(inp, out)` when `t`.
+fn gt_a(g: &[f32], a: &[f32], (n, out, inp): (usize, usize, usize), t: bool) -> Vec<f32> {
     let mut dst = Vec::with_capacity(out * inp);
     // SAFETY: as in `g_w`.
     unsafe {
-        gemm_f32(
-            (out, inp, n),
-            dst.as_mut_ptr(),
-            inp,
-            false,
-            (g, 1, out),
-            (a, inp, 1),
-            true,
-        );
+        if t {
+            gemm_f32(
+                (inp, out, n),
+                dst.as_mut_ptr(),
+                out,
+                false,
+                (a, 1, inp),
+                (g, out, 1),
+                true,
+            );
+        } else {
+            gemm_f32(
+                (out, inp, n),
+                dst.as_mut_ptr(),
+                inp,
+                false,
+                (g, 1, out),
+                (a, inp, 1),
+                true,
+            );
+        }
         dst.set_len(out * inp);
     }
     dst
@@ -296,20 +346,20 @@ impl CustomOp1 for BlockOp {
             let [ln1w, ln1b, wqkv, bqkv, wp, bp, ln2w, ln2b, wfc, bfc, wmp, bmp] = p else {
                 bail!("gpt block: twelve parameters expected")
             };
-            let k = bfc.len();
+            let (k, tr) = (bfc.len(), self.t);
             let a1 = norm_forward(x, ln1w, Some(ln1b), self.eps, true);
             // qkv without its bias, which the attention kernel's gathers add.
-            let qkv = a_wt_new(&a1, wqkv, n, d, 3 * d);
+            let qkv = a_wt_new(&a1, wqkv, (n, d, 3 * d), tr);
             let att = attention_forward(&qkv, Some(bqkv), self.shape(b, t, d), &self.opts());
             let mut h = rows_plus(n, bp, Some(x));
-            a_wt(&mut h, &att, wp, n, d, d);
+            a_wt(&mut h, &att, wp, (n, d, d), tr);
             let a2 = norm_forward(&h, ln2w, Some(ln2b), self.eps, true);
             // f = a2 · W_fcᵀ without its bias, which the GELU pass adds (no bias rows written
             // and read back); the backward adds it again for gelu'.
-            let f = a_wt_new(&a2, wfc, n, d, k);
+            let f = a_wt_new(&a2, wfc, (n, d, k), tr);
             let gl = gelu_bias(&f, bfc, None);
             let mut out = rows_plus(n, bmp, Some(&h));
-            a_wt(&mut out, &gl, wmp, n, k, d);
+            a_wt(&mut out, &gl, wmp, (n, k, d), tr);
             drop((a1, a2));
             let saved = Saved { qkv, att, h, f, gl };
             Ok((saved, out))
@@ -333,27 +383,27 @@ impl CustomOp1 for BlockOp {
                 let [ln1w, ln1b, wqkv, bqkv, wp, _, ln2w, ln2b, wfc, bfc, wmp, _] = p else {
                     bail!("gpt block: twelve parameters expected")
                 };
-                let k = wfc.len() / d;
+                let (k, tr) = (wfc.len() / d, self.t);
                 // MLP projection: out = h + gl · W_mpᵀ + b_mp.
-                let dwmp = gt_a(g, &s.gl, n, d, k);
+                let dwmp = gt_a(g, &s.gl, (n, d, k), tr);
                 let dbmp = col_sums(g, d);
-                let dgl = g_w(g, wmp, n, d, k);
+                let dgl = g_w(g, wmp, (n, d, k), tr);
                 drop(s.gl);
                 let df = gelu_bias(&s.f, bfc, Some(&dgl));
                 drop((dgl, s.f));
                 let a2 = norm_forward(&s.h, ln2w, Some(ln2b), self.eps, true);
-                let dwfc = gt_a(&df, &a2, n, k, d);
+                let dwfc = gt_a(&df, &a2, (n, k, d), tr);
                 let dbfc = col_sums(&df, k);
-                let da2 = g_w(&df, wfc, n, k, d);
+                let da2 = g_w(&df, wfc, (n, k, d), tr);
                 drop((df, a2));
                 let (mut dh, dln2w, dln2b) = norm_backward(&s.h, ln2w, &da2, self.eps, true);
                 drop((da2, s.h));
                 add_into(&mut dh, g);
                 let dh = &dh[..];
                 // Attention projection: h = x + att · W_pᵀ + b_p.
-                let dwp = gt_a(dh, &s.att, n, d, d);
+                let dwp = gt_a(dh, &s.att, (n, d, d), tr);
                 let dbp = col_sums(dh, d);
-                let datt = g_w(dh, wp, n, d, d);
+                let datt = g_w(dh, wp, (n, d, d), tr);
                 let dqkv = attention_backward(
                     &s.qkv,
                     Some(bqkv),
@@ -364,9 +414,9 @@ impl CustomOp1 for BlockOp {
                 );
                 drop((datt, s.att, s.qkv));
                 let a1 = norm_forward(x, ln1w, Some(ln1b), self.eps, true);
-                let dwqkv = gt_a(&dqkv, &a1, n, 3 * d, d);
+                let dwqkv = gt_a(&dqkv, &a1, (n, 3 * d, d), tr);
                 let dbqkv = col_sums(&dqkv, 3 * d);
-                let da1 = g_w(&dqkv, wqkv, n, 3 * d, d);
+                let da1 = g_w(&dqkv, wqkv, (n, 3 * d, d), tr);
                 drop((dqkv, a1));
                 let (mut n1, dln1w, dln1b) = norm_backward(x, ln1w, &da1, self.eps, true);
                 drop(da1);
@@ -439,7 +489,7 @@ mod tests {
     #[test]
     fn one_node_block_matches_the_composed_layers() {
         let (b, t, d, k, n_head) = (2, 24, 32, 128, 4);
-        let shapes = param_shapes(d, k);
+        let shapes = param_shapes(d, k, false);
         let p: Vec<Var> = shapes
             .iter()
             .enumerate()
@@ -463,6 +513,7 @@ mod tests {
             tensors: std::array::from_fn(|i| p[i].as_tensor()),
             n_head,
             eps: EPS,
+            conv1d: false,
         };
         assert!(
             gpt_block(x.as_tensor(), &params).unwrap().is_none(),
