@@ -218,9 +218,11 @@ pub fn apply<O: FusedOp>(x: &Tensor, params: &[Tensor], op: O) -> Result<Option<
     }
     let detached: Vec<Tensor> = params.iter().map(Tensor::detach).collect();
     let mut value = op.forward(&x.detach(), &detached)?;
-    if value.layout().start_offset() != 0 || !value.is_contiguous() {
+    if !value.is_contiguous() {
         // A fresh storage holding exactly the output, read from its start by the node.
-        value = value.contiguous()?.affine(1.0, 0.0)?;
+        value = value.contiguous()?;
+    } else if value.layout().start_offset() != 0 {
+        value = value.affine(1.0, 0.0)?;
     }
     if value.device().location() != x.device().location() || value.dtype() != x.dtype() {
         bail!(
@@ -303,11 +305,19 @@ impl<O: FusedOp> candle_core::CustomOp1 for Node<O> {
             .op
             .backward(&arg.detach(), &params, &grad_res.detach())?;
         let name = self.op.name();
-        if dx.shape() != arg.shape() {
+        if dx.shape() != arg.shape()
+            || dx.dtype() != arg.dtype()
+            || dx.device().location() != arg.device().location()
+        {
             bail!(
-                "fused op {name}: the input's gradient is {:?}, the input {:?}",
+                "fused op {name}: the input's gradient is {:?} {:?} on {:?}, the input {:?} {:?} \
+                 on {:?}",
                 dx.shape(),
-                arg.shape()
+                dx.dtype(),
+                dx.device().location(),
+                arg.shape(),
+                arg.dtype(),
+                arg.device().location()
             )
         }
         if grads.len() != params.len() {
@@ -324,6 +334,13 @@ impl<O: FusedOp> candle_core::CustomOp1 for Node<O> {
                     "fused op {name}: parameter {i}'s gradient is {:?}, the parameter {:?}",
                     g.shape(),
                     p.shape()
+                )
+            }
+            if g.device().location() != p.device().location() {
+                bail!(
+                    "fused op {name}: parameter {i}'s gradient is on {:?}, the parameter on {:?}",
+                    g.device().location(),
+                    p.device().location()
                 )
             }
             send(p, g.to_dtype(p.dtype())?)?;

@@ -10,6 +10,7 @@ mod budget;
 mod buffers;
 mod empty_batch;
 mod flat_param;
+mod fused_unit;
 #[cfg(feature = "gpt")]
 mod gpt;
 mod hybrid;
