@@ -138,8 +138,27 @@ pub fn matmul(dst: &mut [f32], dst_rs: usize, accumulate: bool, a: Mat<'_>, b: M
 
 /// `a · b` as a new row-major `m × n` buffer ([`matmul`] without accumulation).
 pub fn matmul_new(a: Mat<'_>, b: Mat<'_>) -> Vec<f32> {
-    let mut dst = vec![0f32; a.rows * b.cols];
-    matmul(&mut dst, b.cols, false, a, b);
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "matmul: a is {m}×{k}, b {}×{n}", b.rows);
+    assert!(a.fits() && b.fits(), "matmul: a view runs past its data");
+    if m == 0 || n == 0 || k == 0 {
+        return vec![0f32; m * n];
+    }
+    let mut dst = Vec::with_capacity(m * n);
+    // SAFETY: the asserts above; the gemm writes every element of the `m × n` destination (no
+    // accumulation), so the length is set after.
+    unsafe {
+        gemm_f32(
+            (m, n, k),
+            dst.as_mut_ptr(),
+            n,
+            false,
+            (a.data, a.rs, a.cs),
+            (b.data, b.rs, b.cs),
+            true,
+        );
+        dst.set_len(m * n);
+    }
     dst
 }
 

@@ -414,10 +414,28 @@ fn project(
     width: usize,
     p: &[&[f32]],
 ) -> Vec<f32> {
-    let mut out = vec![0f32; n * width];
+    debug_assert_eq!(pieces.iter().map(|pc| pc.rows).sum::<usize>(), width);
+    let mut out: Vec<f32> = Vec::with_capacity(n * width);
     for pc in pieces {
-        let w = Mat::new(p[pc.w], pc.rows, inp).t();
-        matmul(&mut out[pc.col..], width, false, Mat::new(a, n, inp), w);
+        debug_assert!(p[pc.w].len() == pc.rows * inp && a.len() == n * inp);
+        // SAFETY: the pieces tile the columns (`Plan::check`), each gemm writes its `n ×
+        // rows` block at column `col` of rows of `width` (no accumulation), inside the
+        // capacity; the length is set once every block is written.
+        unsafe {
+            crate::cpu::gemm_f32(
+                (n, pc.rows, inp),
+                out.as_mut_ptr().add(pc.col),
+                width,
+                false,
+                (a, inp, 1),
+                (p[pc.w], 1, inp),
+                true,
+            );
+        }
+    }
+    // SAFETY: every element was written above.
+    unsafe { out.set_len(n * width) };
+    for pc in pieces {
         if let Some(b) = pc.b {
             add_bias(&mut out, width, pc.col, p[b]);
         }
@@ -439,26 +457,37 @@ fn project_bwd(
     grads: &mut [Option<Vec<f32>>],
 ) -> Vec<f32> {
     let gm = Mat::new(g, n, width);
-    let mut da = vec![0f32; n * inp];
-    for (i, pc) in pieces.iter().enumerate() {
+    let mut da: Option<Vec<f32>> = None;
+    for pc in pieces {
         let gp = gm.columns(pc.col..pc.col + pc.rows);
         grads[pc.w] = Some(matmul_new(gp.t(), Mat::new(a, n, inp)));
         if let Some(b) = pc.b {
             grads[b] = Some(col_sums_strided(g, width, pc.col..pc.col + pc.rows));
         }
-        matmul(&mut da, inp, i > 0, gp, Mat::new(p[pc.w], pc.rows, inp));
+        let w = Mat::new(p[pc.w], pc.rows, inp);
+        match da.as_mut() {
+            None => da = Some(matmul_new(gp, w)),
+            Some(da) => matmul(da, inp, true, gp, w),
+        }
     }
-    da
+    da.unwrap_or_else(|| vec![0f32; n * inp])
 }
 
 /// The gated MLP's middle, one pass over the rank's threads: `m = act(g) ⊙ u` from `gu` `(n,
 /// 2I)`; with `dm` `(n, I)`, also `[dg, du] = [dm ⊙ u ⊙ act'(g), dm ⊙ act(g)]` `(n, 2I)`.
 fn gate(gu: &[f32], dm: Option<&[f32]>, i: usize, act: Activation) -> (Vec<f32>, Vec<f32>) {
     const ROWS: usize = 64;
+    use std::mem::MaybeUninit;
     let n = gu.len() / (2 * i).max(1);
-    let mut m = vec![0f32; n * i];
-    let mut dgu = vec![0f32; if dm.is_some() { n * 2 * i } else { 0 }];
-    let run = |k: usize, m: &mut [f32], d: Option<&mut [f32]>| {
+    let mut m: Vec<MaybeUninit<f32>> = Vec::with_capacity(n * i);
+    let nd = if dm.is_some() { n * 2 * i } else { 0 };
+    let mut dgu: Vec<MaybeUninit<f32>> = Vec::with_capacity(nd);
+    // SAFETY: `MaybeUninit` needs no initialisation.
+    unsafe {
+        m.set_len(n * i);
+        dgu.set_len(nd);
+    }
+    let run = |k: usize, m: &mut [MaybeUninit<f32>], d: Option<&mut [MaybeUninit<f32>]>| {
         let gu = &gu[k * ROWS * 2 * i..];
         let dm = dm.map(|dm| &dm[k * ROWS * i..]);
         crate::cpu::with_simd(
@@ -494,7 +523,13 @@ fn gate(gu: &[f32], dm: Option<&[f32]>, i: usize, act: Activation) -> (Vec<f32>,
             run(k, m, None);
         }
     }
-    (m, dgu)
+    // SAFETY: `gate_rows` wrote every element of both (whole rows of every chunk).
+    unsafe {
+        (
+            std::mem::transmute::<Vec<MaybeUninit<f32>>, Vec<f32>>(m),
+            std::mem::transmute::<Vec<MaybeUninit<f32>>, Vec<f32>>(dgu),
+        )
+    }
 }
 
 /// [`gate`]'s rows: `m` (rows of `i`) from `gu` (rows of `2i`, from the same row), and with
@@ -503,8 +538,8 @@ fn gate(gu: &[f32], dm: Option<&[f32]>, i: usize, act: Activation) -> (Vec<f32>,
 fn gate_rows<const SILU: bool>(
     gu: &[f32],
     dm: Option<&[f32]>,
-    m: &mut [f32],
-    d: Option<&mut [f32]>,
+    m: &mut [std::mem::MaybeUninit<f32>],
+    d: Option<&mut [std::mem::MaybeUninit<f32>]>,
     i: usize,
 ) {
     #[inline(always)]
@@ -526,7 +561,7 @@ fn gate_rows<const SILU: bool>(
     for (r, mrow) in m.chunks_exact_mut(i).enumerate() {
         let (g, u) = gu[r * 2 * i..][..2 * i].split_at(i);
         for ((o, &g), &u) in mrow.iter_mut().zip(g).zip(u) {
-            *o = f::<SILU>(g) * u;
+            o.write(f::<SILU>(g) * u);
         }
     }
     if let (Some(d), Some(dm)) = (d, dm) {
@@ -535,8 +570,8 @@ fn gate_rows<const SILU: bool>(
             let dmr = &dm[r * i..][..i];
             let (dg, du) = drow.split_at_mut(i);
             for j in 0..i {
-                dg[j] = dmr[j] * u[j] * df::<SILU>(g[j]);
-                du[j] = dmr[j] * f::<SILU>(g[j]);
+                dg[j].write(dmr[j] * u[j] * df::<SILU>(g[j]));
+                du[j].write(dmr[j] * f::<SILU>(g[j]));
             }
         }
     }
