@@ -57,6 +57,7 @@ pub mod grad_scaler;
 pub mod init;
 pub mod kernels;
 pub mod launch;
+pub mod lora;
 pub mod lr_scheduler;
 #[cfg(feature = "mnist")]
 pub mod metrics;

@@ -37,9 +37,13 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use candle_core::{DType, Device, Module, Tensor};
+use candle_fsdp::checkpoint::peft::load_peft_adapter;
 use candle_fsdp::checkpoint::tools::HF_CONFIG_KEY;
 use candle_fsdp::data::text::TextCorpus;
-use candle_fsdp::models::decoder::hf::{build_from_resolved, resolve, HfDir, CONFIG_FILE};
+use candle_fsdp::lora::LoraConfig;
+use candle_fsdp::models::decoder::hf::{
+    build_from_resolved_with, resolve, HfDir, HfOptions, CONFIG_FILE,
+};
 use candle_fsdp::models::decoder::{self, lm_loss, DecoderConfig, FsdpDecoder};
 use candle_fsdp::models::llama::{hf::config_to_json, LlamaConfig};
 use candle_fsdp::{FsdpModel, MemoryBudget};
@@ -79,6 +83,31 @@ pub struct Args {
     /// From scratch: tie the LM head to the token embedding.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     pub tied: bool,
+    /// LoRA: the rank r of adapters on the --lora-targets projections (0: full fine-tuning).
+    /// Only the adapters train (gradients, reduce-scatter, optimizer state); the base is frozen.
+    #[arg(long, default_value_t = 0)]
+    pub lora_rank: usize,
+    /// LoRA: alpha (the update is scaled by alpha / r, or alpha / √r with --rslora).
+    #[arg(long, default_value_t = 16.0)]
+    pub lora_alpha: f64,
+    /// LoRA: dropout on the adapters' input (only 0 is supported so far).
+    #[arg(long, default_value_t = 0.0)]
+    pub lora_dropout: f64,
+    /// LoRA: the target modules, comma-separated, as PEFT's target_modules (names such as
+    /// q_proj, or globs such as '*.mlp.*').
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "q_proj,k_proj,v_proj,o_proj"
+    )]
+    pub lora_targets: Vec<String>,
+    /// LoRA: rsLoRA's scaling alpha / √r.
+    #[arg(long)]
+    pub rslora: bool,
+    /// LoRA: start the adapters from this PEFT adapter directory (adapter_model.safetensors)
+    /// instead of PEFT's initialisation.
+    #[arg(long, value_name = "DIR")]
+    pub lora_from: Option<PathBuf>,
     #[command(flatten)]
     pub lm: lm::LmArgs,
     #[command(flatten)]
@@ -86,6 +115,24 @@ pub struct Args {
 }
 
 impl Args {
+    /// The LoRA config of the flags, `None` without --lora-rank.
+    fn lora(&self) -> anyhow::Result<Option<LoraConfig>> {
+        if self.lora_rank == 0 {
+            anyhow::ensure!(
+                self.lora_from.is_none(),
+                "--lora-from needs --lora-rank (the adapters' rank, as in the adapter's \
+                 adapter_config.json)"
+            );
+            return Ok(None);
+        }
+        let mut cfg = LoraConfig::new(self.lora_rank, self.lora_alpha, self.lora_targets.clone());
+        cfg.rslora = self.rslora;
+        cfg.dropout = self.lora_dropout;
+        cfg.validate()
+            .context("--lora-rank / --lora-alpha / --lora-dropout / --lora-targets")?;
+        Ok(Some(cfg))
+    }
+
     /// The from-scratch shape (bytes as tokens).
     fn scratch_config(&self) -> LlamaConfig {
         LlamaConfig {
@@ -334,10 +381,33 @@ fn main() -> anyhow::Result<()> {
         None => None,
     };
     check_resumed_model(train, &cfg, &config_src, setup.prints())?;
-    let extra = BTreeMap::from([(HF_CONFIG_KEY.to_string(), config_json)]);
+    let lora = args.lora()?;
+    let mut extra = BTreeMap::from([(HF_CONFIG_KEY.to_string(), config_json)]);
+    if let Some(l) = &lora {
+        extra.insert(
+            candle_fsdp::lora::LORA_CONFIG_KEY.to_string(),
+            serde_json::to_string(l)?,
+        );
+        if setup.prints() {
+            println!(
+                "LoRA: r {}, alpha {} (scale {}), targets {}; the base frozen{}",
+                l.r,
+                l.alpha,
+                l.scale(),
+                l.targets.join(", "),
+                args.lora_from.as_ref().map_or(String::new(), |d| format!(
+                    ", adapters from {}",
+                    d.display()
+                ))
+            );
+        }
+    }
     let outcome = common::trainer::run_job(train, &setup.launcher, |pg, session| {
-        let model = FsdpDecoder::new(cfg.clone())?
+        let mut model = FsdpDecoder::new(cfg.clone())?
             .with_activation_checkpointing(args.lm.activation_checkpointing);
+        if let Some(l) = &lora {
+            model = model.with_lora(l.clone())?;
+        }
         let parts = LmParts {
             model: model.clone(),
             seq_len: args.seq_len,
@@ -358,18 +428,22 @@ fn main() -> anyhow::Result<()> {
             activations,
             |mut config| {
                 config.memory_budget = budget;
-                match &resolved {
-                    Some(dir) => Ok(build_from_resolved(
-                        build_pg,
-                        config,
-                        dir,
-                        args.lm.activation_checkpointing,
-                    )?
-                    .1),
+                let mut built = match &resolved {
+                    Some(dir) => {
+                        let opts = HfOptions {
+                            activation_checkpointing: args.lm.activation_checkpointing,
+                            lora: lora.clone(),
+                        };
+                        build_from_resolved_with(build_pg, config, dir, &opts)?.1
+                    }
                     None => model
                         .add_units(FsdpModel::builder(build_pg, config))
-                        .build(),
+                        .build()?,
+                };
+                if let Some(dir) = &args.lora_from {
+                    load_peft_adapter(dir, &mut built)?;
                 }
+                Ok(built)
             },
         )?
         .run()

@@ -56,6 +56,7 @@ impl From<ExportDtype> for DType {
 enum ExportFormat {
     Safetensors,
     Hf,
+    Peft,
 }
 
 #[derive(Debug, Subcommand)]
@@ -81,7 +82,9 @@ enum Command {
         dtype: Option<ExportDtype>,
         /// `safetensors`: one file of every tensor; `hf`: `config.json` and the weights
         /// (`model.safetensors`, or shards and `model.safetensors.index.json` above
-        /// `--max-shard-size`) as `transformers`' `save_pretrained` writes them.
+        /// `--max-shard-size`) as `transformers`' `save_pretrained` writes them; `peft`: a
+        /// LoRA run's adapters as PEFT's `save_pretrained` writes them (`adapter_config.json`,
+        /// `adapter_model.safetensors`), which `PeftModel.from_pretrained(base, OUT)` loads.
         #[arg(long, value_enum, default_value = "safetensors")]
         format: ExportFormat,
         /// With `--format hf`: the largest weights file: bytes, or a size with a unit as
@@ -93,6 +96,10 @@ enum Command {
         /// stores, saved by a run started from `--from-hf` or by the llama example).
         #[arg(long)]
         hf_config: Option<PathBuf>,
+        /// With `--format peft`: `base_model_name_or_path` of `adapter_config.json` (the base
+        /// model's directory or hub name).
+        #[arg(long)]
+        base_model: Option<String>,
     },
     /// Make a sharded checkpoint from a full safetensors model file, to start FSDP training
     /// from it (`--resume --checkpoint-dir OUT`).
@@ -140,10 +147,45 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             dir,
             out,
             dtype,
+            format: ExportFormat::Peft,
+            max_shard_size,
+            hf_config,
+            base_model,
+        } => {
+            for (flag, given) in [
+                ("--max-shard-size", max_shard_size.is_some()),
+                ("--hf-config", hf_config.is_some()),
+                ("--dtype", dtype.is_some()),
+            ] {
+                if given {
+                    return Err(candle_fsdp::Error::InvalidArgument(format!(
+                        "{flag} does not apply to --format peft (the adapter is written in f32)"
+                    )));
+                }
+            }
+            let s = tools::export_peft(&dir, &out, base_model.as_deref())?;
+            println!(
+                "exported the LoRA adapters of {} to {} (PEFT layout): {} tensors, {} bytes",
+                s.checkpoint.display(),
+                s.dir.display(),
+                s.tensors,
+                s.bytes
+            );
+        }
+        Command::Export {
+            dir,
+            out,
+            dtype,
             format: ExportFormat::Hf,
             max_shard_size,
             hf_config,
+            base_model,
         } => {
+            if base_model.is_some() {
+                return Err(candle_fsdp::Error::InvalidArgument(
+                    "--base-model applies to --format peft only".into(),
+                ));
+            }
             let opts = tools::HfExportOptions {
                 dtype: dtype.map(DType::from),
                 max_shard_bytes: max_shard_size
@@ -166,16 +208,18 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             dtype,
             max_shard_size,
             hf_config,
+            base_model,
             ..
         } => {
             // The Hugging Face layout's flags would otherwise be ignored without a word.
-            for (flag, given) in [
-                ("--max-shard-size", max_shard_size.is_some()),
-                ("--hf-config", hf_config.is_some()),
+            for (flag, given, fmt) in [
+                ("--max-shard-size", max_shard_size.is_some(), "hf"),
+                ("--hf-config", hf_config.is_some(), "hf"),
+                ("--base-model", base_model.is_some(), "peft"),
             ] {
                 if given {
                     return Err(candle_fsdp::Error::InvalidArgument(format!(
-                        "{flag} applies to --format hf only (this export writes one \
+                        "{flag} applies to --format {fmt} only (this export writes one \
                          safetensors file)"
                     )));
                 }

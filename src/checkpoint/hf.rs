@@ -353,6 +353,10 @@ pub struct HfNames<'a> {
     /// File tensors that are not parameters and are skipped (rotary tables, a tied head's
     /// duplicate).
     pub ignored: &'a dyn Fn(&str) -> bool,
+    /// Parameters that are not in the files and are initialised instead (from their init
+    /// hints and the config's seed, as [`crate::FsdpModelBuilder::build`] does): LoRA's
+    /// adapters on a pretrained base. `None`: every parameter is read.
+    pub fresh: Option<&'a dyn Fn(&str) -> bool>,
 }
 
 impl<'a> HfNames<'a> {
@@ -361,12 +365,18 @@ impl<'a> HfNames<'a> {
         Self {
             sources: BTreeMap::new(),
             ignored,
+            fresh: None,
         }
     }
 
     /// The file's name of parameter `param`.
     pub fn source<'n>(&'n self, param: &'n str) -> &'n str {
         self.sources.get(param).map_or(param, String::as_str)
+    }
+
+    /// Whether parameter `param` is initialised instead of read ([`HfNames::fresh`]).
+    pub fn is_fresh(&self, param: &str) -> bool {
+        self.fresh.is_some_and(|f| f(param))
     }
 }
 
@@ -395,6 +405,7 @@ pub fn build_from_hf_weights(
         let expected: Vec<(String, Vec<usize>)> = spec
             .record(&config.device)?
             .into_iter()
+            .filter(|p| !names.is_fresh(&p.name))
             .map(|p| (p.name, p.shape.dims().to_vec()))
             .collect();
         let w = HfWeights::open(dir, &mut stats)?;
@@ -412,7 +423,13 @@ pub fn build_from_hf_weights(
         local,
     )?;
     let weights = weights.expect("checked on every rank");
+    let seed = config.seed;
     let model = FsdpModel::build_with(pg, config, spec, |p, range, out| {
+        if names.is_fresh(&p.name) {
+            let values = crate::init::init_values(&p.name, &p.shape, p.hint, seed);
+            out.copy_from_slice(&values[range]);
+            return Ok(());
+        }
         weights.read_f32(names.source(&p.name), range, out, &mut stats)
     })?;
     Ok((model, stats))

@@ -62,6 +62,7 @@
 mod full;
 pub mod hf;
 mod io;
+pub mod peft;
 mod sharded;
 pub mod tools;
 

@@ -96,6 +96,17 @@ impl FsdpModelBuilder {
         self
     }
 
+    /// Freezes every parameter whose full name matches none of `patterns` (glob syntax as
+    /// [`FsdpModelBuilder::freeze`]): only the matching ones train (e.g. LoRA's adapters,
+    /// `"*.lora_A.weight"`, `"*.lora_B.weight"`; see [`crate::lora`]). Combines with
+    /// [`FsdpModelBuilder::freeze`] (a parameter matching a freeze pattern is frozen either way).
+    ///
+    /// [`FsdpModelBuilder::build`] fails on an invalid pattern or one that matches nothing.
+    pub fn train_only(mut self, patterns: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.spec.push_train_only(patterns);
+        self
+    }
+
     /// Sets [`FsdpConfig::memory_budget`]: [`FsdpModelBuilder::build`] then fails before any
     /// shard is allocated when the model's plan exceeds it.
     pub fn memory_budget(mut self, budget: super::MemoryBudget) -> Self {
@@ -159,7 +170,7 @@ impl FsdpModel {
                 .sharding_strategy
                 .with_shard_size(Some(mesh.shard_size()));
         }
-        let mut freeze = FreezePatterns::new(&spec.freeze, &spec.groups)?;
+        let mut freeze = FreezePatterns::new(&spec.freeze, &spec.train_only, &spec.groups)?;
         let recorded = record_groups(spec.groups, &config)?;
         let classified = recorded
             .into_iter()
@@ -191,11 +202,15 @@ struct FreezePatterns {
     source: Vec<String>,
     patterns: Vec<glob::Pattern>,
     used: Vec<bool>,
+    /// `train_only`'s patterns (the parameters matching none of them are frozen), by index
+    /// into `source` / `used` from `first_keep` on.
+    keep: Vec<glob::Pattern>,
+    first_keep: usize,
 }
 
 impl FreezePatterns {
     /// Parses `source` (after checking that the model has a unit, the error that comes first).
-    fn new(source: &[String], groups: &[GroupSpec]) -> Result<Self> {
+    fn new(source: &[String], keep: &[String], groups: &[GroupSpec]) -> Result<Self> {
         if groups.iter().all(|g| g.members.is_empty()) {
             return Err(Error::InvalidArgument(
                 "a model needs at least one unit".into(),
@@ -209,10 +224,22 @@ impl FreezePatterns {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let keep_patterns = keep
+            .iter()
+            .map(|p| {
+                glob::Pattern::new(p).map_err(|e| {
+                    Error::InvalidArgument(format!(
+                        "train-only pattern {p:?} is not a valid glob: {e}"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(FreezePatterns {
-            source: source.to_vec(),
-            used: vec![false; patterns.len()],
+            source: source.iter().chain(keep).cloned().collect(),
+            used: vec![false; patterns.len() + keep_patterns.len()],
+            first_keep: patterns.len(),
             patterns,
+            keep: keep_patterns,
         })
     }
 
@@ -225,15 +252,27 @@ impl FreezePatterns {
                 hit = true;
             }
         }
-        hit
+        let mut kept = false;
+        for (i, pat) in self.keep.iter().enumerate() {
+            if pat.matches(name) {
+                self.used[self.first_keep + i] = true;
+                kept = true;
+            }
+        }
+        hit || (!self.keep.is_empty() && !kept)
     }
 
-    /// The first pattern that matched no parameter.
-    fn unused(&self) -> Option<&str> {
-        self.used
-            .iter()
-            .position(|u| !u)
-            .map(|i| self.source[i].as_str())
+    /// The first pattern that matched no parameter, and its kind (`"freeze"` or
+    /// `"train-only"`).
+    fn unused(&self) -> Option<(&'static str, &str)> {
+        self.used.iter().position(|u| !u).map(|i| {
+            let kind = if i < self.first_keep {
+                "freeze"
+            } else {
+                "train-only"
+            };
+            (kind, self.source[i].as_str())
+        })
     }
 }
 
@@ -445,14 +484,14 @@ fn plan_groups(
             });
         }
     }
-    if let Some(pattern) = freeze.unused() {
+    if let Some((kind, pattern)) = freeze.unused() {
         let mut names: Vec<&str> = planned
             .iter()
             .flat_map(|u| u.layout.params.iter().map(|p| p.name.as_str()))
             .collect();
         names.sort_unstable();
         return Err(Error::InvalidArgument(format!(
-            "freeze pattern {:?} matches no parameter; the parameters are: {}",
+            "{kind} pattern {:?} matches no parameter; the parameters are: {}",
             pattern,
             names.join(", ")
         )));

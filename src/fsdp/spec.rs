@@ -14,6 +14,8 @@ use crate::unit::{record_unit, RecordedParam, UnitSpec};
 pub struct ModelSpec {
     pub(super) groups: Vec<GroupSpec>,
     pub(super) freeze: Vec<String>,
+    /// When not empty: the only trainable parameters (every other one is frozen).
+    pub(super) train_only: Vec<String>,
 }
 
 #[derive(Clone)]
@@ -58,6 +60,12 @@ impl ModelSpec {
     /// Adds freeze patterns (see [`super::FsdpModelBuilder::freeze`]).
     pub fn push_freeze(&mut self, patterns: impl IntoIterator<Item = impl Into<String>>) {
         self.freeze.extend(patterns.into_iter().map(Into::into));
+    }
+
+    /// Adds patterns of the only parameters that train (see
+    /// [`super::FsdpModelBuilder::train_only`]).
+    pub fn push_train_only(&mut self, patterns: impl IntoIterator<Item = impl Into<String>>) {
+        self.train_only.extend(patterns.into_iter().map(Into::into));
     }
 
     /// Every tensor the constructors create (parameters and buffers, each once), in build

@@ -349,6 +349,7 @@ impl DecoderConfig {
 pub struct FsdpDecoder {
     cfg: DecoderConfig,
     activation_checkpointing: bool,
+    lora: Option<crate::lora::LoraConfig>,
 }
 
 impl FsdpDecoder {
@@ -362,7 +363,49 @@ impl FsdpDecoder {
         Ok(Self {
             cfg,
             activation_checkpointing: false,
+            lora: None,
         })
+    }
+
+    /// LoRA adapters on the projections `lora` targets ([`crate::lora`]; PEFT's module names:
+    /// `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`, Phi-3's
+    /// `qkv_proj` and `gate_up_proj`, GPT-2's `c_attn`, `c_proj`, `c_fc`), everything else
+    /// frozen: [`FsdpDecoder::spec`] and [`FsdpDecoder::add_units`] train only the adapters
+    /// (`train_only(`[`crate::lora::TRAINABLE`]`)`).
+    ///
+    /// Errors: an invalid config ([`crate::lora::LoraConfig::validate`]); targets that match no
+    /// projection of the model (naming the projections).
+    pub fn with_lora(mut self, lora: crate::lora::LoraConfig) -> Result<Self> {
+        lora.validate()?;
+        let modules: Vec<String> = hf::parameter_shapes(&self.cfg)?
+            .into_iter()
+            .filter(|(n, s)| {
+                s.len() == 2
+                    && n.ends_with(".weight")
+                    && n.starts_with(&format!("{}.", self.cfg.names().layers))
+            })
+            .map(|(n, _)| n.trim_end_matches(".weight").to_string())
+            .collect();
+        if !modules.iter().any(|m| lora.targets_module(m)) {
+            let mut kinds: Vec<&str> = modules
+                .iter()
+                .filter_map(|m| m.rsplit('.').next())
+                .collect();
+            kinds.sort_unstable();
+            kinds.dedup();
+            return Err(Error::InvalidArgument(format!(
+                "LoRA: the targets {:?} match no projection of the model; its projections are: {}",
+                lora.targets,
+                kinds.join(", ")
+            )));
+        }
+        self.lora = Some(lora);
+        Ok(self)
+    }
+
+    /// The LoRA config, when the decoder has adapters.
+    pub fn lora(&self) -> Option<&crate::lora::LoraConfig> {
+        self.lora.as_ref()
     }
 
     /// Activation checkpointing of the blocks ([`UnitSpec::with_activation_checkpointing`]).
@@ -393,9 +436,12 @@ impl FsdpDecoder {
         }
         for i in 0..cfg.num_hidden_layers {
             let c = cfg.clone();
+            let lora = self.lora.clone();
             rest.push(
-                UnitSpec::new(names.layer(i), move |vb| Block::new(&c, i, vb))
-                    .with_activation_checkpointing(self.activation_checkpointing),
+                UnitSpec::new(names.layer(i), move |vb| {
+                    Block::with_lora(&c, i, lora.as_ref(), vb)
+                })
+                .with_activation_checkpointing(self.activation_checkpointing),
             );
         }
         let c = cfg.clone();
@@ -415,6 +461,9 @@ impl FsdpDecoder {
         let mut s = ModelSpec::new();
         s.push_group(self.cfg.names().embed, emb);
         rest.into_iter().for_each(|u| s.push_unit(u));
+        if self.lora.is_some() {
+            s.push_train_only(crate::lora::TRAINABLE);
+        }
         s
     }
 
@@ -423,7 +472,12 @@ impl FsdpDecoder {
     /// 0).
     pub fn add_units(&self, builder: FsdpModelBuilder) -> FsdpModelBuilder {
         let (emb, rest) = self.units();
-        builder.group(self.cfg.names().embed, emb).units(rest)
+        let builder = builder.group(self.cfg.names().embed, emb).units(rest);
+        if self.lora.is_some() {
+            builder.train_only(crate::lora::TRAINABLE)
+        } else {
+            builder
+        }
     }
 
     /// The forward through the units: logits `(B, T, V)` of token ids `(B, T)` u32 in the

@@ -5,7 +5,9 @@
 //! The fixtures under `tests/models/fixtures/` are tiny random models with what transformers
 //! computed: `llama-*` `LlamaForCausalLM`s written by `scripts/make-hf-fixture.py`, `family-*`
 //! one per family by `scripts/make-hf-family-fixture.py`; the `resolve-*` ones, by
-//! `scripts/make-hf-resolve-fixture.py`, with what transformers' `from_pretrained` decided.
+//! `scripts/make-hf-resolve-fixture.py`, with what transformers' `from_pretrained` decided;
+//! `lora-llama` a PEFT adapter on `llama-gqa` with PEFT's numbers, by
+//! `scripts/make-peft-fixture.py`.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -16,6 +18,7 @@ mod hf_export;
 mod hf_load;
 mod hf_resolve;
 mod llama;
+mod lora;
 
 use std::path::PathBuf;
 

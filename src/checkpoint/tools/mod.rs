@@ -29,6 +29,7 @@
 
 mod export;
 mod export_hf;
+mod export_peft;
 mod inspect;
 mod reshard;
 mod verify;
@@ -52,6 +53,7 @@ use crate::error::{Error, Result};
 
 pub use export::{export_full, ExportSummary};
 pub use export_hf::{export_hf, HfExportOptions, HfExportSummary, HF_CONFIG_KEY};
+pub use export_peft::{export_peft, PeftExportSummary};
 pub use inspect::{inspect, Inspection, TensorRow};
 pub use reshard::{import_full, reshard, ImportOptions};
 pub use verify::{verify, Problem, VerifyReport};

@@ -27,7 +27,8 @@
 //! GPT-2's style (LayerNorm with biases, `Conv1D` weights, learned positions) runs the GPT's
 //! block node (`models/gpt2_block.rs`) over its `(in, out)` weights.
 //!
-//! Not fused (the block composes its layers instead, with the same values): anything but f32 on the CPU, an input without
+//! Not fused (the block composes its layers instead, with the same values): a block with LoRA
+//! adapters ([`crate::lora`]), anything but f32 on the CPU, an input without
 //! gradient, outside an armed training call.
 
 use std::sync::Mutex;
@@ -92,7 +93,9 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
         && x.device().is_cpu()
         && x.dtype() == DType::F32
         && x.rank() == 3
-        && x.elem_count() > 0;
+        && x.elem_count() > 0
+        // LoRA adapters are not in the node yet: the adapted block composes.
+        && !blk.has_lora();
     if !applies {
         return Ok(None);
     }

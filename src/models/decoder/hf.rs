@@ -193,6 +193,33 @@ pub fn build_from_hf(
     dir: &Path,
     activation_checkpointing: bool,
 ) -> Result<(FsdpDecoder, FsdpModel, ReadStats)> {
+    let opts = HfOptions {
+        activation_checkpointing,
+        lora: None,
+    };
+    build_from_hf_with(pg, config, dir, &opts)
+}
+
+/// How [`build_from_hf_with`] builds the decoder beyond the directory's config.
+#[derive(Debug, Clone, Default)]
+pub struct HfOptions {
+    /// [`FsdpDecoder::with_activation_checkpointing`].
+    pub activation_checkpointing: bool,
+    /// [`FsdpDecoder::with_lora`]: adapters initialised as PEFT's (not read from the
+    /// directory), the base frozen.
+    pub lora: Option<crate::lora::LoraConfig>,
+}
+
+/// [`build_from_hf`] with options: activation checkpointing, LoRA adapters on the pretrained
+/// base ([`HfOptions`]).
+///
+/// Errors: as [`build_from_hf`]; an invalid LoRA config or targets that match no projection.
+pub fn build_from_hf_with(
+    pg: Arc<dyn ProcessGroup>,
+    config: FsdpConfig,
+    dir: &Path,
+    opts: &HfOptions,
+) -> Result<(FsdpDecoder, FsdpModel, ReadStats)> {
     let (resolved, local) = match resolve(dir) {
         Ok(r) => (Some(r), Ok(())),
         Err(e) => (None, Err(e)),
@@ -209,7 +236,7 @@ pub fn build_from_hf(
             tracing::warn!("{}: {d}", dir.display());
         }
     }
-    build_from_resolved(pg, config, &resolved, activation_checkpointing)
+    build_from_resolved_with(pg, config, &resolved, opts)
 }
 
 /// Builds the decoder of a resolved directory ([`resolve`]) as a sharded [`FsdpModel`] (a
@@ -230,13 +257,38 @@ pub fn build_from_resolved(
     resolved: &HfDir,
     activation_checkpointing: bool,
 ) -> Result<(FsdpDecoder, FsdpModel, ReadStats)> {
+    let opts = HfOptions {
+        activation_checkpointing,
+        lora: None,
+    };
+    build_from_resolved_with(pg, config, resolved, &opts)
+}
+
+/// [`build_from_resolved`] with [`HfOptions`]: with LoRA, the adapters are initialised (PEFT's
+/// initialisation, the config's seed), everything else read.
+///
+/// Errors: as [`build_from_resolved`]; as [`FsdpDecoder::with_lora`].
+pub fn build_from_resolved_with(
+    pg: Arc<dyn ProcessGroup>,
+    config: FsdpConfig,
+    resolved: &HfDir,
+    opts: &HfOptions,
+) -> Result<(FsdpDecoder, FsdpModel, ReadStats)> {
     let cfg = resolved.config.clone();
-    let decoder =
-        FsdpDecoder::new(cfg.clone())?.with_activation_checkpointing(activation_checkpointing);
+    let mut decoder =
+        FsdpDecoder::new(cfg.clone())?.with_activation_checkpointing(opts.activation_checkpointing);
+    if let Some(lora) = &opts.lora {
+        decoder = decoder.with_lora(lora.clone())?;
+    }
     let ignored = ignored(&cfg);
+    let fresh = |n: &str| n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight");
     let names = HfNames {
         sources: resolved.sources.clone(),
         ignored: &ignored,
+        fresh: opts
+            .lora
+            .is_some()
+            .then_some(&fresh as &dyn Fn(&str) -> bool),
     };
     let (model, stats) = build_from_hf_weights(pg, config, decoder.spec(), &resolved.dir, &names)?;
     Ok((decoder, model, stats))

@@ -10,6 +10,7 @@ use candle_nn::{Init, VarBuilder};
 
 use super::family::BlockStyle;
 use super::{Activation, DecoderConfig, INIT_STD};
+use crate::lora::{LoraAdapter, LoraConfig};
 use crate::nn::{
     attention, layer_norm, linear_forward, linear_normal, rms_norm, AttentionOptions, LayerNorm,
     Linear, RmsNorm,
@@ -201,6 +202,9 @@ pub(super) struct Proj {
     pub(super) weight: Tensor,
     pub(super) bias: Option<Tensor>,
     conv1d: bool,
+    /// A LoRA adapter (`lora_A`, `lora_B` under the projection) when the run's LoRA config
+    /// targets it.
+    pub(super) lora: Option<LoraAdapter>,
 }
 
 impl Proj {
@@ -209,6 +213,7 @@ impl Proj {
         in_dim: usize,
         out_dim: usize,
         bias: bool,
+        lora: Option<&LoraConfig>,
         vb: VarBuilder,
     ) -> candle_core::Result<Self> {
         let conv1d = cfg.table().style == BlockStyle::Gpt2;
@@ -231,6 +236,7 @@ impl Proj {
             None
         };
         Ok(Self {
+            lora: LoraAdapter::for_module(in_dim, out_dim, lora, &vb)?,
             weight,
             bias,
             conv1d,
@@ -245,7 +251,11 @@ impl Module for Proj {
         } else {
             self.weight.clone()
         };
-        linear_forward(x, &w, self.bias.as_ref())
+        let y = linear_forward(x, &w, self.bias.as_ref())?;
+        match &self.lora {
+            Some(a) => y + a.forward(x)?,
+            None => Ok(y),
+        }
     }
 }
 
@@ -282,29 +292,40 @@ type RopeTables = (usize, candle_core::DeviceLocation, Tensor, Tensor);
 impl Attention {
     /// The attention of layer `layer` of `cfg` under `vb`.
     pub fn new(cfg: &DecoderConfig, layer: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::with_lora(cfg, layer, None, vb)
+    }
+
+    /// [`Attention::new`] with the projections `lora` targets adapted.
+    pub fn with_lora(
+        cfg: &DecoderConfig,
+        layer: usize,
+        lora: Option<&LoraConfig>,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
         let table = cfg.table();
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);
         let (h, kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let gpt2 = table.style == BlockStyle::Gpt2;
         let qkv = if gpt2 {
-            Qkv::Fused(Proj::new(cfg, d, 3 * d, true, vb.pp("c_attn"))?)
+            Qkv::Fused(Proj::new(cfg, d, 3 * d, true, lora, vb.pp("c_attn"))?)
         } else if table.fused_qkv {
             Qkv::Fused(Proj::new(
                 cfg,
                 d,
                 (h + 2 * kv) * hd,
                 cfg.qkv_bias,
+                lora,
                 vb.pp("qkv_proj"),
             )?)
         } else {
             Qkv::Separate {
-                q: Proj::new(cfg, d, h * hd, cfg.qkv_bias, vb.pp("q_proj"))?,
-                k: Proj::new(cfg, d, kv * hd, cfg.qkv_bias, vb.pp("k_proj"))?,
-                v: Proj::new(cfg, d, kv * hd, cfg.qkv_bias, vb.pp("v_proj"))?,
+                q: Proj::new(cfg, d, h * hd, cfg.qkv_bias, lora, vb.pp("q_proj"))?,
+                k: Proj::new(cfg, d, kv * hd, cfg.qkv_bias, lora, vb.pp("k_proj"))?,
+                v: Proj::new(cfg, d, kv * hd, cfg.qkv_bias, lora, vb.pp("v_proj"))?,
             }
         };
         let o_name = if gpt2 { "c_proj" } else { "o_proj" };
-        let o = Proj::new(cfg, h * hd, d, cfg.o_bias, vb.pp(o_name))?;
+        let o = Proj::new(cfg, h * hd, d, cfg.o_bias, lora, vb.pp(o_name))?;
         let (q_norm, k_norm) = if cfg.qk_norm {
             (
                 Some(Norm::new(cfg, hd, vb.pp("q_norm"))?),
@@ -417,24 +438,33 @@ pub(super) enum MlpKind {
 impl Mlp {
     /// The MLP of `cfg` under `vb`.
     pub fn new(cfg: &DecoderConfig, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::with_lora(cfg, None, vb)
+    }
+
+    /// [`Mlp::new`] with the projections `lora` targets adapted.
+    pub fn with_lora(
+        cfg: &DecoderConfig,
+        lora: Option<&LoraConfig>,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
         let table = cfg.table();
         let (d, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
         let kind = if table.style == BlockStyle::Gpt2 {
             MlpKind::Plain {
-                fc: Proj::new(cfg, d, i, true, vb.pp("c_fc"))?,
-                proj: Proj::new(cfg, i, d, true, vb.pp("c_proj"))?,
+                fc: Proj::new(cfg, d, i, true, lora, vb.pp("c_fc"))?,
+                proj: Proj::new(cfg, i, d, true, lora, vb.pp("c_proj"))?,
             }
         } else if table.fused_gate_up {
             MlpKind::GatedFused {
-                gate_up: Proj::new(cfg, d, 2 * i, bias, vb.pp("gate_up_proj"))?,
-                down: Proj::new(cfg, i, d, bias, vb.pp("down_proj"))?,
+                gate_up: Proj::new(cfg, d, 2 * i, bias, lora, vb.pp("gate_up_proj"))?,
+                down: Proj::new(cfg, i, d, bias, lora, vb.pp("down_proj"))?,
                 i,
             }
         } else {
             MlpKind::Gated {
-                gate: Proj::new(cfg, d, i, bias, vb.pp("gate_proj"))?,
-                up: Proj::new(cfg, d, i, bias, vb.pp("up_proj"))?,
-                down: Proj::new(cfg, i, d, bias, vb.pp("down_proj"))?,
+                gate: Proj::new(cfg, d, i, bias, lora, vb.pp("gate_proj"))?,
+                up: Proj::new(cfg, d, i, bias, lora, vb.pp("up_proj"))?,
+                down: Proj::new(cfg, i, d, bias, lora, vb.pp("down_proj"))?,
             }
         };
         Ok(Self {
@@ -488,22 +518,48 @@ pub struct Block {
 }
 
 impl Block {
+    /// Whether a projection of the block carries a LoRA adapter.
+    pub(super) fn has_lora(&self) -> bool {
+        let attn = match &self.attn.qkv {
+            Qkv::Separate { q, k, v } => [q, k, v].iter().any(|p| p.lora.is_some()),
+            Qkv::Fused(p) => p.lora.is_some(),
+        };
+        let mlp = match &self.mlp.kind {
+            MlpKind::Gated { gate, up, down } => [gate, up, down].iter().any(|p| p.lora.is_some()),
+            MlpKind::GatedFused { gate_up, down, .. } => {
+                gate_up.lora.is_some() || down.lora.is_some()
+            }
+            MlpKind::Plain { fc, proj } => fc.lora.is_some() || proj.lora.is_some(),
+        };
+        attn || mlp || self.attn.o.lora.is_some()
+    }
+
     /// Block `layer` of `cfg` under `vb` (its names: the family's).
     pub fn new(cfg: &DecoderConfig, layer: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::with_lora(cfg, layer, None, vb)
+    }
+
+    /// [`Block::new`] with the projections `lora` targets adapted ([`crate::lora`]).
+    pub fn with_lora(
+        cfg: &DecoderConfig,
+        layer: usize,
+        lora: Option<&LoraConfig>,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
         let table = cfg.table();
         let d = cfg.hidden_size;
         if table.style == BlockStyle::Gpt2 {
             return Ok(Self {
                 norm1: Norm::new(cfg, d, vb.pp("ln_1"))?,
-                attn: Attention::new(cfg, layer, vb.pp("attn"))?,
+                attn: Attention::with_lora(cfg, layer, lora, vb.pp("attn"))?,
                 post_attn: None,
                 norm2: Norm::new(cfg, d, vb.pp("ln_2"))?,
-                mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+                mlp: Mlp::with_lora(cfg, lora, vb.pp("mlp"))?,
                 post_mlp: None,
             });
         }
         let norm1 = Norm::new(cfg, d, vb.pp("input_layernorm"))?;
-        let attn = Attention::new(cfg, layer, vb.pp("self_attn"))?;
+        let attn = Attention::with_lora(cfg, layer, lora, vb.pp("self_attn"))?;
         let (post_attn, norm2, post_mlp) = if table.sandwich_norms {
             (
                 Some(Norm::new(cfg, d, vb.pp("post_attention_layernorm"))?),
@@ -522,7 +578,7 @@ impl Block {
             attn,
             post_attn,
             norm2,
-            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+            mlp: Mlp::with_lora(cfg, lora, vb.pp("mlp"))?,
             post_mlp,
         })
     }

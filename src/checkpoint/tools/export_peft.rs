@@ -1,0 +1,113 @@
+//! `fsdp-ckpt export --format peft`: the LoRA adapters of a LoRA run's sharded checkpoint as a
+//! PEFT adapter directory, streamed tensor by tensor, without a process group.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::Dtype;
+
+use super::export::{open_shard_files, stream_param};
+use super::{check_checksums, resolve_checkpoint};
+use crate::checkpoint::io::{SafetensorsWriter, TensorSpec};
+use crate::checkpoint::peft::{PEFT_CONFIG, PEFT_WEIGHTS};
+use crate::checkpoint::{read_meta, write_atomic, META_FILE};
+use crate::error::{Error, Result};
+use crate::lora::{peft_name, LoraConfig, LORA_CONFIG_KEY};
+
+/// What [`export_peft`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeftExportSummary {
+    /// The checkpoint directory read.
+    pub checkpoint: PathBuf,
+    /// The adapter directory written.
+    pub dir: PathBuf,
+    /// Adapter tensors written (`lora_A` and `lora_B` of every adapted module).
+    pub tensors: usize,
+    /// Bytes of `adapter_model.safetensors`.
+    pub bytes: u64,
+}
+
+/// Writes the LoRA adapters of the checkpoint `dir` (a LoRA run's: its metadata holds the LoRA
+/// config under [`LORA_CONFIG_KEY`]) to the directory `out` as PEFT writes them:
+/// `adapter_model.safetensors` (f32, `base_model.model.<name>`) and `adapter_config.json`
+/// (`base_model_name_or_path` from `base_model` when given). Each file is written atomically;
+/// the frozen base is not read.
+///
+/// Errors, naming the file: `dir` not a checkpoint, damaged, or of a run without LoRA; `out`
+/// inside the checkpoint, or holding an adapter already; I/O.
+pub fn export_peft(dir: &Path, out: &Path, base_model: Option<&str>) -> Result<PeftExportSummary> {
+    let dir = resolve_checkpoint(dir)?;
+    let meta = read_meta(&dir)?;
+    let meta_path = dir.join(META_FILE);
+    let text = meta.train.extra.get(LORA_CONFIG_KEY).ok_or_else(|| {
+        Error::file(
+            &meta_path,
+            format!(
+                "not a LoRA run's checkpoint (no train.extra.{LORA_CONFIG_KEY}): export the \
+                 full model with --format hf"
+            ),
+        )
+    })?;
+    let lora: LoraConfig = serde_json::from_str(text).map_err(|e| {
+        Error::file(
+            &meta_path,
+            format!("{LORA_CONFIG_KEY} is not a LoRA config: {e}"),
+        )
+    })?;
+    if out.exists() && !out.is_dir() {
+        return Err(Error::file(out, "exists and is not a directory"));
+    }
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    if let (Ok(a), Ok(b)) = (std::fs::canonicalize(out), std::fs::canonicalize(&dir)) {
+        if a.starts_with(&b) {
+            return Err(Error::file(out, "is inside the checkpoint being exported"));
+        }
+    }
+    if out.join(PEFT_WEIGHTS).exists() {
+        return Err(Error::file(
+            out,
+            format!("already holds an adapter ({PEFT_WEIGHTS}): choose an empty directory"),
+        ));
+    }
+    check_checksums(&dir, &meta)?;
+    let files = open_shard_files(&dir, &meta)?;
+    let is_lora = |n: &str| n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight");
+    let mut specs = Vec::new();
+    for u in &meta.units {
+        for p in u.params.iter().filter(|p| is_lora(&p.name)) {
+            specs.push(TensorSpec {
+                name: peft_name(&p.name),
+                dtype: Dtype::F32,
+                shape: p.shape.clone(),
+            });
+        }
+    }
+    if specs.is_empty() {
+        return Err(Error::file(
+            &meta_path,
+            "the checkpoint holds no LoRA parameter (*.lora_A.weight, *.lora_B.weight)",
+        ));
+    }
+    let tensors = specs.len();
+    let md = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut w = SafetensorsWriter::create(&out.join(PEFT_WEIGHTS), specs, md)?;
+    for (k, u) in meta.units.iter().enumerate() {
+        let name = format!("param.{k}");
+        for p in u.params.iter().filter(|p| is_lora(&p.name)) {
+            w.begin_tensor(&peft_name(&p.name), Dtype::F32, p.numel * 4)?;
+            stream_param(&files, &name, u.shard_numel, p, Dtype::F32, &mut |b| {
+                w.write_part(b)
+            })?;
+        }
+    }
+    let (bytes, _) = w.finish()?;
+    let text = serde_json::to_string_pretty(&lora.peft_config(base_model))
+        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    write_atomic(&out.join(PEFT_CONFIG), text.as_bytes())?;
+    Ok(PeftExportSummary {
+        checkpoint: dir,
+        dir: out.to_path_buf(),
+        tensors,
+        bytes,
+    })
+}
