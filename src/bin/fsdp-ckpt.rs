@@ -100,6 +100,10 @@ enum Command {
         /// model's directory or hub name).
         #[arg(long)]
         base_model: Option<String>,
+        /// With `--format hf`, for a LoRA run's checkpoint: the merged model (each adapted
+        /// weight `W + s·B·A`, no adapters), as PEFT's `merge_and_unload` gives it.
+        #[arg(long)]
+        merge: bool,
     },
     /// Make a sharded checkpoint from a full safetensors model file, to start FSDP training
     /// from it (`--resume --checkpoint-dir OUT`).
@@ -151,8 +155,10 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             max_shard_size,
             hf_config,
             base_model,
+            merge,
         } => {
             for (flag, given) in [
+                ("--merge", merge),
                 ("--max-shard-size", max_shard_size.is_some()),
                 ("--hf-config", hf_config.is_some()),
                 ("--dtype", dtype.is_some()),
@@ -180,6 +186,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             max_shard_size,
             hf_config,
             base_model,
+            merge,
         } => {
             if base_model.is_some() {
                 return Err(candle_fsdp::Error::InvalidArgument(
@@ -191,6 +198,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                 max_shard_bytes: max_shard_size
                     .unwrap_or(tools::HfExportOptions::default().max_shard_bytes),
                 config: hf_config,
+                merge,
             };
             let s = tools::export_hf(&dir, &out, &opts)?;
             println!(
@@ -209,6 +217,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             max_shard_size,
             hf_config,
             base_model,
+            merge,
             ..
         } => {
             // The Hugging Face layout's flags would otherwise be ignored without a word.
@@ -216,6 +225,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                 ("--max-shard-size", max_shard_size.is_some(), "hf"),
                 ("--hf-config", hf_config.is_some(), "hf"),
                 ("--base-model", base_model.is_some(), "peft"),
+                ("--merge", merge, "hf"),
             ] {
                 if given {
                     return Err(candle_fsdp::Error::InvalidArgument(format!(

@@ -292,3 +292,67 @@ fn a_lora_checkpoint_exports_its_adapters_in_peft_layout() {
     assert!(e.contains("not a LoRA run's checkpoint"), "{e}");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn merged_export_equals_peft_merge_and_unload() {
+    use candle_fsdp::checkpoint::tools::{export_hf, HfExportOptions, HF_CONFIG_KEY};
+    use candle_fsdp::checkpoint::{save_sharded, TrainState};
+    use candle_fsdp::lora::LORA_CONFIG_KEY;
+    use candle_fsdp::models::decoder::hf::resolve;
+    let root = tmpdir("lora-merge");
+    let config = resolve(&fixture(BASE)).unwrap().config_json;
+    let lora = lora_config();
+    let ckpt = launch(&Launcher::threads(2), |pg| {
+        let (_, mut model, _) =
+            build_from_hf_with(pg, FsdpConfig::default(), &fixture(BASE), &opts())?;
+        load_peft_adapter(&fixture(ADAPTER), &mut model)?;
+        let opt = AdamW::new(AdamWConfig::default());
+        let mut state = TrainState::default();
+        state.extra.insert(HF_CONFIG_KEY.into(), config.clone());
+        state.extra.insert(
+            LORA_CONFIG_KEY.into(),
+            serde_json::to_string(&lora).unwrap(),
+        );
+        save_sharded(&root.join("ckpt"), &model, &opt, &state, 0)
+    })
+    .unwrap()
+    .swap_remove(0);
+    // Without --merge a LoRA checkpoint is refused, naming both ways out.
+    let e = export_hf(&ckpt, &root.join("plain"), &HfExportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--format peft") && e.contains("--merge"), "{e}");
+    let out = root.join("merged");
+    let opts = HfExportOptions {
+        merge: true,
+        ..Default::default()
+    };
+    export_hf(&ckpt, &out, &opts).unwrap();
+    let want = ExpectedFile::open(ADAPTER);
+    let written = weights_of(&out);
+    let mut merged_names: Vec<String> = want
+        .names()
+        .into_iter()
+        .filter_map(|n| n.strip_prefix("merged.").map(String::from))
+        .collect();
+    merged_names.sort();
+    let mut ours: Vec<String> = written.iter().map(|(n, _, _)| n.clone()).collect();
+    ours.sort();
+    assert_eq!(ours, merged_names, "the merged model's tensors, no adapter");
+    let mut adapted = 0;
+    for (n, _, v) in &written {
+        let theirs = want.get(&format!("merged.{n}"));
+        let d = max_abs_diff(v, &theirs);
+        assert!(d < 1e-6, "{n} differs from PEFT's merge by {d}");
+        let base = &weights_of(&fixture(BASE))
+            .into_iter()
+            .find(|(m, _, _)| m == n)
+            .unwrap()
+            .2;
+        if max_abs_diff(v, base) > 1e-3 {
+            adapted += 1;
+        }
+    }
+    assert_eq!(adapted, 10, "2 layers × 5 targets changed by the merge");
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -31,6 +31,10 @@ pub struct HfExportOptions {
     /// The `config.json` to write (its dtype keys updated); `None`: the one the checkpoint
     /// stores under [`HF_CONFIG_KEY`].
     pub config: Option<PathBuf>,
+    /// A LoRA run's checkpoint: write the merged model, each adapted weight `W + s·B·A`
+    /// (transposed for GPT-2's `Conv1D`), without the adapters (PEFT's `merge_and_unload`).
+    /// Required for such a checkpoint (its adapters alone: `--format peft`).
+    pub merge: bool,
 }
 
 impl Default for HfExportOptions {
@@ -39,6 +43,7 @@ impl Default for HfExportOptions {
             dtype: None,
             max_shard_bytes: 5_000_000_000,
             config: None,
+            merge: false,
         }
     }
 }
@@ -54,6 +59,108 @@ pub struct HfExportSummary {
     pub tensors: usize,
     /// Bytes of tensor data (the index's `total_size`).
     pub total_size: u64,
+}
+
+fn is_lora(name: &str) -> bool {
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+}
+
+/// One adapted weight's update: `A` `(r, in)`, `B` `(out, r)`, the scale, and whether the
+/// weight is stored `(in, out)` (`Conv1D`).
+struct Merge {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    r: usize,
+    scale: f32,
+    conv1d: bool,
+}
+
+impl Merge {
+    /// `W + s·B·A` for the f32 little-endian bytes of `W` (shape `shape`), in `W`'s layout.
+    fn apply(&self, base: &[u8], shape: &[usize]) -> Vec<f32> {
+        let w: Vec<f32> = base
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let cols = shape[1];
+        let inp = self.a.len() / self.r;
+        w.iter()
+            .enumerate()
+            .map(|(e, &v)| {
+                let (i, j) = (e / cols, e % cols);
+                // (out row o, in column c) of B·A.
+                let (o, c) = if self.conv1d { (j, i) } else { (i, j) };
+                let mut d = 0f32;
+                for k in 0..self.r {
+                    d += self.b[o * self.r + k] * self.a[k * inp + c];
+                }
+                v + self.scale * d
+            })
+            .collect()
+    }
+}
+
+/// The merges of a LoRA checkpoint: each adapted module's `weight` → its update.
+fn lora_merges(
+    files: &[super::SourceFile],
+    meta: &crate::checkpoint::CheckpointMeta,
+    config: &serde_json::Value,
+) -> Result<HashMap<String, Merge>> {
+    let meta_path = Path::new(META_FILE);
+    let text = meta
+        .train
+        .extra
+        .get(crate::lora::LORA_CONFIG_KEY)
+        .ok_or_else(|| Error::file(meta_path, "no LoRA config"))?;
+    let lora: crate::lora::LoraConfig = serde_json::from_str(text)
+        .map_err(|e| Error::file(meta_path, format!("the LoRA config is not valid: {e}")))?;
+    let conv1d = config["model_type"] == "gpt2";
+    let read = |k: usize, p: &crate::checkpoint::ParamMeta| -> Result<Vec<f32>> {
+        let mut v = Vec::with_capacity(p.numel);
+        stream_param(
+            files,
+            &format!("param.{k}"),
+            meta.units[k].shard_numel,
+            p,
+            Dtype::F32,
+            &mut |b| {
+                v.extend(
+                    b.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                );
+                Ok(())
+            },
+        )?;
+        Ok(v)
+    };
+    let mut out = HashMap::new();
+    for (k, u) in meta.units.iter().enumerate() {
+        for p in u
+            .params
+            .iter()
+            .filter(|p| p.name.ends_with(".lora_A.weight"))
+        {
+            let module = p.name.trim_end_matches(".lora_A.weight");
+            let b_name = format!("{module}.lora_B.weight");
+            let (kb, pb) = meta
+                .units
+                .iter()
+                .enumerate()
+                .find_map(|(kb, ub)| ub.params.iter().find(|q| q.name == b_name).map(|q| (kb, q)))
+                .ok_or_else(|| Error::file(meta_path, format!("{b_name} is missing")))?;
+            out.insert(
+                format!("{module}.weight"),
+                Merge {
+                    a: read(k, p)?,
+                    b: read(kb, pb)?,
+                    r: p.shape[0],
+                    scale: lora.scale() as f32,
+                    conv1d,
+                },
+            );
+        }
+    }
+    Ok(out)
 }
 
 /// The Hugging Face dtype name of a safetensors dtype.
@@ -129,6 +236,24 @@ pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExp
     let config_src = opts.config.clone().unwrap_or(meta_path.clone());
     let mut config: serde_json::Value = serde_json::from_str(&config_text)
         .map_err(|e| Error::file(&config_src, format!("config is not JSON: {e}")))?;
+    let lora = meta.train.extra.get(crate::lora::LORA_CONFIG_KEY);
+    match (lora, opts.merge) {
+        (Some(_), false) => {
+            return Err(Error::file(
+                &meta_path,
+                "a LoRA run's checkpoint: export its adapters with --format peft, or the \
+                 merged model with --format hf --merge",
+            ))
+        }
+        (None, true) => {
+            return Err(Error::file(
+                &meta_path,
+                "--merge needs a LoRA run's checkpoint; this one has no adapters (export it \
+                 without --merge)",
+            ))
+        }
+        _ => {}
+    }
     #[cfg(feature = "llama")]
     check_against_config(&config_text, &config_src, &meta, &meta_path)?;
     check_checksums(&dir, &meta)?;
@@ -199,7 +324,7 @@ fn check_against_config(
     let expected = parameter_shapes(&cfg)?;
     let mut found: BTreeMap<&str, &[usize]> = BTreeMap::new();
     for u in &meta.units {
-        for p in &u.params {
+        for p in u.params.iter().filter(|p| !is_lora(&p.name)) {
             found.insert(p.name.as_str(), p.shape.as_slice());
         }
         for b in &u.buffers {
@@ -283,8 +408,18 @@ fn write_hf(
         Buffer(usize, usize),
     }
     let mut tensors: Vec<(Src, TensorSpec)> = Vec::new();
+    let merges = if opts.merge {
+        lora_merges(&files, meta, config)?
+    } else {
+        HashMap::new()
+    };
     for (k, u) in meta.units.iter().enumerate() {
-        for (i, p) in u.params.iter().enumerate() {
+        for (i, p) in u
+            .params
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !is_lora(&p.name))
+        {
             let spec = TensorSpec {
                 name: p.name.clone(),
                 dtype: to,
@@ -338,14 +473,33 @@ fn write_hf(
             match *src {
                 Src::Param(k, j) => {
                     let u = &meta.units[k];
-                    stream_param(
-                        &files,
-                        &format!("param.{k}"),
-                        u.shard_numel,
-                        &u.params[j],
-                        to,
-                        &mut |b| w.write_part(b),
-                    )?;
+                    let p = &u.params[j];
+                    match merges.get(&p.name) {
+                        None => stream_param(
+                            &files,
+                            &format!("param.{k}"),
+                            u.shard_numel,
+                            p,
+                            to,
+                            &mut |b| w.write_part(b),
+                        )?,
+                        Some(m) => {
+                            let mut base = Vec::with_capacity(p.numel * 4);
+                            stream_param(
+                                &files,
+                                &format!("param.{k}"),
+                                u.shard_numel,
+                                p,
+                                Dtype::F32,
+                                &mut |b| {
+                                    base.extend_from_slice(b);
+                                    Ok(())
+                                },
+                            )?;
+                            let merged = m.apply(&base, &p.shape);
+                            w.write_part(&super::convert_f32(&merged, to))?;
+                        }
+                    }
                 }
                 Src::Buffer(k, j) => {
                     let b = &meta.units[k].buffers[j];

@@ -325,6 +325,17 @@ fn read_at(file: &File, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
     f.read_exact(buf)
 }
 
+/// `values` as little-endian `dst` bytes (float dtypes).
+pub(crate) fn convert_f32(values: &[f32], dst: Dtype) -> Vec<u8> {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    if dst == Dtype::F32 {
+        return bytes;
+    }
+    let mut out = Vec::new();
+    convert(Dtype::F32, dst, &bytes, &mut out);
+    out
+}
+
 /// Converts little-endian `src` values to little-endian `dst` values (float dtypes).
 fn convert(src: Dtype, dst: Dtype, bytes: &[u8], out: &mut Vec<u8>) {
     out.clear();
