@@ -138,6 +138,10 @@ def main():
     p.add_argument("--threads", type=int, default=CORES, help="default: the cores this process may use (nproc)")
     p.add_argument("--batch-size", type=int, help="default: the size's (bench 4, tiny 2)")
     p.add_argument("--seq-len", type=int, help="default: the size's context (bench 256, tiny 32)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="PEFT LoRA of this rank on --lora-targets (the base frozen); 0: full fine-tuning")
+    p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     p.add_argument("--data", default=str(CORPUS), help="corpus whose bytes are the tokens (plain or .gz); '' for random bytes")
     a = p.parse_args()
     s = SIZES[a.size]
@@ -156,12 +160,17 @@ def main():
     batch = a.batch_size or s["batch"]
     seq = a.seq_len or s["ctx"]
     model, attn = load(a.family, s, a.attn, a.src)
+    if a.lora_rank:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=a.lora_rank, lora_alpha=a.lora_alpha, lora_dropout=0.0,
+                                                 target_modules=a.lora_targets.split(","), task_type="CAUSAL_LM"))
     model.train()
     n = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__} ({a.size}{', from ' + a.src if a.src else ''}): {n / 1e6:.2f} M parameters, "
           f"tied {model.config.tie_word_embeddings}, attn {attn}, batch {batch} x {seq}", flush=True)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=3e-4,

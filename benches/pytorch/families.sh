@@ -8,6 +8,8 @@
 #   FAMILIES="llama qwen3" STEPS=12 ROUNDS=3 bash benches/pytorch/families.sh
 #   SIZE=tiny STEPS=3 bash benches/pytorch/families.sh         # seconds: checks the script only
 #   LOG_DIR=logs bash benches/pytorch/families.sh              # keep each run's full output
+#   LORA_RANK=16 FAMILIES=llama bash benches/pytorch/families.sh   # LoRA r 16 on every
+#                     # projection, base frozen, both sides (PEFT 0.21 on transformers' side)
 #   BASE_BIN=/other/target/release/examples bash benches/pytorch/families.sh
 #                     # also an older build's llama example, alternated with ours in each round
 #                     # (before/after a change on the same machine): two more columns
@@ -57,14 +59,20 @@ run() {
     fi
     return "$rc"
 }
+LORA_TARGETS=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+theirs_lora=() ours_lora=()
+if [ "${LORA_RANK:-0}" != 0 ]; then
+    theirs_lora=(--lora-rank "$LORA_RANK" --lora-alpha 16 --lora-targets "$LORA_TARGETS")
+    ours_lora=(--lora-rank "$LORA_RANK" --lora-alpha 16 --lora-targets "$LORA_TARGETS")
+fi
 theirs() { # family dir log
-    run "$3" python benches/pytorch/families.py --family "$1" --from "$2" --steps "$STEPS"
+    run "$3" python benches/pytorch/families.py --family "$1" --from "$2" --steps "$STEPS" "${theirs_lora[@]}"
 }
 ours() { # dir log [bin dir]
     rm -rf "$TMP/ckpt"
     run "$2" "${3:-$BIN}/llama" --from-hf "$1" --world-size 1 --seq-len "$SEQ" --batch-size "$BATCH" \
         --max-steps "$STEPS" --log-interval 1 --eval-interval 0 --eval-batches 1 --sample-len 0 \
-        --checkpoint-dir "$TMP/ckpt"
+        --checkpoint-dir "$TMP/ckpt" "${ours_lora[@]}"
 }
 cell() { # ms: "ms (tok/s)", or "failed"
     if [ -n "$1" ]; then

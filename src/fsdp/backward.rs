@@ -353,7 +353,8 @@ impl FsdpModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let module = self.bind(m, groups, Params::Recompute)?;
-        let _armed = super::fused::arm();
+        let frozen = self.frozen_tensors(groups);
+        let _armed = super::fused::arm_with_frozen(&frozen);
         let outs = module.forward_t(&inputs, true)?;
         let outputs: Vec<Option<Tensor>> = outs
             .into_iter()

@@ -251,10 +251,21 @@ impl FsdpModel {
         // Fused nodes built by this call send their parameters' gradients to the sink its
         // backward opens (`fsdp::fused`); armed through the connectivity check, which counts
         // the parameters they promised as reached.
-        let _armed = super::fused::arm();
+        let frozen = self.frozen_tensors(&groups);
+        let _armed = super::fused::arm_with_frozen(&frozen);
         let outs = self.run(m, module.as_ref(), &inputs.inputs, true)?;
         drop(module);
         self.post_forward(m, pos, groups, checkpoint, inputs, outs)
+    }
+
+    /// The step's parameter tensors of the frozen groups among `groups` (for fused nodes,
+    /// [`super::fused::trains`]).
+    pub(super) fn frozen_tensors(&self, groups: &[usize]) -> Vec<Tensor> {
+        groups
+            .iter()
+            .filter(|&&g| self.units[g].is_frozen())
+            .flat_map(|&g| self.units[g].param_tensors().unwrap_or(&[]).to_vec())
+            .collect()
     }
 
     /// Before a training call of member `m` (call number `pos`) computes: reshards the previous

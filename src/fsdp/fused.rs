@@ -49,6 +49,8 @@ struct State {
     armed: usize,
     /// Parameters promised by fused nodes built while armed.
     promised: Vec<TensorId>,
+    /// The frozen parameters of the armed call (no gradient wanted).
+    frozen: Vec<TensorId>,
     /// Open collections ([`collect`]), innermost last.
     frames: Vec<Vec<(Tensor, Tensor)>>,
 }
@@ -69,15 +71,35 @@ impl Drop for Armed {
             s.armed -= 1;
             if s.armed == 0 {
                 s.promised.clear();
+                s.frozen.clear();
             }
         });
     }
 }
 
 /// Arms this thread: a training call of a unit whose backward will [`collect`].
+#[cfg(test)]
 pub(crate) fn arm() -> Armed {
-    STATE.with(|s| s.borrow_mut().armed += 1);
+    arm_with_frozen(std::iter::empty())
+}
+
+/// [`arm`], with the call's frozen parameters (frozen twins' tensors), whose gradients a node
+/// need not compute ([`trains`]).
+pub(crate) fn arm_with_frozen<'a>(frozen: impl IntoIterator<Item = &'a Tensor>) -> Armed {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        s.armed += 1;
+        s.frozen.extend(frozen.into_iter().map(Tensor::id));
+    });
     Armed(())
+}
+
+/// Whether `param` trains in the armed call: false for a frozen parameter (the runtime's
+/// `freeze` / `train_only`, e.g. LoRA's base weights), whose gradient a fused node should
+/// neither compute nor [`send`] (that is the saving of a frozen base: no weight-gradient
+/// product). True outside an armed call.
+pub fn trains(param: &Tensor) -> bool {
+    STATE.with(|s| !s.borrow().frozen.contains(&param.id()))
 }
 
 /// True while this thread runs a training call of a unit inside the FSDP runtime (forward, or

@@ -27,8 +27,13 @@
 //! GPT-2's style (LayerNorm with biases, `Conv1D` weights, learned positions) runs the GPT's
 //! block node (`models/gpt2_block.rs`) over its `(in, out)` weights.
 //!
-//! Not fused (the block composes its layers instead, with the same values): a block with LoRA
-//! adapters ([`crate::lora`]), anything but f32 on the CPU, an input without
+//! LoRA adapters ([`crate::lora`]) run inside the node: each adapted projection adds `s·(a·Aᵀ)·Bᵀ`
+//! into its columns, and the backward computes only what trains — with the base frozen
+//! ([`crate::fsdp::fused::trains`]) the base weights' gradient products are skipped, which is
+//! most of a LoRA step's saving.
+//!
+//! Not fused (the block composes its layers instead, with the same values): GPT-2 with LoRA
+//! adapters, anything but f32 on the CPU, an input without
 //! gradient, outside an armed training call.
 
 use std::sync::Mutex;
@@ -53,6 +58,8 @@ struct Piece {
     b: Option<usize>,
     col: usize,
     rows: usize,
+    /// A LoRA adapter: `A` `(r, in)` and `B` `(rows, r)` indices, `r`, the scale.
+    lora: Option<(usize, usize, usize, f32)>,
 }
 
 /// A norm's weight index and whether it is Gemma's offset (`1 + w`).
@@ -93,9 +100,7 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
         && x.device().is_cpu()
         && x.dtype() == DType::F32
         && x.rank() == 3
-        && x.elem_count() > 0
-        // LoRA adapters are not in the node yet: the adapted block composes.
-        && !blk.has_lora();
+        && x.elem_count() > 0;
     if !applies {
         return Ok(None);
     }
@@ -127,6 +132,10 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
             b: p.bias.as_ref().map(&mut *push),
             col,
             rows,
+            lora: match &p.lora {
+                Some(l) => Some((push(l.a()), push(l.b()), l.a().dim(0)?, l.scale() as f32)),
+                None => None,
+            },
         })
     };
     let Some(n1) = norm(&blk.norm1, &mut push) else {
@@ -209,8 +218,10 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
     let t = x.dim(1)?;
     let cfg = blk.attn.rope.as_ref().expect("checked above");
     let (cos, sin) = blk.attn.tables(cfg, t, x.device())?;
+    let trains = params.iter().map(fused::trains).collect();
     let op = BlockOp {
         plan,
+        trains,
         opts,
         cos: cos.flatten_all()?.to_vec1::<f32>()?,
         sin: sin.flatten_all()?.to_vec1::<f32>()?,
@@ -225,6 +236,10 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
 /// ([`crate::models::gpt2_block`]) over its `Conv1D` weights, or `None` for a layout it does
 /// not cover.
 fn gpt2(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
+    if blk.has_lora() {
+        // The GPT-2 node takes no adapters yet: the adapted block composes.
+        return Ok(None);
+    }
     let (NormKind::Layer(n1), NormKind::Layer(n2)) = (&blk.norm1.inner, &blk.norm2.inner) else {
         return Ok(None);
     };
@@ -302,6 +317,10 @@ impl Plan {
                 if let Some(b) = p.b {
                     want.push((b, vec![p.rows]));
                 }
+                if let Some((a, b, r, _)) = p.lora {
+                    want.push((a, vec![r, inp]));
+                    want.push((b, vec![p.rows, r]));
+                }
             }
             total == width
         };
@@ -331,6 +350,8 @@ impl Plan {
 /// at forward and backward), and the activations kept for the backward.
 struct BlockOp {
     plan: Plan,
+    /// Per parameter: whether it trains (frozen ones, e.g. under LoRA, get no gradient).
+    trains: Vec<bool>,
     opts: AttentionOptions,
     cos: Vec<f32>,
     sin: Vec<f32>,
@@ -442,8 +463,81 @@ fn project(
         if let Some(b) = pc.b {
             add_bias(&mut out, width, pc.col, p[b]);
         }
+        if let Some((ai, bi, r, scale)) = pc.lora {
+            // + s · (a·Aᵀ)·Bᵀ into the piece's columns.
+            let xa = lora_down(a, n, inp, p[ai], r, scale);
+            let bt = Mat::new(p[bi], pc.rows, r).t();
+            matmul(&mut out[pc.col..], width, true, Mat::new(&xa, n, r), bt);
+        }
     }
     out
+}
+
+/// `out` `(n, pc.rows)` `+= s · (a·Aᵀ)·Bᵀ` for the piece's LoRA adapter, if it has one.
+fn lora_into(out: &mut [f32], a: &[f32], n: usize, inp: usize, pc: &Piece, p: &[&[f32]]) {
+    if let Some((ai, bi, r, scale)) = pc.lora {
+        let xa = lora_down(a, n, inp, p[ai], r, scale);
+        let bt = Mat::new(p[bi], pc.rows, r).t();
+        matmul(out, pc.rows, true, Mat::new(&xa, n, r), bt);
+    }
+}
+
+/// The backward of [`lora_into`] for the output gradient `g` `(n, pc.rows)`: `A`'s and `B`'s
+/// gradients (those that train) into `grads`, and `da += s·g·B·A`.
+#[allow(clippy::too_many_arguments)]
+fn lora_bwd(
+    g: &[f32],
+    a: &[f32],
+    n: usize,
+    inp: usize,
+    pc: &Piece,
+    p: &[&[f32]],
+    trains: &[bool],
+    grads: &mut [Option<Vec<f32>>],
+    da: &mut [f32],
+) {
+    lora_bwd_cols(Mat::new(g, n, pc.rows), a, n, inp, pc, p, trains, grads, da);
+}
+
+/// [`lora_bwd`] for the gradient given as a view (a piece's columns of a wider gradient):
+/// `y += s·(a·Aᵀ)·Bᵀ` gives `dB = gᵀ·(s·a·Aᵀ)`, `d(xa) = s·g·B`, `dA = d(xa)ᵀ·a`, `da +=
+/// d(xa)·A`.
+#[allow(clippy::too_many_arguments)]
+fn lora_bwd_cols(
+    gp: Mat<'_>,
+    a: &[f32],
+    n: usize,
+    inp: usize,
+    pc: &Piece,
+    p: &[&[f32]],
+    trains: &[bool],
+    grads: &mut [Option<Vec<f32>>],
+    da: &mut [f32],
+) {
+    let Some((ai, bi, r, scale)) = pc.lora else {
+        return;
+    };
+    if trains[bi] {
+        let xa = lora_down(a, n, inp, p[ai], r, scale);
+        grads[bi] = Some(matmul_new(gp.t(), Mat::new(&xa, n, r)));
+    }
+    let mut dxa = matmul_new(gp, Mat::new(p[bi], pc.rows, r));
+    for v in &mut dxa {
+        *v *= scale;
+    }
+    if trains[ai] {
+        grads[ai] = Some(matmul_new(Mat::new(&dxa, n, r).t(), Mat::new(a, n, inp)));
+    }
+    matmul(da, inp, true, Mat::new(&dxa, n, r), Mat::new(p[ai], r, inp));
+}
+
+/// `s · a·Aᵀ` `(n, r)` for `a` `(n, inp)` and a LoRA `A` `(r, inp)`.
+fn lora_down(a: &[f32], n: usize, inp: usize, la: &[f32], r: usize, scale: f32) -> Vec<f32> {
+    let mut xa = matmul_new(Mat::new(a, n, inp), Mat::new(la, r, inp).t());
+    for v in &mut xa {
+        *v *= scale;
+    }
+    xa
 }
 
 /// The backward of [`project`] for the gradient `g` `(n, width)` of its output: each piece's
@@ -457,20 +551,27 @@ fn project_bwd(
     pieces: &[Piece],
     width: usize,
     p: &[&[f32]],
+    trains: &[bool],
     grads: &mut [Option<Vec<f32>>],
 ) -> Vec<f32> {
     let gm = Mat::new(g, n, width);
     let mut da: Option<Vec<f32>> = None;
     for pc in pieces {
         let gp = gm.columns(pc.col..pc.col + pc.rows);
-        grads[pc.w] = Some(matmul_new(gp.t(), Mat::new(a, n, inp)));
-        if let Some(b) = pc.b {
+        if trains[pc.w] {
+            grads[pc.w] = Some(matmul_new(gp.t(), Mat::new(a, n, inp)));
+        }
+        if let Some(b) = pc.b.filter(|&b| trains[b]) {
             grads[b] = Some(col_sums_strided(g, width, pc.col..pc.col + pc.rows));
         }
         let w = Mat::new(p[pc.w], pc.rows, inp);
         match da.as_mut() {
             None => da = Some(matmul_new(gp, w)),
             Some(da) => matmul(da, inp, true, gp, w),
+        }
+        if pc.lora.is_some() {
+            let da = da.as_mut().expect("set above");
+            lora_bwd_cols(gp, a, n, inp, pc, p, trains, grads, da);
         }
     }
     da.unwrap_or_else(|| vec![0f32; n * inp])
@@ -636,11 +737,13 @@ impl CustomOp1 for BlockOp {
                 None => {
                     let mut h = broadcast_rows(n, bo.unwrap_or(&vec![0.0; d]), Some(x));
                     matmul(&mut h, d, true, Mat::new(&att, n, ho), wo);
+                    lora_into(&mut h, &att, n, ho, &pl.o, p);
                     (h, None)
                 }
                 Some(pa) => {
                     let mut o = broadcast_rows(n, bo.unwrap_or(&vec![0.0; d]), None);
                     matmul(&mut o, d, true, Mat::new(&att, n, ho), wo);
+                    lora_into(&mut o, &att, n, ho, &pl.o, p);
                     let mut h = norm_forward(&o, &norm_weight(p, pa), None, pl.eps, false);
                     add_assign(&mut h, x);
                     (h, Some(o))
@@ -656,11 +759,13 @@ impl CustomOp1 for BlockOp {
                 None => {
                     let mut out = broadcast_rows(n, bd.unwrap_or(&vec![0.0; d]), Some(&h));
                     matmul(&mut out, d, true, Mat::new(&m, n, i), wd);
+                    lora_into(&mut out, &m, n, i, &pl.down, p);
                     (out, None)
                 }
                 Some(pf) => {
                     let mut mo = broadcast_rows(n, bd.unwrap_or(&vec![0.0; d]), None);
                     matmul(&mut mo, d, true, Mat::new(&m, n, i), wd);
+                    lora_into(&mut mo, &m, n, i, &pl.down, p);
                     let mut out = norm_forward(&mo, &norm_weight(p, pf), None, pl.eps, false);
                     add_assign(&mut out, &h);
                     (out, Some(mo))
@@ -693,6 +798,7 @@ impl CustomOp1 for BlockOp {
         let (w, ho, i) = (pl.w(), pl.n_head * pl.hd, pl.inter);
         let io = [arg.contiguous()?, grad_res.contiguous()?];
         let mut grads: Vec<Option<Vec<f32>>> = vec![None; self.params.len()];
+        let tr = &self.trains;
         let dx = with_data(&io, |xg| {
             let (x, g) = (xg[0], xg[1]);
             with_data(&self.params, |p| {
@@ -701,26 +807,68 @@ impl CustomOp1 for BlockOp {
                 let dmo: &[f32] = match (pl.post_mlp, &s.mo) {
                     (Some(pf), Some(mo)) => {
                         let (dmo, dw, _) = norm_backward(mo, &norm_weight(p, pf), g, pl.eps, false);
-                        grads[pf.w] = Some(dw);
+                        if tr[pf.w] {
+                            grads[pf.w] = Some(dw);
+                        }
                         dmo_own = dmo;
                         &dmo_own
                     }
                     _ => g,
                 };
-                if let Some(bi) = pl.down.b {
+                if let Some(bi) = pl.down.b.filter(|&b| tr[b]) {
                     grads[bi] = Some(col_sums(dmo, d));
                 }
-                let dm = matmul_new(Mat::new(dmo, n, d), Mat::new(p[pl.down.w], d, i));
+                let mut dm = matmul_new(Mat::new(dmo, n, d), Mat::new(p[pl.down.w], d, i));
+                // The adapter's input `m` is known only after the gate pass, which needs `dm`:
+                // its part of `dm` comes from `B` alone (`s·g·B·A`), added first.
+                let dxa_down = pl.down.lora.map(|(ai, bi, r, scale)| {
+                    let mut dxa = matmul_new(Mat::new(dmo, n, d), Mat::new(p[bi], d, r));
+                    for v in &mut dxa {
+                        *v *= scale;
+                    }
+                    matmul(
+                        &mut dm,
+                        i,
+                        true,
+                        Mat::new(&dxa, n, r),
+                        Mat::new(p[ai], r, i),
+                    );
+                    dxa
+                });
                 let (m, dgu) = gate(&s.gu, Some(&dm), i, pl.act);
                 drop(dm);
-                grads[pl.down.w] = Some(matmul_new(Mat::new(dmo, n, d).t(), Mat::new(&m, n, i)));
+                if tr[pl.down.w] {
+                    grads[pl.down.w] =
+                        Some(matmul_new(Mat::new(dmo, n, d).t(), Mat::new(&m, n, i)));
+                }
+                if let (Some((ai, bi, r, scale)), Some(dxa)) = (pl.down.lora, dxa_down) {
+                    if tr[bi] {
+                        let xa = lora_down(&m, n, i, p[ai], r, scale);
+                        grads[bi] = Some(matmul_new(Mat::new(dmo, n, d).t(), Mat::new(&xa, n, r)));
+                    }
+                    if tr[ai] {
+                        grads[ai] = Some(matmul_new(Mat::new(&dxa, n, r).t(), Mat::new(&m, n, i)));
+                    }
+                }
                 drop(m);
                 let w2 = norm_weight(p, pl.n2);
                 let a2 = norm_forward(&s.h, &w2, None, pl.eps, false);
-                let da2 = project_bwd(&dgu, &a2, n, d, &pl.gate_up, 2 * i, p, &mut grads);
+                let da2 = project_bwd(
+                    &dgu,
+                    &a2,
+                    n,
+                    d,
+                    &pl.gate_up,
+                    2 * i,
+                    p,
+                    &self.trains,
+                    &mut grads,
+                );
                 drop((a2, dgu));
                 let (mut dh, dw2, _) = norm_backward(&s.h, &w2, &da2, pl.eps, false);
-                grads[pl.n2.w] = Some(dw2);
+                if tr[pl.n2.w] {
+                    grads[pl.n2.w] = Some(dw2);
+                }
                 drop(da2);
                 add_assign(&mut dh, g);
                 // Attention: h = x + [norm_pa](att · W_oᵀ + b_o).
@@ -729,17 +877,23 @@ impl CustomOp1 for BlockOp {
                     (Some(pa), Some(o)) => {
                         let (d_o, dw, _) =
                             norm_backward(o, &norm_weight(p, pa), &dh, pl.eps, false);
-                        grads[pa.w] = Some(dw);
+                        if tr[pa.w] {
+                            grads[pa.w] = Some(dw);
+                        }
                         do_own = d_o;
                         &do_own
                     }
                     _ => &dh,
                 };
-                if let Some(bi) = pl.o.b {
+                if let Some(bi) = pl.o.b.filter(|&b| tr[b]) {
                     grads[bi] = Some(col_sums(do_, d));
                 }
-                grads[pl.o.w] = Some(matmul_new(Mat::new(do_, n, d).t(), Mat::new(&s.att, n, ho)));
-                let datt = matmul_new(Mat::new(do_, n, d), Mat::new(p[pl.o.w], d, ho));
+                if tr[pl.o.w] {
+                    grads[pl.o.w] =
+                        Some(matmul_new(Mat::new(do_, n, d).t(), Mat::new(&s.att, n, ho)));
+                }
+                let mut datt = matmul_new(Mat::new(do_, n, d), Mat::new(p[pl.o.w], d, ho));
+                lora_bwd(do_, &s.att, n, ho, &pl.o, p, tr, &mut grads, &mut datt);
                 let mut dqkv =
                     attention_backward(&s.qkv, None, &s.att, &datt, self.shape(b, t), &self.opts);
                 drop(datt);
@@ -761,21 +915,30 @@ impl CustomOp1 for BlockOp {
                     let (dk, dwk, _) = norm_backward(k, p[kn.w], &dk, pl.eps, false);
                     put_columns(&mut dqkv, w, 0, &dq, hq);
                     put_columns(&mut dqkv, w, hq, &dk, hk);
-                    grads[qn.w] = Some(dwq);
-                    grads[kn.w] = Some(dwk);
+                    if tr[qn.w] {
+                        grads[qn.w] = Some(dwq);
+                    }
+                    if tr[kn.w] {
+                        grads[kn.w] = Some(dwk);
+                    }
                 }
                 let w1 = norm_weight(p, pl.n1);
                 let a1 = norm_forward(x, &w1, None, pl.eps, false);
-                let da1 = project_bwd(&dqkv, &a1, n, d, &pl.qkv, w, p, &mut grads);
+                let da1 = project_bwd(&dqkv, &a1, n, d, &pl.qkv, w, p, &self.trains, &mut grads);
                 drop((a1, dqkv));
                 let (mut dx, dw1, _) = norm_backward(x, &w1, &da1, pl.eps, false);
-                grads[pl.n1.w] = Some(dw1);
+                if tr[pl.n1.w] {
+                    grads[pl.n1.w] = Some(dw1);
+                }
                 add_assign(&mut dx, &dh);
                 Ok(dx)
             })
         })?;
         for (k, (param, grad)) in self.params.iter().zip(grads).enumerate() {
             let Some(grad) = grad else {
+                if !self.trains[k] {
+                    continue; // frozen: no gradient wanted
+                }
                 bail!("decoder block backward: no gradient computed for parameter {k}")
             };
             fused::send(param, Tensor::from_vec(grad, param.shape(), &Device::Cpu)?)?;
@@ -831,10 +994,19 @@ mod tests {
     /// The block of `fixture`'s layer `layer` with seeded weights (norms around 1, biases and
     /// weights ±0.3), and its parameters.
     fn block_of(fixture: &str, layer: usize) -> (DecoderConfig, Block, Vec<Var>) {
+        block_with(fixture, layer, None)
+    }
+
+    /// [`block_of`] with LoRA adapters (`A`, `B` random too, so the adapters matter).
+    fn block_with(
+        fixture: &str,
+        layer: usize,
+        lora: Option<&crate::lora::LoraConfig>,
+    ) -> (DecoderConfig, Block, Vec<Var>) {
         let cfg = config(fixture);
         let map = VarMap::new();
         let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
-        let blk = Block::new(&cfg, layer, vb).unwrap();
+        let blk = Block::with_lora(&cfg, layer, lora, vb).unwrap();
         let mut vars: Vec<(String, Var)> = map.data().lock().unwrap().clone().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         for (i, (name, v)) in vars.iter().enumerate() {
@@ -922,6 +1094,92 @@ mod tests {
                     "{fixture} layer {layer}: parameter {:?}: {e}",
                     v.shape()
                 );
+            }
+        }
+    }
+
+    /// With LoRA adapters and the base frozen (as `train_only` binds it), the node's output
+    /// and the input's and the adapters' gradients equal the composed layers', and it sends no
+    /// gradient for a frozen parameter: attention and MLP targets, separate and fused (Phi-3)
+    /// projections, rsLoRA's scale.
+    #[test]
+    fn one_node_block_with_lora_adapters_and_a_frozen_base() {
+        use crate::lora::LoraConfig;
+        let mut rs = LoraConfig::new(3, 6.0, ["qkv_proj", "o_proj", "down_proj"]);
+        rs.rslora = true;
+        let cases = [
+            (
+                "llama-tied",
+                LoraConfig::new(
+                    2,
+                    4.0,
+                    ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+                ),
+            ),
+            (
+                "family-qwen2",
+                LoraConfig::new(4, 8.0, ["*.self_attn.*", "gate_proj"]),
+            ),
+            ("family-phi3", rs),
+        ];
+        for (fixture, lora) in cases {
+            let (cfg, blk, vars) = block_with(fixture, 0, Some(&lora));
+            let is_adapter = |v: &Var| {
+                vars.iter()
+                    .position(|w| w.as_tensor().id() == v.as_tensor().id())
+                    .is_some_and(|_| v.rank() == 2)
+            };
+            let (b, t, d) = (2, 9, cfg.hidden_size);
+            let x =
+                Var::from_vec(values(b * t * d, 0.0, 1.0, 17), (b, t, d), &Device::Cpu).unwrap();
+            let r =
+                Tensor::from_vec(values(b * t * d, 0.0, 1.0, 18), (b, t, d), &Device::Cpu).unwrap();
+            let want = blk.forward(x.as_tensor()).unwrap();
+            let want_grads = (&want * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            // The adapters: the parameters named lora_A / lora_B, recognised by shape (rank r).
+            let adapters: Vec<&Var> = vars
+                .iter()
+                .filter(|v| {
+                    is_adapter(v) && (v.dim(0).unwrap() == lora.r || v.dim(1).unwrap() == lora.r)
+                })
+                .collect();
+            assert!(!adapters.is_empty(), "{fixture}");
+            let frozen: Vec<Tensor> = vars
+                .iter()
+                .filter(|v| {
+                    !adapters
+                        .iter()
+                        .any(|a| a.as_tensor().id() == v.as_tensor().id())
+                })
+                .map(|v| v.as_tensor().clone())
+                .collect();
+            let armed = fused::arm_with_frozen(&frozen);
+            let got = block(&blk, x.as_tensor())
+                .unwrap()
+                .expect("one node with adapters");
+            drop(armed);
+            let e = max_rel(&got, &want);
+            assert!(e < 2e-5, "{fixture}: output {e}");
+            let sink = fused::collect();
+            let grads = (&got * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            let sent = sink.finish();
+            let e = max_rel(
+                grads.get(x.as_tensor()).unwrap(),
+                want_grads.get(x.as_tensor()).unwrap(),
+            );
+            assert!(e < 2e-5, "{fixture}: dx {e}");
+            assert_eq!(
+                sent.len(),
+                adapters.len(),
+                "{fixture}: gradients of the adapters only"
+            );
+            for a in &adapters {
+                let (_, g) = sent
+                    .iter()
+                    .find(|(p, _)| p.id() == a.as_tensor().id())
+                    .unwrap();
+                let e = max_rel(g, want_grads.get(a.as_tensor()).unwrap());
+                assert!(e < 5e-5, "{fixture}: adapter {:?}: {e}", a.shape());
             }
         }
     }
