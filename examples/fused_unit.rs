@@ -77,30 +77,37 @@ impl FusedOp for ResidualMlpOp {
         x: &Tensor,
         p: &[Tensor],
         dy: &Tensor,
+        trains: &[bool],
     ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
         let (g, w1, w2) = (&p[0], &p[1], &p[3]);
+        // A frozen parameter (trains[i] false: the model's freeze / train_only) needs no
+        // gradient: skip its product.
+        let grad_if = |i: usize, f: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
+            if trains[i] {
+                f().map(Some)
+            } else {
+                Ok(None)
+            }
+        };
         let s = forward_parts(x, p)?;
         // y = x + r W2ᵀ + b2
-        let db2 = dy.sum(0)?;
-        let dw2 = dy.t()?.matmul(&s.r)?;
+        let db2 = grad_if(4, &|| dy.sum(0))?;
+        let dw2 = grad_if(3, &|| dy.t()?.matmul(&s.r))?;
         let dr = dy.matmul(w2)?;
         // r = relu(a): Candle's convention, gradient 1 where a ≥ 0.
         let da = (dr * s.a.ge(0f64)?.to_dtype(x.dtype())?)?;
         // a = h W1ᵀ + b1
-        let db1 = da.sum(0)?;
-        let dw1 = da.t()?.matmul(&s.h)?;
+        let db1 = grad_if(2, &|| da.sum(0))?;
+        let dw1 = grad_if(1, &|| da.t()?.matmul(&s.h))?;
         let dh = da.matmul(w1)?;
         // h = xhat · g
-        let dg = (&dh * &s.xhat)?.sum(0)?;
+        let dg = grad_if(0, &|| (&dh * &s.xhat)?.sum(0))?;
         let dxhat = dh.broadcast_mul(g)?;
         // xhat = x · inv:  dx = inv · (dxhat − xhat · mean(dxhat · xhat)); plus the residual.
         let m = (&dxhat * &s.xhat)?.mean_keepdim(D::Minus1)?;
         let dnorm = (dxhat - s.xhat.broadcast_mul(&m)?)?.broadcast_mul(&s.inv)?;
         let dx = (dy + dnorm)?;
-        Ok((
-            dx,
-            vec![Some(dg), Some(dw1), Some(db1), Some(dw2), Some(db2)],
-        ))
+        Ok((dx, vec![dg, dw1, db1, dw2, db2]))
     }
 }
 

@@ -59,7 +59,10 @@ impl LoraConfig {
         Self {
             r,
             alpha,
-            targets: targets.into_iter().map(Into::into).collect(),
+            targets: targets
+                .into_iter()
+                .map(|t| t.into().trim().to_string())
+                .collect(),
             rslora: false,
             dropout: 0.0,
         }
@@ -114,20 +117,47 @@ impl LoraConfig {
     /// PEFT's `adapter_config.json` of this config (`peft_type` LORA, `task_type` CAUSAL_LM, `r`,
     /// `lora_alpha`, `lora_dropout`, `target_modules`, `use_rslora`, `bias` "none",
     /// `base_model_name_or_path`).
-    pub fn peft_config(&self, base_model: Option<&str>) -> serde_json::Value {
+    ///
+    /// `target_modules` is the list of targets, or, when a target is a glob (which PEFT does not
+    /// know), one regular expression PEFT full-matches against module names
+    /// ([`LoraConfig::peft_regex`]). `fan_in_fan_out` is true for `Conv1D` weights (GPT-2).
+    pub fn peft_config(&self, base_model: Option<&str>, fan_in_fan_out: bool) -> serde_json::Value {
+        let targets = if self.targets.iter().any(|t| is_glob(t)) {
+            serde_json::Value::from(self.peft_regex())
+        } else {
+            serde_json::Value::from(self.targets.clone())
+        };
         serde_json::json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
             "r": self.r,
             "lora_alpha": self.alpha,
             "lora_dropout": self.dropout,
-            "target_modules": self.targets,
+            "target_modules": targets,
             "use_rslora": self.rslora,
             "bias": "none",
-            "fan_in_fan_out": false,
+            "fan_in_fan_out": fan_in_fan_out,
             "inference_mode": true,
             "base_model_name_or_path": base_model,
         })
+    }
+
+    /// The targets as one regular expression that matches (in full, as PEFT's `re.fullmatch`)
+    /// the module names [`LoraConfig::targets_module`] accepts: a name `t` as `(?:.*\.)?t`, a
+    /// glob translated (`*` → `.*`, `?` → `.`, classes kept, the rest escaped).
+    pub fn peft_regex(&self) -> String {
+        let alts: Vec<String> = self
+            .targets
+            .iter()
+            .map(|t| {
+                if is_glob(t) {
+                    glob_to_regex(t)
+                } else {
+                    format!("(?:.*\\.)?{}", regex_escape(t))
+                }
+            })
+            .collect();
+        format!("(?:{})", alts.join("|"))
     }
 
     /// Whether the module named `name` (its full name, e.g.
@@ -145,6 +175,43 @@ impl LoraConfig {
 
 fn is_glob(t: &str) -> bool {
     t.contains(['*', '?', '['])
+}
+
+fn regex_escape(t: &str) -> String {
+    let mut out = String::new();
+    for c in t.chars() {
+        if "\\.+*?()|[]{}^$".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn glob_to_regex(t: &str) -> String {
+    let mut out = String::new();
+    let mut chars = t.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '*' => out.push_str(".*"),
+            '?' => out.push('.'),
+            '[' => {
+                out.push('[');
+                if chars.peek() == Some(&'!') {
+                    chars.next();
+                    out.push('^');
+                }
+                for c in chars.by_ref() {
+                    out.push(c);
+                    if c == ']' {
+                        break;
+                    }
+                }
+            }
+            c => out.push_str(&regex_escape(&c.to_string())),
+        }
+    }
+    out
 }
 
 /// The name PEFT's `adapter_model.safetensors` gives parameter `name` (`base_model.model.` +
@@ -312,6 +379,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("no target module"), "{e}");
+        // Targets are trimmed (a list written with spaces after its commas).
+        assert_eq!(LoraConfig::new(4, 8.0, [" v_proj "]).targets, ["v_proj"]);
+    }
+
+    /// PEFT knows no globs: the config written for PEFT turns the targets into one regular
+    /// expression (PEFT full-matches a string `target_modules`), a plain list otherwise.
+    #[test]
+    fn peft_config_writes_globs_as_one_regex() {
+        let c = LoraConfig::new(4, 8.0, ["q_proj", "*.mlp.*", "layers.[01].o_proj"]);
+        assert_eq!(
+            c.peft_regex(),
+            r"(?:(?:.*\.)?q_proj|.*\.mlp\..*|layers\.[01]\.o_proj)"
+        );
+        assert_eq!(c.peft_config(None, false)["target_modules"], c.peft_regex());
+        let plain = LoraConfig::new(4, 8.0, ["q_proj", "v_proj"]);
+        let v = plain.peft_config(Some("base"), true);
+        assert_eq!(v["target_modules"], serde_json::json!(["q_proj", "v_proj"]));
+        assert_eq!(v["fan_in_fan_out"], true);
+        assert_eq!(v["base_model_name_or_path"], "base");
     }
 
     /// A user's unit of [`linear`] layers under `train_only(TRAINABLE)`: the adapted layer

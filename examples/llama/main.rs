@@ -130,6 +130,16 @@ impl Args {
         cfg.dropout = self.lora_dropout;
         cfg.validate()
             .context("--lora-rank / --lora-alpha / --lora-dropout / --lora-targets")?;
+        if let Some(dir) = &self.lora_from {
+            anyhow::ensure!(
+                !self.train.resume && self.train.resume_from.is_none(),
+                "--lora-from starts a run's adapters from {}; a resumed run continues its \
+                 checkpoint's adapters: give one or the other",
+                dir.display()
+            );
+            candle_fsdp::checkpoint::peft::check_peft_config(dir, &cfg)
+                .context("--lora-from: the adapter's config differs from this run's LoRA flags")?;
+        }
         Ok(Some(cfg))
     }
 
@@ -380,8 +390,8 @@ fn main() -> anyhow::Result<()> {
         }),
         None => None,
     };
-    check_resumed_model(train, &cfg, &config_src, setup.prints())?;
     let lora = args.lora()?;
+    check_resumed_model(train, &cfg, &config_src, setup.prints(), lora.as_ref())?;
     let mut extra = BTreeMap::from([(HF_CONFIG_KEY.to_string(), config_json)]);
     if let Some(l) = &lora {
         extra.insert(
@@ -468,11 +478,20 @@ fn main() -> anyhow::Result<()> {
     if outcome.steps_trained > 0 {
         common::print_checkpoint(train)?;
         if let Some(dir) = candle_fsdp::checkpoint::list_complete(&train.checkpoint_dir)?.pop() {
-            println!(
-                "a Hugging Face directory from it: cargo run --release --bin fsdp-ckpt -- export \
-                 {} --format hf --out DIR [--dtype bf16]",
-                dir.display()
-            );
+            if lora.is_some() {
+                println!(
+                    "its adapters for PEFT: cargo run --release --bin fsdp-ckpt -- export {} \
+                     --format peft --out DIR [--base-model BASE]; the merged model: … --format \
+                     hf --merge --out DIR [--dtype bf16]",
+                    dir.display()
+                );
+            } else {
+                println!(
+                    "a Hugging Face directory from it: cargo run --release --bin fsdp-ckpt -- \
+                     export {} --format hf --out DIR [--dtype bf16]",
+                    dir.display()
+                );
+            }
         }
     }
     Ok(())
@@ -508,6 +527,7 @@ fn check_resumed_model(
     cfg: &DecoderConfig,
     config_src: &str,
     prints: bool,
+    lora: Option<&LoraConfig>,
 ) -> anyhow::Result<()> {
     use candle_fsdp::checkpoint::{list_complete, read_meta, META_FILE};
     use candle_fsdp::models::decoder::{family::config_from_json, hf::parameter_shapes};
@@ -520,6 +540,48 @@ fn check_resumed_model(
         (None, false) => return Ok(()),
     };
     let meta = read_meta(&dir)?;
+    // LoRA: the same adapters (rank, scale, targets), or none, as the checkpoint's run.
+    let stored: Option<LoraConfig> = meta
+        .train
+        .extra
+        .get(candle_fsdp::lora::LORA_CONFIG_KEY)
+        .map(|t| serde_json::from_str(t))
+        .transpose()
+        .with_context(|| format!("{}: its LoRA config", dir.display()))?;
+    let flags = |l: &LoraConfig| {
+        format!(
+            "--lora-rank {} --lora-alpha {} --lora-targets {}{}",
+            l.r,
+            l.alpha,
+            l.targets.join(","),
+            if l.rslora { " --rslora" } else { "" }
+        )
+    };
+    match (&stored, lora) {
+        (None, None) => {}
+        (Some(s), None) => anyhow::bail!(
+            "{} is a LoRA run's checkpoint (r {}, alpha {}, targets {}): resume it with its \
+             adapters, {}",
+            dir.display(),
+            s.r,
+            s.alpha,
+            s.targets.join(", "),
+            flags(s)
+        ),
+        (None, Some(_)) => anyhow::bail!(
+            "{} is a full fine-tuning run's checkpoint (no LoRA adapters): resume it without \
+             --lora-rank, or start the LoRA run in another --checkpoint-dir",
+            dir.display()
+        ),
+        (Some(s), Some(l)) => anyhow::ensure!(
+            s == l,
+            "{} was trained with LoRA {}, this run asks for {}: resume it with the same \
+             adapters and scale",
+            dir.display(),
+            flags(s),
+            flags(l)
+        ),
+    }
     let Some(text) = meta.train.extra.get(HF_CONFIG_KEY) else {
         return Ok(());
     };

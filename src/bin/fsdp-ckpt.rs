@@ -157,15 +157,23 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             base_model,
             merge,
         } => {
-            for (flag, given) in [
-                ("--merge", merge),
-                ("--max-shard-size", max_shard_size.is_some()),
-                ("--hf-config", hf_config.is_some()),
-                ("--dtype", dtype.is_some()),
+            for (flag, given, why) in [
+                ("--merge", merge, "a merged model is --format hf --merge"),
+                (
+                    "--max-shard-size",
+                    max_shard_size.is_some(),
+                    "an adapter is one file",
+                ),
+                (
+                    "--hf-config",
+                    hf_config.is_some(),
+                    "an adapter has no config.json",
+                ),
+                ("--dtype", dtype.is_some(), "the adapter is written in f32"),
             ] {
                 if given {
                     return Err(candle_fsdp::Error::InvalidArgument(format!(
-                        "{flag} does not apply to --format peft (the adapter is written in f32)"
+                        "{flag} does not apply to --format peft ({why})"
                     )));
                 }
             }

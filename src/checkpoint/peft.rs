@@ -25,6 +25,15 @@ fn is_lora(name: &str) -> bool {
     name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
 }
 
+/// Whether an adapter parameter sits on a GPT-2 `Conv1D` module (`c_attn`, `c_fc`, `c_proj`
+/// under `transformer.h.`): PEFT's `fan_in_fan_out`.
+pub(crate) fn is_conv1d_module(name: &str) -> bool {
+    name.contains(".h.")
+        && [".c_attn.", ".c_fc.", ".c_proj."]
+            .iter()
+            .any(|m| name.contains(m))
+}
+
 /// The units holding LoRA parameters, in unit order.
 fn lora_units(model: &FsdpModel) -> Vec<usize> {
     model
@@ -100,7 +109,15 @@ pub fn save_peft_adapter(
     }
     if let Some(w) = writer {
         let done = w.finish().and_then(|_| {
-            let text = serde_json::to_string_pretty(&lora.peft_config(base_model))
+            let conv1d = units.iter().any(|&k| {
+                model.shard(k).is_some_and(|u| {
+                    u.layout
+                        .params
+                        .iter()
+                        .any(|p| is_lora(&p.name) && is_conv1d_module(&p.name))
+                })
+            });
+            let text = serde_json::to_string_pretty(&lora.peft_config(base_model, conv1d))
                 .map_err(|e| Error::InvalidArgument(e.to_string()))?;
             write_atomic(&dir.join(PEFT_CONFIG), text.as_bytes())
         });
@@ -197,4 +214,70 @@ pub fn load_peft_adapter(path: &Path, model: &mut FsdpModel) -> Result<ReadStats
         model.set_unit_shard(k, Tensor::from_vec(shard, n, &device)?)?;
     }
     Ok(stats)
+}
+
+/// Checks the `adapter_config.json` of the PEFT adapter directory `dir` against `lora`, the
+/// config a model is built with, before [`load_peft_adapter`] reads its tensors (which checks
+/// the shapes, so `r` and the targets, but cannot see the scale).
+///
+/// Errors, naming the file and the field with both values: no or an unreadable config; a
+/// `peft_type` other than LORA; `r`, `lora_alpha` or `use_rslora` other than `lora`'s; a
+/// non-empty `alpha_pattern` or `rank_pattern` (per-module scales and ranks are not supported).
+pub fn check_peft_config(dir: &Path, lora: &LoraConfig) -> Result<()> {
+    let path = dir.join(PEFT_CONFIG);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
+    let field = |k: &str| v.get(k).cloned().unwrap_or(serde_json::Value::Null);
+    if field("peft_type") != "LORA" {
+        return Err(Error::file(
+            &path,
+            format!("peft_type is {}, expected \"LORA\"", field("peft_type")),
+        ));
+    }
+    let mismatch = |what: &str, theirs: String, ours: String, flag: &str| {
+        Err(Error::file(
+            &path,
+            format!("{what} is {theirs}, this run's is {ours} ({flag}): give the adapter's"),
+        ))
+    };
+    let r = field("r").as_u64();
+    if r != Some(lora.r as u64) {
+        return mismatch(
+            "r",
+            field("r").to_string(),
+            lora.r.to_string(),
+            "--lora-rank",
+        );
+    }
+    let alpha = field("lora_alpha").as_f64();
+    if alpha != Some(lora.alpha) {
+        return mismatch(
+            "lora_alpha",
+            field("lora_alpha").to_string(),
+            lora.alpha.to_string(),
+            "--lora-alpha",
+        );
+    }
+    let rslora = field("use_rslora").as_bool().unwrap_or(false);
+    if rslora != lora.rslora {
+        return mismatch(
+            "use_rslora",
+            rslora.to_string(),
+            lora.rslora.to_string(),
+            "--rslora",
+        );
+    }
+    for k in ["alpha_pattern", "rank_pattern"] {
+        if field(k).as_object().is_some_and(|o| !o.is_empty()) {
+            return Err(Error::file(
+                &path,
+                format!(
+                    "{k} is {}: per-module ranks and scales are not supported",
+                    field(k)
+                ),
+            ));
+        }
+    }
+    Ok(())
 }

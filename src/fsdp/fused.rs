@@ -97,7 +97,9 @@ pub(crate) fn arm_with_frozen<'a>(frozen: impl IntoIterator<Item = &'a Tensor>) 
 /// Whether `param` trains in the armed call: false for a frozen parameter (the runtime's
 /// `freeze` / `train_only`, e.g. LoRA's base weights), whose gradient a fused node should
 /// neither compute nor [`send`] (that is the saving of a frozen base: no weight-gradient
-/// product). True outside an armed call.
+/// product). True outside an armed call — so ask while building the node (in the unit's
+/// forward, on the tensors the constructor got; a detached copy is another tensor) and keep
+/// the answer for the backward, as [`apply`] does for [`FusedOp::backward`]'s `trains`.
 pub fn trains(param: &Tensor) -> bool {
     STATE.with(|s| !s.borrow().frozen.contains(&param.id()))
 }
@@ -200,7 +202,8 @@ pub fn send(param: &Tensor, grad: Tensor) -> Result<()> {
 /// documentation and [`apply`].
 ///
 /// Both methods run without autograd (their inputs are detached): the forward computes the
-/// output's value, the backward the gradients by hand.
+/// output's value — of `x`'s shape-compatible dtype and device: the node's output keeps the
+/// input's dtype and device — and the backward the gradients by hand.
 pub trait FusedOp: Send + Sync + 'static {
     /// A name for errors and Candle's graph (`"my-block"`).
     fn name(&self) -> &'static str;
@@ -211,14 +214,18 @@ pub trait FusedOp: Send + Sync + 'static {
     fn forward(&self, x: &Tensor, params: &[Tensor]) -> Result<Tensor>;
 
     /// The gradients for the output's gradient `grad` (the output's shape): the input's
-    /// (`x`'s shape), and each parameter's in `params`' order (`None`: no gradient, as for a
-    /// parameter the output does not depend on). `params` hold the values the runtime gathered
-    /// again for the backward (the forward's values).
+    /// (`x`'s shape, dtype and device), and each parameter's in `params`' order (`None`: no
+    /// gradient, as for a parameter the output does not depend on). `params` hold the values
+    /// the runtime gathered again for the backward (the forward's values). `trains[i]` is false
+    /// for a frozen parameter (the model's `freeze` / `train_only`, e.g. a LoRA base): return
+    /// `None` for it and skip its weight-gradient product (a gradient returned for it is
+    /// dropped).
     fn backward(
         &self,
         x: &Tensor,
         params: &[Tensor],
         grad: &Tensor,
+        trains: &[bool],
     ) -> Result<(Tensor, Vec<Option<Tensor>>)>;
 }
 
@@ -260,6 +267,7 @@ pub fn apply<O: FusedOp>(x: &Tensor, params: &[Tensor], op: O) -> Result<Option<
     promise(params);
     let node = Node {
         op,
+        trains: params.iter().map(trains).collect(),
         params: params.to_vec(),
         shape: value.shape().clone(),
         value: std::sync::Mutex::new(Some(value)),
@@ -271,6 +279,8 @@ pub fn apply<O: FusedOp>(x: &Tensor, params: &[Tensor], op: O) -> Result<Option<
 /// node takes it.
 struct Node<O> {
     op: O,
+    /// Per parameter: whether it trains ([`trains`], read while the call was armed).
+    trains: Vec<bool>,
     params: Vec<Tensor>,
     shape: candle_core::Shape,
     value: std::sync::Mutex<Option<Tensor>>,
@@ -323,9 +333,9 @@ impl<O: FusedOp> candle_core::CustomOp1 for Node<O> {
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let params: Vec<Tensor> = self.params.iter().map(Tensor::detach).collect();
-        let (dx, grads) = self
-            .op
-            .backward(&arg.detach(), &params, &grad_res.detach())?;
+        let (dx, grads) =
+            self.op
+                .backward(&arg.detach(), &params, &grad_res.detach(), &self.trains)?;
         let name = self.op.name();
         if dx.shape() != arg.shape()
             || dx.dtype() != arg.dtype()
@@ -350,7 +360,9 @@ impl<O: FusedOp> candle_core::CustomOp1 for Node<O> {
             )
         }
         for (i, (p, g)) in self.params.iter().zip(grads).enumerate() {
-            let Some(g) = g else { continue };
+            let Some(g) = g.filter(|_| self.trains[i]) else {
+                continue;
+            };
             if g.shape() != p.shape() {
                 bail!(
                     "fused op {name}: parameter {i}'s gradient is {:?}, the parameter {:?}",
@@ -398,5 +410,60 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].1.to_vec1::<f32>().unwrap(), [1.0; 3]);
         assert!(send(&p, p.clone()).is_err());
+    }
+
+    /// `apply` with a frozen parameter: the op's backward is told (`trains`), and a gradient
+    /// it returns anyway is not sent; the trainable one is, with `dx`.
+    #[test]
+    fn apply_tells_the_backward_which_parameters_train_and_sends_only_theirs() {
+        use candle_core::Var;
+        use std::sync::{Arc, Mutex};
+        struct Scale(Arc<Mutex<Vec<bool>>>);
+        impl FusedOp for Scale {
+            fn name(&self) -> &'static str {
+                "scale"
+            }
+            fn forward(&self, x: &Tensor, p: &[Tensor]) -> Result<Tensor> {
+                x.broadcast_mul(&p[0])?.broadcast_add(&p[1])
+            }
+            fn backward(
+                &self,
+                x: &Tensor,
+                p: &[Tensor],
+                g: &Tensor,
+                trains: &[bool],
+            ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+                *self.0.lock().unwrap() = trains.to_vec();
+                // Both gradients returned: the frozen one must be dropped.
+                Ok((
+                    g.broadcast_mul(&p[0])?,
+                    vec![Some((g * x)?.sum(0)?), Some(g.sum(0)?)],
+                ))
+            }
+        }
+        let w = Var::from_vec(vec![2f32, 3.0], 2, &Device::Cpu).unwrap();
+        let b = Var::from_vec(vec![0.5f32, -1.0], 2, &Device::Cpu).unwrap();
+        let x = Var::from_vec(vec![1f32, 2.0, 3.0, 4.0], (2, 2), &Device::Cpu).unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let armed = arm_with_frozen([w.as_tensor()]);
+        assert!(!trains(w.as_tensor()) && trains(b.as_tensor()));
+        let params = [w.as_tensor().clone(), b.as_tensor().clone()];
+        let y = apply(x.as_tensor(), &params, Scale(seen.clone()))
+            .unwrap()
+            .unwrap();
+        drop(armed);
+        assert!(
+            trains(w.as_tensor()),
+            "outside an armed call everything trains"
+        );
+        let sink = collect();
+        let grads = y.sum_all().unwrap().backward().unwrap();
+        let sent = sink.finish();
+        assert_eq!(*seen.lock().unwrap(), vec![false, true]);
+        assert_eq!(sent.len(), 1, "only the trainable parameter's gradient");
+        assert_eq!(sent[0].0.id(), b.as_tensor().id());
+        assert_eq!(sent[0].1.to_vec1::<f32>().unwrap(), [2.0, 2.0]);
+        let dx = grads.get(x.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(dx, [[2.0, 3.0], [2.0, 3.0]]);
     }
 }

@@ -116,6 +116,7 @@ impl FusedOp for BlockOp {
         x: &Tensor,
         p: &[Tensor],
         dy: &Tensor,
+        _trains: &[bool],
     ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
         self.counts.bwd.fetch_add(1, Ordering::SeqCst);
         let s = parts(x, p)?;

@@ -356,3 +356,34 @@ fn merged_export_equals_peft_merge_and_unload() {
     assert_eq!(adapted, 10, "2 layers × 5 targets changed by the merge");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn an_adapter_whose_config_differs_from_the_runs_is_refused_naming_the_field() {
+    use candle_fsdp::checkpoint::peft::check_peft_config;
+    check_peft_config(&fixture(ADAPTER), &lora_config()).unwrap();
+    let mut alpha = lora_config();
+    alpha.alpha = 16.0;
+    let e = check_peft_config(&fixture(ADAPTER), &alpha)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("adapter_config.json")
+            && e.contains("lora_alpha is 8, this run's is 16 (--lora-alpha)"),
+        "{e}"
+    );
+    let mut rs = lora_config();
+    rs.rslora = true;
+    let e = check_peft_config(&fixture(ADAPTER), &rs)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("use_rslora is false, this run's is true (--rslora)"),
+        "{e}"
+    );
+    let mut r = lora_config();
+    r.r = 8;
+    let e = check_peft_config(&fixture(ADAPTER), &r)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("r is 4, this run's is 8 (--lora-rank)"), "{e}");
+}

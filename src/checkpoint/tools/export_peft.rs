@@ -101,7 +101,12 @@ pub fn export_peft(dir: &Path, out: &Path, base_model: Option<&str>) -> Result<P
         }
     }
     let (bytes, _) = w.finish()?;
-    let text = serde_json::to_string_pretty(&lora.peft_config(base_model))
+    let conv1d = meta.units.iter().any(|u| {
+        u.params
+            .iter()
+            .any(|p| is_lora(&p.name) && crate::checkpoint::peft::is_conv1d_module(&p.name))
+    });
+    let text = serde_json::to_string_pretty(&lora.peft_config(base_model, conv1d))
         .map_err(|e| Error::InvalidArgument(e.to_string()))?;
     write_atomic(&out.join(PEFT_CONFIG), text.as_bytes())?;
     Ok(PeftExportSummary {
