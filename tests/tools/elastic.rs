@@ -144,12 +144,11 @@ fn a_rank_killed_with_sigkill_restarts_and_ends_like_the_uninterrupted_run() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Once the first checkpoint is complete, kill rank 1.
+    // Once the first checkpoint is complete (renamed from its staging directory
+    // `.step-<n>.partial`, which holds `meta.json` a moment before), kill rank 1.
     let deadline = Instant::now() + Duration::from_secs(60);
     let victim = loop {
-        let saved = std::fs::read_dir(&dir)
-            .ok()
-            .is_some_and(|d| d.flatten().any(|e| e.path().join("meta.json").is_file()));
+        let saved = candle_fsdp::checkpoint::list_complete(&dir).is_ok_and(|c| !c.is_empty());
         if let (true, Some(pid)) = (saved, rank_process(child.id(), 1, 0)) {
             break pid;
         }
