@@ -23,6 +23,7 @@ use std::ops::Range;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
+use crate::quant::BaseDType;
 
 /// Parameter offsets are multiples of this many elements (16 bytes of f32).
 pub const ALIGN_ELEMS: usize = 4;
@@ -66,6 +67,9 @@ pub struct FlatParamLayout {
     pub world_size: usize,
     /// `padded_numel / world_size`.
     pub shard_numel: usize,
+    /// `shard_numel` is a multiple of this ([`FlatParamLayout::with_shard_multiple`]; 1 for
+    /// [`FlatParamLayout::new`]).
+    pub shard_multiple: usize,
 }
 
 impl FlatParamLayout {
@@ -73,6 +77,24 @@ impl FlatParamLayout {
     ///
     /// Errors: `world_size == 0`, or two parameters with the same name.
     pub fn new(params: &[(String, Shape)], world_size: usize) -> Result<Self> {
+        Self::with_shard_multiple(params, world_size, 1)
+    }
+
+    /// As [`FlatParamLayout::new`], padded further so that `shard_numel` is a multiple of
+    /// `multiple` (e.g. a packed format's block, [`crate::quant::BaseDType::block`], so that
+    /// every rank packs whole blocks).
+    ///
+    /// Errors: as [`FlatParamLayout::new`]; `multiple == 0`.
+    pub fn with_shard_multiple(
+        params: &[(String, Shape)],
+        world_size: usize,
+        multiple: usize,
+    ) -> Result<Self> {
+        if multiple == 0 {
+            return Err(Error::InvalidArgument(
+                "shard multiple must be at least 1".into(),
+            ));
+        }
         if world_size == 0 {
             return Err(Error::InvalidArgument(
                 "world size must be at least 1".into(),
@@ -97,13 +119,14 @@ impl FlatParamLayout {
             offset += numel;
         }
         let unpadded_numel = offset;
-        let padded_numel = unpadded_numel.div_ceil(world_size) * world_size;
+        let padded_numel = unpadded_numel.div_ceil(world_size * multiple) * world_size * multiple;
         Ok(Self {
             params: infos,
             unpadded_numel,
             padded_numel,
             world_size,
             shard_numel: padded_numel / world_size,
+            shard_multiple: multiple,
         })
     }
 
@@ -180,6 +203,32 @@ pub struct FlatParameter {
     /// received one on some rank in some backward since the last clear), as opposed to the
     /// zeros that stand in for a parameter without gradient.
     grad_present: Vec<bool>,
+    /// The shard stored packed ([`FlatParameter::pack`]): then `shard` is empty.
+    packed: Option<PackedShard>,
+}
+
+/// A frozen parameter shard kept in a storage format of [`crate::quant`] instead of f32
+/// ([`crate::FsdpConfig::frozen_storage`]): the bytes [`crate::quant::pack`] wrote for the
+/// `shard_numel` values, a 1-D `u8` tensor on the shard's device.
+#[derive(Debug, Clone)]
+pub struct PackedShard {
+    /// The storage format.
+    pub format: BaseDType,
+    /// `format.packed_bytes(shard_numel)` bytes, 1-D `u8`.
+    pub bytes: Tensor,
+}
+
+impl PackedShard {
+    /// The `numel` values these bytes hold, dequantised ([`crate::quant::unpack`]): 1-D f32 on
+    /// the bytes' device.
+    ///
+    /// Errors: a byte count that is not `format.packed_bytes(numel)`; a failed transfer.
+    pub fn unpack(&self, numel: usize) -> Result<Tensor> {
+        let bytes = self.bytes.to_vec1::<u8>()?;
+        let mut out = vec![0f32; numel];
+        crate::quant::unpack(self.format, &bytes, &mut out)?;
+        Ok(Tensor::from_vec(out, numel, self.bytes.device())?)
+    }
 }
 
 impl FlatParameter {
@@ -208,7 +257,64 @@ impl FlatParameter {
             shard: Tensor::from_vec(shard, n, device)?,
             grad: None,
             grad_present,
+            packed: None,
         })
+    }
+
+    /// Keeps the shard packed in `format` from now on (a frozen twin under
+    /// [`crate::FsdpConfig::frozen_storage`]): the f32 shard is quantised by
+    /// [`crate::quant::pack`] and dropped; [`FlatParameter::shard`] is then empty and
+    /// [`FlatParameter::packed`] holds the bytes. `F32` is a no-op.
+    ///
+    /// Errors: a gradient shard is held (only parameters without gradient are packed);
+    /// `shard_numel` not a multiple of the format's block (the layout must be built with
+    /// [`FlatParamLayout::with_shard_multiple`]); a failed device transfer.
+    pub fn pack(&mut self, format: BaseDType) -> Result<()> {
+        if format == BaseDType::F32 {
+            return Ok(());
+        }
+        if self.grad.is_some() {
+            return Err(Error::InvalidArgument(
+                "pack: the flat parameter holds a gradient; only frozen parameters are stored \
+                 packed"
+                    .into(),
+            ));
+        }
+        let n = self.layout.shard_numel;
+        if !n.is_multiple_of(format.block()) {
+            return Err(Error::InvalidArgument(format!(
+                "pack: shard of {n} elements is not a whole number of {}-element {} blocks",
+                format.block(),
+                format.name()
+            )));
+        }
+        let device = self.shard.device().clone();
+        let values = self.shard.to_vec1::<f32>()?;
+        let mut bytes = vec![0u8; format.packed_bytes(n)];
+        crate::quant::pack(format, &values, &mut bytes)?;
+        let len = bytes.len();
+        self.packed = Some(PackedShard {
+            format,
+            bytes: Tensor::from_vec(bytes, len, &device)?,
+        });
+        self.shard = Tensor::zeros(0, DType::F32, &device)?;
+        Ok(())
+    }
+
+    /// The packed shard, when the shard is stored packed ([`FlatParameter::pack`]).
+    pub fn packed(&self) -> Option<&PackedShard> {
+        self.packed.as_ref()
+    }
+
+    /// The shard's values in f32 (1-D, `shard_numel` elements): the master shard itself, or
+    /// a packed shard dequantised ([`crate::quant::unpack`]) into a new tensor.
+    ///
+    /// Errors: a failed device transfer.
+    pub fn shard_f32(&self) -> Result<Tensor> {
+        match &self.packed {
+            Some(p) => p.unpack(self.layout.shard_numel),
+            None => Ok(self.shard.clone()),
+        }
     }
 
     /// Layout shared by all ranks.
@@ -221,7 +327,8 @@ impl FlatParameter {
         self.shard_index
     }
 
-    /// Master shard: 1-D f32, `layout().shard_numel` elements.
+    /// Master shard: 1-D f32, `layout().shard_numel` elements (empty when the shard is stored
+    /// packed: see [`FlatParameter::packed`] and [`FlatParameter::shard_f32`]).
     pub fn shard(&self) -> &Tensor {
         &self.shard
     }
@@ -302,10 +409,30 @@ impl FlatParameter {
 
     /// Replaces the master shard (e.g. when loading a checkpoint); the gradient is kept.
     ///
+    /// A packed shard keeps its bytes when `shard` holds exactly the values they dequantise to
+    /// (a checkpoint of the same base, saved dequantised: resume is then bit-exact, also at
+    /// another world size, since blocks sit at the same flat offsets whatever the world size);
+    /// other values are packed anew in its format. Packing dequantised values again is exact
+    /// for bf16 and NF4 but may move an int8 block's scale by one ulp, hence the comparison.
+    ///
     /// Errors: `shard` is not a 1-D f32 tensor of `shard_numel` elements on the shard's device
     /// (naming expected and found); the shard is then unchanged.
     pub fn set_shard(&mut self, shard: Tensor) -> Result<()> {
         self.check("shard", &shard)?;
+        if let Some(format) = self.packed.as_ref().map(|p| p.format) {
+            let new = shard.to_vec1::<f32>()?;
+            let old = self.shard_f32()?.to_vec1::<f32>()?;
+            if new
+                .iter()
+                .zip(&old)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+            {
+                return Ok(());
+            }
+            self.packed = None;
+            self.shard = shard.contiguous()?;
+            return self.pack(format);
+        }
         self.shard = if shard.is_contiguous() {
             shard
         } else {
@@ -335,9 +462,11 @@ impl FlatParameter {
         Ok(())
     }
 
-    /// Bytes held by the master and gradient shards (4 per f32 element).
+    /// Bytes held by the master and gradient shards (4 per f32 element), or by the packed
+    /// shard.
     pub fn sharded_bytes(&self) -> usize {
         4 * (self.shard.elem_count() + self.grad.as_ref().map_or(0, |g| g.elem_count()))
+            + self.packed.as_ref().map_or(0, |p| p.bytes.elem_count())
     }
 
     /// Checks that `t` may serve as this parameter's `what`.

@@ -67,6 +67,7 @@ pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+pub mod quant;
 pub mod sync_batch_norm;
 #[cfg(feature = "timeline")]
 pub mod timeline;

@@ -46,6 +46,7 @@ use candle_fsdp::models::decoder::hf::{
 };
 use candle_fsdp::models::decoder::{self, lm_loss, DecoderConfig, FsdpDecoder};
 use candle_fsdp::models::llama::{hf::config_to_json, LlamaConfig};
+use candle_fsdp::quant::BaseDType;
 use candle_fsdp::{FsdpModel, MemoryBudget};
 use clap::Parser;
 
@@ -108,6 +109,11 @@ pub struct Args {
     /// instead of PEFT's initialisation.
     #[arg(long, value_name = "DIR")]
     pub lora_from: Option<PathBuf>,
+    /// LoRA: storage of the frozen base, f32 | bf16 | int8 | nf4 (QLoRA's 4-bit NormalFloat):
+    /// each rank quantises its own shard once, keeps it packed and all-gathers the packed
+    /// bytes; the unit computes in f32 after the gather.
+    #[arg(long, default_value = "f32", value_name = "DTYPE")]
+    pub base_dtype: String,
     #[command(flatten)]
     pub lm: lm::LmArgs,
     #[command(flatten)]
@@ -115,6 +121,18 @@ pub struct Args {
 }
 
 impl Args {
+    /// The storage of the frozen base (`--base-dtype`), checked: a packed base needs LoRA.
+    fn base_dtype(&self) -> anyhow::Result<BaseDType> {
+        let d = BaseDType::from_name(&self.base_dtype).context("--base-dtype")?;
+        anyhow::ensure!(
+            d == BaseDType::F32 || self.lora_rank > 0,
+            "--base-dtype {} stores a frozen base packed: it needs --lora-rank (full \
+             fine-tuning trains every weight in f32)",
+            d.name()
+        );
+        Ok(d)
+    }
+
     /// The LoRA config of the flags, `None` without --lora-rank.
     fn lora(&self) -> anyhow::Result<Option<LoraConfig>> {
         if self.lora_rank == 0 {
@@ -391,6 +409,7 @@ fn main() -> anyhow::Result<()> {
         None => None,
     };
     let lora = args.lora()?;
+    let base_dtype = args.base_dtype()?;
     check_resumed_model(train, &cfg, &config_src, setup.prints(), lora.as_ref())?;
     let mut extra = BTreeMap::from([(HF_CONFIG_KEY.to_string(), config_json)]);
     if let Some(l) = &lora {
@@ -400,11 +419,12 @@ fn main() -> anyhow::Result<()> {
         );
         if setup.prints() {
             println!(
-                "LoRA: r {}, alpha {} (scale {}), targets {}; the base frozen{}",
+                "LoRA: r {}, alpha {} (scale {}), targets {}; the base frozen ({}){}",
                 l.r,
                 l.alpha,
                 l.scale(),
                 l.targets.join(", "),
+                base_dtype.name(),
                 args.lora_from.as_ref().map_or(String::new(), |d| format!(
                     ", adapters from {}",
                     d.display()
@@ -438,6 +458,7 @@ fn main() -> anyhow::Result<()> {
             activations,
             |mut config| {
                 config.memory_budget = budget;
+                config.frozen_storage = base_dtype;
                 let mut built = match &resolved {
                     Some(dir) => {
                         let opts = HfOptions {

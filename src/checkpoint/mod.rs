@@ -213,6 +213,11 @@ pub struct UnitMeta {
     pub padded_numel: usize,
     /// Shard length (elements).
     pub shard_numel: usize,
+    /// `shard_numel` is a multiple of this (a packed frozen base's block, e.g. 64 for int8 /
+    /// NF4: [`crate::flat_param::FlatParamLayout::shard_multiple`]); 1, and then not written,
+    /// otherwise.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub shard_multiple: usize,
     /// Parameters in flat order.
     pub params: Vec<ParamMeta>,
     /// Buffers, saved unsharded in rank 0's file.
@@ -255,6 +260,7 @@ impl UnitMeta {
             unpadded_numel: layout.unpadded_numel,
             padded_numel: layout.padded_numel,
             shard_numel: layout.shard_numel,
+            shard_multiple: layout.shard_multiple,
             params: layout
                 .params
                 .iter()
@@ -281,7 +287,11 @@ impl UnitMeta {
             .iter()
             .map(|p| (p.name.clone(), candle_core::Shape::from(p.shape.clone())))
             .collect();
-        let layout = crate::flat_param::FlatParamLayout::new(&named, self.world_size.max(1))?;
+        let layout = crate::flat_param::FlatParamLayout::with_shard_multiple(
+            &named,
+            self.world_size.max(1),
+            self.shard_multiple,
+        )?;
         let unit = &self.name;
         let mut prev: Option<&ParamMeta> = None;
         for (p, q) in self.params.iter().zip(&layout.params) {
@@ -428,6 +438,14 @@ pub fn strategy_name(strategy: crate::ShardingStrategy) -> &'static str {
         crate::ShardingStrategy::HybridShard { .. } => "hybrid-shard",
         crate::ShardingStrategy::HybridShardGradOp { .. } => "hybrid-shard-grad-op",
     }
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 fn f32_name() -> String {

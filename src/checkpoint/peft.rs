@@ -196,7 +196,7 @@ pub fn load_peft_adapter(path: &Path, model: &mut FsdpModel) -> Result<ReadStats
         let u = model.shard(k).expect("a unit of the model");
         let layout = u.layout.clone();
         let device = u.param.device().clone();
-        let mut shard = with_host_f32(u.param, |s| s.to_vec())?;
+        let mut shard = with_host_f32(&u.param_f32()?, |s| s.to_vec())?;
         for e in layout.shard_table(u.shard_index) {
             let p = &layout.params[e.param_index];
             if !is_lora(&p.name) {

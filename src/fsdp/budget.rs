@@ -5,7 +5,7 @@
 //!
 //! The formula (bytes per rank at world size W, FULL_SHARD; `shard = ceil(numel / W)` per
 //! group, `padded = W · shard`):
-//! - sharded state: `4 · Σ shard` (f32 master shards) `+ 4 · Σ' shard` (f32 gradient shards)
+//! - sharded state: `4 · Σ shard` (f32 master shards; a packed frozen group's packed bytes) `+ 4 · Σ' shard` (f32 gradient shards)
 //!   `+ b_opt · Σ' shard` (optimizer: 8 for AdamW's two moments), Σ' over trainable groups —
 //!   PyTorch FSDP's `(params + grads + optimizer state) / world size`, 16 bytes per parameter
 //!   for f32 AdamW (Rajbhandari et al., *ZeRO*, 2020, §3);
@@ -24,6 +24,7 @@ use super::config::{FsdpConfig, ShardingStrategy};
 use crate::error::{Error, Result};
 use crate::flat_param::FlatParamLayout;
 use crate::mixed_precision::MixedPrecision;
+use crate::quant::BaseDType;
 
 /// A per-rank memory budget, checked by [`crate::FsdpModelBuilder::build`] before any shard is
 /// allocated (see the module docs for the formula).
@@ -92,16 +93,32 @@ pub(crate) struct GroupSize {
     param_bytes: usize,
     reduce_bytes: usize,
     frozen: bool,
+    /// Storage of the shard and of the all-gather (`F32` unless a frozen group is packed).
+    storage: BaseDType,
 }
 
 impl GroupSize {
-    pub(crate) fn of(layout: &FlatParamLayout, policy: &MixedPrecision, frozen: bool) -> Self {
+    /// The sizes of one group; `storage` is the format its shard is kept in (a packed frozen
+    /// twin's, else `F32`).
+    pub(crate) fn of(
+        layout: &FlatParamLayout,
+        policy: &MixedPrecision,
+        frozen: bool,
+        storage: BaseDType,
+    ) -> Self {
         Self {
             unpadded: layout.unpadded_numel,
             param_bytes: policy.param_dtype.size_in_bytes(),
             reduce_bytes: policy.reduce_dtype.size_in_bytes(),
             frozen,
+            storage,
         }
+    }
+
+    /// Bytes of `numel` stored elements (whole blocks of a packed format).
+    fn stored_bytes(&self, numel: usize) -> usize {
+        let b = self.storage.block();
+        self.storage.packed_bytes(numel.div_ceil(b) * b)
     }
 }
 
@@ -127,9 +144,20 @@ pub(crate) fn plan(
             g.unpadded
         }
     };
-    let all: usize = groups.iter().map(shard).sum();
+    let stored: usize = groups.iter().map(|g| g.stored_bytes(shard(g))).sum();
     let trainable: usize = groups.iter().filter(|g| !g.frozen).map(shard).sum();
-    let mut gathered: Vec<usize> = groups.iter().map(|g| padded(g) * g.param_bytes).collect();
+    // Per group in flight: the gathered buffer and the step's parameter tensors
+    // (`2 · padded · param_bytes`), plus a packed group's gathered packed bytes.
+    let mut gathered: Vec<usize> = groups
+        .iter()
+        .map(|g| {
+            let packed = match g.storage {
+                BaseDType::F32 => 0,
+                _ => g.stored_bytes(padded(g)),
+            };
+            2 * padded(g) * g.param_bytes + packed
+        })
+        .collect();
     gathered.sort_unstable_by(|a, b| b.cmp(a));
     let backward = groups
         .iter()
@@ -139,20 +167,20 @@ pub(crate) fn plan(
         .unwrap_or(0);
     let in_flight = if config.sharding_strategy.reshards_after_forward() {
         let depth = config.limit_all_gathers.unwrap_or(2).max(1);
-        2 * gathered.iter().take(depth).sum::<usize>()
+        gathered.iter().take(depth).sum::<usize>()
     } else {
-        gathered.iter().sum::<usize>() + gathered.first().copied().unwrap_or(0)
+        (gathered.iter().sum::<usize>() + gathered.first().copied().unwrap_or(0)) / 2
     };
     // A partial reshard after forward keeps 1/k of every group from its forward to its backward.
     let kept = match config.reshard_after_forward_ranks {
         Some(k) if k > 0 && k < ws && config.sharding_strategy.reshards_after_forward() => {
-            gathered.iter().sum::<usize>() / k
+            gathered.iter().sum::<usize>() / 2 / k
         }
         _ => 0,
     };
     MemoryPlan {
         world_size: ws,
-        param_shard_bytes: 4 * all,
+        param_shard_bytes: stored,
         grad_shard_bytes: 4 * trainable,
         optimizer_bytes: budget.optimizer_bytes_per_element * trainable,
         unsharded_bytes: in_flight + backward + kept,

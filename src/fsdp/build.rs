@@ -458,8 +458,14 @@ fn plan_groups(
                 .iter()
                 .map(|p| (p.name.clone(), p.shape.clone()))
                 .collect();
+            // A packed frozen twin's shards hold whole quantisation blocks.
+            let multiple = if frozen {
+                config.frozen_storage.block()
+            } else {
+                1
+            };
             planned.push(PlannedGroup {
-                layout: FlatParamLayout::new(&named, shard_world)?,
+                layout: FlatParamLayout::with_shard_multiple(&named, shard_world, multiple)?,
                 name,
                 recorded,
                 buffers,
@@ -499,7 +505,18 @@ fn plan_groups(
     if let Some(budget) = &config.memory_budget {
         let sizes: Vec<super::budget::GroupSize> = planned
             .iter()
-            .map(|u| super::budget::GroupSize::of(&u.layout, &u.policy, u.frozen))
+            .map(|u| {
+                super::budget::GroupSize::of(
+                    &u.layout,
+                    &u.policy,
+                    u.frozen,
+                    if u.frozen {
+                        config.frozen_storage
+                    } else {
+                        crate::quant::BaseDType::F32
+                    },
+                )
+            })
             .collect();
         super::budget::check(&sizes, config, pg.world_size(), budget)?;
     }
@@ -522,10 +539,14 @@ fn allocate(
         .into_iter()
         .map(|u| {
             let recorded = u.recorded;
-            let flat =
+            let mut flat =
                 FlatParameter::from_fn(u.layout, shard_index, &config.device, |i, range, out| {
                     fill(&recorded[i], range, out)
                 })?;
+            // Packed at once, one group at a time: the f32 shard of one frozen group at most.
+            if u.frozen {
+                flat.pack(config.frozen_storage)?;
+            }
             let mut unit = ParamGroup::new(u.name, flat, u.buffers, u.policy, u.frozen);
             unit.reshard_after_forward = u.reshard;
             Ok(unit)

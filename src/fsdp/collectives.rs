@@ -11,8 +11,9 @@ use candle_core::{DType, Tensor, Var};
 use super::mesh::Mesh;
 use super::storage;
 use crate::comm::{CommStream, ProcessGroup, ReduceOp, Work};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, FlatParameter, ParamInfo};
+use crate::quant::BaseDType;
 
 /// The groups and comm streams FSDP runs its collectives on (FSDP2's comm context): the
 /// runtime creates them from the world group when the model is built and decides which op runs
@@ -91,6 +92,67 @@ pub(crate) fn all_gather_shard(
         Ok(out) => pg.all_gather(stream, &input, out),
         Err(e) => Work::ready(Err(e.into())),
     }
+}
+
+/// Issues the all-gather of a packed shard's bytes (`u8`, [`crate::quant`]) on `stream`: the
+/// wire carries the packed bytes; the output is every rank's packed shard in rank order,
+/// dequantised by [`unpack_gathered`]. When `real` is false the shard's bytes are the output.
+pub(crate) fn all_gather_packed(
+    pg: &dyn ProcessGroup,
+    stream: &CommStream,
+    bytes: &Tensor,
+    real: bool,
+) -> Work<Tensor> {
+    if !real {
+        return Work::ready(Ok(bytes.clone()));
+    }
+    let n = bytes.elem_count() * pg.world_size();
+    // SAFETY: as in `all_gather_shard`: the all-gather writes every byte before `wait`.
+    match unsafe { Tensor::empty(n, DType::U8, bytes.device()) } {
+        Ok(out) => pg.all_gather(stream, bytes, out),
+        Err(e) => Work::ready(Err(e.into())),
+    }
+}
+
+/// Dequantises gathered packed shards (`layout.world_size` segments of
+/// `format.packed_bytes(shard_numel)` bytes, rank order, as [`all_gather_packed`] returns
+/// them; one segment when the group does not gather) into the unsharded flat buffer: 1-D,
+/// `padded_numel` elements of `dtype`, on the bytes' device (off the CPU through the host).
+///
+/// Errors: a byte count that is not a whole number of segments; a failed transfer.
+pub(crate) fn unpack_gathered(
+    format: BaseDType,
+    gathered: &Tensor,
+    layout: &FlatParamLayout,
+    dtype: DType,
+) -> Result<Tensor> {
+    let shard = layout.shard_numel;
+    let seg = format.packed_bytes(shard);
+    let bytes = gathered.to_vec1::<u8>()?;
+    let segments = bytes.len().checked_div(seg).unwrap_or(0);
+    if seg * segments != bytes.len() || segments * shard > layout.padded_numel {
+        return Err(Error::InvalidArgument(format!(
+            "gathered packed shards: {} bytes are not whole {}-byte {} segments of {shard} \
+             elements",
+            bytes.len(),
+            seg,
+            format.name()
+        )));
+    }
+    let mut out = vec![0f32; segments * shard];
+    for (o, b) in out
+        .chunks_exact_mut(shard.max(1))
+        .zip(bytes.chunks_exact(seg.max(1)))
+    {
+        crate::quant::unpack(format, b, o)?;
+    }
+    let n = out.len();
+    let t = Tensor::from_vec(out, n, gathered.device())?;
+    Ok(if dtype == DType::F32 {
+        t
+    } else {
+        t.to_dtype(dtype)?
+    })
 }
 
 /// This rank's piece of a gathered flat buffer for a partial reshard after forward: the

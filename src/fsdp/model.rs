@@ -165,7 +165,16 @@ impl FsdpModel {
         let groups: Vec<super::budget::GroupSize> = self
             .units
             .iter()
-            .map(|u| super::budget::GroupSize::of(u.flat().layout(), u.policy(), u.is_frozen()))
+            .map(|u| {
+                super::budget::GroupSize::of(
+                    u.flat().layout(),
+                    u.policy(),
+                    u.is_frozen(),
+                    u.flat()
+                        .packed()
+                        .map_or(crate::quant::BaseDType::F32, |p| p.format),
+                )
+            })
             .collect();
         let budget = super::MemoryBudget {
             max_bytes_per_rank: usize::MAX,

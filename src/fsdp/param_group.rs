@@ -250,14 +250,24 @@ impl ParamGroup {
             return;
         }
         let dtype = self.policy.param_dtype;
-        let guard = acct.unshard_counted(
-            self.flat.layout().padded_numel * dtype.size_in_bytes(),
-            !self.frozen,
-        );
-        let work = match (&self.secondary, comm.secondary()) {
-            (Some((piece, _)), Some((pg, stream))) => {
+        let padded = self.flat.layout().padded_numel;
+        // A packed shard also holds its gathered packed bytes until they are dequantised.
+        let packed_bytes = self
+            .flat
+            .packed()
+            .map_or(0, |p| p.format.packed_bytes(padded));
+        let guard =
+            acct.unshard_counted(padded * dtype.size_in_bytes() + packed_bytes, !self.frozen);
+        let work = match (&self.secondary, comm.secondary(), self.flat.packed()) {
+            (Some((piece, _)), Some((pg, stream)), _) => {
                 collectives::all_gather_secondary(pg, stream, piece)
             }
+            (_, _, Some(p)) => collectives::all_gather_packed(
+                comm.shard_pg(),
+                &comm.all_gather,
+                &p.bytes,
+                self.gathers(),
+            ),
             _ => collectives::all_gather_shard(
                 comm.shard_pg(),
                 &comm.all_gather,
@@ -300,6 +310,7 @@ impl ParamGroup {
             }
         }
         let layout = self.flat.layout();
+        let flat = self.unpacked(flat)?;
         match &self.vars {
             // Views of the shard already hold the values; views of a gathered buffer get the
             // new gather's buffer moved into the storage they share.
@@ -326,6 +337,20 @@ impl ParamGroup {
         }
         self.params = ParamState::Present { _guard: guard };
         Ok(())
+    }
+
+    /// The unsharded flat buffer of a gather: a packed shard's gathered bytes dequantised
+    /// into `param_dtype` ([`collectives::unpack_gathered`]), else the gathered buffer itself.
+    fn unpacked(&self, gathered: Tensor) -> Result<Tensor> {
+        match self.flat.packed() {
+            Some(p) => collectives::unpack_gathered(
+                p.format,
+                &gathered,
+                self.flat.layout(),
+                self.policy.param_dtype,
+            ),
+            None => Ok(gathered),
+        }
     }
 
     /// Transition `Present → Sharded`: frees the step's parameter tensors' storage in place
@@ -419,7 +444,8 @@ impl ParamGroup {
         self.unshard(comm, acct);
         match std::mem::replace(&mut self.params, ParamState::Sharded) {
             ParamState::Unsharding { work, guard } => {
-                Ok((collectives::wait_gathered(work)?, guard))
+                let flat = collectives::wait_gathered(work)?;
+                Ok((self.unpacked(flat)?, guard))
             }
             other => {
                 self.params = other;

@@ -13,7 +13,7 @@ use candle_core::{Tensor, Var};
 use super::model::FsdpModel;
 use super::param_group::ParamGroup;
 use crate::error::{Error, Result};
-use crate::flat_param::FlatParamLayout;
+use crate::flat_param::{FlatParamLayout, PackedShard};
 
 /// What one rank holds of one unit, borrowed from an [`FsdpModel`].
 #[derive(Debug, Clone, Copy)]
@@ -26,8 +26,11 @@ pub struct ShardView<'a> {
     pub layout: &'a FlatParamLayout,
     /// This rank's shard index (its rank, or 0 under NO_SHARD).
     pub shard_index: usize,
-    /// Master shard: 1-D f32, `layout.shard_numel` elements, on the model's device.
+    /// Master shard: 1-D f32, `layout.shard_numel` elements, on the model's device; empty
+    /// when the shard is stored packed (`packed`; [`ShardView::param_f32`] reads either).
     pub param: &'a Tensor,
+    /// A frozen twin's shard stored packed ([`crate::FsdpConfig::frozen_storage`]).
+    pub packed: Option<&'a PackedShard>,
     /// Gradient shard (same shape, dtype and device), `None` before a backward or after
     /// [`FsdpModel::zero_grad`].
     pub grad: Option<&'a Tensor>,
@@ -42,6 +45,19 @@ pub struct ShardView<'a> {
     pub frozen: bool,
 }
 
+impl ShardView<'_> {
+    /// The shard's values in f32 (1-D, `layout.shard_numel` elements): `param`, or the packed
+    /// shard dequantised ([`crate::quant::unpack`]) into a new tensor.
+    ///
+    /// Errors: a failed transfer.
+    pub fn param_f32(&self) -> Result<Tensor> {
+        match self.packed {
+            Some(p) => p.unpack(self.layout.shard_numel),
+            None => Ok(self.param.clone()),
+        }
+    }
+}
+
 impl FsdpModel {
     /// One view per unit, in forward order: the accessor of optimizers, clipping, the grad scaler
     /// and checkpoints. Local: no communication.
@@ -52,6 +68,7 @@ impl FsdpModel {
             layout: u.flat().layout(),
             shard_index: u.flat().shard_index(),
             param: u.flat().shard(),
+            packed: u.flat().packed(),
             grad: u.flat().grad(),
             grad_present: u.flat().grad_present(),
             buffers: u.buffers(),

@@ -13,7 +13,7 @@ use crate::error::{Error, Phase, Result};
 
 impl FsdpModel {
     /// Gathers unit `k`'s flat parameter in f32 (exact master values, whatever the policy's
-    /// `param_dtype`): a 1-D tensor of `padded_numel` elements, on every rank (a collective, on
+    /// `param_dtype`; a packed frozen shard's dequantised values): a 1-D tensor of `padded_numel` elements, on every rank (a collective, on
     /// the model's all-gather stream). The one f32 unit gather of state dicts and the full
     /// checkpoint: the unit itself stays sharded; the returned buffer counts as unsharded
     /// memory while the gather runs.
@@ -38,14 +38,26 @@ impl FsdpModel {
         let _guard = self
             .mem
             .unshard(u.flat().layout().padded_numel * DType::F32.size_in_bytes());
-        let work = collectives::all_gather_shard(
-            self.comm.shard_pg(),
-            &self.comm.all_gather,
-            u.flat(),
-            DType::F32,
-            u.gathers(),
-        );
-        collectives::wait_gathered(work).map_err(|e| self.at(e, Some(k), Phase::Checkpoint))
+        let gathered = match u.flat().packed() {
+            // A packed frozen shard: its packed bytes, dequantised (the values it computes with).
+            Some(p) => collectives::wait_gathered(collectives::all_gather_packed(
+                self.comm.shard_pg(),
+                &self.comm.all_gather,
+                &p.bytes,
+                u.gathers(),
+            ))
+            .and_then(|g| {
+                collectives::unpack_gathered(p.format, &g, u.flat().layout(), DType::F32)
+            }),
+            None => collectives::wait_gathered(collectives::all_gather_shard(
+                self.comm.shard_pg(),
+                &self.comm.all_gather,
+                u.flat(),
+                DType::F32,
+                u.gathers(),
+            )),
+        };
+        gathered.map_err(|e| self.at(e, Some(k), Phase::Checkpoint))
     }
 
     /// Gathers every unit's full parameters (a collective, one unit at a time). With

@@ -19,6 +19,7 @@ mod hf_load;
 mod hf_resolve;
 mod llama;
 mod lora;
+mod qlora;
 
 use std::path::PathBuf;
 

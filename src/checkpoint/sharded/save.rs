@@ -27,7 +27,8 @@ pub(super) fn write_rank_file(
     let holds = |u: &ShardView| u.layout.world_size > rank;
     for (k, u) in model.shards().enumerate() {
         if holds(&u) {
-            with_host_f32(u.param, |s| w.write_f32(&param_tensor(k), s))??;
+            // A packed frozen shard is written dequantised (f32, as every `param.k`).
+            with_host_f32(&u.param_f32()?, |s| w.write_f32(&param_tensor(k), s))??;
         }
     }
     for kind in kinds {
