@@ -26,6 +26,8 @@ never "src/kernels" 'crate::(ops|fsdp|flat_param|comm|launch|optim|checkpoint|nn
     "kernels/ is a leaf: it imports nothing of the crate but error"
 never "src/nn" 'crate::(fsdp|models|optim|checkpoint|launch|comm)\b' \
     "nn/ is the layer library and its kernels: fused nodes that use the runtime's seam (fsdp::fused) live with their models (decision 72)"
+never "src/quant.rs" 'crate::(ops|fsdp|flat_param|comm|launch|optim|checkpoint|nn|models)\b' \
+    "quant.rs is a leaf: storage formats over slices"
 never "src/flat_param.rs" 'crate::(ops|fsdp|comm)\b' \
     "flat_param.rs is data: no ops, no runtime"
 never "src/checkpoint" 'crate::data::(DistributedSampler|BatchLoader|loader|mnist|text)\b|DistributedSampler' \

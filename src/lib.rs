@@ -42,6 +42,7 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
+pub mod base;
 pub mod checkpoint;
 pub mod clip;
 pub mod comm;

@@ -58,6 +58,10 @@ from transformers import (
 
 SIZES = {
     "bench": dict(layers=6, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1408, ctx=256, batch=4),
+    # The issue-33 QLoRA bench's: a 147 M-parameter Llama, and TinyLlama-1.1B's shape (with the
+    # byte vocabulary: 0.97 B parameters).
+    "148m": dict(layers=13, hidden=1024, heads=16, kv_heads=4, head_dim=64, intermediate=2816, ctx=256, batch=4),
+    "tinyllama": dict(layers=22, hidden=2048, heads=32, kv_heads=4, head_dim=64, intermediate=5632, ctx=256, batch=1),
     "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, ctx=32, batch=2),
 }
 VOCAB = 256

@@ -388,9 +388,10 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
         let tokens_per_step = (ws * b * t * k) as f64;
         // Since the last loss line: summed micro-batch losses, their number, training time.
         let (mut loss_sum, mut micro, mut busy, mut steps) = (0.0f64, 0usize, 0.0f64, 0u64);
-        let mut train_mem = None;
+        let (mut train_mem, mut train_comm) = (None, None);
         for step in start..max {
             let t0 = Instant::now();
+            let comm0 = self.t.model.comm_stats();
             let traced = trace_window((max - start) as usize, self.train.trace_steps);
             self.t
                 .set_tracing(traced.contains(&((step - start) as usize)));
@@ -417,8 +418,11 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
                 (loss_sum, micro, busy, steps) = (0.0, 0, 0.0, 0);
             }
             if done == max {
-                // Memory of training (evaluation and sampling gather again).
+                // Memory of training (evaluation and sampling gather again), and the last
+                // step's traffic.
                 train_mem = Some(self.t.model.memory_stats());
+                let comm = self.t.model.comm_stats();
+                train_comm = Some(comm.zip_with(comm0, u64::wrapping_sub));
             }
             let interval = self.args.eval_interval;
             if (interval > 0 && done % interval == 0) || done == max {
@@ -439,6 +443,16 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
         }
         if rank == 0 && steps_trained > 0 {
             self.t.report(train_mem);
+            if let Some(c) = train_comm {
+                println!(
+                    "rank 0 last step's traffic: all-gather {} B in {} calls, reduce-scatter {} B \
+                     in {} calls",
+                    c.all_gather_bytes,
+                    c.all_gather_calls,
+                    c.reduce_scatter_bytes,
+                    c.reduce_scatter_calls
+                );
+            }
         }
         let eval_loss = match self.parts.eval_tokens {
             Some(_) => Some(self.eval_file()?),

@@ -162,6 +162,11 @@ pub struct TrainState {
     /// State of the learning-rate scheduler.
     #[serde(default)]
     pub lr_scheduler: Option<crate::lr_scheduler::LrSchedulerState>,
+    /// An adapter-only checkpoint's frozen base (set by the save from
+    /// [`crate::FsdpModel::base`] when it leaves units to it: [`UnitMeta::in_base`]); loading
+    /// checks the model's base against it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<crate::base::BaseIdentity>,
 }
 
 /// A fresh run id: 128 random bits from the operating system's generator, as 32 hex digits.
@@ -218,6 +223,11 @@ pub struct UnitMeta {
     /// otherwise.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub shard_multiple: usize,
+    /// Not in the files: a frozen unit of an adapter-only checkpoint, whose parameters (and
+    /// buffers) are the base's (`train.base`, decision 75); loading keeps the values the
+    /// model read from its base.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_base: bool,
     /// Parameters in flat order.
     pub params: Vec<ParamMeta>,
     /// Buffers, saved unsharded in rank 0's file.
@@ -261,6 +271,7 @@ impl UnitMeta {
             padded_numel: layout.padded_numel,
             shard_numel: layout.shard_numel,
             shard_multiple: layout.shard_multiple,
+            in_base: false,
             params: layout
                 .params
                 .iter()

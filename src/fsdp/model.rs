@@ -14,6 +14,7 @@ use super::param_group::ParamGroup;
 use super::scheduler::Scheduler;
 use super::spec::Member;
 use super::step::TrainingState;
+use crate::base::BaseIdentity;
 use crate::comm::{CommObserver, ProcessGroup};
 use crate::error::{Error, Phase, Result};
 use crate::trace::{Lane, SpanKind, Tracer};
@@ -43,6 +44,8 @@ pub struct FsdpModel {
     pub(super) steps_started: u64,
     /// Where the model is in a step (`super::step`).
     pub(super) state: TrainingState,
+    /// The frozen base the model was built from ([`FsdpModel::set_base`]).
+    base: Option<Arc<BaseIdentity>>,
 }
 
 impl FsdpModel {
@@ -69,10 +72,25 @@ impl FsdpModel {
             by_name,
             mem: MemoryAccount::default(),
             requires_gradient_sync: true,
+            base: None,
             tracer: None,
             steps_started: 0,
             state: TrainingState::Idle,
         }
+    }
+
+    /// Records the frozen base the model's frozen parameters were read from (what
+    /// [`crate::models::decoder::hf::build_from_hf_with`] does for a LoRA run). From then on
+    /// sharded checkpoints are adapter-only: units that are frozen and were never stepped are
+    /// not stored, the base's identity is (decision 75), and loading one checks the model's
+    /// base against it. `None` stores every unit again.
+    pub fn set_base(&mut self, base: Option<BaseIdentity>) {
+        self.base = base.map(Arc::new);
+    }
+
+    /// The frozen base recorded by [`FsdpModel::set_base`].
+    pub fn base(&self) -> Option<&BaseIdentity> {
+        self.base.as_deref()
     }
 
     /// The process group (the whole world: clipping, the grad scaler and checkpoints reduce

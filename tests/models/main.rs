@@ -12,6 +12,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod adapter_ckpt;
 mod example;
 mod families;
 mod hf_export;

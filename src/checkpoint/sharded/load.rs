@@ -59,7 +59,7 @@ pub(super) struct Reader {
     meta: CheckpointMeta,
     files: HashMap<usize, MappedFile>,
     /// Per model unit, the pieces of its new shard.
-    plans: Vec<Vec<Piece>>,
+    plans: Vec<Option<Vec<Piece>>>,
     optim: OptimPlan,
 }
 
@@ -192,8 +192,17 @@ pub(super) fn match_names(dir: &Path, meta: &CheckpointMeta, model: &FsdpModel) 
 
 /// Step 2: the pieces of every new shard: each part of a parameter in this rank's shard, as
 /// contiguous ranges of saved shards, from the saved units' layouts (names matched by
-/// [`match_names`]).
-pub(super) fn plan_pieces(saved: &[FlatParamLayout], model: &FsdpModel) -> Vec<Vec<Piece>> {
+/// [`match_names`]). `None` for a unit whose parameters an adapter-only checkpoint left to the
+/// base ([`UnitMeta::in_base`]): it keeps what the model read from its base.
+///
+/// Errors: a unit with parameters both in the files and in the base, or a unit that trains
+/// whose parameters the checkpoint left to the base (naming the unit and a parameter).
+pub(super) fn plan_pieces(
+    dir: &Path,
+    saved: &[FlatParamLayout],
+    in_base: &[bool],
+    model: &FsdpModel,
+) -> Result<Vec<Option<Vec<Piece>>>> {
     let mut by_name: HashMap<&str, (usize, usize)> = HashMap::new();
     for (j, l) in saved.iter().enumerate() {
         for p in &l.params {
@@ -204,6 +213,31 @@ pub(super) fn plan_pieces(saved: &[FlatParamLayout], model: &FsdpModel) -> Vec<V
         .shards()
         .map(|u| {
             let layout = u.layout;
+            let from_base: Vec<&str> = layout
+                .params
+                .iter()
+                .filter(|p| in_base[by_name[p.name.as_str()].0])
+                .map(|p| p.name.as_str())
+                .collect();
+            if let Some(first) = from_base.first() {
+                if from_base.len() != layout.params.len() || !u.frozen {
+                    return Err(meta_err(
+                        dir,
+                        format!(
+                            "unit {}: the checkpoint left {first} to its frozen base, but the \
+                             model's unit {} (an adapter-only checkpoint resumes a model with \
+                             the same frozen parameters)",
+                            u.unit_name,
+                            if u.frozen {
+                                "also holds parameters the checkpoint stores"
+                            } else {
+                                "trains"
+                            }
+                        ),
+                    ));
+                }
+                return Ok(None);
+            }
             let mut pieces = Vec::new();
             for e in layout.shard_table(u.shard_index) {
                 let p = &layout.params[e.param_index];
@@ -225,9 +259,39 @@ pub(super) fn plan_pieces(saved: &[FlatParamLayout], model: &FsdpModel) -> Vec<V
                     done += len;
                 }
             }
-            pieces
+            Ok(Some(pieces))
         })
         .collect()
+}
+
+/// Step 2b: an adapter-only checkpoint ([`UnitMeta::in_base`]) resumes only a model built from
+/// the same base ([`FsdpModel::base`], [`crate::base::BaseIdentity::check`]).
+///
+/// Errors: the model knows no base, or another one (naming the file that differs).
+pub(super) fn check_base(dir: &Path, meta: &CheckpointMeta, model: &FsdpModel) -> Result<()> {
+    if !meta.units.iter().any(|u| u.in_base) {
+        return Ok(());
+    }
+    let Some(recorded) = &meta.train.base else {
+        return Err(meta_err(
+            dir,
+            "units are marked as left to the frozen base, but no base is recorded".into(),
+        ));
+    };
+    match model.base() {
+        Some(found) => recorded
+            .check(found)
+            .map_err(|e| meta_err(dir, root_message(e))),
+        None => Err(meta_err(
+            dir,
+            format!(
+                "an adapter-only checkpoint (its frozen base is {}), and the model knows no \
+                 base: build it from that directory (build_from_hf_with, --from-hf) or record \
+                 it with FsdpModel::set_base",
+                recorded.dir.display()
+            ),
+        )),
+    }
 }
 
 /// Step 3: maps the files holding a piece (and rank 0's when there are buffers to read or
@@ -235,12 +299,15 @@ pub(super) fn plan_pieces(saved: &[FlatParamLayout], model: &FsdpModel) -> Vec<V
 pub(super) fn open_files(
     dir: &Path,
     meta: &CheckpointMeta,
-    plans: &[Vec<Piece>],
+    plans: &[Option<Vec<Piece>>],
     model: &FsdpModel,
     stats: &mut ReadStats,
 ) -> Result<HashMap<usize, MappedFile>> {
-    let mut needed: BTreeSet<usize> = plans.iter().flatten().map(|p| p.file).collect();
-    let has_buffers = model.shards().any(|u| !u.buffers.is_empty());
+    let mut needed: BTreeSet<usize> = plans.iter().flatten().flatten().map(|p| p.file).collect();
+    let has_buffers = model
+        .shards()
+        .zip(plans)
+        .any(|(u, p)| p.is_some() && !u.buffers.is_empty());
     if has_buffers || meta.optimizer.is_none() {
         needed.insert(0);
     }
@@ -339,12 +406,12 @@ pub(super) fn check_tensors(
     dir: &Path,
     meta: &CheckpointMeta,
     files: &HashMap<usize, MappedFile>,
-    plans: &[Vec<Piece>],
+    plans: &[Option<Vec<Piece>>],
     kinds: &[BufferKind],
     model: &FsdpModel,
 ) -> Result<()> {
     let mut checks: BTreeSet<(usize, String, Dtype, Vec<usize>)> = BTreeSet::new();
-    for p in plans.iter().flatten() {
+    for p in plans.iter().flatten().flatten() {
         let n = meta.units[p.unit].shard_numel;
         checks.insert((p.file, param_tensor(p.unit), Dtype::F32, vec![n]));
         for kind in kinds {
@@ -357,7 +424,7 @@ pub(super) fn check_tensors(
         .flat_map(|u| &u.buffers)
         .map(|b| (b.name.as_str(), b))
         .collect();
-    for u in model.shards() {
+    for (u, _) in model.shards().zip(plans).filter(|(_, p)| p.is_some()) {
         for (name, _) in u.buffers {
             let b = saved_bufs[name.as_str()];
             let dtype: Dtype = serde_json::from_value(serde_json::Value::String(b.dtype.clone()))
@@ -402,13 +469,15 @@ impl Reader {
             damaged: !newer_format(dir),
         })?;
         match_names(dir, &meta, model).map_err(mismatch)?;
+        check_base(dir, &meta, model).map_err(mismatch)?;
         let saved = meta
             .units
             .iter()
             .map(UnitMeta::to_layout)
             .collect::<Result<Vec<_>>>()
             .map_err(|e| damaged(meta_err(dir, root_message(e))))?;
-        let plans = plan_pieces(&saved, model);
+        let in_base: Vec<bool> = meta.units.iter().map(|u| u.in_base).collect();
+        let plans = plan_pieces(dir, &saved, &in_base, model).map_err(mismatch)?;
         let files = open_files(dir, &meta, &plans, model, stats).map_err(damaged)?;
         let optim = classify_optimizer(dir, &meta, &files, model, optim).map_err(mismatch)?;
         check_tensors(dir, &meta, &files, &plans, &optim.kinds, model).map_err(damaged)?;
@@ -430,7 +499,7 @@ impl Reader {
         stats: &mut ReadStats,
     ) -> Result<Vec<f32>> {
         let mut out = vec![0.0f32; shard_numel];
-        for p in &self.plans[k] {
+        for p in self.plans[k].iter().flatten() {
             self.files[&p.file].read_f32(
                 &tensor(p.unit),
                 p.offset..p.offset + p.len,
@@ -454,6 +523,17 @@ impl Reader {
         let shard_numels: Vec<usize> = model.shards().map(|u| u.layout.shard_numel).collect();
         let mut units = Vec::new();
         for (k, &n) in shard_numels.iter().enumerate() {
+            if self.plans[k].is_none() {
+                // Left to the base: the model's values are the base's; never stepped, so no
+                // optimizer state.
+                if !self.optim.steps.is_empty() {
+                    units.push(UnitOptimState {
+                        steps: self.optim.steps[k].clone(),
+                        buffers: BTreeMap::new(),
+                    });
+                }
+                continue;
+            }
             let shard = self.fill(k, n, param_tensor, stats)?;
             model.set_unit_shard(k, Tensor::from_vec(shard, n, &device)?)?;
             if !self.optim.steps.is_empty() {
@@ -468,7 +548,7 @@ impl Reader {
                 });
             }
         }
-        for u in model.shards() {
+        for (u, _) in model.shards().zip(&self.plans).filter(|(_, p)| p.is_some()) {
             for (name, var) in u.buffers {
                 let t = self.files[&0].read_tensor(
                     &buffer_tensor(name),

@@ -62,32 +62,59 @@ pub fn shard_file_name(rank: usize, world_size: usize) -> String {
     format!("shard-{rank:05}-of-{world_size:05}.safetensors")
 }
 
-pub(super) fn unit_metas(model: &FsdpModel) -> Result<Vec<UnitMeta>> {
+pub(super) fn unit_metas(model: &FsdpModel, in_base: &[bool]) -> Result<Vec<UnitMeta>> {
     model
         .shards()
-        .map(|u| UnitMeta::from_layout(u.unit_name, u.layout, u.buffers))
+        .zip(in_base)
+        .map(|(u, &b)| {
+            let mut m = UnitMeta::from_layout(u.unit_name, u.layout, u.buffers)?;
+            m.in_base = b;
+            Ok(m)
+        })
+        .collect()
+}
+
+/// Per unit: whether an adapter-only checkpoint leaves it to the base (decision 75): the model
+/// knows its base ([`FsdpModel::base`]), the unit is frozen, and the optimizer never stepped
+/// its parameters (`steps`, the optimizer's header; a unit frozen after training holds values
+/// the base does not, and is stored).
+pub(super) fn in_base_units(model: &FsdpModel, steps: &OptimizerState) -> Vec<bool> {
+    model
+        .shards()
+        .enumerate()
+        .map(|(k, u)| {
+            model.base().is_some()
+                && u.frozen
+                && steps
+                    .units
+                    .get(k)
+                    .is_none_or(|s| s.steps.iter().all(|&n| n == 0))
+        })
         .collect()
 }
 
 /// The tensors of rank `rank`'s file, in file order: its shards of the units it holds a shard
-/// of, the matching optimizer buffers (`kinds`, when the optimizer has state), and (rank 0)
-/// the buffers. A function of the model and the rank only, so rank 0 knows every file's
-/// tensor names (for the checksums) without asking.
+/// of (but those `in_base`), the matching optimizer buffers (`kinds`, when the optimizer has
+/// state), and (rank 0) the buffers (but those of units `in_base`). A function of the model
+/// and the rank only, so rank 0 knows every file's tensor names (for the checksums) without
+/// asking.
 pub(super) fn rank_file_specs(
     model: &FsdpModel,
     kinds: &[BufferKind],
     rank: usize,
+    in_base: &[bool],
 ) -> Result<Vec<TensorSpec>> {
     let mut specs = Vec::new();
     // Shard s of a unit lives in rank s's file; under NO_SHARD (one shard) only rank 0 has it.
+    let holds = |k: usize, u: &ShardView| u.layout.world_size > rank && !in_base[k];
     for (k, u) in model.shards().enumerate() {
-        if u.layout.world_size > rank {
+        if holds(k, &u) {
             specs.push(TensorSpec::f32(param_tensor(k), u.layout.shard_numel));
         }
     }
     for kind in kinds {
         for (k, u) in model.shards().enumerate() {
-            if u.layout.world_size > rank {
+            if holds(k, &u) {
                 specs.push(TensorSpec::f32(
                     optim_tensor(*kind, k),
                     u.layout.shard_numel,
@@ -96,7 +123,10 @@ pub(super) fn rank_file_specs(
         }
     }
     if rank == 0 {
-        for u in model.shards() {
+        for (k, u) in model.shards().enumerate() {
+            if in_base[k] {
+                continue;
+            }
             for (name, var) in u.buffers {
                 specs.push(TensorSpec {
                     name: buffer_tensor(name),

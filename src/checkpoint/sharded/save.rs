@@ -13,10 +13,11 @@ pub(super) fn write_rank_file(
     model: &FsdpModel,
     optim: &dyn ShardedOptimizer,
     kinds: &[BufferKind],
-    rank: usize,
-    ws: usize,
+    place: (usize, usize),
+    in_base: &[bool],
 ) -> Result<Vec<u32>> {
-    let specs = rank_file_specs(model, kinds, rank)?;
+    let (rank, ws) = place;
+    let specs = rank_file_specs(model, kinds, rank, in_base)?;
     let meta = HashMap::from([
         ("format".to_string(), SHARDED_FORMAT.to_string()),
         ("format_version".to_string(), FORMAT_VERSION.to_string()),
@@ -24,16 +25,16 @@ pub(super) fn write_rank_file(
         ("world_size".to_string(), ws.to_string()),
     ]);
     let mut w = SafetensorsWriter::create(path, specs, meta)?;
-    let holds = |u: &ShardView| u.layout.world_size > rank;
+    let holds = |k: usize, u: &ShardView| u.layout.world_size > rank && !in_base[k];
     for (k, u) in model.shards().enumerate() {
-        if holds(&u) {
+        if holds(k, &u) {
             // A packed frozen shard is written dequantised (f32, as every `param.k`).
             with_host_f32(&u.param_f32()?, |s| w.write_f32(&param_tensor(k), s))??;
         }
     }
     for kind in kinds {
         for (k, u) in model.shards().enumerate() {
-            if holds(&u) {
+            if holds(k, &u) {
                 optim
                     .with_buffer(k, *kind, &mut |b| {
                         w.write_f32(&optim_tensor(*kind, k), b)?;
@@ -49,7 +50,10 @@ pub(super) fn write_rank_file(
         }
     }
     if rank == 0 {
-        for u in model.shards() {
+        for (k, u) in model.shards().enumerate() {
+            if in_base[k] {
+                continue;
+            }
             for (name, var) in u.buffers {
                 w.write_tensor(&buffer_tensor(name), var.as_tensor())?;
             }
@@ -90,13 +94,14 @@ pub(super) fn optimizer_meta(
 pub(super) fn gather_checksums(
     model: &FsdpModel,
     kinds: &[BufferKind],
+    in_base: &[bool],
     mine: &[u32],
 ) -> Result<Vec<BTreeMap<String, u32>>> {
     let pg = model.process_group();
     let (rank, ws) = writer_place(model);
     let names: Vec<Vec<String>> = (0..ws)
         .map(|r| {
-            Ok(rank_file_specs(model, kinds, r)?
+            Ok(rank_file_specs(model, kinds, r, in_base)?
                 .into_iter()
                 .map(|s| s.name)
                 .collect())
@@ -185,11 +190,18 @@ pub fn save_sharded(
         )?;
         let file = staging.join(shard_file_name(rank, ws));
         let (written, ostate) = match optim.state_header() {
-            Ok((ostate, kinds)) if !writes => (Ok(Vec::new()), Some((ostate, kinds))),
-            Ok((ostate, kinds)) => match write_rank_file(&file, model, optim, &kinds, rank, ws) {
-                Ok(crcs) => (Ok(crcs), Some((ostate, kinds))),
-                Err(e) => (Err(e), None),
-            },
+            Ok((ostate, kinds)) => {
+                let in_base = in_base_units(model, &ostate);
+                let crcs = if writes {
+                    write_rank_file(&file, model, optim, &kinds, (rank, ws), &in_base)
+                } else {
+                    Ok(Vec::new())
+                };
+                match crcs {
+                    Ok(crcs) => (Ok(crcs), Some((ostate, kinds, in_base))),
+                    Err(e) => (Err(e), None),
+                }
+            }
             Err(e) => (Err(e), None),
         };
         let (written, crcs) = match written {
@@ -210,8 +222,8 @@ pub fn save_sharded(
             cleanup(&staging);
             return Err(e);
         }
-        let (ostate, kinds) = ostate.expect("written on every rank");
-        let checksums = match gather_checksums(model, &kinds, &crcs) {
+        let (ostate, kinds, in_base) = ostate.expect("written on every rank");
+        let checksums = match gather_checksums(model, &kinds, &in_base, &crcs) {
             Ok(c) => c,
             Err(e) => {
                 cleanup(&staging);
@@ -238,6 +250,10 @@ pub fn save_sharded(
                     train.mixed_precision =
                         serde_json::to_value(model.config().mixed_precision).ok();
                 }
+                // Adapter-only: the units left to the base are re-read from it on load.
+                if in_base.iter().any(|&b| b) {
+                    train.base = model.base().cloned();
+                }
                 let meta = CheckpointMeta {
                     format_version: FORMAT_VERSION,
                     world_size: ws,
@@ -246,7 +262,7 @@ pub fn save_sharded(
                     ),
                     train,
                     dtype: "F32".into(),
-                    units: unit_metas(model)?,
+                    units: unit_metas(model, &in_base)?,
                     optimizer: Some(optimizer_meta(model, &ostate, &kinds)),
                     files,
                     saved_at_unix_ms: Some(now_unix_ms()),

@@ -71,6 +71,22 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
     let meta = read_meta(&dir)?;
     super::check_checksums(&dir, &meta)?;
     let meta_path = dir.join(META_FILE);
+    if let Some(base) = meta
+        .train
+        .base
+        .as_ref()
+        .filter(|_| meta.units.iter().any(|u| u.in_base))
+    {
+        return Err(Error::file(
+            &meta_path,
+            format!(
+                "an adapter-only checkpoint: its frozen base ({}) is not in it; export the \
+                 adapters with --format peft, or the merged model with --format hf --merge \
+                 (which reads the base)",
+                base.dir.display()
+            ),
+        ));
+    }
     let dst = dtype.map(st_float).transpose()?;
     let files = open_shard_files(&dir, &meta)?;
     let mut specs = Vec::new();
@@ -175,7 +191,7 @@ pub(super) fn open_shard_files(
     let files: Vec<SourceFile> = (0..needed)
         .map(|s| SourceFile::open_shard(dir, meta, s))
         .collect::<Result<_>>()?;
-    for (k, u) in meta.units.iter().enumerate() {
+    for (k, u) in meta.units.iter().enumerate().filter(|(_, u)| !u.in_base) {
         for f in files.iter().take(u.world_size) {
             f.check(&format!("param.{k}"), Dtype::F32, &[u.shard_numel])?;
         }

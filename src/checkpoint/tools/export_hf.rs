@@ -413,6 +413,17 @@ fn write_hf(
     } else {
         HashMap::new()
     };
+    // An adapter-only checkpoint's frozen units are read from its base, checked unchanged.
+    let base = match meta.train.base.as_ref() {
+        Some(b) if meta.units.iter().any(|u| u.in_base) => {
+            b.check(&crate::base::BaseIdentity::of(&b.dir)?)?;
+            Some(crate::checkpoint::hf::HfWeights::open(
+                &b.dir,
+                &mut crate::checkpoint::ReadStats::default(),
+            )?)
+        }
+        _ => None,
+    };
     for (k, u) in meta.units.iter().enumerate() {
         for (i, p) in u
             .params
@@ -471,6 +482,22 @@ fn write_hf(
             let (src, spec) = &tensors[i];
             w.begin_tensor(&spec.name, to, nbytes(spec) as usize)?;
             match *src {
+                Src::Param(k, j) if meta.units[k].in_base => {
+                    let p = &meta.units[k].params[j];
+                    let base = base.as_ref().expect("opened for units in the base");
+                    let mut v = vec![0f32; p.numel];
+                    base.read_f32(
+                        &p.name,
+                        0..p.numel,
+                        &mut v,
+                        &mut crate::checkpoint::ReadStats::default(),
+                    )?;
+                    if let Some(m) = merges.get(&p.name) {
+                        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                        v = m.apply(&bytes, &p.shape);
+                    }
+                    w.write_part(&super::convert_f32(&v, to))?;
+                }
                 Src::Param(k, j) => {
                     let u = &meta.units[k];
                     let p = &u.params[j];

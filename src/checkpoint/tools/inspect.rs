@@ -145,12 +145,18 @@ pub fn inspect(dir: &Path) -> Result<Inspection> {
     let mut tensors = Vec::new();
     for u in &meta.units {
         for p in &u.params {
+            // A unit an adapter-only checkpoint left to its base: no bytes here.
+            let (dtype, bytes) = if u.in_base {
+                ("base".to_string(), 0)
+            } else {
+                (u.dtype.clone(), 4 * p.numel as u64)
+            };
             tensors.push(TensorRow {
                 name: p.name.clone(),
                 unit: u.name.clone(),
                 shape: p.shape.clone(),
-                dtype: u.dtype.clone(),
-                bytes: 4 * p.numel as u64,
+                dtype,
+                bytes,
                 buffer: false,
             });
         }

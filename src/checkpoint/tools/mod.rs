@@ -547,10 +547,13 @@ pub(crate) fn optim_list(meta: &CheckpointMeta, file0: Option<&MappedFile>) -> O
     let buffers = kinds
         .iter()
         .flat_map(|kind| {
-            (0..meta.units.len()).map(move |k| OptimBuffer {
-                name: format!("{}.{k}", kind.name()),
-                unit: Some(k),
-            })
+            // Units left to the base (adapter-only checkpoints) hold no state.
+            (0..meta.units.len())
+                .filter(|&k| !meta.units[k].in_base)
+                .map(move |k| OptimBuffer {
+                    name: format!("{}.{k}", kind.name()),
+                    unit: Some(k),
+                })
         })
         .collect();
     Some(OptimList {

@@ -278,7 +278,8 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
             .iter()
             .map(|p| (p.name.clone(), p.shape.clone()))
             .collect();
-        let new = unit_meta(&u.name, &params, u.buffers.clone(), unit_ws)?;
+        let mut new = unit_meta(&u.name, &params, u.buffers.clone(), unit_ws)?;
+        new.in_base = u.in_base;
         if new.params != u.params {
             return Err(Error::file(
                 &meta_path,
@@ -293,7 +294,7 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
         units.push(new);
     }
     // Check every saved tensor that will be read, before anything is written.
-    for (k, u) in meta.units.iter().enumerate() {
+    for (k, u) in meta.units.iter().enumerate().filter(|(_, u)| !u.in_base) {
         for f in files.iter().take(u.world_size) {
             f.check(&format!("param.{k}"), Dtype::F32, &[u.shard_numel])?;
             for b in optimizer.buffers.iter().filter(|b| b.unit == Some(k)) {
@@ -325,7 +326,7 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
         (0..world_size).map(|_| Vec::new()).collect();
     for (rank, tensors) in plan.iter_mut().enumerate() {
         for (k, u) in units.iter().enumerate() {
-            if u.world_size > rank {
+            if u.world_size > rank && !u.in_base {
                 let tensor = format!("param.{k}");
                 tensors.push((
                     TensorSpec::f32(tensor.clone(), u.shard_numel),
@@ -367,7 +368,7 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
             }
         }
     }
-    for u in &units {
+    for u in units.iter().filter(|u| !u.in_base) {
         for b in &u.buffers {
             let dtype = parse_dtype(&b.dtype, &meta_path, &format!("buffer {}", b.name))?;
             let tensor = format!("buffer.{}", b.name);

@@ -273,7 +273,7 @@ pub fn verify(dir: &Path) -> Result<VerifyReport> {
         // The tensors this rank's file must hold: (name, dtype, shape; None = any shape).
         let mut expected: Vec<(String, Dtype, Option<Vec<usize>>)> = Vec::new();
         for (k, u) in meta.units.iter().enumerate() {
-            if u.world_size > rank {
+            if u.world_size > rank && !u.in_base {
                 expected.push((format!("param.{k}"), Dtype::F32, Some(vec![u.shard_numel])));
             }
         }
@@ -289,7 +289,12 @@ pub fn verify(dir: &Path) -> Result<VerifyReport> {
             }
         }
         if rank == 0 {
-            for b in meta.units.iter().flat_map(|u| &u.buffers) {
+            for b in meta
+                .units
+                .iter()
+                .filter(|u| !u.in_base)
+                .flat_map(|u| &u.buffers)
+            {
                 match parse_dtype(&b.dtype, &meta_path, &format!("buffer {}", b.name)) {
                     Ok(d) => {
                         expected.push((format!("buffer.{}", b.name), d, Some(b.shape.clone())))

@@ -265,7 +265,9 @@ pub fn build_from_resolved(
 }
 
 /// [`build_from_resolved`] with [`HfOptions`]: with LoRA, the adapters are initialised (PEFT's
-/// initialisation, the config's seed), everything else read.
+/// initialisation, the config's seed), everything else read, and the directory is recorded as
+/// the model's frozen base ([`FsdpModel::set_base`], checksummed once per process): its sharded
+/// checkpoints are then adapter-only.
 ///
 /// Errors: as [`build_from_resolved`]; as [`FsdpDecoder::with_lora`].
 pub fn build_from_resolved_with(
@@ -290,6 +292,22 @@ pub fn build_from_resolved_with(
             .is_some()
             .then_some(&fresh as &dyn Fn(&str) -> bool),
     };
-    let (model, stats) = build_from_hf_weights(pg, config, decoder.spec(), &resolved.dir, &names)?;
+    let (mut model, stats) =
+        build_from_hf_weights(pg, config, decoder.spec(), &resolved.dir, &names)?;
+    if opts.lora.is_some() {
+        // A LoRA run's base: its checkpoints are adapter-only (decision 75).
+        let (id, local) = match crate::base::BaseIdentity::of(&resolved.dir) {
+            Ok(id) => (Some(id), Ok(())),
+            Err(e) => (None, Err(e)),
+        };
+        let pg = model.process_group().clone();
+        agree(
+            pg.as_ref(),
+            "identifying the frozen base",
+            &resolved.dir,
+            local,
+        )?;
+        model.set_base(id);
+    }
     Ok((decoder, model, stats))
 }
