@@ -47,8 +47,13 @@ pub struct LoraConfig {
     /// `use_rslora`).
     #[serde(default)]
     pub rslora: bool,
-    /// `lora_dropout` on the adapter's input while training. Only 0 is supported so far:
-    /// [`LoraConfig::validate`] refuses another value.
+    /// `lora_dropout`: the probability with which each element of an adapter's input is
+    /// zeroed (the rest scaled by `1 / (1 − p)`) in a training call of the FSDP runtime (as
+    /// PEFT's `nn.Dropout` before `lora_A`); evaluation and plain Candle run without it. In
+    /// `[0, 1)`. The masks are a counter-based hash of the call's seed
+    /// ([`crate::fsdp::fused::call_seed`]), the module's name and the element's index
+    /// ([`dropout_keep`]), so a recomputation (activation checkpointing) and the fused and
+    /// composed paths draw the same mask.
     #[serde(default)]
     pub dropout: f64,
 }
@@ -80,7 +85,7 @@ impl LoraConfig {
     /// Checks the values.
     ///
     /// Errors, naming the field: `r` of 0, an `alpha` not finite and positive, no target, an
-    /// invalid glob, a dropout other than 0 (not supported yet).
+    /// invalid glob, a dropout outside `[0, 1)`.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvalidArgument(format!("LoRA: {m}")));
         if self.r == 0 {
@@ -105,9 +110,10 @@ impl LoraConfig {
                 }
             }
         }
-        if self.dropout != 0.0 {
+        if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!(
-                "dropout {} is not supported yet (only 0: no dropout on the adapters' input)",
+                "dropout must be in [0, 1) (the probability of zeroing an input element), found \
+                 {}",
                 self.dropout
             ));
         }
@@ -221,12 +227,16 @@ pub fn peft_name(name: &str) -> String {
     format!("base_model.model.{name}")
 }
 
-/// The low-rank update of one linear layer: `A` `(r, in)`, `B` `(out, r)` and the scale.
+/// The low-rank update of one linear layer: `A` `(r, in)`, `B` `(out, r)`, the scale, and the
+/// dropout on its input.
 #[derive(Debug, Clone)]
 pub struct LoraAdapter {
     a: Tensor,
     b: Tensor,
     scale: f64,
+    dropout: f32,
+    /// A hash of the module's name: its masks differ from other modules' in the same call.
+    key: u64,
 }
 
 impl LoraAdapter {
@@ -253,10 +263,16 @@ impl LoraAdapter {
         let b = vb
             .pp("lora_B")
             .get_with_hints((out_dim, cfg.r), "weight", Init::Const(0.0))?;
+        // FNV-1a of the module's name.
+        let key = vb.prefix().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, c| {
+            (h ^ u64::from(c)).wrapping_mul(0x0100_0000_01b3)
+        });
         Ok(Self {
             a,
             b,
             scale: cfg.scale(),
+            dropout: cfg.dropout as f32,
+            key,
         })
     }
 
@@ -276,10 +292,29 @@ impl LoraAdapter {
         }
     }
 
-    /// The update `s · (x·Aᵀ)·Bᵀ` for `x` `(…, in)`: `(…, out)`.
+    /// The update `s · (drop(x)·Aᵀ)·Bᵀ` for `x` `(…, in)`: `(…, out)`; `drop` is the identity
+    /// outside a training call ([`LoraAdapter::dropout_now`]).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let xa = crate::nn::linear_forward(x, &self.a, None)?;
+        let x = match self.dropout_now() {
+            Some((p, seed)) => {
+                let n = x.elem_count();
+                let mask: Vec<f32> = (0..n).map(|i| dropout_factor(seed, i, p)).collect();
+                let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
+                x.mul(&mask)?
+            }
+            None => x.clone(),
+        };
+        let xa = crate::nn::linear_forward(&x, &self.a, None)?;
         crate::nn::linear_forward(&xa, &self.b, None)?.affine(self.scale, 0.0)
+    }
+
+    /// In a training call of the FSDP runtime with a dropout `p > 0`: `p` and this module's
+    /// mask seed for the call (the call's seed mixed with the module's name); else `None`.
+    pub fn dropout_now(&self) -> Option<(f32, u64)> {
+        if self.dropout <= 0.0 {
+            return None;
+        }
+        crate::fsdp::fused::call_seed().map(|s| (self.dropout, mix(s ^ self.key)))
     }
 
     /// `A` `(r, in)`.
@@ -296,6 +331,43 @@ impl LoraAdapter {
     pub fn scale(&self) -> f64 {
         self.scale
     }
+}
+
+/// SplitMix64's finaliser (Steele, Lea and Flood 2014): a 64-bit mix of `z`.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Whether element `i` of an adapter input survives dropout `p` under mask seed `seed`: the
+/// top 24 bits of a hash of `(seed, i)` as a uniform number in `[0, 1)`, kept when `≥ p`.
+pub fn dropout_keep(seed: u64, i: usize, p: f32) -> bool {
+    let u = (mix(seed ^ (i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)) >> 40) as f32
+        / (1u64 << 24) as f32;
+    u >= p
+}
+
+/// The factor of element `i`: `1 / (1 − p)` when kept ([`dropout_keep`]), else 0.
+pub fn dropout_factor(seed: u64, i: usize, p: f32) -> f32 {
+    if dropout_keep(seed, i, p) {
+        1.0 / (1.0 - p)
+    } else {
+        0.0
+    }
+}
+
+/// `x ⊙ mask` for the mask of `(p, seed)` over `x`'s elements in order (the forward, and the
+/// backward of the input's gradient), split over rayon's pool for large inputs.
+pub fn dropout_in_place(x: &mut [f32], p: f32, seed: u64) {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 14;
+    x.par_chunks_mut(CHUNK).enumerate().for_each(|(c, xs)| {
+        for (j, v) in xs.iter_mut().enumerate() {
+            *v *= dropout_factor(seed, c * CHUNK + j, p);
+        }
+    });
 }
 
 /// A linear layer with an optional LoRA adapter: [`linear`].

@@ -91,7 +91,8 @@ pub struct Args {
     /// LoRA: alpha (the update is scaled by alpha / r, or alpha / √r with --rslora).
     #[arg(long, default_value_t = 16.0)]
     pub lora_alpha: f64,
-    /// LoRA: dropout on the adapters' input (only 0 is supported so far).
+    /// LoRA: dropout on the adapters' input in training (PEFT's lora_dropout, in [0, 1)): each
+    /// element zeroed with this probability, the rest scaled by 1 / (1 - p).
     #[arg(long, default_value_t = 0.0)]
     pub lora_dropout: f64,
     /// LoRA: the target modules, comma-separated, as PEFT's target_modules (names such as

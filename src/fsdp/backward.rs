@@ -248,7 +248,7 @@ impl FsdpModel {
         let (outputs, input_vars) = if call.checkpoint {
             let saved = std::mem::take(&mut call.saved_inputs);
             let tracked: Vec<usize> = call.tracked.iter().map(|(i, _)| *i).collect();
-            self.recompute(m, groups, saved, &tracked)?
+            self.recompute(c, m, groups, saved, &tracked)?
         } else {
             (
                 std::mem::take(&mut call.outputs),
@@ -329,10 +329,11 @@ impl FsdpModel {
         Ok(())
     }
 
-    /// Recomputes a checkpointed call with autograd; returns its outputs and the variables of
+    /// Recomputes checkpointed call `c` with autograd; returns its outputs and the variables of
     /// its tracked inputs.
     fn recompute(
         &mut self,
+        c: usize,
         m: usize,
         groups: &[usize],
         saved: Vec<Tensor>,
@@ -354,7 +355,8 @@ impl FsdpModel {
             .collect::<Result<Vec<_>>>()?;
         let module = self.bind(m, groups, Params::Recompute)?;
         let frozen = self.frozen_tensors(groups);
-        let _armed = super::fused::arm_with_frozen(&frozen);
+        // The call's own seed: the recomputation draws the forward's dropout masks.
+        let _armed = super::fused::arm_with_frozen(&frozen, self.call_seed(c));
         let outs = module.forward_t(&inputs, true)?;
         let outputs: Vec<Option<Tensor>> = outs
             .into_iter()

@@ -53,6 +53,8 @@ struct State {
     frozen: Vec<TensorId>,
     /// Open collections ([`collect`]), innermost last.
     frames: Vec<Vec<(Tensor, Tensor)>>,
+    /// The armed call's seed ([`call_seed`]).
+    seed: u64,
 }
 
 thread_local! {
@@ -62,13 +64,17 @@ thread_local! {
 /// While the guard lives, fused nodes may send their parameters' gradients to a sink
 /// ([`armed`] is true on this thread). Returned by [`arm`].
 #[must_use = "the thread is armed only while the guard lives"]
-pub(crate) struct Armed(());
+pub(crate) struct Armed {
+    /// The seed of the enclosing armed call, restored on drop.
+    outer_seed: u64,
+}
 
 impl Drop for Armed {
     fn drop(&mut self) {
         STATE.with(|s| {
             let mut s = s.borrow_mut();
             s.armed -= 1;
+            s.seed = self.outer_seed;
             if s.armed == 0 {
                 s.promised.clear();
                 s.frozen.clear();
@@ -80,18 +86,35 @@ impl Drop for Armed {
 /// Arms this thread: a training call of a unit whose backward will [`collect`].
 #[cfg(test)]
 pub(crate) fn arm() -> Armed {
-    arm_with_frozen(std::iter::empty())
+    arm_with_frozen(std::iter::empty(), 0)
 }
 
 /// [`arm`], with the call's frozen parameters (frozen twins' tensors), whose gradients a node
-/// need not compute ([`trains`]).
-pub(crate) fn arm_with_frozen<'a>(frozen: impl IntoIterator<Item = &'a Tensor>) -> Armed {
+/// need not compute ([`trains`]), and the call's `seed` ([`call_seed`]).
+pub(crate) fn arm_with_frozen<'a>(
+    frozen: impl IntoIterator<Item = &'a Tensor>,
+    seed: u64,
+) -> Armed {
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         s.armed += 1;
         s.frozen.extend(frozen.into_iter().map(Tensor::id));
-    });
-    Armed(())
+        Armed {
+            outer_seed: std::mem::replace(&mut s.seed, seed),
+        }
+    })
+}
+
+/// The armed training call's seed, `None` outside one: a function of the model's seed, the
+/// step, the call's position in it and the rank, the same when activation checkpointing
+/// recomputes the call. What a unit's randomness in training (LoRA's dropout,
+/// [`crate::lora::LoraConfig::dropout`]) derives from, so that the forward, its
+/// recomputation and the backward agree without storing masks.
+pub fn call_seed() -> Option<u64> {
+    STATE.with(|s| {
+        let s = s.borrow();
+        (s.armed > 0).then_some(s.seed)
+    })
 }
 
 /// Whether `param` trains in the armed call: false for a frozen parameter (the runtime's
@@ -445,7 +468,7 @@ mod tests {
         let b = Var::from_vec(vec![0.5f32, -1.0], 2, &Device::Cpu).unwrap();
         let x = Var::from_vec(vec![1f32, 2.0, 3.0, 4.0], (2, 2), &Device::Cpu).unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let armed = arm_with_frozen([w.as_tensor()]);
+        let armed = arm_with_frozen([w.as_tensor()], 0);
         assert!(!trains(w.as_tensor()) && trains(b.as_tensor()));
         let params = [w.as_tensor().clone(), b.as_tensor().clone()];
         let y = apply(x.as_tensor(), &params, Scale(seen.clone()))

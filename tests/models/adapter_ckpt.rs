@@ -51,11 +51,7 @@ fn base_copy(root: &Path) -> PathBuf {
 
 /// One AdamW step at world size 2 on `base` stored as `storage`, saved under `root/ckpt`; then
 /// the next forward's loss and every gathered parameter (what a resume must reproduce).
-fn train_and_save(
-    base: &Path,
-    storage: BaseDType,
-    root: &Path,
-) -> (PathBuf, f32, Params) {
+fn train_and_save(base: &Path, storage: BaseDType, root: &Path) -> (PathBuf, f32, Params) {
     let (ids, targets) = inputs(BASE);
     let config = resolve(base).unwrap().config_json;
     let base = base.to_path_buf();

@@ -198,9 +198,12 @@ fn lora_errors_name_the_problem() {
     let e = build(LoraConfig::new(0, 8.0, ["q_proj"]));
     assert!(e.contains("r (the rank) must be at least 1"), "{e}");
     let mut dropout = LoraConfig::new(4, 8.0, ["q_proj"]);
-    dropout.dropout = 0.05;
+    dropout.dropout = 1.0;
     let e = build(dropout);
-    assert!(e.contains("dropout 0.05 is not supported yet"), "{e}");
+    assert!(
+        e.contains("dropout must be in [0, 1)") && e.contains("found 1"),
+        "{e}"
+    );
     // An adapter of another rank: the shape mismatch names the file and the tensor.
     let e = launch(&Launcher::threads(2), |pg| {
         let opts = HfOptions {
@@ -386,4 +389,67 @@ fn an_adapter_whose_config_differs_from_the_runs_is_refused_naming_the_field() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("r is 4, this run's is 8 (--lora-rank)"), "{e}");
+}
+
+#[test]
+fn dropout_is_the_same_under_activation_checkpointing_and_off_in_evaluation() {
+    let (ids, targets) = inputs(BASE);
+    // Three AdamW steps at world size 2: the losses and the adapters after them.
+    let run = |dropout: f64, checkpointing: bool| {
+        let (ids, targets) = (ids.clone(), targets.clone());
+        launch(&Launcher::threads(2), move |pg| {
+            let mut lora = lora_config();
+            lora.dropout = dropout;
+            let opts = HfOptions {
+                activation_checkpointing: checkpointing,
+                lora: Some(lora),
+            };
+            let (decoder, mut model, _) =
+                build_from_hf_with(pg, FsdpConfig::default(), &fixture(BASE), &opts)?;
+            load_peft_adapter(&fixture(ADAPTER), &mut model)?;
+            let eval = to_vec(&decoder.logits(&mut model, &ids, false)?);
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let mut losses = Vec::new();
+            for _ in 0..3 {
+                let logits = decoder.logits(&mut model, &ids, true)?;
+                let loss = lm_loss(&logits, &targets)?;
+                losses.push(loss.to_scalar::<f32>()?);
+                model.backward(&loss)?;
+                opt.step(&mut model)?;
+            }
+            let params = model.gather_full_params(false)?.expect("every rank");
+            let adapters: Vec<Vec<f32>> = params
+                .iter()
+                .filter(|(n, _)| n.contains(".lora_"))
+                .map(|(_, t)| to_vec(t))
+                .collect();
+            Ok((eval, losses, adapters))
+        })
+        .unwrap()
+        .swap_remove(0)
+    };
+    let plain = run(0.0, false);
+    let dropped = run(0.1, false);
+    let recomputed = run(0.1, true);
+    // Evaluation runs without dropout; training with it follows another path.
+    assert_eq!(dropped.0, plain.0, "evaluation applied dropout");
+    assert_ne!(dropped.1[0].to_bits(), plain.1[0].to_bits());
+    // The recomputation of a checkpointed call draws the forward's masks: the same run.
+    for (a, b) in dropped.1.iter().zip(&recomputed.1) {
+        assert!(
+            (a - b).abs() < 1e-6,
+            "losses {:?} vs {:?}",
+            dropped.1,
+            recomputed.1
+        );
+    }
+    for (a, b) in dropped.2.iter().zip(&recomputed.2) {
+        let d = max_abs_diff(a, b);
+        assert!(
+            d < 1e-6,
+            "adapters differ by {d} under activation checkpointing"
+        );
+    }
+    // And the run is deterministic.
+    assert_eq!(run(0.1, false).1, dropped.1);
 }

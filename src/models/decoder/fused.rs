@@ -27,8 +27,9 @@
 //! GPT-2's style (LayerNorm with biases, `Conv1D` weights, learned positions) runs the GPT's
 //! block node (`models/gpt2_block.rs`) over its `(in, out)` weights.
 //!
-//! LoRA adapters ([`crate::lora`]) run inside the node: each adapted projection adds `s·(a·Aᵀ)·Bᵀ`
-//! into its columns, and the backward computes only what trains — with the base frozen
+//! LoRA adapters ([`crate::lora`]) run inside the node: each adapted projection adds
+//! `s·(drop(a)·Aᵀ)·Bᵀ` into its columns (`drop`: the adapter's dropout mask, regenerated from
+//! the call's seed in the backward, never stored), and the backward computes only what trains — with the base frozen
 //! ([`crate::fsdp::fused::trains`]) the base weights' gradient products are skipped, which is
 //! most of a LoRA step's saving.
 //!
@@ -60,6 +61,8 @@ struct Piece {
     rows: usize,
     /// A LoRA adapter: `A` `(r, in)` and `B` `(rows, r)` indices, `r`, the scale.
     lora: Option<(usize, usize, usize, f32)>,
+    /// The adapter's dropout in this call, `(p, mask seed)` ([`crate::lora::LoraAdapter::dropout_now`]).
+    drop: Option<(f32, u64)>,
 }
 
 /// A norm's weight index and whether it is Gemma's offset (`1 + w`).
@@ -95,6 +98,10 @@ struct Plan {
 ///
 /// Errors: Candle's (the rotary tables).
 pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
+    #[cfg(test)]
+    if tests::COMPOSE.with(|c| c.get()) {
+        return Ok(None);
+    }
     let applies = fused::armed()
         && x.track_op()
         && x.device().is_cpu()
@@ -136,6 +143,7 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
                 Some(l) => Some((push(l.a()), push(l.b()), l.a().dim(0)?, l.scale() as f32)),
                 None => None,
             },
+            drop: p.lora.as_ref().and_then(|l| l.dropout_now()),
         })
     };
     let Some(n1) = norm(&blk.norm1, &mut push) else {
@@ -464,8 +472,8 @@ fn project(
             add_bias(&mut out, width, pc.col, p[b]);
         }
         if let Some((ai, bi, r, scale)) = pc.lora {
-            // + s · (a·Aᵀ)·Bᵀ into the piece's columns.
-            let xa = lora_down(a, n, inp, p[ai], r, scale);
+            // + s · (drop(a)·Aᵀ)·Bᵀ into the piece's columns.
+            let xa = lora_down(&dropped(a, pc.drop), n, inp, p[ai], r, scale);
             let bt = Mat::new(p[bi], pc.rows, r).t();
             matmul(&mut out[pc.col..], width, true, Mat::new(&xa, n, r), bt);
         }
@@ -473,10 +481,31 @@ fn project(
     out
 }
 
-/// `out` `(n, pc.rows)` `+= s · (a·Aᵀ)·Bᵀ` for the piece's LoRA adapter, if it has one.
+/// `a` with the adapter's dropout mask applied ([`crate::lora::dropout_in_place`]), or `a`
+/// itself without dropout.
+fn dropped(a: &[f32], drop: Option<(f32, u64)>) -> std::borrow::Cow<'_, [f32]> {
+    match drop {
+        Some((p, seed)) => {
+            let mut v = a.to_vec();
+            crate::lora::dropout_in_place(&mut v, p, seed);
+            std::borrow::Cow::Owned(v)
+        }
+        None => std::borrow::Cow::Borrowed(a),
+    }
+}
+
+/// `da += t ⊙ mask` (`t` the gradient of the adapter's dropped input), or `da += t`.
+fn add_dropped_grad(da: &mut [f32], mut t: Vec<f32>, drop: Option<(f32, u64)>) {
+    if let Some((p, seed)) = drop {
+        crate::lora::dropout_in_place(&mut t, p, seed);
+    }
+    add_assign(da, &t);
+}
+
+/// `out` `(n, pc.rows)` `+= s · (drop(a)·Aᵀ)·Bᵀ` for the piece's LoRA adapter, if it has one.
 fn lora_into(out: &mut [f32], a: &[f32], n: usize, inp: usize, pc: &Piece, p: &[&[f32]]) {
     if let Some((ai, bi, r, scale)) = pc.lora {
-        let xa = lora_down(a, n, inp, p[ai], r, scale);
+        let xa = lora_down(&dropped(a, pc.drop), n, inp, p[ai], r, scale);
         let bt = Mat::new(p[bi], pc.rows, r).t();
         matmul(out, pc.rows, true, Mat::new(&xa, n, r), bt);
     }
@@ -517,8 +546,9 @@ fn lora_bwd_cols(
     let Some((ai, bi, r, scale)) = pc.lora else {
         return;
     };
+    let ad = dropped(a, pc.drop);
     if trains[bi] {
-        let xa = lora_down(a, n, inp, p[ai], r, scale);
+        let xa = lora_down(&ad, n, inp, p[ai], r, scale);
         grads[bi] = Some(matmul_new(gp.t(), Mat::new(&xa, n, r)));
     }
     let mut dxa = matmul_new(gp, Mat::new(p[bi], pc.rows, r));
@@ -526,9 +556,14 @@ fn lora_bwd_cols(
         *v *= scale;
     }
     if trains[ai] {
-        grads[ai] = Some(matmul_new(Mat::new(&dxa, n, r).t(), Mat::new(a, n, inp)));
+        grads[ai] = Some(matmul_new(Mat::new(&dxa, n, r).t(), Mat::new(&ad, n, inp)));
     }
-    matmul(da, inp, true, Mat::new(&dxa, n, r), Mat::new(p[ai], r, inp));
+    if pc.drop.is_some() {
+        let t = matmul_new(Mat::new(&dxa, n, r), Mat::new(p[ai], r, inp));
+        add_dropped_grad(da, t, pc.drop);
+    } else {
+        matmul(da, inp, true, Mat::new(&dxa, n, r), Mat::new(p[ai], r, inp));
+    }
 }
 
 /// `s · a·Aᵀ` `(n, r)` for `a` `(n, inp)` and a LoRA `A` `(r, inp)`.
@@ -826,13 +861,8 @@ impl CustomOp1 for BlockOp {
                     for v in &mut dxa {
                         *v *= scale;
                     }
-                    matmul(
-                        &mut dm,
-                        i,
-                        true,
-                        Mat::new(&dxa, n, r),
-                        Mat::new(p[ai], r, i),
-                    );
+                    let t = matmul_new(Mat::new(&dxa, n, r), Mat::new(p[ai], r, i));
+                    add_dropped_grad(&mut dm, t, pl.down.drop);
                     dxa
                 });
                 let (m, dgu) = gate(&s.gu, Some(&dm), i, pl.act);
@@ -842,12 +872,13 @@ impl CustomOp1 for BlockOp {
                         Some(matmul_new(Mat::new(dmo, n, d).t(), Mat::new(&m, n, i)));
                 }
                 if let (Some((ai, bi, r, scale)), Some(dxa)) = (pl.down.lora, dxa_down) {
+                    let md = dropped(&m, pl.down.drop);
                     if tr[bi] {
-                        let xa = lora_down(&m, n, i, p[ai], r, scale);
+                        let xa = lora_down(&md, n, i, p[ai], r, scale);
                         grads[bi] = Some(matmul_new(Mat::new(dmo, n, d).t(), Mat::new(&xa, n, r)));
                     }
                     if tr[ai] {
-                        grads[ai] = Some(matmul_new(Mat::new(&dxa, n, r).t(), Mat::new(&m, n, i)));
+                        grads[ai] = Some(matmul_new(Mat::new(&dxa, n, r).t(), Mat::new(&md, n, i)));
                     }
                 }
                 drop(m);

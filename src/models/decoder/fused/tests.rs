@@ -6,6 +6,12 @@ use candle_nn::{VarBuilder, VarMap};
 
 use crate::models::decoder::{family::config_from_json, DecoderConfig};
 
+thread_local! {
+    /// Set by a test: the block composes its layers even in an armed call (the reference
+    /// for what depends on the call, as LoRA's dropout).
+    pub(super) static COMPOSE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 fn config(fixture: &str) -> DecoderConfig {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/models/fixtures")
@@ -197,7 +203,7 @@ fn one_node_block_with_lora_adapters_and_a_frozen_base() {
             })
             .map(|v| v.as_tensor().clone())
             .collect();
-        let armed = fused::arm_with_frozen(&frozen);
+        let armed = fused::arm_with_frozen(&frozen, 0);
         let got = block(&blk, x.as_tensor())
             .unwrap()
             .expect("one node with adapters");
@@ -225,5 +231,77 @@ fn one_node_block_with_lora_adapters_and_a_frozen_base() {
             let e = max_rel(g, want_grads.get(a.as_tensor()).unwrap());
             assert!(e < 5e-5, "{fixture}: adapter {:?}: {e}", a.shape());
         }
+    }
+}
+
+/// LoRA's dropout draws the same masks in the node and in the composed layers of the same armed
+/// call (the node regenerates them in its backward): equal outputs and gradients; the masks
+/// matter (another seed, or no dropout, gives another output); outside a training call there
+/// is no dropout.
+#[test]
+fn lora_dropout_masks_are_the_calls_in_the_node_and_the_composed_layers() {
+    use crate::lora::LoraConfig;
+    let targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"];
+    let mut lora = LoraConfig::new(3, 6.0, targets);
+    lora.dropout = 0.3;
+    let (cfg, blk, vars) = block_with("llama-gqa", 0, Some(&lora));
+    let (_, plain, _) = block_with("llama-gqa", 0, Some(&LoraConfig::new(3, 6.0, targets)));
+    let (b, t, d) = (2, 7, cfg.hidden_size);
+    let x = Var::from_vec(values(b * t * d, 0.0, 1.0, 27), (b, t, d), &Device::Cpu).unwrap();
+    let r = Tensor::from_vec(values(b * t * d, 0.0, 1.0, 28), (b, t, d), &Device::Cpu).unwrap();
+    let composed = |seed: u64| {
+        let armed = fused::arm_with_frozen(std::iter::empty(), seed);
+        COMPOSE.with(|c| c.set(true));
+        let y = blk.forward(x.as_tensor()).unwrap();
+        COMPOSE.with(|c| c.set(false));
+        drop(armed);
+        y
+    };
+    let want = composed(11);
+    let want_grads = (&want * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let armed = fused::arm_with_frozen(std::iter::empty(), 11);
+    let got = block(&blk, x.as_tensor()).unwrap().expect("one node");
+    drop(armed);
+    let e = max_rel(&got, &want);
+    assert!(e < 2e-5, "output {e}");
+    let sink = fused::collect();
+    let grads = (&got * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let sent = sink.finish();
+    let e = max_rel(
+        grads.get(x.as_tensor()).unwrap(),
+        want_grads.get(x.as_tensor()).unwrap(),
+    );
+    assert!(e < 2e-5, "dx {e}");
+    assert_eq!(sent.len(), vars.len());
+    for v in &vars {
+        let (_, g) = sent
+            .iter()
+            .find(|(p, _)| p.id() == v.as_tensor().id())
+            .expect("sent");
+        let e = max_rel(g, want_grads.get(v.as_tensor()).unwrap());
+        assert!(e < 5e-5, "parameter {:?}: {e}", v.shape());
+    }
+    // The masks matter, and are the seed's.
+    assert!(
+        max_rel(&composed(12), &want) > 1e-3,
+        "another seed, the same output"
+    );
+    let eval = blk.forward(x.as_tensor()).unwrap();
+    assert!(max_rel(&eval, &want) > 1e-3, "dropout changed nothing");
+    // Outside a training call: no dropout (the same block without it).
+    let e = max_rel(&eval, &plain.forward(x.as_tensor()).unwrap());
+    assert_eq!(e, 0.0, "evaluation applied dropout");
+}
+
+/// The mask keeps a fraction `1 − p` of the elements, scaled by `1 / (1 − p)`.
+#[test]
+fn lora_dropout_keeps_one_minus_p_of_the_elements() {
+    let n = 200_000;
+    for p in [0.05f32, 0.1, 0.5] {
+        let mut v = vec![1f32; n];
+        crate::lora::dropout_in_place(&mut v, p, 42);
+        let kept = v.iter().filter(|&&x| x != 0.0).count() as f32 / n as f32;
+        assert!((kept - (1.0 - p)).abs() < 0.005, "p {p}: kept {kept}");
+        assert!(v.iter().all(|&x| x == 0.0 || x == 1.0 / (1.0 - p)));
     }
 }
