@@ -1,6 +1,7 @@
 //! Data loading: a distributed sampler and a prefetching batch loader (runtime), the MNIST
 //! IDX reader (cargo feature `mnist`) and the byte-level text corpus of language models
-//! ([`text`], cargo feature `gpt`).
+//! ([`text`], cargo feature `gpt`), and supervised fine-tuning's prompt/completion examples
+//! with their per-token loss normalisation ([`sft`]).
 //!
 //! The pieces compose the same way as PyTorch's `Dataset` / `DistributedSampler` / `DataLoader`:
 //!
@@ -19,6 +20,7 @@ pub mod loader;
 #[cfg(feature = "mnist")]
 pub mod mnist;
 pub mod sampler;
+pub mod sft;
 #[cfg(feature = "gpt")]
 pub mod text;
 

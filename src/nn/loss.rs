@@ -57,6 +57,51 @@ pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     cross_entropy(&logits, &targets.flatten_all()?)
 }
 
+/// The target that contributes nothing to [`lm_loss_sum`] (a prompt or padding position of a
+/// supervised example): `u32::MAX` (PyTorch's `ignore_index=-100` for u32 targets).
+pub const IGNORE_INDEX: u32 = u32::MAX;
+
+/// The summed (not averaged) next-token cross-entropy of logits `(B, T, V)` against targets
+/// `(B, T)` u32 over the positions whose target is not [`IGNORE_INDEX`], and their count:
+/// `(Σ_{t_i ≠ ignore} (log Σ_j exp(x_ij) − x_{i,t_i}), k)`, an f32 scalar and `k`.
+///
+/// The per-token loss of supervised fine-tuning (Megatron's, transformers'
+/// `num_items_in_batch`): divide by the number of target tokens over every rank and
+/// micro-batch of the step, not per batch, so that gradients equal one process's over the
+/// same global batch whatever the split ([`crate::data::sft::token_scale`]). With `k = 0` the
+/// sum is a zero that still depends on the logits (its gradient is zero), so a rank without
+/// target tokens takes part in the backward like the others.
+///
+/// Errors: mismatched shapes; a target outside `[0, V)` other than the ignore index; Candle's.
+pub fn lm_loss_sum(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, usize)> {
+    let logits = logits.flatten_to(1)?.to_dtype(DType::F32)?;
+    let targets = targets.flatten_all()?.to_dtype(DType::U32)?;
+    let (n, _) = logits.dims2()?;
+    if targets.dims() != [n] {
+        bail!(
+            "lm_loss_sum: targets {:?} do not fit logits {:?}",
+            targets.shape(),
+            logits.shape()
+        )
+    }
+    let t = targets.to_vec1::<u32>()?;
+    let rows: Vec<u32> = (0..n as u32)
+        .filter(|&i| t[i as usize] != IGNORE_INDEX)
+        .collect();
+    let k = rows.len();
+    if k == 0 {
+        // Times a zero tensor, not `affine(0, 0)`: Candle's backward prunes an affine by 0, and
+        // the rank's backward must still reach the model.
+        let zero = Tensor::zeros((), DType::F32, logits.device())?;
+        return Ok(((logits.sum_all()? * zero)?, 0));
+    }
+    let kept: Vec<u32> = rows.iter().map(|&i| t[i as usize]).collect();
+    let idx = Tensor::new(rows, logits.device())?;
+    let picked = logits.index_select(&idx, 0)?;
+    let kept = Tensor::new(kept, logits.device())?;
+    Ok((cross_entropy(&picked, &kept)?.affine(k as f64, 0.0)?, k))
+}
+
 /// [`cross_entropy`] as candle-nn computes it: [`candle_nn::loss::cross_entropy`]. Any dtype
 /// and device, differentiable to any order.
 ///

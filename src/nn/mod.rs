@@ -39,7 +39,7 @@ pub use attention::{
     causal_attention_gqa, causal_attention_gqa_composed, AttentionOptions,
 };
 pub use linear::{linear, linear_forward, linear_gelu, linear_normal, Linear};
-pub use loss::{cross_entropy, cross_entropy_composed, lm_loss};
+pub use loss::{cross_entropy, cross_entropy_composed, lm_loss, lm_loss_sum, IGNORE_INDEX};
 pub use norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use rope::{rope, rope_composed};
 pub use softmax::{causal_softmax, causal_softmax_composed};

@@ -21,6 +21,7 @@ mod hf_resolve;
 mod llama;
 mod lora;
 mod qlora;
+mod sft;
 
 use std::path::PathBuf;
 

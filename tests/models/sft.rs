@@ -1,0 +1,204 @@
+//! Supervised fine-tuning data (`data::sft`): the per-token loss normalised over every rank and
+//! micro-batch of a step gives the gradients of one process over the same global batch — ranks
+//! holding 3, 0 and 11 target tokens, and the same split as three micro-batches of one rank —
+//! and a JSONL file's errors name the line.
+
+use candle_core::Device;
+use candle_fsdp::data::sft::{batch, read_jsonl, token_scale, SftExample};
+use candle_fsdp::launch::{launch, Launcher};
+use candle_fsdp::models::decoder::hf::{build_from_hf_with, HfOptions};
+use candle_fsdp::nn::lm_loss_sum;
+use candle_fsdp::{FsdpConfig, Sgd, SgdConfig, ShardedOptimizer};
+
+use super::common::{tmpdir, to_vec};
+use super::{fixture, max_abs_diff};
+
+const BASE: &str = "llama-gqa";
+const T: usize = 12;
+
+/// The three ranks' examples: 3, 0 and 11 target tokens (the last rank holds two examples).
+fn examples() -> Vec<Vec<SftExample>> {
+    let ids = |seed: u32, n: usize| -> Vec<u32> {
+        (0..n as u32).map(|i| (seed * 7 + i * 13) % 64).collect()
+    };
+    vec![
+        vec![SftExample::new(&ids(1, 5), &ids(2, 2), Some(2), T, 0)],
+        vec![SftExample::new(&ids(3, 9), &[], None, T, 0)],
+        vec![
+            SftExample::new(&ids(4, 3), &ids(5, 4), Some(2), T, 0),
+            SftExample::new(&ids(6, 1), &ids(7, 5), Some(2), T, 0),
+        ],
+    ]
+}
+
+/// One SGD step (lr 1, no momentum, no decay) on `parts` (this rank's micro-batches, by rank),
+/// each micro-batch's loss the summed loss times [`token_scale`]; rank 0's gathered parameters.
+fn step(ws: usize, parts: Vec<Vec<Vec<SftExample>>>) -> Vec<(String, Vec<f32>)> {
+    launch(&Launcher::threads(ws), move |pg| {
+        let (decoder, mut model, _) = build_from_hf_with(
+            pg.clone(),
+            FsdpConfig::default(),
+            &fixture(BASE),
+            &HfOptions::default(),
+        )?;
+        let mine = &parts[pg.rank()];
+        let local: usize = mine.iter().flatten().map(SftExample::target_count).sum();
+        let scale = token_scale(pg.as_ref(), local)?;
+        for (m, micro) in mine.iter().enumerate() {
+            model.set_requires_gradient_sync(m + 1 == mine.len());
+            let refs: Vec<&SftExample> = micro.iter().collect();
+            let (x, y) = batch(&refs, &Device::Cpu)?;
+            let (sum, _) = lm_loss_sum(&decoder.logits(&mut model, &x, true)?, &y)?;
+            model.backward(&sum.affine(scale as f64, 0.0)?)?;
+        }
+        let mut opt = Sgd::new(SgdConfig {
+            lr: 1.0,
+            ..SgdConfig::default()
+        });
+        opt.step(&mut model)?;
+        let params = model.gather_full_params(false)?.expect("every rank");
+        Ok(params.iter().map(|(n, t)| (n.clone(), to_vec(t))).collect())
+    })
+    .unwrap()
+    .swap_remove(0)
+}
+
+#[test]
+fn per_token_loss_over_ranks_and_micro_batches_equals_one_process() {
+    let ex = examples();
+    assert_eq!(
+        ex.iter()
+            .map(|r| r.iter().map(SftExample::target_count).sum::<usize>())
+            .collect::<Vec<_>>(),
+        [3, 0, 11]
+    );
+    // One process, one batch of the four examples: the mean over the 14 tokens. (Batches of
+    // different sizes are fine: here rank 2 holds two examples, the others one.)
+    let all: Vec<SftExample> = ex.iter().flatten().cloned().collect();
+    let reference = step(1, vec![vec![all]]);
+    // Three ranks, one micro-batch each.
+    let ranks = step(3, ex.iter().map(|r| vec![r.clone()]).collect());
+    // One rank, the three parts as micro-batches of one step (accumulated).
+    let micro = step(1, vec![ex.clone()]);
+    let base = super::weights_of(&fixture(BASE));
+    let mut moved = 0;
+    for (((n, want), (_, got3)), (_, got1)) in reference.iter().zip(&ranks).zip(&micro) {
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+        let d = max_abs_diff(got3, want) / scale;
+        assert!(
+            d < 2e-6,
+            "{n}: world size 3 differs from one process by {d}"
+        );
+        let d = max_abs_diff(got1, want) / scale;
+        assert!(
+            d < 2e-6,
+            "{n}: three micro-batches differ from one batch by {d}"
+        );
+        let b = &base.iter().find(|(m, _, _)| m == n).unwrap().2;
+        moved += usize::from(max_abs_diff(want, b) > 1e-4);
+    }
+    assert!(moved > 5, "the step moved {moved} tensors");
+    // A per-batch mean instead (each rank its own tokens' mean, averaged) is not the same: the
+    // normalisation matters for these counts.
+    let wrong = launch(&Launcher::threads(3), |pg| {
+        let (decoder, mut model, _) = build_from_hf_with(
+            pg.clone(),
+            FsdpConfig::default(),
+            &fixture(BASE),
+            &HfOptions::default(),
+        )?;
+        let refs: Vec<&SftExample> = ex[pg.rank()].iter().collect();
+        let (x, y) = batch(&refs, &Device::Cpu)?;
+        let (sum, k) = lm_loss_sum(&decoder.logits(&mut model, &x, true)?, &y)?;
+        model.backward(&sum.affine(1.0 / k.max(1) as f64, 0.0)?)?;
+        let mut opt = Sgd::new(SgdConfig {
+            lr: 1.0,
+            ..SgdConfig::default()
+        });
+        opt.step(&mut model)?;
+        let params = model.gather_full_params(false)?.expect("every rank");
+        Ok(params
+            .iter()
+            .map(|(n, t)| (n.clone(), to_vec(t)))
+            .collect::<Vec<_>>())
+    })
+    .unwrap()
+    .swap_remove(0);
+    let differs = wrong
+        .iter()
+        .zip(&reference)
+        .any(|((_, a), (_, b))| max_abs_diff(a, b) > 1e-4);
+    assert!(differs, "a per-batch mean gave the per-token gradients");
+}
+
+#[test]
+fn jsonl_errors_name_the_line() {
+    let dir = tmpdir("sft-jsonl");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tok = |s: &str| -> candle_fsdp::Result<Vec<u32>> { Ok(s.bytes().map(u32::from).collect()) };
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let ok = write(
+        "ok.jsonl",
+        "{\"prompt\": \"Q: 2+2?\\nA: \", \"completion\": \"4\"}\n\n{\"prompt\": \"Hi\", \"completion\": \" there\"}\n",
+    );
+    let ex = read_jsonl(&ok, &tok, Some(0), 16, 0).unwrap();
+    assert_eq!(ex.len(), 2);
+    assert_eq!(ex[0].target_count(), 2, "'4' and eos");
+    assert_eq!(ex[1].target_count(), 7, "' there' and eos");
+    let e = read_jsonl(
+        &write(
+            "bad.jsonl",
+            "{\"prompt\": \"a\", \"completion\": \"b\"}\n{\"prompt\": 3}\n",
+        ),
+        &tok,
+        None,
+        16,
+        0,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("bad.jsonl")
+            && e.contains("line 2")
+            && e.contains("\"prompt\" is missing or not a string"),
+        "{e}"
+    );
+    let e = read_jsonl(
+        &write("chat.jsonl", "{\"messages\": []}\n"),
+        &tok,
+        None,
+        16,
+        0,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("line 1") && e.contains("chat templates are not supported yet"),
+        "{e}"
+    );
+    let e = read_jsonl(
+        &write(
+            "long.jsonl",
+            "{\"prompt\": \"0123456789abcdefXYZ\", \"completion\": \"b\"}\n",
+        ),
+        &tok,
+        None,
+        16,
+        0,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("line 1") && e.contains("fill --seq-len 16"),
+        "{e}"
+    );
+    let e = read_jsonl(&write("json.jsonl", "{\"prompt\": \n"), &tok, None, 16, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("line 1: not JSON"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
