@@ -182,6 +182,76 @@ pub trait Corpus: Sync {
         index: u64,
         device: &Device,
     ) -> Result<(Tensor, Tensor)>;
+
+    /// Whether the targets hold [`candle_fsdp::nn::IGNORE_INDEX`] positions (supervised
+    /// examples): the loss is then the per-token one, normalised over the step's target tokens
+    /// on every rank ([`candle_fsdp::data::sft::token_scale`]).
+    fn per_token(&self) -> bool {
+        false
+    }
+}
+
+/// Supervised examples (`--data FILE.jsonl`, [`candle_fsdp::data::sft`]): the last 5 % (at
+/// least one) held out for validation; each batch draws its examples with replacement, seeded
+/// by the seed, the split, the rank and the batch index (as the text windows draw starts).
+pub struct SftCorpus {
+    /// Training examples.
+    pub train: Vec<candle_fsdp::data::sft::SftExample>,
+    /// Validation examples.
+    pub val: Vec<candle_fsdp::data::sft::SftExample>,
+}
+
+impl SftCorpus {
+    /// Splits `examples` (at least two) into training and validation.
+    pub fn new(mut examples: Vec<candle_fsdp::data::sft::SftExample>) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            examples.len() >= 2,
+            "--data: {} example(s); at least 2 (one is held out for validation)",
+            examples.len()
+        );
+        let n_val = (examples.len() / 20).max(1);
+        let val = examples.split_off(examples.len() - n_val);
+        Ok(Self {
+            train: examples,
+            val,
+        })
+    }
+}
+
+impl Corpus for SftCorpus {
+    fn windows(
+        &self,
+        split: Split,
+        batch: usize,
+        seq_len: usize,
+        seed: u64,
+        rank: usize,
+        index: u64,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let pool = match split {
+            Split::Train => &self.train,
+            Split::Val => &self.val,
+        };
+        if pool.first().is_some_and(|e| e.inputs.len() != seq_len) {
+            return Err(candle_fsdp::Error::InvalidArgument(format!(
+                "supervised examples of {} tokens, asked for {seq_len}",
+                pool[0].inputs.len()
+            )));
+        }
+        let split_id = u64::from(matches!(split, Split::Val));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(
+            seed ^ (split_id << 62) ^ ((rank as u64) << 40) ^ index.wrapping_mul(0x9E37_79B9),
+        );
+        let picked: Vec<&candle_fsdp::data::sft::SftExample> = (0..batch)
+            .map(|_| &pool[rng.random_range(0..pool.len())])
+            .collect();
+        candle_fsdp::data::sft::batch(&picked, device)
+    }
+
+    fn per_token(&self) -> bool {
+        true
+    }
 }
 
 impl Corpus for TextCorpus {
@@ -395,8 +465,9 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
             let traced = trace_window((max - start) as usize, self.train.trace_steps);
             self.t
                 .set_tracing(traced.contains(&((step - start) as usize)));
+            let factor = self.token_factor(step, k)?;
             for m in 0..k {
-                let loss = self.micro_batch(step * k as u64 + m as u64, m + 1 == k)?;
+                let loss = self.micro_batch(step * k as u64 + m as u64, m + 1 == k, factor)?;
                 loss_sum += loss as f64;
                 micro += 1;
             }
@@ -473,9 +544,9 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
         ))
     }
 
-    /// Forward and backward of this rank's micro-batch `index`; returns its loss.
-    fn micro_batch(&mut self, index: u64, last_micro: bool) -> Result<f32> {
-        let (x, y) = self.parts.corpus.windows(
+    /// This rank's training micro-batch `index`.
+    fn train_batch(&self, index: u64) -> Result<(Tensor, Tensor)> {
+        self.parts.corpus.windows(
             Split::Train,
             self.train.batch_size,
             self.parts.seq_len,
@@ -483,11 +554,45 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
             self.t.pg.rank(),
             index,
             &self.device,
-        )?;
+        )
+    }
+
+    /// The factor of each micro-batch's summed loss in step `step` of a per-token corpus
+    /// ([`Corpus::per_token`]): `token_scale` of the step's target tokens on this rank times
+    /// the micro-batches `k` (the trainer divides each micro-batch's loss by `k`), so that
+    /// the backward sees `sum · world / N` and the logged value averages to the step's
+    /// per-token loss. `None` for a plain corpus. A collective when per-token.
+    fn token_factor(&self, step: u64, k: usize) -> Result<Option<f32>> {
+        if !self.parts.corpus.per_token() {
+            return Ok(None);
+        }
+        let mut local = 0usize;
+        for m in 0..k {
+            let (_, y) = self.train_batch(step * k as u64 + m as u64)?;
+            let y = y.flatten_all()?.to_vec1::<u32>()?;
+            local += y
+                .iter()
+                .filter(|&&t| t != candle_fsdp::nn::IGNORE_INDEX)
+                .count();
+        }
+        let scale = candle_fsdp::data::sft::token_scale(self.t.pg.as_ref(), local)?;
+        Ok(Some(scale * k as f32))
+    }
+
+    /// Forward and backward of this rank's micro-batch `index`; returns its loss (with a
+    /// per-token `factor`, the summed loss times it: see [`LmRank::token_factor`]).
+    fn micro_batch(&mut self, index: u64, last_micro: bool, factor: Option<f32>) -> Result<f32> {
+        let (x, y) = self.train_batch(index)?;
         let lm = &self.parts.model;
         let loss = self.t.forward_backward(last_micro, |model| {
             let logits = lm.logits(model, &x, true)?;
-            lm_loss(&logits, &y)
+            match factor {
+                None => lm_loss(&logits, &y),
+                Some(f) => {
+                    let (sum, _) = candle_fsdp::nn::lm_loss_sum(&logits, &y)?;
+                    Ok(sum.affine(f as f64, 0.0)?)
+                }
+            }
         })?;
         Ok(loss.to_scalar::<f32>()?)
     }
@@ -495,7 +600,7 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
     /// Mean validation loss over every rank's `--eval-batches` windows (the same at every
     /// evaluation); rank 0's value is the mean over all ranks (the others get their own part).
     fn evaluate(&mut self) -> Result<f32> {
-        let mut sum = 0.0f32;
+        let (mut sum, mut count) = (0.0f32, 0.0f32);
         for i in 0..self.args.eval_batches {
             let (x, y) = self.parts.corpus.windows(
                 Split::Val,
@@ -507,11 +612,17 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
                 &self.device,
             )?;
             let logits = self.parts.model.logits(&mut self.t.model, &x, false)?;
-            sum += lm_loss(&logits, &y)?.to_scalar::<f32>()?;
+            if self.parts.corpus.per_token() {
+                // Summed over the target tokens; divided by their number over all ranks below.
+                let (s, k) = candle_fsdp::nn::lm_loss_sum(&logits, &y)?;
+                sum += s.to_scalar::<f32>()?;
+                count += k as f32;
+            } else {
+                sum += lm_loss(&logits, &y)?.to_scalar::<f32>()?;
+                count += 1.0;
+            }
         }
-        let sums = self
-            .t
-            .sum_to_rank0(vec![sum, self.args.eval_batches as f32])?;
+        let sums = self.t.sum_to_rank0(vec![sum, count])?;
         Ok(sums[0] / sums[1])
     }
 

@@ -333,6 +333,28 @@ fn main() -> anyhow::Result<()> {
     // The corpus is needed only to train.
     let corpus: Option<Box<dyn Corpus>> = if args.lm.max_steps == 0 && eval_tokens.is_some() {
         None
+    } else if args.lm.data.extension().is_some_and(|e| e == "jsonl") {
+        // Supervised examples: the loss on the completions only, per token over the step.
+        let encode = |t: &str| -> candle_fsdp::Result<Vec<u32>> {
+            codec
+                .encode(t)
+                .map_err(|e| candle_fsdp::Error::InvalidArgument(e.to_string()))
+        };
+        // The completion ends with the tokenizer's end of sequence (config.json's
+        // eos_token_id, the first of a list); byte tokens have none.
+        let eos = tokenizer.as_ref().and_then(|_| {
+            let v: serde_json::Value = serde_json::from_str(&config_json).ok()?;
+            let e = &v["eos_token_id"];
+            e.as_u64().or_else(|| e.get(0)?.as_u64()).map(|e| e as u32)
+        });
+        let examples = candle_fsdp::data::sft::read_jsonl(
+            &args.lm.data,
+            &encode,
+            eos,
+            args.seq_len,
+            cfg.pad_token_id.unwrap_or(0),
+        )?;
+        Some(Box::new(lm::SftCorpus::new(examples)?))
     } else if tokenizer.is_some() {
         Some(Box::new(load_tokens(&args.lm.data, codec, args.seq_len)?))
     } else {

@@ -482,3 +482,77 @@ fn a_non_utf8_eval_file_is_bytes_for_bytes_and_named_for_a_tokenizer() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `--data FILE.jsonl`: supervised examples whose completions the model learns (the
+/// per-token validation loss on them falls well below a uniform guess over the 256 byte
+/// tokens, ln 256 = 5.55), and a bad line is named before training.
+#[test]
+fn supervised_jsonl_data_trains_on_the_completions() {
+    let Some(bin) = example() else { return };
+    let dir = super::common::tmpdir("example-sft");
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("sums.jsonl");
+    let lines: Vec<String> = (0..120)
+        .map(|i| {
+            let (a, b) = (i % 11, (i * 7) % 13);
+            format!(
+                "{{\"prompt\": \"{a}+{b}=\", \"completion\": \"{}\\n\"}}",
+                a + b
+            )
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let ckpt = dir.join("ckpt");
+    let out = run(
+        &bin,
+        &[
+            "--world-size",
+            "2",
+            "--data",
+            data.to_str().unwrap(),
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "8",
+            "--max-steps",
+            "40",
+            "--lr",
+            "3e-3",
+            "--eval-interval",
+            "40",
+            "--log-interval",
+            "40",
+            "--sample-len",
+            "0",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ],
+    );
+    let val: f64 = out
+        .lines()
+        .find_map(|l| l.split("val loss ").nth(1))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no val loss line:\n{out}"));
+    assert!(
+        val < 3.0,
+        "per-token validation loss {val} after 40 steps:\n{out}"
+    );
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\n{\"prompt\": \"x\"}\n",
+    )
+    .unwrap();
+    let e = fails(
+        &bin,
+        &[
+            "--data",
+            data.to_str().unwrap(),
+            "--max-steps",
+            "1",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ],
+    );
+    assert!(e.contains("sums.jsonl") && e.contains("line 2"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
