@@ -194,6 +194,8 @@ pub trait Corpus: Sync {
 /// Supervised examples (`--data FILE.jsonl`, [`candle_fsdp::data::sft`]): the last 5 % (at
 /// least one) held out for validation; each batch draws its examples with replacement, seeded
 /// by the seed, the split, the rank and the batch index (as the text windows draw starts).
+/// The llama example's (the GPT example trains on text only).
+#[allow(dead_code)]
 pub struct SftCorpus {
     /// Training examples.
     pub train: Vec<candle_fsdp::data::sft::SftExample>,
@@ -201,6 +203,7 @@ pub struct SftCorpus {
     pub val: Vec<candle_fsdp::data::sft::SftExample>,
 }
 
+#[allow(dead_code)]
 impl SftCorpus {
     /// Splits `examples` (at least two) into training and validation.
     pub fn new(mut examples: Vec<candle_fsdp::data::sft::SftExample>) -> anyhow::Result<Self> {
