@@ -347,9 +347,19 @@ fn main() -> anyhow::Result<()> {
             let e = &v["eos_token_id"];
             e.as_u64().or_else(|| e.get(0)?.as_u64()).map(|e| e as u32)
         });
+        // `messages` lines are rendered by the model's chat template, when it has one.
+        let template = match &args.from_hf {
+            Some(dir) if dir.join("tokenizer_config.json").is_file() => {
+                candle_fsdp::data::sft::ChatTemplate::from_tokenizer_config(
+                    &dir.join("tokenizer_config.json"),
+                )?
+            }
+            _ => None,
+        };
         let examples = candle_fsdp::data::sft::read_jsonl(
             &args.lm.data,
             &encode,
+            template.as_ref(),
             eos,
             args.seq_len,
             cfg.pad_token_id.unwrap_or(0),

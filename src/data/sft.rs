@@ -10,9 +10,15 @@
 //! per-token loss; transformers' `num_items_in_batch`), whatever the split over ranks and
 //! micro-batches, including ranks with no target token at all.
 //!
-//! Not here yet: `{"messages": […]}` rendered by a chat template, and packing several examples
-//! into one sequence (positions restarting at each, attention confined to it).
+//! `{"messages": [{"role", "content"}, …]}` lines are rendered by the tokenizer's chat template
+//! ([`ChatTemplate`], as transformers' `apply_chat_template` renders it): the prompt is every
+//! message but the last (which must be the assistant's) with the generation prompt, the
+//! completion the rest of the whole conversation's text.
+//!
+//! Not here yet: packing several examples into one sequence (positions restarting at each,
+//! attention confined to it).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
@@ -66,16 +72,153 @@ impl SftExample {
     }
 }
 
-/// Reads `path`, one JSON object per non-empty line with string fields `prompt` and
-/// `completion`, tokenized by `tokenize`, into examples of `seq_len` ([`SftExample::new`]).
+/// One message of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant`, … (what the template knows).
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+/// A tokenizer's chat template (`tokenizer_config.json`'s `chat_template`), rendered as
+/// transformers renders it: Jinja with `trim_blocks` and `lstrip_blocks`, `raise_exception`,
+/// Python's string methods (minijinja's pycompat), and the special tokens (`bos_token`,
+/// `eos_token`, …) as variables.
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    special: BTreeMap<String, String>,
+}
+
+impl ChatTemplate {
+    /// The template `source` with the special tokens `special` (name → text, e.g.
+    /// `bos_token` → `<s>`).
+    ///
+    /// Errors: a template that does not parse (the parser's message).
+    pub fn new(source: &str, special: BTreeMap<String, String>) -> Result<Self> {
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| Error::InvalidArgument(format!("chat template: {e}")))?;
+        Ok(Self { env, special })
+    }
+
+    /// The chat template of a `tokenizer_config.json` (its `chat_template`: a string, or the
+    /// entry named `default` of a list of `{name, template}`), with its special tokens
+    /// (`bos_token`, `eos_token`, `unk_token`, `pad_token`: strings or `{"content": …}`);
+    /// `None` when it has none.
+    ///
+    /// Errors, naming the file: unreadable, not JSON, a template that does not parse.
+    pub fn from_tokenizer_config(path: &Path) -> Result<Option<Self>> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::file(path, format!("not JSON: {e}")))?;
+        let source = match &v["chat_template"] {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Array(list) => match list
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+            {
+                Some(s) => s.to_string(),
+                None => return Ok(None),
+            },
+            _ => return Ok(None),
+        };
+        let special = ["bos_token", "eos_token", "unk_token", "pad_token"]
+            .iter()
+            .filter_map(|k| {
+                let t = &v[*k];
+                t.as_str()
+                    .or_else(|| t["content"].as_str())
+                    .map(|s| (k.to_string(), s.to_string()))
+            })
+            .collect();
+        Self::new(&source, special)
+            .map(Some)
+            .map_err(|e| Error::file(path, e.to_string()))
+    }
+
+    /// The text of `messages` (`add_generation_prompt`: followed by the assistant's turn
+    /// opening, as for generation).
+    ///
+    /// Errors: the template's (`raise_exception`, an undefined operation), with its message.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let t = self.env.get_template("chat").expect("added in new");
+        let mut ctx: BTreeMap<String, minijinja::Value> = self
+            .special
+            .iter()
+            .map(|(k, v)| (k.clone(), minijinja::Value::from(v.clone())))
+            .collect();
+        ctx.insert(
+            "messages".into(),
+            minijinja::Value::from_serialize(messages),
+        );
+        ctx.insert(
+            "add_generation_prompt".into(),
+            minijinja::Value::from(add_generation_prompt),
+        );
+        t.render(ctx)
+            .map_err(|e| Error::InvalidArgument(format!("chat template: {e}")))
+    }
+
+    /// A conversation as a supervised example's texts: the prompt (every message but the
+    /// last, with the generation prompt) and the completion (the rest of the whole
+    /// conversation's text).
+    ///
+    /// Errors: no message, a last message that is not the assistant's, a template whose prompt
+    /// is not the start of the whole conversation's text; the template's.
+    pub fn prompt_and_completion(&self, messages: &[Message]) -> Result<(String, String)> {
+        let Some(last) = messages.last() else {
+            return Err(Error::InvalidArgument(
+                "a conversation without messages".into(),
+            ));
+        };
+        if last.role != "assistant" {
+            return Err(Error::InvalidArgument(format!(
+                "the last message is the {}'s: a supervised conversation ends with the \
+                 assistant's (its completion)",
+                last.role
+            )));
+        }
+        let prompt = self.render(&messages[..messages.len() - 1], true)?;
+        let full = self.render(messages, false)?;
+        match full.strip_prefix(&prompt) {
+            Some(completion) => Ok((prompt, completion.to_string())),
+            None => Err(Error::InvalidArgument(
+                "the chat template's text of the conversation does not start with its prompt \
+                 (all but the last message, with the generation prompt): the completion cannot \
+                 be told apart"
+                    .into(),
+            )),
+        }
+    }
+}
+
+/// Reads `path`, one JSON object per non-empty line, tokenized by `tokenize`, into examples
+/// of `seq_len` ([`SftExample::new`]): `{"prompt": …, "completion": …}` (the completion then
+/// followed by `eos`), or `{"messages": [{"role", "content"}, …]}` rendered by `template`
+/// ([`ChatTemplate::prompt_and_completion`]; the template writes its own end-of-turn marks).
 ///
 /// Errors, naming the file and the line: an unreadable file; a line that is not a JSON object
-/// with both string fields (a `messages` line is named as not supported yet); a tokenizer
-/// error; an example whose prompt fills the whole sequence (no completion token left to
-/// learn); a file without examples.
+/// with both string fields, or with `messages` that are not role/content objects; a
+/// `messages` line without a template; the template's; a tokenizer error; an example whose
+/// prompt fills the whole sequence (no completion token to learn); a file without examples.
 pub fn read_jsonl(
     path: &Path,
     tokenize: &dyn Fn(&str) -> Result<Vec<u32>>,
+    template: Option<&ChatTemplate>,
     eos: Option<u32>,
     seq_len: usize,
     pad: u32,
@@ -90,12 +233,35 @@ pub fn read_jsonl(
         let at = |m: String| Error::file(path, format!("line {}: {m}", i + 1));
         let v: serde_json::Value =
             serde_json::from_str(line).map_err(|e| at(format!("not JSON: {e}")))?;
-        if v.get("messages").is_some() {
-            return Err(at(
-                "a \"messages\" record: chat templates are not supported yet; write \
-                 {\"prompt\": …, \"completion\": …} lines"
-                    .into(),
-            ));
+        if let Some(m) = v.get("messages") {
+            let messages: Vec<Message> = serde_json::from_value(m.clone()).map_err(|e| {
+                at(format!(
+                    "\"messages\" must be a list of {{\"role\", \"content\"}} strings: {e}"
+                ))
+            })?;
+            let Some(t) = template else {
+                return Err(at(
+                    "a \"messages\" record needs the tokenizer's chat template \
+                     (tokenizer_config.json with chat_template beside the model)"
+                        .into(),
+                ));
+            };
+            let (prompt, completion) = t
+                .prompt_and_completion(&messages)
+                .map_err(|e| at(e.to_string()))?;
+            let p = tokenize(&prompt).map_err(|e| at(format!("tokenizing the prompt: {e}")))?;
+            let c =
+                tokenize(&completion).map_err(|e| at(format!("tokenizing the completion: {e}")))?;
+            let ex = SftExample::new(&p, &c, None, seq_len, pad);
+            if ex.target_count() == 0 {
+                return Err(at(format!(
+                    "the prompt's {} tokens fill --seq-len {seq_len}: no completion token to \
+                     learn",
+                    p.len()
+                )));
+            }
+            out.push(ex);
+            continue;
         }
         let field = |k: &str| {
             v.get(k).and_then(|x| x.as_str()).ok_or_else(|| {

@@ -4,7 +4,7 @@
 //! and a JSONL file's errors name the line.
 
 use candle_core::Device;
-use candle_fsdp::data::sft::{batch, read_jsonl, token_scale, SftExample};
+use candle_fsdp::data::sft::{batch, read_jsonl, token_scale, ChatTemplate, Message, SftExample};
 use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::models::decoder::hf::{build_from_hf_with, HfOptions};
 use candle_fsdp::nn::lm_loss_sum;
@@ -145,7 +145,7 @@ fn jsonl_errors_name_the_line() {
         "ok.jsonl",
         "{\"prompt\": \"Q: 2+2?\\nA: \", \"completion\": \"4\"}\n\n{\"prompt\": \"Hi\", \"completion\": \" there\"}\n",
     );
-    let ex = read_jsonl(&ok, &tok, Some(0), 16, 0).unwrap();
+    let ex = read_jsonl(&ok, &tok, None, Some(0), 16, 0).unwrap();
     assert_eq!(ex.len(), 2);
     assert_eq!(ex[0].target_count(), 2, "'4' and eos");
     assert_eq!(ex[1].target_count(), 7, "' there' and eos");
@@ -155,6 +155,7 @@ fn jsonl_errors_name_the_line() {
             "{\"prompt\": \"a\", \"completion\": \"b\"}\n{\"prompt\": 3}\n",
         ),
         &tok,
+        None,
         None,
         16,
         0,
@@ -171,13 +172,14 @@ fn jsonl_errors_name_the_line() {
         &write("chat.jsonl", "{\"messages\": []}\n"),
         &tok,
         None,
+        None,
         16,
         0,
     )
     .unwrap_err()
     .to_string();
     assert!(
-        e.contains("line 1") && e.contains("chat templates are not supported yet"),
+        e.contains("line 1") && e.contains("needs the tokenizer's chat template"),
         "{e}"
     );
     let e = read_jsonl(
@@ -186,6 +188,7 @@ fn jsonl_errors_name_the_line() {
             "{\"prompt\": \"0123456789abcdefXYZ\", \"completion\": \"b\"}\n",
         ),
         &tok,
+        None,
         None,
         16,
         0,
@@ -196,9 +199,111 @@ fn jsonl_errors_name_the_line() {
         e.contains("line 1") && e.contains("fill --seq-len 16"),
         "{e}"
     );
-    let e = read_jsonl(&write("json.jsonl", "{\"prompt\": \n"), &tok, None, 16, 0)
+    let e = read_jsonl(
+        &write("json.jsonl", "{\"prompt\": \n"),
+        &tok,
+        None,
+        None,
+        16,
+        0,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("line 1: not JSON"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The fixture's templates (`scripts/make-chat-template-fixture.py`), by name.
+fn templates() -> (
+    serde_json::Value,
+    std::collections::BTreeMap<String, ChatTemplate>,
+) {
+    let text = std::fs::read_to_string(fixture("chat").join("expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let special: std::collections::BTreeMap<String, String> =
+        serde_json::from_value(v["special"].clone()).unwrap();
+    let t = v["templates"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(n, src)| {
+            (
+                n.clone(),
+                ChatTemplate::new(src.as_str().unwrap(), special.clone()).unwrap(),
+            )
+        })
+        .collect();
+    (v, t)
+}
+
+#[test]
+fn chat_templates_render_as_transformers_renders_them() {
+    let (v, templates) = templates();
+    let cases = v["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 9);
+    for c in cases {
+        let t = &templates[c["template"].as_str().unwrap()];
+        let messages: Vec<Message> = serde_json::from_value(c["messages"].clone()).unwrap();
+        let full = t.render(&messages, false).unwrap();
+        assert_eq!(
+            full,
+            c["full"].as_str().unwrap(),
+            "{}: the conversation",
+            c["template"]
+        );
+        let (prompt, completion) = t.prompt_and_completion(&messages).unwrap();
+        assert_eq!(
+            prompt,
+            c["prompt"].as_str().unwrap(),
+            "{}: the prompt",
+            c["template"]
+        );
+        assert_eq!(format!("{prompt}{completion}"), full);
+    }
+    // raise_exception's message reaches the error.
+    let bad: Vec<Message> = serde_json::from_value(v["raises"]["messages"].clone()).unwrap();
+    let e = templates["zephyr"]
+        .render(&bad, false)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("line 1: not JSON"), "{e}");
+    assert!(e.contains(v["raises"]["message"].as_str().unwrap()), "{e}");
+    let e = templates["chatml"]
+        .prompt_and_completion(&bad[..1])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("the last message is the tool's"), "{e}");
+}
+
+#[test]
+fn messages_lines_train_on_the_assistants_turn() {
+    let (_, templates) = templates();
+    let dir = tmpdir("sft-chat");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tok = |s: &str| -> candle_fsdp::Result<Vec<u32>> { Ok(s.bytes().map(u32::from).collect()) };
+    let p = dir.join("chat.jsonl");
+    std::fs::write(
+        &p,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"2+2?\"}, {\"role\": \"assistant\", \"content\": \"4\"}]}\n",
+    )
+    .unwrap();
+    let ex = read_jsonl(&p, &tok, Some(&templates["chatml"]), Some(0), 128, 0).unwrap();
+    // ChatML's completion: "4<|im_end|>\n", 13 bytes, every one a target; no eos appended.
+    assert_eq!(ex[0].target_count(), "4<|im_end|>\n".len());
+    let want: Vec<u32> = "4<|im_end|>\n".bytes().map(u32::from).collect();
+    let got: Vec<u32> = ex[0]
+        .targets
+        .iter()
+        .copied()
+        .filter(|&t| t != candle_fsdp::nn::IGNORE_INDEX)
+        .collect();
+    assert_eq!(got, want);
+    std::fs::write(&p, "{\"messages\": [{\"role\": \"user\"}]}\n").unwrap();
+    let e = read_jsonl(&p, &tok, Some(&templates["chatml"]), None, 128, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("line 1") && e.contains("role") && e.contains("content"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
