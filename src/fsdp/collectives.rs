@@ -155,6 +155,36 @@ pub(crate) fn unpack_gathered(
     })
 }
 
+/// `gather` (packed bytes, [`all_gather_packed`]) followed by [`unpack_gathered`] on a helper
+/// thread as soon as the bytes arrive, so that the dequantisation overlaps the compute the way
+/// an f32 gather's copy does on its comm thread: the returned work yields the unsharded flat
+/// buffer. Off the CPU (where the bytes would cross to the host) `gather` is returned as is and
+/// the wait dequantises. `rank` names the work in an error.
+pub(crate) fn unpack_when_gathered(
+    gather: Work<Tensor>,
+    format: BaseDType,
+    layout: FlatParamLayout,
+    dtype: DType,
+    rank: usize,
+) -> Work<Tensor> {
+    if gather.is_completed() {
+        // Nothing to overlap with (no gather, world size 1): at the wait, on the compute thread.
+        return gather;
+    }
+    let (work, done) = Work::pending("dequantise", rank, "unpack");
+    std::thread::spawn(move || {
+        let result = gather.wait().and_then(|g| {
+            if g.device().is_cpu() {
+                unpack_gathered(format, &g, &layout, dtype)
+            } else {
+                Ok(g)
+            }
+        });
+        done.complete(result);
+    });
+    work
+}
+
 /// This rank's piece of a gathered flat buffer for a partial reshard after forward: the
 /// `rank`-th of `pg`'s `world_size` equal chunks, copied (the gathered buffer is dropped).
 pub(crate) fn secondary_piece(pg: &dyn ProcessGroup, flat: &Tensor) -> Result<Tensor> {

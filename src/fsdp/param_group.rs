@@ -276,6 +276,18 @@ impl ParamGroup {
                 self.gathers(),
             ),
         };
+        // A packed shard's bytes are dequantised as soon as they arrive, beside the compute
+        // (as the f32 gather's copy runs on its comm thread), not at the wait.
+        let work = match self.flat.packed() {
+            Some(p) => collectives::unpack_when_gathered(
+                work,
+                p.format,
+                self.flat.layout().clone(),
+                dtype,
+                comm.shard_pg().rank(),
+            ),
+            None => work,
+        };
         self.params = ParamState::Unsharding { work, guard };
     }
 
@@ -340,16 +352,19 @@ impl ParamGroup {
     }
 
     /// The unsharded flat buffer of a gather: a packed shard's gathered bytes dequantised
-    /// into `param_dtype` ([`collectives::unpack_gathered`]), else the gathered buffer itself.
+    /// into `param_dtype` ([`collectives::unpack_gathered`]) unless
+    /// [`collectives::unpack_when_gathered`] did already, else the gathered buffer itself.
     fn unpacked(&self, gathered: Tensor) -> Result<Tensor> {
         match self.flat.packed() {
-            Some(p) => collectives::unpack_gathered(
+            // Still bytes when the gather's work did not dequantise them (no gather, or off
+            // the CPU).
+            Some(p) if gathered.dtype() == candle_core::DType::U8 => collectives::unpack_gathered(
                 p.format,
                 &gathered,
                 self.flat.layout(),
                 self.policy.param_dtype,
             ),
-            None => Ok(gathered),
+            _ => Ok(gathered),
         }
     }
 
