@@ -113,7 +113,8 @@ impl BaseIdentity {
         })
     }
 
-    /// Checks that `found` (the base a model was built from) is this recorded one.
+    /// Checks that `found` (the base a model was built from, or an export reads) is this
+    /// recorded one.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the first file that differs: absent from either side,
@@ -122,11 +123,16 @@ impl BaseIdentity {
         let theirs: HashMap<&str, &BaseFile> =
             found.files.iter().map(|f| (f.name.as_str(), f)).collect();
         let differs = |what: String| {
+            let other = if found.dir == self.dir {
+                "has changed since".to_string()
+            } else {
+                format!("({}) is not it", found.dir.display())
+            };
             Err(Error::InvalidArgument(format!(
-                "the checkpoint's frozen base was {} and the model's is {}: {what}; an \
-                 adapter-only checkpoint resumes only on the base it was trained on",
+                "the checkpoint was trained on the frozen base {}, and the base given {other}: \
+                 {what} (an adapter-only checkpoint holds no base tensor: it needs the base it \
+                 was trained on)",
                 self.dir.display(),
-                found.dir.display()
             )))
         };
         for f in &self.files {
@@ -169,5 +175,28 @@ fn file_crc32c(path: &Path) -> Result<u32> {
             return Ok(crc);
         }
         crc = crc32c::crc32c_append(crc, &buf[..n]);
+    }
+}
+
+impl BaseIdentity {
+    /// The identity of `dir` when it is the recorded base `self` moved or copied there (or
+    /// `self.dir` itself with `None`), checked against `self`.
+    ///
+    /// Errors: the directory cannot be read, naming it as the checkpoint's base (and how to
+    /// give another); as [`BaseIdentity::check`].
+    pub fn verify_at(&self, dir: Option<&Path>) -> Result<()> {
+        let at = dir.unwrap_or(&self.dir);
+        let found = Self::of(at).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "the checkpoint's frozen base {} cannot be read ({e}){}",
+                at.display(),
+                if dir.is_none() {
+                    "; if it moved, give its new directory (fsdp-ckpt export --base DIR)"
+                } else {
+                    ""
+                }
+            ))
+        })?;
+        self.check(&found)
     }
 }

@@ -124,12 +124,22 @@ impl LoraConfig {
     /// `lora_alpha`, `lora_dropout`, `target_modules`, `use_rslora`, `bias` "none",
     /// `base_model_name_or_path`).
     ///
-    /// `target_modules` is the list of targets, or, when a target is a glob (which PEFT does not
-    /// know), one regular expression PEFT full-matches against module names
-    /// ([`LoraConfig::peft_regex`]). `fan_in_fan_out` is true for `Conv1D` weights (GPT-2).
-    pub fn peft_config(&self, base_model: Option<&str>, fan_in_fan_out: bool) -> serde_json::Value {
+    /// `target_modules` is the list of targets; when a target is a glob (which PEFT does not
+    /// know), the full names of the modules that were adapted, `adapted` (PEFT matches a full
+    /// name exactly: a regular expression from the glob would also match modules that are not
+    /// linear layers, such as `mlp.act_fn`, which PEFT refuses). `fan_in_fan_out` is true for
+    /// `Conv1D` weights (GPT-2).
+    pub fn peft_config(
+        &self,
+        base_model: Option<&str>,
+        fan_in_fan_out: bool,
+        adapted: &[String],
+    ) -> serde_json::Value {
         let targets = if self.targets.iter().any(|t| is_glob(t)) {
-            serde_json::Value::from(self.peft_regex())
+            let mut names = adapted.to_vec();
+            names.sort();
+            names.dedup();
+            serde_json::Value::from(names)
         } else {
             serde_json::Value::from(self.targets.clone())
         };
@@ -455,18 +465,23 @@ mod tests {
         assert_eq!(LoraConfig::new(4, 8.0, [" v_proj "]).targets, ["v_proj"]);
     }
 
-    /// PEFT knows no globs: the config written for PEFT turns the targets into one regular
-    /// expression (PEFT full-matches a string `target_modules`), a plain list otherwise.
+    /// PEFT knows no globs: with a glob among the targets the config written for PEFT lists
+    /// the adapted modules' full names (a regular expression, `peft_regex`, would also match
+    /// `mlp.act_fn`, which PEFT refuses to adapt); a plain list of names otherwise.
     #[test]
-    fn peft_config_writes_globs_as_one_regex() {
+    fn peft_config_lists_the_adapted_modules_for_globs() {
         let c = LoraConfig::new(4, 8.0, ["q_proj", "*.mlp.*", "layers.[01].o_proj"]);
         assert_eq!(
             c.peft_regex(),
             r"(?:(?:.*\.)?q_proj|.*\.mlp\..*|layers\.[01]\.o_proj)"
         );
-        assert_eq!(c.peft_config(None, false)["target_modules"], c.peft_regex());
+        let adapted = vec!["model.layers.0.mlp.up_proj".to_string()];
+        assert_eq!(
+            c.peft_config(None, false, &adapted)["target_modules"],
+            serde_json::json!(adapted)
+        );
         let plain = LoraConfig::new(4, 8.0, ["q_proj", "v_proj"]);
-        let v = plain.peft_config(Some("base"), true);
+        let v = plain.peft_config(Some("base"), true, &[]);
         assert_eq!(v["target_modules"], serde_json::json!(["q_proj", "v_proj"]));
         assert_eq!(v["fan_in_fan_out"], true);
         assert_eq!(v["base_model_name_or_path"], "base");
@@ -525,4 +540,15 @@ mod tests {
         let bound = 1.0 / 6f32.sqrt();
         assert!(a.iter().all(|v| v.abs() <= bound) && a.iter().any(|&v| v != 0.0));
     }
+}
+
+/// The full names of the adapted modules among parameter names (`….lora_A.weight` → `…`).
+pub fn adapted_modules<'a>(params: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let mut v: Vec<String> = params
+        .into_iter()
+        .filter_map(|n| n.strip_suffix(".lora_A.weight").map(String::from))
+        .collect();
+    v.sort();
+    v.dedup();
+    v
 }

@@ -78,7 +78,9 @@ pub struct LmArgs {
     /// Text the sample continues.
     #[arg(long, default_value = "ROMEO:")]
     pub prompt: String,
-    /// The corpus: a text file, plain or gzipped (the last 5 % is the validation split).
+    /// The corpus: a text file, plain or gzipped (the last 5 % is the validation split); or,
+    /// for the llama example, supervised examples: a .jsonl file of {"prompt", "completion"}
+    /// or {"messages"} lines (the loss on the completions only).
     #[arg(long, default_value = "data/shakespeare/shakespeare.txt.gz")]
     pub data: PathBuf,
     /// Activation checkpointing of the blocks: each block keeps only its input and recomputes

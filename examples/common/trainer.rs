@@ -101,11 +101,18 @@ pub fn print_checkpoint(args: &TrainArgs) -> anyhow::Result<()> {
     };
     let name = root.file_name().and_then(|n| n.to_str()).unwrap_or("model");
     println!("checkpoint: {}", latest.display());
-    println!(
-        "one model file from it: cargo run --release --bin fsdp-ckpt -- export {} --out \
-         {name}.safetensors",
-        latest.display()
-    );
+    // An adapter-only checkpoint (its frozen base left in the base's files) has no single
+    // model file: its exports are the adapters and the merged model (the llama example's hint).
+    let adapter_only = checkpoint::read_meta(&latest)
+        .map(|m| m.units.iter().any(|u| u.in_base))
+        .unwrap_or(false);
+    if !adapter_only {
+        println!(
+            "one model file from it: cargo run --release --bin fsdp-ckpt -- export {} --out \
+             {name}.safetensors",
+            latest.display()
+        );
+    }
     Ok(())
 }
 

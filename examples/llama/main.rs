@@ -93,7 +93,7 @@ pub struct Args {
     pub lora_alpha: f64,
     /// LoRA: dropout on the adapters' input in training (PEFT's lora_dropout, in [0, 1)): each
     /// element zeroed with this probability, the rest scaled by 1 / (1 - p).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub lora_dropout: f64,
     /// LoRA: the target modules, comma-separated, as PEFT's target_modules (names such as
     /// q_proj, or globs such as '*.mlp.*').
@@ -333,7 +333,7 @@ fn main() -> anyhow::Result<()> {
     // The corpus is needed only to train.
     let corpus: Option<Box<dyn Corpus>> = if args.lm.max_steps == 0 && eval_tokens.is_some() {
         None
-    } else if args.lm.data.extension().is_some_and(|e| e == "jsonl") {
+    } else if sft_data(&args.lm.data)? {
         // Supervised examples: the loss on the completions only, per token over the step.
         let encode = |t: &str| -> candle_fsdp::Result<Vec<u32>> {
             codec
@@ -364,7 +364,23 @@ fn main() -> anyhow::Result<()> {
             args.seq_len,
             cfg.pad_token_id.unwrap_or(0),
         )?;
-        Some(Box::new(lm::SftCorpus::new(examples)?))
+        let corpus = lm::SftCorpus::new(examples)
+            .with_context(|| format!("--data {}", args.lm.data.display()))?;
+        if setup.prints() {
+            println!(
+                "data: supervised examples from {} ({} training, {} held out; the loss on the \
+                 completions, per token over the step){}",
+                args.lm.data.display(),
+                corpus.train.len(),
+                corpus.val.len(),
+                if template.is_some() {
+                    ", chat template of tokenizer_config.json"
+                } else {
+                    ""
+                }
+            );
+        }
+        Some(Box::new(corpus))
     } else if tokenizer.is_some() {
         Some(Box::new(load_tokens(&args.lm.data, codec, args.seq_len)?))
     } else {
@@ -452,10 +468,11 @@ fn main() -> anyhow::Result<()> {
         );
         if setup.prints() {
             println!(
-                "LoRA: r {}, alpha {} (scale {}), targets {}; the base frozen ({}){}",
+                "LoRA: r {}, alpha {} (scale {}), dropout {}, targets {}; the base frozen ({}){}",
                 l.r,
                 l.alpha,
                 l.scale(),
+                l.dropout,
                 l.targets.join(", "),
                 base_dtype.name(),
                 args.lora_from.as_ref().map_or(String::new(), |d| format!(
@@ -627,8 +644,12 @@ fn check_resumed_model(
              --lora-rank, or start the LoRA run in another --checkpoint-dir",
             dir.display()
         ),
+        // Dropout may change between runs (it shapes training, not the adapters' meaning).
         (Some(s), Some(l)) => anyhow::ensure!(
-            s == l,
+            LoraConfig {
+                dropout: l.dropout,
+                ..s.clone()
+            } == *l,
             "{} was trained with LoRA {}, this run asks for {}: resume it with the same \
              adapters and scale",
             dir.display(),
@@ -661,4 +682,25 @@ fn check_resumed_model(
         );
     }
     Ok(())
+}
+
+/// Whether `--data` names supervised examples: a `.jsonl` file (any case). A `.json` file or a
+/// compressed `.jsonl.gz` is refused (one example a line is expected, uncompressed) instead of
+/// being read as text, which would train on the JSON syntax.
+fn sft_data(path: &std::path::Path) -> anyhow::Result<bool> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_lowercase())
+        .unwrap_or_default();
+    if name.ends_with(".jsonl") {
+        return Ok(true);
+    }
+    anyhow::ensure!(
+        !(name.ends_with(".json") || name.ends_with(".jsonl.gz") || name.ends_with(".json.gz")),
+        "--data {}: supervised data is read from an uncompressed .jsonl file (one \
+         {{\"prompt\", \"completion\"}} or {{\"messages\"}} object a line); a text corpus is \
+         any other file, plain or .gz",
+        path.display()
+    );
+    Ok(false)
 }

@@ -104,6 +104,11 @@ enum Command {
         /// weight `W + s·B·A`, no adapters), as PEFT's `merge_and_unload` gives it.
         #[arg(long)]
         merge: bool,
+        /// With `--format hf` of an adapter-only checkpoint (a LoRA run from `--from-hf`): read
+        /// its frozen base from this directory instead of the one it recorded (moved or
+        /// copied; checked against the recorded checksums).
+        #[arg(long)]
+        base: Option<PathBuf>,
     },
     /// Make a sharded checkpoint from a full safetensors model file, to start FSDP training
     /// from it (`--resume --checkpoint-dir OUT`).
@@ -156,9 +161,15 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             hf_config,
             base_model,
             merge,
+            base,
         } => {
             for (flag, given, why) in [
                 ("--merge", merge, "a merged model is --format hf --merge"),
+                (
+                    "--base",
+                    base.is_some(),
+                    "an adapter holds no base tensor (--base-model names it in its config)",
+                ),
                 (
                     "--max-shard-size",
                     max_shard_size.is_some(),
@@ -195,6 +206,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             hf_config,
             base_model,
             merge,
+            base,
         } => {
             if base_model.is_some() {
                 return Err(candle_fsdp::Error::InvalidArgument(
@@ -207,6 +219,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                     .unwrap_or(tools::HfExportOptions::default().max_shard_bytes),
                 config: hf_config,
                 merge,
+                base,
             };
             let s = tools::export_hf(&dir, &out, &opts)?;
             println!(
@@ -226,6 +239,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             hf_config,
             base_model,
             merge,
+            base,
             ..
         } => {
             // The Hugging Face layout's flags would otherwise be ignored without a word.
@@ -234,6 +248,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                 ("--hf-config", hf_config.is_some(), "hf"),
                 ("--base-model", base_model.is_some(), "peft"),
                 ("--merge", merge, "hf"),
+                ("--base", base.is_some(), "hf"),
             ] {
                 if given {
                     return Err(candle_fsdp::Error::InvalidArgument(format!(

@@ -117,8 +117,14 @@ pub fn save_peft_adapter(
                         .any(|p| is_lora(&p.name) && is_conv1d_module(&p.name))
                 })
             });
-            let text = serde_json::to_string_pretty(&lora.peft_config(base_model, conv1d))
-                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            let names: Vec<String> = model
+                .shards()
+                .flat_map(|u| u.layout.params.iter().map(|p| p.name.clone()))
+                .collect();
+            let adapted = crate::lora::adapted_modules(names.iter().map(String::as_str));
+            let text =
+                serde_json::to_string_pretty(&lora.peft_config(base_model, conv1d, &adapted))
+                    .map_err(|e| Error::InvalidArgument(e.to_string()))?;
             write_atomic(&dir.join(PEFT_CONFIG), text.as_bytes())
         });
         if let Err(e) = done {

@@ -275,6 +275,13 @@ pub fn read_jsonl(
         let p = tokenize(prompt).map_err(|e| at(format!("tokenizing the prompt: {e}")))?;
         let c = tokenize(completion).map_err(|e| at(format!("tokenizing the completion: {e}")))?;
         let ex = SftExample::new(&p, &c, eos, seq_len, pad);
+        if c.is_empty() && eos.is_none() {
+            return Err(at(
+                "the completion is empty (and no end-of-sequence token follows it): nothing \
+                 to learn"
+                    .into(),
+            ));
+        }
         if ex.target_count() == 0 {
             return Err(at(format!(
                 "the prompt's {} tokens fill --seq-len {seq_len}: no completion token to learn",

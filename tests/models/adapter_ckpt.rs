@@ -195,8 +195,16 @@ fn a_changed_base_is_refused_naming_the_file() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("model.safetensors differs") && e.contains("resumes only on the base"),
+        e.contains("model.safetensors differs") && e.contains("has changed since"),
         "{e}"
+    );
+    // fsdp-ckpt verify says so too.
+    let report = verify(&ckpt).unwrap();
+    assert!(!report.is_ok(), "verify passed a changed base");
+    let p = report.problems[0].to_string();
+    assert!(
+        p.contains("meta.json") && p.contains("model.safetensors differs"),
+        "{p}"
     );
     // Another base directory altogether: its config is named.
     let other = root.join("other");
@@ -231,11 +239,23 @@ fn a_merged_export_of_an_adapter_only_checkpoint_reads_the_base() {
         merge: true,
         ..Default::default()
     };
+    // The base moved: refused naming it and the way out, then read from where it went.
+    let moved = root.join("moved-base");
+    std::fs::rename(&base, &moved).unwrap();
+    let e = export_hf(&ckpt, &out, &opts).unwrap_err().to_string();
+    assert!(
+        e.contains("meta.json") && e.contains("cannot be read") && e.contains("--base DIR"),
+        "{e}"
+    );
+    let opts = HfExportOptions {
+        base: Some(moved.clone()),
+        ..opts
+    };
     export_hf(&ckpt, &out, &opts).unwrap();
     // W + (alpha / r) · B · A from the trained parameters, for every weight.
     let get = |n: &str| &params.iter().find(|(m, _)| m == n).unwrap().1;
     let written = weights_of(&out);
-    assert_eq!(written.len(), weights_of(&base).len());
+    assert_eq!(written.len(), weights_of(&moved).len());
     for (n, shape, v) in &written {
         let module = n.trim_end_matches(".weight");
         let a_name = format!("{module}.lora_A.weight");

@@ -183,6 +183,17 @@ fn jsonl_errors_name_the_line() {
         "{e}"
     );
     let e = read_jsonl(
+        &write("empty.jsonl", "{\"prompt\": \"x\", \"completion\": \"\"}\n"),
+        &tok,
+        None,
+        None,
+        16,
+        0,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("line 1: the completion is empty"), "{e}");
+    let e = read_jsonl(
         &write(
             "long.jsonl",
             "{\"prompt\": \"0123456789abcdefXYZ\", \"completion\": \"b\"}\n",

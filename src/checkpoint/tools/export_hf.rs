@@ -35,6 +35,9 @@ pub struct HfExportOptions {
     /// (transposed for GPT-2's `Conv1D`), without the adapters (PEFT's `merge_and_unload`).
     /// Required for such a checkpoint (its adapters alone: `--format peft`).
     pub merge: bool,
+    /// An adapter-only checkpoint's frozen base read from this directory instead of the one
+    /// recorded (moved or copied; checked against the recorded identity either way).
+    pub base: Option<PathBuf>,
 }
 
 impl Default for HfExportOptions {
@@ -44,6 +47,7 @@ impl Default for HfExportOptions {
             max_shard_bytes: 5_000_000_000,
             config: None,
             merge: false,
+            base: None,
         }
     }
 }
@@ -416,9 +420,10 @@ fn write_hf(
     // An adapter-only checkpoint's frozen units are read from its base, checked unchanged.
     let base = match meta.train.base.as_ref() {
         Some(b) if meta.units.iter().any(|u| u.in_base) => {
-            b.check(&crate::base::BaseIdentity::of(&b.dir)?)?;
+            b.verify_at(opts.base.as_deref())
+                .map_err(|e| Error::file(&meta_path, root_message(e)))?;
             Some(crate::checkpoint::hf::HfWeights::open(
-                &b.dir,
+                opts.base.as_deref().unwrap_or(&b.dir),
                 &mut crate::checkpoint::ReadStats::default(),
             )?)
         }
@@ -562,4 +567,12 @@ fn write_hf(
         tensors: tensors.len(),
         total_size,
     })
+}
+
+/// The message of an argument error without its variant's prefix.
+fn root_message(e: Error) -> String {
+    match e {
+        Error::InvalidArgument(m) => m,
+        other => other.to_string(),
+    }
 }

@@ -106,7 +106,12 @@ pub fn export_peft(dir: &Path, out: &Path, base_model: Option<&str>) -> Result<P
             .iter()
             .any(|p| is_lora(&p.name) && crate::checkpoint::peft::is_conv1d_module(&p.name))
     });
-    let text = serde_json::to_string_pretty(&lora.peft_config(base_model, conv1d))
+    let adapted = crate::lora::adapted_modules(
+        meta.units
+            .iter()
+            .flat_map(|u| u.params.iter().map(|p| p.name.as_str())),
+    );
+    let text = serde_json::to_string_pretty(&lora.peft_config(base_model, conv1d, &adapted))
         .map_err(|e| Error::InvalidArgument(e.to_string()))?;
     write_atomic(&out.join(PEFT_CONFIG), text.as_bytes())?;
     Ok(PeftExportSummary {
