@@ -430,6 +430,17 @@ pub fn linear(
     })
 }
 
+/// The full names of the adapted modules among parameter names (`….lora_A.weight` → `…`).
+pub fn adapted_modules<'a>(params: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let mut v: Vec<String> = params
+        .into_iter()
+        .filter_map(|n| n.strip_suffix(".lora_A.weight").map(String::from))
+        .collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -540,15 +551,4 @@ mod tests {
         let bound = 1.0 / 6f32.sqrt();
         assert!(a.iter().all(|v| v.abs() <= bound) && a.iter().any(|&v| v != 0.0));
     }
-}
-
-/// The full names of the adapted modules among parameter names (`….lora_A.weight` → `…`).
-pub fn adapted_modules<'a>(params: impl IntoIterator<Item = &'a str>) -> Vec<String> {
-    let mut v: Vec<String> = params
-        .into_iter()
-        .filter_map(|n| n.strip_suffix(".lora_A.weight").map(String::from))
-        .collect();
-    v.sort();
-    v.dedup();
-    v
 }
