@@ -18,7 +18,7 @@
 //! absmax)), value = (code · absmax) · 7.874015718698502e-3 (1/127 in f32). The issue asked for
 //! one scale per output row; a flat shard's boundaries cut rows, so each rank could not compute
 //! a row's scale from its own bytes (decision 74). Blocks of 64 are never cut, because frozen
-//! shards are padded to a multiple of the block ([`crate::FlatParamLayout::with_shard_multiple`]).
+//! shards are padded to a multiple of the block ([`crate::flat_param::FlatParamLayout::with_shard_multiple`]).
 //!
 //! **nf4** is QLoRA's 4-bit NormalFloat (Dettmers et al. 2023, "QLoRA", §3) with the codebook and
 //! arithmetic of bitsandbytes' `quantize_4bit(blocksize=64, quant_type="nf4")`: scaled =
