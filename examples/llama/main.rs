@@ -229,6 +229,9 @@ fn main() -> anyhow::Result<()> {
     })?;
     args.lm.validate()?;
     anyhow::ensure!(args.seq_len >= 1, "--seq-len must be at least 1");
+    // The LoRA and storage flags before anything is read.
+    args.base_dtype()?;
+    args.lora()?;
     let train = &args.train;
     let setup = common::setup(train)?;
     // The model's shape and its config.json (stored in every checkpoint for the export).

@@ -176,6 +176,22 @@ fn a_lora_checkpoint_holds_only_the_adapters_and_resumes_bit_exact_at_another_wo
             );
         }
         assert!(verify(&ckpt).unwrap().is_ok(), "fsdp-ckpt verify");
+        // inspect names the base; a PEFT export without --base-model names it too.
+        let base_dir = std::fs::canonicalize(&base).unwrap().display().to_string();
+        let shown = candle_fsdp::checkpoint::tools::inspect(&ckpt)
+            .unwrap()
+            .to_string();
+        assert!(
+            shown.contains("frozen base") && shown.contains(&base_dir),
+            "{shown}"
+        );
+        let peft = root.join("peft");
+        candle_fsdp::checkpoint::tools::export_peft(&ckpt, &peft, None).unwrap();
+        let cfg: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(peft.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(cfg["base_model_name_or_path"], base_dir.as_str());
         let _ = std::fs::remove_dir_all(&root);
     }
 }

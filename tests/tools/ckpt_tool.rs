@@ -482,6 +482,7 @@ fn inspect_output_on_a_known_checkpoint() {
   world size        2
   strategy          shard-grad-op
   master dtype      F32
+  frozen base       none
   mixed precision   {"buffer_dtype":"f32","cast_forward_inputs":true,"param_dtype":"f32","reduce_dtype":"f32"}
   sampler           epoch 1, 4 entries of each rank's list consumed at world size 2
   seed              7

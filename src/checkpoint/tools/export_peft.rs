@@ -30,7 +30,8 @@ pub struct PeftExportSummary {
 /// Writes the LoRA adapters of the checkpoint `dir` (a LoRA run's: its metadata holds the LoRA
 /// config under [`LORA_CONFIG_KEY`]) to the directory `out` as PEFT writes them:
 /// `adapter_model.safetensors` (f32, `base_model.model.<name>`) and `adapter_config.json`
-/// (`base_model_name_or_path` from `base_model` when given). Each file is written atomically;
+/// (`base_model_name_or_path` from `base_model` when given, else the frozen base an
+/// adapter-only checkpoint recorded). Each file is written atomically;
 /// the frozen base is not read.
 ///
 /// Errors, naming the file: `dir` not a checkpoint, damaged, or of a run without LoRA; `out`
@@ -111,6 +112,13 @@ pub fn export_peft(dir: &Path, out: &Path, base_model: Option<&str>) -> Result<P
             .iter()
             .flat_map(|u| u.params.iter().map(|p| p.name.as_str())),
     );
+    // Without --base-model, an adapter-only checkpoint names the base it recorded.
+    let recorded = meta
+        .train
+        .base
+        .as_ref()
+        .map(|b| b.dir.display().to_string());
+    let base_model = base_model.or(recorded.as_deref());
     let text = serde_json::to_string_pretty(&lora.peft_config(base_model, conv1d, &adapted))
         .map_err(|e| Error::InvalidArgument(e.to_string()))?;
     write_atomic(&out.join(PEFT_CONFIG), text.as_bytes())?;

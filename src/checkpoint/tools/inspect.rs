@@ -67,6 +67,13 @@ const SUMMARY: &[Row] = &[
     ("world size", |m| Some(m.world_size.to_string())),
     ("strategy", strategy),
     ("master dtype", |m| Some(m.dtype.clone())),
+    ("frozen base", |m| {
+        m.train
+            .base
+            .as_ref()
+            .filter(|_| m.units.iter().any(|u| u.in_base))
+            .map(|b| format!("{} ({} files checksummed)", b.dir.display(), b.files.len()))
+    }),
     ("mixed precision", |m| {
         m.train.mixed_precision.as_ref().map(|v| v.to_string())
     }),
