@@ -228,6 +228,10 @@ pub struct UnitMeta {
     /// model read from its base.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub in_base: bool,
+    /// No optimizer state in the files: a frozen unit whose parameters were never stepped
+    /// (its state would be zeros; the optimizer keeps none for it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_optim_state: bool,
     /// Parameters in flat order.
     pub params: Vec<ParamMeta>,
     /// Buffers, saved unsharded in rank 0's file.
@@ -272,6 +276,7 @@ impl UnitMeta {
             shard_numel: layout.shard_numel,
             shard_multiple: layout.shard_multiple,
             in_base: false,
+            no_optim_state: false,
             params: layout
                 .params
                 .iter()

@@ -297,3 +297,106 @@ fn a_merged_export_of_an_adapter_only_checkpoint_reads_the_base() {
     }
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// Without a base (a LoRA model whose base is not recorded, as from scratch): every unit is
+/// stored, but the frozen ones without optimizer state (never stepped: zeros the optimizer does
+/// not keep); a resume at another world size holds the same parameters and the same AdamW
+/// state, bit for bit.
+#[test]
+fn frozen_units_are_stored_without_optimizer_state() {
+    let root = tmpdir("adapter-ckpt-stateless");
+    let (ids, targets) = inputs(BASE);
+    let ckpt = root.join("ckpt");
+    // The parameters and, per parameter, the AdamW buffers gathered on rank 0 after training
+    // and saving (`load` None) or after loading.
+    let run = |ws: usize, load: Option<PathBuf>| {
+        let (ids, targets, ckpt) = (ids.clone(), targets.clone(), ckpt.clone());
+        launch(&Launcher::threads(ws), move |pg| {
+            let (decoder, mut model, _) =
+                build_from_hf_with(pg, FsdpConfig::default(), &fixture(BASE), &opts())?;
+            model.set_base(None);
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let dir = match &load {
+                Some(d) => {
+                    load_sharded(d, &mut model, &mut opt)?;
+                    d.clone()
+                }
+                None => {
+                    load_peft_adapter(&fixture(ADAPTER), &mut model)?;
+                    let logits = decoder.logits(&mut model, &ids, true)?;
+                    model.backward(&lm_loss(&logits, &targets)?)?;
+                    opt.step(&mut model)?;
+                    let state = TrainState {
+                        step: 1,
+                        ..Default::default()
+                    };
+                    save_sharded(&ckpt, &model, &opt, &state, 0)?
+                }
+            };
+            let params = model.gather_full_params(false)?.expect("every rank");
+            let params: Params = params.iter().map(|(n, t)| (n.clone(), to_vec(t))).collect();
+            let state = opt.state()?;
+            // This rank's state of each unit's shard, in unit order (empty where none).
+            let mine: Vec<Vec<f32>> = state
+                .units
+                .iter()
+                .map(|u| u.buffers.values().flatten().copied().collect())
+                .collect();
+            let local: f64 = mine.iter().flatten().map(|&v| f64::from(v.abs())).sum();
+            let total = candle_fsdp::comm::ProcessGroupExt::all_reduce_f32s(
+                model.process_group().as_ref(),
+                vec![local as f32],
+                candle_fsdp::comm::ReduceOp::Sum,
+            )?[0];
+            Ok((dir, params, total, state.step))
+        })
+        .unwrap()
+        .swap_remove(0)
+    };
+    let (dir, trained, trained_state, step) = run(2, None);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+    let units = meta["units"].as_array().unwrap();
+    assert!(
+        units.iter().all(|u| u.get("in_base").is_none()),
+        "no base: every unit stored"
+    );
+    let stateless = units.iter().filter(|u| u["no_optim_state"] == true).count();
+    assert!(stateless > 0 && stateless < units.len());
+    for (k, u) in units.iter().enumerate() {
+        let params = u["params"].as_array().unwrap();
+        let frozen = !params.is_empty()
+            && params
+                .iter()
+                .all(|p| !p["name"].as_str().unwrap().contains(".lora_"));
+        assert_eq!(u["no_optim_state"] == true, frozen, "unit {k}");
+    }
+    let bytes = std::fs::read(dir.join("shard-00000-of-00002.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let optim = st
+        .names()
+        .iter()
+        .filter(|n| n.starts_with("optim."))
+        .count();
+    assert_eq!(
+        optim,
+        2 * (units.len() - stateless),
+        "exp_avg and exp_avg_sq of trained units"
+    );
+    assert!(verify(&dir).unwrap().is_ok());
+    let (_, resumed, resumed_state, resumed_step) = run(3, Some(dir));
+    assert_eq!(resumed_step, step);
+    for ((n, a), (_, b)) in trained.iter().zip(&resumed) {
+        let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{n} differs after the resume");
+    }
+    // The AdamW state, |values| summed over every element of every rank (the shards split
+    // otherwise at world size 3): the same sum, and not zero.
+    assert!(trained_state != 0.0);
+    let d = (trained_state - resumed_state).abs() / trained_state.abs();
+    assert!(
+        d < 1e-5,
+        "AdamW state {trained_state} after training, {resumed_state} resumed"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -414,6 +414,9 @@ pub(super) fn check_tensors(
     for p in plans.iter().flatten().flatten() {
         let n = meta.units[p.unit].shard_numel;
         checks.insert((p.file, param_tensor(p.unit), Dtype::F32, vec![n]));
+        if meta.units[p.unit].no_optim_state {
+            continue;
+        }
         for kind in kinds {
             checks.insert((p.file, optim_tensor(*kind, p.unit), Dtype::F32, vec![n]));
         }
@@ -536,9 +539,15 @@ impl Reader {
             }
             let shard = self.fill(k, n, param_tensor, stats)?;
             model.set_unit_shard(k, Tensor::from_vec(shard, n, &device)?)?;
+            // Saved without optimizer state (frozen, never stepped): none to read.
+            let pieces = self.plans[k].as_deref().unwrap_or(&[]);
+            let stateless = !pieces.is_empty()
+                && pieces
+                    .iter()
+                    .all(|p| self.meta.units[p.unit].no_optim_state);
             if !self.optim.steps.is_empty() {
                 let mut buffers = BTreeMap::new();
-                for kind in &self.optim.kinds {
+                for kind in self.optim.kinds.iter().filter(|_| !stateless) {
                     let v = self.fill(k, n, |j| optim_tensor(*kind, j), stats)?;
                     buffers.insert(*kind, v);
                 }

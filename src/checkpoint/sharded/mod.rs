@@ -62,16 +62,46 @@ pub fn shard_file_name(rank: usize, world_size: usize) -> String {
     format!("shard-{rank:05}-of-{world_size:05}.safetensors")
 }
 
-pub(super) fn unit_metas(model: &FsdpModel, in_base: &[bool]) -> Result<Vec<UnitMeta>> {
+pub(super) fn unit_metas(model: &FsdpModel, kept: &Kept) -> Result<Vec<UnitMeta>> {
     model
         .shards()
-        .zip(in_base)
-        .map(|(u, &b)| {
+        .enumerate()
+        .map(|(k, u)| {
             let mut m = UnitMeta::from_layout(u.unit_name, u.layout, u.buffers)?;
-            m.in_base = b;
+            m.in_base = kept.in_base[k];
+            m.no_optim_state = kept.stateless[k];
             Ok(m)
         })
         .collect()
+}
+
+/// What a save leaves out of the files, per unit.
+pub(super) struct Kept {
+    /// Left to the frozen base ([`in_base_units`]): no parameters, buffers or state.
+    pub in_base: Vec<bool>,
+    /// Frozen and never stepped: no optimizer state (zeros the optimizer does not keep).
+    pub stateless: Vec<bool>,
+}
+
+impl Kept {
+    /// Both, from the model and the optimizer's step counts.
+    pub(super) fn of(model: &FsdpModel, steps: &OptimizerState) -> Self {
+        let stateless: Vec<bool> = model
+            .shards()
+            .enumerate()
+            .map(|(k, u)| {
+                u.frozen
+                    && steps
+                        .units
+                        .get(k)
+                        .is_none_or(|s| s.steps.iter().all(|&n| n == 0))
+            })
+            .collect();
+        Self {
+            in_base: in_base_units(model, steps),
+            stateless,
+        }
+    }
 }
 
 /// Per unit: whether an adapter-only checkpoint leaves it to the base (decision 75): the model
@@ -95,16 +125,18 @@ pub(super) fn in_base_units(model: &FsdpModel, steps: &OptimizerState) -> Vec<bo
 
 /// The tensors of rank `rank`'s file, in file order: its shards of the units it holds a shard
 /// of (but those `in_base`), the matching optimizer buffers (`kinds`, when the optimizer has
-/// state), and (rank 0) the buffers (but those of units `in_base`). A function of the model
+/// state; but those of stateless units), and (rank 0) the buffers (but those of units
+/// `in_base`). A function of the model
 /// and the rank only, so rank 0 knows every file's tensor names (for the checksums) without
 /// asking.
 pub(super) fn rank_file_specs(
     model: &FsdpModel,
     kinds: &[BufferKind],
     rank: usize,
-    in_base: &[bool],
+    kept: &Kept,
 ) -> Result<Vec<TensorSpec>> {
     let mut specs = Vec::new();
+    let in_base = &kept.in_base;
     // Shard s of a unit lives in rank s's file; under NO_SHARD (one shard) only rank 0 has it.
     let holds = |k: usize, u: &ShardView| u.layout.world_size > rank && !in_base[k];
     for (k, u) in model.shards().enumerate() {
@@ -114,7 +146,7 @@ pub(super) fn rank_file_specs(
     }
     for kind in kinds {
         for (k, u) in model.shards().enumerate() {
-            if holds(k, &u) {
+            if holds(k, &u) && !kept.stateless[k] {
                 specs.push(TensorSpec::f32(
                     optim_tensor(*kind, k),
                     u.layout.shard_numel,

@@ -14,10 +14,11 @@ pub(super) fn write_rank_file(
     optim: &dyn ShardedOptimizer,
     kinds: &[BufferKind],
     place: (usize, usize),
-    in_base: &[bool],
+    kept: &Kept,
 ) -> Result<Vec<u32>> {
     let (rank, ws) = place;
-    let specs = rank_file_specs(model, kinds, rank, in_base)?;
+    let in_base = &kept.in_base;
+    let specs = rank_file_specs(model, kinds, rank, kept)?;
     let meta = HashMap::from([
         ("format".to_string(), SHARDED_FORMAT.to_string()),
         ("format_version".to_string(), FORMAT_VERSION.to_string()),
@@ -34,7 +35,7 @@ pub(super) fn write_rank_file(
     }
     for kind in kinds {
         for (k, u) in model.shards().enumerate() {
-            if holds(k, &u) {
+            if holds(k, &u) && !kept.stateless[k] {
                 optim
                     .with_buffer(k, *kind, &mut |b| {
                         w.write_f32(&optim_tensor(*kind, k), b)?;
@@ -94,14 +95,14 @@ pub(super) fn optimizer_meta(
 pub(super) fn gather_checksums(
     model: &FsdpModel,
     kinds: &[BufferKind],
-    in_base: &[bool],
+    kept: &Kept,
     mine: &[u32],
 ) -> Result<Vec<BTreeMap<String, u32>>> {
     let pg = model.process_group();
     let (rank, ws) = writer_place(model);
     let names: Vec<Vec<String>> = (0..ws)
         .map(|r| {
-            Ok(rank_file_specs(model, kinds, r, in_base)?
+            Ok(rank_file_specs(model, kinds, r, kept)?
                 .into_iter()
                 .map(|s| s.name)
                 .collect())
@@ -191,14 +192,14 @@ pub fn save_sharded(
         let file = staging.join(shard_file_name(rank, ws));
         let (written, ostate) = match optim.state_header() {
             Ok((ostate, kinds)) => {
-                let in_base = in_base_units(model, &ostate);
+                let kept = Kept::of(model, &ostate);
                 let crcs = if writes {
-                    write_rank_file(&file, model, optim, &kinds, (rank, ws), &in_base)
+                    write_rank_file(&file, model, optim, &kinds, (rank, ws), &kept)
                 } else {
                     Ok(Vec::new())
                 };
                 match crcs {
-                    Ok(crcs) => (Ok(crcs), Some((ostate, kinds, in_base))),
+                    Ok(crcs) => (Ok(crcs), Some((ostate, kinds, kept))),
                     Err(e) => (Err(e), None),
                 }
             }
@@ -222,8 +223,8 @@ pub fn save_sharded(
             cleanup(&staging);
             return Err(e);
         }
-        let (ostate, kinds, in_base) = ostate.expect("written on every rank");
-        let checksums = match gather_checksums(model, &kinds, &in_base, &crcs) {
+        let (ostate, kinds, kept) = ostate.expect("written on every rank");
+        let checksums = match gather_checksums(model, &kinds, &kept, &crcs) {
             Ok(c) => c,
             Err(e) => {
                 cleanup(&staging);
@@ -251,7 +252,7 @@ pub fn save_sharded(
                         serde_json::to_value(model.config().mixed_precision).ok();
                 }
                 // Adapter-only: the units left to the base are re-read from it on load.
-                if in_base.iter().any(|&b| b) {
+                if kept.in_base.iter().any(|&b| b) {
                     train.base = model.base().cloned();
                 }
                 let meta = CheckpointMeta {
@@ -262,7 +263,7 @@ pub fn save_sharded(
                     ),
                     train,
                     dtype: "F32".into(),
-                    units: unit_metas(model, &in_base)?,
+                    units: unit_metas(model, &kept)?,
                     optimizer: Some(optimizer_meta(model, &ostate, &kinds)),
                     files,
                     saved_at_unix_ms: Some(now_unix_ms()),

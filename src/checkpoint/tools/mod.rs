@@ -549,7 +549,7 @@ pub(crate) fn optim_list(meta: &CheckpointMeta, file0: Option<&MappedFile>) -> O
         .flat_map(|kind| {
             // Units left to the base (adapter-only checkpoints) hold no state.
             (0..meta.units.len())
-                .filter(|&k| !meta.units[k].in_base)
+                .filter(|&k| !meta.units[k].in_base && !meta.units[k].no_optim_state)
                 .map(move |k| OptimBuffer {
                     name: format!("{}.{k}", kind.name()),
                     unit: Some(k),

@@ -280,6 +280,7 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
             .collect();
         let mut new = unit_meta(&u.name, &params, u.buffers.clone(), unit_ws)?;
         new.in_base = u.in_base;
+        new.no_optim_state = u.no_optim_state;
         if new.params != u.params {
             return Err(Error::file(
                 &meta_path,
