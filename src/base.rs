@@ -162,23 +162,7 @@ impl BaseIdentity {
         }
         Ok(())
     }
-}
 
-/// CRC-32C of a whole file, read in 4 MiB blocks.
-fn file_crc32c(path: &Path) -> Result<u32> {
-    let mut f = fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut buf = vec![0u8; 4 << 20];
-    let mut crc = 0u32;
-    loop {
-        let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
-        if n == 0 {
-            return Ok(crc);
-        }
-        crc = crc32c::crc32c_append(crc, &buf[..n]);
-    }
-}
-
-impl BaseIdentity {
     /// The identity of `dir` when it is the recorded base `self` moved or copied there (or
     /// `self.dir` itself with `None`), checked against `self`.
     ///
@@ -198,5 +182,19 @@ impl BaseIdentity {
             ))
         })?;
         self.check(&found)
+    }
+}
+
+/// CRC-32C of a whole file, read in 4 MiB blocks.
+fn file_crc32c(path: &Path) -> Result<u32> {
+    let mut f = fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut buf = vec![0u8; 4 << 20];
+    let mut crc = 0u32;
+    loop {
+        let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            return Ok(crc);
+        }
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
     }
 }

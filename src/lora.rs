@@ -26,6 +26,7 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::fsdp::fused::mix64 as mix;
 
 /// The key under which a LoRA run's checkpoints store its [`LoraConfig`] (JSON), for the
 /// export of the adapter (`fsdp-ckpt export --format peft`).
@@ -158,24 +159,6 @@ impl LoraConfig {
         })
     }
 
-    /// The targets as one regular expression that matches (in full, as PEFT's `re.fullmatch`)
-    /// the module names [`LoraConfig::targets_module`] accepts: a name `t` as `(?:.*\.)?t`, a
-    /// glob translated (`*` → `.*`, `?` → `.`, classes kept, the rest escaped).
-    pub fn peft_regex(&self) -> String {
-        let alts: Vec<String> = self
-            .targets
-            .iter()
-            .map(|t| {
-                if is_glob(t) {
-                    glob_to_regex(t)
-                } else {
-                    format!("(?:.*\\.)?{}", regex_escape(t))
-                }
-            })
-            .collect();
-        format!("(?:{})", alts.join("|"))
-    }
-
     /// Whether the module named `name` (its full name, e.g.
     /// `model.layers.0.self_attn.q_proj`) is a target.
     pub fn targets_module(&self, name: &str) -> bool {
@@ -191,43 +174,6 @@ impl LoraConfig {
 
 fn is_glob(t: &str) -> bool {
     t.contains(['*', '?', '['])
-}
-
-fn regex_escape(t: &str) -> String {
-    let mut out = String::new();
-    for c in t.chars() {
-        if "\\.+*?()|[]{}^$".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
-fn glob_to_regex(t: &str) -> String {
-    let mut out = String::new();
-    let mut chars = t.chars().peekable();
-    while let Some(c) = chars.next() {
-        match c {
-            '*' => out.push_str(".*"),
-            '?' => out.push('.'),
-            '[' => {
-                out.push('[');
-                if chars.peek() == Some(&'!') {
-                    chars.next();
-                    out.push('^');
-                }
-                for c in chars.by_ref() {
-                    out.push(c);
-                    if c == ']' {
-                        break;
-                    }
-                }
-            }
-            c => out.push_str(&regex_escape(&c.to_string())),
-        }
-    }
-    out
 }
 
 /// The name PEFT's `adapter_model.safetensors` gives parameter `name` (`base_model.model.` +
@@ -341,14 +287,6 @@ impl LoraAdapter {
     pub fn scale(&self) -> f64 {
         self.scale
     }
-}
-
-/// SplitMix64's finaliser (Steele, Lea and Flood 2014): a 64-bit mix of `z`.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// Whether element `i` of an adapter input survives dropout `p` under mask seed `seed`: the
@@ -477,15 +415,11 @@ mod tests {
     }
 
     /// PEFT knows no globs: with a glob among the targets the config written for PEFT lists
-    /// the adapted modules' full names (a regular expression, `peft_regex`, would also match
+    /// the adapted modules' full names (a regular expression from the glob would also match
     /// `mlp.act_fn`, which PEFT refuses to adapt); a plain list of names otherwise.
     #[test]
     fn peft_config_lists_the_adapted_modules_for_globs() {
         let c = LoraConfig::new(4, 8.0, ["q_proj", "*.mlp.*", "layers.[01].o_proj"]);
-        assert_eq!(
-            c.peft_regex(),
-            r"(?:(?:.*\.)?q_proj|.*\.mlp\..*|layers\.[01]\.o_proj)"
-        );
         let adapted = vec!["model.layers.0.mlp.up_proj".to_string()];
         assert_eq!(
             c.peft_config(None, false, &adapted)["target_modules"],

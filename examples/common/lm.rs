@@ -470,9 +470,13 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
             let traced = trace_window((max - start) as usize, self.train.trace_steps);
             self.t
                 .set_tracing(traced.contains(&((step - start) as usize)));
-            let factor = self.token_factor(step, k)?;
-            for m in 0..k {
-                let loss = self.micro_batch(step * k as u64 + m as u64, m + 1 == k, factor)?;
+            // The step's micro-batches, made once (a per-token loss counts their targets first).
+            let batches = (0..k)
+                .map(|m| self.train_batch(step * k as u64 + m as u64))
+                .collect::<Result<Vec<_>>>()?;
+            let factor = self.token_factor(&batches)?;
+            for (m, batch) in batches.into_iter().enumerate() {
+                let loss = self.micro_batch(batch, m + 1 == k, factor)?;
                 loss_sum += loss as f64;
                 micro += 1;
             }
@@ -562,18 +566,18 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
         )
     }
 
-    /// The factor of each micro-batch's summed loss in step `step` of a per-token corpus
-    /// ([`Corpus::per_token`]): `token_scale` of the step's target tokens on this rank times
-    /// the micro-batches `k` (the trainer divides each micro-batch's loss by `k`), so that
-    /// the backward sees `sum · world / N` and the logged value averages to the step's
-    /// per-token loss. `None` for a plain corpus. A collective when per-token.
-    fn token_factor(&self, step: u64, k: usize) -> Result<Option<f32>> {
+    /// The factor of each micro-batch's summed loss in a step of a per-token corpus
+    /// ([`Corpus::per_token`]) whose micro-batches are `batches`: `token_scale` of their target
+    /// tokens on this rank times their number `k` (the trainer divides each micro-batch's loss
+    /// by `k`), so that the backward sees `sum · world / N` and the logged value averages to the
+    /// step's per-token loss. `None` for a plain corpus. A collective when per-token.
+    fn token_factor(&self, batches: &[(Tensor, Tensor)]) -> Result<Option<f32>> {
         if !self.parts.corpus.per_token() {
             return Ok(None);
         }
+        let k = batches.len();
         let mut local = 0usize;
-        for m in 0..k {
-            let (_, y) = self.train_batch(step * k as u64 + m as u64)?;
+        for (_, y) in batches {
             let y = y.flatten_all()?.to_vec1::<u32>()?;
             local += y
                 .iter()
@@ -584,10 +588,14 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
         Ok(Some(scale * k as f32))
     }
 
-    /// Forward and backward of this rank's micro-batch `index`; returns its loss (with a
+    /// Forward and backward of one micro-batch `(inputs, targets)`; returns its loss (with a
     /// per-token `factor`, the summed loss times it: see [`LmRank::token_factor`]).
-    fn micro_batch(&mut self, index: u64, last_micro: bool, factor: Option<f32>) -> Result<f32> {
-        let (x, y) = self.train_batch(index)?;
+    fn micro_batch(
+        &mut self,
+        (x, y): (Tensor, Tensor),
+        last_micro: bool,
+        factor: Option<f32>,
+    ) -> Result<f32> {
         let lm = &self.parts.model;
         let loss = self.t.forward_backward(last_micro, |model| {
             let logits = lm.logits(model, &x, true)?;

@@ -64,6 +64,7 @@ pub mod hf;
 mod io;
 pub mod peft;
 mod sharded;
+pub(crate) use sharded::root_message;
 pub mod tools;
 
 /// Test-only fault injection (cargo feature `fault-injection`, which only the tests enable).
@@ -428,6 +429,17 @@ pub struct CheckpointMeta {
     /// When it was saved: milliseconds since the Unix epoch (`None` before version 3).
     #[serde(default)]
     pub saved_at_unix_ms: Option<u64>,
+}
+
+impl CheckpointMeta {
+    /// An adapter-only checkpoint's frozen base: `train.base` when some unit is left to it
+    /// ([`UnitMeta::in_base`]), else `None`.
+    pub fn adapter_base(&self) -> Option<&crate::base::BaseIdentity> {
+        self.train
+            .base
+            .as_ref()
+            .filter(|_| self.units.iter().any(|u| u.in_base))
+    }
 }
 
 impl CheckpointMeta {

@@ -128,24 +128,27 @@ pub(crate) fn unpack_gathered(
 ) -> Result<Tensor> {
     let shard = layout.shard_numel;
     let seg = format.packed_bytes(shard);
-    let bytes = gathered.to_vec1::<u8>()?;
-    let segments = bytes.len().checked_div(seg).unwrap_or(0);
-    if seg * segments != bytes.len() || segments * shard > layout.padded_numel {
-        return Err(Error::InvalidArgument(format!(
-            "gathered packed shards: {} bytes are not whole {}-byte {} segments of {shard} \
-             elements",
-            bytes.len(),
-            seg,
-            format.name()
-        )));
-    }
-    let mut out = vec![0f32; segments * shard];
-    for (o, b) in out
-        .chunks_exact_mut(shard.max(1))
-        .zip(bytes.chunks_exact(seg.max(1)))
-    {
-        crate::quant::unpack(format, b, o)?;
-    }
+    // The bytes borrowed from the gathered buffer (a host copy only off the CPU).
+    let out = crate::ops::with_host_u8(gathered, |bytes| -> Result<Vec<f32>> {
+        let segments = bytes.len().checked_div(seg).unwrap_or(0);
+        if seg * segments != bytes.len() || segments * shard > layout.padded_numel {
+            return Err(Error::InvalidArgument(format!(
+                "gathered packed shards: {} bytes are not whole {}-byte {} segments of {shard} \
+                 elements",
+                bytes.len(),
+                seg,
+                format.name()
+            )));
+        }
+        let mut out = vec![0f32; segments * shard];
+        for (o, b) in out
+            .chunks_exact_mut(shard.max(1))
+            .zip(bytes.chunks_exact(seg.max(1)))
+        {
+            crate::quant::unpack(format, b, o)?;
+        }
+        Ok(out)
+    })??;
     let n = out.len();
     let t = Tensor::from_vec(out, n, gathered.device())?;
     Ok(if dtype == DType::F32 {

@@ -259,14 +259,9 @@ impl FsdpModel {
     }
 
     /// The seed of training call `pos` of this step ([`super::fused::call_seed`]): the
-    /// config's seed, the step, `pos` and the rank, mixed (SplitMix64's finaliser).
+    /// config's seed, the step, `pos` and the rank, mixed ([`super::fused::mix64`]).
     pub(super) fn call_seed(&self, pos: usize) -> u64 {
-        let mix = |mut z: u64| {
-            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        };
+        let mix = super::fused::mix64;
         let step = self.steps_started.saturating_sub(1);
         mix(mix(mix(self.config.seed ^ mix(step)) ^ pos as u64) ^ self.pg.rank() as u64)
     }

@@ -105,6 +105,15 @@ pub(crate) fn arm_with_frozen<'a>(
     })
 }
 
+/// SplitMix64's finaliser (Steele, Lea and Flood 2014): a 64-bit mix of `z`, what call seeds
+/// and the masks drawn from them ([`crate::lora::dropout_keep`]) hash with.
+pub(crate) fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// The armed training call's seed, `None` outside one: a function of the model's seed, the
 /// step, the call's position in it and the rank, the same when activation checkpointing
 /// recomputes the call. What a unit's randomness in training (LoRA's dropout,

@@ -207,6 +207,28 @@ pub(super) fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result
     .and_then(|r| r)
 }
 
+/// [`with_cpu_f32`] for u8 bytes (a packed frozen shard's, [`crate::quant`]).
+pub(super) fn with_cpu_u8<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+    with_storage(t, |storage, layout| {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(Error::InvalidArgument(format!(
+                "expected a contiguous tensor, found shape {:?} with strides {:?}",
+                layout.dims(),
+                layout.stride()
+            )));
+        };
+        match storage {
+            StorageRef::Cpu(CpuStorage::U8(v)) => Ok(f(&v[start..end])),
+            StorageRef::Cpu(other) => Err(Error::InvalidArgument(format!(
+                "expected a u8 tensor, found {:?}",
+                other.dtype()
+            ))),
+            StorageRef::Cuda(_) => Err(super::not_on_cpu("reading a tensor", t.device())),
+        }
+    })
+    .and_then(|r| r)
+}
+
 /// Runs `f` on the f32 values of `t`, mutably, under `t`'s write lock (no copy, no allocation;
 /// [`crate::device::with_storage_mut`]).
 pub(super) fn with_mut(

@@ -520,6 +520,23 @@ pub(crate) fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Resul
     Ok(f(&v))
 }
 
+/// [`with_host_f32`] for u8 bytes: borrowed on the CPU, a host copy elsewhere.
+///
+/// Errors: `t` is not u8; a failed copy.
+pub(crate) fn with_host_u8<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+    if t.dtype() != DType::U8 {
+        return Err(Error::InvalidArgument(format!(
+            "expected a u8 tensor, found {:?}",
+            t.dtype()
+        )));
+    }
+    if t.device().is_cpu() && t.is_contiguous() {
+        return cpu::with_cpu_u8(t, f);
+    }
+    let v = t.flatten_all()?.to_vec1::<u8>()?;
+    Ok(f(&v))
+}
+
 fn not_on_cpu(op: &str, device: &Device) -> Error {
     Error::InvalidArgument(format!(
         "{op}: tensor on {:?}: the kernels run on the CPU and, in a build with feature `cuda`, \

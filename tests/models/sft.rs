@@ -149,77 +149,38 @@ fn jsonl_errors_name_the_line() {
     assert_eq!(ex.len(), 2);
     assert_eq!(ex[0].target_count(), 2, "'4' and eos");
     assert_eq!(ex[1].target_count(), 7, "' there' and eos");
-    let e = read_jsonl(
-        &write(
-            "bad.jsonl",
-            "{\"prompt\": \"a\", \"completion\": \"b\"}\n{\"prompt\": 3}\n",
-        ),
-        &tok,
-        None,
-        None,
-        16,
-        0,
-    )
-    .unwrap_err()
-    .to_string();
+    // The error of a one-file read (no template, no eos, seq-len 16).
+    let refused = |name: &str, text: &str| {
+        read_jsonl(&write(name, text), &tok, None, None, 16, 0)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = refused(
+        "bad.jsonl",
+        "{\"prompt\": \"a\", \"completion\": \"b\"}\n{\"prompt\": 3}\n",
+    );
     assert!(
         e.contains("bad.jsonl")
             && e.contains("line 2")
             && e.contains("\"prompt\" is missing or not a string"),
         "{e}"
     );
-    let e = read_jsonl(
-        &write("chat.jsonl", "{\"messages\": []}\n"),
-        &tok,
-        None,
-        None,
-        16,
-        0,
-    )
-    .unwrap_err()
-    .to_string();
+    let e = refused("chat.jsonl", "{\"messages\": []}\n");
     assert!(
         e.contains("line 1") && e.contains("needs the tokenizer's chat template"),
         "{e}"
     );
-    let e = read_jsonl(
-        &write("empty.jsonl", "{\"prompt\": \"x\", \"completion\": \"\"}\n"),
-        &tok,
-        None,
-        None,
-        16,
-        0,
-    )
-    .unwrap_err()
-    .to_string();
+    let e = refused("empty.jsonl", "{\"prompt\": \"x\", \"completion\": \"\"}\n");
     assert!(e.contains("line 1: the completion is empty"), "{e}");
-    let e = read_jsonl(
-        &write(
-            "long.jsonl",
-            "{\"prompt\": \"0123456789abcdefXYZ\", \"completion\": \"b\"}\n",
-        ),
-        &tok,
-        None,
-        None,
-        16,
-        0,
-    )
-    .unwrap_err()
-    .to_string();
+    let e = refused(
+        "long.jsonl",
+        "{\"prompt\": \"0123456789abcdefXYZ\", \"completion\": \"b\"}\n",
+    );
     assert!(
         e.contains("line 1") && e.contains("fill --seq-len 16"),
         "{e}"
     );
-    let e = read_jsonl(
-        &write("json.jsonl", "{\"prompt\": \n"),
-        &tok,
-        None,
-        None,
-        16,
-        0,
-    )
-    .unwrap_err()
-    .to_string();
+    let e = refused("json.jsonl", "{\"prompt\": \n");
     assert!(e.contains("line 1: not JSON"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

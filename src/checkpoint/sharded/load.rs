@@ -392,7 +392,7 @@ pub(super) fn classify_optimizer(
 }
 
 /// The message of an argument error without its variant's prefix.
-pub(super) fn root_message(e: Error) -> String {
+pub(crate) fn root_message(e: Error) -> String {
     match e {
         Error::InvalidArgument(m) => m,
         other => other.to_string(),

@@ -45,9 +45,9 @@ mod save;
 
 use dirs::*;
 pub(crate) use dirs::{prepare_staging, publish};
-pub(crate) use load::discover_kinds;
 #[allow(unused_imports)]
 use load::*;
+pub(crate) use load::{discover_kinds, root_message};
 pub use load::{load_latest, load_latest_of_run, load_sharded};
 pub(crate) use save::now_unix_ms;
 pub use save::save_sharded;
@@ -77,9 +77,12 @@ pub(super) fn unit_metas(model: &FsdpModel, kept: &Kept) -> Result<Vec<UnitMeta>
 
 /// What a save leaves out of the files, per unit.
 pub(super) struct Kept {
-    /// Left to the frozen base ([`in_base_units`]): no parameters, buffers or state.
+    /// Left to the frozen base (decision 75): the stateless units when the model knows its
+    /// base ([`FsdpModel::base`]); no parameters, buffers or state in the files.
     pub in_base: Vec<bool>,
-    /// Frozen and never stepped: no optimizer state (zeros the optimizer does not keep).
+    /// Frozen and never stepped (`steps`, the optimizer's header): no optimizer state (zeros
+    /// the optimizer does not keep). A unit frozen after training is not: its values and state
+    /// are its own, not the base's.
     pub stateless: Vec<bool>,
 }
 
@@ -97,38 +100,19 @@ impl Kept {
                         .is_none_or(|s| s.steps.iter().all(|&n| n == 0))
             })
             .collect();
+        let has_base = model.base().is_some();
         Self {
-            in_base: in_base_units(model, steps),
+            in_base: stateless.iter().map(|&s| s && has_base).collect(),
             stateless,
         }
     }
 }
 
-/// Per unit: whether an adapter-only checkpoint leaves it to the base (decision 75): the model
-/// knows its base ([`FsdpModel::base`]), the unit is frozen, and the optimizer never stepped
-/// its parameters (`steps`, the optimizer's header; a unit frozen after training holds values
-/// the base does not, and is stored).
-pub(super) fn in_base_units(model: &FsdpModel, steps: &OptimizerState) -> Vec<bool> {
-    model
-        .shards()
-        .enumerate()
-        .map(|(k, u)| {
-            model.base().is_some()
-                && u.frozen
-                && steps
-                    .units
-                    .get(k)
-                    .is_none_or(|s| s.steps.iter().all(|&n| n == 0))
-        })
-        .collect()
-}
-
 /// The tensors of rank `rank`'s file, in file order: its shards of the units it holds a shard
 /// of (but those `in_base`), the matching optimizer buffers (`kinds`, when the optimizer has
 /// state; but those of stateless units), and (rank 0) the buffers (but those of units
-/// `in_base`). A function of the model
-/// and the rank only, so rank 0 knows every file's tensor names (for the checksums) without
-/// asking.
+/// `in_base`). A function of the model and the rank only, so rank 0 knows every file's tensor
+/// names (for the checksums) without asking.
 pub(super) fn rank_file_specs(
     model: &FsdpModel,
     kinds: &[BufferKind],

@@ -71,12 +71,7 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
     let meta = read_meta(&dir)?;
     super::check_checksums(&dir, &meta)?;
     let meta_path = dir.join(META_FILE);
-    if let Some(base) = meta
-        .train
-        .base
-        .as_ref()
-        .filter(|_| meta.units.iter().any(|u| u.in_base))
-    {
+    if let Some(base) = meta.adapter_base() {
         return Err(Error::file(
             &meta_path,
             format!(

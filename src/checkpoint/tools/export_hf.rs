@@ -418,16 +418,16 @@ fn write_hf(
         HashMap::new()
     };
     // An adapter-only checkpoint's frozen units are read from its base, checked unchanged.
-    let base = match meta.train.base.as_ref() {
-        Some(b) if meta.units.iter().any(|u| u.in_base) => {
+    let base = match meta.adapter_base() {
+        Some(b) => {
             b.verify_at(opts.base.as_deref())
-                .map_err(|e| Error::file(&meta_path, root_message(e)))?;
+                .map_err(|e| Error::file(&meta_path, crate::checkpoint::root_message(e)))?;
             Some(crate::checkpoint::hf::HfWeights::open(
                 opts.base.as_deref().unwrap_or(&b.dir),
                 &mut crate::checkpoint::ReadStats::default(),
             )?)
         }
-        _ => None,
+        None => None,
     };
     for (k, u) in meta.units.iter().enumerate() {
         for (i, p) in u
@@ -567,12 +567,4 @@ fn write_hf(
         tensors: tensors.len(),
         total_size,
     })
-}
-
-/// The message of an argument error without its variant's prefix.
-fn root_message(e: Error) -> String {
-    match e {
-        Error::InvalidArgument(m) => m,
-        other => other.to_string(),
-    }
 }

@@ -113,11 +113,7 @@ pub fn export_peft(dir: &Path, out: &Path, base_model: Option<&str>) -> Result<P
             .flat_map(|u| u.params.iter().map(|p| p.name.as_str())),
     );
     // Without --base-model, an adapter-only checkpoint names the base it recorded.
-    let recorded = meta
-        .train
-        .base
-        .as_ref()
-        .map(|b| b.dir.display().to_string());
+    let recorded = meta.adapter_base().map(|b| b.dir.display().to_string());
     let base_model = base_model.or(recorded.as_deref());
     let text = serde_json::to_string_pretty(&lora.peft_config(base_model, conv1d, &adapted))
         .map_err(|e| Error::InvalidArgument(e.to_string()))?;

@@ -68,10 +68,7 @@ const SUMMARY: &[Row] = &[
     ("strategy", strategy),
     ("master dtype", |m| Some(m.dtype.clone())),
     ("frozen base", |m| {
-        m.train
-            .base
-            .as_ref()
-            .filter(|_| m.units.iter().any(|u| u.in_base))
+        m.adapter_base()
             .map(|b| format!("{} ({} files checksummed)", b.dir.display(), b.files.len()))
     }),
     ("mixed precision", |m| {

@@ -244,19 +244,11 @@ pub fn verify(dir: &Path) -> Result<VerifyReport> {
     };
     let mut problems = Vec::new();
     // An adapter-only checkpoint is usable only with its frozen base: checked too.
-    if let Some(base) = meta
-        .train
-        .base
-        .as_ref()
-        .filter(|_| meta.units.iter().any(|u| u.in_base))
-    {
+    if let Some(base) = meta.adapter_base() {
         if let Err(e) = base.verify_at(None) {
             problems.push(Problem {
                 path: meta_path.clone(),
-                message: match e {
-                    Error::InvalidArgument(m) => m,
-                    other => other.to_string(),
-                },
+                message: crate::checkpoint::root_message(e),
             });
         }
     }
