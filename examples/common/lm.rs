@@ -151,28 +151,58 @@ impl LmArgs {
 
 /// A model the loop runs: logits `(B, T, V)` of ids `(B, T)`.
 pub trait LanguageModel {
-    /// A training (`train`) or inference forward of `model`: a collective.
-    fn logits(&self, model: &mut FsdpModel, ids: &Tensor, train: bool) -> Result<Tensor>;
+    /// A training (`train`) or inference forward of `model`, the tokens at `positions` `(B, T)`
+    /// (packed examples) or `0..T`: a collective.
+    fn logits(
+        &self,
+        model: &mut FsdpModel,
+        ids: &Tensor,
+        positions: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor>;
 }
 
 #[cfg(feature = "gpt")]
 impl LanguageModel for candle_fsdp::models::gpt::FsdpGpt {
-    fn logits(&self, model: &mut FsdpModel, ids: &Tensor, train: bool) -> Result<Tensor> {
+    fn logits(
+        &self,
+        model: &mut FsdpModel,
+        ids: &Tensor,
+        positions: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor> {
+        if positions.is_some() {
+            return Err(candle_fsdp::Error::InvalidArgument(
+                "the GPT example trains on text windows: packed examples need the llama example"
+                    .into(),
+            ));
+        }
         candle_fsdp::models::gpt::FsdpGpt::logits(self, model, ids, train)
     }
 }
 
 #[cfg(feature = "llama")]
 impl LanguageModel for candle_fsdp::models::decoder::FsdpDecoder {
-    fn logits(&self, model: &mut FsdpModel, ids: &Tensor, train: bool) -> Result<Tensor> {
-        candle_fsdp::models::decoder::FsdpDecoder::logits(self, model, ids, train)
+    fn logits(
+        &self,
+        model: &mut FsdpModel,
+        ids: &Tensor,
+        positions: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor> {
+        candle_fsdp::models::decoder::FsdpDecoder::logits_at(self, model, ids, positions, train)
     }
 }
 
+/// A micro-batch: inputs and targets `(B, T)` u32, and the position ids `(B, T)` u32 of packed
+/// examples (`None`: `0..T` in every row).
+pub type LmBatch = (Tensor, Tensor, Option<Tensor>);
+
 /// Training and validation windows of token ids.
 pub trait Corpus: Sync {
-    /// This rank's batch `index` of `split`: `(inputs, targets)`, each `(batch, seq_len)` u32,
-    /// the targets shifted by one token (as [`TextCorpus::windows`]).
+    /// This rank's batch `index` of `split`: `(inputs, targets, positions)`, each `(batch,
+    /// seq_len)` u32, the targets shifted by one token (as [`TextCorpus::windows`]); positions
+    /// only for packed examples.
     #[allow(clippy::too_many_arguments)]
     fn windows(
         &self,
@@ -183,7 +213,7 @@ pub trait Corpus: Sync {
         rank: usize,
         index: u64,
         device: &Device,
-    ) -> Result<(Tensor, Tensor)>;
+    ) -> Result<LmBatch>;
 
     /// Whether the targets hold [`candle_fsdp::nn::IGNORE_INDEX`] positions (supervised
     /// examples): the loss is then the per-token one, normalised over the step's target tokens
@@ -221,6 +251,11 @@ impl SftCorpus {
             val,
         })
     }
+
+    /// The training examples' tokens before their padding.
+    pub fn tokens(&self) -> usize {
+        self.train.iter().map(|e| e.len).sum()
+    }
 }
 
 impl Corpus for SftCorpus {
@@ -233,7 +268,7 @@ impl Corpus for SftCorpus {
         rank: usize,
         index: u64,
         device: &Device,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<LmBatch> {
         let pool = match split {
             Split::Train => &self.train,
             Split::Val => &self.val,
@@ -269,8 +304,9 @@ impl Corpus for TextCorpus {
         rank: usize,
         index: u64,
         device: &Device,
-    ) -> Result<(Tensor, Tensor)> {
-        TextCorpus::windows(self, split, batch, seq_len, seed, rank, index, device)
+    ) -> Result<LmBatch> {
+        let (x, y) = TextCorpus::windows(self, split, batch, seq_len, seed, rank, index, device)?;
+        Ok((x, y, None))
     }
 }
 
@@ -554,7 +590,7 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
     }
 
     /// This rank's training micro-batch `index`.
-    fn train_batch(&self, index: u64) -> Result<(Tensor, Tensor)> {
+    fn train_batch(&self, index: u64) -> Result<LmBatch> {
         self.parts.corpus.windows(
             Split::Train,
             self.train.batch_size,
@@ -571,13 +607,13 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
     /// tokens on this rank times their number `k` (the trainer divides each micro-batch's loss
     /// by `k`), so that the backward sees `sum · world / N` and the logged value averages to the
     /// step's per-token loss. `None` for a plain corpus. A collective when per-token.
-    fn token_factor(&self, batches: &[(Tensor, Tensor)]) -> Result<Option<f32>> {
+    fn token_factor(&self, batches: &[LmBatch]) -> Result<Option<f32>> {
         if !self.parts.corpus.per_token() {
             return Ok(None);
         }
         let k = batches.len();
         let mut local = 0usize;
-        for (_, y) in batches {
+        for (_, y, _) in batches {
             let y = y.flatten_all()?.to_vec1::<u32>()?;
             local += y
                 .iter()
@@ -588,17 +624,17 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
         Ok(Some(scale * k as f32))
     }
 
-    /// Forward and backward of one micro-batch `(inputs, targets)`; returns its loss (with a
+    /// Forward and backward of one micro-batch `(inputs, targets, positions)`; returns its loss (with a
     /// per-token `factor`, the summed loss times it: see [`LmRank::token_factor`]).
     fn micro_batch(
         &mut self,
-        (x, y): (Tensor, Tensor),
+        (x, y, pos): LmBatch,
         last_micro: bool,
         factor: Option<f32>,
     ) -> Result<f32> {
         let lm = &self.parts.model;
         let loss = self.t.forward_backward(last_micro, |model| {
-            let logits = lm.logits(model, &x, true)?;
+            let logits = lm.logits(model, &x, pos.as_ref(), true)?;
             match factor {
                 None => lm_loss(&logits, &y),
                 Some(f) => {
@@ -615,7 +651,7 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
     fn evaluate(&mut self) -> Result<f32> {
         let (mut sum, mut count) = (0.0f32, 0.0f32);
         for i in 0..self.args.eval_batches {
-            let (x, y) = self.parts.corpus.windows(
+            let (x, y, pos) = self.parts.corpus.windows(
                 Split::Val,
                 self.train.batch_size,
                 self.parts.seq_len,
@@ -624,7 +660,10 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
                 i,
                 &self.device,
             )?;
-            let logits = self.parts.model.logits(&mut self.t.model, &x, false)?;
+            let logits = self
+                .parts
+                .model
+                .logits(&mut self.t.model, &x, pos.as_ref(), false)?;
             if self.parts.corpus.per_token() {
                 // Summed over the target tokens; divided by their number over all ranks below.
                 let (s, k) = candle_fsdp::nn::lm_loss_sum(&logits, &y)?;
@@ -677,7 +716,10 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
             let rows = windows.len();
             let x = Tensor::from_vec(x, (rows, t), &self.device)?;
             let y = Tensor::from_vec(y, (rows, t), &self.device)?;
-            let logits = self.parts.model.logits(&mut self.t.model, &x, false)?;
+            let logits = self
+                .parts
+                .model
+                .logits(&mut self.t.model, &x, None, false)?;
             if real > 0 {
                 let loss = lm_loss(&logits, &y)?.to_scalar::<f32>()? as f64;
                 sum += loss * (rows * t) as f64;
@@ -706,7 +748,10 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
         for _ in 0..self.args.sample_len {
             let ctx = &tokens[tokens.len().saturating_sub(t_max)..];
             let ids = Tensor::new(ctx, &self.device)?.unsqueeze(0)?;
-            let logits = self.parts.model.logits(&mut self.t.model, &ids, false)?;
+            let logits = self
+                .parts
+                .model
+                .logits(&mut self.t.model, &ids, None, false)?;
             let last = logits.get(0)?.get(ctx.len() - 1)?.to_dtype(DType::F32)?;
             let probs = candle_nn::ops::softmax(&(last / self.args.temperature)?, D::Minus1)?
                 .to_vec1::<f32>()?;

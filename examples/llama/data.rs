@@ -4,11 +4,11 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use candle_fsdp::data::text::{Split, TextCorpus, TokenCorpus, DEFAULT_VAL_FRACTION};
 use candle_fsdp::Result;
 
-use super::lm::{Codec, Corpus};
+use super::lm::{Codec, Corpus, LmBatch};
 
 /// A Hugging Face tokenizer (`tokenizer.json`), special tokens neither added nor shown.
 pub struct HfTokenizer {
@@ -82,7 +82,8 @@ impl Corpus for TokenCorpus {
         rank: usize,
         index: u64,
         device: &Device,
-    ) -> Result<(Tensor, Tensor)> {
-        TokenCorpus::windows(self, split, batch, seq_len, seed, rank, index, device)
+    ) -> Result<LmBatch> {
+        let (x, y) = TokenCorpus::windows(self, split, batch, seq_len, seed, rank, index, device)?;
+        Ok((x, y, None))
     }
 }

@@ -15,8 +15,12 @@
 //! message but the last (which must be the assistant's) with the generation prompt, the
 //! completion the rest of the whole conversation's text.
 //!
-//! Not here yet: packing several examples into one sequence (positions restarting at each,
-//! attention confined to it).
+//! **Packing** ([`pack`]): instead of one padded example per sequence, several examples fill
+//! one sequence of `seq_len` tokens, with position ids restarting at 0 at each (the decoder's
+//! [`crate::models::decoder::FsdpDecoder::forward_at`] attends within each example and takes
+//! its rotary angles at those ids), as TRL's `packing=True` with `padding_free` and
+//! transformers' `DataCollatorWithFlattening` do. The loss and its gradients are those of the
+//! same examples unpacked (a test checks it); only the padding's compute is gone.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -27,13 +31,20 @@ use crate::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use crate::error::{Error, Result};
 pub use crate::nn::IGNORE_INDEX;
 
-/// One tokenized example: `inputs` and `targets`, each `seq_len` tokens.
+/// One tokenized example (or a packed sequence of several, [`pack`]): `inputs`, `targets` and
+/// `positions`, each `seq_len` tokens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SftExample {
     /// Input ids, padded.
     pub inputs: Vec<u32>,
     /// Next-token targets; [`IGNORE_INDEX`] at prompt and padding positions.
     pub targets: Vec<u32>,
+    /// Position ids: `0..seq_len` for one example; restarting at 0 at each example of a packed
+    /// sequence ([`pack`]).
+    pub positions: Vec<u32>,
+    /// Tokens before the padding (an example's `min(tokens − 1, seq_len)`; a packed
+    /// sequence's examples together).
+    pub len: usize,
 }
 
 impl SftExample {
@@ -63,7 +74,21 @@ impl SftExample {
             .collect();
         inputs.resize(seq_len, pad);
         targets.resize(seq_len, IGNORE_INDEX);
-        Self { inputs, targets }
+        Self {
+            inputs,
+            targets,
+            positions: (0..seq_len as u32).collect(),
+            len: n,
+        }
+    }
+
+    /// Whether the example is one sequence at positions `0..T` (not packed): what
+    /// [`batch`] leaves without position ids.
+    pub fn is_plain(&self) -> bool {
+        self.positions
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| p as usize == i)
     }
 
     /// The positions whose target counts.
@@ -296,10 +321,84 @@ pub fn read_jsonl(
     Ok(out)
 }
 
-/// The `(inputs, targets)` tensors `(B, seq_len)` u32 of `examples` on `device`.
+/// Packs `examples` (each of its [`SftExample::len`] tokens, at most `seq_len`) into sequences
+/// of `seq_len` tokens, several examples each, by best-fit decreasing (the longest example
+/// first, each into the fullest sequence it fits; TRL's `bfd` packing): each example keeps its
+/// inputs and targets, its positions restart at 0, and a sequence's tail is padded with `pad`
+/// (targets [`IGNORE_INDEX`], positions a segment of their own). Every target token is kept
+/// once, so the per-token loss over the sequences is the loss over the examples. Deterministic:
+/// examples of equal length keep their order.
+///
+/// Errors: an example longer than `seq_len` (read with a larger `seq_len`), naming it.
+pub fn pack(examples: &[SftExample], seq_len: usize, pad: u32) -> Result<Vec<SftExample>> {
+    if let Some((i, e)) = examples.iter().enumerate().find(|(_, e)| e.len > seq_len) {
+        return Err(Error::InvalidArgument(format!(
+            "example {i} has {} tokens, more than the {seq_len} of a packed sequence",
+            e.len
+        )));
+    }
+    let mut order: Vec<usize> = (0..examples.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(examples[i].len));
+    // Free space → the sequences with that much left, in creation order.
+    let mut free: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    let mut rows: Vec<Vec<usize>> = Vec::new();
+    for i in order {
+        let n = examples[i].len;
+        let fit = free.range(n..).next().map(|(&f, _)| f);
+        let (row, left) = match fit {
+            Some(f) => {
+                let list = free.get_mut(&f).expect("a key just found");
+                let r = list.remove(0);
+                if list.is_empty() {
+                    free.remove(&f);
+                }
+                (r, f - n)
+            }
+            None => {
+                rows.push(Vec::new());
+                (rows.len() - 1, seq_len - n)
+            }
+        };
+        rows[row].push(i);
+        free.entry(left).or_default().push(row);
+    }
+    Ok(rows
+        .into_iter()
+        .map(|members| {
+            let (mut inputs, mut targets, mut positions) = (
+                Vec::with_capacity(seq_len),
+                Vec::with_capacity(seq_len),
+                Vec::with_capacity(seq_len),
+            );
+            for &i in &members {
+                let e = &examples[i];
+                inputs.extend_from_slice(&e.inputs[..e.len]);
+                targets.extend_from_slice(&e.targets[..e.len]);
+                positions.extend(0..e.len as u32);
+            }
+            let len = inputs.len();
+            inputs.resize(seq_len, pad);
+            targets.resize(seq_len, IGNORE_INDEX);
+            positions.extend(0..(seq_len - len) as u32);
+            SftExample {
+                inputs,
+                targets,
+                positions,
+                len,
+            }
+        })
+        .collect())
+}
+
+/// The `(inputs, targets, positions)` tensors `(B, seq_len)` u32 of `examples` on `device`;
+/// `positions` only when an example is packed (not every row at `0..seq_len`: then the
+/// decoder's [`crate::models::decoder::FsdpDecoder::logits_at`] takes them).
 ///
 /// Errors: no example, or examples of different lengths; Candle's.
-pub fn batch(examples: &[&SftExample], device: &Device) -> Result<(Tensor, Tensor)> {
+pub fn batch(
+    examples: &[&SftExample],
+    device: &Device,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let t = examples
         .first()
         .map(|e| e.inputs.len())
@@ -312,9 +411,16 @@ pub fn batch(examples: &[&SftExample], device: &Device) -> Result<(Tensor, Tenso
     let b = examples.len();
     let x: Vec<u32> = examples.iter().flat_map(|e| e.inputs.clone()).collect();
     let y: Vec<u32> = examples.iter().flat_map(|e| e.targets.clone()).collect();
+    let positions = if examples.iter().all(|e| e.is_plain()) {
+        None
+    } else {
+        let p: Vec<u32> = examples.iter().flat_map(|e| e.positions.clone()).collect();
+        Some(Tensor::from_vec(p, (b, t), device)?)
+    };
     Ok((
         Tensor::from_vec(x, (b, t), device)?,
         Tensor::from_vec(y, (b, t), device)?,
+        positions,
     ))
 }
 
@@ -350,5 +456,31 @@ mod tests {
         let ex = SftExample::new(&[10, 11], &[20, 21, 22, 23], None, 3, 0);
         assert_eq!(ex.inputs, [10, 11, 20]);
         assert_eq!(ex.targets, [i, 20, 21]);
+    }
+
+    #[test]
+    fn packing_keeps_every_target_once_with_restarting_positions() {
+        let i = IGNORE_INDEX;
+        // Lengths 5, 2, 3, 4 (seq_len 8): best fit decreasing puts 5 + 3 and 4 + 2.
+        let ex = [
+            SftExample::new(&[1, 2], &[3, 4, 5], Some(9), 8, 0),
+            SftExample::new(&[10], &[11], Some(9), 8, 0),
+            SftExample::new(&[20, 21], &[22], Some(9), 8, 0),
+            SftExample::new(&[30], &[31, 32, 33], Some(9), 8, 0),
+        ];
+        assert_eq!(ex.iter().map(|e| e.len).collect::<Vec<_>>(), [5, 2, 3, 4]);
+        let rows = pack(&ex, 8, 0).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].inputs, [1, 2, 3, 4, 5, 20, 21, 22]);
+        assert_eq!(rows[0].targets, [i, 3, 4, 5, 9, i, 22, 9]);
+        assert_eq!(rows[0].positions, [0, 1, 2, 3, 4, 0, 1, 2]);
+        assert_eq!(rows[1].inputs, [30, 31, 32, 33, 10, 11, 0, 0]);
+        assert_eq!(rows[1].targets, [31, 32, 33, 9, 11, 9, i, i]);
+        assert_eq!(rows[1].positions, [0, 1, 2, 3, 0, 1, 0, 1]);
+        let count = |v: &[SftExample]| v.iter().map(SftExample::target_count).sum::<usize>();
+        assert_eq!(count(&rows), count(&ex));
+        assert!(ex.iter().all(SftExample::is_plain) && !rows[0].is_plain());
+        let err = pack(&ex, 4, 0).unwrap_err().to_string();
+        assert!(err.contains("example 0 has 5 tokens"), "{err}");
     }
 }

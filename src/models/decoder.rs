@@ -43,7 +43,7 @@ use crate::unit::UnitSpec;
 pub use family::{BlockStyle, Family, FamilyTable, Names};
 pub use layers::{
     final_norm, lm_head, positions, rope_tables, token_embedding, Attention, Block, Embedding,
-    Head, Mlp, Norm,
+    Head, Mlp, Norm, Positions,
 };
 
 /// Standard deviation of the initialisation of a model built from scratch (transformers'
@@ -438,7 +438,7 @@ impl FsdpDecoder {
             let c = cfg.clone();
             let lora = self.lora.clone();
             rest.push(
-                UnitSpec::new(names.layer(i), move |vb| {
+                UnitSpec::multi(names.layer(i), move |vb| {
                     Block::with_lora(&c, i, lora.as_ref(), vb)
                 })
                 .with_activation_checkpointing(self.activation_checkpointing),
@@ -486,27 +486,69 @@ impl FsdpDecoder {
     /// Errors: with learned positions (GPT-2), a context longer than the table
     /// (`max_position_embeddings`, GPT-2's `n_positions`); the units'.
     pub fn forward(&self, f: &mut Forward<'_>, ids: &Tensor) -> Result<Tensor> {
-        let (_, t) = ids.dims2()?;
+        self.forward_at(f, ids, None)
+    }
+
+    /// [`FsdpDecoder::forward`] of sequences that pack several examples: `position_ids` `(B, T)`
+    /// u32 restart at 0 at each example (transformers' packed batches,
+    /// `DataCollatorWithFlattening`); each token's rotary angles (GPT-2: its learned position)
+    /// are taken at its id, and it attends only to the earlier tokens of its own example (an
+    /// example starts where an id is not the previous one plus one:
+    /// [`crate::nn::segment_starts`]). The logits of each example equal those of the example
+    /// run alone. `None`: positions `0..T`, one example per sequence.
+    ///
+    /// Errors: as [`FsdpDecoder::forward`]; `position_ids` not `(B, T)` u32, or (learned
+    /// positions) an id past the table.
+    pub fn forward_at(
+        &self,
+        f: &mut Forward<'_>,
+        ids: &Tensor,
+        position_ids: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
         let cfg = &self.cfg;
+        let arch = cfg.table().architecture;
+        if let Some(p) = position_ids {
+            if p.dims() != [b, t] || p.dtype() != candle_core::DType::U32 {
+                return Err(Error::InvalidArgument(format!(
+                    "{arch}: position ids must be ({b}, {t}) u32 like the token ids, found {:?} \
+                     {:?}",
+                    p.dims(),
+                    p.dtype()
+                )));
+            }
+        }
         // Learned positions have a table of that many rows; rotary positions extend to any
         // context (transformers computes them, and so do we).
-        if cfg.names().positions.is_some() && t > cfg.max_position_embeddings {
-            return Err(Error::InvalidArgument(format!(
-                "{} context of {t} tokens is longer than n_positions {} (the rows of its \
-                 learned position table)",
-                cfg.table().architecture,
-                cfg.max_position_embeddings
-            )));
+        if cfg.names().positions.is_some() {
+            let last = match position_ids {
+                None => t,
+                Some(_) if t == 0 => 0,
+                Some(p) => p.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize + 1,
+            };
+            if last > cfg.max_position_embeddings {
+                return Err(Error::InvalidArgument(format!(
+                    "{arch} context of {last} positions is longer than n_positions {} (the rows \
+                     of its learned position table)",
+                    cfg.max_position_embeddings
+                )));
+            }
         }
         let names = cfg.names();
         let mut h = f.call1(names.embed, ids)?;
         if let Some(pos) = names.positions {
-            let p = Tensor::arange(0u32, t as u32, ids.device())?;
+            let p = match position_ids {
+                None => Tensor::arange(0u32, t as u32, ids.device())?,
+                Some(p) => p.clone(),
+            };
             let p = f.call1(pos, &p)?;
             h = h.broadcast_add(&p.to_dtype(h.dtype())?)?;
         }
         for i in 0..cfg.num_hidden_layers {
-            h = f.call1(&names.layer(i), &h)?;
+            h = match position_ids {
+                None => f.call1(&names.layer(i), &h)?,
+                Some(p) => f.call(&names.layer(i), &[&h, p])?.remove(0),
+            };
         }
         let h = f.call1(names.norm, &h)?;
         f.call1(names.head, &h)
@@ -517,10 +559,24 @@ impl FsdpDecoder {
     ///
     /// Errors: as [`FsdpDecoder::forward`]; the model's.
     pub fn logits(&self, model: &mut FsdpModel, ids: &Tensor, train: bool) -> Result<Tensor> {
+        self.logits_at(model, ids, None, train)
+    }
+
+    /// [`FsdpDecoder::forward_at`] (packed examples at `position_ids`) as a training forward of
+    /// `model` (`train`) or an inference one. A collective.
+    ///
+    /// Errors: as [`FsdpDecoder::forward_at`]; the model's.
+    pub fn logits_at(
+        &self,
+        model: &mut FsdpModel,
+        ids: &Tensor,
+        position_ids: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor> {
         if train {
-            model.forward_with(|f| self.forward(f, ids))
+            model.forward_with(|f| self.forward_at(f, ids, position_ids))
         } else {
-            model.forward_eval_with(|f| self.forward(f, ids))
+            model.forward_eval_with(|f| self.forward_at(f, ids, position_ids))
         }
     }
 }

@@ -350,7 +350,7 @@ impl CustomOp1 for BlockOp {
             let a1 = norm_forward(x, ln1w, Some(ln1b), self.eps, true);
             // qkv without its bias, which the attention kernel's gathers add.
             let qkv = a_wt_new(&a1, wqkv, (n, d, 3 * d), tr);
-            let att = attention_forward(&qkv, Some(bqkv), self.shape(b, t, d), &self.opts());
+            let att = attention_forward(&qkv, Some(bqkv), self.shape(b, t, d), &self.opts(), None);
             let mut h = rows_plus(n, bp, Some(x));
             a_wt(&mut h, &att, wp, (n, d, d), tr);
             let a2 = norm_forward(&h, ln2w, Some(ln2b), self.eps, true);
@@ -411,6 +411,7 @@ impl CustomOp1 for BlockOp {
                     &datt,
                     self.shape(b, t, d),
                     &self.opts(),
+                    None,
                 );
                 drop((datt, s.att, s.qkv));
                 let a1 = norm_forward(x, ln1w, Some(ln1b), self.eps, true);

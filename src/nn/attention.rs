@@ -68,6 +68,7 @@ use candle_core::{
 };
 
 use std::mem::MaybeUninit;
+use std::sync::Arc;
 
 use super::softmax::causal_softmax;
 use crate::cpu::{
@@ -150,24 +151,96 @@ impl AttentionOptions {
 /// not a multiple of `n_head + 2·n_kv_head`; an invalid `scale`, `window` or `softcap` (each
 /// error names the option); Candle's.
 pub fn attention(qkv: &Tensor, opts: &AttentionOptions) -> Result<Tensor> {
-    let (_, _, hd) = check(qkv, opts)?;
+    attention_in(qkv, opts, None)
+}
+
+/// [`attention`] over sequences that pack several examples one after the other (supervised
+/// fine-tuning's packing): each query sees only keys of its own example, on top of the
+/// causal mask and the window:
+///
+/// ```text
+///     A(i) = { j : max(S(i), i − W + 1) ≤ j ≤ i }
+/// ```
+///
+/// with `starts` `(B, T)` u32 holding `S(i)`, the first position of position `i`'s example
+/// in its sequence (as [`segment_starts`] derives from position ids). Rows whose examples
+/// start at 0 everywhere give [`attention`]'s values exactly. The kernel computes no score left
+/// of a tile's first row's `S` (a packed batch costs less than a full causal one).
+///
+/// Errors: as [`attention`]; `starts` not `(B, T)` u32 of `qkv`'s `B`, `T`, or not segment
+/// starts (`S(0) = 0`; each `S(i)` is `S(i − 1)` or `i`), naming the first bad position.
+pub fn attention_packed(qkv: &Tensor, opts: &AttentionOptions, starts: &Tensor) -> Result<Tensor> {
+    attention_in(qkv, opts, Some(starts))
+}
+
+/// The first position of each position's example, `(B, T)` u32, from position ids `(B, T)`
+/// (u32 or i64): a new example starts at 0 and wherever a position id is not the previous one
+/// plus one (transformers' `find_packed_sequence_indices`, the rule behind its packed-sequence
+/// masks and `DataCollatorWithFlattening`). Positions `0, 1, 2, 0, 1` give starts `0, 0, 0,
+/// 3, 3`.
+///
+/// Errors: `position_ids` not 2-D or not an integer dtype; Candle's.
+pub fn segment_starts(position_ids: &Tensor) -> Result<Tensor> {
+    let (b, t) = position_ids.dims2()?;
+    let ids: Vec<i64> = match position_ids.dtype() {
+        DType::U32 | DType::U8 | DType::I64 => position_ids
+            .to_dtype(DType::I64)?
+            .flatten_all()?
+            .to_vec1::<i64>()?,
+        dt => bail!("segment_starts: position ids must be integers (u32 or i64), found {dt:?}"),
+    };
+    let mut starts = Vec::with_capacity(b * t);
+    for row in ids.chunks(t.max(1)).take(b) {
+        let mut s = 0u32;
+        for (i, &p) in row.iter().enumerate() {
+            if i > 0 && p != row[i - 1] + 1 {
+                s = i as u32;
+            }
+            starts.push(s);
+        }
+    }
+    Tensor::from_vec(starts, (b, t), position_ids.device())
+}
+
+/// The starts of `starts` `(B, T)` as `B·T` values, checked against `qkv`'s `(B, T)`.
+fn starts_of(starts: &Tensor, b: usize, t: usize) -> Result<Vec<u32>> {
+    if starts.dims() != [b, t] || starts.dtype() != DType::U32 {
+        bail!(
+            "attention: segment starts must be ({b}, {t}) u32 like qkv's (B, T), found {:?} {:?}",
+            starts.dims(),
+            starts.dtype()
+        )
+    }
+    let v = starts.flatten_all()?.to_vec1::<u32>()?;
+    for (bi, row) in v.chunks(t.max(1)).enumerate() {
+        for (i, &s) in row.iter().enumerate() {
+            let prev = if i == 0 { 0 } else { row[i - 1] };
+            if s as usize != i && s != prev {
+                bail!(
+                    "attention: segment start {s} at position {i} of sequence {bi} is neither the \
+                     previous position's start {prev} nor {i} (a new example)"
+                )
+            }
+        }
+    }
+    Ok(v)
+}
+
+/// [`attention`] (`starts` none) or [`attention_packed`].
+fn attention_in(qkv: &Tensor, opts: &AttentionOptions, starts: Option<&Tensor>) -> Result<Tensor> {
+    let (b, t, hd) = check(qkv, opts)?;
+    let starts = starts.map(|s| starts_of(s, b, t)).transpose()?;
     let kernel = qkv.device().is_cpu()
         && matches!(qkv.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && qkv.elem_count() > 0;
     if !kernel {
-        return attention_composed(qkv, opts);
+        return composed_in(qkv, opts, starts.as_deref());
     }
     qkv.contiguous()?.apply_op1(AttentionOp {
         n_head: opts.n_head,
         n_kv_head: opts.n_kv_head,
-        scores: Scores {
-            scale: match opts.scale {
-                None => (hd as f32).sqrt().recip(),
-                Some(s) => s as f32,
-            },
-            window: opts.window,
-            softcap: opts.softcap.map(|c| c as f32),
-        },
+        scores: Scores::of(opts, hd),
+        starts: starts.map(Arc::from),
     })
 }
 
@@ -181,6 +254,24 @@ pub fn attention(qkv: &Tensor, opts: &AttentionOptions) -> Result<Tensor> {
 ///
 /// Errors: as [`attention`].
 pub fn attention_composed(qkv: &Tensor, opts: &AttentionOptions) -> Result<Tensor> {
+    composed_in(qkv, opts, None)
+}
+
+/// [`attention_packed`] composed of Candle ops, as [`attention_composed`] with a `(B, 1, T, T)`
+/// mask that also hides the keys of other examples. Any dtype and device.
+///
+/// Errors: as [`attention_packed`].
+pub fn attention_packed_composed(
+    qkv: &Tensor,
+    opts: &AttentionOptions,
+    starts: &Tensor,
+) -> Result<Tensor> {
+    let (b, t, _) = check(qkv, opts)?;
+    composed_in(qkv, opts, Some(&starts_of(starts, b, t)?))
+}
+
+/// [`attention_composed`] with the segment starts (`B·T`, checked) when given.
+fn composed_in(qkv: &Tensor, opts: &AttentionOptions, starts: Option<&[u32]>) -> Result<Tensor> {
     let (b, t, hd) = check(qkv, opts)?;
     let (n_head, n_kv_head) = (opts.n_head, opts.n_kv_head);
     let (d, dkv) = (n_head * hd, n_kv_head * hd);
@@ -197,14 +288,14 @@ pub fn attention_composed(qkv: &Tensor, opts: &AttentionOptions) -> Result<Tenso
     let scores = q.matmul(&k.t()?)?; // (B, h, T, T)
     let scale = opts.scale.unwrap_or(1.0 / (hd as f64).sqrt());
     let window = opts.window.filter(|&w| w < t);
-    let att = if opts.softcap.is_none() && window.is_none() {
+    let att = if opts.softcap.is_none() && window.is_none() && starts.is_none() {
         causal_softmax(&scores, scale)?
     } else {
         let z = match opts.softcap {
             None => (scores * scale)?,
             Some(c) => ((scores * (scale / c))?.tanh()? * c)?,
         };
-        let mask = window_mask(t, window, qkv.device())?.to_dtype(z.dtype())?;
+        let mask = window_mask(b, t, window, starts, qkv.device())?.to_dtype(z.dtype())?;
         candle_nn::ops::softmax(&z.broadcast_add(&mask)?, D::Minus1)?
     };
     att.matmul(&v)? // (B, h, T, hd)
@@ -212,14 +303,37 @@ pub fn attention_composed(qkv: &Tensor, opts: &AttentionOptions) -> Result<Tenso
         .reshape((b, t, d))
 }
 
-/// The `(T, T)` f32 mask of query `i` (rows) and key `j` (columns): 0 where `j ≤ i` and, with a
-/// window `W`, `j > i − W`; −∞ elsewhere.
-fn window_mask(t: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
+/// The f32 mask of query `i` (rows) and key `j` (columns): 0 where `j ≤ i` and, with a
+/// window `W`, `j > i − W`, and with segment starts `S` (`B·T`), `j ≥ S(i)`; −∞ elsewhere.
+/// `(T, T)` without starts, `(B, 1, T, T)` with them.
+fn window_mask(
+    b: usize,
+    t: usize,
+    window: Option<usize>,
+    starts: Option<&[u32]>,
+    device: &Device,
+) -> Result<Tensor> {
     let seen = |i: usize, j: usize| j <= i && window.is_none_or(|w| j + w > i);
-    let mask: Vec<f32> = (0..t)
-        .flat_map(|i| (0..t).map(move |j| if seen(i, j) { 0.0 } else { f32::NEG_INFINITY }))
-        .collect();
-    Tensor::from_vec(mask, (t, t), device)
+    let Some(starts) = starts else {
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| (0..t).map(move |j| if seen(i, j) { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        return Tensor::from_vec(mask, (t, t), device);
+    };
+    let mut mask = Vec::with_capacity(b * t * t);
+    for row in starts.chunks(t.max(1)).take(b) {
+        for i in 0..t {
+            let s = row[i] as usize;
+            mask.extend((0..t).map(|j| {
+                if seen(i, j) && j >= s {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            }));
+        }
+    }
+    Tensor::from_vec(mask, (b, 1, t, t), device)
 }
 
 /// Causal multi-head self-attention over a fused projection, differentiable in `qkv`: [`attention`]
@@ -428,24 +542,56 @@ fn gemm(
 }
 
 /// What the kernel does to a head's scores `Q·Kᵀ`, past the shapes: the scale, the window and
-/// the soft-cap of [`AttentionOptions`], in f32.
+/// the soft-cap of [`AttentionOptions`], in f32, and in a task, the segment starts of its
+/// sequence.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct Scores {
+pub(super) struct Scores<'a> {
     /// `s` (positive).
     pub(super) scale: f32,
     /// `W` (at least 1), or all earlier keys.
     pub(super) window: Option<usize>,
     /// `c` (positive), or no soft-capping.
     pub(super) softcap: Option<f32>,
+    /// `S(i)` of each position of the task's sequence (`T` values, [`attention_packed`]), or
+    /// one segment.
+    pub(super) starts: Option<&'a [u32]>,
 }
 
-impl Scores {
-    /// The first key query `i` sees: `max(0, i + 1 − W)`, 0 without a window.
+impl<'a> Scores<'a> {
+    /// The options of `opts` for heads of `hd` features, one segment.
+    pub(super) fn of(opts: &AttentionOptions, hd: usize) -> Scores<'static> {
+        Scores {
+            scale: match opts.scale {
+                None => (hd as f32).sqrt().recip(),
+                Some(s) => s as f32,
+            },
+            window: opts.window,
+            softcap: opts.softcap.map(|c| c as f32),
+            starts: None,
+        }
+    }
+
+    /// These options for sequence `bi` of `t` positions, with the starts of every sequence
+    /// (`B·T` values) when given.
+    #[inline(always)]
+    fn in_sequence(self, starts: Option<&'a [u32]>, bi: usize, t: usize) -> Scores<'a> {
+        Scores {
+            starts: starts.map(|s| &s[bi * t..(bi + 1) * t]),
+            ..self
+        }
+    }
+
+    /// The first key query `i` sees: `max(0, i + 1 − W, S(i))`, `S(i)` its segment's first
+    /// position (0 in one segment). Non-decreasing in `i` (the starts are checked to be).
     #[inline(always)]
     fn first_key(&self, i: usize) -> usize {
-        match self.window {
+        let w = match self.window {
             None => 0,
             Some(w) => (i + 1).saturating_sub(w),
+        };
+        match self.starts {
+            None => w,
+            Some(s) => w.max(s[i] as usize),
         }
     }
 
@@ -481,7 +627,7 @@ fn tile_probs(
     hd: usize,
     r0: usize,
     br: usize,
-    sc: Scores,
+    sc: Scores<'_>,
     p: &mut [f32],
     mut slope: Option<&mut [f32]>,
 ) -> usize {
@@ -542,7 +688,7 @@ fn tile_probs(
 
 /// One head's forward: `O` (`T × hd`) from its `Q`, `K`, `V`.
 #[inline(always)]
-fn head_forward(q: &[f32], k: &[f32], v: &[f32], t: usize, hd: usize, sc: Scores) -> Vec<f32> {
+fn head_forward(q: &[f32], k: &[f32], v: &[f32], t: usize, hd: usize, sc: Scores<'_>) -> Vec<f32> {
     let mut o = vec![0f32; t * hd];
     let mut p = vec![0f32; TILE * sc.tile_width(t)];
     for r0 in (0..t).step_by(TILE) {
@@ -574,7 +720,7 @@ fn head_backward(
     d_o: &[f32],
     t: usize,
     hd: usize,
-    sc: Scores,
+    sc: Scores<'_>,
 ) -> [Vec<f32>; 3] {
     let delta: Vec<f32> = o
         .chunks_exact(hd)
@@ -666,13 +812,15 @@ fn head_backward(
 }
 
 /// The kernel's forward over `x` = `qkv` `(B, T, w)`, plus `bias` (`w`) added to every row of
-/// `x` when given, with the scores' options `sc` (`nn::kernels::attention_forward`).
+/// `x` when given, with the scores' options `sc` and the segment starts of every position
+/// (`B·T`, checked by the caller) when given (`nn::kernels::attention_forward`).
 #[inline(always)]
 pub(super) fn attention_fwd_with<T: Elem>(
     x: &[T],
     bias: Option<&[f32]>,
     dims: Dims,
-    sc: Scores,
+    sc: Scores<'_>,
+    starts: Option<&[u32]>,
 ) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
     let heads = parallel_map(dims.b * dims.h, |task| {
@@ -684,6 +832,7 @@ pub(super) fn attention_fwd_with<T: Elem>(
                 let q = gather(x, w, dims, bi, hi * dims.hd, bias);
                 let k = gather(x, w, dims, bi, kc, bias);
                 let v = gather(x, w, dims, bi, vc, bias);
+                let sc = sc.in_sequence(starts, bi, dims.t);
                 head_forward(&q, &k, &v, dims.t, dims.hd, sc)
             },
         )
@@ -702,7 +851,7 @@ pub(super) fn attention_fwd_with<T: Elem>(
 }
 
 /// The kernel's backward: `grad x` from `x` (+ `bias` as in [`attention_fwd_with`]), the output
-/// `y` and its gradient `g`, with the scores' options `sc`.
+/// `y` and its gradient `g`, with the scores' options `sc` and the segment starts.
 #[inline(always)]
 pub(super) fn attention_bwd_with<T: Elem>(
     x: &[T],
@@ -710,7 +859,8 @@ pub(super) fn attention_bwd_with<T: Elem>(
     y: &[T],
     g: &[T],
     dims: Dims,
-    sc: Scores,
+    sc: Scores<'_>,
+    starts: Option<&[u32]>,
 ) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
     let mut heads = parallel_map(dims.b * dims.h, |task| {
@@ -725,6 +875,7 @@ pub(super) fn attention_bwd_with<T: Elem>(
                 let v = gather(x, w, dims, bi, vc, bias);
                 let o = gather(y, d, dims, bi, c, None);
                 let d_o = gather(g, d, dims, bi, c, None);
+                let sc = sc.in_sequence(starts, bi, dims.t);
                 head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, sc)
             },
         )
@@ -762,11 +913,13 @@ pub(super) fn attention_bwd_with<T: Elem>(
 }
 
 /// The forward custom op of [`attention`]; its backward is [`AttentionBwdOp`].
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct AttentionOp {
     n_head: usize,
     n_kv_head: usize,
-    scores: Scores,
+    scores: Scores<'static>,
+    /// The segment starts of every position (`B·T`, [`attention_packed`]), or one segment.
+    starts: Option<Arc<[u32]>>,
 }
 
 impl CustomOp1 for AttentionOp {
@@ -782,7 +935,7 @@ impl CustomOp1 for AttentionOp {
         ) -> Result<(CpuStorage, Shape)> {
             let dims = Dims::of(l, op.n_head, op.n_kv_head)?;
             let x = contiguous(s.as_slice::<T>()?, l, "qkv")?;
-            let y = attention_fwd_with(x, None, dims, op.scores);
+            let y = attention_fwd_with(x, None, dims, op.scores, op.starts.as_deref());
             Ok((
                 T::to_cpu_storage_owned(y),
                 Shape::from((dims.b, dims.t, dims.d())),
@@ -801,6 +954,7 @@ impl CustomOp1 for AttentionOp {
             n_head: self.n_head,
             n_kv_head: self.n_kv_head,
             scores: self.scores,
+            starts: self.starts.clone(),
         };
         Ok(Some(arg.apply_op3_no_bwd(
             res,
@@ -812,11 +966,12 @@ impl CustomOp1 for AttentionOp {
 
 /// The backward kernel of [`attention`] as a (no-backward) custom op on `(qkv, y, grad_y)`,
 /// giving `grad_qkv`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct AttentionBwdOp {
     n_head: usize,
     n_kv_head: usize,
-    scores: Scores,
+    scores: Scores<'static>,
+    starts: Option<Arc<[u32]>>,
 }
 
 impl CustomOp3 for AttentionBwdOp {
@@ -855,7 +1010,7 @@ impl CustomOp3 for AttentionBwdOp {
             let xs = contiguous(x.0.as_slice::<T>()?, x.1, "qkv")?;
             let ys = contiguous(y.0.as_slice::<T>()?, y.1, "attention output")?;
             let gs = contiguous(g.0.as_slice::<T>()?, g.1, "output gradient")?;
-            let dx = attention_bwd_with(xs, None, ys, gs, dims, op.scores);
+            let dx = attention_bwd_with(xs, None, ys, gs, dims, op.scores, op.starts.as_deref());
             Ok((T::to_cpu_storage_owned(dx), x.1.shape().clone()))
         }
         match s1.dtype() {

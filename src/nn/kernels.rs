@@ -230,7 +230,7 @@ impl AttentionShape {
         }
     }
 
-    fn check(&self, qkv: &[f32], bias: Option<&[f32]>) {
+    fn check(&self, qkv: &[f32], bias: Option<&[f32]>, starts: Option<&[u32]>) {
         assert!(
             self.n_kv_head > 0
                 && self.n_head.is_multiple_of(self.n_kv_head)
@@ -240,18 +240,19 @@ impl AttentionShape {
             "attention: {self:?} does not fit a qkv of {} elements",
             qkv.len()
         );
-    }
-}
-
-/// The scores' options of `opts` for heads of `hd` features.
-fn scores(opts: &AttentionOptions, hd: usize) -> Scores {
-    Scores {
-        scale: match opts.scale {
-            None => (hd as f32).sqrt().recip(),
-            Some(s) => s as f32,
-        },
-        window: opts.window,
-        softcap: opts.softcap.map(|c| c as f32),
+        if let Some(s) = starts {
+            let segments = s.len() == self.batch * self.seq
+                && s.chunks(self.seq.max(1)).all(|row| {
+                    row.iter()
+                        .enumerate()
+                        .all(|(i, &v)| v as usize == i || (i > 0 && v == row[i - 1]))
+                });
+            assert!(
+                segments,
+                "attention: segment starts of {} values are not those of {self:?}",
+                s.len()
+            );
+        }
     }
 }
 
@@ -259,22 +260,27 @@ fn scores(opts: &AttentionOptions, hd: usize) -> Scores {
 /// formulas of [`crate::nn::attention`]), plus `bias` added to every row of `qkv` when given
 /// (a projection's bias folded into the kernel's reads): the `(N, out_width)` output, heads
 /// merged. `opts`' head counts are ignored (`shape`'s are used); its scale, window and
-/// soft-cap apply.
+/// soft-cap apply. With `starts` (`batch·seq` values, [`crate::nn::attention_packed`]'s
+/// `S(i)`: the first position of each position's example), each query sees only its own
+/// example's keys.
 ///
-/// Panics: `qkv` or `bias` not of `shape`'s sizes.
+/// Panics: `qkv` or `bias` not of `shape`'s sizes; `starts` of another length or not segment
+/// starts (each `S(i)` is `S(i − 1)` or `i`).
 pub fn attention_forward(
     qkv: &[f32],
     bias: Option<&[f32]>,
     shape: AttentionShape,
     opts: &AttentionOptions,
+    starts: Option<&[u32]>,
 ) -> Vec<f32> {
-    shape.check(qkv, bias);
-    attention_fwd_with(qkv, bias, shape.dims(), scores(opts, shape.head_dim))
+    shape.check(qkv, bias, starts);
+    let sc = Scores::of(opts, shape.head_dim);
+    attention_fwd_with(qkv, bias, shape.dims(), sc, starts)
 }
 
 /// The backward of [`attention_forward`]: `qkv`'s gradient `(N, qkv_width)` from `qkv` (and the
 /// same `bias`), the forward's output `out` and its gradient `grad` (both `(N, out_width)`).
-/// A key/value head's gradient sums over the query heads it serves.
+/// A key/value head's gradient sums over the query heads it serves; `starts` as the forward's.
 ///
 /// Panics: as [`attention_forward`]; `out` or `grad` of another size.
 pub fn attention_backward(
@@ -284,8 +290,9 @@ pub fn attention_backward(
     grad: &[f32],
     shape: AttentionShape,
     opts: &AttentionOptions,
+    starts: Option<&[u32]>,
 ) -> Vec<f32> {
-    shape.check(qkv, bias);
+    shape.check(qkv, bias, starts);
     let n = shape.batch * shape.seq * shape.out_width();
     assert!(
         out.len() == n && grad.len() == n,
@@ -297,7 +304,8 @@ pub fn attention_backward(
         out,
         grad,
         shape.dims(),
-        scores(opts, shape.head_dim),
+        Scores::of(opts, shape.head_dim),
+        starts,
     )
 }
 

@@ -6,7 +6,7 @@
 //! | [`LayerNorm`], [`RmsNorm`] ([`layer_norm`], [`rms_norm`], [`layer_norm_no_bias`]) | `norm.rs` | candle-nn's norms, whose fused kernels have no backward |
 //! | [`linear_forward`] ([`Linear`], [`linear`]) | `linear.rs` | `candle_nn::Linear` (reshape, matmul, reshape, broadcast-add: four nodes) |
 //! | [`causal_softmax`] ([`causal_softmax_composed`]) | `softmax.rs` | scale + mask + softmax (four nodes) |
-//! | [`attention`] ([`attention_composed`], [`AttentionOptions`]: grouped-query heads, scale, sliding window, logit soft-capping; [`causal_attention`], [`causal_attention_gqa`] the plain causal case) | `attention.rs` | the q/k/v split, `Q·Kᵀ`, the scale, soft-cap and mask, the softmax, `·V` and the head merge (about fifteen nodes and a `(B, h, T, T)` score tensor kept for backward) |
+//! | [`attention`] ([`attention_composed`], [`AttentionOptions`]: grouped-query heads, scale, sliding window, logit soft-capping; [`attention_packed`]: examples packed in one sequence, [`segment_starts`]; [`causal_attention`], [`causal_attention_gqa`] the plain causal case) | `attention.rs` | the q/k/v split, `Q·Kᵀ`, the scale, soft-cap and mask, the softmax, `·V` and the head merge (about fifteen nodes and a `(B, h, T, T)` score tensor kept for backward) |
 //! | [`linear_gelu`] | `linear.rs` | `linear_forward` then `gelu`: two nodes, the second's gradient accumulator the size of the MLP's hidden layer |
 //! | [`gelu`] | `activation.rs` | `Tensor::gelu` (single-threaded, one `tanh` per element) |
 //! | [`rope`] ([`rope_composed`]) | `rope.rs` | rotary position embeddings as narrows, a negation, a concatenation and two broadcast products (six nodes) |
@@ -35,8 +35,9 @@ mod softmax;
 
 pub use activation::{gelu, gelu_composed};
 pub use attention::{
-    attention, attention_composed, causal_attention, causal_attention_composed,
-    causal_attention_gqa, causal_attention_gqa_composed, AttentionOptions,
+    attention, attention_composed, attention_packed, attention_packed_composed, causal_attention,
+    causal_attention_composed, causal_attention_gqa, causal_attention_gqa_composed, segment_starts,
+    AttentionOptions,
 };
 pub use linear::{linear, linear_forward, linear_gelu, linear_normal, Linear};
 pub use loss::{cross_entropy, cross_entropy_composed, lm_loss, lm_loss_sum, IGNORE_INDEX};

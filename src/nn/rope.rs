@@ -27,23 +27,16 @@ use crate::cpu::{contiguous, filled, with_simd, Elem};
 const CHUNK: usize = 1 << 15;
 
 /// Rotary embedding of `x` `(B, T, heads, head_dim)` with tables `cos`, `sin` `(T,
-/// head_dim)` (f32; [`rope_composed`] gives the formula): `x ⊙ cos + rotate_half(x) ⊙ sin`,
+/// head_dim)`, or `(B, T, head_dim)` when each sequence has its own positions (packed examples)
+/// (f32; [`rope_composed`] gives the formula): `x ⊙ cos + rotate_half(x) ⊙ sin`,
 /// differentiable in `x` (the tables are constants). Same values as [`rope_composed`] up to
 /// rounding; see the module documentation (`src/nn/rope.rs`).
 ///
-/// Errors: `x` not 4-D, an odd `head_dim`, tables of another shape than `(T, head_dim)`;
-/// Candle's.
+/// Errors: `x` not 4-D, an odd `head_dim`, tables of another shape than `(T, head_dim)` or
+/// `(B, T, head_dim)`; Candle's.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (_, t, heads, hd) = x.dims4()?;
-    if hd % 2 != 0 || cos.dims() != [t, hd] || sin.dims() != [t, hd] {
-        bail!(
-            "rope: x {:?} needs an even head_dim and cos, sin of shape [{t}, {hd}], found {:?} \
-             and {:?}",
-            x.dims(),
-            cos.dims(),
-            sin.dims()
-        );
-    }
+    let (b, t, heads, hd) = x.dims4()?;
+    let rows = check(x, cos, sin)?;
     let fused = x.device().is_cpu()
         && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && x.elem_count() > 0;
@@ -53,10 +46,11 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let table = |t: &Tensor| -> Result<Vec<f32>> {
         t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
     };
+    debug_assert!(rows == t || rows == b * t);
     let op = RopeOp {
         cos: table(cos)?,
         sin: table(sin)?,
-        t,
+        t: rows,
         heads,
         hd,
         backward: false,
@@ -64,15 +58,38 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(op)
 }
 
+/// The table rows of [`rope`]'s arguments: `T` for `(T, hd)` tables, `B·T` for `(B, T, hd)`.
+fn check(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<usize> {
+    let (b, t, _, hd) = x.dims4()?;
+    let shared = cos.dims() == [t, hd] && sin.dims() == [t, hd];
+    let per_row = cos.dims() == [b, t, hd] && sin.dims() == [b, t, hd];
+    if hd % 2 != 0 || !(shared || per_row) {
+        bail!(
+            "rope: x {:?} needs an even head_dim and cos, sin of shape [{t}, {hd}] or [{b}, {t}, \
+             {hd}], found {:?} and {:?}",
+            x.dims(),
+            cos.dims(),
+            sin.dims()
+        );
+    }
+    Ok(if shared { t } else { b * t })
+}
+
 /// [`rope`] composed of Candle ops: any dtype and device (the tables are converted to `x`'s
 /// dtype), differentiable to any order.
 ///
 /// Errors: as [`rope`].
 pub fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (_, t, _, hd) = x.dims4()?;
+    let (b, t, _, hd) = x.dims4()?;
+    let rows = check(x, cos, sin)?;
     let half = hd / 2;
-    let cos = cos.to_dtype(x.dtype())?.reshape((1, t, 1, hd))?;
-    let sin = sin.to_dtype(x.dtype())?.reshape((1, t, 1, hd))?;
+    let shape = if rows == t && cos.rank() == 2 {
+        (1, t, 1, hd)
+    } else {
+        (b, t, 1, hd)
+    };
+    let cos = cos.to_dtype(x.dtype())?.reshape(shape)?;
+    let sin = sin.to_dtype(x.dtype())?.reshape(shape)?;
     let x1 = x.narrow(D::Minus1, 0, half)?;
     let x2 = x.narrow(D::Minus1, half, half)?;
     let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;

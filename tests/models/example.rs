@@ -485,7 +485,7 @@ fn a_non_utf8_eval_file_is_bytes_for_bytes_and_named_for_a_tokenizer() {
 
 /// `--data FILE.jsonl`: supervised examples whose completions the model learns (the
 /// per-token validation loss on them falls well below a uniform guess over the 256 byte
-/// tokens, ln 256 = 5.55), and a bad line is named before training.
+/// tokens, ln 256 = 5.55), also packed (`--pack`), and a bad line is named before training.
 #[test]
 fn supervised_jsonl_data_trains_on_the_completions() {
     let Some(bin) = example() else { return };
@@ -537,6 +537,46 @@ fn supervised_jsonl_data_trains_on_the_completions() {
         val < 3.0,
         "per-token validation loss {val} after 40 steps:\n{out}"
     );
+    // Packed: several examples per sequence of 32 tokens, learning as well.
+    let packed = run(
+        &bin,
+        &[
+            "--world-size",
+            "2",
+            "--data",
+            data.to_str().unwrap(),
+            "--pack",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "3",
+            "--max-steps",
+            "40",
+            "--lr",
+            "3e-3",
+            "--eval-interval",
+            "40",
+            "--log-interval",
+            "40",
+            "--sample-len",
+            "0",
+        ],
+    );
+    assert!(
+        packed.contains("packing: 114 training examples in "),
+        "{packed}"
+    );
+    let val: f64 = packed
+        .lines()
+        .find_map(|l| l.split("val loss ").nth(1))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no val loss line:\n{packed}"));
+    assert!(
+        val < 3.0,
+        "packed: validation loss {val} after 40 steps:\n{packed}"
+    );
+    let e = fails(&bin, &["--pack", "--max-steps", "1"]);
+    assert!(e.contains("--pack packs supervised examples"), "{e}");
     std::fs::write(
         &data,
         "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\n{\"prompt\": \"x\"}\n",

@@ -20,6 +20,7 @@ mod hf_load;
 mod hf_resolve;
 mod llama;
 mod lora;
+mod packed;
 mod qlora;
 mod sft;
 

@@ -47,7 +47,7 @@ fn step(ws: usize, parts: Vec<Vec<Vec<SftExample>>>) -> Vec<(String, Vec<f32>)> 
         for (m, micro) in mine.iter().enumerate() {
             model.set_requires_gradient_sync(m + 1 == mine.len());
             let refs: Vec<&SftExample> = micro.iter().collect();
-            let (x, y) = batch(&refs, &Device::Cpu)?;
+            let (x, y, _) = batch(&refs, &Device::Cpu)?;
             let (sum, _) = lm_loss_sum(&decoder.logits(&mut model, &x, true)?, &y)?;
             model.backward(&sum.affine(scale as f64, 0.0)?)?;
         }
@@ -108,7 +108,7 @@ fn per_token_loss_over_ranks_and_micro_batches_equals_one_process() {
             &HfOptions::default(),
         )?;
         let refs: Vec<&SftExample> = ex[pg.rank()].iter().collect();
-        let (x, y) = batch(&refs, &Device::Cpu)?;
+        let (x, y, _) = batch(&refs, &Device::Cpu)?;
         let (sum, k) = lm_loss_sum(&decoder.logits(&mut model, &x, true)?, &y)?;
         model.backward(&sum.affine(1.0 / k.max(1) as f64, 0.0)?)?;
         let mut opt = Sgd::new(SgdConfig {

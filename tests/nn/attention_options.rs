@@ -4,10 +4,15 @@
 //! and in f64), for every combination of the options, contexts across the kernel's 64-row tile
 //! and below it; a window of `T` or more is no window (bit-equal); a window hides the keys left
 //! of it (changing them leaves the output bit-equal); bf16 within its rounding; invalid options
-//! are errors naming the option.
+//! are errors naming the option. Packed sequences (`attention_packed`): each example's output
+//! equals the example attended alone, gradients equal the composed ops' in f64, bad segment
+//! starts are errors naming the position.
 
 use candle_core::{DType, Tensor, Var};
-use candle_fsdp::nn::{attention, attention_composed, causal_attention_gqa, AttentionOptions};
+use candle_fsdp::nn::{
+    attention, attention_composed, attention_packed, attention_packed_composed,
+    causal_attention_gqa, segment_starts, AttentionOptions,
+};
 
 use super::fused::{max_abs_diff, random, values};
 
@@ -298,4 +303,92 @@ fn attention_rejects_bad_options() {
     }
     // The valid base runs.
     assert_eq!(attention(&qkv, &base).unwrap().dims(), [1, 4, 12]);
+}
+
+/// Examples packed in sequences of 150 positions (row 0: 40 + 70 + 40, segment starts inside
+/// the kernel's tiles and on none of their edges; row 1: 1 + 149), for window {none, 3, 50} and
+/// soft-cap {none, 2}, grouped-query heads: each example's rows of the packed output equal the
+/// example attended alone, and the gradients equal the composed ops' under Candle's autograd in
+/// f64.
+#[test]
+fn packed_examples_attend_as_if_alone() {
+    let (b, t, hd, h, kvh) = (2, 150, 8, 4, 2);
+    let rows: [&[usize]; 2] = [&[40, 70, 40], &[1, 149]];
+    let ids: Vec<u32> = rows
+        .iter()
+        .flat_map(|r| r.iter().flat_map(|&n| 0..n as u32))
+        .collect();
+    let starts =
+        segment_starts(&Tensor::from_vec(ids, (b, t), &candle_core::Device::Cpu).unwrap()).unwrap();
+    let mut case = 0;
+    for window in [None, Some(3), Some(50)] {
+        for softcap in [None, Some(2.0)] {
+            case += 1;
+            let opts = AttentionOptions {
+                n_head: h,
+                n_kv_head: kvh,
+                scale: None,
+                window,
+                softcap,
+            };
+            let qkv = random(300 + case, &[b, t, (h + 2 * kvh) * hd], 1.5);
+            let w = random(400 + case, &[b, t, h * hd], 1.0);
+            let packed = |q: &Tensor, o: &AttentionOptions| attention_packed(q, o, &starts);
+            let v = Var::from_tensor(&qkv).unwrap();
+            let y = packed(v.as_tensor(), &opts).unwrap();
+            let g = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let g = values(g.get(v.as_tensor()).unwrap());
+            for (bi, lens) in rows.iter().enumerate() {
+                let mut at = 0;
+                for &n in lens.iter() {
+                    let one = qkv.narrow(0, bi, 1).unwrap().narrow(1, at, n).unwrap();
+                    let alone = values(&attention(&one, &opts).unwrap());
+                    let got = values(&y.narrow(0, bi, 1).unwrap().narrow(1, at, n).unwrap());
+                    let d = max_abs_diff(&got, &alone);
+                    assert!(d < 2e-6, "{opts:?}: example at ({bi}, {at}) differs by {d}");
+                    at += n;
+                }
+            }
+            let q64 = Var::from_tensor(&qkv.to_dtype(DType::F64).unwrap()).unwrap();
+            let y64 = attention_packed_composed(q64.as_tensor(), &opts, &starts).unwrap();
+            let w64 = w.to_dtype(DType::F64).unwrap();
+            let g64 = (&y64 * &w64)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let dy = max_abs_diff(&values(&y), &values(&y64));
+            assert!(
+                dy < 2e-6,
+                "{opts:?}: values differ from composed f64 by {dy}"
+            );
+            let dg = max_abs_diff(&g, &values(g64.get(q64.as_tensor()).unwrap()));
+            assert!(
+                dg < 2e-5,
+                "{opts:?}: gradients differ from composed f64 by {dg}"
+            );
+        }
+    }
+    // One example per row: attention's values exactly.
+    let zeros = Tensor::zeros((b, t), DType::U32, &candle_core::Device::Cpu).unwrap();
+    let opts = AttentionOptions::new(h, kvh);
+    let qkv = random(500, &[b, t, (h + 2 * kvh) * hd], 1.5);
+    assert_eq!(
+        values(&attention_packed(&qkv, &opts, &zeros).unwrap()),
+        values(&attention(&qkv, &opts).unwrap())
+    );
+    // Starts that are not segment starts, or of another shape, are refused.
+    let mut bad = vec![0u32; b * t];
+    bad[7] = 3;
+    let bad = Tensor::from_vec(bad, (b, t), &candle_core::Device::Cpu).unwrap();
+    let e = attention_packed(&qkv, &opts, &bad).unwrap_err().to_string();
+    assert!(
+        e.contains("segment start 3 at position 7 of sequence 0"),
+        "{e}"
+    );
+    let e = attention_packed(&qkv, &opts, &zeros.narrow(1, 0, 5).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("must be (2, 150) u32"), "{e}");
 }

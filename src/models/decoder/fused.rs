@@ -41,7 +41,7 @@ use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
 
-use super::layers::{Block, MlpKind, NormKind, Proj, Qkv};
+use super::layers::{Block, MlpKind, NormKind, Positions, Proj, Qkv};
 use super::Activation;
 use crate::fsdp::fused;
 use crate::models::gpt2_block::{gpt_block, GptBlockParams};
@@ -97,7 +97,7 @@ struct Plan {
 /// module documentation) and the caller composes the layers.
 ///
 /// Errors: Candle's (the rotary tables).
-pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
+pub(super) fn block(blk: &Block, x: &Tensor, pos: Option<&Positions>) -> Result<Option<Tensor>> {
     #[cfg(test)]
     if tests::COMPOSE.with(|c| c.get()) {
         return Ok(None);
@@ -112,6 +112,10 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
         return Ok(None);
     }
     if blk.attn.rope.is_none() {
+        if pos.is_some() {
+            // The GPT-2 node attends over whole sequences: packed examples compose.
+            return Ok(None);
+        }
         return gpt2(blk, x);
     }
     let mut params: Vec<Tensor> = Vec::new();
@@ -225,14 +229,18 @@ pub(super) fn block(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
     plan.check(&params, x.dim(2)?)?;
     let t = x.dim(1)?;
     let cfg = blk.attn.rope.as_ref().expect("checked above");
-    let (cos, sin) = blk.attn.tables(cfg, t, x.device())?;
+    let (cos, sin) = blk.attn.tables_at(cfg, t, pos, x.device())?;
     let trains = params.iter().map(fused::trains).collect();
     let op = BlockOp {
         plan,
         trains,
         opts,
+        rows: if pos.is_some() { x.dim(0)? * t } else { t },
         cos: cos.flatten_all()?.to_vec1::<f32>()?,
         sin: sin.flatten_all()?.to_vec1::<f32>()?,
+        starts: pos
+            .map(|p| p.starts.flatten_all()?.to_vec1::<u32>())
+            .transpose()?,
         params: params.clone(),
         saved: Mutex::new(None),
     };
@@ -354,15 +362,20 @@ impl Plan {
     }
 }
 
-/// The node: the plan, the attention's options, the rotary tables `(T, hd)`, the parameters (read
-/// at forward and backward), and the activations kept for the backward.
+/// The node: the plan, the attention's options, the rotary tables (`(T, hd)`, or `(B·T, hd)`
+/// for packed examples), the segment starts of packed examples, the parameters (read at
+/// forward and backward), and the activations kept for the backward.
 struct BlockOp {
     plan: Plan,
     /// Per parameter: whether it trains (frozen ones, e.g. under LoRA, get no gradient).
     trains: Vec<bool>,
     opts: AttentionOptions,
+    /// Rows of the tables: `T`, or `B·T` (one per token).
+    rows: usize,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// Packed examples: the first position of each token's example (`B·T`).
+    starts: Option<Vec<u32>>,
     params: Vec<Tensor>,
     saved: Mutex<Option<Saved>>,
 }
@@ -666,12 +679,18 @@ impl CustomOp1 for BlockOp {
                 w,
                 0,
                 pl.n_head + pl.n_kv_head,
-                t,
+                self.rows,
                 &self.cos,
                 &self.sin,
                 false,
             );
-            let att = attention_forward(&qkv, None, self.shape(b, t), &self.opts);
+            let att = attention_forward(
+                &qkv,
+                None,
+                self.shape(b, t),
+                &self.opts,
+                self.starts.as_deref(),
+            );
             let bo = pl.o.b.map(|i| p[i]);
             let wo = Mat::new(p[pl.o.w], d, ho).t();
             let (h, o) = match pl.post_attn {
@@ -831,15 +850,22 @@ impl CustomOp1 for BlockOp {
                 }
                 let mut datt = matmul_new(Mat::new(do_, n, d), Mat::new(p[pl.o.w], d, ho));
                 lora_bwd(do_, &s.att, n, ho, &pl.o, p, tr, &mut grads, &mut datt);
-                let mut dqkv =
-                    attention_backward(&s.qkv, None, &s.att, &datt, self.shape(b, t), &self.opts);
+                let mut dqkv = attention_backward(
+                    &s.qkv,
+                    None,
+                    &s.att,
+                    &datt,
+                    self.shape(b, t),
+                    &self.opts,
+                    self.starts.as_deref(),
+                );
                 drop(datt);
                 rope_in_place(
                     &mut dqkv,
                     w,
                     0,
                     pl.n_head + pl.n_kv_head,
-                    t,
+                    self.rows,
                     &self.cos,
                     &self.sin,
                     true,

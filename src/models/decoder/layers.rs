@@ -12,9 +12,64 @@ use super::family::BlockStyle;
 use super::{Activation, DecoderConfig, INIT_STD};
 use crate::lora::{LoraAdapter, LoraConfig};
 use crate::nn::{
-    attention, layer_norm, linear_forward, linear_normal, rms_norm, AttentionOptions, LayerNorm,
-    Linear, RmsNorm,
+    attention, attention_packed, layer_norm, linear_forward, linear_normal, rms_norm,
+    segment_starts, AttentionOptions, LayerNorm, Linear, RmsNorm,
 };
+use crate::unit::UnitModule;
+
+/// Where each token of a batch sits when a sequence packs several examples: its position id
+/// (what its rotary angles, or GPT-2's learned position, are taken at) and the first position
+/// of its example in the sequence (the attention sees no key before it). Built from position
+/// ids that restart at 0 at each example, as transformers' packed batches
+/// (`DataCollatorWithFlattening`) give them; [`crate::nn::segment_starts`] says where an
+/// example starts.
+#[derive(Debug, Clone)]
+pub struct Positions {
+    /// `(B, T)` u32 position ids.
+    pub ids: Tensor,
+    /// `(B, T)` u32: the first position of each token's example.
+    pub starts: Tensor,
+    /// The largest id.
+    pub(super) max: u32,
+}
+
+impl Positions {
+    /// The positions of `ids` `(B, T)` (u32 or i64, non-negative).
+    ///
+    /// Errors: `ids` not 2-D integers, a negative id; Candle's.
+    pub fn new(ids: &Tensor) -> candle_core::Result<Self> {
+        let (b, t) = ids.dims2()?;
+        let flat = ids.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
+        if let Some(i) = flat
+            .iter()
+            .position(|&p| !(0..=u32::MAX as i64).contains(&p))
+        {
+            candle_core::bail!(
+                "position id {} at ({}, {}) is outside 0 ..= {}",
+                flat[i],
+                i / t.max(1),
+                i % t.max(1),
+                u32::MAX
+            )
+        }
+        let flat: Vec<u32> = flat.into_iter().map(|p| p as u32).collect();
+        Ok(Self {
+            max: flat.iter().copied().max().unwrap_or(0),
+            ids: Tensor::from_vec(flat, (b, t), ids.device())?,
+            starts: segment_starts(ids)?,
+        })
+    }
+
+    /// The rotary tables at these positions, `(B, T, head_dim)` each, gathered from `table`
+    /// (`(n, head_dim)`, `n` > every id).
+    pub(super) fn gather(&self, table: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t) = self.ids.dims2()?;
+        let hd = table.dim(1)?;
+        table
+            .index_select(&self.ids.flatten_all()?, 0)?
+            .reshape((b, t, hd))
+    }
+}
 
 /// A norm of the family: RMSNorm (`x / √(mean(x²) + eps) · w`; with Gemma's offset `· (1 +
 /// w)`, `w` stored as the offset and initialised 0) or GPT-2's LayerNorm with a bias.
@@ -377,14 +432,46 @@ impl Attention {
 
 impl Module for Attention {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_at(x, None)
+    }
+}
+
+impl Attention {
+    /// The rotary tables `(cos, sin)` of a batch: `(T, head_dim)` for positions `0..T`, or
+    /// `(B, T, head_dim)` at `pos`' ids.
+    pub(super) fn tables_at(
+        &self,
+        cfg: &DecoderConfig,
+        t: usize,
+        pos: Option<&Positions>,
+        device: &Device,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        match pos {
+            None => self.tables(cfg, t, device),
+            Some(p) => {
+                let (cos, sin) = self.tables(cfg, t.max(p.max as usize + 1), device)?;
+                Ok((p.gather(&cos)?, p.gather(&sin)?))
+            }
+        }
+    }
+
+    /// The attention's output `(B, T, d)` of `x` `(B, T, d)`, its tokens at `pos` (packed
+    /// examples) or at `0..T`.
+    ///
+    /// Errors: `pos` not `(B, T)`; Candle's.
+    pub fn forward_at(&self, x: &Tensor, pos: Option<&Positions>) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, hd) = (self.opts.n_head, self.opts.n_kv_head, self.hd);
+        let attend = |qkv: &Tensor| match pos {
+            None => attention(qkv, &self.opts),
+            Some(p) => attention_packed(qkv, &self.opts, &p.starts),
+        };
         let (q, k, v) = match &self.qkv {
             Qkv::Fused(p) => {
                 let qkv = p.forward(x)?;
                 if self.rope.is_none() && self.q_norm.is_none() {
                     // GPT-2: the fused projection is already the kernel's layout.
-                    return self.o.forward(&attention(&qkv, &self.opts)?);
+                    return self.o.forward(&attend(&qkv)?);
                 }
                 (
                     qkv.narrow(2, 0, h * hd)?,
@@ -401,7 +488,7 @@ impl Module for Attention {
             k = kn.forward(&k)?;
         }
         if let Some(cfg) = &self.rope {
-            let (cos, sin) = self.tables(cfg, t, x.device())?;
+            let (cos, sin) = self.tables_at(cfg, t, pos, x.device())?;
             q = crate::nn::rope(&q, &cos, &sin)?;
             k = crate::nn::rope(&k, &cos, &sin)?;
         }
@@ -415,7 +502,7 @@ impl Module for Attention {
             ],
             2,
         )?;
-        self.o.forward(&attention(&qkv, &self.opts)?)
+        self.o.forward(&attend(&qkv)?)
     }
 }
 
@@ -586,12 +673,49 @@ impl Block {
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_at(x, None)
+    }
+}
+
+/// The block as a unit: inputs `[h]` or `[h, position_ids]` (`(B, T)` u32, packed examples:
+/// [`Positions`]); one output.
+impl UnitModule for Block {
+    fn forward_t(&self, xs: &[Tensor], _train: bool) -> candle_core::Result<Vec<Tensor>> {
+        match xs {
+            [x] => Ok(vec![self.forward_at(x, None)?]),
+            [x, ids] => Ok(vec![self.forward_at(x, Some(&Positions::new(ids)?))?]),
+            _ => candle_core::bail!(
+                "a decoder block takes the hidden states and optionally position ids, found {} \
+                 inputs",
+                xs.len()
+            ),
+        }
+    }
+}
+
+impl Block {
+    /// The block's output `(B, T, d)` of `x` `(B, T, d)`, its tokens at `pos` (packed
+    /// examples: rotary angles at their position ids, attention within their example) or at
+    /// `0..T`.
+    ///
+    /// Errors: `pos` not `(B, T)`; Candle's.
+    pub fn forward_at(&self, x: &Tensor, pos: Option<&Positions>) -> candle_core::Result<Tensor> {
+        if let Some(p) = pos {
+            let (b, t, _) = x.dims3()?;
+            if p.ids.dims() != [b, t] {
+                candle_core::bail!(
+                    "position ids {:?} do not fit hidden states {:?} (B, T, d)",
+                    p.ids.dims(),
+                    x.dims()
+                )
+            }
+        }
         // Inside the FSDP runtime's training forward: the whole block as one node
         // (`decoder/fused.rs`) where it applies.
-        if let Some(y) = super::fused::block(self, x)? {
+        if let Some(y) = super::fused::block(self, x, pos)? {
             return Ok(y);
         }
-        let mut a = self.attn.forward(&self.norm1.forward(x)?)?;
+        let mut a = self.attn.forward_at(&self.norm1.forward(x)?, pos)?;
         if let Some(n) = &self.post_attn {
             a = n.forward(&a)?;
         }

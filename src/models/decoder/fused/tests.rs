@@ -89,33 +89,64 @@ fn block_with(
 /// norms with the `1 + w` offset, soft-capped scores, its scale and GELU gate.
 #[test]
 fn one_node_decoder_block_matches_the_composed_layers() {
-    let cases = [
-        ("llama-tied", 0),
-        ("llama-gqa", 1),
-        ("family-mistral", 0),
-        ("family-qwen2", 1),
-        ("family-phi3", 0),
-        ("family-gemma2", 0),
-        ("family-gemma2", 1),
-        ("family-qwen3", 0),
-        ("family-gpt2", 1),
-    ];
-    for (fixture, layer) in cases {
+    for (fixture, layer) in CASES {
+        node_matches_composed(fixture, layer, None);
+    }
+}
+
+/// The families of [`one_node_decoder_block_matches_the_composed_layers`].
+const CASES: [(&str, usize); 9] = [
+    ("llama-tied", 0),
+    ("llama-gqa", 1),
+    ("family-mistral", 0),
+    ("family-qwen2", 1),
+    ("family-phi3", 0),
+    ("family-gemma2", 0),
+    ("family-gemma2", 1),
+    ("family-qwen3", 0),
+    ("family-gpt2", 1),
+];
+
+/// Packed examples (position ids restarting at each: the rotary tables per token, the
+/// attention within each example; two sequences of 13 tokens, examples of 5 + 8 and 3 + 6 + 4
+/// tokens): the node equals the composed layers too, window (Mistral: 5 keys; Gemma 2) and
+/// soft-cap included. GPT-2's node attends over whole sequences: packed, it composes.
+#[test]
+fn one_node_block_over_packed_examples_matches_the_composed_layers() {
+    let ids: Vec<u32> = [5u32, 8, 3, 6, 4].iter().flat_map(|&n| 0..n).collect();
+    let ids = Tensor::from_vec(ids, (2, 13), &Device::Cpu).unwrap();
+    let pos = Positions::new(&ids).unwrap();
+    assert_eq!(
+        pos.starts.to_vec2::<u32>().unwrap()[1],
+        [0, 0, 0, 3, 3, 3, 3, 3, 3, 9, 9, 9, 9]
+    );
+    for (fixture, layer) in CASES {
+        node_matches_composed(fixture, layer, Some(&pos));
+    }
+}
+
+/// The node of `fixture`'s block `layer` against its composed layers on `(2, 13, d)` inputs at
+/// `pos`: output, input gradient, every parameter's gradient.
+fn node_matches_composed(fixture: &str, layer: usize, pos: Option<&Positions>) {
+    {
         let (cfg, blk, vars) = block_of(fixture, layer);
         let (b, t, d) = (2, 13, cfg.hidden_size);
         let x = Var::from_vec(values(b * t * d, 0.0, 1.0, 7), (b, t, d), &Device::Cpu).unwrap();
         let r = Tensor::from_vec(values(b * t * d, 0.0, 1.0, 8), (b, t, d), &Device::Cpu).unwrap();
         assert!(
-            block(&blk, x.as_tensor()).unwrap().is_none(),
+            block(&blk, x.as_tensor(), pos).unwrap().is_none(),
             "{fixture}: not armed"
         );
-        let want = blk.forward(x.as_tensor()).unwrap();
+        let want = blk.forward_at(x.as_tensor(), pos).unwrap();
         let want_grads = (&want * &r).unwrap().sum_all().unwrap().backward().unwrap();
 
         let armed = fused::arm();
-        let got = block(&blk, x.as_tensor())
-            .unwrap()
-            .unwrap_or_else(|| panic!("{fixture}: armed, one node"));
+        let node = block(&blk, x.as_tensor(), pos).unwrap();
+        if pos.is_some() && blk.attn.rope.is_none() {
+            assert!(node.is_none(), "{fixture}: GPT-2 packed composes");
+            return;
+        }
+        let got = node.unwrap_or_else(|| panic!("{fixture}: armed, one node"));
         assert!(
             vars.iter().all(|v| fused::promised(v.as_tensor())),
             "{fixture}"
@@ -204,7 +235,7 @@ fn one_node_block_with_lora_adapters_and_a_frozen_base() {
             .map(|v| v.as_tensor().clone())
             .collect();
         let armed = fused::arm_with_frozen(&frozen, 0);
-        let got = block(&blk, x.as_tensor())
+        let got = block(&blk, x.as_tensor(), None)
             .unwrap()
             .expect("one node with adapters");
         drop(armed);
@@ -260,7 +291,7 @@ fn lora_dropout_masks_are_the_calls_in_the_node_and_the_composed_layers() {
     let want = composed(11);
     let want_grads = (&want * &r).unwrap().sum_all().unwrap().backward().unwrap();
     let armed = fused::arm_with_frozen(std::iter::empty(), 11);
-    let got = block(&blk, x.as_tensor()).unwrap().expect("one node");
+    let got = block(&blk, x.as_tensor(), None).unwrap().expect("one node");
     drop(armed);
     let e = max_rel(&got, &want);
     assert!(e < 2e-5, "output {e}");
