@@ -48,6 +48,10 @@ pub struct LmArgs {
     /// AdamW weight decay of the weight matrices and embeddings (biases and norms get none).
     #[arg(long, default_value_t = 0.1)]
     pub weight_decay: f64,
+    /// AdamW moments' dtype: f32, or bf16 (half the optimizer state; the update computed in
+    /// f32, the moments rounded stochastically). CPU only.
+    #[arg(long, default_value = "f32", value_name = "DTYPE")]
+    pub optim_state_dtype: String,
     /// AdamW beta1.
     #[arg(long, default_value_t = 0.9)]
     pub beta1: f64,
@@ -98,6 +102,7 @@ impl LmArgs {
     /// The checks of these flags.
     pub fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(self.log_interval >= 1, "--log-interval must be at least 1");
+        self.state_dtype()?;
         anyhow::ensure!(self.eval_batches >= 1, "--eval-batches must be at least 1");
         anyhow::ensure!(
             (0.0..=1.0).contains(&self.min_lr_factor),
@@ -127,9 +132,27 @@ impl LmArgs {
         Ok(())
     }
 
+    /// `--optim-state-dtype` as a dtype (checked).
+    pub fn state_dtype(&self) -> anyhow::Result<DType> {
+        match self.optim_state_dtype.as_str() {
+            "f32" => Ok(DType::F32),
+            "bf16" => Ok(DType::BF16),
+            other => anyhow::bail!("--optim-state-dtype must be f32 or bf16, found {other:?}"),
+        }
+    }
+
+    /// AdamW's state bytes per trainable element under `--optim-state-dtype` (8 or 4), for the
+    /// memory budget and plan.
+    pub fn state_bytes_per_element(&self) -> usize {
+        match self.state_dtype() {
+            Ok(DType::BF16) => 4,
+            _ => 8,
+        }
+    }
+
     /// AdamW of the flags (`lr`: `--lr`), with no weight decay on the parameters matching
     /// `no_decay` (biases and norm weights).
-    pub fn optimizer(&self, lr: f64, no_decay: &[&str]) -> AdamW {
+    pub fn optimizer(&self, lr: f64, no_decay: &[&str]) -> Result<AdamW> {
         let cfg = AdamWConfig {
             lr,
             beta1: self.beta1,
@@ -145,7 +168,10 @@ impl LmArgs {
                 ..cfg
             },
         );
-        AdamW::with_groups(cfg, vec![group])
+        let dtype = self
+            .state_dtype()
+            .map_err(|e| candle_fsdp::Error::InvalidArgument(e.to_string()))?;
+        AdamW::with_groups(cfg, vec![group]).with_state_dtype(dtype)
     }
 }
 
@@ -233,12 +259,18 @@ pub struct SftCorpus {
     pub train: Vec<candle_fsdp::data::sft::SftExample>,
     /// Validation examples.
     pub val: Vec<candle_fsdp::data::sft::SftExample>,
+    /// The token a batch is padded with (to its longest example).
+    pub pad: u32,
 }
 
 #[allow(dead_code)]
 impl SftCorpus {
-    /// Splits `examples` (at least two) into training and validation.
-    pub fn new(mut examples: Vec<candle_fsdp::data::sft::SftExample>) -> anyhow::Result<Self> {
+    /// Splits `examples` (at least two) into training and validation; batches padded with
+    /// `pad`.
+    pub fn new(
+        mut examples: Vec<candle_fsdp::data::sft::SftExample>,
+        pad: u32,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(
             examples.len() >= 2,
             "--data: {} example(s); at least 2 (one is held out for validation)",
@@ -249,12 +281,13 @@ impl SftCorpus {
         Ok(Self {
             train: examples,
             val,
+            pad,
         })
     }
 
-    /// The training examples' tokens before their padding.
+    /// The training examples' tokens (no padding).
     pub fn tokens(&self) -> usize {
-        self.train.iter().map(|e| e.len).sum()
+        self.train.iter().map(|e| e.len()).sum()
     }
 }
 
@@ -273,10 +306,10 @@ impl Corpus for SftCorpus {
             Split::Train => &self.train,
             Split::Val => &self.val,
         };
-        if pool.first().is_some_and(|e| e.inputs.len() != seq_len) {
+        if let Some(e) = pool.iter().find(|e| e.len() > seq_len) {
             return Err(candle_fsdp::Error::InvalidArgument(format!(
-                "supervised examples of {} tokens, asked for {seq_len}",
-                pool[0].inputs.len()
+                "a supervised example of {} tokens, longer than --seq-len {seq_len}",
+                e.len()
             )));
         }
         let split_id = u64::from(matches!(split, Split::Val));
@@ -286,7 +319,7 @@ impl Corpus for SftCorpus {
         let picked: Vec<&candle_fsdp::data::sft::SftExample> = (0..batch)
             .map(|_| &pool[rng.random_range(0..pool.len())])
             .collect();
-        candle_fsdp::data::sft::batch(&picked, device)
+        candle_fsdp::data::sft::batch(&picked, self.pad, device)
     }
 
     fn per_token(&self) -> bool {
@@ -434,12 +467,13 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
         build: impl FnOnce(FsdpConfig) -> Result<FsdpModel>,
     ) -> Result<Self> {
         let device = pg.device().clone();
-        let optim = args.optimizer(train.lr, parts.no_decay);
+        let optim = args.optimizer(train.lr, parts.no_decay)?;
         let t = Trainer::with_build(train, pg, session, build, optim)?;
         if t.pg.rank() == 0 {
             println!(
                 "memory plan: {}{}",
-                t.model.memory_plan(8, activation_bytes.unwrap_or(0)),
+                t.model
+                    .memory_plan(args.state_bytes_per_element(), activation_bytes.unwrap_or(0)),
                 if activation_bytes.is_none() {
                     " (activations not measured: they are with --max-memory-per-rank)"
                 } else {
@@ -497,8 +531,11 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
         );
         let k = self.train.grad_accum;
         let tokens_per_step = (ws * b * t * k) as f64;
-        // Since the last loss line: summed micro-batch losses, their number, training time.
+        let per_token = self.parts.corpus.per_token();
+        // Since the last loss line: summed micro-batch losses, their number, training time;
+        // supervised batches: this rank's tokens (padded to each batch's longest) and targets.
         let (mut loss_sum, mut micro, mut busy, mut steps) = (0.0f64, 0usize, 0.0f64, 0u64);
+        let (mut tokens, mut targets) = (0usize, 0usize);
         let (mut train_mem, mut train_comm) = (None, None);
         for step in start..max {
             let t0 = Instant::now();
@@ -511,6 +548,17 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
                 .map(|m| self.train_batch(step * k as u64 + m as u64))
                 .collect::<Result<Vec<_>>>()?;
             let factor = self.token_factor(&batches)?;
+            if per_token {
+                for (x, y, _) in &batches {
+                    tokens += x.elem_count();
+                    targets += y
+                        .flatten_all()?
+                        .to_vec1::<u32>()?
+                        .iter()
+                        .filter(|&&t| t != candle_fsdp::nn::IGNORE_INDEX)
+                        .count();
+                }
+            }
             for (m, batch) in batches.into_iter().enumerate() {
                 let loss = self.micro_batch(batch, m + 1 == k, factor)?;
                 loss_sum += loss as f64;
@@ -522,16 +570,32 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
             steps += 1;
             let done = step + 1;
             if done % self.args.log_interval == 0 || done == max {
-                let sums = self.t.sum_to_rank0(vec![loss_sum as f32, micro as f32])?;
+                let sums = self.t.sum_to_rank0(vec![
+                    loss_sum as f32,
+                    micro as f32,
+                    tokens as f32,
+                    targets as f32,
+                ])?;
                 if rank == 0 {
+                    // Supervised batches are padded to their longest example, not --seq-len:
+                    // their own tokens count, and the targets (what packing does not change).
+                    let (tok, extra) = if per_token {
+                        (
+                            sums[2] as f64 / busy,
+                            format!("  {:.0} target tok/s", sums[3] as f64 / busy),
+                        )
+                    } else {
+                        (tokens_per_step * steps as f64 / busy, String::new())
+                    };
                     println!(
-                        "step {done:>6}/{max}  loss {:.4}  lr {lr:.2e}  {:.1} ms/step  {:.0} tok/s",
+                        "step {done:>6}/{max}  loss {:.4}  lr {lr:.2e}  {:.1} ms/step  {tok:.0} \
+                         tok/s{extra}",
                         sums[0] / sums[1],
                         1e3 * busy / steps as f64,
-                        tokens_per_step * steps as f64 / busy
                     );
                 }
                 (loss_sum, micro, busy, steps) = (0.0, 0, 0.0, 0);
+                (tokens, targets) = (0, 0);
             }
             if done == max {
                 // Memory of training (evaluation and sampling gather again), and the last

@@ -147,7 +147,7 @@ fn main() -> anyhow::Result<()> {
             }
             Some(candle_fsdp::MemoryBudget {
                 max_bytes_per_rank: usize::try_from(max).unwrap_or(usize::MAX),
-                optimizer_bytes_per_element: 8,
+                optimizer_bytes_per_element: args.lm.state_bytes_per_element(),
                 activation_bytes,
             })
         }

@@ -118,7 +118,7 @@ pub struct Args {
     /// Supervised examples (--data FILE.jsonl): pack several into each --seq-len sequence
     /// (best fit, longest first), positions restarting at each and attention confined to it,
     /// instead of padding each to --seq-len: the same loss, less padding computed.
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     pub pack: bool,
     #[command(flatten)]
     pub lm: lm::LmArgs,
@@ -370,9 +370,9 @@ fn main() -> anyhow::Result<()> {
             template.as_ref(),
             eos,
             args.seq_len,
-            cfg.pad_token_id.unwrap_or(0),
         )?;
-        let mut corpus = lm::SftCorpus::new(examples)
+        let cut = examples.iter().filter(|e| e.truncated).count();
+        let mut corpus = lm::SftCorpus::new(examples, cfg.pad_token_id.unwrap_or(0))
             .with_context(|| format!("--data {}", args.lm.data.display()))?;
         if setup.prints() {
             println!(
@@ -387,20 +387,25 @@ fn main() -> anyhow::Result<()> {
                     ""
                 }
             );
+            if cut > 0 {
+                println!(
+                    "note: {cut} example(s) longer than --seq-len {} + 1 tokens were cut (their \
+                     completion's end not learned)",
+                    args.seq_len
+                );
+            }
         }
         if args.pack {
-            let pad = cfg.pad_token_id.unwrap_or(0);
             let (examples, tokens) = (corpus.train.len(), corpus.tokens());
-            corpus.train = candle_fsdp::data::sft::pack(&corpus.train, args.seq_len, pad)?;
-            corpus.val = candle_fsdp::data::sft::pack(&corpus.val, args.seq_len, pad)?;
+            corpus.train = candle_fsdp::data::sft::pack(&corpus.train, args.seq_len)?;
+            corpus.val = candle_fsdp::data::sft::pack(&corpus.val, args.seq_len)?;
             if setup.prints() {
+                let rows = corpus.train.len();
                 println!(
-                    "packing: {examples} training examples in {} sequences of {} tokens ({:.0} % \
-                     of them real tokens; {:.0} % with one example per sequence)",
-                    corpus.train.len(),
+                    "packing: {examples} training examples into {rows} sequences of at most {} \
+                     tokens ({:.0} % full)",
                     args.seq_len,
-                    100.0 * tokens as f64 / (corpus.train.len() * args.seq_len) as f64,
-                    100.0 * tokens as f64 / (examples * args.seq_len) as f64,
+                    100.0 * tokens as f64 / (rows * args.seq_len) as f64,
                 );
             }
         }
@@ -477,7 +482,7 @@ fn main() -> anyhow::Result<()> {
     let budget = match args.lm.max_memory_per_rank {
         Some(max) => Some(MemoryBudget {
             max_bytes_per_rank: usize::try_from(max).unwrap_or(usize::MAX),
-            optimizer_bytes_per_element: 8,
+            optimizer_bytes_per_element: args.lm.state_bytes_per_element(),
             activation_bytes: measure_activation_bytes(
                 &cfg,
                 train.batch_size,

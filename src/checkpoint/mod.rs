@@ -366,7 +366,7 @@ pub struct LegacyOptimBuffer {
 
 /// The optimizer part of the metadata (typed: the files hold buffer kind `kind` of unit `k` as
 /// tensor `optim.<kind>.<k>`, laid out and resharded like the unit's flat parameter).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerMeta {
     /// Optimizer steps taken ([`crate::OptimizerState::step`]).
     pub step: u64,
@@ -382,6 +382,31 @@ pub struct OptimizerMeta {
     /// Version-2 buffer list (converted on reading; empty in version 3).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub buffers: Vec<LegacyOptimBuffer>,
+    /// The dtype of the optimizer buffers in the files: F32, or BF16 for an optimizer that
+    /// keeps bf16 state ([`crate::AdamW::with_state_dtype`]); absent means F32.
+    #[serde(default = "f32_dtype", skip_serializing_if = "is_f32")]
+    pub state_dtype: safetensors::Dtype,
+}
+
+impl Default for OptimizerMeta {
+    fn default() -> Self {
+        Self {
+            step: 0,
+            hyper: None,
+            buffer_kinds: Vec::new(),
+            param_steps: BTreeMap::new(),
+            buffers: Vec::new(),
+            state_dtype: safetensors::Dtype::F32,
+        }
+    }
+}
+
+fn f32_dtype() -> safetensors::Dtype {
+    safetensors::Dtype::F32
+}
+
+fn is_f32(d: &safetensors::Dtype) -> bool {
+    *d == safetensors::Dtype::F32
 }
 
 /// One rank's file of a sharded checkpoint.

@@ -32,38 +32,34 @@ use crate::error::{Error, Result};
 pub use crate::nn::IGNORE_INDEX;
 
 /// One tokenized example (or a packed sequence of several, [`pack`]): `inputs`, `targets` and
-/// `positions`, each `seq_len` tokens.
+/// `positions`, each [`SftExample::len`] tokens, unpadded ([`batch`] pads a batch to its
+/// longest sequence).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SftExample {
-    /// Input ids, padded.
+    /// Input ids.
     pub inputs: Vec<u32>,
-    /// Next-token targets; [`IGNORE_INDEX`] at prompt and padding positions.
+    /// Next-token targets; [`IGNORE_INDEX`] at prompt positions.
     pub targets: Vec<u32>,
-    /// Position ids: `0..seq_len` for one example; restarting at 0 at each example of a packed
+    /// Position ids: `0..len` for one example; restarting at 0 at each example of a packed
     /// sequence ([`pack`]).
     pub positions: Vec<u32>,
-    /// Tokens before the padding (an example's `min(tokens − 1, seq_len)`; a packed
-    /// sequence's examples together).
-    pub len: usize,
+    /// Whether prompt, completion and end of sequence did not fit `seq_len + 1` tokens and
+    /// were cut ([`SftExample::new`]).
+    pub truncated: bool,
 }
 
 impl SftExample {
-    /// The example of `prompt` and `completion` ids (and `eos` after the completion) in
-    /// `seq_len` positions, padded with `pad` (see the module docs).
-    pub fn new(
-        prompt: &[u32],
-        completion: &[u32],
-        eos: Option<u32>,
-        seq_len: usize,
-        pad: u32,
-    ) -> Self {
+    /// The example of `prompt` and `completion` ids (and `eos` after the completion), cut to
+    /// `seq_len + 1` tokens (see the module docs): `min(tokens − 1, seq_len)` positions.
+    pub fn new(prompt: &[u32], completion: &[u32], eos: Option<u32>, seq_len: usize) -> Self {
         let mut tokens: Vec<u32> = prompt.iter().chain(completion).copied().collect();
         tokens.extend(eos);
-        tokens.truncate(seq_len + 1);
+        let truncated = tokens.len() > seq_len.saturating_add(1);
+        tokens.truncate(seq_len.saturating_add(1));
         let n = tokens.len().saturating_sub(1);
-        let mut inputs = tokens[..n].to_vec();
+        let inputs = tokens[..n].to_vec();
         // Target i is token i + 1: a target when it is a completion (or eos) token.
-        let mut targets: Vec<u32> = (0..n)
+        let targets: Vec<u32> = (0..n)
             .map(|i| {
                 if i + 1 >= prompt.len() {
                     tokens[i + 1]
@@ -72,18 +68,26 @@ impl SftExample {
                 }
             })
             .collect();
-        inputs.resize(seq_len, pad);
-        targets.resize(seq_len, IGNORE_INDEX);
         Self {
             inputs,
             targets,
-            positions: (0..seq_len as u32).collect(),
-            len: n,
+            positions: (0..n as u32).collect(),
+            truncated,
         }
     }
 
-    /// Whether the example is one sequence at positions `0..T` (not packed): what
-    /// [`batch`] leaves without position ids.
+    /// Positions (tokens) of the example or packed sequence.
+    pub fn len(&self) -> usize {
+        self.inputs.len()
+    }
+
+    /// Whether it has no position.
+    pub fn is_empty(&self) -> bool {
+        self.inputs.is_empty()
+    }
+
+    /// Whether the example is one sequence at positions `0..len` (not packed): what [`batch`]
+    /// leaves without position ids.
     pub fn is_plain(&self) -> bool {
         self.positions
             .iter()
@@ -231,8 +235,9 @@ impl ChatTemplate {
     }
 }
 
-/// Reads `path`, one JSON object per non-empty line, tokenized by `tokenize`, into examples
-/// of `seq_len` ([`SftExample::new`]): `{"prompt": …, "completion": …}` (the completion then
+/// Reads `path` (a leading UTF-8 byte-order mark skipped), one JSON object per non-empty line,
+/// tokenized by `tokenize`, into examples of at most `seq_len` ([`SftExample::new`]; longer
+/// ones cut and marked [`SftExample::truncated`]): `{"prompt": …, "completion": …}` (the completion then
 /// followed by `eos`), or `{"messages": [{"role", "content"}, …]}` rendered by `template`
 /// ([`ChatTemplate::prompt_and_completion`]; the template writes its own end-of-turn marks).
 ///
@@ -246,9 +251,10 @@ pub fn read_jsonl(
     template: Option<&ChatTemplate>,
     eos: Option<u32>,
     seq_len: usize,
-    pad: u32,
 ) -> Result<Vec<SftExample>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    // A UTF-8 byte-order mark (some editors write one) is not part of the first line's JSON.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -277,7 +283,7 @@ pub fn read_jsonl(
             let p = tokenize(&prompt).map_err(|e| at(format!("tokenizing the prompt: {e}")))?;
             let c =
                 tokenize(&completion).map_err(|e| at(format!("tokenizing the completion: {e}")))?;
-            let ex = SftExample::new(&p, &c, None, seq_len, pad);
+            let ex = SftExample::new(&p, &c, None, seq_len);
             if ex.target_count() == 0 {
                 return Err(at(format!(
                     "the prompt's {} tokens fill --seq-len {seq_len}: no completion token to \
@@ -299,7 +305,7 @@ pub fn read_jsonl(
         let (prompt, completion) = (field("prompt")?, field("completion")?);
         let p = tokenize(prompt).map_err(|e| at(format!("tokenizing the prompt: {e}")))?;
         let c = tokenize(completion).map_err(|e| at(format!("tokenizing the completion: {e}")))?;
-        let ex = SftExample::new(&p, &c, eos, seq_len, pad);
+        let ex = SftExample::new(&p, &c, eos, seq_len);
         if c.is_empty() && eos.is_none() {
             return Err(at(
                 "the completion is empty (and no end-of-sequence token follows it): nothing \
@@ -321,29 +327,28 @@ pub fn read_jsonl(
     Ok(out)
 }
 
-/// Packs `examples` (each of its [`SftExample::len`] tokens, at most `seq_len`) into sequences
-/// of `seq_len` tokens, several examples each, by best-fit decreasing (the longest example
-/// first, each into the fullest sequence it fits; TRL's `bfd` packing): each example keeps its
-/// inputs and targets, its positions restart at 0, and a sequence's tail is padded with `pad`
-/// (targets [`IGNORE_INDEX`], positions a segment of their own). Every target token is kept
-/// once, so the per-token loss over the sequences is the loss over the examples. Deterministic:
-/// examples of equal length keep their order.
+/// Packs `examples` (each at most `seq_len` tokens) into sequences of at most `seq_len`
+/// tokens, several examples each, by best-fit decreasing (the longest example first, each into
+/// the fullest sequence it fits; TRL's `bfd` packing): each example keeps its inputs and
+/// targets, its positions restart at 0. Every target token is kept once, so the per-token loss
+/// over the sequences is the loss over the examples. Deterministic: examples of equal length
+/// keep their order.
 ///
 /// Errors: an example longer than `seq_len` (read with a larger `seq_len`), naming it.
-pub fn pack(examples: &[SftExample], seq_len: usize, pad: u32) -> Result<Vec<SftExample>> {
-    if let Some((i, e)) = examples.iter().enumerate().find(|(_, e)| e.len > seq_len) {
+pub fn pack(examples: &[SftExample], seq_len: usize) -> Result<Vec<SftExample>> {
+    if let Some((i, e)) = examples.iter().enumerate().find(|(_, e)| e.len() > seq_len) {
         return Err(Error::InvalidArgument(format!(
             "example {i} has {} tokens, more than the {seq_len} of a packed sequence",
-            e.len
+            e.len()
         )));
     }
     let mut order: Vec<usize> = (0..examples.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(examples[i].len));
+    order.sort_by_key(|&i| std::cmp::Reverse(examples[i].len()));
     // Free space → the sequences with that much left, in creation order.
     let mut free: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     let mut rows: Vec<Vec<usize>> = Vec::new();
     for i in order {
-        let n = examples[i].len;
+        let n = examples[i].len();
         let fit = free.range(n..).next().map(|(&f, _)| f);
         let (row, left) = match fit {
             Some(f) => {
@@ -365,56 +370,62 @@ pub fn pack(examples: &[SftExample], seq_len: usize, pad: u32) -> Result<Vec<Sft
     Ok(rows
         .into_iter()
         .map(|members| {
-            let (mut inputs, mut targets, mut positions) = (
-                Vec::with_capacity(seq_len),
-                Vec::with_capacity(seq_len),
-                Vec::with_capacity(seq_len),
-            );
+            let mut row = SftExample {
+                inputs: Vec::new(),
+                targets: Vec::new(),
+                positions: Vec::new(),
+                truncated: false,
+            };
             for &i in &members {
                 let e = &examples[i];
-                inputs.extend_from_slice(&e.inputs[..e.len]);
-                targets.extend_from_slice(&e.targets[..e.len]);
-                positions.extend(0..e.len as u32);
+                row.inputs.extend_from_slice(&e.inputs);
+                row.targets.extend_from_slice(&e.targets);
+                row.positions.extend(0..e.len() as u32);
+                row.truncated |= e.truncated;
             }
-            let len = inputs.len();
-            inputs.resize(seq_len, pad);
-            targets.resize(seq_len, IGNORE_INDEX);
-            positions.extend(0..(seq_len - len) as u32);
-            SftExample {
-                inputs,
-                targets,
-                positions,
-                len,
-            }
+            row
         })
         .collect())
 }
 
-/// The `(inputs, targets, positions)` tensors `(B, seq_len)` u32 of `examples` on `device`;
-/// `positions` only when an example is packed (not every row at `0..seq_len`: then the
-/// decoder's [`crate::models::decoder::FsdpDecoder::logits_at`] takes them).
+/// The `(inputs, targets, positions)` tensors `(B, T)` u32 of `examples` on `device`, `T` the
+/// longest of them (as transformers' collators pad to the longest in the batch): shorter ones
+/// padded with `pad` (targets [`IGNORE_INDEX`], positions continuing their last example's, so
+/// padding attends only behind the real tokens, which never see it). `positions` only when an
+/// example is packed (then the decoder's
+/// [`crate::models::decoder::FsdpDecoder::logits_at`] takes them).
 ///
-/// Errors: no example, or examples of different lengths; Candle's.
+/// Errors: no example, or only empty ones; Candle's.
 pub fn batch(
     examples: &[&SftExample],
+    pad: u32,
     device: &Device,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    let t = examples
-        .first()
-        .map(|e| e.inputs.len())
-        .ok_or_else(|| Error::InvalidArgument("an SFT batch needs at least one example".into()))?;
-    if examples.iter().any(|e| e.inputs.len() != t) {
+    let t = examples.iter().map(|e| e.len()).max().unwrap_or(0);
+    if t == 0 {
         return Err(Error::InvalidArgument(
-            "an SFT batch's examples differ in length".into(),
+            "an SFT batch needs at least one non-empty example".into(),
         ));
     }
     let b = examples.len();
-    let x: Vec<u32> = examples.iter().flat_map(|e| e.inputs.clone()).collect();
-    let y: Vec<u32> = examples.iter().flat_map(|e| e.targets.clone()).collect();
+    let (mut x, mut y, mut p) = (
+        Vec::with_capacity(b * t),
+        Vec::with_capacity(b * t),
+        Vec::with_capacity(b * t),
+    );
+    for e in examples {
+        let n = e.len();
+        x.extend_from_slice(&e.inputs);
+        x.resize(x.len() + t - n, pad);
+        y.extend_from_slice(&e.targets);
+        y.resize(y.len() + t - n, IGNORE_INDEX);
+        p.extend_from_slice(&e.positions);
+        let next = e.positions.last().map_or(0, |&l| l + 1);
+        p.extend(next..next + (t - n) as u32);
+    }
     let positions = if examples.iter().all(|e| e.is_plain()) {
         None
     } else {
-        let p: Vec<u32> = examples.iter().flat_map(|e| e.positions.clone()).collect();
         Some(Tensor::from_vec(p, (b, t), device)?)
     };
     Ok((
@@ -447,15 +458,17 @@ mod tests {
 
     #[test]
     fn targets_are_the_completion_and_eos_only() {
-        let ex = SftExample::new(&[10, 11, 12], &[20, 21], Some(2), 8, 0);
-        assert_eq!(ex.inputs, [10, 11, 12, 20, 21, 0, 0, 0]);
+        let ex = SftExample::new(&[10, 11, 12], &[20, 21], Some(2), 8);
+        assert_eq!(ex.inputs, [10, 11, 12, 20, 21]);
         let i = IGNORE_INDEX;
-        assert_eq!(ex.targets, [i, i, 20, 21, 2, i, i, i]);
+        assert_eq!(ex.targets, [i, i, 20, 21, 2]);
+        assert!(!ex.truncated);
         assert_eq!(ex.target_count(), 3);
         // Cut to seq_len + 1 tokens: the last target is the first token that does not fit.
-        let ex = SftExample::new(&[10, 11], &[20, 21, 22, 23], None, 3, 0);
+        let ex = SftExample::new(&[10, 11], &[20, 21, 22, 23], None, 3);
         assert_eq!(ex.inputs, [10, 11, 20]);
         assert_eq!(ex.targets, [i, 20, 21]);
+        assert!(ex.truncated);
     }
 
     #[test]
@@ -463,24 +476,35 @@ mod tests {
         let i = IGNORE_INDEX;
         // Lengths 5, 2, 3, 4 (seq_len 8): best fit decreasing puts 5 + 3 and 4 + 2.
         let ex = [
-            SftExample::new(&[1, 2], &[3, 4, 5], Some(9), 8, 0),
-            SftExample::new(&[10], &[11], Some(9), 8, 0),
-            SftExample::new(&[20, 21], &[22], Some(9), 8, 0),
-            SftExample::new(&[30], &[31, 32, 33], Some(9), 8, 0),
+            SftExample::new(&[1, 2], &[3, 4, 5], Some(9), 8),
+            SftExample::new(&[10], &[11], Some(9), 8),
+            SftExample::new(&[20, 21], &[22], Some(9), 8),
+            SftExample::new(&[30], &[31, 32, 33], Some(9), 8),
         ];
-        assert_eq!(ex.iter().map(|e| e.len).collect::<Vec<_>>(), [5, 2, 3, 4]);
-        let rows = pack(&ex, 8, 0).unwrap();
+        assert_eq!(ex.iter().map(|e| e.len()).collect::<Vec<_>>(), [5, 2, 3, 4]);
+        let rows = pack(&ex, 8).unwrap();
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0].inputs, [1, 2, 3, 4, 5, 20, 21, 22]);
         assert_eq!(rows[0].targets, [i, 3, 4, 5, 9, i, 22, 9]);
         assert_eq!(rows[0].positions, [0, 1, 2, 3, 4, 0, 1, 2]);
-        assert_eq!(rows[1].inputs, [30, 31, 32, 33, 10, 11, 0, 0]);
-        assert_eq!(rows[1].targets, [31, 32, 33, 9, 11, 9, i, i]);
-        assert_eq!(rows[1].positions, [0, 1, 2, 3, 0, 1, 0, 1]);
+        assert_eq!(rows[1].inputs, [30, 31, 32, 33, 10, 11]);
+        assert_eq!(rows[1].targets, [31, 32, 33, 9, 11, 9]);
+        assert_eq!(rows[1].positions, [0, 1, 2, 3, 0, 1]);
         let count = |v: &[SftExample]| v.iter().map(SftExample::target_count).sum::<usize>();
         assert_eq!(count(&rows), count(&ex));
         assert!(ex.iter().all(SftExample::is_plain) && !rows[0].is_plain());
-        let err = pack(&ex, 4, 0).unwrap_err().to_string();
+        let err = pack(&ex, 4).unwrap_err().to_string();
         assert!(err.contains("example 0 has 5 tokens"), "{err}");
+        // A batch pads to its longest: the second row with pad 0, IGNORE targets, positions
+        // continuing its last example's.
+        let (x, y, p) = batch(&[&rows[0], &rows[1]], 0, &Device::Cpu).unwrap();
+        assert_eq!(x.dims(), [2, 8]);
+        assert_eq!(x.to_vec2::<u32>().unwrap()[1], [30, 31, 32, 33, 10, 11, 0, 0]);
+        assert_eq!(y.to_vec2::<u32>().unwrap()[1], [31, 32, 33, 9, 11, 9, i, i]);
+        assert_eq!(p.unwrap().to_vec2::<u32>().unwrap()[1], [0, 1, 2, 3, 0, 1, 2, 3]);
+        // Plain examples: padded to the longest (5), no positions.
+        let (x, _, p) = batch(&[&ex[1], &ex[0]], 7, &Device::Cpu).unwrap();
+        assert_eq!(x.to_vec2::<u32>().unwrap()[0], [10, 11, 7, 7, 7]);
+        assert!(p.is_none());
     }
 }

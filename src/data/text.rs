@@ -163,14 +163,14 @@ impl TextCorpus {
         if seq_len == 0 {
             return Err(Error::InvalidArgument("seq_len must be at least 1".into()));
         }
-        if n < seq_len + 1 {
+        if n < seq_len.saturating_add(1) {
             return Err(Error::file(
                 &self.path,
                 format!(
                     "the {} split has {n} bytes, too few for one window of seq_len {seq_len} \
                      (seq_len + 1 = {} bytes)",
                     split.name(),
-                    seq_len + 1
+                    seq_len.saturating_add(1)
                 ),
             ));
         }

@@ -12,6 +12,11 @@
 //! h ─▶ final norm ─▶ head (V, d), tied or not [c·tanh(·/c): Gemma 2] ─▶ logits (B, T, V)
 //! ```
 //!
+//! Packed examples ([`FsdpDecoder::forward_at`], decision 77): position ids `(B, T)` restarting
+//! at each example go to every block as a second input ([`Positions`]): rotary angles at the
+//! ids, attention within each example ([`crate::nn::attention_packed`]); GPT-2's learned
+//! positions are looked up at the ids.
+//!
 //! **Parameters keep Hugging Face's names and layouts** (decision 71): a family's fused tensors
 //! (Phi-3's `qkv_proj` and `gate_up_proj`, GPT-2's `c_attn`) are single parameters the block
 //! splits after its matmul, and GPT-2's `Conv1D` weights stay `(in, out)`. So a directory loads

@@ -11,7 +11,9 @@
 //!
 //! ```text
 //!     U = s · Q·Kᵀ          Z = c · tanh(U / c)   (soft-capping on; Z = U when off)
-//!     A(i) = { j : i − W < j ≤ i }                (a window W; { j : j ≤ i } without one)
+//!     A(i) = { j : i − W < j ≤ i }                (a window W; { j : j ≤ i } without one;
+//!                                                  packed examples: also j ≥ S(i), the start
+//!                                                  of query i's example, [`attention_packed`])
 //!     P_ij = exp(Z_ij) / Σ_{k ∈ A(i)} exp(Z_ik)   (j ∈ A(i); 0 elsewhere)        O = P·V
 //! ```
 //!
@@ -39,7 +41,8 @@
 //! of `crate::cpu::parallel_map`. A task copies its `Q`, `K`, `V` into contiguous f32 buffers and
 //! walks the queries in tiles of [`TILE`] rows. For the tile of rows `r0..r1` only keys
 //! `k0..r1` exist, `k0 = 0` without a window (causality) and `k0 = max(0, r0 + 1 − W)` with one
-//! (whole key blocks left of the window are never computed), so the tile's scores are one
+//! (whole key blocks left of the window are never computed; with packed examples also at least
+//! `S(r0)`, each row's first key being non-decreasing), so the tile's scores are one
 //! `(r1 − r0) × (r1 − k0)` gemm, the softmax of each row is exact in one pass over its keys
 //! `A(i)` (its whole row is there: no running maximum is needed; the entries of the tile outside
 //! `A(i)` are set to zero probability), and the tile's output one `(r1 − r0) × hd` gemm. With

@@ -53,6 +53,131 @@ pub(super) fn adamw_(
     Ok(())
 }
 
+/// [`super::adamw_step_bf16_state`] on the CPU.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn adamw_bf16_(
+    op: &'static str,
+    param: &Tensor,
+    grad: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    h: &AdamWHyper,
+    seed: u64,
+    offset: u64,
+) -> Result<()> {
+    let h = *h;
+    with_cpu_f32(grad, |g| {
+        with_mut(param, op, |p| {
+            with_mut_bf16(exp_avg, op, |m| {
+                with_mut_bf16(exp_avg_sq, op, |v| {
+                    adamw_bf16(p, g, m, v, h, seed, offset);
+                    Ok(())
+                })
+            })
+        })
+    })??;
+    Ok(())
+}
+
+/// [`with_mut`] for a bf16 tensor.
+fn with_mut_bf16(
+    t: &Tensor,
+    name: &'static str,
+    f: impl FnOnce(&mut [half::bf16]) -> Result<()>,
+) -> Result<()> {
+    let r = with_storage_mut(t, None, name, |storage, layout, _| {
+        let StorageMut::Cpu(storage) = storage else {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "{name}: expected a tensor on the CPU"
+            ))));
+        };
+        let dtype = storage.dtype();
+        let CpuStorage::BF16(v) = storage else {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "{name}: expected a bf16 tensor, found {dtype:?}"
+            ))));
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "{name}: expected a contiguous tensor"
+            ))));
+        };
+        f(&mut v[start..end])
+    })?;
+    r
+}
+
+/// `x` rounded to bf16 stochastically with the random bits `r` (the low 16 are used): up with
+/// probability equal to the dropped fraction of the f32 mantissa. Non-finite values keep
+/// their bf16 (round-to-nearest) value.
+#[inline(always)]
+pub(crate) fn bf16_stochastic(x: f32, r: u64) -> half::bf16 {
+    if !x.is_finite() {
+        return half::bf16::from_f32(x);
+    }
+    let b = x.to_bits().wrapping_add((r & 0xFFFF) as u32);
+    half::bf16::from_bits((b >> 16) as u16)
+}
+
+/// AdamW over bf16 moments ([`super::adamw_step_bf16_state`]): elements `offset + i`.
+#[inline(never)]
+fn adamw_bf16(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [half::bf16],
+    v: &mut [half::bf16],
+    h: AdamWHyper,
+    seed: u64,
+    offset: u64,
+) {
+    use crate::cpu::{threads, with_simd};
+    const CHUNK: usize = 1 << 16;
+    let run = |c: usize, p: &mut [f32], g: &[f32], m: &mut [half::bf16], v: &mut [half::bf16]| {
+        let AdamWHyper {
+            beta1,
+            beta2,
+            one_minus_beta1,
+            one_minus_beta2,
+            bias_correction1,
+            bias_correction2,
+            decay,
+            lr,
+            eps,
+        } = h;
+        let base = offset + (c * CHUNK) as u64;
+        for (i, (((p, &g), m), v)) in p.iter_mut().zip(g).zip(m).zip(v).enumerate() {
+            let m32 = m.to_f32() * beta1 + g * one_minus_beta1;
+            let v32 = v.to_f32() * beta2 + (g * g) * one_minus_beta2;
+            let m_hat = m32 * bias_correction1;
+            let v_hat = v32 * bias_correction2;
+            *p *= decay;
+            *p -= (m_hat / (v_hat.sqrt() + eps)) * lr;
+            let r = crate::fsdp::fused::mix64(seed ^ (base + i as u64));
+            *m = bf16_stochastic(m32, r);
+            *v = bf16_stochastic(v32, r >> 16);
+        }
+    };
+    if p.len() >= 4 * CHUNK && threads() > 1 {
+        use rayon::prelude::*;
+        p.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .zip(m.par_chunks_mut(CHUNK))
+            .zip(v.par_chunks_mut(CHUNK))
+            .enumerate()
+            .for_each(|(c, (((p, g), m), v))| {
+                with_simd(
+                    #[inline(always)]
+                    || run(c, p, g, m, v),
+                )
+            });
+    } else {
+        with_simd(
+            #[inline(always)]
+            || run(0, p, g, m, v),
+        )
+    }
+}
+
 /// [`super::sgd_step_fused`] on the CPU (`buf` present exactly when momentum is not 0).
 pub(super) fn sgd_(
     op: &'static str,

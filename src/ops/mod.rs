@@ -242,6 +242,62 @@ fn adamw_with(
     cpu::adamw_(op, param, grad, exp_avg, exp_avg_sq, h, u)
 }
 
+/// [`adamw_step`] with the moments stored in bf16 (`exp_avg`, `exp_avg_sq` bf16; `param`,
+/// `grad` f32): each element's moments are read into f32, updated and used for the parameter's
+/// update in f32 exactly as [`adamw_step`] does, then rounded once to bf16 **stochastically**:
+/// the f32 bits plus 16 random bits, truncated (round up with probability equal to the dropped
+/// fraction; unbiased). Round-to-nearest would freeze `v`: with `β2 = 0.999` a step moves `v`
+/// by 0.1 % of its distance to `g²`, below half a bf16 ulp (0.2–0.4 %) unless `g²` exceeds
+/// about 5 `v`, so `v` would stop decaying (Zamirai et al. 2020, "Revisiting BFloat16 Training",
+/// arXiv:2010.06192, on the same effect in weights). The random bits are a hash
+/// ([`crate::fsdp::fused::mix64`]) of `seed` and the element's index `offset + i`: a step is a
+/// pure function of its inputs (a resumed run draws the same bits).
+///
+/// Errors: as [`adamw_step`] (the moments bf16 instead of f32); a GPU device (CPU only).
+pub fn adamw_step_bf16_state(
+    param: &Tensor,
+    grad: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    h: &AdamWHyper,
+    seed: u64,
+    offset: u64,
+) -> Result<()> {
+    let op = "adamw_step_bf16_state";
+    let n = check_all(op, &[("param", param), ("grad", grad)])?;
+    for (what, t) in [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
+        check_layout(op, what, t, &[DType::BF16])?;
+        if !t.device().is_cpu() {
+            return Err(bad(
+                op,
+                what,
+                "is on a GPU: bf16 optimizer state runs on the CPU only (use f32 state there)"
+                    .into(),
+            ));
+        }
+        if t.elem_count() != n {
+            return Err(bad(
+                op,
+                what,
+                format!("has {} elements, expected {n} (those of param)", t.elem_count()),
+            ));
+        }
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    check_distinct(
+        op,
+        &[
+            ("param", param),
+            ("grad", grad),
+            ("exp_avg", exp_avg),
+            ("exp_avg_sq", exp_avg_sq),
+        ],
+    )?;
+    cpu::adamw_bf16_(op, param, grad, exp_avg, exp_avg_sq, h, seed, offset)
+}
+
 /// One SGD update, PyTorch's algorithm (`torch.optim.SGD` docs), element-wise, in f32:
 /// `d ← g + λθ` (when λ ≠ 0); with momentum μ ≠ 0: `b ← d` at the first step, else
 /// `b ← μ·b + (1 − τ)·d`, then `d ← d + μ·b` (Nesterov) or `d ← b`; finally `θ ← θ − lr·d`.

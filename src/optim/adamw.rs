@@ -1,5 +1,6 @@
 //! Sharded AdamW.
 
+use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 use super::groups::{group_mut, group_of, with_default, ParamGroup};
@@ -8,6 +9,7 @@ use super::{
     check_loadable, BufferKind, OptimizerHyper, OptimizerKind, OptimizerState, ShardedOptimizer,
 };
 use crate::error::{Phase, Result};
+use crate::fsdp::fused::mix64;
 use crate::fsdp::FsdpModel;
 use crate::ops::{self, AdamWHyper};
 
@@ -64,7 +66,8 @@ const ADAMW_BUFFERS: &[BufferKind] = &[BufferKind::ExpAvg, BufferKind::ExpAvgSq]
 /// `θ ← θ(1 − lr·λ)`, `m ← β1 m + (1 − β1) g`, `v ← β2 v + (1 − β2) g²`,
 /// `θ ← θ − lr · (m / (1 − β1ᵗ)) / (sqrt(v / (1 − β2ᵗ)) + ε)`, all in f32 ([`ops::adamw_step`]),
 /// with the hyper-parameters of the parameter's group. Moments `m`, `v`: one f32 tensor per
-/// unit shard on its device (8 bytes per shard element).
+/// unit shard on its device (8 bytes per shard element), or bf16 ([`AdamW::with_state_dtype`]:
+/// 4 bytes, the update still computed in f32).
 ///
 /// Not `Clone`: a clone would share the moment tensors, which steps update in place.
 #[derive(Debug)]
@@ -100,6 +103,45 @@ impl AdamW {
         &mut self.groups
     }
 
+    /// Keeps both moments in `dtype`: f32 (the default) or bf16, which halves the optimizer
+    /// state (4 bytes a shard element instead of 8). In bf16 each step reads the moments into
+    /// f32, computes the update exactly as in f32, and rounds the new moments once,
+    /// stochastically ([`ops::adamw_step_bf16_state`] says why); the random bits are a hash of
+    /// the unit, the parameter's step count and the element's index in the flat parameter, so
+    /// a resumed run continues bit for bit. A storage choice, not a hyper-parameter: a
+    /// checkpoint holds the moments' values (as f32) and loads into either setting (f32 → bf16
+    /// rounds to nearest; bf16 → f32 is exact). CPU only (a GPU step with bf16 state is an
+    /// error naming it).
+    ///
+    /// Errors: a dtype other than f32 or bf16; state already allocated in another dtype (call
+    /// before the first step or load).
+    pub fn with_state_dtype(mut self, dtype: DType) -> Result<Self> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return Err(crate::Error::InvalidArgument(format!(
+                "AdamW state dtype must be f32 or bf16, found {dtype:?}"
+            )));
+        }
+        if !self.state.units.is_empty() && self.state.dtype != dtype {
+            return Err(crate::Error::InvalidArgument(
+                "AdamW state dtype: the state is already allocated (set it before the first step)"
+                    .into(),
+            ));
+        }
+        self.state.dtype = dtype;
+        Ok(self)
+    }
+
+    /// The moments' dtype (f32 or bf16).
+    pub fn state_dtype(&self) -> DType {
+        self.state.dtype
+    }
+
+    /// Optimizer-state bytes per trainable shard element: 8 (two f32 moments) or 4 (bf16),
+    /// what [`crate::fsdp::MemoryBudget::optimizer_bytes_per_element`] takes.
+    pub fn state_bytes_per_element(&self) -> usize {
+        2 * self.state.dtype.size_in_bytes()
+    }
+
     /// The default group's hyper-parameters.
     pub fn config(&self) -> &AdamWConfig {
         &self.groups[0].config
@@ -116,6 +158,7 @@ impl AdamW {
         }
         let groups = &self.groups;
         self.state.ensure(model, |n| group_of(groups, n))?;
+        let bf16 = self.state.dtype == DType::BF16;
         for (v, u) in model.shards().zip(&mut self.state.units) {
             let Some(g) = v.grad else { continue };
             let (steps, group) = (&u.steps, &u.group);
@@ -123,14 +166,19 @@ impl AdamW {
                 &v,
                 |i, j| steps[i] == steps[j] && group[i] == group[j],
                 |r, i| {
-                    let h = groups[group[i]].config.hyper(steps[i] + 1);
-                    ops::adamw_step(
-                        &narrow(v.param, &r)?,
-                        &narrow(g, &r)?,
-                        &narrow(&u.bufs[0], &r)?,
-                        &narrow(&u.bufs[1], &r)?,
-                        &h,
-                    )
+                    let t = steps[i] + 1;
+                    let h = groups[group[i]].config.hyper(t);
+                    let (p, gr) = (narrow(v.param, &r)?, narrow(g, &r)?);
+                    let (m, s) = (narrow(&u.bufs[0], &r)?, narrow(&u.bufs[1], &r)?);
+                    if bf16 {
+                        // The element's index in the flat parameter: the same bits at any
+                        // world size.
+                        let seed = mix64(mix64(v.unit_index as u64) ^ t);
+                        let offset = (v.shard_index * v.layout.shard_numel + r.start) as u64;
+                        ops::adamw_step_bf16_state(&p, &gr, &m, &s, &h, seed, offset)
+                    } else {
+                        ops::adamw_step(&p, &gr, &m, &s, &h)
+                    }
                     .map_err(|e| e.in_step(Some(v.unit_name), Phase::Optimizer, model.step()))
                 },
             )?;
@@ -146,6 +194,10 @@ impl AdamW {
 impl ShardedOptimizer for AdamW {
     fn state_bytes(&self) -> usize {
         Self::state_bytes(self)
+    }
+
+    fn state_dtype(&self) -> DType {
+        self.state.dtype
     }
 
     fn step(&mut self, model: &mut FsdpModel) -> Result<()> {

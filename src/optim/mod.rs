@@ -281,6 +281,11 @@ pub trait ShardedOptimizer {
     fn clear_state(&mut self);
     /// Bytes of optimizer state held by this rank (f32: 4 bytes an element).
     fn state_bytes(&self) -> usize;
+    /// The dtype the buffers are kept in (f32, or bf16 for [`crate::AdamW::with_state_dtype`]):
+    /// checkpoints write them in it. The provided version: f32.
+    fn state_dtype(&self) -> candle_core::DType {
+        candle_core::DType::F32
+    }
 }
 
 /// The error of a buffer asked for that the optimizer does not hold.

@@ -34,6 +34,9 @@ pub(super) struct UnitSlot {
 #[derive(Debug)]
 pub(super) struct ShardState {
     pub(super) kinds: &'static [BufferKind],
+    /// The buffers' dtype on the device: f32, or bf16 (AdamW's
+    /// [`super::AdamW::with_state_dtype`]); host copies are always f32.
+    pub(super) dtype: DType,
     pub(super) units: Vec<UnitSlot>,
     /// Loaded state not yet checked against a model.
     pub(super) pending: Option<Vec<UnitOptimState>>,
@@ -43,6 +46,7 @@ impl ShardState {
     pub(super) fn new(kinds: &'static [BufferKind]) -> Self {
         Self {
             kinds,
+            dtype: DType::F32,
             units: Vec::new(),
             pending: None,
         }
@@ -62,7 +66,7 @@ impl ShardState {
             .flat_map(|u| u.buffers.values())
             .map(Vec::len)
             .sum();
-        4 * (dev + host)
+        self.dtype.size_in_bytes() * dev + 4 * host
     }
 
     pub(super) fn clear(&mut self) {
@@ -88,7 +92,7 @@ impl ShardState {
                         .kinds
                         .iter()
                         .zip(&u.bufs)
-                        .map(|(k, b)| Ok((*k, ops::with_host_f32(b, <[f32]>::to_vec)?)))
+                        .map(|(k, b)| Ok((*k, host_f32(b)?)))
                         .collect::<Result<_>>()?,
                 };
                 Ok(UnitOptimState {
@@ -156,7 +160,9 @@ impl ShardState {
             .ok_or_else(|| missing_buffer(unit, kind))?;
         match u.frozen_numel {
             Some(n) if u.bufs.is_empty() => f(&vec![0.0; n]),
-            _ => ops::with_host_f32(&u.bufs[i], |v| f(v))?,
+            _ if u.bufs[i].dtype() == DType::F32 => ops::with_host_f32(&u.bufs[i], |v| f(v))?,
+            // bf16 state: one buffer's f32 copy at a time (exact).
+            _ => f(&host_f32(&u.bufs[i])?),
         }
     }
 
@@ -194,7 +200,7 @@ impl ShardState {
                                 .map(|_| {
                                     Tensor::zeros(
                                         v.layout.shard_numel,
-                                        DType::F32,
+                                        self.dtype,
                                         v.param.device(),
                                     )
                                 })
@@ -265,7 +271,7 @@ impl ShardState {
                         ))),
                             None => Ok(Tensor::zeros(
                                 v.layout.shard_numel,
-                                DType::F32,
+                                self.dtype,
                                 v.param.device(),
                             )?),
                             Some(b) if b.len() != v.layout.shard_numel => {
@@ -278,7 +284,10 @@ impl ShardState {
                             }
                             Some(b) => {
                                 let n = b.len();
+                                // f32 → bf16 state rounds to nearest (exact for values a
+                                // bf16 state saved).
                                 Ok(Tensor::from_vec(b, n, &Device::Cpu)?
+                                    .to_dtype(self.dtype)?
                                     .to_device(v.param.device())?)
                             }
                         })
@@ -345,6 +354,15 @@ pub(super) fn for_present(
         }
     }
     Ok(present)
+}
+
+/// A buffer's values as f32 on the host (bf16 widened exactly).
+fn host_f32(b: &Tensor) -> Result<Vec<f32>> {
+    if b.dtype() == DType::F32 {
+        ops::with_host_f32(b, <[f32]>::to_vec)
+    } else {
+        Ok(b.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec1::<f32>()?)
+    }
 }
 
 pub(super) fn narrow(t: &Tensor, r: &std::ops::Range<usize>) -> Result<Tensor> {

@@ -108,7 +108,7 @@ fn examples() -> Vec<SftExample> {
         .iter()
         .enumerate()
         .map(|(i, &(p, c))| {
-            SftExample::new(&ids(i as u32, p), &ids(9 + i as u32, c), Some(2), 12, 0)
+            SftExample::new(&ids(i as u32, p), &ids(9 + i as u32, c), Some(2), 12)
         })
         .collect()
 }
@@ -128,7 +128,7 @@ fn step(name: &str, ws: usize, ac: bool, rows: Vec<Vec<SftExample>>) -> Vec<(Str
         let mine: Vec<&SftExample> = rows[pg.rank()].iter().collect();
         let local: usize = mine.iter().map(|e| e.target_count()).sum();
         let scale = token_scale(pg.as_ref(), local)?;
-        let (x, y, pos) = batch(&mine, &Device::Cpu)?;
+        let (x, y, pos) = batch(&mine, 0, &Device::Cpu)?;
         let logits = decoder.logits_at(&mut model, &x, pos.as_ref(), true)?;
         let (sum, _) = lm_loss_sum(&logits, &y)?;
         model.backward(&sum.affine(scale as f64, 0.0)?)?;
@@ -148,10 +148,10 @@ fn step(name: &str, ws: usize, ac: bool, rows: Vec<Vec<SftExample>>) -> Vec<(Str
 fn a_step_on_packed_examples_equals_the_step_on_them_padded() {
     let ex = examples();
     assert_eq!(
-        ex.iter().map(|e| e.len).collect::<Vec<_>>(),
+        ex.iter().map(|e| e.len()).collect::<Vec<_>>(),
         [7, 6, 5, 4, 3, 3]
     );
-    let rows = pack(&ex, 12, 0).unwrap();
+    let rows = pack(&ex, 12).unwrap();
     assert_eq!(rows.len(), 3, "42 tokens in three sequences of 12, not six");
     for name in ["llama-gqa", "family-mistral", "family-gpt2"] {
         let padded = step(name, 1, false, vec![ex.clone()]);

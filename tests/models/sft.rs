@@ -22,11 +22,11 @@ fn examples() -> Vec<Vec<SftExample>> {
         (0..n as u32).map(|i| (seed * 7 + i * 13) % 64).collect()
     };
     vec![
-        vec![SftExample::new(&ids(1, 5), &ids(2, 2), Some(2), T, 0)],
-        vec![SftExample::new(&ids(3, 9), &[], None, T, 0)],
+        vec![SftExample::new(&ids(1, 5), &ids(2, 2), Some(2), T)],
+        vec![SftExample::new(&ids(3, 9), &[], None, T)],
         vec![
-            SftExample::new(&ids(4, 3), &ids(5, 4), Some(2), T, 0),
-            SftExample::new(&ids(6, 1), &ids(7, 5), Some(2), T, 0),
+            SftExample::new(&ids(4, 3), &ids(5, 4), Some(2), T),
+            SftExample::new(&ids(6, 1), &ids(7, 5), Some(2), T),
         ],
     ]
 }
@@ -47,7 +47,7 @@ fn step(ws: usize, parts: Vec<Vec<Vec<SftExample>>>) -> Vec<(String, Vec<f32>)> 
         for (m, micro) in mine.iter().enumerate() {
             model.set_requires_gradient_sync(m + 1 == mine.len());
             let refs: Vec<&SftExample> = micro.iter().collect();
-            let (x, y, _) = batch(&refs, &Device::Cpu)?;
+            let (x, y, _) = batch(&refs, 0, &Device::Cpu)?;
             let (sum, _) = lm_loss_sum(&decoder.logits(&mut model, &x, true)?, &y)?;
             model.backward(&sum.affine(scale as f64, 0.0)?)?;
         }
@@ -108,7 +108,7 @@ fn per_token_loss_over_ranks_and_micro_batches_equals_one_process() {
             &HfOptions::default(),
         )?;
         let refs: Vec<&SftExample> = ex[pg.rank()].iter().collect();
-        let (x, y, _) = batch(&refs, &Device::Cpu)?;
+        let (x, y, _) = batch(&refs, 0, &Device::Cpu)?;
         let (sum, k) = lm_loss_sum(&decoder.logits(&mut model, &x, true)?, &y)?;
         model.backward(&sum.affine(1.0 / k.max(1) as f64, 0.0)?)?;
         let mut opt = Sgd::new(SgdConfig {
@@ -145,13 +145,20 @@ fn jsonl_errors_name_the_line() {
         "ok.jsonl",
         "{\"prompt\": \"Q: 2+2?\\nA: \", \"completion\": \"4\"}\n\n{\"prompt\": \"Hi\", \"completion\": \" there\"}\n",
     );
-    let ex = read_jsonl(&ok, &tok, None, Some(0), 16, 0).unwrap();
+    let ex = read_jsonl(&ok, &tok, None, Some(0), 16).unwrap();
     assert_eq!(ex.len(), 2);
     assert_eq!(ex[0].target_count(), 2, "'4' and eos");
     assert_eq!(ex[1].target_count(), 7, "' there' and eos");
+    // A byte-order mark before the first line is skipped (editors write one).
+    let bom = write(
+        "bom.jsonl",
+        "\u{feff}{\"prompt\": \"Hi\", \"completion\": \" there\"}\n",
+    );
+    let ex = read_jsonl(&bom, &tok, None, Some(0), 16).unwrap();
+    assert_eq!(ex[0].target_count(), 7);
     // The error of a one-file read (no template, no eos, seq-len 16).
     let refused = |name: &str, text: &str| {
-        read_jsonl(&write(name, text), &tok, None, None, 16, 0)
+        read_jsonl(&write(name, text), &tok, None, None, 16)
             .unwrap_err()
             .to_string()
     };
@@ -258,7 +265,7 @@ fn messages_lines_train_on_the_assistants_turn() {
         "{\"messages\": [{\"role\": \"user\", \"content\": \"2+2?\"}, {\"role\": \"assistant\", \"content\": \"4\"}]}\n",
     )
     .unwrap();
-    let ex = read_jsonl(&p, &tok, Some(&templates["chatml"]), Some(0), 128, 0).unwrap();
+    let ex = read_jsonl(&p, &tok, Some(&templates["chatml"]), Some(0), 128).unwrap();
     // ChatML's completion: "4<|im_end|>\n", 13 bytes, every one a target; no eos appended.
     assert_eq!(ex[0].target_count(), "4<|im_end|>\n".len());
     let want: Vec<u32> = "4<|im_end|>\n".bytes().map(u32::from).collect();
@@ -270,7 +277,7 @@ fn messages_lines_train_on_the_assistants_turn() {
         .collect();
     assert_eq!(got, want);
     std::fs::write(&p, "{\"messages\": [{\"role\": \"user\"}]}\n").unwrap();
-    let e = read_jsonl(&p, &tok, Some(&templates["chatml"]), None, 128, 0)
+    let e = read_jsonl(&p, &tok, Some(&templates["chatml"]), None, 128)
         .unwrap_err()
         .to_string();
     assert!(

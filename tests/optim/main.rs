@@ -5,5 +5,6 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod bf16_state;
 mod kernels;
 mod optim_semantics;

@@ -411,6 +411,10 @@ pub(super) fn check_tensors(
     model: &FsdpModel,
 ) -> Result<()> {
     let mut checks: BTreeSet<(usize, String, Dtype, Vec<usize>)> = BTreeSet::new();
+    let state_dtype = meta
+        .optimizer
+        .as_ref()
+        .map_or(Dtype::F32, |o| o.state_dtype);
     for p in plans.iter().flatten().flatten() {
         let n = meta.units[p.unit].shard_numel;
         checks.insert((p.file, param_tensor(p.unit), Dtype::F32, vec![n]));
@@ -418,7 +422,7 @@ pub(super) fn check_tensors(
             continue;
         }
         for kind in kinds {
-            checks.insert((p.file, optim_tensor(*kind, p.unit), Dtype::F32, vec![n]));
+            checks.insert((p.file, optim_tensor(*kind, p.unit), state_dtype, vec![n]));
         }
     }
     let saved_bufs: HashMap<&str, &BufferMeta> = meta
@@ -582,6 +586,7 @@ impl Reader {
                 buffer_kinds: self.optim.kinds.clone(),
                 param_steps: BTreeMap::new(),
                 buffers: Vec::new(),
+                state_dtype: Dtype::F32,
             });
         }
         Ok(meta)

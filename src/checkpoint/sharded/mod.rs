@@ -84,11 +84,20 @@ pub(super) struct Kept {
     /// the optimizer does not keep). A unit frozen after training is not: its values and state
     /// are its own, not the base's.
     pub stateless: Vec<bool>,
+    /// The dtype the optimizer buffers are written in (the optimizer's state dtype).
+    pub optim_dtype: Dtype,
 }
 
 impl Kept {
-    /// Both, from the model and the optimizer's step counts.
-    pub(super) fn of(model: &FsdpModel, steps: &OptimizerState) -> Self {
+    /// Both, from the model and the optimizer's step counts; `state_dtype` the optimizer's
+    /// (f32 or bf16).
+    ///
+    /// Errors: another state dtype.
+    pub(super) fn of(
+        model: &FsdpModel,
+        steps: &OptimizerState,
+        state_dtype: candle_core::DType,
+    ) -> Result<Self> {
         let stateless: Vec<bool> = model
             .shards()
             .enumerate()
@@ -101,10 +110,20 @@ impl Kept {
             })
             .collect();
         let has_base = model.base().is_some();
-        Self {
+        let optim_dtype = match state_dtype {
+            candle_core::DType::F32 => Dtype::F32,
+            candle_core::DType::BF16 => Dtype::BF16,
+            d => {
+                return Err(Error::InvalidArgument(format!(
+                    "checkpoint: optimizer state of dtype {d:?} (f32 or bf16 are saved)"
+                )))
+            }
+        };
+        Ok(Self {
             in_base: stateless.iter().map(|&s| s && has_base).collect(),
             stateless,
-        }
+            optim_dtype,
+        })
     }
 }
 
@@ -131,10 +150,10 @@ pub(super) fn rank_file_specs(
     for kind in kinds {
         for (k, u) in model.shards().enumerate() {
             if holds(k, &u) && !kept.stateless[k] {
-                specs.push(TensorSpec::f32(
-                    optim_tensor(*kind, k),
-                    u.layout.shard_numel,
-                ));
+                specs.push(TensorSpec {
+                    dtype: kept.optim_dtype,
+                    ..TensorSpec::f32(optim_tensor(*kind, k), u.layout.shard_numel)
+                });
             }
         }
     }

@@ -38,7 +38,18 @@ pub(super) fn write_rank_file(
             if holds(k, &u) && !kept.stateless[k] {
                 optim
                     .with_buffer(k, *kind, &mut |b| {
-                        w.write_f32(&optim_tensor(*kind, k), b)?;
+                        let name = optim_tensor(*kind, k);
+                        if kept.optim_dtype == Dtype::BF16 {
+                            // bf16 state's values: exact in bf16.
+                            let bytes: Vec<u8> = b
+                                .iter()
+                                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                                .collect();
+                            w.begin_tensor(&name, Dtype::BF16, bytes.len())?;
+                            w.write_part(&bytes)?;
+                        } else {
+                            w.write_f32(&name, b)?;
+                        }
                         Ok(())
                     })
                     .map_err(|e| {
@@ -68,6 +79,7 @@ pub(super) fn optimizer_meta(
     model: &FsdpModel,
     state: &OptimizerState,
     kinds: &[BufferKind],
+    kept: &Kept,
 ) -> OptimizerMeta {
     let param_steps = model
         .shards()
@@ -86,6 +98,7 @@ pub(super) fn optimizer_meta(
         buffer_kinds: kinds.to_vec(),
         param_steps,
         buffers: Vec::new(),
+        state_dtype: kept.optim_dtype,
     }
 }
 
@@ -192,7 +205,7 @@ pub fn save_sharded(
         let file = staging.join(shard_file_name(rank, ws));
         let (written, ostate) = match optim.state_header() {
             Ok((ostate, kinds)) => {
-                let kept = Kept::of(model, &ostate);
+                let kept = Kept::of(model, &ostate, optim.state_dtype())?;
                 let crcs = if writes {
                     write_rank_file(&file, model, optim, &kinds, (rank, ws), &kept)
                 } else {
@@ -264,7 +277,7 @@ pub fn save_sharded(
                     train,
                     dtype: "F32".into(),
                     units: unit_metas(model, &kept)?,
-                    optimizer: Some(optimizer_meta(model, &ostate, &kinds)),
+                    optimizer: Some(optimizer_meta(model, &ostate, &kinds, &kept)),
                     files,
                     saved_at_unix_ms: Some(now_unix_ms()),
                 };

@@ -529,6 +529,7 @@ impl OptimList {
             buffer_kinds: self.kinds.clone(),
             param_steps,
             buffers: Vec::new(),
+            state_dtype: safetensors::Dtype::F32,
         }
     }
 }

@@ -220,7 +220,12 @@ pub fn import_full(file: &Path, out_root: &Path, opts: &ImportOptions) -> Result
 enum ReshardSource {
     /// A tensor laid out like unit `unit`'s flat buffer (`param.<unit>`, `optim.exp_avg.<unit>`,
     /// …), resharded.
-    Flat { unit: usize, tensor: String },
+    Flat {
+        unit: usize,
+        tensor: String,
+        /// Stored (and written) dtype: F32, or BF16 for bf16 optimizer state.
+        dtype: Dtype,
+    },
     /// Copied as it is from saved rank `file`'s file (buffers; rank-local optimizer state).
     Copy {
         file: usize,
@@ -260,6 +265,10 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
         .map(|s| SourceFile::open_shard(&dir, &meta, s))
         .collect::<Result<_>>()?;
     let optimizer = optim_list(&meta, Some(&files[0].header)).expect("rank 0's file given");
+    let state_dtype = meta
+        .optimizer
+        .as_ref()
+        .map_or(Dtype::F32, |o| o.state_dtype);
     let no_shard = match meta.strategy.as_deref() {
         Some(s) => {
             let strategy: ShardingStrategy = s
@@ -299,7 +308,7 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
         for f in files.iter().take(u.world_size) {
             f.check(&format!("param.{k}"), Dtype::F32, &[u.shard_numel])?;
             for b in optimizer.buffers.iter().filter(|b| b.unit == Some(k)) {
-                f.check(&format!("optim.{}", b.name), Dtype::F32, &[u.shard_numel])?;
+                f.check(&format!("optim.{}", b.name), state_dtype, &[u.shard_numel])?;
             }
         }
         for b in &u.buffers {
@@ -331,7 +340,11 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
                 let tensor = format!("param.{k}");
                 tensors.push((
                     TensorSpec::f32(tensor.clone(), u.shard_numel),
-                    ReshardSource::Flat { unit: k, tensor },
+                    ReshardSource::Flat {
+                        unit: k,
+                        tensor,
+                        dtype: Dtype::F32,
+                    },
                 ));
             }
         }
@@ -339,10 +352,14 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
             let name = format!("optim.{}", b.name);
             match b.unit {
                 Some(k) if units[k].world_size > rank => tensors.push((
-                    TensorSpec::f32(name.clone(), units[k].shard_numel),
+                    TensorSpec {
+                        dtype: state_dtype,
+                        ..TensorSpec::f32(name.clone(), units[k].shard_numel)
+                    },
                     ReshardSource::Flat {
                         unit: k,
                         tensor: name,
+                        dtype: state_dtype,
                     },
                 )),
                 Some(_) => {}
@@ -400,13 +417,17 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
     };
     write_sharded(out_root, out, plan, &mut |rank, source, sink| {
         match source {
-            ReshardSource::Flat { unit, tensor } => {
+            ReshardSource::Flat {
+                unit,
+                tensor,
+                dtype,
+            } => {
                 let (new, old) = (&units[*unit], &meta.units[*unit]);
                 let (n, saved) = (new.shard_numel, old.shard_numel);
                 stream_flat(
                     &spans(new),
                     rank * n..(rank + 1) * n,
-                    4,
+                    dtype.bitsize() / 8,
                     sink,
                     &mut |i, range, sink| {
                         // Flat elements of the parameter, split at the saved shard boundaries.
@@ -415,7 +436,7 @@ pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf
                         while flat < end {
                             let (s, off) = (flat / saved, flat % saved);
                             let len = (saved - off).min(end - flat);
-                            files[s].stream(tensor, off..off + len, Dtype::F32, sink)?;
+                            files[s].stream(tensor, off..off + len, *dtype, sink)?;
                             flat += len;
                         }
                         Ok(())

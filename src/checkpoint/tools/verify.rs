@@ -117,11 +117,12 @@ fn data_checks(
         checks.push(Box::new(Checksum { expected, crc: 0 }));
     }
     // Adam's second moment is a running mean of squares.
-    if tensor.starts_with("optim.exp_avg_sq.") && dtype == Dtype::F32 {
+    if tensor.starts_with("optim.exp_avg_sq.") && matches!(dtype, Dtype::F32 | Dtype::BF16) {
         checks.push(Box::new(Negative {
             count: 0,
             first: None,
             seen: 0,
+            bf16: dtype == Dtype::BF16,
         }));
     }
     checks
@@ -132,12 +133,19 @@ struct Negative {
     count: usize,
     first: Option<(usize, f32)>,
     seen: usize,
+    /// Elements are bf16 (bf16 optimizer state), else f32.
+    bf16: bool,
 }
 
 impl DataCheck for Negative {
     fn update(&mut self, bytes: &[u8]) {
-        for c in bytes.chunks_exact(4) {
-            let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        let size = if self.bf16 { 2 } else { 4 };
+        for c in bytes.chunks_exact(size) {
+            let v = if self.bf16 {
+                half::bf16::from_le_bytes([c[0], c[1]]).to_f32()
+            } else {
+                f32::from_le_bytes([c[0], c[1], c[2], c[3]])
+            };
             if v < 0.0 {
                 self.count += 1;
                 self.first.get_or_insert((self.seen, v));
@@ -286,11 +294,15 @@ pub fn verify(dir: &Path) -> Result<VerifyReport> {
                 expected.push((format!("param.{k}"), Dtype::F32, Some(vec![u.shard_numel])));
             }
         }
+        let state_dtype = meta
+            .optimizer
+            .as_ref()
+            .map_or(Dtype::F32, |o| o.state_dtype);
         for b in optimizer.iter().flat_map(|o| &o.buffers) {
             match b.unit {
                 Some(k) if meta.units[k].world_size > rank => expected.push((
                     format!("optim.{}", b.name),
-                    Dtype::F32,
+                    state_dtype,
                     Some(vec![meta.units[k].shard_numel]),
                 )),
                 Some(_) => {}
