@@ -472,8 +472,10 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
         if t.pg.rank() == 0 {
             println!(
                 "memory plan: {}{}",
-                t.model
-                    .memory_plan(args.state_bytes_per_element(), activation_bytes.unwrap_or(0)),
+                t.model.memory_plan(
+                    args.state_bytes_per_element(),
+                    activation_bytes.unwrap_or(0)
+                ),
                 if activation_bytes.is_none() {
                     " (activations not measured: they are with --max-memory-per-rank)"
                 } else {

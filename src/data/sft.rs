@@ -499,9 +499,15 @@ mod tests {
         // continuing its last example's.
         let (x, y, p) = batch(&[&rows[0], &rows[1]], 0, &Device::Cpu).unwrap();
         assert_eq!(x.dims(), [2, 8]);
-        assert_eq!(x.to_vec2::<u32>().unwrap()[1], [30, 31, 32, 33, 10, 11, 0, 0]);
+        assert_eq!(
+            x.to_vec2::<u32>().unwrap()[1],
+            [30, 31, 32, 33, 10, 11, 0, 0]
+        );
         assert_eq!(y.to_vec2::<u32>().unwrap()[1], [31, 32, 33, 9, 11, 9, i, i]);
-        assert_eq!(p.unwrap().to_vec2::<u32>().unwrap()[1], [0, 1, 2, 3, 0, 1, 2, 3]);
+        assert_eq!(
+            p.unwrap().to_vec2::<u32>().unwrap()[1],
+            [0, 1, 2, 3, 0, 1, 2, 3]
+        );
         // Plain examples: padded to the longest (5), no positions.
         let (x, _, p) = batch(&[&ex[1], &ex[0]], 7, &Device::Cpu).unwrap();
         assert_eq!(x.to_vec2::<u32>().unwrap()[0], [10, 11, 7, 7, 7]);

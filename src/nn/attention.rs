@@ -325,8 +325,8 @@ fn window_mask(
     };
     let mut mask = Vec::with_capacity(b * t * t);
     for row in starts.chunks(t.max(1)).take(b) {
-        for i in 0..t {
-            let s = row[i] as usize;
+        for (i, &s) in row.iter().enumerate() {
+            let s = s as usize;
             mask.extend((0..t).map(|j| {
                 if seen(i, j) && j >= s {
                     0.0

@@ -279,7 +279,10 @@ pub fn adamw_step_bf16_state(
             return Err(bad(
                 op,
                 what,
-                format!("has {} elements, expected {n} (those of param)", t.elem_count()),
+                format!(
+                    "has {} elements, expected {n} (those of param)",
+                    t.elem_count()
+                ),
             ));
         }
     }

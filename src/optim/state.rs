@@ -260,38 +260,38 @@ impl ShardState {
                         bufs: Vec::new(),
                     });
                 }
-                let bufs =
-                    self.kinds
-                        .iter()
-                        .map(|k| match u.buffers.remove(k) {
-                            None if max_step > 0 => Err(Error::InvalidArgument(format!(
+                let bufs = self
+                    .kinds
+                    .iter()
+                    .map(|k| match u.buffers.remove(k) {
+                        None if max_step > 0 => Err(Error::InvalidArgument(format!(
                             "optimizer at step {max_step} has no {k} state for unit {} (loaded \
                              from a checkpoint without it?)",
                             v.unit_name
                         ))),
-                            None => Ok(Tensor::zeros(
-                                v.layout.shard_numel,
-                                self.dtype,
-                                v.param.device(),
-                            )?),
-                            Some(b) if b.len() != v.layout.shard_numel => {
-                                Err(Error::InvalidArgument(format!(
-                                    "optimizer state {k} of unit {} has {} elements, its shard {}",
-                                    v.unit_name,
-                                    b.len(),
-                                    v.layout.shard_numel
-                                )))
-                            }
-                            Some(b) => {
-                                let n = b.len();
-                                // f32 → bf16 state rounds to nearest (exact for values a
-                                // bf16 state saved).
-                                Ok(Tensor::from_vec(b, n, &Device::Cpu)?
-                                    .to_dtype(self.dtype)?
-                                    .to_device(v.param.device())?)
-                            }
-                        })
-                        .collect::<Result<_>>()?;
+                        None => Ok(Tensor::zeros(
+                            v.layout.shard_numel,
+                            self.dtype,
+                            v.param.device(),
+                        )?),
+                        Some(b) if b.len() != v.layout.shard_numel => {
+                            Err(Error::InvalidArgument(format!(
+                                "optimizer state {k} of unit {} has {} elements, its shard {}",
+                                v.unit_name,
+                                b.len(),
+                                v.layout.shard_numel
+                            )))
+                        }
+                        Some(b) => {
+                            let n = b.len();
+                            // f32 → bf16 state rounds to nearest (exact for values a
+                            // bf16 state saved).
+                            Ok(Tensor::from_vec(b, n, &Device::Cpu)?
+                                .to_dtype(self.dtype)?
+                                .to_device(v.param.device())?)
+                        }
+                    })
+                    .collect::<Result<_>>()?;
                 if let Some(k) = u.buffers.keys().next() {
                     return Err(Error::InvalidArgument(format!(
                         "optimizer state of unit {} has a {k} buffer, which this optimizer does \
@@ -361,7 +361,9 @@ fn host_f32(b: &Tensor) -> Result<Vec<f32>> {
     if b.dtype() == DType::F32 {
         ops::with_host_f32(b, <[f32]>::to_vec)
     } else {
-        Ok(b.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec1::<f32>()?)
+        Ok(b.to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f32>()?)
     }
 }
 

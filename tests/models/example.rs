@@ -546,6 +546,8 @@ fn supervised_jsonl_data_trains_on_the_completions() {
             "--data",
             data.to_str().unwrap(),
             "--pack",
+            "--checkpoint-dir",
+            dir.join("ckpt-packed").to_str().unwrap(),
             "--seq-len",
             "32",
             "--batch-size",
@@ -563,7 +565,7 @@ fn supervised_jsonl_data_trains_on_the_completions() {
         ],
     );
     assert!(
-        packed.contains("packing: 114 training examples in "),
+        packed.contains("packing: 114 training examples into "),
         "{packed}"
     );
     let val: f64 = packed

@@ -107,9 +107,7 @@ fn examples() -> Vec<SftExample> {
     [(3, 4), (2, 4), (4, 1), (1, 3), (1, 2), (2, 1)]
         .iter()
         .enumerate()
-        .map(|(i, &(p, c))| {
-            SftExample::new(&ids(i as u32, p), &ids(9 + i as u32, c), Some(2), 12)
-        })
+        .map(|(i, &(p, c))| SftExample::new(&ids(i as u32, p), &ids(9 + i as u32, c), Some(2), 12))
         .collect()
 }
 

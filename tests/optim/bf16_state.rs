@@ -9,7 +9,6 @@ use crate::common;
 use candle_core::{DType, Device, Tensor};
 use candle_fsdp::checkpoint::tools::{reshard, verify};
 use candle_fsdp::checkpoint::{load_sharded, read_meta, save_sharded, TrainState};
-use safetensors::Dtype;
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::ops::{self, AdamWHyper};
@@ -17,6 +16,7 @@ use candle_fsdp::optim::BufferKind;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer};
 use common::{batches, rel_err, to_vec, units};
 use half::bf16;
+use safetensors::Dtype;
 
 fn model(pg: std::sync::Arc<dyn ProcessGroup>) -> candle_fsdp::Result<FsdpModel> {
     FsdpModel::builder(pg, FsdpConfig::default())
@@ -118,14 +118,23 @@ fn stochastic_rounding_is_unbiased_and_lands_on_a_neighbour() {
     let v = Tensor::full(lo, n, &Device::Cpu).unwrap();
     ops::adamw_step_bf16_state(&p, &g, &m, &v, &h, 7, 0).unwrap();
     let m: Vec<bf16> = m.to_vec1().unwrap();
-    assert!(m.iter().all(|&r| r == lo || r == hi), "only the two neighbours");
+    assert!(
+        m.iter().all(|&r| r == lo || r == hi),
+        "only the two neighbours"
+    );
     let up = m.iter().filter(|&&r| r == hi).count() as f64 / n as f64;
-    assert!((up - 0.25).abs() < 0.01, "rounded up {up} of the time, not 0.25");
+    assert!(
+        (up - 0.25).abs() < 0.01,
+        "rounded up {up} of the time, not 0.25"
+    );
     // v got x + d² (≈ x): rounded on its own bits, also unbiased.
     let v: Vec<bf16> = v.to_vec1().unwrap();
     let mean = v.iter().map(|b| b.to_f64()).sum::<f64>() / n as f64;
     let want = (lo.to_f32() + d * d) as f64;
-    assert!((mean - want).abs() < 0.01 * (hi.to_f64() - lo.to_f64()), "{mean} vs {want}");
+    assert!(
+        (mean - want).abs() < 0.01 * (hi.to_f64() - lo.to_f64()),
+        "{mean} vs {want}"
+    );
     // The same seed and offset draw the same bits.
     let m2 = Tensor::full(lo, n, &Device::Cpu).unwrap();
     let v2 = Tensor::full(lo, n, &Device::Cpu).unwrap();
@@ -221,7 +230,10 @@ fn bf16_state_resumes_bit_exact_and_loads_into_f32_state() {
             n_f32 += 1;
         }
     }
-    assert!(n_bf16 >= 2 * n_f32 && n_f32 > 0, "{n_bf16} bf16, {n_f32} f32 tensors");
+    assert!(
+        n_bf16 >= 2 * n_f32 && n_f32 > 0,
+        "{n_bf16} bf16, {n_f32} f32 tensors"
+    );
     let report = verify(&ckpt).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     let out = dir.join("ws3");
