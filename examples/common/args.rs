@@ -68,6 +68,11 @@ pub struct TrainArgs {
     /// Complete checkpoints to keep (0 keeps all).
     #[arg(long, default_value_t = 2)]
     pub keep_last: usize,
+    /// Periodic checkpoints (--save-every) save asynchronously: the files are written at the
+    /// step boundary, their fsync and the publish happen while training goes on (published at
+    /// the next save or at the end).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
+    pub async_save: bool,
     /// Sharding strategy: full-shard, shard-grad-op, no-shard, hybrid-shard or
     /// hybrid-shard-grad-op (a hybrid name may carry its shard size: hybrid-shard:4).
     #[arg(long, default_value = "full-shard")]

@@ -615,7 +615,10 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
             }
             let save_every = self.train.save_every;
             if save_every > 0 && done % save_every == 0 && done < max {
-                self.save()?;
+                self.t.save_periodic(TrainState {
+                    extra: self.parts.extra.clone(),
+                    ..TrainState::default()
+                })?;
             }
         }
         self.t.set_tracing(false);

@@ -257,7 +257,11 @@ impl<'a, O: ShardedOptimizer + 'static> Rank<'a, O> {
                 && self.t.step.is_multiple_of(save_every)
                 && i + 1 < num_batches
             {
-                self.save(epoch, self.sampler.state(consumed))?;
+                self.t.save_periodic(TrainState {
+                    epoch,
+                    sampler: Some(self.sampler.state(consumed)),
+                    ..Default::default()
+                })?;
             }
             // Summed on the device and read once per epoch: a read per step would make the
             // host wait for every step's GPU work.

@@ -151,6 +151,8 @@ pub struct Trainer<'a, O> {
     pub step: u64,
     /// The run its checkpoints belong to: fresh, or the resumed checkpoint's.
     run_id: Option<String>,
+    /// An asynchronous save not yet published (`--async-save`).
+    pending: std::cell::RefCell<Option<checkpoint::PendingSave>>,
 }
 
 impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
@@ -219,6 +221,7 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
             tracer,
             step: 0,
             run_id: None,
+            pending: Default::default(),
         })
     }
 
@@ -361,8 +364,23 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
     }
 
     /// Saves a sharded checkpoint of `state` (its step, seed, grad scaler and run id are the
-    /// trainer's), rotating to `--keep-last`. A collective.
+    /// trainer's), rotating to `--keep-last`, after publishing a pending asynchronous one. A
+    /// collective.
     pub fn save(&self, state: TrainState) -> Result<()> {
+        self.save_with(state, false)
+    }
+
+    /// A periodic (`--save-every`) save: asynchronous under `--async-save` (published at the
+    /// next save), else [`Trainer::save`]. A collective.
+    pub fn save_periodic(&self, state: TrainState) -> Result<()> {
+        self.save_with(state, self.args.async_save)
+    }
+
+    fn save_with(&self, state: TrainState, background: bool) -> Result<()> {
+        // At most one save in flight: the last one is published first.
+        if let Some(p) = self.pending.borrow_mut().take() {
+            p.wait()?;
+        }
         let state = TrainState {
             step: self.step,
             rng: Some(RngState {
@@ -375,13 +393,18 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
             run_id: self.run_id.clone(),
             ..state
         };
-        checkpoint::save_sharded(
+        let pending = checkpoint::save_sharded_async(
             &self.args.checkpoint_dir,
             &self.model,
             &self.optim,
             &state,
             self.args.keep_last,
         )?;
+        if background {
+            *self.pending.borrow_mut() = Some(pending);
+        } else {
+            pending.wait()?;
+        }
         Ok(())
     }
 

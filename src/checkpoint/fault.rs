@@ -34,6 +34,21 @@ pub fn disarm() {
     ARMED.with(|a| a.set(None));
 }
 
+/// The calling thread's arming, to carry to a thread that writes for it (an asynchronous
+/// save's writer): [`carry`] there.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Carried(Option<Armed>);
+
+/// See [`Carried`].
+pub(crate) fn carried() -> Carried {
+    Carried(ARMED.with(|a| a.get()))
+}
+
+/// Arms the calling thread as the thread [`carried`] was taken on.
+pub(crate) fn carry(c: Carried) {
+    ARMED.with(|a| a.set(c.0));
+}
+
 /// Whether the calling thread simulates a crash (no clean-up).
 pub(crate) fn crash_mode() -> bool {
     ARMED.with(|a| a.get().is_some_and(|a| a.crash))

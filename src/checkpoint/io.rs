@@ -114,6 +114,15 @@ impl AtomicFile {
         Ok(())
     }
 
+    /// Hands the buffered bytes to the operating system (its page cache), so that a later
+    /// [`AtomicFile::commit`] (for instance on another thread) only fsyncs and renames.
+    ///
+    /// Errors: as [`AtomicFile::write_all`].
+    pub fn flush(&mut self) -> Result<()> {
+        let f = self.file.as_mut().expect("AtomicFile used after commit");
+        f.flush().map_err(|e| Error::io(&self.path, e))
+    }
+
     /// Flushes, fsyncs, renames the temporary file to the final path and fsyncs the directory.
     /// Returns the file's size in bytes.
     ///
@@ -363,6 +372,16 @@ impl SafetensorsWriter {
     /// Checks that every tensor was written and commits the file; returns its size in bytes
     /// and the CRC-32C of each tensor's data, in header order.
     pub fn finish(self) -> Result<(u64, Vec<u32>)> {
+        let (bytes, crcs, file) = self.finish_deferred()?;
+        file.commit()?;
+        Ok((bytes, crcs))
+    }
+
+    /// [`SafetensorsWriter::finish`] without the commit: every tensor checked written, the
+    /// bytes flushed to the operating system; returns the size, the checksums and the file,
+    /// whose [`AtomicFile::commit`] (fsync, rename) the caller runs, possibly on another thread
+    /// (asynchronous checkpoint saves).
+    pub fn finish_deferred(mut self) -> Result<(u64, Vec<u32>, AtomicFile)> {
         self.check_complete()?;
         if self.next != self.specs.len() {
             return Err(Error::file(
@@ -374,7 +393,8 @@ impl SafetensorsWriter {
                 ),
             ));
         }
-        Ok((self.file.commit()?, self.crcs))
+        self.file.flush()?;
+        Ok((self.file.bytes_written(), self.crcs, self.file))
     }
 }
 

@@ -87,6 +87,20 @@ mod fault {
     pub(crate) fn allow(_len: usize) -> Result<(), usize> {
         Ok(())
     }
+
+    /// Nothing to carry to a writer thread.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Carried;
+
+    /// Nothing armed.
+    #[inline(always)]
+    pub(crate) fn carried() -> Carried {
+        Carried
+    }
+
+    /// Nothing to arm.
+    #[inline(always)]
+    pub(crate) fn carry(_: Carried) {}
 }
 
 use std::collections::BTreeMap;
@@ -104,7 +118,8 @@ pub use crate::data::SamplerState;
 pub use full::{build_from_full, load_full, save_full, FULL_FORMAT};
 pub use io::{write_atomic, AtomicFile};
 pub use sharded::{
-    load_latest, load_latest_of_run, load_sharded, save_sharded, shard_file_name, SHARDED_FORMAT,
+    load_latest, load_latest_of_run, load_sharded, save_sharded, save_sharded_async,
+    shard_file_name, PendingSave, SHARDED_FORMAT,
 };
 
 /// Version written into `meta.json` (and into each file's safetensors metadata). Version 1

@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod async_save;
 mod full;
 mod resume;
 mod semantics;

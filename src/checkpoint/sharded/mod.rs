@@ -50,9 +50,9 @@ use load::*;
 pub(crate) use load::{discover_kinds, root_message};
 pub use load::{load_latest, load_latest_of_run, load_sharded};
 pub(crate) use save::now_unix_ms;
-pub use save::save_sharded;
 #[allow(unused_imports)]
 use save::*;
+pub use save::{save_sharded, save_sharded_async, PendingSave};
 /// Value of the `format` entry of a shard file's safetensors metadata.
 pub const SHARDED_FORMAT: &str = "candle-fsdp/sharded";
 
