@@ -12,7 +12,7 @@ use candle_fsdp::checkpoint::{
     fault, list_complete, load_sharded, read_meta, save_sharded, save_sharded_async, TrainState,
 };
 use candle_fsdp::comm::threads::{run_ranks, run_ranks_ok, ThreadGroupConfig};
-use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt};
+use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer};
 use common::{batches, to_vec, units};
 

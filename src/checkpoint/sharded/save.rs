@@ -221,7 +221,7 @@ fn gather_checksums(
     (rank, writes): (usize, bool),
     mine: &[u32],
     my_bytes: u64,
-) -> Result<(Vec<BTreeMap<String, u32>>, Vec<u64>)> {
+) -> Result<(FileChecksums, Vec<u64>)> {
     let ws = names.len();
     if writes && names[rank].len() != mine.len() {
         return Err(Error::InvalidArgument(format!(
@@ -266,6 +266,12 @@ pub(super) fn writer_place(model: &FsdpModel) -> (usize, usize) {
     (g.rank(), g.world_size())
 }
 
+/// Every file's tensor checksums by name, in rank order.
+type FileChecksums = Vec<BTreeMap<String, u32>>;
+
+/// The optimizer's buffer kinds and what a save keeps ([`begin_save`]).
+type Found = (Vec<BufferKind>, Kept);
+
 /// What the end of a save needs once this rank's file is written: the place, every file's
 /// tensor names, rank 0's metadata without its file list.
 struct SaveCtx {
@@ -290,7 +296,7 @@ fn begin_save(
     optim: &dyn ShardedOptimizer,
     state: &TrainState,
     keep_last: usize,
-) -> Result<(SaveCtx, Result<(Vec<BufferKind>, Kept)>)> {
+) -> Result<(SaveCtx, Result<Found>)> {
     let pg = model.process_group().clone();
     let (rank, ws) = writer_place(model);
     let name = step_dir_name(state.step);
