@@ -550,17 +550,14 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
                 .map(|m| self.train_batch(step * k as u64 + m as u64))
                 .collect::<Result<Vec<_>>>()?;
             let factor = self.token_factor(&batches)?;
-            if per_token {
-                for (x, y, _) in &batches {
-                    tokens += x.elem_count();
-                    targets += y
-                        .flatten_all()?
-                        .to_vec1::<u32>()?
-                        .iter()
-                        .filter(|&&t| t != candle_fsdp::nn::IGNORE_INDEX)
-                        .count();
-                }
+            if let Some((_, local)) = factor {
+                tokens += batches
+                    .iter()
+                    .map(|(x, _, _)| x.elem_count())
+                    .sum::<usize>();
+                targets += local;
             }
+            let factor = factor.map(|(f, _)| f);
             for (m, batch) in batches.into_iter().enumerate() {
                 let loss = self.micro_batch(batch, m + 1 == k, factor)?;
                 loss_sum += loss as f64;
@@ -676,7 +673,8 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
     /// tokens on this rank times their number `k` (the trainer divides each micro-batch's loss
     /// by `k`), so that the backward sees `sum · world / N` and the logged value averages to the
     /// step's per-token loss. `None` for a plain corpus. A collective when per-token.
-    fn token_factor(&self, batches: &[LmBatch]) -> Result<Option<f32>> {
+    /// Also returns this rank's target tokens (the log's target tok/s).
+    fn token_factor(&self, batches: &[LmBatch]) -> Result<Option<(f32, usize)>> {
         if !self.parts.corpus.per_token() {
             return Ok(None);
         }
@@ -690,7 +688,7 @@ impl<'a, M: LanguageModel> LmRank<'a, M> {
                 .count();
         }
         let scale = candle_fsdp::data::sft::token_scale(self.t.pg.as_ref(), local)?;
-        Ok(Some(scale * k as f32))
+        Ok(Some((scale * k as f32, local)))
     }
 
     /// Forward and backward of one micro-batch `(inputs, targets, positions)`; returns its loss (with a

@@ -68,8 +68,8 @@ pub(super) fn adamw_bf16_(
     let h = *h;
     with_cpu_f32(grad, |g| {
         with_mut(param, op, |p| {
-            with_mut_bf16(exp_avg, op, |m| {
-                with_mut_bf16(exp_avg_sq, op, |v| {
+            with_mut_as::<half::bf16>(exp_avg, op, |m| {
+                with_mut_as::<half::bf16>(exp_avg_sq, op, |v| {
                     adamw_bf16(p, g, m, v, h, seed, offset);
                     Ok(())
                 })
@@ -77,34 +77,6 @@ pub(super) fn adamw_bf16_(
         })
     })??;
     Ok(())
-}
-
-/// [`with_mut`] for a bf16 tensor.
-fn with_mut_bf16(
-    t: &Tensor,
-    name: &'static str,
-    f: impl FnOnce(&mut [half::bf16]) -> Result<()>,
-) -> Result<()> {
-    let r = with_storage_mut(t, None, name, |storage, layout, _| {
-        let StorageMut::Cpu(storage) = storage else {
-            return Err(Error::Candle(candle_core::Error::Msg(format!(
-                "{name}: expected a tensor on the CPU"
-            ))));
-        };
-        let dtype = storage.dtype();
-        let CpuStorage::BF16(v) = storage else {
-            return Err(Error::Candle(candle_core::Error::Msg(format!(
-                "{name}: expected a bf16 tensor, found {dtype:?}"
-            ))));
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(Error::Candle(candle_core::Error::Msg(format!(
-                "{name}: expected a contiguous tensor"
-            ))));
-        };
-        f(&mut v[start..end])
-    })?;
-    r
 }
 
 /// `x` rounded to bf16 stochastically with the random bits `r` (the low 16 are used): up with
@@ -361,6 +333,38 @@ pub(super) fn with_mut(
     name: &'static str,
     f: impl FnOnce(&mut [f32]) -> Result<()>,
 ) -> Result<()> {
+    with_mut_as(t, name, f)
+}
+
+/// An element type [`with_mut_as`] reads a CPU storage as.
+trait StorageElem: Sized {
+    fn slice(s: &mut CpuStorage) -> Option<&mut [Self]>;
+}
+
+impl StorageElem for f32 {
+    fn slice(s: &mut CpuStorage) -> Option<&mut [Self]> {
+        match s {
+            CpuStorage::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl StorageElem for half::bf16 {
+    fn slice(s: &mut CpuStorage) -> Option<&mut [Self]> {
+        match s {
+            CpuStorage::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// [`with_mut`] for values of type `T` (f32, or bf16 optimizer state).
+fn with_mut_as<T: StorageElem>(
+    t: &Tensor,
+    name: &'static str,
+    f: impl FnOnce(&mut [T]) -> Result<()>,
+) -> Result<()> {
     let r = with_storage_mut(t, None, name, |storage, layout, _| {
         let StorageMut::Cpu(storage) = storage else {
             return Err(Error::Candle(candle_core::Error::Msg(format!(
@@ -368,9 +372,10 @@ pub(super) fn with_mut(
             ))));
         };
         let dtype = storage.dtype();
-        let CpuStorage::F32(v) = storage else {
+        let Some(v) = T::slice(storage) else {
             return Err(Error::Candle(candle_core::Error::Msg(format!(
-                "{name}: expected an f32 tensor, found {dtype:?}"
+                "{name}: expected a {} tensor, found {dtype:?}",
+                std::any::type_name::<T>().rsplit("::").next().unwrap_or("")
             ))));
         };
         let Some((start, end)) = layout.contiguous_offsets() else {
