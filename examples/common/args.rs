@@ -111,6 +111,11 @@ pub struct TrainArgs {
     /// fewer warm-up steps when the epoch or the run is shorter).
     #[arg(long, default_value_t = 4)]
     pub trace_steps: usize,
+    /// Write a run fingerprint to FILE: per optimizer step, unit and rank, the CRC-32C of the
+    /// gathered parameters, of the gradient reduction's input and output and of the shard
+    /// after the step (rank 0 writes; `fsdp-ckpt diff A B` names where two runs first differ).
+    #[arg(long, value_name = "FILE")]
+    pub fingerprint: Option<PathBuf>,
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout_s: u64,
@@ -311,21 +316,34 @@ fn validate(args: &TrainArgs, env: &LaunchEnv, world_size: usize) -> anyhow::Res
         }
     }
     MixedPrecision::from_name(&args.precision)?;
-    if let Some(p) = &args.trace {
+    if args.trace.is_some() {
         anyhow::ensure!(args.trace_steps >= 1, "--trace-steps must be at least 1");
-        anyhow::ensure!(
-            !p.is_dir(),
-            "--trace {}: is a directory, expected a .json file path",
-            p.display()
-        );
-        let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
-        anyhow::ensure!(
-            dir.is_none_or(|d| d.is_dir()),
-            "--trace {}: directory {} does not exist",
-            p.display(),
-            dir.map(|d| d.display().to_string()).unwrap_or_default()
-        );
     }
+    for (flag, path, what) in [
+        ("--trace", &args.trace, "a .json file path"),
+        ("--fingerprint", &args.fingerprint, "a file path"),
+    ] {
+        if let Some(p) = path {
+            check_output_file(flag, p, what)?;
+        }
+    }
+    Ok(())
+}
+
+/// An output file `p` of `flag` can be created: not a directory, in a directory that exists.
+fn check_output_file(flag: &str, p: &std::path::Path, what: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !p.is_dir(),
+        "{flag} {}: is a directory, expected {what}",
+        p.display()
+    );
+    let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
+    anyhow::ensure!(
+        dir.is_none_or(|d| d.is_dir()),
+        "{flag} {}: directory {} does not exist",
+        p.display(),
+        dir.map(|d| d.display().to_string()).unwrap_or_default()
+    );
     Ok(())
 }
 

@@ -203,6 +203,7 @@ impl<'a, O: ShardedOptimizer + 'static> Trainer<'a, O> {
             },
             mixed_precision,
             device: pg.device().clone(),
+            fingerprint: args.fingerprint.clone(),
             ..Default::default()
         };
         let mut model = build(config)?;

@@ -8,12 +8,14 @@
 //! fsdp-ckpt import mnist.safetensors --out checkpoints/from-file --world-size 4
 //! fsdp-ckpt reshard checkpoints/mnist --world-size 3 --out checkpoints/mnist-ws3
 //! fsdp-ckpt verify checkpoints/mnist
+//! fsdp-ckpt diff run-a.fingerprint run-b.fingerprint
+//! fsdp-ckpt diff checkpoints/run-a checkpoints/run-b
 //! ```
 //!
 //! A checkpoint `DIR` is a checkpoint directory (`step-00001875/`, holding `meta.json`) or a
 //! checkpoint root (`--checkpoint-dir` of the examples), whose newest complete checkpoint is
 //! used. Exit status: 0 on success; 1 on an error (printed on stderr, naming the file and the
-//! problem) or when `verify` found a problem; 2 on a usage error.
+//! problem), when `verify` found a problem or when `diff` found a difference; 2 on a usage error.
 //! The work is done by `candle_fsdp::checkpoint::tools`.
 
 use std::path::PathBuf;
@@ -22,6 +24,7 @@ use std::process::ExitCode;
 use candle_core::DType;
 use candle_fsdp::checkpoint;
 use candle_fsdp::checkpoint::tools::{self, ImportOptions};
+use candle_fsdp::fsdp::fingerprint;
 use candle_fsdp::ShardingStrategy;
 use clap::{Parser, Subcommand, ValueEnum};
 
@@ -146,6 +149,17 @@ enum Command {
     Verify {
         /// Checkpoint directory, or a checkpoint root (its newest checkpoint).
         dir: PathBuf,
+    },
+    /// Compare two runs: two fingerprint files (`--fingerprint`), record by record over the
+    /// steps both recorded, or two checkpoints, tensor by tensor and bit for bit (any world
+    /// sizes); print the first (step, unit, phase, rank) that differs (for checkpoints the
+    /// tensor, its first differing element and every differing tensor's max abs / rel
+    /// difference). Exit status 0 when identical, 1 when they differ.
+    Diff {
+        /// A fingerprint file, or a checkpoint directory or root.
+        a: PathBuf,
+        /// The same kind as `a`.
+        b: PathBuf,
     },
 }
 
@@ -313,6 +327,33 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                 dir.display(),
                 new.display()
             );
+        }
+        Command::Diff { a, b } => {
+            let identical = match (a.is_dir(), b.is_dir()) {
+                (true, true) => {
+                    let d = tools::diff_checkpoints(&a, &b)?;
+                    print!("{d}");
+                    d.identical()
+                }
+                (false, false) => {
+                    let (fa, fb) = (fingerprint::read(&a)?, fingerprint::read(&b)?);
+                    let d = fingerprint::diff(&fa, &fb);
+                    print!("{d}");
+                    d.identical() && !d.common_steps.is_empty()
+                }
+                _ => {
+                    return Err(candle_fsdp::Error::InvalidArgument(format!(
+                    "diff compares two fingerprint files or two checkpoints: {} is {}, {} is {}",
+                    a.display(),
+                    if a.is_dir() { "a directory" } else { "a file" },
+                    b.display(),
+                    if b.is_dir() { "a directory" } else { "a file" },
+                )))
+                }
+            };
+            if !identical {
+                return Ok(ExitCode::FAILURE);
+            }
         }
         Command::Verify { dir } => {
             let report = tools::verify(&dir)?;

@@ -17,6 +17,7 @@ use candle_core::{Tensor, Var};
 use super::call::CallBackward;
 use super::collectives;
 use super::config::BackwardPrefetch;
+use super::fingerprint::{self, FingerprintPhase};
 use super::forward::Params;
 use super::model::FsdpModel;
 use crate::error::{Error, Phase, Result};
@@ -138,6 +139,7 @@ impl FsdpModel {
             // (`collectives::flatten_grads`): a parameter has a gradient when some rank
             // produced one.
             let result = collectives::wait_reduced(work).and_then(|reduced| {
+                self.fingerprint_tensor(g, FingerprintPhase::ReduceOut, &reduced)?;
                 let (grad, present) =
                     collectives::split_reduced(self.units[g].flat().layout(), reduced, all_local)?;
                 self.units[g].accumulate_reduced(grad, &present)
@@ -370,7 +372,11 @@ impl FsdpModel {
     /// nothing while gradient sync is off).
     fn issue_reduction(&mut self, g: usize, flat_grad: Tensor) -> Result<()> {
         let sync = self.requires_gradient_sync;
-        if let Some(fg) = self.units[g].merge_unsynced(flat_grad, sync)? {
+        if let Some(mut fg) = self.units[g].merge_unsynced(flat_grad, sync)? {
+            if let Some((i, bit)) = fingerprint::fault::take(self.step(), self.units[g].name()) {
+                fg = fingerprint::flip_bit(&fg, i, bit)?;
+            }
+            self.fingerprint_tensor(g, FingerprintPhase::ReduceIn, &fg)?;
             self.mark_issue(|| format!("FSDP::reduce_scatter {}", self.units[g].name()));
             let u = &self.units[g];
             let work = collectives::reduce_grads(

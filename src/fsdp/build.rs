@@ -20,6 +20,7 @@ use candle_nn::ModuleT;
 use super::agreement::agree_on_model;
 use super::collectives::CommContext;
 use super::config::{FsdpConfig, ShardingStrategy};
+use super::fingerprint::Recorder;
 use super::mesh::Mesh;
 use super::model::FsdpModel;
 use super::param_group::ParamGroup;
@@ -180,7 +181,14 @@ impl FsdpModel {
         let units = allocate(planned, &config, mesh.shard.as_ref(), &mut fill)?;
         agree_on_model(pg.as_ref(), &units, config.sharding_strategy)?;
         let comm = CommContext::new(mesh)?;
-        Ok(FsdpModel::assemble(pg, config, comm, units, members))
+        let fingerprint = config
+            .fingerprint
+            .as_deref()
+            .map(|p| Recorder::new(p, pg.rank(), pg.world_size(), units.len()))
+            .transpose()?;
+        let mut model = FsdpModel::assemble(pg, config, comm, units, members);
+        model.fingerprint = fingerprint;
+        Ok(model)
     }
 }
 
@@ -188,7 +196,9 @@ impl FsdpModel {
 fn check_device(config: &FsdpConfig, pg: &dyn ProcessGroup) -> Result<()> {
     if !config.device.same_device(pg.device()) {
         return Err(Error::InvalidArgument(format!(
-            "FsdpConfig::device is {:?} but the process group's buffers live on {:?} (rank                  {}): set `device: pg.device().clone()` (on a GPU each rank's Candle device,                  with its own compute stream, is the group's)",
+            "FsdpConfig::device is {:?} but the process group's buffers live on {:?} (rank \
+             {}): set `device: pg.device().clone()` (on a GPU each rank's Candle device, \
+             with its own compute stream, is the group's)",
             config.device.location(),
             pg.device().location(),
             pg.rank()

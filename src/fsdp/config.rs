@@ -210,6 +210,11 @@ pub struct FsdpConfig {
     /// Frozen twins of the packed formats are padded so that each shard holds whole
     /// quantisation blocks (64 elements).
     pub frozen_storage: crate::quant::BaseDType,
+    /// Run fingerprints ([`super::fingerprint`]): when set, every training step records a
+    /// CRC-32C of each unit's gathered parameters, reduction input and output and shard after
+    /// the optimizer step, and rank 0 writes them to this file (truncated at build), for
+    /// `fsdp-ckpt diff`. `None` (default): nothing is recorded.
+    pub fingerprint: Option<std::path::PathBuf>,
 }
 
 impl Default for FsdpConfig {
@@ -228,6 +233,7 @@ impl Default for FsdpConfig {
             reshard_after_forward_ranks: None,
             memory_budget: None,
             frozen_storage: crate::quant::BaseDType::F32,
+            fingerprint: None,
         }
     }
 }

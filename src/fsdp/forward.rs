@@ -297,6 +297,9 @@ impl FsdpModel {
         drop(pre_forward);
         for &g in &groups {
             self.units[g].pre_forward();
+            if let Some(rec) = &mut self.fingerprint {
+                rec.params(g, self.units[g].param_tensors().unwrap_or(&[]))?;
+            }
         }
         Ok(groups)
     }

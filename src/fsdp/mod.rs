@@ -33,7 +33,9 @@
 //! - `shard_view`: [`ShardView`] and [`FsdpModel::shards`], the accessor through which
 //!   optimizers, clipping, the grad scaler and checkpoints see the shards (with
 //!   [`FsdpModel::in_phase`], all they need of the model);
-//! - `state_dict`: full-parameter gathering ([`FullModel`]).
+//! - `state_dict`: full-parameter gathering ([`FullModel`]);
+//! - [`fingerprint`]: run fingerprints (a CRC-32C per step, unit, phase and rank) and their
+//!   diff.
 //!
 //! Life of one training step under FULL_SHARD (see `design/fsdp.md`):
 //! 1. [`FsdpModel::forward_with`] (or [`FsdpModel::forward`] for a chain): each
@@ -62,6 +64,7 @@ mod build;
 mod call;
 mod collectives;
 pub mod config;
+pub mod fingerprint;
 mod forward;
 pub mod fused;
 pub mod memory;

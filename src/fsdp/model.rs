@@ -7,8 +7,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use candle_core::Tensor;
+
 use super::collectives::CommContext;
 use super::config::FsdpConfig;
+use super::fingerprint::{FingerprintPhase, Recorder};
 use super::memory::{MemoryAccount, MemoryStats};
 use super::param_group::ParamGroup;
 use super::scheduler::Scheduler;
@@ -46,6 +49,8 @@ pub struct FsdpModel {
     pub(super) state: TrainingState,
     /// The frozen base the model was built from ([`FsdpModel::set_base`]).
     base: Option<Arc<BaseIdentity>>,
+    /// Run fingerprints ([`FsdpConfig::fingerprint`]).
+    pub(super) fingerprint: Option<Recorder>,
 }
 
 impl FsdpModel {
@@ -76,6 +81,7 @@ impl FsdpModel {
             tracer: None,
             steps_started: 0,
             state: TrainingState::Idle,
+            fingerprint: None,
         }
     }
 
@@ -260,6 +266,46 @@ impl FsdpModel {
     /// The current step number (training forwards started so far, minus one; 0 before any).
     pub fn step(&self) -> u64 {
         self.steps_started.saturating_sub(1)
+    }
+
+    /// Closes optimizer step `step` of the run fingerprint ([`FsdpConfig::fingerprint`]):
+    /// records every trainable unit's f32 master shard, then brings every rank's records of the
+    /// step to rank 0, which writes them. The crate's optimizers call it after their update
+    /// (with their steps taken before it: 0 for the first); an optimizer of one's own calls it
+    /// the same way. Nothing without a fingerprint file.
+    ///
+    /// A collective over the whole world (two all-reduces of integers): every rank calls it.
+    ///
+    /// Errors: a failed host copy of a GPU shard; the collectives'; rank 0's write (naming the
+    /// file).
+    pub fn fingerprint_step(&mut self, step: u64) -> Result<()> {
+        let Some(mut rec) = self.fingerprint.take() else {
+            return Ok(());
+        };
+        let result = (|| {
+            for u in self.shards() {
+                if !u.frozen && u.packed.is_none() && !u.layout.params.is_empty() {
+                    rec.tensor(u.unit_index, FingerprintPhase::Shard, u.param)?;
+                }
+            }
+            let names: Vec<&str> = self.units.iter().map(|u| u.name()).collect();
+            rec.finish_step(self.pg.as_ref(), step, &names)
+        })();
+        self.fingerprint = Some(rec);
+        result.map_err(|e| self.at(e, None, Phase::Optimizer))
+    }
+
+    /// Records `t` as unit `g`'s `phase` in the run fingerprint (nothing without one).
+    pub(super) fn fingerprint_tensor(
+        &mut self,
+        g: usize,
+        phase: FingerprintPhase,
+        t: &Tensor,
+    ) -> Result<()> {
+        match &mut self.fingerprint {
+            Some(rec) => rec.tensor(g, phase, t),
+            None => Ok(()),
+        }
     }
 
     /// A compute-lane span named lazily (`name` runs only when tracing is on or with the `nvtx`

@@ -326,6 +326,50 @@ pub(super) fn with_cpu_u8<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R
     .and_then(|r| r)
 }
 
+/// Runs `f` on the bytes of contiguous CPU tensor `t` (its elements, little-endian, in its own
+/// dtype), borrowed under its read lock.
+///
+/// Errors: `t` not contiguous or not on the CPU.
+pub(super) fn with_cpu_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+    fn bytes<T>(v: &[T]) -> &[u8] {
+        // SAFETY: every element type of a CPU storage is plain old data (integers, IEEE floats,
+        // `half`'s and `float8`'s `repr(transparent)` integers): any `T` is valid as bytes, the
+        // slice covers exactly `v`'s memory, and `u8` has alignment 1. x86 and the GPUs' hosts
+        // are little-endian, the byte order checkpoints use.
+        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    }
+    with_storage(t, |storage, layout| {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(Error::InvalidArgument(format!(
+                "expected a contiguous tensor, found shape {:?} with strides {:?}",
+                layout.dims(),
+                layout.stride()
+            )));
+        };
+        let StorageRef::Cpu(storage) = storage else {
+            return Err(super::not_on_cpu("reading a tensor", t.device()));
+        };
+        let b = match storage {
+            CpuStorage::U8(v)
+            | CpuStorage::F6E2M3(v)
+            | CpuStorage::F6E3M2(v)
+            | CpuStorage::F4(v)
+            | CpuStorage::F8E8M0(v) => bytes(&v[start..end]),
+            CpuStorage::U32(v) => bytes(&v[start..end]),
+            CpuStorage::I16(v) => bytes(&v[start..end]),
+            CpuStorage::I32(v) => bytes(&v[start..end]),
+            CpuStorage::I64(v) => bytes(&v[start..end]),
+            CpuStorage::BF16(v) => bytes(&v[start..end]),
+            CpuStorage::F16(v) => bytes(&v[start..end]),
+            CpuStorage::F32(v) => bytes(&v[start..end]),
+            CpuStorage::F64(v) => bytes(&v[start..end]),
+            CpuStorage::F8E4M3(v) => bytes(&v[start..end]),
+        };
+        Ok(f(b))
+    })
+    .and_then(|r| r)
+}
+
 /// Runs `f` on the f32 values of `t`, mutably, under `t`'s write lock (no copy, no allocation;
 /// [`crate::device::with_storage_mut`]).
 pub(super) fn with_mut(

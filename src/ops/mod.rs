@@ -596,6 +596,20 @@ pub(crate) fn with_host_u8<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<
     Ok(f(&v))
 }
 
+/// CRC-32C (Castagnoli, the checksum of checkpoints and run fingerprints) of `t`'s elements as
+/// little-endian bytes in its own dtype, row-major, appended to `crc` (0 to start): read in
+/// place on the CPU (one pass over the bytes), from a host copy elsewhere or when `t` is not
+/// contiguous. Returns the checksum and the bytes covered.
+///
+/// Errors: a failed copy.
+pub(crate) fn crc32c_append(crc: u32, t: &Tensor) -> Result<(u32, u64)> {
+    if t.device().is_cpu() && t.is_contiguous() {
+        return cpu::with_cpu_bytes(t, |b| (crc32c::crc32c_append(crc, b), b.len() as u64));
+    }
+    let host = t.flatten_all()?.to_device(&Device::Cpu)?.contiguous()?;
+    cpu::with_cpu_bytes(&host, |b| (crc32c::crc32c_append(crc, b), b.len() as u64))
+}
+
 fn not_on_cpu(op: &str, device: &Device) -> Error {
     Error::InvalidArgument(format!(
         "{op}: tensor on {:?}: the kernels run on the CPU and, in a build with feature `cuda`, \

@@ -9,6 +9,7 @@ mod any_forward;
 mod budget;
 mod buffers;
 mod empty_batch;
+mod fingerprint;
 mod flat_param;
 mod fused_unit;
 #[cfg(feature = "gpt")]

@@ -1,7 +1,9 @@
 //! The MNIST example under `fsdp-run` on CPU (the shared-memory backend, issue 24): the same
 //! losses, accuracy and final checkpoint bytes as the in-process thread run; and a job whose
 //! rank 1 is killed with SIGKILL mid-run, restarted by `--max-restarts`, resuming from its
-//! newest checkpoint and ending exactly as the uninterrupted run.
+//! newest checkpoint and ending exactly as the uninterrupted run. Both write a run fingerprint
+//! (`--fingerprint`), which `fsdp-ckpt diff` finds identical to the thread run's: every step
+//! for the shm run, the steps after the resume for the restarted one (issue 35).
 //!
 //! The example binary is the one `cargo test` builds next to this test binary
 //! (`target/release/examples/mnist`); the data is the repository's `data/mnist`.
@@ -31,17 +33,42 @@ fn free_port() -> String {
     crate::common::free_port().to_string()
 }
 
-/// The uninterrupted reference: the thread run (world size 2 in one process); its stdout and
-/// checkpoint directory.
-fn reference() -> &'static (String, PathBuf) {
-    static REF: OnceLock<(String, PathBuf)> = OnceLock::new();
+/// A fingerprint file path for the run `tag` (its directory created).
+fn fingerprint_path(tag: &str) -> PathBuf {
+    let d = crate::common::tmpdir(&format!("{tag}-fp"));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join("run.fp")
+}
+
+/// `fsdp-ckpt diff a b`: exit code and stdout + stderr.
+fn ckpt_diff(a: &Path, b: &Path) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fsdp-ckpt"))
+        .arg("diff")
+        .args([a, b])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// The uninterrupted reference: the thread run (world size 2 in one process); its stdout,
+/// checkpoint directory and fingerprint file.
+fn reference() -> &'static (String, PathBuf, PathBuf) {
+    static REF: OnceLock<(String, PathBuf, PathBuf)> = OnceLock::new();
     REF.get_or_init(|| {
         let dir = crate::common::tmpdir("elastic-reference");
+        let fp = fingerprint_path("elastic-reference");
         let out = Command::new(mnist())
             .args(FLAGS)
             .args(["--world-size", "2", "--data-dir", &data_dir()])
             .arg("--checkpoint-dir")
             .arg(&dir)
+            .arg("--fingerprint")
+            .arg(&fp)
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -50,7 +77,7 @@ fn reference() -> &'static (String, PathBuf) {
             "{stdout}{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        (stdout, dir)
+        (stdout, dir, fp)
     })
 }
 
@@ -68,7 +95,7 @@ fn epoch_results(out: &str) -> Vec<String> {
 /// The bytes of every shard file of `dir`'s final checkpoint equal the reference's.
 fn assert_same_final_checkpoint(dir: &Path) {
     let last = "step-00000236";
-    let (_, ref_dir) = reference();
+    let (_, ref_dir, _) = reference();
     for r in 0..2 {
         let name = format!("shard-0000{r}-of-00002.safetensors");
         let want = std::fs::read(ref_dir.join(last).join(&name)).unwrap();
@@ -83,6 +110,7 @@ fn assert_same_final_checkpoint(dir: &Path) {
 #[test]
 fn mnist_under_fsdp_run_on_cpu_matches_the_thread_run_bitwise() {
     let dir = crate::common::tmpdir("elastic-shm");
+    let fp = fingerprint_path("elastic-shm");
     let (code, out, err) = {
         let child = Command::new(BIN)
             .args(["--nproc-per-node", "2", "--master-port", &free_port(), "--"])
@@ -90,6 +118,8 @@ fn mnist_under_fsdp_run_on_cpu_matches_the_thread_run_bitwise() {
             .args(FLAGS)
             .args(["--data-dir", &data_dir(), "--resume", "--checkpoint-dir"])
             .arg(&dir)
+            .arg("--fingerprint")
+            .arg(&fp)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -104,7 +134,7 @@ fn mnist_under_fsdp_run_on_cpu_matches_the_thread_run_bitwise() {
         "{out}"
     );
     assert!(out.contains("world size 2 (shm on cpu)"), "{out}");
-    let (reference, _) = reference();
+    let (reference, ref_dir, ref_fp) = reference();
     let epochs = epoch_results(&out);
     assert_eq!(epochs.len(), 2, "{out}");
     assert_eq!(epochs, epoch_results(reference));
@@ -113,6 +143,58 @@ fn mnist_under_fsdp_run_on_cpu_matches_the_thread_run_bitwise() {
         crate::common::final_accuracy(reference)
     );
     assert_same_final_checkpoint(&dir);
+    // Every record of every step (3 units x 4 phases x 2 ranks x 236 steps) is the thread
+    // run's; so is every tensor of the final checkpoint.
+    let (code, text) = ckpt_diff(ref_fp, &fp);
+    assert_eq!(code, 0, "{text}");
+    assert_eq!(
+        text.trim(),
+        "fingerprints identical: 5664 records, steps 0..=235"
+    );
+    let (code, text) = ckpt_diff(ref_dir, &dir);
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.starts_with("checkpoints identical: 18 tensors"),
+        "{text}"
+    );
+    // A run of other data (another seed) differs from step 0, named.
+    let other = fingerprint_path("elastic-shm-other");
+    let run = Command::new(mnist())
+        .args([
+            "--epochs",
+            "1",
+            "--batch-size",
+            "256",
+            "--seed",
+            "1",
+            "--world-size",
+            "2",
+        ])
+        .args(["--data-dir", &data_dir(), "--checkpoint-dir"])
+        .arg(dir.join("other"))
+        .arg("--fingerprint")
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert!(run.status.success());
+    let (code, text) = ckpt_diff(&fp, &other);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.starts_with("first difference: step 0, unit fc1, phase params, rank 0\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("only the first file has steps 118..=235"),
+        "{text}"
+    );
+    // A fingerprint file against a checkpoint is a usage mistake, named.
+    let (code, text) = ckpt_diff(&fp, &dir);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("diff compares two fingerprint files or two checkpoints")
+            && text.contains("run.fp is a file"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -133,6 +215,7 @@ fn rank_process(parent: u32, rank: usize, restart: usize) -> Option<i32> {
 #[test]
 fn a_rank_killed_with_sigkill_restarts_and_ends_like_the_uninterrupted_run() {
     let dir = crate::common::tmpdir("elastic-restart");
+    let fp = fingerprint_path("elastic-restart");
     let child = Command::new(BIN)
         .args(["--nproc-per-node", "2", "--max-restarts", "2"])
         .args(["--master-port", &free_port(), "--"])
@@ -140,6 +223,8 @@ fn a_rank_killed_with_sigkill_restarts_and_ends_like_the_uninterrupted_run() {
         .args(FLAGS)
         .args(["--data-dir", &data_dir(), "--checkpoint-dir"])
         .arg(&dir)
+        .arg("--fingerprint")
+        .arg(&fp)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -173,11 +258,20 @@ fn a_rank_killed_with_sigkill_restarts_and_ends_like_the_uninterrupted_run() {
     );
     // The restart resumed from a checkpoint of this run, and ended as the uninterrupted run.
     assert!(out.contains("[rank 0] resumed from"), "{out}");
-    let (reference, _) = reference();
+    let (reference, _, ref_fp) = reference();
     assert_eq!(
         crate::common::final_accuracy(&out),
         crate::common::final_accuracy(reference)
     );
     assert_same_final_checkpoint(&dir);
+    // The restarted attempt rewrote the fingerprint from the step it resumed at: those steps
+    // are the uninterrupted run's, record for record.
+    let (code, text) = ckpt_diff(ref_fp, &fp);
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.starts_with("fingerprints identical: ")
+            && text.contains("only the first file has steps 0..="),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

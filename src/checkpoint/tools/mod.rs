@@ -1,7 +1,7 @@
 //! Offline checkpoint tools, the library side of the `fsdp-ckpt` binary: [`inspect()`],
 //! [`export_full`] (a sharded checkpoint to one safetensors file), [`export_hf`] (to a Hugging
 //! Face model directory), [`import_full`] (the
-//! reverse), [`reshard`] (to another world size) and [`verify()`].
+//! reverse), [`reshard`] (to another world size), [`verify()`] and [`diff_checkpoints`].
 //!
 //! They need no process group and no model: everything comes from `meta.json`
 //! ([`super::CheckpointMeta`]) and the files. A parameter's elements lie at
@@ -27,6 +27,7 @@
 //! directory, a directory that is not a checkpoint, damaged metadata, a missing, truncated or
 //! corrupt shard file.
 
+mod diff;
 mod export;
 mod export_hf;
 mod export_peft;
@@ -51,6 +52,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+pub use diff::{diff_checkpoints, CheckpointDiff, TensorDifference};
 pub use export::{export_full, ExportSummary};
 pub use export_hf::{export_hf, HfExportOptions, HfExportSummary, HF_CONFIG_KEY};
 pub use export_peft::{export_peft, PeftExportSummary};

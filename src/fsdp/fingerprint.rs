@@ -1,0 +1,561 @@
+//! Run fingerprints ([`crate::FsdpConfig::fingerprint`], the examples' `--fingerprint FILE`):
+//! a CRC-32C of every value a step moves between ranks, written per step, unit, phase and rank,
+//! so that two runs that should be equal (threads against shm, tcp or MPI; a refactor; a
+//! resumed run against an uninterrupted one) can be compared record by record and the first
+//! difference named ([`diff`], `fsdp-ckpt diff A B`).
+//!
+//! **What is recorded**, for each optimizer step (the step a record belongs to is the one
+//! [`crate::FsdpModel::fingerprint_step`] closes; the crate's optimizers call it after their
+//! update):
+//! - `params`: the parameters of a unit's group as the unit computes with them, at their first
+//!   forward use of the step (after the all-gather, unpacked and cast to `param_dtype`; the
+//!   parameters in order, padding excluded, so the value does not depend on the world size);
+//! - `reduce-in`: the unit's flat gradient as it enters the reduce-scatter (or all-reduce under
+//!   NO_SHARD), in the dtype it was computed in, padding and presence flags included;
+//! - `reduce-out`: the reduced chunk this rank receives (after the replicas' all-reduce under
+//!   the hybrid strategies), in `reduce_dtype`;
+//! - `shard`: the unit's f32 master shard after the optimizer step (trainable units only).
+//!
+//! A phase seen more than once in a step (gradient accumulation with a reduce-scatter per
+//! micro-batch) is numbered: `reduce-in`, `reduce-in#1`, … Eval forwards record nothing.
+//!
+//! **Cost**: one CRC-32C pass over bytes the step has just touched (hardware CRC instructions,
+//! several GB/s: [`crate::ops`]), plus at each step's end two small all-reduces of integers
+//! that bring every rank's records to rank 0, which appends them to the file and flushes it.
+//! Tensors outside the host (a GPU's) are copied to the host to be hashed: that costs a
+//! transfer per record.
+//!
+//! **The file** (text, tab-separated, one record a line; rank 0 writes it, truncating it when
+//! the model is built):
+//!
+//! ```text
+//! # candle-fsdp fingerprint 1
+//! # world_size 2
+//! # step	unit	phase	rank	crc32c	bytes
+//! 0	fc1	params	0	5f1c02ab	401408
+//! 0	fc1	params	1	5f1c02ab	401408
+//! ```
+//!
+//! Within a step the records are in the order rank 0 made them (forward, then backward), the
+//! ranks of one event next to each other; so the first differing line of two files is the first
+//! place the runs diverged.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use candle_core::Tensor;
+
+use crate::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
+use crate::error::{Error, Result};
+
+/// First line of a fingerprint file.
+pub const FORMAT_LINE: &str = "# candle-fsdp fingerprint 1";
+
+/// Where in a step a record was taken (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FingerprintPhase {
+    /// A unit's parameters at their first forward use of the step.
+    Params,
+    /// A unit's flat gradient as it enters the reduce-scatter (all-reduce under NO_SHARD).
+    ReduceIn,
+    /// The reduced gradient chunk this rank receives.
+    ReduceOut,
+    /// The unit's f32 master shard after the optimizer step.
+    Shard,
+}
+
+impl FingerprintPhase {
+    const ALL: [FingerprintPhase; 4] = [
+        FingerprintPhase::Params,
+        FingerprintPhase::ReduceIn,
+        FingerprintPhase::ReduceOut,
+        FingerprintPhase::Shard,
+    ];
+
+    /// The name in the file: `params`, `reduce-in`, `reduce-out`, `shard`.
+    pub fn name(self) -> &'static str {
+        match self {
+            FingerprintPhase::Params => "params",
+            FingerprintPhase::ReduceIn => "reduce-in",
+            FingerprintPhase::ReduceOut => "reduce-out",
+            FingerprintPhase::Shard => "shard",
+        }
+    }
+
+    fn code(self) -> u64 {
+        self as u64
+    }
+}
+
+/// A record waiting for the end of its step.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    unit: usize,
+    phase: FingerprintPhase,
+    occurrence: u32,
+    crc: u32,
+    bytes: u64,
+}
+
+impl Pending {
+    /// `[key, crc, bytes]`: what the all-reduce carries (every value below 2^63).
+    fn encode(&self) -> [u64; 3] {
+        let key = ((self.unit as u64) << 24) | (self.phase.code() << 20) | self.occurrence as u64;
+        [key, u64::from(self.crc), self.bytes]
+    }
+
+    fn decode(v: &[u64]) -> Result<Self> {
+        let phase = FingerprintPhase::ALL
+            .get(((v[0] >> 20) & 0xf) as usize)
+            .copied()
+            .ok_or_else(|| Error::Internal(format!("fingerprint record key {:#x}", v[0])))?;
+        Ok(Pending {
+            unit: (v[0] >> 24) as usize,
+            phase,
+            occurrence: (v[0] & 0xf_ffff) as u32,
+            crc: v[1] as u32,
+            bytes: v[2],
+        })
+    }
+}
+
+/// One rank's fingerprint recorder, owned by the model: records are kept until the step ends,
+/// then gathered to rank 0, which writes them.
+pub(crate) struct Recorder {
+    /// Rank 0's file.
+    out: Option<(PathBuf, BufWriter<File>)>,
+    pending: Vec<Pending>,
+    /// Per unit: its parameters were recorded this step.
+    params_seen: Vec<bool>,
+    occurrences: HashMap<(usize, FingerprintPhase), u32>,
+}
+
+impl Recorder {
+    /// The recorder of a model of `units` units on rank `rank` of `world_size`; rank 0 creates
+    /// (truncates) `path` and writes the header.
+    ///
+    /// Errors: `path` cannot be created or written (naming it).
+    pub(crate) fn new(path: &Path, rank: usize, world_size: usize, units: usize) -> Result<Self> {
+        let out = if rank == 0 {
+            let io = |e: std::io::Error| Error::file(path, format!("fingerprint file: {e}"));
+            let mut w = BufWriter::new(File::create(path).map_err(io)?);
+            writeln!(
+                w,
+                "{FORMAT_LINE}\n# world_size {world_size}\n# step\tunit\tphase\trank\tcrc32c\tbytes"
+            )
+            .and_then(|_| w.flush())
+            .map_err(io)?;
+            Some((path.to_path_buf(), w))
+        } else {
+            None
+        };
+        Ok(Recorder {
+            out,
+            pending: Vec::new(),
+            params_seen: vec![false; units],
+            occurrences: HashMap::new(),
+        })
+    }
+
+    fn push(&mut self, unit: usize, phase: FingerprintPhase, (crc, bytes): (u32, u64)) {
+        let n = self.occurrences.entry((unit, phase)).or_insert(0);
+        self.pending.push(Pending {
+            unit,
+            phase,
+            occurrence: *n,
+            crc,
+            bytes,
+        });
+        *n += 1;
+    }
+
+    /// Records unit `unit`'s parameters `params` unless they were recorded this step (a unit
+    /// without parameters records nothing).
+    ///
+    /// Errors: a failed host copy.
+    pub(crate) fn params(&mut self, unit: usize, params: &[Tensor]) -> Result<()> {
+        if params.is_empty() || std::mem::replace(&mut self.params_seen[unit], true) {
+            return Ok(());
+        }
+        let mut acc = (0u32, 0u64);
+        for p in params {
+            let (crc, n) = crate::ops::crc32c_append(acc.0, p)?;
+            acc = (crc, acc.1 + n);
+        }
+        self.push(unit, FingerprintPhase::Params, acc);
+        Ok(())
+    }
+
+    /// Records `t` as unit `unit`'s `phase`.
+    ///
+    /// Errors: a failed host copy.
+    pub(crate) fn tensor(
+        &mut self,
+        unit: usize,
+        phase: FingerprintPhase,
+        t: &Tensor,
+    ) -> Result<()> {
+        let v = crate::ops::crc32c_append(0, t)?;
+        self.push(unit, phase, v);
+        Ok(())
+    }
+
+    /// Ends step `step`: gathers every rank's records to rank 0 (a collective on `pg`, the
+    /// model's whole world: two all-reduces of integers), which appends them to the file with
+    /// the unit names `names` and flushes it; starts the next step.
+    ///
+    /// Errors: the collectives'; rank 0's write (naming the file).
+    pub(crate) fn finish_step(
+        &mut self,
+        pg: &dyn ProcessGroup,
+        step: u64,
+        names: &[&str],
+    ) -> Result<()> {
+        let mine = std::mem::take(&mut self.pending);
+        self.params_seen.iter_mut().for_each(|s| *s = false);
+        self.occurrences.clear();
+        let (rank, ws) = (pg.rank(), pg.world_size());
+        let per_rank: Vec<Vec<Pending>> = if ws == 1 {
+            vec![mine]
+        } else {
+            let mut counts = vec![0u64; ws];
+            counts[rank] = mine.len() as u64;
+            let counts = pg.all_reduce_u64s(counts, ReduceOp::Sum)?;
+            let total: u64 = counts.iter().sum();
+            let at: u64 = counts[..rank].iter().sum();
+            let mut v = vec![0u64; 3 * total as usize];
+            for (i, p) in mine.iter().enumerate() {
+                let k = 3 * (at as usize + i);
+                v[k..k + 3].copy_from_slice(&p.encode());
+            }
+            let v = pg.all_reduce_u64s(v, ReduceOp::Sum)?;
+            let mut it = v.chunks_exact(3);
+            counts
+                .iter()
+                .map(|&n| {
+                    (0..n)
+                        .map(|_| Pending::decode(it.next().unwrap_or(&[0; 3])))
+                        .collect()
+                })
+                .collect::<Result<_>>()?
+        };
+        let Some((path, w)) = &mut self.out else {
+            return Ok(());
+        };
+        // Record i of every rank, then record i + 1: one event's ranks side by side.
+        let longest = per_rank.iter().map(Vec::len).max().unwrap_or(0);
+        let mut text = String::new();
+        for i in 0..longest {
+            for (r, recs) in per_rank.iter().enumerate() {
+                if let Some(p) = recs.get(i) {
+                    let unit = names.get(p.unit).copied().unwrap_or("?");
+                    let phase = match p.occurrence {
+                        0 => p.phase.name().to_string(),
+                        n => format!("{}#{n}", p.phase.name()),
+                    };
+                    text.push_str(&format!(
+                        "{step}\t{unit}\t{phase}\t{r}\t{:08x}\t{}\n",
+                        p.crc, p.bytes
+                    ));
+                }
+            }
+        }
+        w.write_all(text.as_bytes())
+            .and_then(|_| w.flush())
+            .map_err(|e| Error::file(path.as_path(), format!("fingerprint file: {e}")))
+    }
+}
+
+/// One line of a fingerprint file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FingerprintRecord {
+    /// Optimizer step (0-based: the step [`crate::FsdpModel::fingerprint_step`] closed).
+    pub step: u64,
+    /// Unit name.
+    pub unit: String,
+    /// Phase name, with `#n` for its n-th repetition in the step ([`FingerprintPhase::name`]).
+    pub phase: String,
+    /// Rank in the job's world.
+    pub rank: usize,
+    /// CRC-32C of the bytes.
+    pub crc32c: u32,
+    /// Bytes hashed.
+    pub bytes: u64,
+}
+
+impl FingerprintRecord {
+    fn key(&self) -> (u64, &str, &str, usize) {
+        (self.step, &self.unit, &self.phase, self.rank)
+    }
+}
+
+impl fmt::Display for FingerprintRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "step {}, unit {}, phase {}, rank {}",
+            self.step, self.unit, self.phase, self.rank
+        )
+    }
+}
+
+/// A parsed fingerprint file.
+#[derive(Debug, Clone)]
+pub struct FingerprintFile {
+    /// The file.
+    pub path: PathBuf,
+    /// World size of the run that wrote it.
+    pub world_size: usize,
+    /// Records in file order.
+    pub records: Vec<FingerprintRecord>,
+}
+
+/// Reads a fingerprint file.
+///
+/// Errors, naming the file (and the line): missing or unreadable; not a fingerprint file (first
+/// line); a record line without six tab-separated fields or with an unparsable number.
+pub fn read(path: &Path) -> Result<FingerprintFile> {
+    let f = File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
+    let mut world_size = 0;
+    let mut records = Vec::new();
+    for (i, line) in BufReader::new(f).lines().enumerate() {
+        let line = line.map_err(|e| Error::file(path, format!("line {}: {e}", i + 1)))?;
+        let bad = |what: &str| Error::file(path, format!("line {}: {what}: {line:?}", i + 1));
+        if i == 0 {
+            if line != FORMAT_LINE {
+                return Err(bad(&format!(
+                    "not a fingerprint file (expected first line {FORMAT_LINE:?})"
+                )));
+            }
+            continue;
+        }
+        if let Some(ws) = line.strip_prefix("# world_size ") {
+            world_size = ws.trim().parse().map_err(|_| bad("bad world size"))?;
+            continue;
+        }
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let f: Vec<&str> = line.split('\t').collect();
+        if f.len() != 6 {
+            return Err(bad("expected 6 tab-separated fields"));
+        }
+        records.push(FingerprintRecord {
+            step: f[0].parse().map_err(|_| bad("bad step"))?,
+            unit: f[1].to_string(),
+            phase: f[2].to_string(),
+            rank: f[3].parse().map_err(|_| bad("bad rank"))?,
+            crc32c: u32::from_str_radix(f[4], 16).map_err(|_| bad("bad crc32c"))?,
+            bytes: f[5].parse().map_err(|_| bad("bad byte count"))?,
+        });
+    }
+    if records.is_empty() && world_size == 0 {
+        return Err(Error::file(path, "empty: not a fingerprint file"));
+    }
+    Ok(FingerprintFile {
+        path: path.to_path_buf(),
+        world_size,
+        records,
+    })
+}
+
+/// What [`diff`] found.
+#[derive(Debug, Clone)]
+pub struct FingerprintDiff {
+    /// Steps both files record (only these are compared).
+    pub common_steps: BTreeSet<u64>,
+    /// Steps only the first / only the second file records.
+    pub only_a: BTreeSet<u64>,
+    /// See `only_a`.
+    pub only_b: BTreeSet<u64>,
+    /// Records compared (of the common steps, in the first file or the second).
+    pub compared: usize,
+    /// Every difference in the common steps, in the first file's order (then the second's
+    /// records the first lacks): `(a, b)`, `None` where a file lacks the record.
+    pub differences: Vec<(Option<FingerprintRecord>, Option<FingerprintRecord>)>,
+}
+
+impl FingerprintDiff {
+    /// True when the common steps hold the same records with the same checksums.
+    pub fn identical(&self) -> bool {
+        self.differences.is_empty()
+    }
+
+    /// The first differing record's place (step, unit, phase, rank).
+    pub fn first(&self) -> Option<&FingerprintRecord> {
+        self.differences
+            .first()
+            .and_then(|(a, b)| a.as_ref().or(b.as_ref()))
+    }
+}
+
+fn steps_text(s: &BTreeSet<u64>) -> String {
+    match (s.first(), s.last()) {
+        (Some(a), Some(b)) if a == b => format!("step {a}"),
+        (Some(a), Some(b)) if (b - a + 1) as usize == s.len() => format!("steps {a}..={b}"),
+        (Some(_), Some(_)) => format!(
+            "steps {}",
+            s.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+        ),
+        _ => "no step".into(),
+    }
+}
+
+impl fmt::Display for FingerprintDiff {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.common_steps.is_empty() {
+            writeln!(f, "no step in common: nothing compared")?;
+        } else if self.identical() {
+            writeln!(
+                f,
+                "fingerprints identical: {} records, {}",
+                self.compared,
+                steps_text(&self.common_steps)
+            )?;
+        } else {
+            let first = self.first().expect("a difference");
+            writeln!(f, "first difference: {first}")?;
+            for (a, b) in self.differences.iter().take(8) {
+                let side = |r: &Option<FingerprintRecord>| match r {
+                    Some(r) => format!("crc32c {:08x} ({} bytes)", r.crc32c, r.bytes),
+                    None => "absent".to_string(),
+                };
+                let at = a.as_ref().or(b.as_ref()).expect("one side");
+                writeln!(f, "  {at}: {} vs {}", side(a), side(b))?;
+            }
+            if self.differences.len() > 8 {
+                writeln!(f, "  … {} more", self.differences.len() - 8)?;
+            }
+            writeln!(
+                f,
+                "{} of {} records differ in {}",
+                self.differences.len(),
+                self.compared,
+                steps_text(&self.common_steps)
+            )?;
+        }
+        if !self.only_a.is_empty() {
+            writeln!(f, "only the first file has {}", steps_text(&self.only_a))?;
+        }
+        if !self.only_b.is_empty() {
+            writeln!(f, "only the second file has {}", steps_text(&self.only_b))?;
+        }
+        Ok(())
+    }
+}
+
+/// Compares two fingerprint files over the steps both record (a resumed run against an
+/// uninterrupted one compares the steps after the resume).
+pub fn diff(a: &FingerprintFile, b: &FingerprintFile) -> FingerprintDiff {
+    let steps = |f: &FingerprintFile| f.records.iter().map(|r| r.step).collect::<BTreeSet<_>>();
+    let (sa, sb) = (steps(a), steps(b));
+    let common: BTreeSet<u64> = sa.intersection(&sb).copied().collect();
+    let by_key = |f: &FingerprintFile| -> HashMap<(u64, String, String, usize), usize> {
+        f.records
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| common.contains(&r.step))
+            .map(|(i, r)| ((r.step, r.unit.clone(), r.phase.clone(), r.rank), i))
+            .collect()
+    };
+    let (ka, kb) = (by_key(a), by_key(b));
+    let mut differences = Vec::new();
+    let mut compared = 0;
+    for r in a.records.iter().filter(|r| common.contains(&r.step)) {
+        compared += 1;
+        let (s, u, p, k) = r.key();
+        match kb.get(&(s, u.to_string(), p.to_string(), k)) {
+            Some(&j) if b.records[j].crc32c == r.crc32c && b.records[j].bytes == r.bytes => {}
+            Some(&j) => differences.push((Some(r.clone()), Some(b.records[j].clone()))),
+            None => differences.push((Some(r.clone()), None)),
+        }
+    }
+    for r in b.records.iter().filter(|r| common.contains(&r.step)) {
+        let (s, u, p, k) = r.key();
+        if !ka.contains_key(&(s, u.to_string(), p.to_string(), k)) {
+            compared += 1;
+            differences.push((None, Some(r.clone())));
+        }
+    }
+    FingerprintDiff {
+        only_a: sa.difference(&sb).copied().collect(),
+        only_b: sb.difference(&sa).copied().collect(),
+        common_steps: common,
+        compared,
+        differences,
+    }
+}
+
+/// Test-only fault injection (cargo feature `fault-injection`): a one-bit change in a rank's
+/// gradient, to show that a fingerprint diff names where it happened.
+#[cfg(feature = "fault-injection")]
+pub mod fault {
+    use std::cell::RefCell;
+
+    #[derive(Debug, Clone)]
+    struct Flip {
+        step: u64,
+        unit: String,
+        element: usize,
+        bit: u32,
+    }
+
+    thread_local! {
+        static FLIP: RefCell<Option<Flip>> = const { RefCell::new(None) };
+    }
+
+    /// On the calling thread (a rank of the thread backend), flips bit `bit` of element
+    /// `element` of unit `unit`'s flat gradient as it enters the reduction of model step `step`
+    /// ([`crate::FsdpModel::step`]), once.
+    pub fn flip_gradient_bit(step: u64, unit: &str, element: usize, bit: u32) {
+        FLIP.with(|f| {
+            *f.borrow_mut() = Some(Flip {
+                step,
+                unit: unit.to_string(),
+                element,
+                bit,
+            })
+        });
+    }
+
+    /// The armed flip for (`step`, `unit`), disarmed: (element, bit).
+    pub(crate) fn take(step: u64, unit: &str) -> Option<(usize, u32)> {
+        FLIP.with(|f| {
+            let mut f = f.borrow_mut();
+            match &*f {
+                Some(x) if x.step == step && x.unit == unit => {
+                    let x = f.take().expect("armed");
+                    Some((x.element, x.bit))
+                }
+                _ => None,
+            }
+        })
+    }
+}
+
+/// Without the `fault-injection` feature nothing is ever armed.
+#[cfg(not(feature = "fault-injection"))]
+pub(crate) mod fault {
+    pub(crate) fn take(_step: u64, _unit: &str) -> Option<(usize, u32)> {
+        None
+    }
+}
+
+/// `t` (1-D) with bit `bit` of element `element` flipped (fault injection).
+pub(crate) fn flip_bit(t: &Tensor, element: usize, bit: u32) -> Result<Tensor> {
+    let dtype = t.dtype();
+    let mut v = t.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+    if dtype != candle_core::DType::F32 {
+        return Err(Error::InvalidArgument(format!(
+            "fault injection flips bits of f32 gradients, found {dtype:?}"
+        )));
+    }
+    let x = v.get_mut(element).ok_or_else(|| {
+        Error::InvalidArgument(format!("fault injection: element {element} out of range"))
+    })?;
+    *x = f32::from_bits(x.to_bits() ^ (1 << bit));
+    Ok(Tensor::from_vec(v, t.elem_count(), t.device())?)
+}
