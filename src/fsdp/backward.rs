@@ -20,6 +20,7 @@ use super::config::BackwardPrefetch;
 use super::fingerprint::{self, FingerprintPhase};
 use super::forward::Params;
 use super::model::FsdpModel;
+use super::scheduler;
 use crate::error::{Error, Phase, Result};
 use crate::trace::SpanKind;
 
@@ -419,6 +420,41 @@ impl FsdpModel {
                 let (g, e) = *b;
                 self.at(e, Some(g), Phase::Backward)
             })
+    }
+}
+
+/// Backward prefetch: which call's groups to gather next, and issuing them.
+impl FsdpModel {
+    /// The latest call before call number `before` whose backward has not run.
+    pub(super) fn next_backward_call(&self, before: usize) -> Option<usize> {
+        let calls = self.step_calls();
+        scheduler::next_backward_call(calls.len(), before, |c| !calls[c].done)
+    }
+
+    /// The latest call before `before`, not yet back-propagated, that needs a gather (some
+    /// group neither present nor in flight).
+    pub(super) fn next_gathering_call(&self, before: usize) -> Option<usize> {
+        let calls = self.step_calls();
+        scheduler::next_gathering_call(
+            calls.len(),
+            before,
+            |c| !calls[c].done,
+            |c| calls[c].groups.iter().any(|&g| self.units[g].is_sharded()),
+        )
+    }
+
+    /// Issues the gathers of the next call in reverse call order (nothing when they are present
+    /// or in flight already: one call ahead, as FSDP's backward prefetch).
+    pub(super) fn prefetch_backward(&mut self, c: usize, current: &[usize]) {
+        if let Some(n) = self.next_backward_call(c) {
+            let groups: Vec<usize> = self.step_calls()[n]
+                .groups
+                .iter()
+                .copied()
+                .filter(|g| !current.contains(g))
+                .collect();
+            self.prefetch_groups(&groups);
+        }
     }
 }
 

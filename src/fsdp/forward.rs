@@ -668,3 +668,65 @@ impl TrackedInputs {
         Ok(t)
     }
 }
+
+/// Execution: making a call's groups present (the scheduler answers which to gather when; the
+/// groups hold the gathers in flight).
+impl FsdpModel {
+    /// Unshards group `g` (issues its all-gather) and marks the issue in the trace.
+    pub(super) fn unshard(&mut self, g: usize) {
+        if self.units[g].gathers() && self.units[g].is_sharded() {
+            self.mark_issue(|| format!("FSDP::all_gather {}", self.units[g].name()));
+            if self.state.step().is_some() {
+                self.scheduler.record_gather(g);
+            }
+        }
+        self.units[g].unshard(&self.comm, &self.mem);
+    }
+
+    /// Makes group `g`'s parameters present (waiting for its all-gather, issuing it if needed),
+    /// recording the wait as exposed communication.
+    pub(super) fn wait_for_unshard(&mut self, g: usize) -> Result<()> {
+        if self.units[g].is_present() {
+            return Ok(());
+        }
+        self.unshard(g);
+        let _w = self.units[g].gathers().then(|| {
+            self.span(SpanKind::Wait, || {
+                format!("FSDP::wait all_gather {}", self.units[g].name())
+            })
+        });
+        self.units[g].wait_for_unshard(&self.comm, &self.mem)
+    }
+
+    /// Issues the gathers of `groups` that are neither present nor in flight, as far as
+    /// `limit_all_gathers` allows.
+    pub(super) fn prefetch_groups(&mut self, groups: &[usize]) {
+        for &g in groups {
+            if self.units[g].is_sharded() && self.scheduler.may_prefetch(&self.mem) {
+                self.unshard(g);
+            }
+        }
+    }
+
+    /// Gathers the groups of call number `pos` (member `m`) and issues the predicted next
+    /// call's gathers (forward prefetch) before waiting for its own.
+    pub(super) fn gather_for_call(&mut self, m: usize, pos: usize, train: bool) -> Vec<usize> {
+        let groups = self.members[m].groups.clone();
+        for &g in &groups {
+            self.unshard(g);
+        }
+        let next = self
+            .scheduler
+            .predicted_next(m, pos, train, self.members.len());
+        if let Some(next) = next {
+            let next_groups: Vec<usize> = self.members[next]
+                .groups
+                .iter()
+                .copied()
+                .filter(|g| !groups.contains(g))
+                .collect();
+            self.prefetch_groups(&next_groups);
+        }
+        groups
+    }
+}

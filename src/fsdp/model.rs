@@ -16,7 +16,7 @@ use super::memory::{MemoryAccount, MemoryStats};
 use super::param_group::ParamGroup;
 use super::scheduler::Scheduler;
 use super::spec::Member;
-use super::step::TrainingState;
+use super::step::{CallRecord, Step, TrainingState};
 use crate::base::BaseIdentity;
 use crate::comm::{CommObserver, ProcessGroup};
 use crate::error::{Error, Phase, Result};
@@ -389,5 +389,61 @@ fn span_kind(phase: Phase) -> SpanKind {
         Phase::Forward | Phase::Eval => SpanKind::Forward,
         Phase::Backward => SpanKind::Backward,
         _ => SpanKind::OptimizerStep,
+    }
+}
+
+/// The step's state transitions (`super::step`'s `TrainingState`).
+impl FsdpModel {
+    /// Drops whatever a previous step left (saved graphs, gathers in flight, reductions):
+    /// afterwards the model is `Idle`, every group is sharded and idle, and the memory guards
+    /// are released.
+    pub(super) fn release_step(&mut self) {
+        if let Some(s) = std::mem::replace(&mut self.state, TrainingState::Idle).step() {
+            s.hook.end();
+        }
+        self.units.iter_mut().for_each(ParamGroup::finalize);
+        drop(self.scheduler.take_reductions());
+    }
+
+    /// Drops what the last training forward kept for its backward (to run another training
+    /// forward without back-propagating the previous one).
+    pub fn discard_forward(&mut self) {
+        self.release_step();
+    }
+
+    /// Transition `Idle → Forward` (`train`) or `Idle → Eval`: a new step with no call yet.
+    pub(super) fn begin_step(&mut self, train: bool) -> Result<()> {
+        let step = Step::new(&self.config.device)?;
+        self.state = if train {
+            TrainingState::Forward(step)
+        } else {
+            TrainingState::Eval(step)
+        };
+        self.scheduler.begin_forward();
+        Ok(())
+    }
+
+    /// Transition `Forward → Backward`.
+    pub(super) fn begin_backward(&mut self) {
+        self.state = match std::mem::replace(&mut self.state, TrainingState::Idle) {
+            TrainingState::Forward(s) => TrainingState::Backward(s),
+            other => other,
+        };
+    }
+
+    /// The calls of the step in progress (none when `Idle`).
+    pub(super) fn step_calls(&self) -> &[CallRecord] {
+        self.state.step().map_or(&[], |s| &s.calls)
+    }
+
+    /// The step in progress; only called where one is.
+    pub(super) fn step_mut(&mut self) -> &mut Step {
+        self.state.step_mut().expect("a step in progress")
+    }
+
+    /// Wraps an error of a forward closure that carries no place yet (the caller's own
+    /// operations) with the phase and step.
+    pub(super) fn at_phase(&self, e: Error, phase: Phase) -> Error {
+        e.in_step(None, phase, self.step())
     }
 }

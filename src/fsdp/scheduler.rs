@@ -18,10 +18,7 @@ use candle_core::Tensor;
 
 use super::config::{BackwardPrefetch, FsdpConfig};
 use super::memory::MemoryAccount;
-use super::model::FsdpModel;
 use crate::comm::Work;
-use crate::error::Result;
-use crate::trace::SpanKind;
 
 /// Prefetch policy, the tapes, and the reductions in flight.
 pub(crate) struct Scheduler {
@@ -197,98 +194,6 @@ pub(crate) fn next_gathering_call(
     needs_gather: impl Fn(usize) -> bool,
 ) -> Option<usize> {
     next_backward_call(n_calls, before, |c| pending(c) && needs_gather(c))
-}
-
-impl FsdpModel {
-    /// Unshards group `g` (issues its all-gather) and marks the issue in the trace.
-    pub(super) fn unshard(&mut self, g: usize) {
-        if self.units[g].gathers() && self.units[g].is_sharded() {
-            self.mark_issue(|| format!("FSDP::all_gather {}", self.units[g].name()));
-            if self.state.step().is_some() {
-                self.scheduler.record_gather(g);
-            }
-        }
-        self.units[g].unshard(&self.comm, &self.mem);
-    }
-
-    /// Makes group `g`'s parameters present (waiting for its all-gather, issuing it if needed),
-    /// recording the wait as exposed communication.
-    pub(super) fn wait_for_unshard(&mut self, g: usize) -> Result<()> {
-        if self.units[g].is_present() {
-            return Ok(());
-        }
-        self.unshard(g);
-        let _w = self.units[g].gathers().then(|| {
-            self.span(SpanKind::Wait, || {
-                format!("FSDP::wait all_gather {}", self.units[g].name())
-            })
-        });
-        self.units[g].wait_for_unshard(&self.comm, &self.mem)
-    }
-
-    /// Issues the gathers of `groups` that are neither present nor in flight, as far as
-    /// `limit_all_gathers` allows.
-    pub(super) fn prefetch_groups(&mut self, groups: &[usize]) {
-        for &g in groups {
-            if self.units[g].is_sharded() && self.scheduler.may_prefetch(&self.mem) {
-                self.unshard(g);
-            }
-        }
-    }
-
-    /// Gathers the groups of call number `pos` (member `m`) and issues the predicted next
-    /// call's gathers (forward prefetch) before waiting for its own.
-    pub(super) fn gather_for_call(&mut self, m: usize, pos: usize, train: bool) -> Vec<usize> {
-        let groups = self.members[m].groups.clone();
-        for &g in &groups {
-            self.unshard(g);
-        }
-        let next = self
-            .scheduler
-            .predicted_next(m, pos, train, self.members.len());
-        if let Some(next) = next {
-            let next_groups: Vec<usize> = self.members[next]
-                .groups
-                .iter()
-                .copied()
-                .filter(|g| !groups.contains(g))
-                .collect();
-            self.prefetch_groups(&next_groups);
-        }
-        groups
-    }
-
-    /// The latest call before call number `before` whose backward has not run.
-    pub(super) fn next_backward_call(&self, before: usize) -> Option<usize> {
-        let calls = self.step_calls();
-        next_backward_call(calls.len(), before, |c| !calls[c].done)
-    }
-
-    /// The latest call before `before`, not yet back-propagated, that needs a gather (some
-    /// group neither present nor in flight).
-    pub(super) fn next_gathering_call(&self, before: usize) -> Option<usize> {
-        let calls = self.step_calls();
-        next_gathering_call(
-            calls.len(),
-            before,
-            |c| !calls[c].done,
-            |c| calls[c].groups.iter().any(|&g| self.units[g].is_sharded()),
-        )
-    }
-
-    /// Issues the gathers of the next call in reverse call order (nothing when they are present
-    /// or in flight already: one call ahead, as FSDP's backward prefetch).
-    pub(super) fn prefetch_backward(&mut self, c: usize, current: &[usize]) {
-        if let Some(n) = self.next_backward_call(c) {
-            let groups: Vec<usize> = self.step_calls()[n]
-                .groups
-                .iter()
-                .copied()
-                .filter(|g| !current.contains(g))
-                .collect();
-            self.prefetch_groups(&groups);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! The training state of an [`FsdpModel`] across one step (FSDP2's `TrainingState`, beside each
+//! The training state of an `FsdpModel` across one step (FSDP2's `TrainingState`, beside each
 //! group's parameter state in `super::param_group`):
 //!
 //! ```text
@@ -14,7 +14,7 @@
 //!
 //! Every state but `Idle` carries the [`Step`]: the calls recorded by the forward
 //! ([`CallRecord`]) and the [`StepHook`] through which their graph nodes reach the model in
-//! backward. Leaving a step ([`FsdpModel::release_step`]) marks its hook over, so nodes kept
+//! backward. Leaving a step (the model's `release_step`) marks its hook over, so nodes kept
 //! from it fail with an error instead of touching a later step.
 
 use std::sync::Arc;
@@ -22,19 +22,17 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor, Var};
 
 use super::call::StepHook;
-use super::model::FsdpModel;
-use super::param_group::ParamGroup;
-use crate::error::{Error, Phase, Result};
+use crate::error::{Phase, Result};
 
 /// Where the model is in a step (see the module docs).
 pub(super) enum TrainingState {
     /// No forward in progress and none awaiting its backward.
     Idle,
-    /// A training forward ran (or runs): its calls await [`FsdpModel::backward`].
+    /// A training forward ran (or runs): its calls await `FsdpModel::backward`.
     Forward(Step),
     /// An eval forward runs (nothing is kept for a backward).
     Eval(Step),
-    /// [`FsdpModel::backward`] runs the step's backward.
+    /// `FsdpModel::backward` runs the step's backward.
     Backward(Step),
 }
 
@@ -89,12 +87,12 @@ pub(super) struct Step {
     /// The output nodes with zero elements handed to the caller (a rank whose batch is empty):
     /// the backward adds their sums (exactly 0) to the loss, so that every such call's backward
     /// runs, in graph order, whatever loss the caller computed from them (see
-    /// [`FsdpModel::backward`]).
+    /// `FsdpModel::backward`).
     pub(super) empty_outputs: Vec<Tensor>,
 }
 
 impl Step {
-    fn new(device: &candle_core::Device) -> Result<Self> {
+    pub(super) fn new(device: &candle_core::Device) -> Result<Self> {
         Ok(Step {
             hook: Arc::new(StepHook::default()),
             anchor: Var::zeros((), DType::F32, device)?.into_inner(),
@@ -129,59 +127,4 @@ pub(super) struct CallRecord {
     pub(super) in_grads: Vec<Option<Tensor>>,
     /// Its backward has run.
     pub(super) done: bool,
-}
-
-impl FsdpModel {
-    /// Drops whatever a previous step left (saved graphs, gathers in flight, reductions):
-    /// afterwards the model is `Idle`, every group is sharded and idle, and the memory guards
-    /// are released.
-    pub(super) fn release_step(&mut self) {
-        if let Some(s) = std::mem::replace(&mut self.state, TrainingState::Idle).step() {
-            s.hook.end();
-        }
-        self.units.iter_mut().for_each(ParamGroup::finalize);
-        drop(self.scheduler.take_reductions());
-    }
-
-    /// Drops what the last training forward kept for its backward (to run another training
-    /// forward without back-propagating the previous one).
-    pub fn discard_forward(&mut self) {
-        self.release_step();
-    }
-
-    /// Transition `Idle → Forward` (`train`) or `Idle → Eval`: a new step with no call yet.
-    pub(super) fn begin_step(&mut self, train: bool) -> Result<()> {
-        let step = Step::new(&self.config.device)?;
-        self.state = if train {
-            TrainingState::Forward(step)
-        } else {
-            TrainingState::Eval(step)
-        };
-        self.scheduler.begin_forward();
-        Ok(())
-    }
-
-    /// Transition `Forward → Backward`.
-    pub(super) fn begin_backward(&mut self) {
-        self.state = match std::mem::replace(&mut self.state, TrainingState::Idle) {
-            TrainingState::Forward(s) => TrainingState::Backward(s),
-            other => other,
-        };
-    }
-
-    /// The calls of the step in progress (none when `Idle`).
-    pub(super) fn step_calls(&self) -> &[CallRecord] {
-        self.state.step().map_or(&[], |s| &s.calls)
-    }
-
-    /// The step in progress; only called where one is.
-    pub(super) fn step_mut(&mut self) -> &mut Step {
-        self.state.step_mut().expect("a step in progress")
-    }
-
-    /// Wraps an error of a forward closure that carries no place yet (the caller's own
-    /// operations) with the phase and step.
-    pub(super) fn at_phase(&self, e: Error, phase: Phase) -> Error {
-        e.in_step(None, phase, self.step())
-    }
 }

@@ -40,11 +40,12 @@
 use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+use candle_nn::Module;
 
 use super::layers::{Block, MlpKind, NormKind, Positions, Proj, Qkv};
 use super::Activation;
 use crate::fsdp::fused;
-use crate::models::gpt2_block::{gpt_block, GptBlockParams};
+use crate::unit::UnitModule;
 use crate::nn::kernels::{
     add_assign, attention_backward, attention_forward, broadcast_rows, col_sums, col_sums_strided,
     gelu_tanh, gelu_tanh_grad, matmul, matmul_new, norm_backward, norm_forward, rope_in_place,
@@ -93,6 +94,54 @@ struct Plan {
     inter: usize,
 }
 
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_at(x, None)
+    }
+}
+
+/// The block as a unit: inputs `[h]` or `[h, position_ids]` (`(B, T)` u32, packed examples:
+/// [`Positions`]); one output.
+impl UnitModule for Block {
+    fn forward_t(&self, xs: &[Tensor], _train: bool) -> candle_core::Result<Vec<Tensor>> {
+        match xs {
+            [x] => Ok(vec![self.forward_at(x, None)?]),
+            [x, ids] => Ok(vec![self.forward_at(x, Some(&Positions::new(ids)?))?]),
+            _ => candle_core::bail!(
+                "a decoder block takes the hidden states and optionally position ids, found {} \
+                 inputs",
+                xs.len()
+            ),
+        }
+    }
+}
+
+impl Block {
+    /// The block's output `(B, T, d)` of `x` `(B, T, d)`, its tokens at `pos` (packed
+    /// examples: rotary angles at their position ids, attention within their example) or at
+    /// `0..T`.
+    ///
+    /// Errors: `pos` not `(B, T)`; Candle's.
+    pub fn forward_at(&self, x: &Tensor, pos: Option<&Positions>) -> candle_core::Result<Tensor> {
+        if let Some(p) = pos {
+            let (b, t, _) = x.dims3()?;
+            if p.ids.dims() != [b, t] {
+                candle_core::bail!(
+                    "position ids {:?} do not fit hidden states {:?} (B, T, d)",
+                    p.ids.dims(),
+                    x.dims()
+                )
+            }
+        }
+        // Inside the FSDP runtime's training forward: the whole block as one node where it
+        // applies; its composed layers elsewhere.
+        if let Some(y) = block(self, x, pos)? {
+            return Ok(y);
+        }
+        self.forward_composed(x, pos)
+    }
+}
+
 /// `block` applied to `x` `(B, T, d)` as one node, or `None` where it does not apply (see the
 /// module documentation) and the caller composes the layers.
 ///
@@ -116,7 +165,7 @@ pub(super) fn block(blk: &Block, x: &Tensor, pos: Option<&Positions>) -> Result<
             // The GPT-2 node attends over whole sequences: packed examples compose.
             return Ok(None);
         }
-        return gpt2(blk, x);
+        return gpt2::gpt2(blk, x);
     }
     let mut params: Vec<Tensor> = Vec::new();
     let mut push = |t: &Tensor| {
@@ -246,67 +295,6 @@ pub(super) fn block(blk: &Block, x: &Tensor, pos: Option<&Positions>) -> Result<
     };
     fused::promise(&params);
     Ok(Some(x.contiguous()?.apply_op1(op)?))
-}
-
-/// GPT-2's block (no rotary tables: learned positions) as the GPT's one node
-/// ([`crate::models::gpt2_block`]) over its `Conv1D` weights, or `None` for a layout it does
-/// not cover.
-fn gpt2(blk: &Block, x: &Tensor) -> Result<Option<Tensor>> {
-    if blk.has_lora() {
-        // The GPT-2 node takes no adapters yet: the adapted block composes.
-        return Ok(None);
-    }
-    let (NormKind::Layer(n1), NormKind::Layer(n2)) = (&blk.norm1.inner, &blk.norm2.inner) else {
-        return Ok(None);
-    };
-    let (Qkv::Fused(qkv), MlpKind::Plain { fc, proj }) = (&blk.attn.qkv, &blk.mlp.kind) else {
-        return Ok(None);
-    };
-    let o = &blk.attn.o;
-    let (Some(b1), Some(b2), Some(bq), Some(bo), Some(bf), Some(bp)) = (
-        n1.bias(),
-        n2.bias(),
-        qkv.bias.as_ref(),
-        o.bias.as_ref(),
-        fc.bias.as_ref(),
-        proj.bias.as_ref(),
-    ) else {
-        return Ok(None);
-    };
-    let opts = blk.attn.opts;
-    let plain = opts.n_kv_head == opts.n_head
-        && opts.scale.is_none()
-        && opts.window.is_none()
-        && opts.softcap.is_none()
-        && blk.post_attn.is_none()
-        && blk.post_mlp.is_none()
-        && n1.remove_mean()
-        && n2.remove_mean()
-        && n1.eps() == n2.eps()
-        && blk.mlp.act == Activation::GeluTanh;
-    if !plain {
-        return Ok(None);
-    }
-    let params = GptBlockParams {
-        tensors: [
-            n1.weight(),
-            b1,
-            &qkv.weight,
-            bq,
-            &o.weight,
-            bo,
-            n2.weight(),
-            b2,
-            &fc.weight,
-            bf,
-            &proj.weight,
-            bp,
-        ],
-        n_head: opts.n_head,
-        eps: n1.eps(),
-        conv1d: true,
-    };
-    gpt_block(x, &params)
 }
 
 impl Plan {
@@ -914,6 +902,7 @@ fn poisoned() -> candle_core::Error {
     candle_core::Error::Msg("decoder block: a panic poisoned the saved activations' lock".into())
 }
 
+mod gpt2;
 mod lora;
 use lora::{add_dropped_grad, dropped, lora_bwd, lora_bwd_cols, lora_down, lora_into};
 

@@ -15,7 +15,6 @@ use crate::nn::{
     attention, attention_packed, layer_norm, linear_forward, linear_normal, rms_norm,
     segment_starts, AttentionOptions, LayerNorm, Linear, RmsNorm,
 };
-use crate::unit::UnitModule;
 
 /// Where each token of a batch sits when a sequence packs several examples: its position id
 /// (what its rotary angles, or GPT-2's learned position, are taken at) and the first position
@@ -671,50 +670,16 @@ impl Block {
     }
 }
 
-impl Module for Block {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.forward_at(x, None)
-    }
-}
-
-/// The block as a unit: inputs `[h]` or `[h, position_ids]` (`(B, T)` u32, packed examples:
-/// [`Positions`]); one output.
-impl UnitModule for Block {
-    fn forward_t(&self, xs: &[Tensor], _train: bool) -> candle_core::Result<Vec<Tensor>> {
-        match xs {
-            [x] => Ok(vec![self.forward_at(x, None)?]),
-            [x, ids] => Ok(vec![self.forward_at(x, Some(&Positions::new(ids)?))?]),
-            _ => candle_core::bail!(
-                "a decoder block takes the hidden states and optionally position ids, found {} \
-                 inputs",
-                xs.len()
-            ),
-        }
-    }
-}
-
 impl Block {
-    /// The block's output `(B, T, d)` of `x` `(B, T, d)`, its tokens at `pos` (packed
-    /// examples: rotary angles at their position ids, attention within their example) or at
-    /// `0..T`.
-    ///
-    /// Errors: `pos` not `(B, T)`; Candle's.
-    pub fn forward_at(&self, x: &Tensor, pos: Option<&Positions>) -> candle_core::Result<Tensor> {
-        if let Some(p) = pos {
-            let (b, t, _) = x.dims3()?;
-            if p.ids.dims() != [b, t] {
-                candle_core::bail!(
-                    "position ids {:?} do not fit hidden states {:?} (B, T, d)",
-                    p.ids.dims(),
-                    x.dims()
-                )
-            }
-        }
-        // Inside the FSDP runtime's training forward: the whole block as one node
-        // (`decoder/fused.rs`) where it applies.
-        if let Some(y) = super::fused::block(self, x, pos)? {
-            return Ok(y);
-        }
+    /// The block's composed layers (plain Candle ops) on `x` `(B, T, d)` at `pos`: the
+    /// reference of the fused node and the path wherever it does not apply. The block's
+    /// `Module` / `UnitModule` forward (`Block::forward_at`, in `super::fused`) checks `pos` and
+    /// runs the node inside the runtime's training calls, this elsewhere.
+    pub fn forward_composed(
+        &self,
+        x: &Tensor,
+        pos: Option<&Positions>,
+    ) -> candle_core::Result<Tensor> {
         let mut a = self.attn.forward_at(&self.norm1.forward(x)?, pos)?;
         if let Some(n) = &self.post_attn {
             a = n.forward(&a)?;
