@@ -80,7 +80,10 @@ fn main() {
         std::hint::black_box(crc32c::crc32c(std::hint::black_box(&buf)));
         best = best.min(t0.elapsed().as_secs_f64());
     }
-    println!("crc32c, 64 MiB, one core: {:.1} GB/s (best of 5)", buf.len() as f64 / best / 1e9);
+    println!(
+        "crc32c, 64 MiB, one core: {:.1} GB/s (best of 5)",
+        buf.len() as f64 / best / 1e9
+    );
     drop(buf);
     let path = std::env::temp_dir().join(format!("candle-fsdp-fp-bench-{}.fp", std::process::id()));
     println!("10 x Linear({D}, {D}), world size 2, batch 64 a rank, median of {STEPS} steps:");

@@ -164,6 +164,9 @@ impl ShardedGradScaler {
         let found = self.unscale(model)?;
         if !found {
             optim.step(model)?;
+        } else {
+            // A skipped step is still a step of the run fingerprint (shards unchanged).
+            model.fingerprint_step()?;
         }
         self.update(found);
         Ok(!found)

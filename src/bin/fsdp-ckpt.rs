@@ -329,6 +329,11 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             );
         }
         Command::Diff { a, b } => {
+            for p in [&a, &b] {
+                if !p.exists() {
+                    return Err(candle_fsdp::Error::file(p, "no such file or directory"));
+                }
+            }
             let identical = match (a.is_dir(), b.is_dir()) {
                 (true, true) => {
                     let d = tools::diff_checkpoints(&a, &b)?;
@@ -336,8 +341,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                     d.identical()
                 }
                 (false, false) => {
-                    let (fa, fb) = (fingerprint::read(&a)?, fingerprint::read(&b)?);
-                    let d = fingerprint::diff(&fa, &fb);
+                    let d = fingerprint::diff(&a, &b)?;
                     print!("{d}");
                     d.identical() && !d.common_steps.is_empty()
                 }

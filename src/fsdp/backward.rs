@@ -377,6 +377,9 @@ impl FsdpModel {
             if let Some((i, bit)) = fingerprint::fault::take(self.step(), self.units[g].name()) {
                 fg = fingerprint::flip_bit(&fg, i, bit)?;
             }
+            // The wire carries `reduce_dtype`: cast here, so that the fingerprint sees what
+            // enters the collective (`reduce_grads`' own cast is then a no-op).
+            let fg = fg.to_dtype(self.units[g].policy().reduce_dtype)?;
             self.fingerprint_tensor(g, FingerprintPhase::ReduceIn, &fg)?;
             self.mark_issue(|| format!("FSDP::reduce_scatter {}", self.units[g].name()));
             let u = &self.units[g];

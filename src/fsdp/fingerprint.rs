@@ -4,41 +4,43 @@
 //! resumed run against an uninterrupted one) can be compared record by record and the first
 //! difference named ([`diff`], `fsdp-ckpt diff A B`).
 //!
-//! **What is recorded**, for each optimizer step (the step a record belongs to is the one
-//! [`crate::FsdpModel::fingerprint_step`] closes; the crate's optimizers call it after their
-//! update):
+//! **What is recorded**, for each step ([`crate::FsdpModel::fingerprint_step`] closes one: the
+//! crate's optimizers after their update, the grad scaler for a step it skips):
 //! - `params`: the parameters of a unit's group as the unit computes with them, at their first
 //!   forward use of the step (after the all-gather, unpacked and cast to `param_dtype`; the
 //!   parameters in order, padding excluded, so the value does not depend on the world size);
 //! - `reduce-in`: the unit's flat gradient as it enters the reduce-scatter (or all-reduce under
-//!   NO_SHARD), in the dtype it was computed in, padding and presence flags included;
+//!   NO_SHARD), in `reduce_dtype`, padding and presence flags included;
 //! - `reduce-out`: the reduced chunk this rank receives (after the replicas' all-reduce under
 //!   the hybrid strategies), in `reduce_dtype`;
-//! - `shard`: the unit's f32 master shard after the optimizer step (trainable units only).
+//! - `shard`: the unit's f32 master shard at the step's end (trainable units only).
 //!
 //! A phase seen more than once in a step (gradient accumulation with a reduce-scatter per
-//! micro-batch) is numbered: `reduce-in`, `reduce-in#1`, … Eval forwards record nothing.
+//! micro-batch) is numbered: `reduce-in`, `reduce-in#1`, … Eval forwards record nothing, nor
+//! does a group with no element on any rank. Steps are numbered from 0, or from the training
+//! step of the checkpoint the model loaded ([`crate::FsdpModel::set_fingerprint_step`]).
 //!
 //! **Cost**: one CRC-32C pass over bytes the step has just touched (hardware CRC instructions,
-//! several GB/s: [`crate::ops`]), plus at each step's end two small all-reduces of integers
-//! that bring every rank's records to rank 0, which appends them to the file and flushes it.
-//! Tensors outside the host (a GPU's) are copied to the host to be hashed: that costs a
-//! transfer per record.
+//! about 10 GB/s a core: `cargo bench --bench fingerprint`), plus at each step's end two small
+//! all-reduces of integers that bring every rank's records to rank 0, which appends them to
+//! the file and flushes it. Tensors outside the host (a GPU's) are copied to the host to be
+//! hashed: that costs a transfer per record.
 //!
-//! **The file** (text, tab-separated, one record a line; rank 0 writes it, truncating it when
-//! the model is built):
+//! **The file** (text, tab-separated, one record a line; rank 0 writes it; a non-empty file
+//! already at the path, say an elastic restart's earlier attempt, is kept as `FILE.1`, or the
+//! first free `FILE.n`):
 //!
 //! ```text
 //! # candle-fsdp fingerprint 1
 //! # world_size 2
-//! # step	unit	phase	rank	crc32c	bytes
-//! 0	fc1	params	0	5f1c02ab	401408
-//! 0	fc1	params	1	5f1c02ab	401408
+//! # step  unit  phase  rank  crc32c  bytes
+//! 0       fc1   params 0     5f1c02ab  401920
+//! 0       fc1   params 1     5f1c02ab  401920
 //! ```
 //!
 //! Within a step the records are in the order rank 0 made them (forward, then backward), the
-//! ranks of one event next to each other; so the first differing line of two files is the first
-//! place the runs diverged.
+//! ranks of one event next to each other; so the first differing record of two files is the
+//! first place the runs diverged. [`FingerprintReader`] checks a file as it reads it.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -131,16 +133,44 @@ pub(crate) struct Recorder {
     /// Per unit: its parameters were recorded this step.
     params_seen: Vec<bool>,
     occurrences: HashMap<(usize, FingerprintPhase), u32>,
+    /// The number the next closed step gets.
+    step: u64,
+}
+
+/// `path` with `.n` appended: the first such name that is free.
+fn free_aside(path: &Path) -> PathBuf {
+    (1..)
+        .map(|n| {
+            let mut name = path.as_os_str().to_owned();
+            name.push(format!(".{n}"));
+            PathBuf::from(name)
+        })
+        .find(|p| !p.exists())
+        .expect("a free name")
 }
 
 impl Recorder {
     /// The recorder of a model of `units` units on rank `rank` of `world_size`; rank 0 creates
-    /// (truncates) `path` and writes the header.
+    /// `path` and writes the header. A non-empty file already at `path` (an earlier run, or the
+    /// attempt before an elastic restart) is kept: renamed to `path.1` (or the first free
+    /// `path.n`).
     ///
-    /// Errors: `path` cannot be created or written (naming it).
+    /// Errors: `path` cannot be created, written or moved aside (naming it).
     pub(crate) fn new(path: &Path, rank: usize, world_size: usize, units: usize) -> Result<Self> {
         let out = if rank == 0 {
             let io = |e: std::io::Error| Error::file(path, format!("fingerprint file: {e}"));
+            if std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() > 0) {
+                let aside = free_aside(path);
+                std::fs::rename(path, &aside).map_err(|e| {
+                    Error::file(
+                        path,
+                        format!(
+                            "fingerprint file: cannot keep it as {}: {e}",
+                            aside.display()
+                        ),
+                    )
+                })?;
+            }
             let mut w = BufWriter::new(File::create(path).map_err(io)?);
             writeln!(
                 w,
@@ -157,10 +187,20 @@ impl Recorder {
             pending: Vec::new(),
             params_seen: vec![false; units],
             occurrences: HashMap::new(),
+            step: 0,
         })
     }
 
+    /// The number the next closed step gets.
+    pub(crate) fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Keeps a record (none of zero bytes: a group without parameter elements on any rank).
     fn push(&mut self, unit: usize, phase: FingerprintPhase, (crc, bytes): (u32, u64)) {
+        if bytes == 0 {
+            return;
+        }
         let n = self.occurrences.entry((unit, phase)).or_insert(0);
         self.pending.push(Pending {
             unit,
@@ -203,17 +243,14 @@ impl Recorder {
         Ok(())
     }
 
-    /// Ends step `step`: gathers every rank's records to rank 0 (a collective on `pg`, the
-    /// model's whole world: two all-reduces of integers), which appends them to the file with
-    /// the unit names `names` and flushes it; starts the next step.
+    /// Ends the current step: gathers every rank's records to rank 0 (a collective on `pg`,
+    /// the model's whole world: two all-reduces of integers), which appends them to the file
+    /// with the unit names `names` and flushes it; starts the next step.
     ///
     /// Errors: the collectives'; rank 0's write (naming the file).
-    pub(crate) fn finish_step(
-        &mut self,
-        pg: &dyn ProcessGroup,
-        step: u64,
-        names: &[&str],
-    ) -> Result<()> {
+    pub(crate) fn finish_step(&mut self, pg: &dyn ProcessGroup, names: &[&str]) -> Result<()> {
+        let step = self.step;
+        self.step += 1;
         let mine = std::mem::take(&mut self.pending);
         self.params_seen.iter_mut().for_each(|s| *s = false);
         self.occurrences.clear();
@@ -272,7 +309,7 @@ impl Recorder {
 /// One line of a fingerprint file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FingerprintRecord {
-    /// Optimizer step (0-based: the step [`crate::FsdpModel::fingerprint_step`] closed).
+    /// Step number (see [`crate::FsdpModel::fingerprint_step`]).
     pub step: u64,
     /// Unit name.
     pub unit: String,
@@ -287,8 +324,9 @@ pub struct FingerprintRecord {
 }
 
 impl FingerprintRecord {
-    fn key(&self) -> (u64, &str, &str, usize) {
-        (self.step, &self.unit, &self.phase, self.rank)
+    /// The record's place within its step.
+    fn place(&self) -> (&str, &str, usize) {
+        (&self.unit, &self.phase, self.rank)
     }
 }
 
@@ -302,7 +340,172 @@ impl fmt::Display for FingerprintRecord {
     }
 }
 
-/// A parsed fingerprint file.
+/// True for a phase name of the file: one of [`FingerprintPhase::name`], optionally `#n`
+/// (n ≥ 1).
+fn valid_phase(p: &str) -> bool {
+    let (base, n) = match p.split_once('#') {
+        Some((b, n)) => (b, Some(n)),
+        None => (p, None),
+    };
+    FingerprintPhase::ALL.iter().any(|x| x.name() == base)
+        && n.is_none_or(|n| n.parse::<u32>().is_ok_and(|n| n >= 1))
+}
+
+/// A fingerprint file read one step at a time (memory: one step's records), checked as it goes:
+/// the header first (format line, then `# world_size N`), the steps in increasing order, each
+/// step's records contiguous, no (unit, phase, rank) twice in a step, ranks below the world
+/// size, known phase names.
+pub struct FingerprintReader {
+    path: PathBuf,
+    lines: std::io::Lines<BufReader<File>>,
+    line: usize,
+    world_size: usize,
+    /// The first record of the next step, read ahead.
+    ahead: Option<FingerprintRecord>,
+    last_step: Option<u64>,
+}
+
+impl FingerprintReader {
+    /// Opens `path` and reads its header.
+    ///
+    /// Errors, naming the file and the line: missing or unreadable; not a fingerprint file
+    /// (first line); no `# world_size` line before the records.
+    pub fn open(path: &Path) -> Result<Self> {
+        let f = File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
+        let mut r = FingerprintReader {
+            path: path.to_path_buf(),
+            lines: BufReader::new(f).lines(),
+            line: 0,
+            world_size: 0,
+            ahead: None,
+            last_step: None,
+        };
+        match r.next_line()? {
+            Some(l) if l == FORMAT_LINE => {}
+            Some(l) => {
+                return Err(r.bad(&format!(
+                    "not a fingerprint file (expected first line {FORMAT_LINE:?}): {l:?}"
+                )))
+            }
+            None => return Err(Error::file(path, "empty: not a fingerprint file")),
+        }
+        while let Some(l) = r.next_line()? {
+            if let Some(ws) = l.strip_prefix("# world_size ") {
+                r.world_size = ws
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|&w| w > 0)
+                    .ok_or_else(|| r.bad(&format!("bad world size: {l:?}")))?;
+            } else if l.starts_with('#') {
+                continue;
+            } else {
+                if r.world_size == 0 {
+                    return Err(r.bad("a record before the `# world_size` line"));
+                }
+                r.ahead = Some(r.parse(&l)?);
+                break;
+            }
+        }
+        if r.world_size == 0 {
+            return Err(Error::file(
+                path,
+                "no `# world_size` line: not a complete header",
+            ));
+        }
+        Ok(r)
+    }
+
+    /// World size of the run that wrote the file.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn next_line(&mut self) -> Result<Option<String>> {
+        self.line += 1;
+        self.lines
+            .next()
+            .transpose()
+            .map_err(|e| Error::file(&self.path, format!("line {}: {e}", self.line)))
+    }
+
+    fn bad(&self, what: &str) -> Error {
+        Error::file(&self.path, format!("line {}: {what}", self.line))
+    }
+
+    fn parse(&self, line: &str) -> Result<FingerprintRecord> {
+        let bad = |what: &str| self.bad(&format!("{what}: {line:?}"));
+        let f: Vec<&str> = line.split('\t').collect();
+        if f.len() != 6 {
+            return Err(bad("expected 6 tab-separated fields"));
+        }
+        let r = FingerprintRecord {
+            step: f[0].parse().map_err(|_| bad("bad step"))?,
+            unit: f[1].to_string(),
+            phase: f[2].to_string(),
+            rank: f[3].parse().map_err(|_| bad("bad rank"))?,
+            crc32c: u32::from_str_radix(f[4], 16).map_err(|_| bad("bad crc32c"))?,
+            bytes: f[5].parse().map_err(|_| bad("bad byte count"))?,
+        };
+        if r.rank >= self.world_size {
+            return Err(bad(&format!(
+                "rank {} in a file of world size {}",
+                r.rank, self.world_size
+            )));
+        }
+        if !valid_phase(&r.phase) {
+            return Err(bad(
+                "unknown phase (expected params, reduce-in, reduce-out or shard, optionally #n)",
+            ));
+        }
+        Ok(r)
+    }
+
+    /// The next step's number and records, in file order; `None` at the end of the file.
+    ///
+    /// Errors, naming the file and the line: a malformed record; a step lower than or equal to
+    /// an earlier step (steps out of order, or two files concatenated); a (unit, phase, rank)
+    /// twice in one step; a header line among the records.
+    pub fn next_step(&mut self) -> Result<Option<(u64, Vec<FingerprintRecord>)>> {
+        let Some(first) = self.ahead.take() else {
+            return Ok(None);
+        };
+        let step = first.step;
+        if self.last_step.is_some_and(|s| step <= s) {
+            return Err(self.bad(&format!(
+                "step {step} after step {}: steps out of order (two files concatenated?)",
+                self.last_step.unwrap_or(0)
+            )));
+        }
+        self.last_step = Some(step);
+        let mut seen = std::collections::HashSet::new();
+        let mut recs = Vec::new();
+        let mut next = Some(first);
+        while let Some(r) = next.take() {
+            if r.step != step {
+                self.ahead = Some(r);
+                break;
+            }
+            if !seen.insert((r.unit.clone(), r.phase.clone(), r.rank)) {
+                return Err(self.bad(&format!(
+                    "{r} appears twice (two files concatenated, or two runs writing one file?)"
+                )));
+            }
+            recs.push(r);
+            if let Some(l) = self.next_line()? {
+                if l.starts_with('#') {
+                    return Err(self.bad(&format!(
+                        "a header line among the records (two files concatenated?): {l:?}"
+                    )));
+                }
+                next = Some(self.parse(&l)?);
+            }
+        }
+        Ok(Some((step, recs)))
+    }
+}
+
+/// A fingerprint file read whole ([`FingerprintReader`] over every step).
 #[derive(Debug, Clone)]
 pub struct FingerprintFile {
     /// The file.
@@ -313,58 +516,30 @@ pub struct FingerprintFile {
     pub records: Vec<FingerprintRecord>,
 }
 
-/// Reads a fingerprint file.
+/// Reads a whole fingerprint file (memory: every record; [`diff`] streams instead).
 ///
-/// Errors, naming the file (and the line): missing or unreadable; not a fingerprint file (first
-/// line); a record line without six tab-separated fields or with an unparsable number.
+/// Errors: [`FingerprintReader`]'s.
 pub fn read(path: &Path) -> Result<FingerprintFile> {
-    let f = File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
-    let mut world_size = 0;
+    let mut r = FingerprintReader::open(path)?;
     let mut records = Vec::new();
-    for (i, line) in BufReader::new(f).lines().enumerate() {
-        let line = line.map_err(|e| Error::file(path, format!("line {}: {e}", i + 1)))?;
-        let bad = |what: &str| Error::file(path, format!("line {}: {what}: {line:?}", i + 1));
-        if i == 0 {
-            if line != FORMAT_LINE {
-                return Err(bad(&format!(
-                    "not a fingerprint file (expected first line {FORMAT_LINE:?})"
-                )));
-            }
-            continue;
-        }
-        if let Some(ws) = line.strip_prefix("# world_size ") {
-            world_size = ws.trim().parse().map_err(|_| bad("bad world size"))?;
-            continue;
-        }
-        if line.starts_with('#') || line.is_empty() {
-            continue;
-        }
-        let f: Vec<&str> = line.split('\t').collect();
-        if f.len() != 6 {
-            return Err(bad("expected 6 tab-separated fields"));
-        }
-        records.push(FingerprintRecord {
-            step: f[0].parse().map_err(|_| bad("bad step"))?,
-            unit: f[1].to_string(),
-            phase: f[2].to_string(),
-            rank: f[3].parse().map_err(|_| bad("bad rank"))?,
-            crc32c: u32::from_str_radix(f[4], 16).map_err(|_| bad("bad crc32c"))?,
-            bytes: f[5].parse().map_err(|_| bad("bad byte count"))?,
-        });
-    }
-    if records.is_empty() && world_size == 0 {
-        return Err(Error::file(path, "empty: not a fingerprint file"));
+    while let Some((_, recs)) = r.next_step()? {
+        records.extend(recs);
     }
     Ok(FingerprintFile {
         path: path.to_path_buf(),
-        world_size,
+        world_size: r.world_size(),
         records,
     })
 }
 
+/// Differences [`diff`] keeps (the count goes on).
+pub const MAX_LISTED: usize = 100;
+
 /// What [`diff`] found.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct FingerprintDiff {
+    /// World sizes of the two runs.
+    pub world_sizes: [usize; 2],
     /// Steps both files record (only these are compared).
     pub common_steps: BTreeSet<u64>,
     /// Steps only the first / only the second file records.
@@ -373,15 +548,19 @@ pub struct FingerprintDiff {
     pub only_b: BTreeSet<u64>,
     /// Records compared (of the common steps, in the first file or the second).
     pub compared: usize,
-    /// Every difference in the common steps, in the first file's order (then the second's
-    /// records the first lacks): `(a, b)`, `None` where a file lacks the record.
+    /// Records that differ (a checksum or a size, or present in one file only).
+    pub differing: usize,
+    /// The first [`MAX_LISTED`] differences, in the order of events (within a step, the first
+    /// file's order, then the second's records the first lacks): `(a, b)`, `None` where a file
+    /// lacks the record.
     pub differences: Vec<(Option<FingerprintRecord>, Option<FingerprintRecord>)>,
 }
 
 impl FingerprintDiff {
-    /// True when the common steps hold the same records with the same checksums.
+    /// True when both runs had one world size and the common steps hold the same records with
+    /// the same checksums.
     pub fn identical(&self) -> bool {
-        self.differences.is_empty()
+        self.differing == 0 && self.world_sizes[0] == self.world_sizes[1]
     }
 
     /// The first differing record's place (step, unit, phase, rank).
@@ -390,33 +569,74 @@ impl FingerprintDiff {
             .first()
             .and_then(|(a, b)| a.as_ref().or(b.as_ref()))
     }
+
+    fn push(&mut self, a: Option<&FingerprintRecord>, b: Option<&FingerprintRecord>) {
+        self.differing += 1;
+        if self.differences.len() < MAX_LISTED {
+            self.differences.push((a.cloned(), b.cloned()));
+        }
+    }
+
+    /// Compares one step both files hold.
+    fn step(&mut self, a: &[FingerprintRecord], b: &[FingerprintRecord]) {
+        let aligned = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.place() == y.place());
+        if aligned {
+            for (x, y) in a.iter().zip(b) {
+                self.compared += 1;
+                if (x.crc32c, x.bytes) != (y.crc32c, y.bytes) {
+                    self.push(Some(x), Some(y));
+                }
+            }
+            return;
+        }
+        let by_place: HashMap<_, _> = b.iter().map(|r| (r.place(), r)).collect();
+        for x in a {
+            self.compared += 1;
+            match by_place.get(&x.place()) {
+                Some(y) if (x.crc32c, x.bytes) == (y.crc32c, y.bytes) => {}
+                Some(y) => self.push(Some(x), Some(y)),
+                None => self.push(Some(x), None),
+            }
+        }
+        let in_a: std::collections::HashSet<_> = a.iter().map(FingerprintRecord::place).collect();
+        for y in b.iter().filter(|y| !in_a.contains(&y.place())) {
+            self.compared += 1;
+            self.push(None, Some(y));
+        }
+    }
 }
 
 fn steps_text(s: &BTreeSet<u64>) -> String {
     match (s.first(), s.last()) {
         (Some(a), Some(b)) if a == b => format!("step {a}"),
         (Some(a), Some(b)) if (b - a + 1) as usize == s.len() => format!("steps {a}..={b}"),
-        (Some(_), Some(_)) => format!(
+        (Some(_), Some(_)) if s.len() <= 20 => format!(
             "steps {}",
             s.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
         ),
+        (Some(a), Some(b)) => format!("{} steps between {a} and {b}", s.len()),
         _ => "no step".into(),
     }
 }
 
+/// `n` and `word`, plural when `n` ≠ 1.
+fn count(n: usize, word: &str) -> String {
+    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
+}
+
 impl fmt::Display for FingerprintDiff {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let [wa, wb] = self.world_sizes;
         if self.common_steps.is_empty() {
             writeln!(f, "no step in common: nothing compared")?;
         } else if self.identical() {
             writeln!(
                 f,
-                "fingerprints identical: {} records, {}",
-                self.compared,
+                "fingerprints identical: {}, {}",
+                count(self.compared, "record"),
                 steps_text(&self.common_steps)
             )?;
-        } else {
-            let first = self.first().expect("a difference");
+        } else if let Some(first) = self.first() {
             writeln!(f, "first difference: {first}")?;
             for (a, b) in self.differences.iter().take(8) {
                 let side = |r: &Option<FingerprintRecord>| match r {
@@ -426,16 +646,19 @@ impl fmt::Display for FingerprintDiff {
                 let at = a.as_ref().or(b.as_ref()).expect("one side");
                 writeln!(f, "  {at}: {} vs {}", side(a), side(b))?;
             }
-            if self.differences.len() > 8 {
-                writeln!(f, "  … {} more", self.differences.len() - 8)?;
+            if self.differing > 8 {
+                writeln!(f, "  … {} more", self.differing - 8)?;
             }
             writeln!(
                 f,
-                "{} of {} records differ in {}",
-                self.differences.len(),
-                self.compared,
+                "{} of {} differ in {}",
+                self.differing,
+                count(self.compared, "record"),
                 steps_text(&self.common_steps)
             )?;
+        }
+        if wa != wb {
+            writeln!(f, "the runs had different world sizes: {wa} vs {wb}")?;
         }
         if !self.only_a.is_empty() {
             writeln!(f, "only the first file has {}", steps_text(&self.only_a))?;
@@ -448,45 +671,45 @@ impl fmt::Display for FingerprintDiff {
 }
 
 /// Compares two fingerprint files over the steps both record (a resumed run against an
-/// uninterrupted one compares the steps after the resume).
-pub fn diff(a: &FingerprintFile, b: &FingerprintFile) -> FingerprintDiff {
-    let steps = |f: &FingerprintFile| f.records.iter().map(|r| r.step).collect::<BTreeSet<_>>();
-    let (sa, sb) = (steps(a), steps(b));
-    let common: BTreeSet<u64> = sa.intersection(&sb).copied().collect();
-    let by_key = |f: &FingerprintFile| -> HashMap<(u64, String, String, usize), usize> {
-        f.records
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| common.contains(&r.step))
-            .map(|(i, r)| ((r.step, r.unit.clone(), r.phase.clone(), r.rank), i))
-            .collect()
+/// uninterrupted one compares the steps after the resume), streaming both a step at a time
+/// (memory: two steps' records and the first [`MAX_LISTED`] differences).
+///
+/// Errors: either file's ([`FingerprintReader`]).
+pub fn diff(a: &Path, b: &Path) -> Result<FingerprintDiff> {
+    let (mut ra, mut rb) = (FingerprintReader::open(a)?, FingerprintReader::open(b)?);
+    let mut d = FingerprintDiff {
+        world_sizes: [ra.world_size(), rb.world_size()],
+        ..Default::default()
     };
-    let (ka, kb) = (by_key(a), by_key(b));
-    let mut differences = Vec::new();
-    let mut compared = 0;
-    for r in a.records.iter().filter(|r| common.contains(&r.step)) {
-        compared += 1;
-        let (s, u, p, k) = r.key();
-        match kb.get(&(s, u.to_string(), p.to_string(), k)) {
-            Some(&j) if b.records[j].crc32c == r.crc32c && b.records[j].bytes == r.bytes => {}
-            Some(&j) => differences.push((Some(r.clone()), Some(b.records[j].clone()))),
-            None => differences.push((Some(r.clone()), None)),
+    let (mut ga, mut gb) = (ra.next_step()?, rb.next_step()?);
+    loop {
+        match (&ga, &gb) {
+            (None, None) => break,
+            (Some((sa, _)), Some((sb, _))) if sa < sb => {
+                d.only_a.insert(*sa);
+                ga = ra.next_step()?;
+            }
+            (Some((sa, _)), Some((sb, _))) if sb < sa => {
+                d.only_b.insert(*sb);
+                gb = rb.next_step()?;
+            }
+            (Some((s, x)), Some((_, y))) => {
+                d.common_steps.insert(*s);
+                d.step(x, y);
+                ga = ra.next_step()?;
+                gb = rb.next_step()?;
+            }
+            (Some((sa, _)), None) => {
+                d.only_a.insert(*sa);
+                ga = ra.next_step()?;
+            }
+            (None, Some((sb, _))) => {
+                d.only_b.insert(*sb);
+                gb = rb.next_step()?;
+            }
         }
     }
-    for r in b.records.iter().filter(|r| common.contains(&r.step)) {
-        let (s, u, p, k) = r.key();
-        if !ka.contains_key(&(s, u.to_string(), p.to_string(), k)) {
-            compared += 1;
-            differences.push((None, Some(r.clone())));
-        }
-    }
-    FingerprintDiff {
-        only_a: sa.difference(&sb).copied().collect(),
-        only_b: sb.difference(&sa).copied().collect(),
-        common_steps: common,
-        compared,
-        differences,
-    }
+    Ok(d)
 }
 
 /// Test-only fault injection (cargo feature `fault-injection`): a one-bit change in a rank's

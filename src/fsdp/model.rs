@@ -268,31 +268,43 @@ impl FsdpModel {
         self.steps_started.saturating_sub(1)
     }
 
-    /// Closes optimizer step `step` of the run fingerprint ([`FsdpConfig::fingerprint`]):
-    /// records every trainable unit's f32 master shard, then brings every rank's records of the
-    /// step to rank 0, which writes them. The crate's optimizers call it after their update
-    /// (with their steps taken before it: 0 for the first); an optimizer of one's own calls it
-    /// the same way. Nothing without a fingerprint file.
+    /// Closes the current step of the run fingerprint ([`FsdpConfig::fingerprint`]): records
+    /// every trainable unit's f32 master shard, then brings every rank's records of the step to
+    /// rank 0, which writes them under the step's number (0 for the first step after the build,
+    /// or the step [`FsdpModel::set_fingerprint_step`] set) and counts on. The crate's
+    /// optimizers call it after their update and [`crate::grad_scaler::ShardedGradScaler::step`] when it
+    /// skips a step; an optimizer of one's own calls it the same way, once per step. Nothing
+    /// without a fingerprint file.
     ///
     /// A collective over the whole world (two all-reduces of integers): every rank calls it.
     ///
     /// Errors: a failed host copy of a GPU shard; the collectives'; rank 0's write (naming the
     /// file).
-    pub fn fingerprint_step(&mut self, step: u64) -> Result<()> {
+    pub fn fingerprint_step(&mut self) -> Result<()> {
         let Some(mut rec) = self.fingerprint.take() else {
             return Ok(());
         };
         let result = (|| {
             for u in self.shards() {
-                if !u.frozen && u.packed.is_none() && !u.layout.params.is_empty() {
+                if !u.frozen && u.packed.is_none() {
                     rec.tensor(u.unit_index, FingerprintPhase::Shard, u.param)?;
                 }
             }
             let names: Vec<&str> = self.units.iter().map(|u| u.name()).collect();
-            rec.finish_step(self.pg.as_ref(), step, &names)
+            rec.finish_step(self.pg.as_ref(), &names)
         })();
         self.fingerprint = Some(rec);
         result.map_err(|e| self.at(e, None, Phase::Optimizer))
+    }
+
+    /// Sets the number the run fingerprint gives the next step it closes: a run resumed from a
+    /// checkpoint continues at that checkpoint's `TrainState::step`
+    /// ([`crate::checkpoint::load_sharded`] calls it), so its records line up with the
+    /// uninterrupted run's. Nothing without a fingerprint file.
+    pub fn set_fingerprint_step(&mut self, step: u64) {
+        if let Some(rec) = &mut self.fingerprint {
+            rec.set_step(step);
+        }
     }
 
     /// Records `t` as unit `g`'s `phase` in the run fingerprint (nothing without one).

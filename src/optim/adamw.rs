@@ -201,11 +201,10 @@ impl ShardedOptimizer for AdamW {
     }
 
     fn step(&mut self, model: &mut FsdpModel) -> Result<()> {
-        let step = self.steps_taken;
         model.in_phase(Phase::Optimizer, Some("FSDP::optimizer_step"), |m| {
             self.step_inner(m)
         })?;
-        model.fingerprint_step(step)
+        model.fingerprint_step()
     }
 
     fn kind(&self) -> OptimizerKind {

@@ -152,7 +152,7 @@ fn records_are_the_checksums_of_the_values_and_a_flipped_bit_is_named() {
     let _ = shards;
 
     // The same job twice: identical, record for record.
-    let same = fingerprint::diff(&a, &fingerprint::read(&fb).unwrap());
+    let same = fingerprint::diff(&fa, &fb).unwrap();
     assert!(same.identical(), "{same}");
     assert_eq!(same.compared, a.records.len());
     assert!(
@@ -165,8 +165,7 @@ fn records_are_the_checksums_of_the_values_and_a_flipped_bit_is_named() {
     // One bit of rank 1's fc2 gradient at step 3 (the exponent's highest: a zero becomes 2, any
     // other value grows 2^128-fold; a low mantissa bit of a zero gradient would vanish in the
     // optimizer's moments): the first difference is exactly there.
-    let flipped = fingerprint::read(&fc).unwrap();
-    let d = fingerprint::diff(&a, &flipped);
+    let d = fingerprint::diff(&fa, &fc).unwrap();
     let first = d.first().expect("a difference");
     assert_eq!(
         (
@@ -206,7 +205,9 @@ fn records_are_the_checksums_of_the_values_and_a_flipped_bit_is_named() {
     // The checkpoints: fc2.weight element [0, 5] in rank 0's shard, its value and moments.
     let c = diff_checkpoints(&ca, &cc).unwrap();
     assert!(!c.identical());
-    let tensors: Vec<(&str, &str, usize, Option<Vec<usize>>, usize)> = c
+    // (tensor, phase, rank, first differing element, elements that differ)
+    type Row<'a> = (&'a str, &'a str, usize, Option<Vec<usize>>, usize);
+    let tensors: Vec<Row> = c
         .differences
         .iter()
         .map(|t| {
@@ -235,12 +236,13 @@ fn records_are_the_checksums_of_the_values_and_a_flipped_bit_is_named() {
         "{c}"
     );
     assert!(
-        c.to_string().starts_with(
-            "first difference: step 4, unit fc2, phase param, rank 0: tensor fc2.weight, \
+        c.to_string().contains(
+            "\nfirst difference: step 4, unit fc2, phase param, rank 0: tensor fc2.weight, \
              element [0, 5]"
         ),
         "{c}"
     );
+    assert!(c.to_string().starts_with("comparing "), "{c}");
 }
 
 #[test]
@@ -254,7 +256,7 @@ fn a_resumed_run_is_compared_on_the_steps_both_recorded() {
             format!("{}\n# world_size 1\n{body}", fingerprint::FORMAT_LINE),
         )
         .unwrap();
-        fingerprint::read(&p).unwrap()
+        p
     };
     let full = write(
         "full.fp",
@@ -264,7 +266,7 @@ fn a_resumed_run_is_compared_on_the_steps_both_recorded() {
         "resumed.fp",
         "1\tfc1\tparams\t0\t0000000b\t8\n2\tfc1\tparams\t0\t0000000c\t8\n",
     );
-    let d = fingerprint::diff(&full, &resumed);
+    let d = fingerprint::diff(&full, &resumed).unwrap();
     assert!(d.identical(), "{d}");
     assert_eq!(d.compared, 2);
     assert_eq!(d.only_a.iter().copied().collect::<Vec<_>>(), [0]);
@@ -275,7 +277,7 @@ fn a_resumed_run_is_compared_on_the_steps_both_recorded() {
     );
 
     let other = write("other.fp", "2\tfc1\tparams\t0\t0000000d\t8\n");
-    let d = fingerprint::diff(&full, &other);
+    let d = fingerprint::diff(&full, &other).unwrap();
     assert_eq!(
         d.first().unwrap().to_string(),
         "step 2, unit fc1, phase params, rank 0"
@@ -285,6 +287,15 @@ fn a_resumed_run_is_compared_on_the_steps_both_recorded() {
             .contains("crc32c 0000000c (8 bytes) vs crc32c 0000000d (8 bytes)"),
         "{d}"
     );
+    // Records in another order within a step are matched by place.
+    let reordered = write(
+        "reordered.fp",
+        "0\tfc2\tparams\t0\t00000001\t8\n0\tfc1\tparams\t0\t0000000a\t8\n",
+    );
+    let d = fingerprint::diff(&full, &reordered).unwrap();
+    assert_eq!(d.differing, 1, "{d}");
+    assert_eq!(d.differences[0].0, None, "{d}");
+    assert_eq!(d.differences[0].1.as_ref().unwrap().unit, "fc2", "{d}");
 }
 
 #[test]
@@ -310,14 +321,58 @@ fn a_file_that_is_not_a_fingerprint_is_named_with_its_line() {
     assert!(e.contains("line 3") && e.contains("bad crc32c"), "{e}");
     std::fs::write(
         &p,
-        format!("{}\n0\tfc1\tparams\n", fingerprint::FORMAT_LINE),
+        format!(
+            "{}\n# world_size 2\n0\tfc1\tparams\n",
+            fingerprint::FORMAT_LINE
+        ),
     )
     .unwrap();
     let e = fingerprint::read(&p).unwrap_err().to_string();
     assert!(
-        e.contains("line 2") && e.contains("6 tab-separated fields"),
+        e.contains("line 3") && e.contains("6 tab-separated fields"),
         "{e}"
     );
+    // What a file written by a run cannot hold, each named with its line.
+    let body = |records: &str| format!("{}\n# world_size 2\n{records}", fingerprint::FORMAT_LINE);
+    let one = "0\tfc1\tparams\t0\t0000000a\t8\n";
+    for (records, what, line) in [
+        (format!("{one}{one}"), "appears twice", 4),
+        (
+            format!("{one}{}", body(one)),
+            "a header line among the records",
+            4,
+        ),
+        (
+            format!("{one}1\tfc1\tparams\t0\t0000000a\t8\n{one}"),
+            "steps out of order",
+            5,
+        ),
+        (
+            "0\tfc1\tparams\t2\t0000000a\t8\n".to_string(),
+            "rank 2 in a file of world size 2",
+            3,
+        ),
+        (
+            "0\tfc1\tbogus\t0\t0000000a\t8\n".to_string(),
+            "unknown phase",
+            3,
+        ),
+        (
+            "0\tfc1\tparams#0\t0\t0000000a\t8\n".to_string(),
+            "unknown phase",
+            3,
+        ),
+    ] {
+        std::fs::write(&p, body(&records)).unwrap();
+        let e = fingerprint::read(&p).unwrap_err().to_string();
+        assert!(
+            e.contains(what) && e.contains(&format!("line {line}:")) && e.contains("x.fp"),
+            "{what}: {e}"
+        );
+    }
+    std::fs::write(&p, format!("{}\n{one}", fingerprint::FORMAT_LINE)).unwrap();
+    let e = fingerprint::read(&p).unwrap_err().to_string();
+    assert!(e.contains("before the `# world_size` line"), "{e}");
     let e = fingerprint::read(&root.join("missing.fp"))
         .unwrap_err()
         .to_string();
@@ -342,5 +397,100 @@ fn a_file_that_is_not_a_fingerprint_is_named_with_its_line() {
     assert!(
         e.contains("no-such-dir") && e.contains("fingerprint file"),
         "{e}"
+    );
+}
+
+/// A step the grad scaler skips (an infinite loss at step 1) is a step of the fingerprint: its
+/// shards are the step before's, the next steps keep their numbers and no phase repeats; a
+/// file already at the path is kept as `path.1`; a loaded checkpoint sets the next step's
+/// number to its training step.
+#[test]
+fn skipped_steps_are_steps_and_an_earlier_file_is_kept() {
+    use candle_fsdp::checkpoint::load_sharded;
+    use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
+    let root = common::tmpdir("fingerprint-skip");
+    std::fs::create_dir_all(&root).unwrap();
+    let fp = root.join("run.fp");
+    std::fs::write(&fp, "an earlier run\n").unwrap();
+    let data = batches(3, 8, 5);
+    let (f, ckpt) = (fp.clone(), root.join("ckpt"));
+    run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+        let config = FsdpConfig {
+            fingerprint: Some(f.clone()),
+            ..Default::default()
+        };
+        let mut m = FsdpModel::builder(pg.clone(), config.clone())
+            .units(units())
+            .build()?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let mut scaler = ShardedGradScaler::new(GradScalerConfig::default())?;
+        let rank = pg.rank();
+        let mut skipped = Vec::new();
+        for (s, b) in data.iter().enumerate() {
+            let n = b.0.dim(0)? / 2;
+            let mut x = b.0.narrow(0, rank * n, n)?;
+            if s == 1 {
+                x = (x * f64::INFINITY)?;
+            }
+            let logits = m.forward(&x)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &b.1.narrow(0, rank * n, n)?)?;
+            m.backward(&scaler.scale_loss(&loss)?)?;
+            skipped.push(!scaler.step(&mut m, &mut opt)?);
+            m.zero_grad();
+        }
+        assert_eq!(skipped, [false, true, false]);
+        let state = TrainState {
+            step: 3,
+            ..Default::default()
+        };
+        let dir = save_sharded(&ckpt, &m, &opt, &state, 0)?;
+        // A run resumed from it numbers its first step 3.
+        let mut m2 = FsdpModel::builder(pg, config).units(units()).build()?;
+        let mut opt2 = AdamW::new(AdamWConfig::default());
+        load_sharded(&dir, &mut m2, &mut opt2)?;
+        let b = &data[2];
+        let n = b.0.dim(0)? / 2;
+        let logits = m2.forward(&b.0.narrow(0, rank * n, n)?)?;
+        let loss = candle_nn::loss::cross_entropy(&logits, &b.1.narrow(0, rank * n, n)?)?;
+        m2.backward(&loss)?;
+        opt2.step(&mut m2)?;
+        Ok(())
+    })
+    .unwrap();
+    // The first run's file was kept aside when the second model was built, and the file that
+    // was there before either as run.fp.1.
+    assert_eq!(
+        std::fs::read_to_string(root.join("run.fp.1")).unwrap(),
+        "an earlier run\n"
+    );
+    let first = fingerprint::read(&root.join("run.fp.2")).unwrap();
+    let steps: Vec<u64> = first.records.iter().map(|r| r.step).collect();
+    assert_eq!(steps.iter().max(), Some(&2));
+    assert!(
+        first.records.iter().all(|r| !r.phase.contains('#')),
+        "{:?}",
+        first.records
+    );
+    for unit in ["fc1", "fc2", "head", "scale"] {
+        for rank in 0..2 {
+            let s0 = find(&first.records, 0, unit, "shard", rank);
+            let s1 = find(&first.records, 1, unit, "shard", rank);
+            let s2 = find(&first.records, 2, unit, "shard", rank);
+            assert_eq!(
+                s0.crc32c, s1.crc32c,
+                "{unit}: the skipped step changed nothing"
+            );
+            // (Rank 1's piece of `scale`, one element, is all padding.)
+            if unit != "scale" || rank == 0 {
+                assert_ne!(s1.crc32c, s2.crc32c, "{unit}: step 2 stepped");
+            }
+        }
+    }
+    let resumed = fingerprint::read(&fp).unwrap();
+    assert!(!resumed.records.is_empty());
+    assert!(
+        resumed.records.iter().all(|r| r.step == 3),
+        "{:?}",
+        resumed.records
     );
 }

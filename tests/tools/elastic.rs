@@ -154,7 +154,7 @@ fn mnist_under_fsdp_run_on_cpu_matches_the_thread_run_bitwise() {
     let (code, text) = ckpt_diff(ref_dir, &dir);
     assert_eq!(code, 0, "{text}");
     assert!(
-        text.starts_with("checkpoints identical: 18 tensors"),
+        text.contains("\ncheckpoints identical: 18 tensors"),
         "{text}"
     );
     // A run of other data (another seed) differs from step 0, named.
@@ -264,13 +264,20 @@ fn a_rank_killed_with_sigkill_restarts_and_ends_like_the_uninterrupted_run() {
         crate::common::final_accuracy(reference)
     );
     assert_same_final_checkpoint(&dir);
-    // The restarted attempt rewrote the fingerprint from the step it resumed at: those steps
-    // are the uninterrupted run's, record for record.
+    // The restarted attempt wrote the fingerprint from the step it resumed at: those steps
+    // are the uninterrupted run's, record for record; the killed attempt's file was kept
+    // beside it (`run.fp.1`), and the steps it completed are the uninterrupted run's too.
     let (code, text) = ckpt_diff(ref_fp, &fp);
     assert_eq!(code, 0, "{text}");
     assert!(
         text.starts_with("fingerprints identical: ")
             && text.contains("only the first file has steps 0..="),
+        "{text}"
+    );
+    let (code, text) = ckpt_diff(ref_fp, &fp.with_extension("fp.1"));
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.starts_with("fingerprints identical: ") && text.contains("steps 0..="),
         "{text}"
     );
     let _ = std::fs::remove_dir_all(&dir);

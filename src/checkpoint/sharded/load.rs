@@ -652,6 +652,9 @@ pub(super) fn load_dir(
     agree_load(pg.as_ref(), dir, local)?;
     let reader = reader.expect("prepared on every rank");
     let meta = reader.apply(model, optim, &mut stats).map_err(mismatch)?;
+    // A run fingerprint continues at the checkpoint's step (a resumed run's records carry the
+    // uninterrupted run's step numbers).
+    model.set_fingerprint_step(meta.train.step);
     Ok(Loaded {
         dir: dir.to_path_buf(),
         meta,

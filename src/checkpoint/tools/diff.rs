@@ -36,6 +36,9 @@ pub struct TensorDifference {
     pub max_abs: f64,
     /// Largest `|a - b| / max(|a|, |b|)` over them.
     pub max_rel: f64,
+    /// Differing elements where one side (or both, with other bits) is NaN: not in
+    /// `max_abs` / `max_rel`.
+    pub nan: usize,
     /// Why there is no element comparison (a tensor one checkpoint lacks, shapes that differ).
     pub note: Option<String>,
 }
@@ -48,9 +51,16 @@ impl fmt::Display for TensorDifference {
         }
         write!(
             f,
-            ": {} of {} elements differ, max abs {:.3e}, max rel {:.3e}",
-            self.differing, self.numel, self.max_abs, self.max_rel
-        )
+            ": {} of {} differ, max abs {:.3e}, max rel {:.3e}",
+            self.differing,
+            plural(self.numel, "element"),
+            self.max_abs,
+            self.max_rel
+        )?;
+        if self.nan > 0 {
+            write!(f, " ({} against NaN)", plural(self.nan, "element"))?;
+        }
+        Ok(())
     }
 }
 
@@ -80,20 +90,36 @@ impl CheckpointDiff {
     }
 }
 
+/// `n` and `word`, plural when `n` ≠ 1.
+fn plural(n: usize, word: &str) -> String {
+    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
+}
+
 impl fmt::Display for CheckpointDiff {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "comparing {} with {}",
+            self.dirs[0].display(),
+            self.dirs[1].display()
+        )?;
         if self.identical() {
             return writeln!(
                 f,
-                "checkpoints identical: {} tensors, {} elements, bit for bit",
-                self.tensors, self.elements
+                "checkpoints identical: {}, {} elements, bit for bit",
+                plural(self.tensors, "tensor"),
+                self.elements
             );
         }
+        let step = match self.steps {
+            [a, b] if a == b => format!("step {a}"),
+            [a, b] => format!("steps {a} vs {b}"),
+        };
         if let Some(d) = self.differences.first() {
             write!(
                 f,
-                "first difference: step {}, unit {}, phase {}, rank {}: tensor {}",
-                self.steps[0], d.unit, d.phase, d.rank, d.tensor
+                "first difference: {step}, unit {}, phase {}, rank {}: tensor {}",
+                d.unit, d.phase, d.rank, d.tensor
             )?;
             match (&d.first, &d.note) {
                 (Some((idx, a, b)), _) => writeln!(f, ", element {idx:?}: {a:e} vs {b:e}")?,
@@ -109,9 +135,17 @@ impl fmt::Display for CheckpointDiff {
         }
         writeln!(
             f,
-            "checkpoints differ: {} tensors ({} compared element by element)",
-            self.differences.len(),
-            self.tensors
+            "checkpoints differ: {} ({} compared element by element){}",
+            plural(self.differences.len(), "tensor"),
+            self.tensors,
+            if self.meta_differences.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ", {}",
+                    plural(self.meta_differences.len(), "metadata difference")
+                )
+            }
         )
     }
 }
@@ -191,6 +225,7 @@ impl Compare {
                 numel: shape.iter().product(),
                 max_abs: 0.0,
                 max_rel: 0.0,
+                nan: 0,
                 note: None,
             },
             shape: shape.to_vec(),
@@ -205,18 +240,24 @@ impl Compare {
                 continue;
             }
             self.d.differing += 1;
-            let abs = (f64::from(x) - f64::from(y)).abs();
-            let scale = f64::from(x.abs().max(y.abs()));
-            // NaN against a number, or an infinity against a finite value: infinitely
-            // different; -0 against +0 (bits differ, values equal): no difference in value.
-            let abs = if abs.is_nan() { f64::INFINITY } else { abs };
-            let rel = match abs / scale {
-                _ if abs == 0.0 => 0.0,
-                r if r.is_nan() => f64::INFINITY,
-                r => r,
-            };
-            self.d.max_abs = self.d.max_abs.max(abs);
-            self.d.max_rel = self.d.max_rel.max(rel);
+            if x.is_nan() || y.is_nan() {
+                self.d.nan += 1;
+            } else {
+                // An infinity against a finite value: infinitely different; -0 against +0
+                // (bits differ, values equal): no difference in value.
+                let abs = (f64::from(x) - f64::from(y)).abs();
+                let scale = f64::from(x.abs().max(y.abs()));
+                let rel = match abs / scale {
+                    _ if abs == 0.0 => 0.0,
+                    r if r.is_nan() => f64::INFINITY,
+                    r => r,
+                };
+                self.d.max_abs = self
+                    .d
+                    .max_abs
+                    .max(if abs.is_nan() { f64::INFINITY } else { abs });
+                self.d.max_rel = self.d.max_rel.max(rel);
+            }
             if self.d.first.is_none() {
                 self.d.first = Some((unravel(at + i, &self.shape), x, y));
                 first = Some(at + i);
@@ -291,6 +332,12 @@ pub fn diff_checkpoints(a: &Path, b: &Path) -> Result<CheckpointDiff> {
                     out.meta_differences
                         .push("per-parameter optimizer step counts differ".into());
                 }
+                if p.state_dtype != q.state_dtype {
+                    out.meta_differences.push(format!(
+                        "optimizer state stored as {:?} vs {:?} (the values are compared as f32)",
+                        p.state_dtype, q.state_dtype
+                    ));
+                }
             }
             x.kinds
                 .iter()
@@ -364,6 +411,12 @@ pub fn diff_checkpoints(a: &Path, b: &Path) -> Result<CheckpointDiff> {
                 continue;
             };
             let mut c = Compare::new(&ua.name, "buffer", &ba.name, &ba.shape);
+            if ba.dtype != bb.dtype {
+                out.meta_differences.push(format!(
+                    "buffer {} stored as {} vs {} (the values are compared as f32)",
+                    ba.name, ba.dtype, bb.dtype
+                ));
+            }
             if ba.shape != bb.shape {
                 c.d.note = Some(format!("shape {:?} vs {:?}", ba.shape, bb.shape));
                 out.differences.push(c.d);

@@ -45,12 +45,12 @@ use candle_nn::Module;
 use super::layers::{Block, MlpKind, NormKind, Positions, Proj, Qkv};
 use super::Activation;
 use crate::fsdp::fused;
-use crate::unit::UnitModule;
 use crate::nn::kernels::{
     add_assign, attention_backward, attention_forward, broadcast_rows, col_sums, col_sums_strided,
     gelu_tanh, gelu_tanh_grad, matmul, matmul_new, norm_backward, norm_forward, rope_in_place,
     silu, silu_grad, AttentionOptions, AttentionShape, Mat,
 };
+use crate::unit::UnitModule;
 
 /// One projection's share of a fused buffer: its weight `(rows, in)` (and bias `(rows,)`)
 /// index in the node's parameter list, written at columns `col .. col + rows`.
