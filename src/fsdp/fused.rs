@@ -25,7 +25,9 @@
 //!
 //! Outside the runtime nothing is armed, and a unit takes its composed path (every gradient
 //! through Candle): a fused unit must compute the same function both ways, and must take the
-//! same path in every training step (the runtime checks it).
+//! same path in every training step (the runtime checks it). Where nothing tracks gradients
+//! (an activation-checkpointed forward, evaluation) a fused unit runs its op's forward alone,
+//! armed or not: the checkpointed forward and its recompute then compute the same bits.
 //!
 //! # Two ways to write one
 //!
@@ -37,7 +39,7 @@
 //!   [`crate::nn::kernels`]) and whose `bwd` calls [`send`] for each parameter: no copy at all;
 //!   the GPT block (`models/gpt2_block.rs`) and the decoder block (`models/decoder/fused.rs`) are
 //!   built this way. Call [`promise`] when building the node, and build it only when
-//!   [`armed`].
+//!   [`armed`] (or where nothing tracks gradients, with no promise: the forward alone).
 
 use std::cell::RefCell;
 
@@ -261,11 +263,14 @@ pub trait FusedOp: Send + Sync + 'static {
     ) -> Result<(Tensor, Vec<Option<Tensor>>)>;
 }
 
-/// `op` applied to `x` as one graph node whose parameters' gradients go to the FSDP runtime, or
-/// `None` where a fused node does not apply and the caller must compose the unit: outside an
-/// armed training call ([`armed`]), or for an `x` that carries no gradient (the parameters'
-/// gradients would have no node to come from; for a frozen stem, compose the first unit or let
-/// it take the input's gradient).
+/// `op` applied to `x` as one graph node whose parameters' gradients go to the FSDP runtime
+/// (inside an armed training call, [`armed`], for an `x` that carries a gradient); `op`'s
+/// forward alone where neither `x` nor a parameter carries one (an activation-checkpointed
+/// forward, evaluation: the same values as the node, so a checkpointed unit's forward and its
+/// recompute agree bit for bit); or `None` where the caller must compose the unit: autograd
+/// outside an armed call, or an `x` without gradient among parameters with one (the
+/// parameters' gradients would have no node to come from; for a frozen stem, compose the first
+/// unit or let it take the input's gradient).
 ///
 /// `params` are the unit's parameter tensors as its constructor got them from the
 /// `VarBuilder`; the output is `op.forward`'s, copied into the node once.
@@ -275,7 +280,12 @@ pub trait FusedOp: Send + Sync + 'static {
 /// ([`send`]).
 pub fn apply<O: FusedOp>(x: &Tensor, params: &[Tensor], op: O) -> Result<Option<Tensor>> {
     if !armed() || !x.track_op() {
-        return Ok(None);
+        // Nothing tracks gradients (an activation-checkpointed forward, evaluation): the op's
+        // forward alone, the values the node computes. Autograd outside the runtime: compose.
+        if x.track_op() || params.iter().any(Tensor::track_op) {
+            return Ok(None);
+        }
+        return op.forward(x, params).map(Some);
     }
     let detached: Vec<Tensor> = params.iter().map(Tensor::detach).collect();
     let mut value = op.forward(&x.detach(), &detached)?;

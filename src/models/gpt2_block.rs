@@ -55,16 +55,19 @@ pub(crate) struct GptBlockParams<'a> {
     pub conv1d: bool,
 }
 
-/// The block applied to `x` `(B, T, d)` as one node, or `None` where the node does not apply and
-/// the caller must compose the layers: outside an armed unit forward
-/// ([`grad_sink::armed`]), an `x` that carries no gradient (the parameters' gradients would
-/// then have no node to come from), anything but f32 on the CPU, non-contiguous parameters, an
-/// empty batch.
+/// The block applied to `x` `(B, T, d)` as one node inside an armed unit forward
+/// ([`grad_sink::armed`]) when `x` carries a gradient; its forward alone when neither `x` nor a
+/// parameter carries one (an activation-checkpointed forward, evaluation: the same values as
+/// the node's); or `None` where the caller must compose the layers: autograd outside an armed
+/// forward, anything but f32 on the CPU, non-contiguous parameters, an empty batch.
 ///
 /// Errors: parameters whose shapes do not fit `x` and each other.
 pub(crate) fn gpt_block(x: &Tensor, p: &GptBlockParams<'_>) -> Result<Option<Tensor>> {
-    let applies = grad_sink::armed()
-        && x.track_op()
+    // As a node inside an armed training call; its forward alone where nothing tracks
+    // gradients (a checkpointed forward, evaluation: the same values as the node's).
+    let node = grad_sink::armed() && x.track_op();
+    let forward_only = !x.track_op() && !p.tensors.iter().any(|t| t.track_op());
+    let applies = (node || forward_only)
         && x.device().is_cpu()
         && x.dtype() == DType::F32
         && x.rank() == 3
@@ -101,7 +104,9 @@ pub(crate) fn gpt_block(x: &Tensor, p: &GptBlockParams<'_>) -> Result<Option<Ten
         t: p.conv1d,
         saved: Mutex::new(None),
     };
-    grad_sink::promise(p.tensors);
+    if node {
+        grad_sink::promise(p.tensors);
+    }
     Ok(Some(x.contiguous()?.apply_op1(op)?))
 }
 

@@ -33,9 +33,11 @@
 //! ([`crate::fsdp::fused::trains`]) the base weights' gradient products are skipped, which is
 //! most of a LoRA step's saving.
 //!
-//! Not fused (the block composes its layers instead, with the same values): GPT-2 with LoRA
-//! adapters, anything but f32 on the CPU, an input without
-//! gradient, outside an armed training call.
+//! Where nothing tracks gradients (an activation-checkpointed forward, evaluation) the node's
+//! forward runs alone, so that a checkpointed forward, its recompute and an unchecked forward
+//! compute the same bits. Not fused (the block composes its layers instead, with the same
+//! values up to rounding): GPT-2 with LoRA adapters, anything but f32 on the CPU, autograd
+//! outside an armed training call (plain Candle training).
 
 use std::sync::Mutex;
 
@@ -151,13 +153,13 @@ pub(super) fn block(blk: &Block, x: &Tensor, pos: Option<&Positions>) -> Result<
     if tests::COMPOSE.with(|c| c.get()) {
         return Ok(None);
     }
-    let applies = fused::armed()
-        && x.track_op()
-        && x.device().is_cpu()
-        && x.dtype() == DType::F32
-        && x.rank() == 3
-        && x.elem_count() > 0;
-    if !applies {
+    let applies =
+        x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() == 3 && x.elem_count() > 0;
+    // As a node inside an armed training call; or its forward alone where nothing tracks
+    // gradients (an activation-checkpointed forward, evaluation), so that every forward of the
+    // block computes the same values; composed where autograd runs outside the runtime.
+    let node = fused::armed() && x.track_op();
+    if !applies || (!node && x.track_op()) {
         return Ok(None);
     }
     if blk.attn.rope.is_none() {
@@ -254,6 +256,7 @@ pub(super) fn block(blk: &Block, x: &Tensor, pos: Option<&Positions>) -> Result<
     if !params
         .iter()
         .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous())
+        || (!node && params.iter().any(Tensor::track_op))
     {
         return Ok(None);
     }
@@ -293,7 +296,9 @@ pub(super) fn block(blk: &Block, x: &Tensor, pos: Option<&Positions>) -> Result<
         params: params.clone(),
         saved: Mutex::new(None),
     };
-    fused::promise(&params);
+    if node {
+        fused::promise(&params);
+    }
     Ok(Some(x.contiguous()?.apply_op1(op)?))
 }
 
