@@ -37,6 +37,10 @@ never "src/fsdp/call.rs" '(super|crate::fsdp)::model\b' \
 never "src/nn src/ops src/ops.rs src/optim src/optim.rs src/clip.rs src/grad_scaler.rs src/checkpoint src/comm src/launch src/data src/models src/models.rs" \
     '^\s*impl(<[^>]*>)?\s+FsdpModel\b' \
     "only fsdp/ implements FsdpModel"
+never "src/fsdp/scheduler.rs src/fsdp/step.rs" '\bFsdpModel\b' \
+    "the scheduler answers questions and the step is data: neither names the model (no circle model -> scheduler/step -> model)"
+never "src/models/decoder/layers.rs" '\bfused::' \
+    "the decoder's layers are composed Candle code: the block's fused node builds on them, not the reverse"
 never "src/optim src/optim.rs src/clip.rs src/grad_scaler.rs" '\.(span|at)\(' \
     "beside-the-step modules use FsdpModel::in_phase, not the model's private span/at"
 
