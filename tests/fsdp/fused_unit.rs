@@ -382,11 +382,16 @@ fn fused_blocks_match_plain_candle_shard_grad_op_no_shard_and_checkpointing_ws2(
         assert_eq!(counts, (calls, calls), "{strategy:?}: fused node calls");
         assert_close(&format!("{strategy:?} fused"), &run, &reference);
     }
-    // Activation checkpointing: the forward runs without gradient (the blocks compose), the
-    // backward's recompute builds the fused node.
+    // Activation checkpointing: the forward runs without gradient (the op's forward alone, so
+    // that it computes what the recompute will), the backward's recompute builds the fused
+    // node: two forwards a call, one backward.
     let full = ShardingStrategy::FullShard;
     let (run, counts) = fsdp(2, full, Opt::AdamW, Mode::Fused, true).unwrap();
-    assert_eq!(counts, (calls, calls), "checkpointed: fused node calls");
+    assert_eq!(
+        counts,
+        (2 * calls, calls),
+        "checkpointed: fused op forwards, backwards"
+    );
     assert_close("checkpointed fused", &run, &reference);
 }
 
