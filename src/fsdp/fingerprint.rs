@@ -619,8 +619,8 @@ fn steps_text(s: &BTreeSet<u64>) -> String {
     }
 }
 
-/// `n` and `word`, plural when `n` ≠ 1.
-fn count(n: usize, word: &str) -> String {
+/// `n` and `word`, plural when `n` ≠ 1 (also the checkpoint diff's).
+pub(crate) fn count(n: usize, word: &str) -> String {
     format!("{n} {word}{}", if n == 1 { "" } else { "s" })
 }
 

@@ -282,16 +282,23 @@ fn cpu_unscale(u: &Unscale<'_>) -> Result<Option<f32>> {
     }))
 }
 
+/// The storage range `[start, end)` of a contiguous layout.
+///
+/// Errors: the layout is not contiguous (naming its shape and strides).
+fn contiguous_range(layout: &candle_core::Layout) -> Result<(usize, usize)> {
+    layout.contiguous_offsets().ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "expected a contiguous tensor, found shape {:?} with strides {:?}",
+            layout.dims(),
+            layout.stride()
+        ))
+    })
+}
+
 /// Calls `f` with the values of a contiguous f32 CPU tensor, borrowed under its read lock.
 pub(super) fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     with_storage(t, |storage, layout| {
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(Error::InvalidArgument(format!(
-                "expected a contiguous tensor, found shape {:?} with strides {:?}",
-                layout.dims(),
-                layout.stride()
-            )));
-        };
+        let (start, end) = contiguous_range(layout)?;
         match storage {
             StorageRef::Cpu(CpuStorage::F32(v)) => Ok(f(&v[start..end])),
             StorageRef::Cpu(other) => Err(Error::InvalidArgument(format!(
@@ -307,13 +314,7 @@ pub(super) fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result
 /// [`with_cpu_f32`] for u8 bytes (a packed frozen shard's, [`crate::quant`]).
 pub(super) fn with_cpu_u8<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
     with_storage(t, |storage, layout| {
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(Error::InvalidArgument(format!(
-                "expected a contiguous tensor, found shape {:?} with strides {:?}",
-                layout.dims(),
-                layout.stride()
-            )));
-        };
+        let (start, end) = contiguous_range(layout)?;
         match storage {
             StorageRef::Cpu(CpuStorage::U8(v)) => Ok(f(&v[start..end])),
             StorageRef::Cpu(other) => Err(Error::InvalidArgument(format!(
@@ -339,13 +340,7 @@ pub(super) fn with_cpu_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Resul
         unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
     }
     with_storage(t, |storage, layout| {
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(Error::InvalidArgument(format!(
-                "expected a contiguous tensor, found shape {:?} with strides {:?}",
-                layout.dims(),
-                layout.stride()
-            )));
-        };
+        let (start, end) = contiguous_range(layout)?;
         let StorageRef::Cpu(storage) = storage else {
             return Err(super::not_on_cpu("reading a tensor", t.device()));
         };

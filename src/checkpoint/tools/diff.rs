@@ -13,6 +13,7 @@ use super::export::{open_shard_files, stream_param};
 use super::{optim_list, resolve_checkpoint, SourceFile, CHUNK_ELEMS};
 use crate::checkpoint::{read_meta, CheckpointMeta, ParamMeta};
 use crate::error::{Error, Result};
+use crate::fsdp::fingerprint::count as plural;
 
 /// One tensor that differs between two checkpoints.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,11 +89,6 @@ impl CheckpointDiff {
     pub fn identical(&self) -> bool {
         self.differences.is_empty() && self.meta_differences.is_empty()
     }
-}
-
-/// `n` and `word`, plural when `n` ≠ 1.
-fn plural(n: usize, word: &str) -> String {
-    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
 }
 
 impl fmt::Display for CheckpointDiff {
@@ -195,10 +191,7 @@ impl Side {
             &piece,
             Dtype::F32,
             &mut |b| {
-                out.extend(
-                    b.chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                );
+                out.extend(super::f32s_le(b));
                 Ok(())
             },
         )?;
@@ -430,10 +423,7 @@ pub fn diff_checkpoints(a: &Path, b: &Path) -> Result<CheckpointDiff> {
                     0..numel,
                     Dtype::F32,
                     &mut |b| {
-                        v.extend(
-                            b.chunks_exact(4)
-                                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                        );
+                        v.extend(super::f32s_le(b));
                         Ok(())
                     },
                 )?;

@@ -82,10 +82,7 @@ struct Merge {
 impl Merge {
     /// `W + s·B·A` for the f32 little-endian bytes of `W` (shape `shape`), in `W`'s layout.
     fn apply(&self, base: &[u8], shape: &[usize]) -> Vec<f32> {
-        let w: Vec<f32> = base
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let w: Vec<f32> = super::f32s_le(base).collect();
         let cols = shape[1];
         let inp = self.a.len() / self.r;
         w.iter()
@@ -128,10 +125,7 @@ fn lora_merges(
             p,
             Dtype::F32,
             &mut |b| {
-                v.extend(
-                    b.chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                );
+                v.extend(super::f32s_le(b));
                 Ok(())
             },
         )?;

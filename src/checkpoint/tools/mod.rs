@@ -399,6 +399,12 @@ pub(crate) fn st_float(dtype: DType) -> Result<Dtype> {
     }
 }
 
+/// The f32 values of little-endian bytes (what [`SourceFile::stream`] writes for `Dtype::F32`).
+pub(crate) fn f32s_le(b: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+}
+
 /// Streams elements `range` of a unit's flat buffer: parameter elements through `read`
 /// (parameter index, element range of the parameter), zeros for the alignment gaps and the
 /// padding. `params`: `(offset, numel)` in flat order; `elem`: bytes an element.
