@@ -90,7 +90,7 @@ impl FsdpModel {
             // The first gather of backward runs during the loss's own backward.
             if let Some(c) = self.next_gathering_call(n_calls) {
                 let groups = self.step_calls()[c].groups.clone();
-                self.prefetch_groups(&groups);
+                self.prefetch_groups(&groups, &[]);
             }
         }
         let hook = self.step_mut().hook.clone();
@@ -377,8 +377,7 @@ impl FsdpModel {
             if let Some((i, bit)) = fingerprint::fault::take(self.step(), self.units[g].name()) {
                 fg = fingerprint::flip_bit(&fg, i, bit)?;
             }
-            // The wire carries `reduce_dtype`: cast here, so that the fingerprint sees what
-            // enters the collective (`reduce_grads`' own cast is then a no-op).
+            // The wire carries `reduce_dtype`: the fingerprint sees what enters the collective.
             let fg = fg.to_dtype(self.units[g].policy().reduce_dtype)?;
             self.fingerprint_tensor(g, FingerprintPhase::ReduceIn, &fg)?;
             self.mark_issue(|| format!("FSDP::reduce_scatter {}", self.units[g].name()));
@@ -388,7 +387,6 @@ impl FsdpModel {
                 &self.comm.reduce_scatter,
                 u.flat().layout(),
                 fg,
-                u.policy().reduce_dtype,
             );
             let all_local = self.units[g].take_all_present_locally();
             self.scheduler.push_reduction(g, work, all_local);
@@ -450,13 +448,8 @@ impl FsdpModel {
     /// or in flight already: one call ahead, as FSDP's backward prefetch).
     pub(super) fn prefetch_backward(&mut self, c: usize, current: &[usize]) {
         if let Some(n) = self.next_backward_call(c) {
-            let groups: Vec<usize> = self.step_calls()[n]
-                .groups
-                .iter()
-                .copied()
-                .filter(|g| !current.contains(g))
-                .collect();
-            self.prefetch_groups(&groups);
+            let groups = self.step_calls()[n].groups.clone();
+            self.prefetch_groups(&groups, current);
         }
     }
 }

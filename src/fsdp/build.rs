@@ -184,7 +184,7 @@ impl FsdpModel {
         let fingerprint = config
             .fingerprint
             .as_deref()
-            .map(|p| Recorder::new(p, pg.rank(), pg.world_size(), units.len()))
+            .map(|p| Recorder::new(p, pg.rank(), pg.world_size()))
             .transpose()?;
         let mut model = FsdpModel::assemble(pg, config, comm, units, members);
         model.fingerprint = fingerprint;

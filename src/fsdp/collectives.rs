@@ -409,21 +409,16 @@ pub(crate) fn split_reduced(
     ))
 }
 
-/// Issues the reduction of one unit's [`flatten_grads`] buffer in `dtype` on `stream` (cast on
-/// the device first: the wire carries `reduce_dtype`): reduce-scatter (average) into this
-/// rank's chunk (shard and presence flags) when the unit is sharded, all-reduce (average)
-/// under NO_SHARD, nothing at world size 1.
+/// Issues the reduction of one unit's [`flatten_grads`] buffer on `stream`, in its dtype (the
+/// caller has cast it to the unit's `reduce_dtype`: the wire carries that): reduce-scatter
+/// (average) into this rank's chunk (shard and presence flags) when the unit is sharded,
+/// all-reduce (average) under NO_SHARD, nothing at world size 1.
 pub(crate) fn reduce_grads(
     pg: &dyn ProcessGroup,
     stream: &CommStream,
     layout: &FlatParamLayout,
-    flat_grad: Tensor,
-    dtype: DType,
+    input: Tensor,
 ) -> Work<Tensor> {
-    let input = match flat_grad.to_dtype(dtype) {
-        Ok(t) => t,
-        Err(e) => return Work::ready(Err(e.into())),
-    };
     if pg.world_size() == 1 {
         return Work::ready(Ok(input));
     }
@@ -433,7 +428,7 @@ pub(crate) fn reduce_grads(
     // SAFETY: the reduce-scatter writes every element of its output before `wait` hands it
     // out; on error the buffer is dropped unread.
     let chunk = layout.shard_numel + layout.params.len();
-    match unsafe { Tensor::empty(chunk, dtype, input.device()) } {
+    match unsafe { Tensor::empty(chunk, input.dtype(), input.device()) } {
         Ok(out) => pg.reduce_scatter(stream, &input, out, ReduceOp::Avg),
         Err(e) => Work::ready(Err(e.into())),
     }

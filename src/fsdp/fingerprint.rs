@@ -130,8 +130,8 @@ pub(crate) struct Recorder {
     /// Rank 0's file.
     out: Option<(PathBuf, BufWriter<File>)>,
     pending: Vec<Pending>,
-    /// Per unit: its parameters were recorded this step.
-    params_seen: Vec<bool>,
+    /// Records this step per (unit, phase): the next one's `#n`; a unit's parameters are
+    /// recorded once a step.
     occurrences: HashMap<(usize, FingerprintPhase), u32>,
     /// The number the next closed step gets.
     step: u64,
@@ -150,13 +150,13 @@ fn free_aside(path: &Path) -> PathBuf {
 }
 
 impl Recorder {
-    /// The recorder of a model of `units` units on rank `rank` of `world_size`; rank 0 creates
+    /// The recorder of rank `rank` of `world_size`; rank 0 creates
     /// `path` and writes the header. A non-empty file already at `path` (an earlier run, or the
     /// attempt before an elastic restart) is kept: renamed to `path.1` (or the first free
     /// `path.n`).
     ///
     /// Errors: `path` cannot be created, written or moved aside (naming it).
-    pub(crate) fn new(path: &Path, rank: usize, world_size: usize, units: usize) -> Result<Self> {
+    pub(crate) fn new(path: &Path, rank: usize, world_size: usize) -> Result<Self> {
         let out = if rank == 0 {
             let io = |e: std::io::Error| Error::file(path, format!("fingerprint file: {e}"));
             if std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() > 0) {
@@ -185,7 +185,6 @@ impl Recorder {
         Ok(Recorder {
             out,
             pending: Vec::new(),
-            params_seen: vec![false; units],
             occurrences: HashMap::new(),
             step: 0,
         })
@@ -217,7 +216,10 @@ impl Recorder {
     ///
     /// Errors: a failed host copy.
     pub(crate) fn params(&mut self, unit: usize, params: &[Tensor]) -> Result<()> {
-        if params.is_empty() || std::mem::replace(&mut self.params_seen[unit], true) {
+        let seen = self
+            .occurrences
+            .contains_key(&(unit, FingerprintPhase::Params));
+        if params.is_empty() || seen {
             return Ok(());
         }
         let mut acc = (0u32, 0u64);
@@ -252,7 +254,6 @@ impl Recorder {
         let step = self.step;
         self.step += 1;
         let mine = std::mem::take(&mut self.pending);
-        self.params_seen.iter_mut().for_each(|s| *s = false);
         self.occurrences.clear();
         let (rank, ws) = (pg.rank(), pg.world_size());
         let per_rank: Vec<Vec<Pending>> = if ws == 1 {
@@ -769,13 +770,13 @@ pub(crate) mod fault {
 
 /// `t` (1-D) with bit `bit` of element `element` flipped (fault injection).
 pub(crate) fn flip_bit(t: &Tensor, element: usize, bit: u32) -> Result<Tensor> {
-    let dtype = t.dtype();
-    let mut v = t.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
-    if dtype != candle_core::DType::F32 {
+    if t.dtype() != candle_core::DType::F32 {
         return Err(Error::InvalidArgument(format!(
-            "fault injection flips bits of f32 gradients, found {dtype:?}"
+            "fault injection flips bits of f32 gradients, found {:?}",
+            t.dtype()
         )));
     }
+    let mut v = t.to_vec1::<f32>()?;
     let x = v.get_mut(element).ok_or_else(|| {
         Error::InvalidArgument(format!("fault injection: element {element} out of range"))
     })?;

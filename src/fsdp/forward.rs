@@ -698,10 +698,11 @@ impl FsdpModel {
         self.units[g].wait_for_unshard(&self.comm, &self.mem)
     }
 
-    /// Issues the gathers of `groups` that are neither present nor in flight, as far as
+    /// Issues the gathers of `groups`, except those of `current` (the call that runs now, whose
+    /// own gathers are not prefetches), that are neither present nor in flight, as far as
     /// `limit_all_gathers` allows.
-    pub(super) fn prefetch_groups(&mut self, groups: &[usize]) {
-        for &g in groups {
+    pub(super) fn prefetch_groups(&mut self, groups: &[usize], current: &[usize]) {
+        for &g in groups.iter().filter(|g| !current.contains(g)) {
             if self.units[g].is_sharded() && self.scheduler.may_prefetch(&self.mem) {
                 self.unshard(g);
             }
@@ -719,13 +720,8 @@ impl FsdpModel {
             .scheduler
             .predicted_next(m, pos, train, self.members.len());
         if let Some(next) = next {
-            let next_groups: Vec<usize> = self.members[next]
-                .groups
-                .iter()
-                .copied()
-                .filter(|g| !groups.contains(g))
-                .collect();
-            self.prefetch_groups(&next_groups);
+            let next_groups = self.members[next].groups.clone();
+            self.prefetch_groups(&next_groups, &groups);
         }
         groups
     }

@@ -38,8 +38,8 @@
 //! - **A Candle `CustomOp1`** over `x` whose `cpu_fwd` runs slice kernels (for instance
 //!   [`crate::nn::kernels`]) and whose `bwd` calls [`send`] for each parameter: no copy at all;
 //!   the GPT block (`models/gpt2_block.rs`) and the decoder block (`models/decoder/fused.rs`) are
-//!   built this way. Call [`promise`] when building the node, and build it only when
-//!   [`armed`] (or where nothing tracks gradients, with no promise: the forward alone).
+//!   built this way. Ask [`fusion`] how to run: build the node and [`promise`] for
+//!   [`Fusion::Node`], run the kernels alone for [`Fusion::ForwardOnly`], compose for `None`.
 
 use std::cell::RefCell;
 
@@ -143,6 +143,29 @@ pub fn trains(param: &Tensor) -> bool {
 /// backward. False everywhere else (evaluation, plain Candle): compose the unit instead.
 pub fn armed() -> bool {
     STATE.with(|s| s.borrow().armed > 0)
+}
+
+/// How a fused unit runs a call ([`fusion`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fusion {
+    /// One graph node whose parameters' gradients go to the runtime's sink: inside an armed
+    /// training call ([`armed`]), for an `x` that carries a gradient. [`promise`] them.
+    Node,
+    /// The op's forward alone: neither `x` nor a parameter carries a gradient (an
+    /// activation-checkpointed forward, evaluation), so it computes what the node computes
+    /// (a checkpointed call and its recompute agree bit for bit). No promise.
+    ForwardOnly,
+}
+
+/// How a fused unit runs on `x` with `params` (the tensors its constructor got), or `None`
+/// where it must compose its layers: autograd outside an armed call (no sink to send to), or
+/// an `x` without gradient among parameters with one (their gradients would have no node to
+/// come from). The one rule of [`apply`] and of the crate's `CustomOp1` blocks.
+pub fn fusion<'a>(x: &Tensor, params: impl IntoIterator<Item = &'a Tensor>) -> Option<Fusion> {
+    if x.track_op() {
+        return armed().then_some(Fusion::Node);
+    }
+    (!params.into_iter().any(Tensor::track_op)).then_some(Fusion::ForwardOnly)
 }
 
 /// Records that a fused node built now will send the gradients of `params` (their ids): call it
@@ -279,13 +302,10 @@ pub trait FusedOp: Send + Sync + 'static {
 /// shape (naming `op`, the parameter and both shapes); a backward outside the runtime's
 /// ([`send`]).
 pub fn apply<O: FusedOp>(x: &Tensor, params: &[Tensor], op: O) -> Result<Option<Tensor>> {
-    if !armed() || !x.track_op() {
-        // Nothing tracks gradients (an activation-checkpointed forward, evaluation): the op's
-        // forward alone, the values the node computes. Autograd outside the runtime: compose.
-        if x.track_op() || params.iter().any(Tensor::track_op) {
-            return Ok(None);
-        }
-        return op.forward(x, params).map(Some);
+    match fusion(x, params) {
+        None => return Ok(None),
+        Some(Fusion::ForwardOnly) => return op.forward(x, params).map(Some),
+        Some(Fusion::Node) => {}
     }
     let detached: Vec<Tensor> = params.iter().map(Tensor::detach).collect();
     let mut value = op.forward(&x.detach(), &detached)?;

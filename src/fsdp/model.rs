@@ -286,7 +286,7 @@ impl FsdpModel {
         };
         let result = (|| {
             for u in self.shards() {
-                if !u.frozen && u.packed.is_none() {
+                if !u.frozen {
                     rec.tensor(u.unit_index, FingerprintPhase::Shard, u.param)?;
                 }
             }

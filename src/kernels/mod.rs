@@ -393,7 +393,7 @@ pub fn cast_reference<S: KernelFloat, D: KernelFloat>(src: &[S]) -> Vec<D> {
 /// after it, so a signalling NaN is quietened even when the dtypes agree — or 0 in alignment
 /// gaps, the final padding and absent gradients) lands at `i + ⌊i / S⌋·F`, and after chunk `c` come the `F` presence flags
 /// (1 or 0) at `c·(S + F) + S + q`. This is `fsdp::collectives::flatten_grads`'s layout followed
-/// by the cast to `reduce_dtype` that precedes the reduce-scatter (`reduce_grads`).
+/// by the cast to `reduce_dtype` that precedes the reduce-scatter (`issue_reduction`).
 ///
 /// Panics when a gradient's length differs from its parameter's `numel` (a test tool; the
 /// kernel's wrapper returns an error).

@@ -63,12 +63,10 @@ pub(crate) struct GptBlockParams<'a> {
 ///
 /// Errors: parameters whose shapes do not fit `x` and each other.
 pub(crate) fn gpt_block(x: &Tensor, p: &GptBlockParams<'_>) -> Result<Option<Tensor>> {
-    // As a node inside an armed training call; its forward alone where nothing tracks
-    // gradients (a checkpointed forward, evaluation: the same values as the node's).
-    let node = grad_sink::armed() && x.track_op();
-    let forward_only = !x.track_op() && !p.tensors.iter().any(|t| t.track_op());
-    let applies = (node || forward_only)
-        && x.device().is_cpu()
+    let Some(fusion) = grad_sink::fusion(x, p.tensors) else {
+        return Ok(None);
+    };
+    let applies = x.device().is_cpu()
         && x.dtype() == DType::F32
         && x.rank() == 3
         && x.elem_count() > 0
@@ -104,7 +102,7 @@ pub(crate) fn gpt_block(x: &Tensor, p: &GptBlockParams<'_>) -> Result<Option<Ten
         t: p.conv1d,
         saved: Mutex::new(None),
     };
-    if node {
+    if fusion == grad_sink::Fusion::Node {
         grad_sink::promise(p.tensors);
     }
     Ok(Some(x.contiguous()?.apply_op1(op)?))

@@ -603,11 +603,12 @@ pub(crate) fn with_host_u8<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<
 ///
 /// Errors: a failed copy.
 pub(crate) fn crc32c_append(crc: u32, t: &Tensor) -> Result<(u32, u64)> {
+    let hash = |b: &[u8]| (crc32c::crc32c_append(crc, b), b.len() as u64);
     if t.device().is_cpu() && t.is_contiguous() {
-        return cpu::with_cpu_bytes(t, |b| (crc32c::crc32c_append(crc, b), b.len() as u64));
+        return cpu::with_cpu_bytes(t, hash);
     }
     let host = t.flatten_all()?.to_device(&Device::Cpu)?.contiguous()?;
-    cpu::with_cpu_bytes(&host, |b| (crc32c::crc32c_append(crc, b), b.len() as u64))
+    cpu::with_cpu_bytes(&host, hash)
 }
 
 fn not_on_cpu(op: &str, device: &Device) -> Error {

@@ -4,12 +4,13 @@
 //! tensor, the first differing element, and each differing tensor's max abs / rel difference.
 //! (Fingerprint files are compared by [`crate::fsdp::fingerprint::diff`].)
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;
 
-use super::export::{open_shard_files, stream_param};
+use super::export::{open_shard_files, read_param_f32};
 use super::{optim_list, resolve_checkpoint, SourceFile, CHUNK_ELEMS};
 use crate::checkpoint::{read_meta, CheckpointMeta, ParamMeta};
 use crate::error::{Error, Result};
@@ -150,6 +151,8 @@ impl fmt::Display for CheckpointDiff {
 struct Side {
     meta: CheckpointMeta,
     files: Vec<SourceFile>,
+    /// Parameter name → (unit index, index in the unit's params).
+    params: HashMap<String, (usize, usize)>,
 }
 
 impl Side {
@@ -157,16 +160,28 @@ impl Side {
         let meta = read_meta(dir)?;
         super::check_checksums(dir, &meta)?;
         let files = open_shard_files(dir, &meta)?;
-        Ok(Side { meta, files })
+        let params = meta
+            .units
+            .iter()
+            .enumerate()
+            .flat_map(|(k, u)| {
+                u.params
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, p)| (p.name.clone(), (k, i)))
+            })
+            .collect();
+        Ok(Side {
+            meta,
+            files,
+            params,
+        })
     }
 
     /// `(unit index, param)` of parameter `name`.
     fn param(&self, name: &str) -> Option<(usize, &ParamMeta)> {
-        self.meta
-            .units
-            .iter()
-            .enumerate()
-            .find_map(|(k, u)| u.params.iter().find(|p| p.name == name).map(|p| (k, p)))
+        let &(k, i) = self.params.get(name)?;
+        Some((k, &self.meta.units[k].params[i]))
     }
 
     /// Streams elements `range` of parameter `p` of unit `k` from tensor `prefix.<k>` as f32.
@@ -183,19 +198,12 @@ impl Side {
             offset: p.offset + range.start,
             numel: range.len(),
         };
-        let mut out = Vec::with_capacity(range.len());
-        stream_param(
+        read_param_f32(
             &self.files,
             &format!("{prefix}.{k}"),
             self.meta.units[k].shard_numel,
             &piece,
-            Dtype::F32,
-            &mut |b| {
-                out.extend(super::f32s_le(b));
-                Ok(())
-            },
-        )?;
-        Ok(out)
+        )
     }
 }
 

@@ -166,6 +166,22 @@ pub(super) fn stream_param(
     Ok(())
 }
 
+/// [`stream_param`] into f32 values: parameter `p` of unit tensor `name` (one parameter's
+/// memory; a piece of it when `p` describes a range).
+pub(super) fn read_param_f32(
+    files: &[SourceFile],
+    name: &str,
+    shard_numel: usize,
+    p: &crate::checkpoint::ParamMeta,
+) -> Result<Vec<f32>> {
+    let mut v = Vec::with_capacity(p.numel);
+    stream_param(files, name, shard_numel, p, Dtype::F32, &mut |b| {
+        v.extend(super::f32s_le(b));
+        Ok(())
+    })?;
+    Ok(v)
+}
+
 /// The shard files of the checkpoint `dir` holding some unit's shard, or (rank 0's) the
 /// buffers, each unit's `param.<k>` checked (F32, `shard_numel` elements) in the files of its
 /// shards.

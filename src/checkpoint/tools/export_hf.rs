@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use candle_core::DType;
 use safetensors::Dtype;
 
-use super::export::{open_shard_files, stream_param};
+use super::export::{open_shard_files, read_param_f32, stream_param};
 use super::{check_checksums, parse_dtype, resolve_checkpoint, st_float};
 use crate::checkpoint::hf::{HF_INDEX_FILE, HF_WEIGHTS_FILE};
 use crate::checkpoint::io::{write_atomic, SafetensorsWriter, TensorSpec};
@@ -116,20 +116,8 @@ fn lora_merges(
     let lora: crate::lora::LoraConfig = serde_json::from_str(text)
         .map_err(|e| Error::file(meta_path, format!("the LoRA config is not valid: {e}")))?;
     let conv1d = config["model_type"] == "gpt2";
-    let read = |k: usize, p: &crate::checkpoint::ParamMeta| -> Result<Vec<f32>> {
-        let mut v = Vec::with_capacity(p.numel);
-        stream_param(
-            files,
-            &format!("param.{k}"),
-            meta.units[k].shard_numel,
-            p,
-            Dtype::F32,
-            &mut |b| {
-                v.extend(super::f32s_le(b));
-                Ok(())
-            },
-        )?;
-        Ok(v)
+    let read = |k: usize, p: &crate::checkpoint::ParamMeta| {
+        read_param_f32(files, &format!("param.{k}"), meta.units[k].shard_numel, p)
     };
     let mut out = HashMap::new();
     for (k, u) in meta.units.iter().enumerate() {

@@ -155,11 +155,9 @@ pub(super) fn block(blk: &Block, x: &Tensor, pos: Option<&Positions>) -> Result<
     }
     let applies =
         x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() == 3 && x.elem_count() > 0;
-    // As a node inside an armed training call; or its forward alone where nothing tracks
-    // gradients (an activation-checkpointed forward, evaluation), so that every forward of the
-    // block computes the same values; composed where autograd runs outside the runtime.
-    let node = fused::armed() && x.track_op();
-    if !applies || (!node && x.track_op()) {
+    // `fused::fusion` decides again once the parameters are known; autograd outside the
+    // runtime composes whatever they are.
+    if !applies || fused::fusion(x, []).is_none() {
         return Ok(None);
     }
     if blk.attn.rope.is_none() {
@@ -256,10 +254,12 @@ pub(super) fn block(blk: &Block, x: &Tensor, pos: Option<&Positions>) -> Result<
     if !params
         .iter()
         .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous())
-        || (!node && params.iter().any(Tensor::track_op))
     {
         return Ok(None);
     }
+    let Some(fusion) = fused::fusion(x, &params) else {
+        return Ok(None);
+    };
     let opts = blk.attn.opts;
     let plan = Plan {
         n1,
@@ -296,7 +296,7 @@ pub(super) fn block(blk: &Block, x: &Tensor, pos: Option<&Positions>) -> Result<
         params: params.clone(),
         saved: Mutex::new(None),
     };
-    if node {
+    if fusion == fused::Fusion::Node {
         fused::promise(&params);
     }
     Ok(Some(x.contiguous()?.apply_op1(op)?))
