@@ -1,14 +1,13 @@
 //! Reference models used by the examples, tests and benchmarks, written as FSDP units: the
-//! MNIST MLP (cargo feature `mnist`), a GPT-2-style decoder ([`gpt`], cargo feature `gpt`), and
-//! the one decoder of the Hugging Face families ([`decoder`]: Llama, Mistral, Qwen2, Qwen3,
-//! Phi-3, Gemma 2, GPT-2; [`llama`] its Llama names; cargo feature `llama`).
+//! MNIST MLP (cargo feature `mnist`) and the one decoder of the Hugging Face families
+//! ([`decoder`]: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, GPT-2; cargo feature `llama`),
+//! with the configs a from-scratch run chooses: [`gpt`] (the GPT example's GPT-2, cargo feature
+//! `gpt`) and [`llama`].
 
 #[cfg(feature = "llama")]
 pub mod decoder;
 #[cfg(feature = "gpt")]
 pub mod gpt;
-#[cfg(any(feature = "gpt", feature = "llama"))]
-mod gpt2_block;
 #[cfg(feature = "llama")]
 pub mod llama;
 

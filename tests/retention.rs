@@ -46,7 +46,9 @@ fn growth(world_size: usize, strategy: ShardingStrategy) -> (isize, usize) {
             },
         );
         for i in 0..LAYERS {
-            b = b.unit(format!("blk{i}"), |vb| Block::new(&cfg(), vb));
+            b = b.unit(format!("blk{i}"), move |vb| {
+                Block::new(&cfg().into(), i, vb)
+            });
         }
         let mut model = b.build()?;
         let d = cfg().d_model;

@@ -188,25 +188,6 @@ pub trait LanguageModel {
     ) -> Result<Tensor>;
 }
 
-#[cfg(feature = "gpt")]
-impl LanguageModel for candle_fsdp::models::gpt::FsdpGpt {
-    fn logits(
-        &self,
-        model: &mut FsdpModel,
-        ids: &Tensor,
-        positions: Option<&Tensor>,
-        train: bool,
-    ) -> Result<Tensor> {
-        if positions.is_some() {
-            return Err(candle_fsdp::Error::InvalidArgument(
-                "the GPT example trains on text windows: packed examples need the llama example"
-                    .into(),
-            ));
-        }
-        candle_fsdp::models::gpt::FsdpGpt::logits(self, model, ids, train)
-    }
-}
-
 #[cfg(feature = "llama")]
 impl LanguageModel for candle_fsdp::models::decoder::FsdpDecoder {
     fn logits(

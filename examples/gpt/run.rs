@@ -2,6 +2,7 @@
 //! activation probe, the parameters without weight decay.
 
 use candle_core::{DType, Device, Tensor};
+use candle_fsdp::checkpoint::tools::HF_CONFIG_KEY;
 use candle_fsdp::data::text::TextCorpus;
 use candle_fsdp::launch::Launcher;
 use candle_fsdp::models::gpt::{lm_loss, FsdpGpt, GptConfig};
@@ -11,8 +12,8 @@ use super::common::trainer::run_job;
 use super::lm::{activation_estimate, Bytes, LmParts, LmRank, Outcome};
 use super::Args;
 
-/// Biases and LayerNorm weights: no weight decay.
-const NO_DECAY: [&str; 4] = ["*.bias", "*.ln1.weight", "*.ln2.weight", "lnf.weight"];
+/// Biases and LayerNorm weights (GPT-2's names): no weight decay.
+const NO_DECAY: [&str; 4] = ["*.bias", "*.ln_1.weight", "*.ln_2.weight", "*.ln_f.weight"];
 
 /// Trains the GPT `cfg` on `corpus` as `args` say, on the ranks of `launcher`; rank 0's
 /// [`Outcome`] in the process that runs rank 0.
@@ -34,7 +35,13 @@ pub fn train(
             codec: &Bytes,
             eval_tokens,
             no_decay: &NO_DECAY,
-            extra: Default::default(),
+            // GPT-2's config.json, so that `fsdp-ckpt export --format hf` publishes a
+            // checkpoint of this run for transformers.
+            extra: [(
+                HF_CONFIG_KEY.to_string(),
+                cfg.hf_config("float32").to_string(),
+            )]
+            .into(),
         };
         let builder_pg = pg.clone();
         let activations = budget.map(|b| b.activation_bytes);

@@ -37,7 +37,7 @@
 //!   the output, on any device). `examples/fused_unit.rs` trains such a unit under FSDP.
 //! - **A Candle `CustomOp1`** over `x` whose `cpu_fwd` runs slice kernels (for instance
 //!   [`crate::nn::kernels`]) and whose `bwd` calls [`send`] for each parameter: no copy at all;
-//!   the GPT block (`models/gpt2_block.rs`) and the decoder block (`models/decoder/fused.rs`) are
+//!   the GPT block (`models/decoder/fused/gpt2.rs`) and the decoder block (`models/decoder/fused.rs`) are
 //!   built this way. Ask [`fusion`] how to run: build the node and [`promise`] for
 //!   [`Fusion::Node`], run the kernels alone for [`Fusion::ForwardOnly`], compose for `None`.
 

@@ -38,7 +38,8 @@ mod fused;
 pub mod hf;
 mod layers;
 
-use candle_core::Tensor;
+use candle_core::{Module, Tensor};
+use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -531,13 +532,7 @@ impl FsdpDecoder {
                 Some(_) if t == 0 => 0,
                 Some(p) => p.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize + 1,
             };
-            if last > cfg.max_position_embeddings {
-                return Err(Error::InvalidArgument(format!(
-                    "{arch} context of {last} positions is longer than n_positions {} (the rows \
-                     of its learned position table)",
-                    cfg.max_position_embeddings
-                )));
-            }
+            check_context(cfg, last)?;
         }
         let names = cfg.names();
         let mut h = f.call1(names.embed, ids)?;
@@ -584,6 +579,90 @@ impl FsdpDecoder {
             model.forward_eval_with(|f| self.forward_at(f, ids, position_ids))
         }
     }
+}
+
+/// The decoder as plain Candle code: one process, parameters from any `VarBuilder` under the
+/// units' names (e.g. [`crate::init::seeded_var_builder`], which gives the values the FSDP
+/// runtime initialises with the same seed). The single-process reference of the tests and
+/// benchmarks.
+#[derive(Debug, Clone)]
+pub struct Decoder {
+    cfg: DecoderConfig,
+    embed: Embedding,
+    positions: Option<candle_nn::Embedding>,
+    blocks: Vec<Block>,
+    norm: Norm,
+    head: Head,
+}
+
+impl Decoder {
+    /// Builds the model of `cfg` from `vb` (the parameters of [`FsdpDecoder::spec`]'s units,
+    /// created in the same order).
+    ///
+    /// Errors: an invalid `cfg` ([`DecoderConfig::validate`]); the `VarBuilder`'s own.
+    pub fn new(cfg: impl Into<DecoderConfig>, vb: VarBuilder) -> Result<Self> {
+        let cfg = cfg.into();
+        cfg.validate()?;
+        let names = cfg.names();
+        let embed = token_embedding(&cfg, vb.pp(names.embed))?;
+        let positions = match names.positions {
+            Some(p) => Some(layers::positions(&cfg, vb.pp(p))?),
+            None => None,
+        };
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|i| Block::new(&cfg, i, vb.pp(names.layer(i))))
+            .collect::<candle_core::Result<_>>()?;
+        let norm = final_norm(&cfg, vb.pp(names.norm))?;
+        let head_vb = if cfg.tie_word_embeddings {
+            vb.pp(names.embed)
+        } else {
+            vb.pp(names.head)
+        };
+        let head = lm_head(&cfg, head_vb)?;
+        Ok(Self {
+            cfg,
+            embed,
+            positions,
+            blocks,
+            norm,
+            head,
+        })
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.cfg
+    }
+
+    /// Logits `(B, T, V)` of token ids `(B, T)` u32.
+    ///
+    /// Errors: with learned positions, a context longer than the table; Candle's.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let (_, t) = ids.dims2()?;
+        let mut h = self.embed.forward(ids)?;
+        if let Some(p) = &self.positions {
+            check_context(&self.cfg, t)?;
+            let p = p.forward(&Tensor::arange(0u32, t as u32, ids.device())?)?;
+            h = h.broadcast_add(&p)?;
+        }
+        for b in &self.blocks {
+            h = b.forward(&h)?;
+        }
+        Ok(self.head.forward(&self.norm.forward(&h)?)?)
+    }
+}
+
+/// With learned positions, a context of `last` positions must fit the table.
+fn check_context(cfg: &DecoderConfig, last: usize) -> Result<()> {
+    if last > cfg.max_position_embeddings {
+        return Err(Error::InvalidArgument(format!(
+            "{} context of {last} positions is longer than n_positions {} (the rows of its \
+             learned position table)",
+            cfg.table().architecture,
+            cfg.max_position_embeddings
+        )));
+    }
+    Ok(())
 }
 
 /// Mean next-token cross-entropy of `logits` `(B, T, V)` against `targets` `(B, T)` u32, as an

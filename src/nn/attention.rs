@@ -55,7 +55,7 @@
 //! The gemms are the `gemm` crate's, single-threaded inside a task; the exponentials are
 //! `crate::cpu::exp_fast`, vectorised, and so is `tanh` (`(1 − e)/(1 + e)` with
 //! `e = exp(−2|x|)`). Without a window or a soft-cap (the plain causal case, also what the GPT
-//! block of `models/gpt2_block.rs` runs) the kernel performs exactly the plain causal kernel's operations,
+//! block of `models/decoder/fused/gpt2.rs` runs) the kernel performs exactly the plain causal kernel's operations,
 //! bit for bit: the options cost a branch per row and nothing per element.
 //!
 //! Grouped-query attention runs the same tasks, one per query head; a task reads the key and

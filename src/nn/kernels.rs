@@ -1,5 +1,5 @@
 //! The f32 CPU kernels of a transformer step over plain slices: the building blocks of fused
-//! nodes ([`crate::fsdp::fused`]). The GPT block (`models/gpt2_block.rs`) and the decoder
+//! nodes ([`crate::fsdp::fused`]). The GPT block (`models/decoder/fused/gpt2.rs`) and the decoder
 //! families' block (`models/decoder/fused.rs`) are written with them; a user's own fused unit
 //! can be too.
 //!

@@ -11,7 +11,7 @@
 //! | [`gelu`] | `activation.rs` | `Tensor::gelu` (single-threaded, one `tanh` per element) |
 //! | [`rope`] ([`rope_composed`]) | `rope.rs` | rotary position embeddings as narrows, a negation, a concatenation and two broadcast products (six nodes) |
 //! | [`cross_entropy`] | `loss.rs` | `candle_nn::loss::cross_entropy` (log-softmax, gather, mean: a `(N, V)` log-probability tensor) |
-//! | [`kernels`]: the same kernels over plain f32 slices (matmul views, norms, attention, rotary, SiLU/GELU, bias sums) | `kernels.rs` | the building blocks of fused nodes ([`crate::fsdp::fused`]): the GPT block (`models/gpt2_block.rs`), the decoder families' block (`models/decoder/fused.rs`), users' own |
+//! | [`kernels`]: the same kernels over plain f32 slices (matmul views, norms, attention, rotary, SiLU/GELU, bias sums) | `kernels.rs` | the building blocks of fused nodes ([`crate::fsdp::fused`]): the GPT block (`models/decoder/fused/gpt2.rs`), the decoder families' block (`models/decoder/fused.rs`), users' own |
 //!
 //! Every op is one graph node whose backward is a hand-written CPU kernel (f32, and bf16/f16
 //! where noted, computed in f32), and falls back to the composed Candle ops on other devices and

@@ -112,7 +112,11 @@ fn parameter_count_and_tied_head() {
         let n: usize = vm.all_vars().iter().map(|v| v.elem_count()).sum();
         assert_eq!(n, cfg.num_params(), "tied {tied}");
         let names: Vec<String> = vm.data().lock().unwrap().keys().cloned().collect();
-        assert_eq!(names.iter().any(|n| n == "head.weight"), !tied, "{names:?}");
+        assert_eq!(
+            names.iter().any(|n| n == "lm_head.weight"),
+            !tied,
+            "{names:?}"
+        );
     }
     assert_eq!(GptConfig::benchmark().num_params(), 19_308_544);
 }

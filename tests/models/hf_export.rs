@@ -388,3 +388,112 @@ fn failed_export_removes_what_it_wrote() {
 }
 
 const HF_INDEX_FILE_NAME: &str = candle_fsdp::checkpoint::hf::HF_INDEX_FILE;
+
+/// The GPT example's model (a GPT-2 built from scratch, `models::gpt`) trained one step at
+/// world size 2, saved with its `GPT2Config` (`GptConfig::hf_config`) and exported with
+/// `--format hf`: our loader reads the directory back at world size 1 to the same logits, and
+/// transformers' `GPT2LMHeadModel` computes them too (tied and untied heads).
+#[cfg(feature = "gpt")]
+#[test]
+fn gpt_from_scratch_exports_to_transformers_gpt2() {
+    use candle_core::{Device, Tensor};
+    use candle_fsdp::models::decoder::family::config_from_json;
+    use candle_fsdp::models::decoder::DecoderConfig;
+    use candle_fsdp::models::gpt::{FsdpGpt, GptConfig};
+    let root = tmpdir("hf-export-gpt");
+    let ids = Tensor::new(
+        &[[3u32, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let targets = ids.roll(-1, 1).unwrap();
+    let mut checked = Vec::new();
+    for tied in [true, false] {
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 2,
+            d_model: 16,
+            seq_len: 8,
+            tied,
+            ..GptConfig::default()
+        };
+        let config = cfg.hf_config("float32").to_string();
+        // The decoder reads the config back as the same model.
+        let back = config_from_json(&config, Path::new("hf_config")).unwrap();
+        assert_eq!(back, DecoderConfig::from(cfg), "tied {tied}");
+        let ckpt_root = root.join(format!("ckpt-{tied}"));
+        let (ckpt, logits) = launch(&Launcher::threads(2), |pg| {
+            let gpt = FsdpGpt::new(cfg)?;
+            let mut model = gpt
+                .add_units(candle_fsdp::FsdpModel::builder(pg, FsdpConfig::default()))
+                .build()?;
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let l = gpt.logits(&mut model, &ids, true)?;
+            model.backward(&lm_loss(&l, &targets)?)?;
+            opt.step(&mut model)?;
+            let mut state = TrainState {
+                step: 1,
+                ..Default::default()
+            };
+            state.extra.insert(HF_CONFIG_KEY.into(), config.clone());
+            let dir = save_sharded(&ckpt_root, &model, &opt, &state, 0)?;
+            Ok((dir, to_vec(&gpt.logits(&mut model, &ids, false)?)))
+        })
+        .unwrap()
+        .swap_remove(0);
+        let out = root.join(format!("hf-{tied}"));
+        export_hf(&ckpt, &out, &HfExportOptions::default()).unwrap();
+        let names: Vec<String> = weights_of(&out).into_iter().map(|(n, _, _)| n).collect();
+        assert!(names.contains(&"transformer.h.1.attn.c_attn.weight".to_string()));
+        assert_eq!(
+            names.contains(&"lm_head.weight".to_string()),
+            !tied,
+            "{names:?}"
+        );
+        let reread = launch(&Launcher::threads(1), |pg| {
+            let (gpt, mut model, _) = build_from_hf(pg, FsdpConfig::default(), &out, false)?;
+            Ok(to_vec(&gpt.logits(&mut model, &ids, false)?))
+        })
+        .unwrap()
+        .swap_remove(0);
+        assert_eq!(reread, logits, "tied {tied}: our loader at world size 1");
+        checked.push((out, logits));
+    }
+    let python = match python_with_transformers() {
+        Ok(p) => p,
+        Err(why) => {
+            println!("SKIPPED the transformers check of the GPT export: {why}");
+            eprintln!("SKIPPED the transformers check of the GPT export: {why}");
+            let _ = std::fs::remove_dir_all(&root);
+            return;
+        }
+    };
+    let ids: Vec<Vec<u32>> = ids.to_vec2().unwrap();
+    let script = format!(
+        "import sys, json, torch\n\
+         from transformers import AutoModelForCausalLM\n\
+         for d in sys.argv[1:]:\n\
+         \x20   m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)\n\
+         \x20   assert type(m).__name__ == 'GPT2LMHeadModel', type(m)\n\
+         \x20   with torch.no_grad():\n\
+         \x20       l = m(input_ids=torch.tensor({ids:?})).logits\n\
+         \x20   print(json.dumps(l.flatten().tolist()))\n"
+    );
+    let o = Command::new(&python)
+        .arg("-c")
+        .arg(&script)
+        .args(checked.iter().map(|(d, _)| d))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines: Vec<Vec<f32>> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for ((_, ours), theirs) in checked.iter().zip(&lines) {
+        let d = super::max_abs_diff(theirs, ours);
+        println!("transformers GPT2LMHeadModel on the GPT export: max |logits - ours| {d:.3e}");
+        assert!(d < 1e-5, "{d}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -25,7 +25,7 @@
 //! columns kept for the backward).
 //!
 //! GPT-2's style (LayerNorm with biases, `Conv1D` weights, learned positions) runs the GPT's
-//! block node (`models/gpt2_block.rs`) over its `(in, out)` weights.
+//! block node (`models/decoder/fused/gpt2.rs`) over its `(in, out)` weights.
 //!
 //! LoRA adapters ([`crate::lora`]) run inside the node: each adapted projection adds
 //! `s·(drop(a)·Aᵀ)·Bᵀ` into its columns (`drop`: the adapter's dropout mask, regenerated from

@@ -276,14 +276,14 @@ impl Proj {
         } else {
             (out_dim, in_dim)
         };
-        let weight = vb.get_with_hints(
-            shape,
-            "weight",
-            Init::Randn {
-                mean: 0.0,
-                stdev: INIT_STD,
-            },
-        )?;
+        // GPT-2's residual projections (both `c_proj`) start at N(0, 0.02/√(2L)) (Radford et
+        // al. 2019, §2.3; transformers' `GPT2PreTrainedModel._init_weights` by that name).
+        let stdev = if conv1d && vb.prefix().ends_with("c_proj") {
+            INIT_STD / (2.0 * cfg.num_hidden_layers as f64).sqrt()
+        } else {
+            INIT_STD
+        };
+        let weight = vb.get_with_hints(shape, "weight", Init::Randn { mean: 0.0, stdev })?;
         let bias = if bias {
             Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?)
         } else {
