@@ -32,6 +32,12 @@ never "src/flat_param.rs" 'crate::(ops|fsdp|comm)\b' \
     "flat_param.rs is data: no ops, no runtime"
 never "src/checkpoint" 'crate::data::(DistributedSampler|BatchLoader|loader|mnist|text)\b|DistributedSampler' \
     "checkpoint/ stores the sampler's state (a value, data::SamplerState) without knowing the sampler"
+never "src/checkpoint" 'crate::(models|hf)\b' \
+    "checkpoint/ is the format: the Hugging Face code (hf/) and the models sit above it (issue 34)"
+never "src/models src/models.rs" 'crate::(hf|checkpoint)\b' \
+    "the models hand their names, shapes and configs to hf/ as values; they read and write no files"
+never "src" 'crate::cuda\b' \
+    "the GPU plumbing has one path, crate::device::cuda (the former alias crate::cuda is gone)"
 never "src/fsdp/call.rs" '(super|crate::fsdp)::model\b' \
     "the call nodes reach the runtime through the CallBackward trait, not the model"
 never "src/nn src/ops src/ops.rs src/optim src/optim.rs src/clip.rs src/grad_scaler.rs src/checkpoint src/comm src/launch src/data src/models src/models.rs" \

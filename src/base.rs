@@ -2,7 +2,7 @@
 //! tensors (issue 33, decision 75). A leaf: files and checksums only.
 //!
 //! A LoRA run built from a Hugging Face directory
-//! ([`crate::models::decoder::hf::build_from_hf_with`] with LoRA) knows its base
+//! ([`crate::hf::decoder::build_from_hf_with`] with LoRA) knows its base
 //! ([`crate::FsdpModel::base`]); its sharded checkpoints then store
 //! only the units that train, and `meta.json`'s `train.base` names the directory and checksums
 //! its `config.json` and weight files. Loading such a checkpoint needs a model built from the

@@ -55,6 +55,7 @@ pub mod error;
 pub mod flat_param;
 pub mod fsdp;
 pub mod grad_scaler;
+pub mod hf;
 pub mod init;
 pub mod kernels;
 pub mod launch;
@@ -75,9 +76,6 @@ pub mod timeline;
 pub mod trace;
 pub mod unit;
 
-/// The GPU path's CUDA plumbing ([`device::cuda`], feature `cuda`), at its former path.
-#[cfg(feature = "cuda")]
-pub use device::cuda;
 pub use error::{Error, Result};
 pub use fsdp::{
     BackwardPrefetch, Forward, FsdpConfig, FsdpModel, FsdpModelBuilder, FullModel, MemoryBudget,

@@ -398,7 +398,7 @@ mod gpu {
     /// A timing event recorded on `stream`: created with `CU_EVENT_DEFAULT`, since cudarc's
     /// default (`record_event(None)`) disables timing and `elapsed_ms` would fail on it.
     pub(super) fn timing_event(stream: &CudaStream) -> Option<CudaEvent> {
-        crate::cuda::record(stream, true).ok()
+        crate::device::cuda::record(stream, true).ok()
     }
 }
 
@@ -431,7 +431,7 @@ impl Tracer {
             |e: cudarc::driver::DriverError| crate::Error::Cuda(format!("trace clock: {e:?}"));
         stream.synchronize().map_err(cuda)?;
         let origin = stream
-            .record_event(Some(crate::cuda::event_flags(true)))
+            .record_event(Some(crate::device::cuda::event_flags(true)))
             .map_err(cuda)?;
         origin.synchronize().map_err(cuda)?;
         // A clock whose events cannot be timed would leave every GPU span on its issue time

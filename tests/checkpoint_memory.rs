@@ -119,7 +119,7 @@ mod hf_dir;
 /// bytes its thread held while building (counting allocator, per thread) and its shards' bytes.
 #[cfg(feature = "llama")]
 fn hf_load_peaks(dir: &std::path::Path, ws: usize) -> Vec<(isize, usize)> {
-    use candle_fsdp::models::llama::hf::build_from_hf;
+    use candle_fsdp::hf::llama::build_from_hf;
     let _serial = serial();
     run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
         pg.barrier_wait()?;

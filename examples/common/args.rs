@@ -238,7 +238,7 @@ pub fn setup(args: &TrainArgs) -> anyhow::Result<Setup> {
     // A GPU that is not there fails now, naming the flag, not after the data is loaded.
     #[cfg(feature = "cuda")]
     if let Some(gpu) = launcher.gpu() {
-        candle_fsdp::cuda::check_ordinal(gpu)
+        candle_fsdp::device::cuda::check_ordinal(gpu)
             .map_err(|e| anyhow::anyhow!("--device {}: {e}", args.device))?;
     }
     if launcher.local_ranks().contains(&0) {

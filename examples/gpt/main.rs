@@ -6,7 +6,7 @@
 //! attention with `--n-head` heads, MLP 4× with GELU) → final LayerNorm → LM head, tied to the
 //! token embedding unless `--untied` (`candle_fsdp::models::gpt`). Units: the embeddings, each
 //! block, the norm and the head. AdamW (lr 3e-4, betas 0.9 / 0.95, weight decay 0.1 on the
-//! weight matrices only) with a linear warm-up and a cosine decay to `--min-lr-factor` · lr at
+//! weight matrices and embeddings) with a linear warm-up and a cosine decay to `--min-lr-factor` · lr at
 //! `--max-steps`. Each rank trains on its own random windows of the first 95 % of
 //! `data/shakespeare/shakespeare.txt.gz` (`--seq-len` bytes, `--batch-size` per rank), drawn
 //! from `(seed, rank, step)`, so a resumed run sees the batches an uninterrupted one would.
@@ -191,5 +191,14 @@ fn main() -> anyhow::Result<()> {
         println!("{sample}");
     }
     common::print_checkpoint(train)?;
+    if outcome.steps_trained > 0 {
+        if let Some(dir) = candle_fsdp::checkpoint::list_complete(&train.checkpoint_dir)?.pop() {
+            println!(
+                "a Hugging Face GPT-2 directory from it: cargo run --release --bin fsdp-ckpt -- \
+                 export {} --format hf --out DIR [--dtype bf16]",
+                dir.display()
+            );
+        }
+    }
     Ok(())
 }

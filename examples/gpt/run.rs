@@ -2,8 +2,8 @@
 //! activation probe, the parameters without weight decay.
 
 use candle_core::{DType, Device, Tensor};
-use candle_fsdp::checkpoint::tools::HF_CONFIG_KEY;
 use candle_fsdp::data::text::TextCorpus;
+use candle_fsdp::hf::HF_CONFIG_KEY;
 use candle_fsdp::launch::Launcher;
 use candle_fsdp::models::gpt::{lm_loss, FsdpGpt, GptConfig};
 use candle_fsdp::{FsdpModel, MemoryBudget};

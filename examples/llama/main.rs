@@ -37,15 +37,14 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_fsdp::checkpoint::peft::load_peft_adapter;
-use candle_fsdp::checkpoint::tools::HF_CONFIG_KEY;
 use candle_fsdp::data::text::TextCorpus;
+use candle_fsdp::hf::decoder::{build_from_resolved_with, resolve, HfDir, HfOptions, CONFIG_FILE};
+use candle_fsdp::hf::llama::config_to_json;
+use candle_fsdp::hf::peft::load_peft_adapter;
+use candle_fsdp::hf::HF_CONFIG_KEY;
 use candle_fsdp::lora::LoraConfig;
-use candle_fsdp::models::decoder::hf::{
-    build_from_resolved_with, resolve, HfDir, HfOptions, CONFIG_FILE,
-};
 use candle_fsdp::models::decoder::{self, lm_loss, DecoderConfig, FsdpDecoder};
-use candle_fsdp::models::llama::{hf::config_to_json, LlamaConfig};
+use candle_fsdp::models::llama::LlamaConfig;
 use candle_fsdp::quant::BaseDType;
 use candle_fsdp::{FsdpModel, MemoryBudget};
 use clap::Parser;
@@ -161,7 +160,7 @@ impl Args {
                  checkpoint's adapters: give one or the other",
                 dir.display()
             );
-            candle_fsdp::checkpoint::peft::check_peft_config(dir, &cfg)
+            candle_fsdp::hf::peft::check_peft_config(dir, &cfg)
                 .context("--lora-from: the adapter's config differs from this run's LoRA flags")?;
         }
         Ok(Some(cfg))
@@ -636,7 +635,7 @@ fn check_resumed_model(
     lora: Option<&LoraConfig>,
 ) -> anyhow::Result<()> {
     use candle_fsdp::checkpoint::{list_complete, read_meta, META_FILE};
-    use candle_fsdp::models::decoder::{family::config_from_json, hf::parameter_shapes};
+    use candle_fsdp::models::decoder::family::config_from_json;
     let dir = match (&train.resume_from, train.resume) {
         (Some(d), _) => d.clone(),
         (None, true) => match list_complete(&train.checkpoint_dir)?.pop() {
@@ -697,7 +696,7 @@ fn check_resumed_model(
     };
     let at = dir.join(META_FILE);
     let theirs = config_from_json(text, &at)?;
-    let (a, b) = (parameter_shapes(&theirs)?, parameter_shapes(cfg)?);
+    let (a, b) = (theirs.parameter_shapes()?, cfg.parameter_shapes()?);
     anyhow::ensure!(
         a == b,
         "{} is a checkpoint of another model: a {} of {} parameters (its stored config.json), \

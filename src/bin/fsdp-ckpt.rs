@@ -96,7 +96,7 @@ enum Command {
         #[arg(long, value_name = "SIZE", value_parser = parse_size)]
         max_shard_size: Option<u64>,
         /// With `--format hf`: the `config.json` to write (default: the one the checkpoint
-        /// stores, saved by a run started from `--from-hf` or by the llama example).
+        /// stores, saved by a run started from `--from-hf` or by the llama or gpt example).
         #[arg(long)]
         hf_config: Option<PathBuf>,
         /// With `--format peft`: `base_model_name_or_path` of `adapter_config.json` (the base
@@ -202,7 +202,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                     )));
                 }
             }
-            let s = tools::export_peft(&dir, &out, base_model.as_deref())?;
+            let s = candle_fsdp::hf::export_peft(&dir, &out, base_model.as_deref())?;
             println!(
                 "exported the LoRA adapters of {} to {} (PEFT layout): {} tensors, {} bytes",
                 s.checkpoint.display(),
@@ -227,15 +227,15 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                     "--base-model applies to --format peft only".into(),
                 ));
             }
-            let opts = tools::HfExportOptions {
+            let opts = candle_fsdp::hf::HfExportOptions {
                 dtype: dtype.map(DType::from),
                 max_shard_bytes: max_shard_size
-                    .unwrap_or(tools::HfExportOptions::default().max_shard_bytes),
+                    .unwrap_or(candle_fsdp::hf::HfExportOptions::default().max_shard_bytes),
                 config: hf_config,
                 merge,
                 base,
             };
-            let s = tools::export_hf(&dir, &out, &opts)?;
+            let s = candle_fsdp::hf::export_hf(&dir, &out, &opts)?;
             println!(
                 "exported {} to {} (Hugging Face layout): {} tensors, {} bytes in {} file(s)",
                 s.checkpoint.display(),

@@ -60,9 +60,7 @@
 //! metadata version from the future.
 
 mod full;
-pub mod hf;
-mod io;
-pub mod peft;
+pub(crate) mod io;
 mod sharded;
 pub(crate) use sharded::root_message;
 pub mod tools;

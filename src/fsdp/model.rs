@@ -86,7 +86,7 @@ impl FsdpModel {
     }
 
     /// Records the frozen base the model's frozen parameters were read from (what
-    /// [`crate::models::decoder::hf::build_from_hf_with`] does for a LoRA run). From then on
+    /// [`crate::hf::decoder::build_from_hf_with`] does for a LoRA run). From then on
     /// sharded checkpoints are adapter-only: units that are frozen and were never stepped are
     /// not stored, the base's identity is (decision 75), and loading one checks the model's
     /// base against it. `None` stores every unit again.

@@ -37,9 +37,6 @@
 pub mod nvrtc;
 #[doc(hidden)]
 pub mod plan;
-/// The former name of [`plan`].
-#[doc(hidden)]
-pub use plan as args;
 
 use candle_core::DType;
 use half::{bf16, f16};

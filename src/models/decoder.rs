@@ -35,7 +35,6 @@
 
 pub mod family;
 mod fused;
-pub mod hf;
 mod layers;
 
 use candle_core::{Module, Tensor};
@@ -337,11 +336,27 @@ impl DecoderConfig {
         }
     }
 
+    /// The parameters a decoder of this shape has, under Hugging Face's names, each with its
+    /// shape, in model order (a tied model's head is the embedding's weight, listed once):
+    /// what the model hands to the Hugging Face reader and export ([`crate::hf`]). Nothing is
+    /// allocated (the units' constructors are recorded).
+    ///
+    /// Errors: an invalid shape ([`DecoderConfig::validate`]).
+    pub fn parameter_shapes(&self) -> Result<Vec<(String, Vec<usize>)>> {
+        Ok(FsdpDecoder::new(self.clone())?
+            .spec()
+            .record(&candle_core::Device::Cpu)?
+            .into_iter()
+            .map(|p| (p.name, p.shape.dims().to_vec()))
+            .collect())
+    }
+
     /// Number of parameters (a tied head counts once), from the units' recorded shapes.
     ///
     /// Errors: an invalid shape ([`DecoderConfig::validate`]).
     pub fn num_params(&self) -> Result<usize> {
-        Ok(hf::parameter_shapes(self)?
+        Ok(self
+            .parameter_shapes()?
             .iter()
             .map(|(_, s)| s.iter().product::<usize>())
             .sum())
@@ -349,7 +364,7 @@ impl DecoderConfig {
 }
 
 /// The decoder as FSDP units: [`FsdpDecoder::add_units`] / [`FsdpDecoder::spec`] give them to
-/// a model builder, [`hf::build_from_hf`] builds them from a Hugging Face directory,
+/// a model builder, [`crate::hf::decoder::build_from_hf`] builds them from a Hugging Face directory,
 /// [`FsdpDecoder::logits`] runs them.
 #[derive(Debug, Clone)]
 pub struct FsdpDecoder {
@@ -383,7 +398,9 @@ impl FsdpDecoder {
     /// projection of the model (naming the projections).
     pub fn with_lora(mut self, lora: crate::lora::LoraConfig) -> Result<Self> {
         lora.validate()?;
-        let modules: Vec<String> = hf::parameter_shapes(&self.cfg)?
+        let modules: Vec<String> = self
+            .cfg
+            .parameter_shapes()?
             .into_iter()
             .filter(|(n, s)| {
                 s.len() == 2

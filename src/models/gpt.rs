@@ -1,5 +1,6 @@
 //! The GPT example's model: a GPT-2 (Radford et al. 2019) built from scratch, which is the
-//! GPT-2 family of the one decoder ([`crate::models::decoder`], cargo feature `gpt`).
+//! GPT-2 family of the one decoder ([`crate::models::decoder`]; cargo feature `gpt`, which
+//! turns on the decoder's `llama`).
 //!
 //! ```text
 //! ids (B, T) u32 ─▶ transformer.wte: token embedding (V, d) ──┐
@@ -160,7 +161,8 @@ impl GptConfig {
     /// The `config.json` of this GPT as Hugging Face's `GPT2LMHeadModel` with weights of
     /// `dtype` (`"float32"`, `"bfloat16"`, `"float16"`): the `GPT2Config` keys the decoder
     /// reads ([`crate::models::decoder::family::config_from_json`] gives this config back),
-    /// GELU (tanh) as `gelu_new`, and the dropouts 0 (the model trained without them). Stored
+    /// GELU (tanh) as `gelu_new`, the dropouts 0 (the model trained without them) and no `bos_token_id` / `eos_token_id`
+    /// (bytes have none; GPT2Config's default 50256 lies outside the vocabulary). Stored
     /// in the GPT example's checkpoints, so that `fsdp-ckpt export --format hf` publishes them.
     pub fn hf_config(&self, dtype: &str) -> serde_json::Value {
         serde_json::json!({
@@ -179,6 +181,10 @@ impl GptConfig {
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
+            // No special tokens in a byte vocabulary (GPT2Config's default 50256 lies outside
+            // it: transformers would warn and `generate` would stop on it).
+            "bos_token_id": null,
+            "eos_token_id": null,
             "torch_dtype": dtype,
             "dtype": dtype,
         })

@@ -27,7 +27,7 @@
 //!
 //! **Parameter names are Hugging Face's** (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, …, `model.norm.weight`, `lm_head.weight`), so
-//! a model directory loads by name ([`hf::build_from_hf`]) and a checkpoint exports to one with
+//! a model directory loads by name ([`crate::hf::llama::build_from_hf`]) and a checkpoint exports to one with
 //! no renaming (decision 50). **Units**: `model.embed_tokens`, each `model.layers.{i}`,
 //! `model.norm` and `lm_head`; with tied embeddings (`tie_word_embeddings`) the head is a second
 //! member of group `model.embed_tokens` and multiplies by `model.embed_tokens.weight` (one
@@ -38,10 +38,8 @@
 //!
 //! The model is the Llama family of the one decoder ([`crate::models::decoder`]): this module
 //! keeps the Llama's own config type ([`LlamaConfig`], what a from-scratch run chooses), its
-//! `config.json` writer ([`hf::config_to_json`]) and the names it has always had
+//! `config.json` writer ([`crate::hf::llama::config_to_json`]) and the names it has always had
 //! ([`FsdpLlama`] is [`FsdpDecoder`]).
-
-pub mod hf;
 
 use candle_core::{Device, Tensor};
 use candle_nn::VarBuilder;
@@ -52,7 +50,7 @@ pub use crate::models::decoder::Llama3RopeScaling;
 use crate::models::decoder::{self, Activation, DecoderConfig, Family, FsdpDecoder, LayerType};
 
 /// The shape of a Llama: Hugging Face `LlamaConfig`'s fields under their names (see
-/// [`hf::config_from_json`] for the keys read from a `config.json` and those refused).
+/// [`crate::hf::llama::config_from_json`] for the keys read from a `config.json` and those refused).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LlamaConfig {

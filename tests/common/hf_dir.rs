@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use candle_core::Device;
-use candle_fsdp::models::llama::hf::{config_to_json, CONFIG_FILE};
+use candle_fsdp::hf::llama::{config_to_json, CONFIG_FILE};
 use candle_fsdp::models::llama::{FsdpLlama, LlamaConfig};
 use safetensors::Dtype;
 

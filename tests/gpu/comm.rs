@@ -390,7 +390,7 @@ mod nccl {
     use candle_fsdp::Error;
 
     fn device() -> Device {
-        candle_fsdp::cuda::open_device(crate::gpu()).unwrap()
+        candle_fsdp::device::cuda::open_device(crate::gpu()).unwrap()
     }
 
     fn config(timeout: Duration) -> NcclConfig {

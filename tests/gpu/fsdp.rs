@@ -64,7 +64,7 @@ fn pool_used(pg: &Arc<dyn ProcessGroup>) -> u64 {
     };
     d.cuda_stream().synchronize().unwrap();
     pg.barrier_wait().expect("barrier");
-    let used = candle_fsdp::cuda::pool_used_bytes(d).expect("pool counters");
+    let used = candle_fsdp::device::cuda::pool_used_bytes(d).expect("pool counters");
     pg.barrier_wait().expect("barrier");
     used
 }

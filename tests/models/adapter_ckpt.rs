@@ -5,12 +5,13 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_fsdp::checkpoint::peft::load_peft_adapter;
-use candle_fsdp::checkpoint::tools::{export_hf, verify, HfExportOptions, HF_CONFIG_KEY};
+use candle_fsdp::checkpoint::tools::verify;
 use candle_fsdp::checkpoint::{load_sharded, save_sharded, TrainState};
+use candle_fsdp::hf::decoder::{build_from_hf_with, resolve, HfOptions};
+use candle_fsdp::hf::peft::load_peft_adapter;
+use candle_fsdp::hf::{export_hf, HfExportOptions, HF_CONFIG_KEY};
 use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::lora::{LoraConfig, LORA_CONFIG_KEY};
-use candle_fsdp::models::decoder::hf::{build_from_hf_with, resolve, HfOptions};
 use candle_fsdp::models::decoder::lm_loss;
 use candle_fsdp::quant::BaseDType;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, ShardedOptimizer};
@@ -186,7 +187,7 @@ fn a_lora_checkpoint_holds_only_the_adapters_and_resumes_bit_exact_at_another_wo
             "{shown}"
         );
         let peft = root.join("peft");
-        candle_fsdp::checkpoint::tools::export_peft(&ckpt, &peft, None).unwrap();
+        candle_fsdp::hf::export_peft(&ckpt, &peft, None).unwrap();
         let cfg: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(peft.join("adapter_config.json")).unwrap(),
         )

@@ -11,9 +11,9 @@
 use std::path::Path;
 use std::process::Command;
 
-use candle_fsdp::checkpoint::tools::{export_hf, HfExportOptions};
+use candle_fsdp::hf::decoder::{build_from_hf, read_config, resolve};
+use candle_fsdp::hf::{export_hf, HfExportOptions};
 use candle_fsdp::launch::{launch, Launcher};
-use candle_fsdp::models::decoder::hf::{build_from_hf, read_config, resolve};
 use candle_fsdp::models::decoder::{lm_loss, Family, LayerType};
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, ShardedOptimizer};
 
@@ -342,8 +342,8 @@ fn keys_a_family_cannot_honour_are_refused_by_name() {
 
 #[test]
 fn a_missing_or_misshapen_family_tensor_is_named_with_its_file() {
-    use candle_fsdp::checkpoint::hf::HfWeights;
     use candle_fsdp::checkpoint::ReadStats;
+    use candle_fsdp::hf::weights::HfWeights;
     // Rewrites fixture `name`'s weights without tensor `drop` and with `reshape` given another
     // shape (its first dimension halved).
     fn rewritten(name: &str, tag: &str, drop: &str, reshape: &str) -> std::path::PathBuf {
@@ -412,8 +412,8 @@ fn a_missing_or_misshapen_family_tensor_is_named_with_its_file() {
 fn gpt2_weights_published_without_the_transformer_prefix_load() {
     // openai-community/gpt2's model.safetensors names its tensors `wte.weight`, `h.0.…`, and
     // keeps the causal-mask buffers `h.{i}.attn.bias`.
-    use candle_fsdp::checkpoint::hf::HfWeights;
     use candle_fsdp::checkpoint::ReadStats;
+    use candle_fsdp::hf::weights::HfWeights;
     let name = "family-gpt2";
     let dir = edited_config(name, "bare", |t| format!("{t}\n"));
     let w = HfWeights::open(&fixture(name), &mut ReadStats::default()).unwrap();

@@ -6,10 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use candle_fsdp::checkpoint::tools::{export_hf, HfExportOptions, HF_CONFIG_KEY};
 use candle_fsdp::checkpoint::{save_sharded, TrainState};
+use candle_fsdp::hf::llama::{build_from_hf, resolve};
+use candle_fsdp::hf::{export_hf, HfExportOptions, HF_CONFIG_KEY};
 use candle_fsdp::launch::{launch, Launcher};
-use candle_fsdp::models::llama::hf::{build_from_hf, resolve};
 use candle_fsdp::models::llama::lm_loss;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, ShardedOptimizer};
 
@@ -387,7 +387,7 @@ fn failed_export_removes_what_it_wrote() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-const HF_INDEX_FILE_NAME: &str = candle_fsdp::checkpoint::hf::HF_INDEX_FILE;
+const HF_INDEX_FILE_NAME: &str = candle_fsdp::hf::weights::HF_INDEX_FILE;
 
 /// The GPT example's model (a GPT-2 built from scratch, `models::gpt`) trained one step at
 /// world size 2, saved with its `GPT2Config` (`GptConfig::hf_config`) and exported with
@@ -475,6 +475,7 @@ fn gpt_from_scratch_exports_to_transformers_gpt2() {
          for d in sys.argv[1:]:\n\
          \x20   m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)\n\
          \x20   assert type(m).__name__ == 'GPT2LMHeadModel', type(m)\n\
+         \x20   assert m.config.bos_token_id is None and m.config.eos_token_id is None\n\
          \x20   with torch.no_grad():\n\
          \x20       l = m(input_ids=torch.tensor({ids:?})).logits\n\
          \x20   print(json.dumps(l.flatten().tolist()))\n"

@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use candle_fsdp::hf::llama::{build_from_hf, read_config};
 use candle_fsdp::launch::{launch, Launcher};
-use candle_fsdp::models::llama::hf::{build_from_hf, read_config};
 use candle_fsdp::FsdpConfig;
 
 use super::common::tmpdir;

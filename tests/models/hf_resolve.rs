@@ -4,9 +4,9 @@
 //! `scripts/make-hf-resolve-fixture.py`) records transformers' own choice and its logits; our
 //! choice must be the same, said in `decisions`, and our logits must equal transformers'.
 
-use candle_fsdp::checkpoint::tools::{export_hf, HfExportOptions};
+use candle_fsdp::hf::llama::{build_from_hf, resolve};
+use candle_fsdp::hf::{export_hf, HfExportOptions};
 use candle_fsdp::launch::{launch, Launcher};
-use candle_fsdp::models::llama::hf::{build_from_hf, resolve};
 use candle_fsdp::FsdpConfig;
 
 use super::common::{tmpdir, to_vec};

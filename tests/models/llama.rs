@@ -2,8 +2,8 @@
 //! sizes 1, 2 and 3 (multi-head, grouped-query with bf16 weights, tied with biases), and one
 //! AdamW step equals `torch.optim.AdamW`'s.
 
+use candle_fsdp::hf::llama::build_from_hf;
 use candle_fsdp::launch::{launch, Launcher};
-use candle_fsdp::models::llama::hf::build_from_hf;
 use candle_fsdp::models::llama::lm_loss;
 use candle_fsdp::FsdpConfig;
 
@@ -67,7 +67,8 @@ fn tied_embeddings_with_biases_equal_transformers() {
 /// unscaled ones at the fixture's positions).
 #[test]
 fn llama3_rope_scaling_equals_transformers() {
-    use candle_fsdp::models::llama::{hf::read_config, rope_tables};
+    use candle_fsdp::hf::llama::read_config;
+    use candle_fsdp::models::llama::rope_tables;
     let cfg = read_config(&fixture("llama3-rope")).unwrap();
     let scaling = cfg
         .rope_scaling

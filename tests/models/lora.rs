@@ -3,10 +3,10 @@
 //! adapted logits and loss at world sizes 1, 2 and 3, one AdamW step on the adapters (the base
 //! frozen and unchanged), the adapter saved in PEFT's layout and read back, and the errors.
 
-use candle_fsdp::checkpoint::peft::{load_peft_adapter, save_peft_adapter, PEFT_WEIGHTS};
+use candle_fsdp::hf::decoder::{build_from_hf_with, HfOptions};
+use candle_fsdp::hf::peft::{load_peft_adapter, save_peft_adapter, PEFT_WEIGHTS};
 use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::lora::{peft_name, LoraConfig};
-use candle_fsdp::models::decoder::hf::{build_from_hf_with, HfOptions};
 use candle_fsdp::models::decoder::lm_loss;
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, ShardedOptimizer};
 
@@ -238,8 +238,8 @@ fn lora_errors_name_the_problem() {
 
 #[test]
 fn a_lora_checkpoint_exports_its_adapters_in_peft_layout() {
-    use candle_fsdp::checkpoint::tools::export_peft;
     use candle_fsdp::checkpoint::{save_sharded, TrainState};
+    use candle_fsdp::hf::export_peft;
     use candle_fsdp::lora::LORA_CONFIG_KEY;
     let root = tmpdir("lora-export");
     let (ids, targets) = inputs(BASE);
@@ -298,10 +298,10 @@ fn a_lora_checkpoint_exports_its_adapters_in_peft_layout() {
 
 #[test]
 fn merged_export_equals_peft_merge_and_unload() {
-    use candle_fsdp::checkpoint::tools::{export_hf, HfExportOptions, HF_CONFIG_KEY};
     use candle_fsdp::checkpoint::{save_sharded, TrainState};
+    use candle_fsdp::hf::decoder::resolve;
+    use candle_fsdp::hf::{export_hf, HfExportOptions, HF_CONFIG_KEY};
     use candle_fsdp::lora::LORA_CONFIG_KEY;
-    use candle_fsdp::models::decoder::hf::resolve;
     let root = tmpdir("lora-merge");
     let config = resolve(&fixture(BASE)).unwrap().config_json;
     let lora = lora_config();
@@ -362,7 +362,7 @@ fn merged_export_equals_peft_merge_and_unload() {
 
 #[test]
 fn an_adapter_whose_config_differs_from_the_runs_is_refused_naming_the_field() {
-    use candle_fsdp::checkpoint::peft::check_peft_config;
+    use candle_fsdp::hf::peft::check_peft_config;
     check_peft_config(&fixture(ADAPTER), &lora_config()).unwrap();
     let mut alpha = lora_config();
     alpha.alpha = 16.0;

@@ -27,8 +27,8 @@ mod sft;
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
-use candle_fsdp::checkpoint::hf::HfWeights;
 use candle_fsdp::checkpoint::ReadStats;
+use candle_fsdp::hf::weights::HfWeights;
 
 /// The fixture directory `name` (e.g. `llama-mha`).
 pub fn fixture(name: &str) -> PathBuf {

@@ -8,8 +8,8 @@
 
 use candle_core::{Device, Tensor};
 use candle_fsdp::data::sft::{batch, pack, token_scale, SftExample};
+use candle_fsdp::hf::decoder::{build_from_hf, build_from_hf_with, HfOptions};
 use candle_fsdp::launch::{launch, Launcher};
-use candle_fsdp::models::decoder::hf::{build_from_hf, build_from_hf_with, HfOptions};
 use candle_fsdp::nn::lm_loss_sum;
 use candle_fsdp::{FsdpConfig, Sgd, SgdConfig, ShardedOptimizer};
 

@@ -5,11 +5,11 @@
 //! run resumed bit-exact at another world size.
 
 use candle_core::{DType, Device, Tensor};
-use candle_fsdp::checkpoint::peft::load_peft_adapter;
 use candle_fsdp::checkpoint::{load_sharded, save_sharded, TrainState};
+use candle_fsdp::hf::decoder::{build_from_hf_with, HfOptions};
+use candle_fsdp::hf::peft::load_peft_adapter;
 use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::lora::LoraConfig;
-use candle_fsdp::models::decoder::hf::{build_from_hf_with, HfOptions};
 use candle_fsdp::models::decoder::lm_loss;
 use candle_fsdp::quant::{pack, unpack, BaseDType, QUANT_BLOCK};
 use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, ShardedOptimizer};

@@ -5,8 +5,8 @@
 
 use candle_core::Device;
 use candle_fsdp::data::sft::{batch, read_jsonl, token_scale, ChatTemplate, Message, SftExample};
+use candle_fsdp::hf::decoder::{build_from_hf_with, HfOptions};
 use candle_fsdp::launch::{launch, Launcher};
-use candle_fsdp::models::decoder::hf::{build_from_hf_with, HfOptions};
 use candle_fsdp::nn::lm_loss_sum;
 use candle_fsdp::{FsdpConfig, Sgd, SgdConfig, ShardedOptimizer};
 

@@ -147,7 +147,7 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
 /// Streams parameter `p` of unit tensor `name` (elements `[offset, offset + numel)` of the
 /// unit's flat buffer, split into shards of `shard_numel` elements, shard `s` in `files[s]`)
 /// to `sink` as `to` values.
-pub(super) fn stream_param(
+pub(crate) fn stream_param(
     files: &[SourceFile],
     name: &str,
     shard_numel: usize,
@@ -168,7 +168,7 @@ pub(super) fn stream_param(
 
 /// [`stream_param`] into f32 values: parameter `p` of unit tensor `name` (one parameter's
 /// memory; a piece of it when `p` describes a range).
-pub(super) fn read_param_f32(
+pub(crate) fn read_param_f32(
     files: &[SourceFile],
     name: &str,
     shard_numel: usize,
@@ -188,7 +188,7 @@ pub(super) fn read_param_f32(
 ///
 /// Errors, naming file and tensor: a file missing, of another size than recorded, for another
 /// rank; a unit's shard tensor missing or of another dtype or size.
-pub(super) fn open_shard_files(
+pub(crate) fn open_shard_files(
     dir: &std::path::Path,
     meta: &crate::checkpoint::CheckpointMeta,
 ) -> Result<Vec<SourceFile>> {

@@ -1,7 +1,7 @@
 //! Offline checkpoint tools, the library side of the `fsdp-ckpt` binary: [`inspect()`],
-//! [`export_full`] (a sharded checkpoint to one safetensors file), [`export_hf`] (to a Hugging
-//! Face model directory), [`import_full`] (the
-//! reverse), [`reshard`] (to another world size), [`verify()`] and [`diff_checkpoints`].
+//! [`export_full`] (a sharded checkpoint to one safetensors file; the Hugging Face and PEFT
+//! layouts are [`crate::hf::export_hf`] and [`crate::hf::export_peft`], on these readers),
+//! [`import_full`] (the reverse), [`reshard`] (to another world size), [`verify()`] and [`diff_checkpoints`].
 //!
 //! They need no process group and no model: everything comes from `meta.json`
 //! ([`super::CheckpointMeta`]) and the files. A parameter's elements lie at
@@ -28,9 +28,7 @@
 //! corrupt shard file.
 
 mod diff;
-mod export;
-mod export_hf;
-mod export_peft;
+pub(crate) mod export;
 mod inspect;
 mod reshard;
 mod verify;
@@ -54,8 +52,6 @@ use crate::error::{Error, Result};
 
 pub use diff::{diff_checkpoints, CheckpointDiff, TensorDifference};
 pub use export::{export_full, ExportSummary};
-pub use export_hf::{export_hf, HfExportOptions, HfExportSummary, HF_CONFIG_KEY};
-pub use export_peft::{export_peft, PeftExportSummary};
 pub use inspect::{inspect, Inspection, TensorRow};
 pub use reshard::{import_full, reshard, ImportOptions};
 pub use verify::{verify, Problem, VerifyReport};
@@ -381,7 +377,7 @@ fn zeros(nbytes: usize, sink: &mut Sink<'_>) -> Result<()> {
 }
 
 /// The safetensors dtype of a dtype name recorded in the metadata (`F32`, `BF16`, …).
-fn parse_dtype(name: &str, path: &Path, what: &str) -> Result<Dtype> {
+pub(crate) fn parse_dtype(name: &str, path: &Path, what: &str) -> Result<Dtype> {
     serde_json::from_value(serde_json::Value::String(name.to_string()))
         .map_err(|_| Error::file(path, format!("{what}: unknown dtype {name}")))
 }

@@ -13,7 +13,7 @@
 //! reduce-scatter on one communicator could not overlap. The default stream's communicator is
 //! made at creation (`ncclCommInitRank`, its unique id carried by the bootstrap); every
 //! [`ProcessGroup::new_stream`] makes a CUDA stream on Candle's context
-//! ([`crate::cuda::new_stream`]) and a communicator `ncclCommSplit` from the default one (a
+//! ([`crate::device::cuda::new_stream`]) and a communicator `ncclCommSplit` from the default one (a
 //! collective of the group, no bootstrap needed). [`ProcessGroup::new_group`] splits the same
 //! way (non-members pass `NCCL_SPLIT_NOCOLOR`). Operations of different streams may run at
 //! the same time on the GPU; as NCCL requires of concurrent communicators (and FSDP does),
@@ -307,9 +307,9 @@ impl NcclGroup {
                 "NCCL group: rank {rank} is out of range for world size {world_size}"
             )));
         }
-        let cuda = crate::cuda::cuda_device(device, "NCCL process group")?.clone();
+        let cuda = crate::device::cuda::cuda_device(device, "NCCL process group")?.clone();
         let family = Family::new(rank, config.timeout);
-        let ctx = crate::cuda::context(&cuda);
+        let ctx = crate::device::cuda::context(&cuda);
         let comm = Arc::new(RawComm::init(&ctx, id, rank, world_size)?);
         NcclGroup::create(device, cuda, rank, world_size, family, comm)
     }
@@ -413,7 +413,7 @@ impl NcclGroup {
                 found: format!("{:?}", output.dtype()),
             });
         }
-        let ready = crate::cuda::record(&self.compute, false)?;
+        let ready = crate::device::cuda::record(&self.compute, false)?;
         let observer = self.observer.lock().clone();
         let observed = observer
             .as_ref()
@@ -497,7 +497,7 @@ impl NcclGroup {
             return CudaDone::failed(as_rank(e, self.rank));
         }
         let timing_start = if timing {
-            crate::cuda::record(stream, true).ok()
+            crate::device::cuda::record(stream, true).ok()
         } else {
             None
         };
@@ -575,12 +575,12 @@ impl NcclGroup {
             return CudaDone::failed(e);
         }
         let timing = match timing_start {
-            Some(start) => crate::cuda::record(stream, true)
+            Some(start) => crate::device::cuda::record(stream, true)
                 .ok()
                 .map(|end| (start, end)),
             None => None,
         };
-        match crate::cuda::record(stream, false) {
+        match crate::device::cuda::record(stream, false) {
             Ok(ev) => CudaDone {
                 final_event: Some(Arc::new(ev)),
                 timing,
@@ -620,7 +620,7 @@ fn new_nccl_stream(
     name: &str,
     comm: Arc<RawComm>,
 ) -> Result<CommStream> {
-    let stream = crate::cuda::new_stream(cuda)?;
+    let stream = crate::device::cuda::new_stream(cuda)?;
     let scratch = stream.alloc_zeros::<f32>(1).map_err(|e| {
         Error::Cuda(format!(
             "allocating the barrier buffer of stream {name}: {e:?}"
@@ -661,7 +661,7 @@ impl ProcessGroup for NcclGroup {
         if let Some(f) = self.family.failure() {
             return Err(f.error_for(0, &op, self.rank));
         }
-        let ctx = crate::cuda::context(&self.cuda);
+        let ctx = crate::device::cuda::context(&self.cuda);
         let comm = self
             .default_comm
             .split(&ctx, Some(self.rank), &op)?
@@ -732,7 +732,7 @@ impl ProcessGroup for NcclGroup {
         // Every rank passes the same list (the contract), so every rank fails here alike.
         check_ranks(&op, ranks, self.world_size)?;
         let position = ranks.iter().position(|&r| r == self.rank);
-        let ctx = crate::cuda::context(&self.cuda);
+        let ctx = crate::device::cuda::context(&self.cuda);
         let sub = self.default_comm.split(&ctx, position, &op)?;
         match (sub, position) {
             (Some(comm), Some(local)) => {
@@ -771,7 +771,7 @@ impl NcclGroup {
             return Err(f.error_for(0, op, self.rank));
         }
         let stream = &ns.stream;
-        let ready = crate::cuda::record(&self.compute, false)?;
+        let ready = crate::device::cuda::record(&self.compute, false)?;
         stream
             .wait(&ready)
             .map_err(|e| Error::Cuda(format!("{op} on rank {}: {e:?}", self.rank)))?;
@@ -804,7 +804,7 @@ impl NcclGroup {
             self.fail_on(&e);
             return Err(e);
         }
-        let event = Arc::new(crate::cuda::record(stream, false)?);
+        let event = Arc::new(crate::device::cuda::record(stream, false)?);
         let keep = KeepAlive {
             event: Some(Arc::clone(&event)),
             consumer: Arc::clone(&self.compute),
@@ -851,7 +851,7 @@ pub fn run<T, F>(
 where
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
 {
-    let group = crate::cuda::open_device(gpu)
+    let group = crate::device::cuda::open_device(gpu)
         .and_then(|device| NcclGroup::new(&device, rank, world_size, bootstrap, config));
     match group {
         Ok(group) => {

@@ -86,8 +86,8 @@ impl RankCuda {
     ///
     /// Errors: no driver, no such GPU ([`Error::Cuda`]).
     pub(crate) fn open(ordinal: usize) -> Result<RankCuda> {
-        let device = crate::cuda::open_device(ordinal)?;
-        let cuda = crate::cuda::cuda_device(&device, "thread backend on CUDA")?.clone();
+        let device = crate::device::cuda::open_device(ordinal)?;
+        let cuda = crate::device::cuda::cuda_device(&device, "thread backend on CUDA")?.clone();
         let compute = cuda.cuda_stream();
         Ok(RankCuda {
             device,
@@ -477,7 +477,7 @@ impl<'a> Steps<'a> {
         if self.first_err.is_some() {
             return 0;
         }
-        match crate::cuda::record(self.stream, false) {
+        match crate::device::cuda::record(self.stream, false) {
             Ok(ev) => {
                 let t = token(&ev);
                 self.events.push(ev);
@@ -554,7 +554,7 @@ impl<'a> Steps<'a> {
     /// barrier.
     fn finish(&mut self) -> (Option<Arc<CudaEvent>>, Result<()>) {
         let final_event = if self.first_err.is_none() {
-            match crate::cuda::record(self.stream, false) {
+            match crate::device::cuda::record(self.stream, false) {
                 Ok(ev) => Some(Arc::new(ev)),
                 Err(e) => {
                     self.first_err = Some(Error::Cuda(format!(
@@ -566,7 +566,9 @@ impl<'a> Steps<'a> {
             }
         } else {
             // Still order later work after what was enqueued, if the stream allows it.
-            crate::cuda::record(self.stream, false).ok().map(Arc::new)
+            crate::device::cuda::record(self.stream, false)
+                .ok()
+                .map(Arc::new)
         };
         let result = match self.first_err.take() {
             None => Ok(()),
@@ -715,7 +717,7 @@ impl Ctx<'_> {
         }
         let (out, _out_guard) = raw_write(dst_s, dst_l, stream);
         let input = src_sl.map(|(s, l)| raw_read(s, l, stream));
-        let pre = match crate::cuda::record(stream, false) {
+        let pre = match crate::device::cuda::record(stream, false) {
             Ok(ev) => ev,
             Err(e) => return self.cannot_join(e),
         };
@@ -747,7 +749,7 @@ impl Ctx<'_> {
         let mut steps = Steps::new(stream, self.op, rank);
         steps.wait_tokens(&pres, "inputs-ready");
         let timing_start = if job.timing {
-            crate::cuda::record(stream, true).ok()
+            crate::device::cuda::record(stream, true).ok()
         } else {
             None
         };
@@ -824,7 +826,7 @@ impl Ctx<'_> {
             }
         }
         let timing = match timing_start {
-            Some(start) => crate::cuda::record(stream, true)
+            Some(start) => crate::device::cuda::record(stream, true)
                 .ok()
                 .map(|end| (start, end)),
             None => None,
@@ -863,7 +865,7 @@ impl Ctx<'_> {
                 e,
             ));
         }
-        let pre = match crate::cuda::record(stream, false) {
+        let pre = match crate::device::cuda::record(stream, false) {
             Ok(ev) => ev,
             Err(e) => return self.cannot_join(e),
         };

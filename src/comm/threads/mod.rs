@@ -206,7 +206,7 @@ fn start_stream(
 ) -> Result<(Arc<ThreadStream>, JoinHandle<()>)> {
     #[cfg(feature = "cuda")]
     let device_stream = match cuda {
-        Some(c) => Some(crate::cuda::new_stream(&c.cuda)?),
+        Some(c) => Some(crate::device::cuda::new_stream(&c.cuda)?),
         None => None,
     };
     let comm = shared.communicator(index, name);
@@ -436,7 +436,7 @@ impl ThreadProcessGroup {
         let (completion, completer) =
             cuda::CudaOp::pending(Arc::clone(&rc.compute), &op, self.rank, &ts.name);
         // The inputs as of this call: recorded now, on the compute stream.
-        let ready = crate::cuda::record(&rc.compute, false);
+        let ready = crate::device::cuda::record(&rc.compute, false);
         let shared = Arc::clone(&self.shared);
         let comm = Arc::clone(&ts.comm);
         let stream_name = Arc::clone(&ts.name);

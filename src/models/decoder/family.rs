@@ -644,7 +644,7 @@ fn gpt2_config(keys: &Keys<'_>) -> Result<DecoderConfig> {
 
 /// Dropout probabilities of a GPT-2 `config.json` that are not zero (`resid_pdrop`,
 /// `embd_pdrop`, `attn_pdrop`), which training here does not apply: one sentence for
-/// [`super::hf::HfDir::decisions`], `None` when all are zero.
+/// [`crate::hf::decoder::HfDir::decisions`], `None` when all are zero.
 pub(crate) fn gpt2_dropout_note(text: &str) -> Option<String> {
     let v: Value = serde_json::from_str(text).ok()?;
     let on: Vec<String> = [

@@ -76,7 +76,7 @@ fn config_1d(n: usize) -> LaunchConfig {
 
 /// The GPU of `t`, or an error naming the op and the tensor.
 fn device_of(op: &str, what: &str, t: &Tensor) -> Result<CudaDevice> {
-    Ok(crate::cuda::cuda_device(t.device(), &format!("{op} ({what})"))?.clone())
+    Ok(crate::device::cuda::cuda_device(t.device(), &format!("{op} ({what})"))?.clone())
 }
 
 /// Checks tensors for an f32 kernel: contiguous, f32, on one GPU (the first's), the same element

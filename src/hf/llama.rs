@@ -6,12 +6,12 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
-use super::LlamaConfig;
-use crate::error::{Error, Result};
-pub use crate::models::decoder::hf::{
+pub use super::decoder::{
     build_from_hf, build_from_resolved, resolve, HfDir as HfLlamaDir, CONFIG_FILE,
 };
-use crate::models::decoder::{self, Family};
+use crate::error::{Error, Result};
+use crate::models::decoder::{self, DecoderConfig, Family};
+use crate::models::llama::LlamaConfig;
 
 /// Architectures [`config_from_json`] reads as a [`LlamaConfig`] (Mistral only without a
 /// sliding window); [`crate::models::decoder::family::config_from_json`] reads every family.
@@ -30,7 +30,7 @@ pub fn config_from_json(text: &str, path: &Path) -> Result<LlamaConfig> {
             path,
             format!(
                 "a {} config{} is not a Llama: use models::decoder (FsdpDecoder, \
-                 decoder::hf::build_from_hf)",
+                 hf::decoder::build_from_hf)",
                 cfg.table().architecture,
                 if cfg.sliding_window.is_some() {
                     " with a sliding_window"
@@ -98,9 +98,9 @@ pub fn read_config(dir: &Path) -> Result<LlamaConfig> {
 }
 
 /// The parameters a Llama of shape `cfg` has, under Hugging Face's names, each with its shape,
-/// in model order ([`crate::models::decoder::hf::parameter_shapes`]).
+/// in model order ([`DecoderConfig::parameter_shapes`]).
 ///
 /// Errors: an invalid shape ([`LlamaConfig::validate`]).
 pub fn parameter_shapes(cfg: &LlamaConfig) -> Result<Vec<(String, Vec<usize>)>> {
-    decoder::hf::parameter_shapes(&(*cfg).into())
+    DecoderConfig::from(*cfg).parameter_shapes()
 }

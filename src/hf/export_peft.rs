@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;
 
-use super::export::{open_shard_files, stream_param};
-use super::{check_checksums, resolve_checkpoint};
+use super::peft::{PEFT_CONFIG, PEFT_WEIGHTS};
 use crate::checkpoint::io::{SafetensorsWriter, TensorSpec};
-use crate::checkpoint::peft::{PEFT_CONFIG, PEFT_WEIGHTS};
+use crate::checkpoint::tools::export::{open_shard_files, stream_param};
+use crate::checkpoint::tools::{check_checksums, resolve_checkpoint};
 use crate::checkpoint::{read_meta, write_atomic, META_FILE};
 use crate::error::{Error, Result};
 use crate::lora::{peft_name, LoraConfig, LORA_CONFIG_KEY};
@@ -105,7 +105,7 @@ pub fn export_peft(dir: &Path, out: &Path, base_model: Option<&str>) -> Result<P
     let conv1d = meta.units.iter().any(|u| {
         u.params
             .iter()
-            .any(|p| is_lora(&p.name) && crate::checkpoint::peft::is_conv1d_module(&p.name))
+            .any(|p| is_lora(&p.name) && super::peft::is_conv1d_module(&p.name))
     });
     let adapted = crate::lora::adapted_modules(
         meta.units

@@ -9,8 +9,8 @@ use std::path::Path;
 use candle_core::Tensor;
 use safetensors::Dtype;
 
-use super::io::{MappedFile, SafetensorsWriter, TensorSpec};
-use super::{agree, write_atomic, ReadStats};
+use crate::checkpoint::io::{MappedFile, SafetensorsWriter, TensorSpec};
+use crate::checkpoint::{agree, write_atomic, ReadStats};
 use crate::error::{Error, Result};
 use crate::fsdp::FsdpModel;
 use crate::lora::{peft_name, LoraConfig};

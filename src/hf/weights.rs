@@ -4,7 +4,7 @@
 //! element ranges of tensors by name, converting BF16 / F16 / F64 to f32;
 //! [`build_from_hf_weights`] builds an [`FsdpModel`] whose parameters are read from them, each
 //! rank copying only the byte ranges of its own shards. The write side is
-//! `checkpoint::tools::export_hf`.
+//! [`super::export_hf`].
 //!
 //! A directory is resolved as transformers' `from_pretrained` (5.x) resolves it, and every
 //! choice that is not the plain case is said ([`HfWeights::decisions`]):
@@ -16,14 +16,14 @@
 //!   NOT tie them"); a file with the head but no embedding ties the embedding to the head.
 //!
 //! The parameter names are the file's: a model built this way must name its parameters as the
-//! checkpoint does (`models::llama` uses Hugging Face's names for that reason, decision 50).
+//! checkpoint does (the decoder's families keep Hugging Face's names for that reason, decision 50).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::io::MappedFile;
-use super::{agree, ReadStats};
+use crate::checkpoint::io::MappedFile;
+use crate::checkpoint::{agree, ReadStats};
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::fsdp::{FsdpConfig, FsdpModel, ModelSpec};

@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 use candle_core::DType;
 use safetensors::Dtype;
 
-use super::export::{open_shard_files, read_param_f32, stream_param};
-use super::{check_checksums, parse_dtype, resolve_checkpoint, st_float};
-use crate::checkpoint::hf::{HF_INDEX_FILE, HF_WEIGHTS_FILE};
+use super::weights::{HF_INDEX_FILE, HF_WEIGHTS_FILE};
 use crate::checkpoint::io::{write_atomic, SafetensorsWriter, TensorSpec};
+use crate::checkpoint::tools::export::{open_shard_files, read_param_f32, stream_param};
+use crate::checkpoint::tools::{check_checksums, parse_dtype, resolve_checkpoint, st_float};
 use crate::checkpoint::{read_meta, META_FILE};
 use crate::error::{Error, Result};
 
@@ -82,7 +82,7 @@ struct Merge {
 impl Merge {
     /// `W + s·B·A` for the f32 little-endian bytes of `W` (shape `shape`), in `W`'s layout.
     fn apply(&self, base: &[u8], shape: &[usize]) -> Vec<f32> {
-        let w: Vec<f32> = super::f32s_le(base).collect();
+        let w: Vec<f32> = crate::checkpoint::tools::f32s_le(base).collect();
         let cols = shape[1];
         let inp = self.a.len() / self.r;
         w.iter()
@@ -103,7 +103,7 @@ impl Merge {
 
 /// The merges of a LoRA checkpoint: each adapted module's `weight` → its update.
 fn lora_merges(
-    files: &[super::SourceFile],
+    files: &[crate::checkpoint::tools::SourceFile],
     meta: &crate::checkpoint::CheckpointMeta,
     config: &serde_json::Value,
 ) -> Result<HashMap<String, Merge>> {
@@ -171,7 +171,7 @@ fn torch_name(d: Dtype) -> &'static str {
 /// (`metadata.total_size`, `weight_map`). `config.json` is the checkpoint's
 /// [`HF_CONFIG_KEY`] (or `opts.config`) with `torch_dtype` and `dtype` set to the weights'.
 ///
-/// Memory: constant, as [`super::export_full`] (chunks of [`super::CHUNK_ELEMS`]). Each file
+/// Memory: constant, as [`crate::checkpoint::tools::export_full`] (chunks of [`crate::checkpoint::tools::CHUNK_ELEMS`]). Each file
 /// is written atomically, `config.json` last. Before anything is written (or `out` created):
 /// the config is read, the checkpoint's tensors are checked against the parameters of the
 /// decoder the config describes (any family of `models::decoder`: names and shapes; with the
@@ -179,7 +179,7 @@ fn torch_name(d: Dtype) -> &'static str {
 /// checksums are verified. A failure while writing removes what the export wrote: the
 /// directories it created, or, in a directory that existed, its own files.
 ///
-/// Errors, naming the file: as [`super::export_full`]; no config (the checkpoint stores none
+/// Errors, naming the file: as [`crate::checkpoint::tools::export_full`]; no config (the checkpoint stores none
 /// and `opts.config` is `None`) or one that is not a JSON object; a config that is not a
 /// decoder family's (`models::decoder::family::config_from_json`), or whose model's parameters are
 /// not the checkpoint's (a missing or extra tensor, a shape: config vs checkpoint); `out` a
@@ -213,7 +213,7 @@ pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExp
                     &meta_path,
                     format!(
                         "no Hugging Face config: the checkpoint stores none (train.extra.\
-                     {HF_CONFIG_KEY}, written by a run started from --from-hf or by the llama \
+                     {HF_CONFIG_KEY}, written by a run started from --from-hf or by the llama or gpt \
                      example); give one (--hf-config FILE)"
                     ),
                 )
@@ -300,14 +300,13 @@ fn check_against_config(
     meta_path: &Path,
 ) -> Result<()> {
     use crate::models::decoder::family::config_from_json;
-    use crate::models::decoder::hf::parameter_shapes;
     let cfg = config_from_json(config_text, config_src).map_err(|e| {
         Error::InvalidArgument(format!(
             "--format hf exports a model of the decoder's families (models::decoder) and \
              checks the checkpoint against its config: {e}"
         ))
     })?;
-    let expected = parameter_shapes(&cfg)?;
+    let expected = cfg.parameter_shapes()?;
     let mut found: BTreeMap<&str, &[usize]> = BTreeMap::new();
     for u in &meta.units {
         for p in u.params.iter().filter(|p| !is_lora(&p.name)) {
@@ -404,7 +403,7 @@ fn write_hf(
         Some(b) => {
             b.verify_at(opts.base.as_deref())
                 .map_err(|e| Error::file(&meta_path, crate::checkpoint::root_message(e)))?;
-            Some(crate::checkpoint::hf::HfWeights::open(
+            Some(super::weights::HfWeights::open(
                 opts.base.as_deref().unwrap_or(&b.dir),
                 &mut crate::checkpoint::ReadStats::default(),
             )?)
@@ -483,7 +482,7 @@ fn write_hf(
                         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
                         v = m.apply(&bytes, &p.shape);
                     }
-                    w.write_part(&super::convert_f32(&v, to))?;
+                    w.write_part(&crate::checkpoint::tools::convert_f32(&v, to))?;
                 }
                 Src::Param(k, j) => {
                     let u = &meta.units[k];
@@ -511,7 +510,7 @@ fn write_hf(
                                 },
                             )?;
                             let merged = m.apply(&base, &p.shape);
-                            w.write_part(&super::convert_f32(&merged, to))?;
+                            w.write_part(&crate::checkpoint::tools::convert_f32(&merged, to))?;
                         }
                     }
                 }

@@ -8,13 +8,13 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::family::{config_from_json, gpt2_dropout_note, Family};
-use super::{DecoderConfig, FsdpDecoder};
-use crate::checkpoint::hf::{build_from_hf_weights, HfNames, HfWeights, TiedHead};
+use super::weights::{build_from_hf_weights, HfNames, HfWeights, TiedHead};
 use crate::checkpoint::{agree, ReadStats};
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::fsdp::{FsdpConfig, FsdpModel};
+use crate::models::decoder::family::{config_from_json, gpt2_dropout_note, Family};
+use crate::models::decoder::{DecoderConfig, FsdpDecoder};
 
 /// The model configuration file of a Hugging Face directory.
 pub const CONFIG_FILE: &str = "config.json";
@@ -26,20 +26,6 @@ pub fn read_config(dir: &Path) -> Result<DecoderConfig> {
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
     config_from_json(&text, &path)
-}
-
-/// The parameters a decoder of shape `cfg` has, under Hugging Face's names, each with its
-/// shape, in model order (a tied model's head is the embedding's weight, listed once). Nothing
-/// is allocated (the units' constructors are recorded).
-///
-/// Errors: an invalid shape ([`DecoderConfig::validate`]).
-pub fn parameter_shapes(cfg: &DecoderConfig) -> Result<Vec<(String, Vec<usize>)>> {
-    Ok(FsdpDecoder::new(cfg.clone())?
-        .spec()
-        .record(&candle_core::Device::Cpu)?
-        .into_iter()
-        .map(|p| (p.name, p.shape.dims().to_vec()))
-        .collect())
 }
 
 /// Tensors of a Hugging Face directory that are not parameters here: rotary tables some older
@@ -105,7 +91,7 @@ pub fn resolve(dir: &Path) -> Result<HfDir> {
     // Parameters stored without the base prefix (one rule for the whole file, as
     // transformers decides per checkpoint).
     let mut sources = BTreeMap::new();
-    let expected = parameter_shapes(&cfg)?;
+    let expected = cfg.parameter_shapes()?;
     let bare = |p: &str| p.strip_prefix(names.base_prefix).map(str::to_string);
     let prefixed_missing = expected.iter().all(|(p, _)| weights.shape(p).is_none());
     if prefixed_missing {
@@ -241,7 +227,7 @@ pub fn build_from_hf_with(
 
 /// Builds the decoder of a resolved directory ([`resolve`]) as a sharded [`FsdpModel`] (a
 /// collective): the shape from [`HfDir::config`], the parameters from the weights file it
-/// chose ([`crate::checkpoint::hf::build_from_hf_weights`]): each rank memory-maps the files and
+/// chose ([`super::weights::build_from_hf_weights`]): each rank memory-maps the files and
 /// copies only the element ranges of its own shards (a fused tensor's rows included),
 /// converting BF16 / F16 to f32 masters. `activation_checkpointing` is
 /// [`FsdpDecoder::with_activation_checkpointing`].
