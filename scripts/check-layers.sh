@@ -22,6 +22,19 @@ never() {
 
 never "src/comm" 'crate::(launch|fsdp|optim|checkpoint|data|models|nn)\b' \
     "comm/ is below launch/, fsdp/ and everything beside the step"
+# NCCL's bootstrap (nccl/meet.rs) exchanges the root id over MPI under mpirun: the one use of a
+# backend by another, the way torch's NCCL group meets over a store.
+for backend in threads shm tcp mpi nccl; do
+    others=$(echo threads shm tcp mpi nccl | tr ' ' '\n' | grep -vx "$backend" | paste -sd '|')
+    files="src/comm/$backend"
+    if [ "$backend" = nccl ]; then
+        files=$(ls src/comm/nccl/*.rs | grep -v meet.rs | tr '\n' ' ')
+        never "src/comm/nccl/meet.rs" "(comm|super)::(threads|shm|tcp)\\b" \
+            "NCCL's bootstrap uses MPI (mpirun) or the store, no other backend"
+    fi
+    never "$files" "(comm|super)::($others)\\b" \
+        "a comm backend names no other backend: what they share is comm/engine/ (issue 34)"
+done
 never "src/kernels" 'crate::(ops|fsdp|flat_param|comm|launch|optim|checkpoint|nn|device|cuda)\b' \
     "kernels/ is a leaf: it imports nothing of the crate but error"
 never "src/nn" 'crate::(fsdp|models|optim|checkpoint|launch|comm)\b' \

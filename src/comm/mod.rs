@@ -49,8 +49,8 @@
 
 pub mod bootstrap;
 pub(crate) mod buffer;
+pub(crate) mod engine;
 pub mod host;
-pub(crate) mod host_stream;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

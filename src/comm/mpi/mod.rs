@@ -48,7 +48,7 @@ use parking_lot::Mutex;
 use self::ops::OpCtx;
 use self::runtime::{check, deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
 use super::buffer::{Kind, Post, RawBytes};
-use super::threads::{check_ranks, run_stream_op};
+use super::engine::{check_ranks, run_stream_op};
 use super::wire;
 use super::{
     foreign_stream, host_collectives, join_stream_threads, CommObserver, CommStream, Instrumented,
@@ -447,7 +447,7 @@ where
         Ok(group) => {
             let rank = group.rank;
             let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
-            super::threads::run_one(rank, pg, &f)
+            super::engine::run_one(rank, pg, &f)
         }
         Err(e) => {
             rt.abort(&e.message());

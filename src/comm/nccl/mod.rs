@@ -64,7 +64,7 @@
 //! operation keeps clones of its input and output tensors until its completion object is
 //! dropped, and dropping them first makes the compute stream — where Candle allocated the
 //! buffers and frees them (stream-ordered `cuMemFreeAsync`) — wait for the completion event
-//! (`KeepAlive` in `threads::cuda`). Whether the caller waits for the [`Work`], drops it, or
+//! (`KeepAlive` in `engine::cuda`). Whether the caller waits for the [`Work`], drops it, or
 //! the group fails, a buffer NCCL still reads or writes is never reused. The runtime's own
 //! frees (storage swapped out after forward) follow the same rule: they come after
 //! `wait_compute`, on the compute stream.
@@ -112,8 +112,8 @@ pub use self::raw::UniqueId;
 use self::raw::{move_dtype, reduce_dtype, RawComm};
 use self::watchdog::{Failure, Family, NcclOp};
 use super::buffer::{check_on, validate, Kind, Post, Problem};
-use super::threads::check_ranks;
-use super::threads::cuda::{addr, raw_read, raw_write, with_cuda_storage, CudaDone, KeepAlive};
+use super::engine::check_ranks;
+use super::engine::cuda::{addr, raw_read, raw_write, with_cuda_storage, CudaDone, KeepAlive};
 use super::{
     Call, CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp, Work,
     DEFAULT_STREAM,
@@ -856,7 +856,7 @@ where
     match group {
         Ok(group) => {
             let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
-            vec![super::threads::run_one(rank, pg, &f)]
+            vec![super::engine::run_one(rank, pg, &f)]
         }
         Err(e) => vec![Err(e)],
     }

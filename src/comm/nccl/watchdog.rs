@@ -30,7 +30,7 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use parking_lot::{Condvar, Mutex};
 
 use super::raw::{abort_all, RawComm};
-use crate::comm::threads::cuda::{cuda_err, KeepAlive};
+use crate::comm::engine::cuda::{cuda_err, KeepAlive};
 use crate::comm::work::Completion;
 use crate::error::{Error, Result};
 

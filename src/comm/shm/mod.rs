@@ -50,9 +50,9 @@ use parking_lot::Mutex;
 use self::ops::{Comm, Ctx};
 use self::segment::{shm_dir, AbortSlot, PeerMap, Segment};
 use super::buffer::{Kind, Post, RawBytes};
-use super::host_stream::{self, HostStreams};
+use super::engine::check_ranks;
+use super::engine::streams::{self as host_stream, HostStreams};
 use super::store::TcpStore;
-use super::threads::check_ranks;
 use super::{host_collectives, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 

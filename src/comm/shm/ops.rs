@@ -6,7 +6,7 @@
 //! header and arrives at barrier 1; once every rank arrived, every rank validates every
 //! descriptor (the same verdict everywhere) and does its own share of the copying straight from
 //! the peers' segments with the thread backend's copy loops and reduction kernel
-//! (`threads::host::copy`): all-gather copies every peer's input into its output; reduce-scatter
+//! (`engine::copy`): all-gather copies every peer's input into its output; reduce-scatter
 //! reduces its own chunk across the peers' inputs in rank order; all-reduce reduces chunk r into
 //! its segment, then (after a barrier) copies every other chunk from its owner's segment;
 //! broadcast copies the root's segment; reduce has the root reduce every segment into its
@@ -18,7 +18,7 @@ use candle_core::Tensor;
 use super::segment::{wait_for, Header, PeerMap, Segment, Stop, DESC_MAX};
 use super::Core;
 use crate::comm::buffer::{validate, with_checked_bufs, Kind, Post, Problem, RawBuf};
-use crate::comm::threads::host::copy::{self, with_elem};
+use crate::comm::engine::copy::{self, with_elem};
 use crate::comm::{wire, OpKind, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -43,7 +43,7 @@ impl Comm {
     }
 }
 
-impl crate::comm::host_stream::StreamComm for Comm {
+impl crate::comm::engine::streams::StreamComm for Comm {
     fn leave(&mut self, rank: usize) {
         self.depart(rank);
     }

@@ -50,9 +50,9 @@ use self::net::{mesh, Net};
 pub use self::net::{ADDR_VAR, IFNAME_VAR};
 use self::ops::{Comm, Ctx};
 use super::buffer::{Kind, Post, RawBytes};
-use super::host_stream::{self, HostStreams, StreamComm};
+use super::engine::check_ranks;
+use super::engine::streams::{self as host_stream, HostStreams, StreamComm};
 use super::store::TcpStore;
-use super::threads::check_ranks;
 use super::{host_collectives, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 

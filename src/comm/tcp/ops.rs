@@ -32,7 +32,7 @@ use candle_core::Tensor;
 
 use super::Core;
 use crate::comm::buffer::{validate, with_checked_bufs, Kind, Post, Problem, RawBuf};
-use crate::comm::host_stream::StreamComm;
+use crate::comm::engine::streams::StreamComm;
 use crate::comm::reduce::{chunk, reduce_into, with_elem};
 use crate::comm::{wire, OpKind, ReduceOp};
 use crate::error::{Error, Result};

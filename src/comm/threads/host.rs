@@ -10,13 +10,11 @@
 //! that, and every other local problem (device, shape, layout, dtype), is posted to the
 //! rendezvous so that every rank fails with the same [`crate::Error::BadBuffer`].
 
-pub(in crate::comm) mod copy;
-
 use candle_core::Tensor;
 
-use self::copy::with_elem;
 use super::rendezvous::{AbortOnUnwind, Ctx};
 use crate::comm::buffer::{check, validate, with_raw_bufs, Kind, Problem, RawBuf};
+use crate::comm::engine::copy::{self, with_elem};
 use crate::comm::{Call, OpKind, ReduceOp};
 use crate::error::Result;
 

@@ -82,13 +82,12 @@ mod run;
 #[cfg(feature = "cuda")]
 pub use self::cuda::MAX_CUDA_RANKS;
 use self::run::raise_priority;
-pub(crate) use self::run::run_one;
-pub(crate) use self::run::run_stream_op;
 pub use self::run::{
     new_group, run_ranks, run_ranks_ok, set_intra_op_threads, BARRIER_POOL_SPIN_LIMIT,
 };
 #[cfg(feature = "cuda")]
 pub use self::run::{new_group_on_gpu, run_ranks_on_gpu};
+use super::engine::{check_ranks, run_stream_op};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -420,7 +419,7 @@ impl ThreadProcessGroup {
     ) -> Work<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Ctx, &cuda::CudaJob) -> cuda::CudaDone + Send + 'static,
+        F: FnOnce(&Ctx, &cuda::CudaJob) -> crate::comm::engine::cuda::CudaDone + Send + 'static,
     {
         let Some((ts, device_stream)) = stream
             .backend_state::<ThreadStream>()
@@ -473,15 +472,15 @@ impl ThreadProcessGroup {
                         Err(e) => {
                             let e = Error::Cuda(format!("{op} on rank {rank}: {e}"));
                             shared.abort(rank, &e.to_string());
-                            cuda::CudaDone::failed(e)
+                            crate::comm::engine::cuda::CudaDone::failed(e)
                         }
                     })
                 },
                 |message| shared.abort(rank, &format!("comm stream panicked: {message}")),
             )
-            .unwrap_or_else(cuda::CudaDone::failed);
+            .unwrap_or_else(crate::comm::engine::cuda::CudaDone::failed);
             drop(observed);
-            let cuda::CudaDone {
+            let crate::comm::engine::cuda::CudaDone {
                 final_event,
                 timing,
                 result,
@@ -490,7 +489,7 @@ impl ThreadProcessGroup {
                 o.device_op(&stream_name, kind, &op, start, end);
             }
             completer.complete(
-                cuda::CudaDone {
+                crate::comm::engine::cuda::CudaDone {
                     final_event,
                     timing: None,
                     result,
@@ -505,28 +504,6 @@ impl ThreadProcessGroup {
         }
         Work::with_completion(value, completion)
     }
-}
-
-/// Checks the rank list of `new_group` (the same on every rank once lists agree).
-pub(crate) fn check_ranks(op: &str, ranks: &[usize], world_size: usize) -> Result<()> {
-    if ranks.is_empty() {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: a sub-group needs at least one rank"
-        )));
-    }
-    if let Some(&r) = ranks.iter().find(|&&r| r >= world_size) {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: rank {r} is out of range for world size {world_size}"
-        )));
-    }
-    for (i, r) in ranks.iter().enumerate() {
-        if ranks[..i].contains(r) {
-            return Err(Error::InvalidArgument(format!(
-                "{op}: rank {r} is listed twice"
-            )));
-        }
-    }
-    Ok(())
 }
 
 impl ProcessGroup for ThreadProcessGroup {

@@ -5,7 +5,7 @@
 //! in-process ranks: [`set_intra_op_threads`] (the cores per rank) and `raise_priority` (comm
 //! stream threads ahead of compute).
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use crate::comm::engine::{panic_message, run_one};
 use std::sync::Arc;
 use std::thread;
 
@@ -108,33 +108,6 @@ where
     }
 }
 
-/// The text of a panic payload (`&str` or `String`), or a placeholder.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "<non-string panic payload>".to_string()
-    }
-}
-
-/// Runs the body of operation `op` of rank `rank` on its comm stream's thread: a panic in it
-/// becomes [`Error::RankPanicked`] (`"{op}: {panic message}"`) after `on_panic` has been given
-/// that message (the backend aborts the job with it, so peers never wait on this rank).
-pub(crate) fn run_stream_op<T>(
-    op: &str,
-    rank: usize,
-    body: impl FnOnce() -> Result<T>,
-    on_panic: impl FnOnce(&str),
-) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|payload| {
-        let message = format!("{op}: {}", panic_message(payload.as_ref()));
-        on_panic(&message);
-        Err(Error::RankPanicked { rank, message })
-    })
-}
-
 /// Runs `f` on `world_size` ranks of a fresh in-process group, one thread per rank (named
 /// `rank-{r}`), and returns each rank's result (index = rank). Each rank's handle is wrapped in
 /// [`Instrumented`], so [`ProcessGroup::stats`] counts its collectives.
@@ -218,26 +191,6 @@ where
 /// ([`run_one`]), so none crosses the pool.
 fn on_pool_worker<R: Send>(g: impl FnOnce() -> R + Send) -> R {
     rayon::scope(|_| g())
-}
-
-pub(crate) fn run_one<T, F>(rank: usize, pg: Arc<dyn ProcessGroup>, f: &F) -> Result<T>
-where
-    F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
-{
-    let result = match catch_unwind(AssertUnwindSafe(|| f(Arc::clone(&pg)))) {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => {
-            pg.abort(&e.message());
-            Err(e)
-        }
-        Err(payload) => {
-            let message = panic_message(payload.as_ref());
-            pg.abort(&format!("panicked: {message}"));
-            Err(Error::RankPanicked { rank, message })
-        }
-    };
-    drop(pg);
-    result
 }
 
 /// Like [`run_ranks`], but returns every rank's value (index = rank) or a single error: the root

@@ -10,8 +10,8 @@ use std::thread::{self, JoinHandle};
 use crossbeam::channel::{unbounded, Sender};
 use parking_lot::Mutex;
 
-use super::threads::{run_one, run_stream_op};
-use super::{
+use super::{run_one, run_stream_op};
+use crate::comm::{
     foreign_stream, join_stream_threads, CommObserver, CommStream, Instrumented, OpKind,
     ProcessGroup, Work, DEFAULT_STREAM,
 };

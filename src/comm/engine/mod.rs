@@ -1,0 +1,15 @@
+//! What every host backend runs on, importing no backend: the stream threads and issue path of
+//! the process-per-rank backends ([`streams`]: shm, tcp), the run rules of an operation and of a
+//! rank ([`run`]: a panic or failure aborts the job, never leaving peers waiting; the check of
+//! `new_group`'s ranks), the copy and reduction loops over shared buffers ([`copy`]: the thread
+//! backend and shm), and the CUDA buffer helpers the thread backend's CUDA path and NCCL share
+//! ([`cuda`]). A backend names this module, never another backend
+//! (`scripts/check-layers.sh`).
+
+pub(crate) mod copy;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+pub(crate) mod run;
+pub(crate) mod streams;
+
+pub(crate) use run::{check_ranks, panic_message, run_one, run_stream_op};

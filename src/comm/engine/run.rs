@@ -1,0 +1,81 @@
+//! What every host backend's operations and ranks run through: a stream operation's panic
+//! turned into an error that aborts the job, a process rank's closure whose failure aborts its
+//! group, and the rank-list check of `new_group`.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use crate::comm::ProcessGroup;
+use crate::error::{Error, Result};
+
+/// The text of a panic payload (`&str` or `String`), or a placeholder.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "<non-string panic payload>".to_string()
+    }
+}
+
+/// Runs the body of operation `op` of rank `rank` on its comm stream's thread: a panic in it
+/// becomes [`Error::RankPanicked`] (`"{op}: {panic message}"`) after `on_panic` has been given
+/// that message (the backend aborts the job with it, so peers never wait on this rank).
+pub(crate) fn run_stream_op<T>(
+    op: &str,
+    rank: usize,
+    body: impl FnOnce() -> Result<T>,
+    on_panic: impl FnOnce(&str),
+) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|payload| {
+        let message = format!("{op}: {}", panic_message(payload.as_ref()));
+        on_panic(&message);
+        Err(Error::RankPanicked { rank, message })
+    })
+}
+
+/// Runs `f` on rank `rank`'s group `pg`: an error or a panic aborts the group (with the
+/// error's message, or `"panicked: …"`) so that peers never wait on this rank, and the rank's
+/// handle is dropped before returning.
+pub(crate) fn run_one<T, F>(rank: usize, pg: Arc<dyn ProcessGroup>, f: &F) -> Result<T>
+where
+    F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
+{
+    let result = match catch_unwind(AssertUnwindSafe(|| f(Arc::clone(&pg)))) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => {
+            pg.abort(&e.message());
+            Err(e)
+        }
+        Err(payload) => {
+            let message = panic_message(payload.as_ref());
+            pg.abort(&format!("panicked: {message}"));
+            Err(Error::RankPanicked { rank, message })
+        }
+    };
+    drop(pg);
+    result
+}
+
+/// Checks the rank list of `new_group` (the same on every rank once lists agree).
+pub(crate) fn check_ranks(op: &str, ranks: &[usize], world_size: usize) -> Result<()> {
+    if ranks.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: a sub-group needs at least one rank"
+        )));
+    }
+    if let Some(&r) = ranks.iter().find(|&&r| r >= world_size) {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: rank {r} is out of range for world size {world_size}"
+        )));
+    }
+    for (i, r) in ranks.iter().enumerate() {
+        if ranks[..i].contains(r) {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: rank {r} is listed twice"
+            )));
+        }
+    }
+    Ok(())
+}
