@@ -598,3 +598,96 @@ fn supervised_jsonl_data_trains_on_the_completions() {
     assert!(e.contains("sums.jsonl") && e.contains("line 2"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The README's LoRA path: the llama example with the README's LoRA flags trains only the
+/// adapters, `fsdp-ckpt export --format peft --base-model DIR` writes PEFT's directory, and the
+/// base plus that adapter (`--lora-from`) evaluates at world size 3 to the loss the run printed.
+#[test]
+fn readme_lora_commands_train_export_and_reload_the_adapters() {
+    let Some(bin) = example() else { return };
+    let (initial, seq_len) = expected_eval();
+    let root = tmpdir("llama-example-lora");
+    let (dir, ckpt, adapter) = (
+        fixture("llama-mha"),
+        root.join("lora"),
+        root.join("my-adapter"),
+    );
+    let eval = dir.join("eval.txt");
+    let lora = [
+        "--lora-rank",
+        "16",
+        "--lora-alpha",
+        "32",
+        "--lora-targets",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    ];
+    let mut args = vec![
+        "--world-size",
+        "2",
+        "--from-hf",
+        dir.to_str().unwrap(),
+        "--data",
+        eval.to_str().unwrap(),
+        "--eval-file",
+        eval.to_str().unwrap(),
+        "--max-steps",
+        "3",
+        "--warmup-steps",
+        "1",
+        "--lr",
+        "1e-2",
+        "--seq-len",
+        &seq_len,
+        "--batch-size",
+        "2",
+        "--sample-len",
+        "0",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+    ];
+    args.extend(lora);
+    let out = run(&bin, &args);
+    let tuned = eval_loss(&out);
+    assert!(
+        (tuned - initial).abs() > 1e-4,
+        "training the adapters changed nothing: {tuned}"
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_fsdp-ckpt"))
+        .arg("export")
+        .arg(&ckpt)
+        .args(["--format", "peft", "--out"])
+        .arg(&adapter)
+        .arg("--base-model")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        assert!(adapter.join(f).is_file(), "{f} missing");
+    }
+    let eval_ckpt = root.join("eval-ckpt");
+    let mut args = vec![
+        "--world-size",
+        "3",
+        "--from-hf",
+        dir.to_str().unwrap(),
+        "--lora-from",
+        adapter.to_str().unwrap(),
+        "--eval-file",
+        eval.to_str().unwrap(),
+        "--max-steps",
+        "0",
+        "--seq-len",
+        &seq_len,
+        "--checkpoint-dir",
+        eval_ckpt.to_str().unwrap(),
+    ];
+    args.extend(lora);
+    let out = run(&bin, &args);
+    assert_eq!(
+        eval_loss(&out),
+        tuned,
+        "base + exported adapter = the tuned model"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
