@@ -91,9 +91,10 @@ pub fn print_peak_rss(launcher: &Launcher) {
     }
 }
 
-/// Prints the newest checkpoint under `--checkpoint-dir` and the `fsdp-ckpt export` command
-/// that makes one model file of it (plain Candle and PyTorch load that file by name); nothing
-/// when there is none.
+/// Prints the newest checkpoint under `--checkpoint-dir` and the `fsdp-ckpt export` commands
+/// for it: one model file (plain Candle and PyTorch load that file by name), and, when the run
+/// stored a Hugging Face config, the directory in that layout (a LoRA run: its PEFT adapters
+/// and the merged model); nothing when there is none.
 pub fn print_checkpoint(args: &TrainArgs) -> anyhow::Result<()> {
     let root = &args.checkpoint_dir;
     let Some(latest) = checkpoint::list_complete(root)?.pop() else {
@@ -101,15 +102,35 @@ pub fn print_checkpoint(args: &TrainArgs) -> anyhow::Result<()> {
     };
     let name = root.file_name().and_then(|n| n.to_str()).unwrap_or("model");
     println!("checkpoint: {}", latest.display());
+    let meta = checkpoint::read_meta(&latest).ok();
+    let extra = |key: &str| {
+        meta.as_ref()
+            .is_some_and(|m| m.train.extra.contains_key(key))
+    };
     // An adapter-only checkpoint (its frozen base left in the base's files) has no single
-    // model file: its exports are the adapters and the merged model (the llama example's hint).
-    let adapter_only = checkpoint::read_meta(&latest)
-        .map(|m| m.units.iter().any(|u| u.in_base))
-        .unwrap_or(false);
+    // model file: its exports are the adapters and the merged model.
+    let adapter_only = meta
+        .as_ref()
+        .is_some_and(|m| m.units.iter().any(|u| u.in_base));
     if !adapter_only {
         println!(
             "one model file from it: cargo run --release --bin fsdp-ckpt -- export {} --out \
              {name}.safetensors",
+            latest.display()
+        );
+    }
+    if extra(candle_fsdp::lora::LORA_CONFIG_KEY) {
+        println!(
+            "its adapters for PEFT: cargo run --release --bin fsdp-ckpt -- export {} --format \
+             peft --out DIR [--base-model BASE]; the merged model: … --format hf --merge --out \
+             DIR [--dtype bf16]",
+            latest.display()
+        );
+    } else if extra(candle_fsdp::hf::HF_CONFIG_KEY) {
+        // A run that stored its Hugging Face config (llama, gpt) publishes in that layout.
+        println!(
+            "a Hugging Face directory from it: cargo run --release --bin fsdp-ckpt -- export {} \
+             --format hf --out DIR [--dtype bf16]",
             latest.display()
         );
     }

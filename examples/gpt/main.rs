@@ -191,14 +191,5 @@ fn main() -> anyhow::Result<()> {
         println!("{sample}");
     }
     common::print_checkpoint(train)?;
-    if outcome.steps_trained > 0 {
-        if let Some(dir) = candle_fsdp::checkpoint::list_complete(&train.checkpoint_dir)?.pop() {
-            println!(
-                "a Hugging Face GPT-2 directory from it: cargo run --release --bin fsdp-ckpt -- \
-                 export {} --format hf --out DIR [--dtype bf16]",
-                dir.display()
-            );
-        }
-    }
     Ok(())
 }

@@ -582,22 +582,6 @@ fn main() -> anyhow::Result<()> {
     }
     if outcome.steps_trained > 0 {
         common::print_checkpoint(train)?;
-        if let Some(dir) = candle_fsdp::checkpoint::list_complete(&train.checkpoint_dir)?.pop() {
-            if lora.is_some() {
-                println!(
-                    "its adapters for PEFT: cargo run --release --bin fsdp-ckpt -- export {} \
-                     --format peft --out DIR [--base-model BASE]; the merged model: … --format \
-                     hf --merge --out DIR [--dtype bf16]",
-                    dir.display()
-                );
-            } else {
-                println!(
-                    "a Hugging Face directory from it: cargo run --release --bin fsdp-ckpt -- \
-                     export {} --format hf --out DIR [--dtype bf16]",
-                    dir.display()
-                );
-            }
-        }
     }
     Ok(())
 }

@@ -52,8 +52,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::models::decoder::family::Gpt2Shape;
 pub use crate::models::decoder::{lm_loss, Block};
-use crate::models::decoder::{Activation, DecoderConfig, Family, LayerType};
+use crate::models::decoder::{Activation, DecoderConfig};
 pub use crate::models::decoder::{Decoder as Gpt, FsdpDecoder as FsdpGpt};
 pub use crate::nn::gelu;
 
@@ -192,34 +193,20 @@ impl GptConfig {
 }
 
 impl From<GptConfig> for DecoderConfig {
-    /// The GPT-2 family's decoder of this shape: MLP width `4·d`, biases everywhere, GELU
-    /// (tanh), learned positions of `seq_len` rows, multi-head attention.
+    /// The GPT-2 family's decoder of this shape ([`Gpt2Shape::config`]): MLP width `4·d`,
+    /// GELU (tanh), learned positions of `seq_len` rows.
     fn from(c: GptConfig) -> Self {
-        DecoderConfig {
-            family: Family::Gpt2,
+        Gpt2Shape {
             vocab_size: c.vocab_size,
-            hidden_size: c.d_model,
-            intermediate_size: 4 * c.d_model,
-            num_hidden_layers: c.n_layer,
-            num_attention_heads: c.n_head,
-            num_key_value_heads: c.n_head,
-            head_dim: c.head_dim(),
-            max_position_embeddings: c.seq_len,
-            norm_eps: c.layer_norm_eps,
-            rope_theta: 10000.0,
-            rope_scaling: None,
-            tie_word_embeddings: c.tied,
-            qkv_bias: true,
-            o_bias: true,
-            mlp_bias: true,
-            qk_norm: false,
+            n_embd: c.d_model,
+            n_inner: 4 * c.d_model,
+            n_layer: c.n_layer,
+            n_head: c.n_head,
+            n_positions: c.seq_len,
+            layer_norm_epsilon: c.layer_norm_eps,
+            tied: c.tied,
             activation: Activation::GeluTanh,
-            sliding_window: None,
-            layer_types: vec![LayerType::FullAttention; c.n_layer],
-            attn_logit_softcapping: None,
-            final_logit_softcapping: None,
-            query_pre_attn_scalar: None,
-            pad_token_id: None,
         }
+        .config()
     }
 }

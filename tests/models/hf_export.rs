@@ -152,6 +152,38 @@ pub(super) fn python_with_transformers() -> Result<String, String> {
     }
 }
 
+/// transformers' f32 logits (flattened) of `ids` for each model directory of `dirs`, loaded with
+/// `AutoModelForCausalLM.from_pretrained`; `check` is Python run on each model `m` first
+/// (empty: none).
+fn transformers_logits(
+    python: &str,
+    dirs: &[&Path],
+    ids: &[Vec<u32>],
+    check: &str,
+) -> Vec<Vec<f32>> {
+    let script = format!(
+        "import sys, json, torch\n\
+         from transformers import AutoModelForCausalLM\n\
+         for d in sys.argv[1:]:\n\
+         \x20   m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)\n\
+         \x20   {check}\n\
+         \x20   with torch.no_grad():\n\
+         \x20       l = m(input_ids=torch.tensor({ids:?})).logits\n\
+         \x20   print(json.dumps(l.flatten().tolist()))\n"
+    );
+    let o = Command::new(python)
+        .arg("-c")
+        .arg(&script)
+        .args(dirs)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 #[test]
 fn cli_export_bf16_loads_in_transformers_with_our_logits() {
     let root = tmpdir("hf-export-cli");
@@ -203,28 +235,7 @@ fn cli_export_bf16_loads_in_transformers_with_our_logits() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let (ids, _) = inputs("llama-tied");
-    let ids: Vec<Vec<u32>> = ids.to_vec2().unwrap();
-    let script = format!(
-        "import sys, json, torch\n\
-         from transformers import AutoModelForCausalLM\n\
-         for d in sys.argv[1:]:\n\
-         \x20   m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)\n\
-         \x20   with torch.no_grad():\n\
-         \x20       l = m(input_ids=torch.tensor({ids:?})).logits\n\
-         \x20   print(json.dumps(l.flatten().tolist()))\n"
-    );
-    let o = Command::new(&python)
-        .arg("-c")
-        .arg(&script)
-        .arg(&out32)
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let lines: Vec<Vec<f32>> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = transformers_logits(&python, &[&out32, &out], &ids.to_vec2().unwrap(), "");
     let d32 = super::max_abs_diff(&lines[0], &logits);
     let d16 = super::max_abs_diff(&lines[1], &logits);
     println!("transformers on our export: max |logits - ours| f32 {d32:.3e}, bf16 {d16:.3e}");
@@ -468,29 +479,10 @@ fn gpt_from_scratch_exports_to_transformers_gpt2() {
             return;
         }
     };
-    let ids: Vec<Vec<u32>> = ids.to_vec2().unwrap();
-    let script = format!(
-        "import sys, json, torch\n\
-         from transformers import AutoModelForCausalLM\n\
-         for d in sys.argv[1:]:\n\
-         \x20   m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)\n\
-         \x20   assert type(m).__name__ == 'GPT2LMHeadModel', type(m)\n\
-         \x20   assert m.config.bos_token_id is None and m.config.eos_token_id is None\n\
-         \x20   with torch.no_grad():\n\
-         \x20       l = m(input_ids=torch.tensor({ids:?})).logits\n\
-         \x20   print(json.dumps(l.flatten().tolist()))\n"
-    );
-    let o = Command::new(&python)
-        .arg("-c")
-        .arg(&script)
-        .args(checked.iter().map(|(d, _)| d))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let lines: Vec<Vec<f32>> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let dirs: Vec<&Path> = checked.iter().map(|(d, _)| d.as_path()).collect();
+    let check = "assert type(m).__name__ == 'GPT2LMHeadModel', type(m); \
+                 assert m.config.bos_token_id is None and m.config.eos_token_id is None";
+    let lines = transformers_logits(&python, &dirs, &ids.to_vec2().unwrap(), check);
     for ((_, ours), theirs) in checked.iter().zip(&lines) {
         let d = super::max_abs_diff(theirs, ours);
         println!("transformers GPT2LMHeadModel on the GPT export: max |logits - ours| {d:.3e}");

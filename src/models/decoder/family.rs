@@ -613,33 +613,77 @@ fn gpt2_config(keys: &Keys<'_>) -> Result<DecoderConfig> {
     let d = keys.usize("n_embd", None)?;
     let heads = keys.usize("n_head", None)?;
     let layers = keys.usize("n_layer", None)?;
-    Ok(DecoderConfig {
-        family: Family::Gpt2,
+    Ok(Gpt2Shape {
         vocab_size: keys.usize("vocab_size", Some(50257))?,
-        hidden_size: d,
-        intermediate_size: keys.usize("n_inner", Some(4 * d))?,
-        num_hidden_layers: layers,
-        num_attention_heads: heads,
-        num_key_value_heads: heads,
-        head_dim: d / heads.max(1),
-        max_position_embeddings: keys.usize("n_positions", Some(1024))?,
-        norm_eps: keys.f64("layer_norm_epsilon", 1e-5)?,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        tie_word_embeddings: keys.bool("tie_word_embeddings", true)?,
-        qkv_bias: true,
-        o_bias: true,
-        mlp_bias: true,
-        qk_norm: false,
+        n_embd: d,
+        n_inner: keys.usize("n_inner", Some(4 * d))?,
+        n_layer: layers,
+        n_head: heads,
+        n_positions: keys.usize("n_positions", Some(1024))?,
+        layer_norm_epsilon: keys.f64("layer_norm_epsilon", 1e-5)?,
+        tied: keys.bool("tie_word_embeddings", true)?,
         activation,
-        sliding_window: None,
-        layer_types: vec![LayerType::FullAttention; layers],
-        attn_logit_softcapping: None,
-        final_logit_softcapping: None,
-        query_pre_attn_scalar: None,
-        // GPT2Model's `wte` has no padding_idx.
-        pad_token_id: None,
-    })
+    }
+    .config())
+}
+
+/// The keys of a GPT-2 (`GPT2Config`'s names) that vary; everything else of the family is fixed:
+/// [`Gpt2Shape::config`]. Shared by a `config.json` and a from-scratch run
+/// ([`crate::models::gpt::GptConfig`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gpt2Shape {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Model width `d`.
+    pub n_embd: usize,
+    /// MLP width (GPT-2: `4·d`).
+    pub n_inner: usize,
+    /// Blocks.
+    pub n_layer: usize,
+    /// Attention heads (multi-head: as many key/value heads).
+    pub n_head: usize,
+    /// Rows of the learned position table.
+    pub n_positions: usize,
+    /// Epsilon of every LayerNorm.
+    pub layer_norm_epsilon: f64,
+    /// The head multiplies by the token embedding.
+    pub tied: bool,
+    /// The MLP's nonlinearity (GPT-2: GELU, tanh approximation).
+    pub activation: Activation,
+}
+
+impl Gpt2Shape {
+    /// The decoder config: biases everywhere, learned positions, multi-head attention,
+    /// `head_dim = d / heads`, no window, no soft-caps, no padding row.
+    pub fn config(&self) -> DecoderConfig {
+        DecoderConfig {
+            family: Family::Gpt2,
+            vocab_size: self.vocab_size,
+            hidden_size: self.n_embd,
+            intermediate_size: self.n_inner,
+            num_hidden_layers: self.n_layer,
+            num_attention_heads: self.n_head,
+            num_key_value_heads: self.n_head,
+            head_dim: self.n_embd / self.n_head.max(1),
+            max_position_embeddings: self.n_positions,
+            norm_eps: self.layer_norm_epsilon,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            tie_word_embeddings: self.tied,
+            qkv_bias: true,
+            o_bias: true,
+            mlp_bias: true,
+            qk_norm: false,
+            activation: self.activation,
+            sliding_window: None,
+            layer_types: vec![LayerType::FullAttention; self.n_layer],
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+            query_pre_attn_scalar: None,
+            // GPT2Model's `wte` has no padding_idx.
+            pad_token_id: None,
+        }
+    }
 }
 
 /// Dropout probabilities of a GPT-2 `config.json` that are not zero (`resid_pdrop`,

@@ -262,6 +262,7 @@ pub(super) struct Proj {
 }
 
 impl Proj {
+    /// A projection whose weight starts at N(0, 0.02).
     fn new(
         cfg: &DecoderConfig,
         in_dim: usize,
@@ -270,18 +271,35 @@ impl Proj {
         lora: Option<&LoraConfig>,
         vb: VarBuilder,
     ) -> candle_core::Result<Self> {
+        Self::with_std(cfg, (in_dim, out_dim), bias, lora, INIT_STD, vb)
+    }
+
+    /// GPT-2's residual projections (both `c_proj`): N(0, 0.02/√(2L)) (Radford et al. 2019,
+    /// §2.3; transformers' `GPT2PreTrainedModel._init_weights`).
+    fn residual(
+        cfg: &DecoderConfig,
+        in_dim: usize,
+        out_dim: usize,
+        lora: Option<&LoraConfig>,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
+        let stdev = INIT_STD / (2.0 * cfg.num_hidden_layers as f64).sqrt();
+        Self::with_std(cfg, (in_dim, out_dim), true, lora, stdev, vb)
+    }
+
+    fn with_std(
+        cfg: &DecoderConfig,
+        (in_dim, out_dim): (usize, usize),
+        bias: bool,
+        lora: Option<&LoraConfig>,
+        stdev: f64,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
         let conv1d = cfg.table().style == BlockStyle::Gpt2;
         let shape = if conv1d {
             (in_dim, out_dim)
         } else {
             (out_dim, in_dim)
-        };
-        // GPT-2's residual projections (both `c_proj`) start at N(0, 0.02/√(2L)) (Radford et
-        // al. 2019, §2.3; transformers' `GPT2PreTrainedModel._init_weights` by that name).
-        let stdev = if conv1d && vb.prefix().ends_with("c_proj") {
-            INIT_STD / (2.0 * cfg.num_hidden_layers as f64).sqrt()
-        } else {
-            INIT_STD
         };
         let weight = vb.get_with_hints(shape, "weight", Init::Randn { mean: 0.0, stdev })?;
         let bias = if bias {
@@ -378,8 +396,11 @@ impl Attention {
                 v: Proj::new(cfg, d, kv * hd, cfg.qkv_bias, lora, vb.pp("v_proj"))?,
             }
         };
-        let o_name = if gpt2 { "c_proj" } else { "o_proj" };
-        let o = Proj::new(cfg, h * hd, d, cfg.o_bias, lora, vb.pp(o_name))?;
+        let o = if gpt2 {
+            Proj::residual(cfg, h * hd, d, lora, vb.pp("c_proj"))?
+        } else {
+            Proj::new(cfg, h * hd, d, cfg.o_bias, lora, vb.pp("o_proj"))?
+        };
         let (q_norm, k_norm) = if cfg.qk_norm {
             (
                 Some(Norm::new(cfg, hd, vb.pp("q_norm"))?),
@@ -538,7 +559,7 @@ impl Mlp {
         let kind = if table.style == BlockStyle::Gpt2 {
             MlpKind::Plain {
                 fc: Proj::new(cfg, d, i, true, lora, vb.pp("c_fc"))?,
-                proj: Proj::new(cfg, i, d, true, lora, vb.pp("c_proj"))?,
+                proj: Proj::residual(cfg, i, d, lora, vb.pp("c_proj"))?,
             }
         } else if table.fused_gate_up {
             MlpKind::GatedFused {
