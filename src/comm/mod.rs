@@ -130,69 +130,6 @@ pub(crate) fn join_stream_threads(threads: &mut Vec<std::thread::JoinHandle<()>>
     }
 }
 
-/// The [`ProcessGroup`] collectives of a host backend whose
-/// `issue(stream, kind, body: FnOnce(&mut Ctx) -> Result<T>)` runs `body` on the stream's
-/// thread, with a context that has `all_gather(&input, &output)`, `reduce_scatter(&input,
-/// &output, op)`, `all_reduce(&buf, op)`, `broadcast(&buf, root)`, `reduce(&buf, root, op)` and
-/// `barrier()` (the MPI and shared-memory backends).
-macro_rules! host_collectives {
-    () => {
-        fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
-            let input = input.clone();
-            self.issue(stream, OpKind::AllGather, move |ctx| {
-                ctx.all_gather(&input, &output)?;
-                Ok(output)
-            })
-        }
-
-        fn reduce_scatter(
-            &self,
-            stream: &CommStream,
-            input: &Tensor,
-            output: Tensor,
-            op: ReduceOp,
-        ) -> Work<Tensor> {
-            let input = input.clone();
-            self.issue(stream, OpKind::ReduceScatter, move |ctx| {
-                ctx.reduce_scatter(&input, &output, op)?;
-                Ok(output)
-            })
-        }
-
-        fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
-            self.issue(stream, OpKind::AllReduce, move |ctx| {
-                ctx.all_reduce(&buf, op)?;
-                Ok(buf)
-            })
-        }
-
-        fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
-            self.issue(stream, OpKind::Broadcast, move |ctx| {
-                ctx.broadcast(&buf, root)?;
-                Ok(buf)
-            })
-        }
-
-        fn reduce(
-            &self,
-            stream: &CommStream,
-            buf: Tensor,
-            root: usize,
-            op: ReduceOp,
-        ) -> Work<Tensor> {
-            self.issue(stream, OpKind::Reduce, move |ctx| {
-                ctx.reduce(&buf, root, op)?;
-                Ok(buf)
-            })
-        }
-
-        fn barrier(&self, stream: &CommStream) -> Work<()> {
-            self.issue(stream, OpKind::Barrier, |ctx| ctx.barrier())
-        }
-    };
-}
-pub(crate) use host_collectives;
-
 /// Name of the stream every group has from its creation ([`ProcessGroup::default_stream`]).
 pub const DEFAULT_STREAM: &str = "collective";
 

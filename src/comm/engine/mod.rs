@@ -9,6 +9,8 @@
 pub(crate) mod copy;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+pub(crate) mod group;
+pub(crate) mod messages;
 pub(crate) mod run;
 pub(crate) mod streams;
 

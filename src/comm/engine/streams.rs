@@ -226,7 +226,7 @@ impl<C: StreamComm> HostStreams<C> {
 /// (one element). When `f` fails or panics, the job is aborted with the error's text.
 pub(crate) fn run_process_rank<G, T, F>(rank: usize, group: Result<Arc<G>>, f: F) -> Vec<Result<T>>
 where
-    G: ProcessGroup + 'static,
+    G: ProcessGroup + ?Sized + 'static,
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
 {
     match group {

@@ -1,7 +1,7 @@
 //! MPI backend (feature `mpi`): one rank per process, started by `mpirun`, over the system's MPI
 //! (OpenMPI 4.1 tested) through rsmpi's bindings.
 //!
-//! [`MpiProcessGroup::world`] is this process's rank of `MPI_COMM_WORLD`;
+//! [`world`] is this process's rank of `MPI_COMM_WORLD`;
 //! [`crate::launch::Launcher::Mpi`] runs a job on it. MPI is initialised once per process with
 //! `MPI_THREAD_MULTIPLE` (an error names the level the library provides if it is less) and
 //! finalised at exit.
@@ -35,25 +35,20 @@ mod ops;
 mod runtime;
 
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
-use std::thread::{self, JoinHandle};
+use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{Device, Tensor};
-use crossbeam::channel::{unbounded, Sender};
 use mpi::ffi;
 use parking_lot::Mutex;
 
 use self::ops::OpCtx;
 use self::runtime::{check, deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
-use super::buffer::{Kind, Post, RawBytes};
-use super::engine::{check_ranks, run_stream_op};
+use super::buffer::Post;
+use super::engine::group::{Collective, HostGroup, Op, Transport};
+use super::engine::messages::{self, Link};
+use super::engine::streams::StreamComm;
 use super::wire;
-use super::{
-    foreign_stream, host_collectives, join_stream_threads, CommObserver, CommStream, Instrumented,
-    OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM,
-};
+use super::{Instrumented, ProcessGroup};
 use crate::error::{Error, Result};
 
 /// Largest setup descriptor (a stream name or a sub-group's rank list), bytes.
@@ -87,52 +82,158 @@ pub fn world_rank_and_size() -> Result<(usize, usize)> {
     Ok((rt.world_rank, rt.world_size))
 }
 
-type Job = Box<dyn FnOnce(&mut Vec<u64>) + Send>;
-
-struct StreamSlot {
-    seq: u64,
-    tx: Option<Sender<Job>>,
-}
-
-/// The MPI backend's state behind a [`CommStream`].
-struct MpiStream {
-    owner: u64,
-    name: Arc<str>,
+/// One communicator of a group as its thread holds it: the MPI handle, the stream's reused
+/// receive space, and the largest descriptor a peer may send on it.
+pub(crate) struct MpiComm {
     comm: Comm,
-    slot: Mutex<StreamSlot>,
+    scratch: Vec<u64>,
+    desc_max: usize,
 }
 
-static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
+impl MpiComm {
+    fn new(comm: Comm, desc_max: usize) -> MpiComm {
+        MpiComm {
+            comm,
+            scratch: Vec::new(),
+            desc_max,
+        }
+    }
+}
 
-/// One process's rank of an MPI group; see the [module docs](self).
-pub struct MpiProcessGroup {
-    id: u64,
+impl StreamComm for MpiComm {
+    /// Nothing to tell: a rank that left is found by the peers' deadlines and the failure
+    /// channel.
+    fn leave(&mut self, _rank: usize) {}
+}
+
+/// The MPI transport of one rank of one group.
+pub(crate) struct Mpi {
+    rt: &'static Runtime,
     rank: usize,
     world_size: usize,
-    device: Device,
-    rt: &'static Runtime,
     config: MpiConfig,
     /// Communicator the streams are duplicated from.
     base: Comm,
-    /// Communicator of setup operations (stream and sub-group creation).
-    setup_comm: Comm,
-    default_stream: CommStream,
-    streams: Mutex<Vec<Weak<MpiStream>>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
-    /// Sequence number of the last setup operation.
-    setup: Mutex<u64>,
-    observer: Mutex<Option<Arc<dyn CommObserver>>>,
     /// Communicators this group created (freed on drop unless the runtime is poisoned).
     comms: Mutex<Vec<Comm>>,
 }
 
-impl std::fmt::Debug for MpiProcessGroup {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MpiProcessGroup")
-            .field("rank", &self.rank)
-            .field("world_size", &self.world_size)
-            .field("timeout", &self.config.timeout)
-            .finish()
+impl Mpi {
+    /// The transport of this rank (`rank` of `world_size`) over a duplicate of `parent`, with
+    /// its setup communicator and its default stream's.
+    fn create(
+        rt: &'static Runtime,
+        parent: Comm,
+        rank: usize,
+        world_size: usize,
+        config: MpiConfig,
+    ) -> Result<(Mpi, MpiComm, MpiComm)> {
+        let timeout = config.timeout;
+        let base = dup(rt, parent, (rank, world_size), "group", timeout)?;
+        let setup = dup(rt, base, (rank, world_size), "setup", timeout)?;
+        let default = dup(rt, base, (rank, world_size), "stream collective", timeout)?;
+        let mpi = Mpi {
+            rt,
+            rank,
+            world_size,
+            config,
+            base,
+            comms: Mutex::new(vec![base, setup, default]),
+        };
+        let (setup, default) = (
+            MpiComm::new(setup, SETUP_DESC_MAX),
+            MpiComm::new(default, wire::OP_DESC_MAX),
+        );
+        Ok((mpi, setup, default))
+    }
+
+    /// One operation's context on `comm`.
+    fn ctx<'a>(&self, comm: &'a mut MpiComm, op: Op<'a>) -> OpCtx<'a> {
+        OpCtx {
+            rt: self.rt,
+            comm: comm.comm,
+            rank: self.rank,
+            world_size: self.world_size,
+            seq: op.seq,
+            op: op.name,
+            timeout: self.config.timeout,
+            scratch: &mut comm.scratch,
+            desc_max: comm.desc_max,
+            deadline: deadline_after(self.config.timeout),
+        }
+    }
+}
+
+impl Transport for Mpi {
+    type Comm = MpiComm;
+    const BACKEND: &'static str = "mpi";
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn timeout(&self) -> Duration {
+        self.config.timeout
+    }
+
+    fn run(&self, comm: &mut MpiComm, op: Op<'_>, collective: Collective<'_>) -> Result<()> {
+        messages::run(&mut self.ctx(comm, op), collective)
+    }
+
+    fn agree(&self, setup: &mut MpiComm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()> {
+        self.ctx(setup, op).exchange(post, bytes)
+    }
+
+    fn open(&self, _setup: &mut MpiComm, op: Op<'_>, _index: usize) -> Result<MpiComm> {
+        let group = (self.rank, self.world_size);
+        let comm = dup(self.rt, self.base, group, op.name, self.config.timeout)?;
+        self.comms.lock().push(comm);
+        Ok(MpiComm::new(comm, wire::OP_DESC_MAX))
+    }
+
+    fn split(
+        &self,
+        _setup: &mut MpiComm,
+        op: Op<'_>,
+        ranks: &[usize],
+    ) -> Result<Option<(Mpi, MpiComm, MpiComm)>> {
+        let position = ranks.iter().position(|&r| r == self.rank);
+        // SAFETY: reading link-time constants.
+        let color = position.map_or(unsafe { ffi::RSMPI_UNDEFINED }, |_| 0);
+        let key = position.unwrap_or(0) as c_int;
+        // SAFETY: out-pointer to a local; every rank of `base` calls the split (agreed).
+        let mut sub: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
+        let rc = unsafe { ffi::MPI_Comm_split(self.base.0, color, key, &mut sub) };
+        check(
+            rc,
+            || format!("MPI_Comm_split ({})", op.name),
+            self.rt.world_rank,
+        )?;
+        let Some(local) = position else {
+            return Ok(None);
+        };
+        self.comms.lock().push(Comm(sub));
+        Mpi::create(self.rt, Comm(sub), local, ranks.len(), self.config).map(Some)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.rt.abort(reason);
+    }
+}
+
+impl Drop for Mpi {
+    fn drop(&mut self) {
+        if !self.rt.is_poisoned() {
+            for comm in self.comms.get_mut().drain(..) {
+                let mut c = comm.0;
+                // SAFETY: communicators this group created; its streams' threads have ended.
+                unsafe { ffi::MPI_Comm_free(&mut c) };
+            }
+        }
     }
 }
 
@@ -167,265 +268,16 @@ fn dup(
     Ok(Comm(new))
 }
 
-impl MpiProcessGroup {
-    /// This process's rank of a group over every process of the job (`MPI_COMM_WORLD`), with
-    /// its default stream running. Every process calls it (it is collective).
-    ///
-    /// Errors: MPI cannot be initialised or lacks `MPI_THREAD_MULTIPLE`
-    /// ([`Error::InvalidArgument`]); an MPI call fails ([`Error::Mpi`]); a thread cannot be
-    /// started ([`Error::SpawnFailed`]).
-    pub fn world(config: MpiConfig) -> Result<Arc<MpiProcessGroup>> {
-        let rt = runtime()?;
-        MpiProcessGroup::create(rt, rt.world, rt.world_rank, rt.world_size, config)
-    }
-
-    fn create(
-        rt: &'static Runtime,
-        parent: Comm,
-        rank: usize,
-        world_size: usize,
-        config: MpiConfig,
-    ) -> Result<Arc<MpiProcessGroup>> {
-        let base = dup(rt, parent, (rank, world_size), "group", config.timeout)?;
-        let setup_comm = dup(rt, base, (rank, world_size), "setup", config.timeout)?;
-        let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
-        let (stream, thread) = start_stream(
-            rt,
-            id,
-            (rank, world_size),
-            base,
-            DEFAULT_STREAM,
-            config.timeout,
-        )?;
-        Ok(Arc::new(MpiProcessGroup {
-            id,
-            rank,
-            world_size,
-            device: Device::Cpu,
-            rt,
-            config,
-            base,
-            setup_comm,
-            streams: Mutex::new(vec![Arc::downgrade(&stream)]),
-            comms: Mutex::new(vec![base, setup_comm, stream.comm]),
-            default_stream: CommStream::new(DEFAULT_STREAM, stream),
-            threads: Mutex::new(vec![thread]),
-            setup: Mutex::new(0),
-            observer: Mutex::new(None),
-        }))
-    }
-
-    /// The configured collective timeout.
-    pub fn timeout(&self) -> Duration {
-        self.config.timeout
-    }
-
-    /// A setup operation's context on the caller's thread.
-    fn setup_ctx<'a>(&self, seq: u64, op: &'a str, scratch: &'a mut Vec<u64>) -> OpCtx<'a> {
-        OpCtx {
-            rt: self.rt,
-            comm: self.setup_comm,
-            rank: self.rank,
-            world_size: self.world_size,
-            seq,
-            op,
-            timeout: self.config.timeout,
-            scratch,
-            desc_max: SETUP_DESC_MAX,
-        }
-    }
-
-    /// Enqueues `body` as an operation of `kind` on `stream`.
-    fn issue<T, F>(&self, stream: &CommStream, kind: OpKind, body: F) -> Work<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut OpCtx<'_>) -> Result<T> + Send + 'static,
-    {
-        let Some(ms) = stream
-            .backend_state::<MpiStream>()
-            .filter(|s| s.owner == self.id)
-        else {
-            return Work::ready(Err(foreign_stream(kind, self.rank, stream)));
-        };
-        let mut slot = ms.slot.lock();
-        slot.seq += 1;
-        let seq = slot.seq;
-        let op = format!("{} #{seq} (stream {})", kind.name(), ms.name);
-        let (work, completer) = Work::pending(op.clone(), self.rank, &*ms.name);
-        let (rt, comm, rank, ws) = (self.rt, ms.comm, self.rank, self.world_size);
-        let timeout = self.config.timeout;
-        let stream_name = Arc::clone(&ms.name);
-        let observer = self.observer.lock().clone();
-        let job: Job = Box::new(move |scratch| {
-            let observed = observer
-                .as_ref()
-                .and_then(|o| o.op_started(&stream_name, kind, &op));
-            let mut ctx = OpCtx {
-                rt,
-                comm,
-                rank,
-                world_size: ws,
-                seq,
-                op: &op,
-                timeout,
-                scratch,
-                desc_max: wire::OP_DESC_MAX,
-            };
-            let result = run_stream_op(
-                &op,
-                rank,
-                || body(&mut ctx),
-                |message| rt.abort(&format!("rank {rank}: comm stream panicked: {message}")),
-            );
-            drop(observed);
-            completer.complete(result);
-        });
-        if let Some(tx) = &slot.tx {
-            let _ = tx.send(job);
-        }
-        work
-    }
-}
-
-/// Starts a stream named `name` on a duplicate of `base`.
-fn start_stream(
-    rt: &'static Runtime,
-    owner: u64,
-    (rank, size): (usize, usize),
-    base: Comm,
-    name: &str,
-    timeout: Duration,
-) -> Result<(Arc<MpiStream>, JoinHandle<()>)> {
-    let comm = dup(rt, base, (rank, size), &format!("stream {name}"), timeout)?;
-    let (tx, rx) = unbounded::<Job>();
-    let handle = thread::Builder::new()
-        .name(format!("mpi-{rank}-{name}"))
-        .spawn(move || {
-            let mut scratch = Vec::new();
-            for job in rx.iter() {
-                job(&mut scratch);
-            }
-        })
-        .map_err(|error| Error::SpawnFailed {
-            what: format!("comm stream {name} of rank {rank}"),
-            error,
-        })?;
-    Ok((
-        Arc::new(MpiStream {
-            owner,
-            name: name.into(),
-            comm,
-            slot: Mutex::new(StreamSlot {
-                seq: 0,
-                tx: Some(tx),
-            }),
-        }),
-        handle,
-    ))
-}
-
-impl ProcessGroup for MpiProcessGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn backend(&self) -> &'static str {
-        "mpi"
-    }
-
-    fn device(&self) -> &Device {
-        &self.device
-    }
-
-    fn new_stream(&self, name: &str) -> Result<CommStream> {
-        let mut setup = self.setup.lock();
-        *setup += 1;
-        let index = self.streams.lock().len();
-        let op = format!("new_stream #{} ({name:?})", *setup);
-        let mut scratch = Vec::new();
-        let ctx = self.setup_ctx(*setup, &op, &mut scratch);
-        let mut post = Post::new(Kind::NewStream, *setup);
-        post.bytes = Some(RawBytes::of(name.as_bytes()));
-        post.index = Some(index);
-        ctx.exchange(post, name.as_bytes(), deadline_after(self.config.timeout))?;
-        let (stream, thread) = start_stream(
-            self.rt,
-            self.id,
-            (self.rank, self.world_size),
-            self.base,
-            name,
-            self.config.timeout,
-        )?;
-        self.comms.lock().push(stream.comm);
-        let mut threads = self.threads.lock();
-        threads.retain(|t| !t.is_finished());
-        threads.push(thread);
-        self.streams.lock().push(Arc::downgrade(&stream));
-        Ok(CommStream::new(Arc::clone(&stream.name), stream))
-    }
-
-    fn default_stream(&self) -> CommStream {
-        self.default_stream.clone()
-    }
-
-    host_collectives!();
-
-    fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
-        let mut setup = self.setup.lock();
-        *setup += 1;
-        let op = format!("new_group #{} ({ranks:?})", *setup);
-        let bytes: Vec<u8> = ranks.iter().flat_map(|r| r.to_ne_bytes()).collect();
-        let mut scratch = Vec::new();
-        let ctx = self.setup_ctx(*setup, &op, &mut scratch);
-        let mut post = Post::new(Kind::NewGroup, *setup);
-        post.bytes = Some(RawBytes::of(&bytes));
-        ctx.exchange(post, &bytes, deadline_after(self.config.timeout))?;
-        check_ranks(&op, ranks, self.world_size)?;
-        let position = ranks.iter().position(|&r| r == self.rank);
-        // SAFETY: reading link-time constants.
-        let color = position.map_or(unsafe { ffi::RSMPI_UNDEFINED }, |_| 0);
-        let key = position.unwrap_or(0) as c_int;
-        // SAFETY: out-pointer to a local; every rank of `base` calls the split (validated above).
-        let mut sub: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
-        let rc = unsafe { ffi::MPI_Comm_split(self.base.0, color, key, &mut sub) };
-        check(rc, || format!("MPI_Comm_split ({op})"), self.rt.world_rank)?;
-        let Some(local) = position else {
-            return Ok(None);
-        };
-        self.comms.lock().push(Comm(sub));
-        let group = MpiProcessGroup::create(self.rt, Comm(sub), local, ranks.len(), self.config)?;
-        Ok(Some(group as Arc<dyn ProcessGroup>))
-    }
-
-    fn abort(&self, reason: &str) {
-        self.rt.abort(reason);
-    }
-
-    fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
-        *self.observer.lock() = observer;
-    }
-}
-
-impl Drop for MpiProcessGroup {
-    fn drop(&mut self) {
-        for stream in self.streams.get_mut().drain(..) {
-            if let Some(stream) = stream.upgrade() {
-                stream.slot.lock().tx = None;
-            }
-        }
-        join_stream_threads(self.threads.get_mut());
-        if !self.rt.is_poisoned() {
-            for comm in self.comms.get_mut().drain(..) {
-                let mut c = comm.0;
-                // SAFETY: communicators this group created; no thread uses them any more.
-                unsafe { ffi::MPI_Comm_free(&mut c) };
-            }
-        }
-    }
+/// This process's rank of a group over every process of the job (`MPI_COMM_WORLD`), with its
+/// default stream running. Every process calls it (it is collective).
+///
+/// Errors: MPI cannot be initialised or lacks `MPI_THREAD_MULTIPLE`
+/// ([`Error::InvalidArgument`]); an MPI call fails ([`Error::Mpi`]); a thread cannot be started
+/// ([`Error::SpawnFailed`]).
+pub fn world(config: MpiConfig) -> Result<Arc<dyn ProcessGroup>> {
+    let rt = runtime()?;
+    let (mpi, setup, default) = Mpi::create(rt, rt.world, rt.world_rank, rt.world_size, config)?;
+    Ok(HostGroup::new(mpi, setup, default)?)
 }
 
 /// Runs `f` on this process's rank of `MPI_COMM_WORLD` (wrapped in [`Instrumented`]) and
@@ -443,9 +295,9 @@ where
         Err(e) => return vec![Err(e)],
     };
     rt.run_started();
-    let result = match MpiProcessGroup::world(config) {
+    let result = match world(config) {
         Ok(group) => {
-            let rank = group.rank;
+            let rank = group.rank();
             let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
             super::engine::run_one(rank, pg, &f)
         }

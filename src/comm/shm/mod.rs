@@ -2,7 +2,7 @@
 //! `fsdp-run` or `torchrun` with `--device cpu`), exchanging data through shared segments in
 //! `/dev/shm`, with the thread backend's algorithms and bit-exact reductions.
 //!
-//! [`ShmProcessGroup::connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`,
+//! [`connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`,
 //! served by rank 0): rank 0 names the job's segments and creates its abort slot, every rank
 //! creates its own segments, maps everybody's, and removes its files once every rank mapped
 //! them (nothing stays in `/dev/shm`, even after a `kill -9`). The store is used only for this
@@ -44,16 +44,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{Device, Tensor};
-use parking_lot::Mutex;
-
 use self::ops::{Comm, Ctx};
 use self::segment::{shm_dir, AbortSlot, PeerMap, Segment};
-use super::buffer::{Kind, Post, RawBytes};
-use super::engine::check_ranks;
-use super::engine::streams::{self as host_stream, HostStreams};
+use super::buffer::Post;
+use super::engine::group::{Collective, HostGroup, Op, Transport};
+use super::engine::streams as host_stream;
 use super::store::TcpStore;
-use super::{host_collectives, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work};
+use super::ProcessGroup;
 use crate::error::{Error, Result};
 
 /// Configuration of a shared-memory process group.
@@ -76,8 +73,9 @@ impl Default for ShmConfig {
 /// Store key of the job's segment name prefix (shared by rank 0).
 const PREFIX_KEY: &str = "candle-fsdp/shm/prefix";
 
-/// What every handle and stream of one group shares.
-pub(super) struct Core {
+/// The shared-memory transport of one rank of one group: what every handle and stream of the
+/// group shares.
+pub(crate) struct Shm {
     rank: usize,
     world_size: usize,
     /// Rank in the root group of each rank of this group.
@@ -90,7 +88,7 @@ pub(super) struct Core {
     prefix: String,
 }
 
-impl Core {
+impl Shm {
     fn path(&self, comm: usize, rank: usize) -> PathBuf {
         PathBuf::from(format!("{}-c{comm}-r{rank}", self.prefix))
     }
@@ -101,285 +99,87 @@ impl Core {
     }
 
     /// Maps the peers' segments of communicator `comm`.
-    fn open(&self, comm: usize, own: Segment) -> Result<Comm> {
+    fn map_peers(&self, comm: usize, own: Segment) -> Result<Comm> {
         let peers = (0..self.world_size)
             .map(|j| match j == self.rank {
                 true => Ok(None),
                 false => PeerMap::open(self.path(comm, j)).map(Some),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Comm { own, peers })
+        Ok(Comm::new(own, peers))
     }
-}
 
-/// Setup operations of one handle: their sequence number, the setup communicator, and how
-/// many communicators the group has (setup and streams).
-struct Setup {
-    seq: u64,
-    comm: Comm,
-    comms: usize,
-}
-
-/// One process's rank of a shared-memory group; see the [module docs](self).
-///
-/// Dropping the handle closes its streams (after the work queued on them) and marks the rank
-/// as departed: peers still waiting for it fail with [`Error::PeerExited`].
-pub struct ShmProcessGroup {
-    core: Arc<Core>,
-    device: Device,
-    setup: Mutex<Setup>,
-    streams: HostStreams<Comm>,
-}
-
-impl std::fmt::Debug for ShmProcessGroup {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShmProcessGroup")
-            .field("rank", &self.core.rank)
-            .field("world_size", &self.core.world_size)
-            .field("timeout", &self.core.timeout)
-            .finish()
-    }
-}
-
-impl ShmProcessGroup {
-    /// Joins the job of `world_size` processes on this machine as `rank`, through the TCP store
-    /// at `addr:port` (rank 0 serves it; see [`TcpStore::connect`]). Every rank calls it.
-    /// A job of one rank needs no store (`addr` and `port` are ignored).
-    ///
-    /// Errors: the store's ([`Error::Store`]: a rank missing, the port taken); a rank on
-    /// another machine (it cannot open the job's segments: [`Error::InvalidArgument`] saying
-    /// that CPU ranks on several machines use the TCP backend, [`crate::comm::tcp`]);
-    /// `/dev/shm` full or not writable; a thread cannot be started.
-    pub fn connect(
-        rank: usize,
-        world_size: usize,
-        addr: &str,
-        port: u16,
-        config: ShmConfig,
-    ) -> Result<Arc<ShmProcessGroup>> {
-        if world_size == 0 || rank >= world_size {
-            return Err(Error::InvalidArgument(format!(
-                "shared-memory group: rank {rank} of {world_size} ranks"
-            )));
+    /// One operation's context on `comm`.
+    fn ctx<'a>(&'a self, comm: &'a mut Comm, op: Op<'a>) -> Ctx<'a> {
+        Ctx {
+            core: self,
+            comm,
+            seq: op.seq,
+            op: op.name,
         }
-        let fresh = || {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos());
-            format!(
-                "{}/candle-fsdp-{}-{nanos}",
-                shm_dir().display(),
-                std::process::id()
-            )
-        };
-        if world_size == 1 {
-            let core = Arc::new(Core {
-                rank,
-                world_size,
-                root_ranks: vec![0],
-                pids: vec![std::process::id()],
-                timeout: config.timeout,
-                abort: Arc::new(AbortSlot::private()?),
-                prefix: fresh(),
-            });
-            let comms = [core.create(0)?, core.create(1)?].map(|own| Comm {
-                own,
-                peers: vec![None],
-            });
-            for c in &comms {
-                c.own.unlink();
-            }
-            let [setup, default] = comms;
-            return ShmProcessGroup::create(core, setup, default);
-        }
-        let store = TcpStore::connect(addr, port, rank, world_size, config.timeout)?;
-        let mut slot = None;
-        let prefix = share_prefix(&store, fresh, &mut slot)?;
-        let abort = match slot {
-            Some(slot) => slot,
-            None => AbortSlot::open(&PathBuf::from(format!("{prefix}-abort"))).map_err(|e| {
-                Error::InvalidArgument(format!(
-                    "rank {rank} cannot open the job's shared memory ({e}): the shared-memory \
-                     backend connects the ranks of one machine; CPU ranks on several machines \
-                     use the TCP backend (chosen when LOCAL_WORLD_SIZE < WORLD_SIZE, as \
-                     `fsdp-run --nnodes N` sets them) or MPI (`mpirun --hostfile HOSTS`)"
-                ))
-            })?,
-        };
-        let core = Core {
-            rank,
-            world_size,
-            root_ranks: (0..world_size).collect(),
-            pids: Vec::new(),
-            timeout: config.timeout,
-            abort: Arc::new(abort),
-            prefix: format!("{prefix}-g"),
-        };
-        let owns = [core.create(0), core.create(1)];
-        if let Some(Err(e)) = owns.iter().find(|r| r.is_err()) {
-            core.abort.set(rank, &e.message());
-        }
-        let [setup, default] = owns;
-        let (setup, default) = (setup?, default?);
-        store.barrier("candle-fsdp/shm/created")?;
-        let setup = core.open(0, setup)?;
-        let default = core.open(1, default)?;
-        store.barrier("candle-fsdp/shm/mapped")?;
-        setup.own.unlink();
-        default.own.unlink();
-        if rank == 0 {
-            let _ = std::fs::remove_file(format!("{prefix}-abort"));
-        }
-        // A peer whose process this one cannot see (another PID namespace sharing /dev/shm) is
-        // not watched: 0 (its failures still arrive through the abort slot and the timeout).
-        let pids = (0..world_size)
-            .map(|j| {
-                setup.peers[j]
-                    .as_ref()
-                    .map_or(std::process::id(), |p| p.pid)
-            })
-            .map(|pid| if segment::alive(pid) { pid } else { 0 })
-            .collect();
-        let core = Arc::new(Core { pids, ..core });
-        ShmProcessGroup::create(core, setup, default)
-    }
-
-    fn create(core: Arc<Core>, setup: Comm, default: Comm) -> Result<Arc<ShmProcessGroup>> {
-        Ok(Arc::new(ShmProcessGroup {
-            device: Device::Cpu,
-            setup: Mutex::new(Setup {
-                seq: 0,
-                comm: setup,
-                comms: 2,
-            }),
-            streams: HostStreams::new("shm", core.rank, default)?,
-            core,
-        }))
-    }
-
-    /// The configured collective timeout.
-    pub fn timeout(&self) -> Duration {
-        self.core.timeout
-    }
-
-    /// Enqueues `body` as an operation of `kind` on `stream`.
-    fn issue<T, F>(&self, stream: &CommStream, kind: OpKind, body: F) -> Work<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Ctx<'_>) -> Result<T> + Send + 'static,
-    {
-        let (core, on_panic) = (Arc::clone(&self.core), Arc::clone(&self.core));
-        self.streams.issue(
-            stream,
-            kind,
-            move |message: &str| {
-                on_panic.abort.set(
-                    on_panic.root_ranks[on_panic.rank],
-                    &format!("comm stream panicked: {message}"),
-                )
-            },
-            move |comm: &mut Comm, seq, op: &str| {
-                body(&mut Ctx {
-                    core: &core,
-                    comm,
-                    seq,
-                    op,
-                })
-            },
-        )
     }
 
     /// Records `e` as this rank's failure (a setup step failed half-way: peers must not wait).
     fn abort_self(&self, e: &Error) {
-        self.core
-            .abort
-            .set(self.core.root_ranks[self.core.rank], &e.message());
+        self.abort(&e.message());
     }
 }
 
-impl ProcessGroup for ShmProcessGroup {
+impl Transport for Shm {
+    type Comm = Comm;
+    const BACKEND: &'static str = "shm";
+
     fn rank(&self) -> usize {
-        self.core.rank
+        self.rank
     }
 
     fn world_size(&self) -> usize {
-        self.core.world_size
+        self.world_size
     }
 
-    fn backend(&self) -> &'static str {
-        "shm"
+    fn timeout(&self) -> Duration {
+        self.timeout
     }
 
-    fn device(&self) -> &Device {
-        &self.device
+    fn run(&self, comm: &mut Comm, op: Op<'_>, collective: Collective<'_>) -> Result<()> {
+        self.ctx(comm, op).run(collective)
     }
 
-    fn new_stream(&self, name: &str) -> Result<CommStream> {
-        let mut setup = self.setup.lock();
-        setup.seq += 1;
-        let (seq, index) = (setup.seq, setup.comms);
-        let op = format!("new_stream #{seq} ({name:?})");
-        let mut post = Post::new(Kind::NewStream, seq);
-        post.bytes = Some(RawBytes::of(name.as_bytes()));
-        post.index = Some(index);
-        let core = &*self.core;
-        let comm = {
-            let mut ctx = Ctx {
-                core,
-                comm: &mut setup.comm,
-                seq,
-                op: &op,
-            };
-            let generation = ctx.exchange(&post, name.as_bytes())?;
-            // Every rank creates its segment, then maps the others', then removes its file.
-            let own = core.create(index).inspect_err(|e| self.abort_self(e))?;
-            ctx.sync(generation + 1)?;
-            let comm = core.open(index, own).inspect_err(|e| self.abort_self(e))?;
-            ctx.sync(generation + 2)?;
-            comm.own.unlink();
-            comm
-        };
-        setup.comms += 1;
-        self.streams.add(comm, name)
+    fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()> {
+        self.ctx(setup, op).exchange(post, bytes).map(|_| ())
     }
 
-    fn default_stream(&self) -> CommStream {
-        self.streams.default_stream()
+    /// Every rank creates its segment, then maps the others', then removes its file.
+    fn open(&self, setup: &mut Comm, op: Op<'_>, index: usize) -> Result<Comm> {
+        let ctx = self.ctx(setup, op);
+        let own = self.create(index).inspect_err(|e| self.abort_self(e))?;
+        ctx.sync_next()?;
+        let comm = self
+            .map_peers(index, own)
+            .inspect_err(|e| self.abort_self(e))?;
+        ctx.sync_next()?;
+        comm.own.unlink();
+        Ok(comm)
     }
 
-    host_collectives!();
-
-    fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
-        let mut setup = self.setup.lock();
-        setup.seq += 1;
-        let seq = setup.seq;
-        let op = format!("new_group #{seq} ({ranks:?})");
-        let bytes: Vec<u8> = ranks.iter().flat_map(|r| r.to_ne_bytes()).collect();
-        let mut post = Post::new(Kind::NewGroup, seq);
-        post.bytes = Some(RawBytes::of(&bytes));
-        let core = &*self.core;
-        let mut ctx = Ctx {
-            core,
-            comm: &mut setup.comm,
-            seq,
-            op: &op,
-        };
-        let generation = ctx.exchange(&post, &bytes)?;
-        check_ranks(&op, ranks, core.world_size)?;
-        let sub = ranks
-            .iter()
-            .position(|&r| r == core.rank)
-            .map(|local| Core {
-                rank: local,
-                world_size: ranks.len(),
-                root_ranks: ranks.iter().map(|&r| core.root_ranks[r]).collect(),
-                pids: ranks.iter().map(|&r| core.pids[r]).collect(),
-                timeout: core.timeout,
-                abort: Arc::clone(&core.abort),
-                prefix: format!("{}{seq}-g", core.prefix),
-            });
-        // Members create the sub-group's segments, map each other's, then remove their files;
-        // every rank of this group takes part in the barriers.
+    /// Members create the sub-group's segments, map each other's, then remove their files;
+    /// every rank of this group takes part in the barriers.
+    fn split(
+        &self,
+        setup: &mut Comm,
+        op: Op<'_>,
+        ranks: &[usize],
+    ) -> Result<Option<(Shm, Comm, Comm)>> {
+        let sub = ranks.iter().position(|&r| r == self.rank).map(|local| Shm {
+            rank: local,
+            world_size: ranks.len(),
+            root_ranks: ranks.iter().map(|&r| self.root_ranks[r]).collect(),
+            pids: ranks.iter().map(|&r| self.pids[r]).collect(),
+            timeout: self.timeout,
+            abort: Arc::clone(&self.abort),
+            prefix: format!("{}{}-g", self.prefix, op.seq),
+        });
+        let ctx = self.ctx(setup, op);
         let owns = match &sub {
             Some(sub) => Some(
                 (|| Ok::<_, Error>((sub.create(0)?, sub.create(1)?)))()
@@ -387,47 +187,130 @@ impl ProcessGroup for ShmProcessGroup {
             ),
             None => None,
         };
-        ctx.sync(generation + 1)?;
+        ctx.sync_next()?;
         let comms = match (&sub, owns) {
             (Some(sub), Some((s, d))) => Some(
-                (|| Ok::<_, Error>((sub.open(0, s)?, sub.open(1, d)?)))()
+                (|| Ok::<_, Error>((sub.map_peers(0, s)?, sub.map_peers(1, d)?)))()
                     .inspect_err(|e| self.abort_self(e))?,
             ),
             _ => None,
         };
-        ctx.sync(generation + 2)?;
-        drop(setup);
-        match (sub, comms) {
+        ctx.sync_next()?;
+        Ok(match (sub, comms) {
             (Some(sub), Some((s, d))) => {
                 s.own.unlink();
                 d.own.unlink();
-                let group = ShmProcessGroup::create(Arc::new(sub), s, d)?;
-                Ok(Some(group as Arc<dyn ProcessGroup>))
+                Some((sub, s, d))
             }
-            _ => Ok(None),
-        }
+            _ => None,
+        })
     }
 
     fn abort(&self, reason: &str) {
-        self.core
-            .abort
-            .set(self.core.root_ranks[self.core.rank], reason);
-    }
-
-    fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
-        self.streams.set_observer(observer);
+        self.abort.set(self.root_ranks[self.rank], reason);
     }
 }
 
-impl Drop for ShmProcessGroup {
-    fn drop(&mut self) {
-        self.streams.close();
-        self.setup.get_mut().comm.depart(self.core.rank);
+/// This process's rank of a shared-memory group: joins the job of `world_size` processes on this machine as `rank`, through the TCP store
+/// at `addr:port` (rank 0 serves it; see [`TcpStore::connect`]). Every rank calls it.
+/// A job of one rank needs no store (`addr` and `port` are ignored).
+///
+/// Errors: the store's ([`Error::Store`]: a rank missing, the port taken); a rank on
+/// another machine (it cannot open the job's segments: [`Error::InvalidArgument`] saying
+/// that CPU ranks on several machines use the TCP backend, [`crate::comm::tcp`]);
+/// `/dev/shm` full or not writable; a thread cannot be started.
+pub fn connect(
+    rank: usize,
+    world_size: usize,
+    addr: &str,
+    port: u16,
+    config: ShmConfig,
+) -> Result<Arc<dyn ProcessGroup>> {
+    if world_size == 0 || rank >= world_size {
+        return Err(Error::InvalidArgument(format!(
+            "shared-memory group: rank {rank} of {world_size} ranks"
+        )));
     }
+    let fresh = || {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!(
+            "{}/candle-fsdp-{}-{nanos}",
+            shm_dir().display(),
+            std::process::id()
+        )
+    };
+    if world_size == 1 {
+        let core = Shm {
+            rank,
+            world_size,
+            root_ranks: vec![0],
+            pids: vec![std::process::id()],
+            timeout: config.timeout,
+            abort: Arc::new(AbortSlot::private()?),
+            prefix: fresh(),
+        };
+        let comms = [core.create(0)?, core.create(1)?].map(|own| Comm::new(own, vec![None]));
+        for c in &comms {
+            c.own.unlink();
+        }
+        let [setup, default] = comms;
+        return Ok(HostGroup::new(core, setup, default)?);
+    }
+    let store = TcpStore::connect(addr, port, rank, world_size, config.timeout)?;
+    let mut slot = None;
+    let prefix = share_prefix(&store, fresh, &mut slot)?;
+    let abort = match slot {
+        Some(slot) => slot,
+        None => AbortSlot::open(&PathBuf::from(format!("{prefix}-abort"))).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "rank {rank} cannot open the job's shared memory ({e}): the shared-memory \
+                     backend connects the ranks of one machine; CPU ranks on several machines \
+                     use the TCP backend (chosen when LOCAL_WORLD_SIZE < WORLD_SIZE, as \
+                     `fsdp-run --nnodes N` sets them) or MPI (`mpirun --hostfile HOSTS`)"
+            ))
+        })?,
+    };
+    let core = Shm {
+        rank,
+        world_size,
+        root_ranks: (0..world_size).collect(),
+        pids: Vec::new(),
+        timeout: config.timeout,
+        abort: Arc::new(abort),
+        prefix: format!("{prefix}-g"),
+    };
+    let owns = [core.create(0), core.create(1)];
+    if let Some(Err(e)) = owns.iter().find(|r| r.is_err()) {
+        core.abort.set(rank, &e.message());
+    }
+    let [setup, default] = owns;
+    let (setup, default) = (setup?, default?);
+    store.barrier("candle-fsdp/shm/created")?;
+    let setup = core.map_peers(0, setup)?;
+    let default = core.map_peers(1, default)?;
+    store.barrier("candle-fsdp/shm/mapped")?;
+    setup.own.unlink();
+    default.own.unlink();
+    if rank == 0 {
+        let _ = std::fs::remove_file(format!("{prefix}-abort"));
+    }
+    // A peer whose process this one cannot see (another PID namespace sharing /dev/shm) is
+    // not watched: 0 (its failures still arrive through the abort slot and the timeout).
+    let pids = (0..world_size)
+        .map(|j| {
+            setup.peers[j]
+                .as_ref()
+                .map_or(std::process::id(), |p| p.pid)
+        })
+        .map(|pid| if segment::alive(pid) { pid } else { 0 })
+        .collect();
+    Ok(HostGroup::new(Shm { pids, ..core }, setup, default)?)
 }
 
 /// Runs `f` on this process's rank of a shared-memory job of `world_size` processes that meet
-/// through the store at `addr:port` ([`ShmProcessGroup::connect`]; the group wrapped in
+/// through the store at `addr:port` ([`connect`]; the group wrapped in
 /// [`super::Instrumented`]) and returns its result (one element). When `f` fails or panics, the job is
 /// aborted with the error's text: every other rank's collectives fail with
 /// [`Error::PeerFailed`].
@@ -442,7 +325,7 @@ pub fn run<T, F>(
 where
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
 {
-    let group = ShmProcessGroup::connect(rank, world_size, addr, port, config);
+    let group = connect(rank, world_size, addr, port, config);
     host_stream::run_process_rank(rank, group, f)
 }
 

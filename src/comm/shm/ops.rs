@@ -16,21 +16,28 @@
 use candle_core::Tensor;
 
 use super::segment::{wait_for, Header, PeerMap, Segment, Stop, DESC_MAX};
-use super::Core;
-use crate::comm::buffer::{validate, with_checked_bufs, Kind, Post, Problem, RawBuf};
+use super::Shm;
+use crate::comm::buffer::{with_checked_bufs, Kind, Post, Problem, RawBuf};
 use crate::comm::engine::copy::{self, with_elem};
-use crate::comm::{wire, OpKind, ReduceOp};
+use crate::comm::engine::group::Collective;
+use crate::comm::engine::messages::decode_and_validate;
+use crate::comm::{wire, Call, OpKind, ReduceOp};
 use crate::error::{Error, Result};
 
 /// One communicator of one rank: its own segment and its mappings of the peers' (index =
 /// rank of the group; `None` at this rank's index).
-pub(super) struct Comm {
-    pub own: Segment,
-    pub peers: Vec<Option<PeerMap>>,
+pub(crate) struct Comm {
+    pub(super) own: Segment,
+    pub(super) peers: Vec<Option<PeerMap>>,
 }
 
 impl Comm {
-    fn header(&self, j: usize) -> Header {
+    /// This rank's segment and its mappings of the peers' (`peers[rank]` is `None`).
+    pub(super) fn new(own: Segment, peers: Vec<Option<PeerMap>>) -> Comm {
+        Comm { own, peers }
+    }
+
+    pub(super) fn header(&self, j: usize) -> Header {
         match &self.peers[j] {
             Some(p) => Header(p.header()),
             None => Header(self.own.header()),
@@ -51,19 +58,39 @@ impl crate::comm::engine::streams::StreamComm for Comm {
 
 /// One collective (or setup operation) on one rank.
 pub(super) struct Ctx<'a> {
-    pub core: &'a Core,
+    pub core: &'a Shm,
     pub comm: &'a mut Comm,
     pub seq: u64,
     pub op: &'a str,
 }
 
 impl Ctx<'_> {
-    fn rank(&self) -> usize {
+    pub(super) fn rank(&self) -> usize {
         self.core.rank
     }
 
-    fn ws(&self) -> usize {
+    pub(super) fn ws(&self) -> usize {
         self.core.world_size
+    }
+
+    /// Runs `collective` (`None`: a barrier) on this communicator.
+    pub(super) fn run(&mut self, collective: Collective<'_>) -> Result<()> {
+        match collective {
+            None => self.barrier(),
+            Some((Call::AllGather, out, Some(input))) => self.all_gather(input, out),
+            Some((Call::ReduceScatter(op), out, Some(input))) => {
+                self.reduce_scatter(input, out, op)
+            }
+            Some((Call::AllReduce(op), buf, _)) => self.all_reduce(buf, op),
+            Some((Call::Broadcast(root), buf, _)) => self.broadcast(buf, root),
+            Some((Call::Reduce(root, op), buf, _)) => self.reduce(buf, root, op),
+            Some(_) => unreachable!("all-gather and reduce-scatter have an input"),
+        }
+    }
+
+    /// Arrives at the barrier after this rank's last one and waits for every rank to arrive.
+    pub(super) fn sync_next(&self) -> Result<()> {
+        self.sync(self.comm.header(self.rank()).arrivals() + 1)
     }
 
     /// Arrives at `target` and waits for every rank to arrive.
@@ -145,23 +172,10 @@ impl Ctx<'_> {
         me.arrive(target);
         self.wait(&headers, target)?;
         let descs: Vec<Vec<u8>> = headers.iter().map(|h| h.read_desc(target)).collect();
-        let mut posts = Vec::with_capacity(descs.len());
-        for (j, d) in descs.iter().enumerate() {
-            let Some(p) = wire::decode(d) else {
-                return Err(Error::CollectiveMismatch {
-                    op: self.op.to_string(),
-                    rank: j,
-                    found: "a descriptor this version cannot read".into(),
-                    other_rank: self.rank(),
-                    expected: "a candle-fsdp collective descriptor".into(),
-                });
-            };
-            posts.push(p);
-        }
         for p in self.comm.peers.iter_mut().flatten() {
             p.refresh()?;
         }
-        validate(self.op, self.ws(), &posts)?;
+        decode_and_validate(self.op, self.rank(), &descs)?;
         Ok(target)
     }
 
@@ -238,7 +252,7 @@ impl Ctx<'_> {
         Post::new(Kind::Op(kind), self.seq)
     }
 
-    pub(super) fn all_gather(&mut self, input: &Tensor, output: &Tensor) -> Result<()> {
+    fn all_gather(&mut self, input: &Tensor, output: &Tensor) -> Result<()> {
         let kind = OpKind::AllGather;
         self.with_storage(kind, output, "output", Some(input), |ctx, out, src| {
             let src = src.expect("all-gather has an input");
@@ -260,12 +274,7 @@ impl Ctx<'_> {
         })
     }
 
-    pub(super) fn reduce_scatter(
-        &mut self,
-        input: &Tensor,
-        output: &Tensor,
-        op: ReduceOp,
-    ) -> Result<()> {
+    fn reduce_scatter(&mut self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
         let kind = OpKind::ReduceScatter;
         self.with_storage(kind, output, "output", Some(input), |ctx, out, src| {
             let src = src.expect("reduce-scatter has an input");
@@ -292,7 +301,7 @@ impl Ctx<'_> {
         })
     }
 
-    pub(super) fn all_reduce(&mut self, buf: &Tensor, op: ReduceOp) -> Result<()> {
+    fn all_reduce(&mut self, buf: &Tensor, op: ReduceOp) -> Result<()> {
         let kind = OpKind::AllReduce;
         self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
             ctx.copy_in(mine, 0..0)?;
@@ -332,7 +341,7 @@ impl Ctx<'_> {
         })
     }
 
-    pub(super) fn broadcast(&mut self, buf: &Tensor, root: usize) -> Result<()> {
+    fn broadcast(&mut self, buf: &Tensor, root: usize) -> Result<()> {
         let kind = OpKind::Broadcast;
         self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
             if ctx.rank() == root {
@@ -351,7 +360,7 @@ impl Ctx<'_> {
         })
     }
 
-    pub(super) fn reduce(&mut self, buf: &Tensor, root: usize, op: ReduceOp) -> Result<()> {
+    fn reduce(&mut self, buf: &Tensor, root: usize, op: ReduceOp) -> Result<()> {
         let kind = OpKind::Reduce;
         self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
             if ctx.rank() != root {
@@ -379,7 +388,7 @@ impl Ctx<'_> {
         })
     }
 
-    pub(super) fn barrier(&mut self) -> Result<()> {
+    fn barrier(&mut self) -> Result<()> {
         let post = self.post(OpKind::Barrier);
         // No data is shared: no second barrier (descriptors are double-buffered).
         self.exchange(&post, &[]).map(|_| ())
