@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use candle_fsdp::comm::threads::{new_group, ThreadGroupConfig, ThreadProcessGroup};
+use candle_fsdp::comm::threads::{new_group, ThreadGroupConfig};
 use candle_fsdp::comm::{CommStream, ProcessGroup, ProcessGroupExt, ReduceOp};
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
@@ -39,7 +39,7 @@ fn value(rank: usize, i: usize) -> f32 {
 }
 
 struct Worker {
-    pg: Arc<ThreadProcessGroup>,
+    pg: Arc<dyn ProcessGroup>,
     stream: CommStream,
     op: Op,
     input: Tensor,
@@ -47,7 +47,7 @@ struct Worker {
 }
 
 impl Worker {
-    fn new(pg: Arc<ThreadProcessGroup>, op: Op) -> Worker {
+    fn new(pg: Arc<dyn ProcessGroup>, op: Op) -> Worker {
         let ws = pg.world_size();
         let r = pg.rank();
         let (in_len, out_len) = match op {

@@ -306,6 +306,11 @@ pub trait ProcessGroup: Send + Sync {
     fn abort(&self, reason: &str);
     /// Reports every later collective's execution to `observer` (`None` stops).
     fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>);
+    /// How long this rank waits in a collective for its peers before failing with
+    /// [`Error::Timeout`], where the backend has such a bound (`None`: it has none of its own).
+    fn timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
     /// Calls and bytes issued by this rank, counted by [`stats::Instrumented`] (which every
     /// launcher puts around the backend); a bare backend reports zeros.
     fn stats(&self) -> CommStatsSnapshot {

@@ -193,6 +193,10 @@ impl<P: ProcessGroup + ?Sized> ProcessGroup for Instrumented<P> {
         self.inner.set_observer(observer)
     }
 
+    fn timeout(&self) -> Option<std::time::Duration> {
+        self.inner.timeout()
+    }
+
     fn stats(&self) -> CommStatsSnapshot {
         self.counters.snapshot()
     }

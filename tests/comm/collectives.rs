@@ -13,9 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use candle_fsdp::comm::threads::{
-    new_group, run_ranks, run_ranks_ok, ThreadGroupConfig, ThreadProcessGroup,
-};
+use candle_fsdp::comm::threads::{new_group, run_ranks, run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::{
     CommObserver, CommStream, Completion, OpKind, ProcessGroup, ProcessGroupExt, ReduceOp, Work,
     DEFAULT_STREAM,
@@ -125,7 +123,7 @@ fn new_group_validates_world_size_and_reports_ranks() {
     for (r, g) in groups.iter().enumerate() {
         assert_eq!(g.rank(), r);
         assert_eq!(g.world_size(), 3);
-        assert_eq!(g.timeout(), Duration::from_secs(300));
+        assert_eq!(g.timeout(), Some(Duration::from_secs(300)));
         assert_eq!(g.backend(), "threads");
         assert!(g.device().is_cpu());
         assert_eq!(g.default_stream().name(), DEFAULT_STREAM);
@@ -1573,7 +1571,7 @@ fn threads_dropping_handles_with_crossed_pending_ops_does_not_hang() {
     // Rank 0 waits on one stream, rank 1 on another; dropping both handles closes the idle
     // streams, so each pending op sees its peer exit.
     let mut groups = new_group(2, cfg()).unwrap();
-    let g1: Arc<ThreadProcessGroup> = groups.pop().unwrap();
+    let g1: Arc<dyn ProcessGroup> = groups.pop().unwrap();
     let g0 = groups.pop().unwrap();
     let streams = std::thread::scope(|s| {
         let a = s.spawn(|| g0.new_stream("a").unwrap());

@@ -1,5 +1,5 @@
-//! Data movement of the thread backend's host path: typed copies and rank-ordered reductions
-//! over the raw buffers ranks posted.
+//! Data movement of the shared-memory family (`board`: threads, shm): typed copies and
+//! rank-ordered reductions over the raw buffers the ranks can read.
 //!
 //! Floating-point types accumulate in a wider type and round once: f32, bf16 and f16 in f32,
 //! f64 in f64. Integer types reduce exactly in their own type (sums wrap on overflow). Reductions
@@ -37,8 +37,10 @@ pub(in crate::comm) unsafe fn gather<T: Elem>(out: RawBuf, srcs: &[RawBuf], n: u
 ///
 /// # Safety
 ///
-/// As [`gather`]: validated posts (`ws * out.len` elements per input), inputs alive and
-/// read-only until barrier 2, `out` this rank's own output, disjoint from every input.
+/// As [`gather`]: validated posts (`ws * out.len` elements per input), inputs alive until
+/// barrier 2, `out` this rank's own, written by nobody else and either disjoint from every
+/// input or exactly `input_r[start..start + out.len]` of this rank's own (an all-reduce's phase
+/// A, where no other rank touches chunk `r` of any buffer).
 pub(in crate::comm) unsafe fn reduce_shard<T: Elem>(
     out: RawBuf,
     srcs: &[RawBuf],
@@ -54,31 +56,6 @@ pub(in crate::comm) unsafe fn reduce_shard<T: Elem>(
         .collect();
     // SAFETY: per the function contract.
     unsafe { reduce_into(&ptrs, out.typed::<T>(), out.len, op, ws) }
-}
-
-/// All-reduce phase A: rank `rank` reduces chunk `rank` of every buffer into its own chunk.
-///
-/// # Safety
-///
-/// Validated posts (same length and dtype), all buffers alive and unmoved until barrier 2, and
-/// every rank running phase A on its own chunk index only.
-pub(in crate::comm) unsafe fn all_reduce_phase_a<T: Elem>(
-    bufs: &[RawBuf],
-    rank: usize,
-    op: ReduceOp,
-    ws: usize,
-) {
-    let (start, n) = chunk(bufs[rank].len, ws, rank);
-    // In bounds: all buffers have the same validated length and start + n <= len.
-    let ptrs: Vec<*const T> = bufs
-        .iter()
-        .map(|b| (b.typed::<T>() as *const T).wrapping_add(start))
-        .collect();
-    // SAFETY: in phase A only rank `rank` reads or writes chunk `rank` of any buffer (every
-    // other rank works on its own chunk index), all buffers stay alive and unmoved until
-    // barrier 2, and the destination (own chunk) is exactly one of the sources, not a partial
-    // overlap.
-    unsafe { reduce_into(&ptrs, ptrs[rank] as *mut T, n, op, ws) }
 }
 
 /// All-reduce phase B: rank `rank` copies chunk `j` of rank `j`'s buffer, for every `j != rank`.

@@ -56,6 +56,10 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     fn world_size(&self) -> usize;
     /// How long a rank waits for its peers.
     fn timeout(&self) -> Duration;
+    /// The device of the group's buffers ([`ProcessGroup::device`]).
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
     /// Runs `collective` as operation `op` on `comm` (every rank of the group runs the same
     /// ones, in the same order, on the same stream). Argument problems are reported through the
     /// descriptor exchange, so every rank fails the same way.
@@ -63,8 +67,15 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     /// Exchanges `post` (a setup operation's descriptor; `bytes` its argument) over the setup
     /// communicator and validates every rank's (the same verdict on every rank).
     fn agree(&self, setup: &mut Self::Comm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()>;
-    /// Opens communicator `index` of this group, once every rank agreed to.
-    fn open(&self, setup: &mut Self::Comm, op: Op<'_>, index: usize) -> Result<Self::Comm>;
+    /// Opens communicator `index` of this group for the stream named `name`, once every rank
+    /// agreed to.
+    fn open(
+        &self,
+        setup: &mut Self::Comm,
+        op: Op<'_>,
+        index: usize,
+        name: &str,
+    ) -> Result<Self::Comm>;
     /// The sub-group of `ranks` (agreed and checked): a member gets its transport with the
     /// sub-group's setup and default communicators, the others `None`. Every rank of this
     /// group calls it.
@@ -77,6 +88,29 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     /// Records this rank's failure for the whole job: every rank's pending and later
     /// collectives fail with [`crate::Error::PeerFailed`] naming it.
     fn abort(&self, reason: &str);
+
+    /// True when the group's collectives run on a GPU ([`Transport::issue_device`]) rather
+    /// than through [`Transport::run`] (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    fn on_device(&self) -> bool {
+        false
+    }
+
+    /// Issues `collective` (buffer and input owned; `None`: a barrier) of kind `kind` on
+    /// `stream` as a device operation of a transport [`Transport::on_device`]; the work returns
+    /// `value` (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    fn issue_device<V: Send + 'static>(
+        &self,
+        streams: &HostStreams<Self::Comm>,
+        stream: &CommStream,
+        kind: OpKind,
+        value: V,
+        collective: Option<(Call, Tensor, Option<Tensor>)>,
+    ) -> Work<V> {
+        let _ = (streams, stream, kind, value, collective);
+        unreachable!("only a transport on a device issues device operations")
+    }
 }
 
 /// Setup operations of one handle: their sequence number, the setup communicator, and how many
@@ -113,11 +147,21 @@ impl<T: Transport> std::fmt::Debug for HostGroup<T> {
 impl<T: Transport> HostGroup<T> {
     /// A group over `transport`, its setup communicator and the communicator of its default
     /// stream (whose thread starts now).
-    pub(crate) fn new(transport: T, setup: T::Comm, default: T::Comm) -> Result<Arc<Self>> {
+    ///
+    /// Errors: the default stream's thread cannot be started (the rank then leaves the setup
+    /// communicator, so peers waiting for it fail instead of hanging).
+    pub(crate) fn new(transport: T, mut setup: T::Comm, default: T::Comm) -> Result<Arc<Self>> {
+        let streams = match HostStreams::new(T::BACKEND, transport.rank(), default) {
+            Ok(streams) => streams,
+            Err(e) => {
+                setup.leave(transport.rank());
+                return Err(e);
+            }
+        };
         Ok(Arc::new(HostGroup {
-            streams: HostStreams::new(T::BACKEND, transport.rank(), default)?,
+            streams,
+            device: transport.device(),
             transport: Arc::new(transport),
-            device: Device::Cpu,
             setup: Mutex::new(Setup {
                 seq: 0,
                 comm: setup,
@@ -144,6 +188,27 @@ impl<T: Transport> HostGroup<T> {
                 Ok(value)
             },
         )
+    }
+
+    /// Enqueues collective `call` on `stream`: `buf` is the output (or in-place buffer), handed
+    /// back by the work, `input` the input of all-gather and reduce-scatter.
+    fn issue_call(
+        &self,
+        stream: &CommStream,
+        call: Call,
+        buf: Tensor,
+        input: Option<&Tensor>,
+    ) -> Work<Tensor> {
+        let input = input.cloned();
+        #[cfg(feature = "cuda")]
+        if self.transport.on_device() {
+            let collective = Some((call, buf.clone(), input));
+            let streams = &self.streams;
+            return (self.transport).issue_device(streams, stream, call.kind(), buf, collective);
+        }
+        self.issue(stream, call.kind(), buf, move |t, comm, op, buf| {
+            t.run(comm, op, Some((call, buf, input.as_ref())))
+        })
     }
 
     /// Runs a setup operation of kind `kind` with argument `bytes` (and `index`, the
@@ -195,7 +260,7 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
             name.as_bytes(),
             true,
             |t, setup, op| {
-                let comm = t.open(&mut setup.comm, op, setup.comms)?;
+                let comm = t.open(&mut setup.comm, op, setup.comms, name)?;
                 setup.comms += 1;
                 Ok(comm)
             },
@@ -208,13 +273,7 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
     }
 
     fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
-        let input = input.clone();
-        self.issue(
-            stream,
-            OpKind::AllGather,
-            output,
-            move |t, comm, op, out| t.run(comm, op, Some((Call::AllGather, out, Some(&input)))),
-        )
+        self.issue_call(stream, Call::AllGather, output, Some(input))
     }
 
     fn reduce_scatter(
@@ -222,37 +281,29 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
         stream: &CommStream,
         input: &Tensor,
         output: Tensor,
-        r: ReduceOp,
+        op: ReduceOp,
     ) -> Work<Tensor> {
-        let input = input.clone();
-        let call = Call::ReduceScatter(r);
-        self.issue(
-            stream,
-            OpKind::ReduceScatter,
-            output,
-            move |t, comm, op, out| t.run(comm, op, Some((call, out, Some(&input)))),
-        )
+        self.issue_call(stream, Call::ReduceScatter(op), output, Some(input))
     }
 
-    fn all_reduce(&self, stream: &CommStream, buf: Tensor, r: ReduceOp) -> Work<Tensor> {
-        self.issue(stream, OpKind::AllReduce, buf, move |t, comm, op, buf| {
-            t.run(comm, op, Some((Call::AllReduce(r), buf, None)))
-        })
+    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
+        self.issue_call(stream, Call::AllReduce(op), buf, None)
     }
 
     fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
-        self.issue(stream, OpKind::Broadcast, buf, move |t, comm, op, buf| {
-            t.run(comm, op, Some((Call::Broadcast(root), buf, None)))
-        })
+        self.issue_call(stream, Call::Broadcast(root), buf, None)
     }
 
-    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, r: ReduceOp) -> Work<Tensor> {
-        self.issue(stream, OpKind::Reduce, buf, move |t, comm, op, buf| {
-            t.run(comm, op, Some((Call::Reduce(root, r), buf, None)))
-        })
+    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
+        self.issue_call(stream, Call::Reduce(root, op), buf, None)
     }
 
     fn barrier(&self, stream: &CommStream) -> Work<()> {
+        #[cfg(feature = "cuda")]
+        if self.transport.on_device() {
+            let streams = &self.streams;
+            return (self.transport).issue_device(streams, stream, OpKind::Barrier, (), None);
+        }
         self.issue(stream, OpKind::Barrier, (), |t, comm, op, _| {
             t.run(comm, op, None)
         })
@@ -277,6 +328,10 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
 
     fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
         self.streams.set_observer(observer);
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.transport.timeout())
     }
 }
 

@@ -6,6 +6,7 @@
 //! ([`cuda`]). A backend names this module, never another backend
 //! (`scripts/check-layers.sh`).
 
+pub(crate) mod board;
 pub(crate) mod copy;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;

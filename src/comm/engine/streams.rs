@@ -1,4 +1,4 @@
-//! The comm streams of the process-per-rank host backends (shared memory, TCP): one thread per
+//! The comm streams of the host backends (threads, shared memory, TCP, MPI): one thread per
 //! stream that runs its communicator's operations in issue order, and the `issue` path that
 //! numbers an operation, reports it to the observer, turns a panic into an error (aborting the
 //! job through the backend's hook) and completes its [`Work`].
@@ -21,9 +21,30 @@ use crate::error::{Error, Result};
 pub(crate) trait StreamComm: Send + 'static {
     /// Tells the peers that rank `rank` left this communicator (its group is being dropped).
     fn leave(&mut self, rank: usize);
+
+    /// The name of the thread of stream `stream` of rank `rank` of backend `backend`.
+    fn thread_name(backend: &str, rank: usize, stream: &str) -> String {
+        format!("{backend}-{rank}-{stream}")
+    }
+
+    /// Runs first on every stream thread (e.g. to raise its priority).
+    fn on_thread_start() {}
 }
 
-type Job<C> = Box<dyn FnOnce(&mut C) + Send>;
+/// An operation as a stream thread runs it, on the stream's communicator.
+pub(crate) type Job<C> = Box<dyn FnOnce(&mut C) + Send>;
+
+/// What [`HostStreams::issue_job`] hands the maker of an operation's job.
+pub(crate) struct Issued {
+    /// Sequence number on the stream.
+    pub seq: u64,
+    /// The operation's name, e.g. `all_gather #12 (stream all_gather)`.
+    pub op: String,
+    /// The stream's name.
+    pub stream: Arc<str>,
+    /// The observer of the group when the operation was issued.
+    pub observer: Option<Arc<dyn CommObserver>>,
+}
 
 struct StreamSlot<C> {
     seq: u64,
@@ -53,8 +74,9 @@ impl<C: StreamComm> HostStream<C> {
         let (tx, rx) = unbounded::<Job<C>>();
         let closing = Arc::clone(closing);
         let handle = thread::Builder::new()
-            .name(format!("{backend}-{rank}-{name}"))
+            .name(C::thread_name(backend, rank, name))
             .spawn(move || {
+                C::on_thread_start();
                 let mut comm = comm;
                 for job in rx.iter() {
                     job(&mut comm);
@@ -84,51 +106,6 @@ impl<C: StreamComm> HostStream<C> {
     pub(crate) fn close(&self) {
         self.slot.lock().tx = None;
     }
-}
-
-/// Enqueues `body(comm, seq, op)` as an operation of `kind` on `stream`, which must be a
-/// stream of group `owner` (rank `rank`); `on_panic(message)` runs on the stream's thread
-/// when the body panics (the backend aborts the job), and the operation then fails with
-/// [`Error::RankPanicked`].
-fn issue<C, T, F>(
-    stream: &CommStream,
-    owner: u64,
-    rank: usize,
-    kind: OpKind,
-    observer: Option<Arc<dyn CommObserver>>,
-    on_panic: impl FnOnce(&str) + Send + 'static,
-    body: F,
-) -> Work<T>
-where
-    C: StreamComm,
-    T: Send + 'static,
-    F: FnOnce(&mut C, u64, &str) -> Result<T> + Send + 'static,
-{
-    let Some(hs) = stream
-        .backend_state::<HostStream<C>>()
-        .filter(|s| s.owner == owner)
-    else {
-        return Work::ready(Err(foreign_stream(kind, rank, stream)));
-    };
-    let mut slot = hs.slot.lock();
-    slot.seq += 1;
-    let seq = slot.seq;
-    let op = format!("{} #{seq} (stream {})", kind.name(), hs.name);
-    let (work, completer) = Work::pending(op.clone(), rank, &*hs.name);
-    let stream_name = Arc::clone(&hs.name);
-    let job: Job<C> = Box::new(move |comm| {
-        let observed = observer
-            .as_ref()
-            .and_then(|o| o.op_started(&stream_name, kind, &op));
-        let result = run_stream_op(&op, rank, || body(comm, seq, &op), on_panic);
-        drop(observed);
-        completer.complete(result);
-    });
-    if let Some(tx) = &slot.tx {
-        // A send error means the stream thread is gone: `wait` reports StreamStopped.
-        let _ = tx.send(job);
-    }
-    work
 }
 
 /// Identifies a group's streams: a stream handed to another group's collective is refused.
@@ -191,7 +168,44 @@ impl<C: StreamComm> HostStreams<C> {
         *self.observer.lock() = observer;
     }
 
-    /// [`issue`] on one of these streams, reported to the current observer.
+    /// Enqueues the job `make` returns (with the value handed back, e.g. the operation's
+    /// [`Work`]) as an operation of `kind` on `stream`, numbered and named under the stream's
+    /// lock, so operations run in issue order.
+    ///
+    /// Errors: `stream` was not created by this group.
+    pub(crate) fn issue_job<W>(
+        &self,
+        stream: &CommStream,
+        kind: OpKind,
+        make: impl FnOnce(Issued) -> (W, Job<C>),
+    ) -> Result<W> {
+        let Some(hs) = stream
+            .backend_state::<HostStream<C>>()
+            .filter(|s| s.owner == self.id)
+        else {
+            return Err(foreign_stream(kind, self.rank, stream));
+        };
+        let mut slot = hs.slot.lock();
+        slot.seq += 1;
+        let issued = Issued {
+            seq: slot.seq,
+            op: format!("{} #{} (stream {})", kind.name(), slot.seq, hs.name),
+            stream: Arc::clone(&hs.name),
+            observer: self.observer.lock().clone(),
+        };
+        let (value, job) = make(issued);
+        if let Some(tx) = &slot.tx {
+            // A send error means the stream thread is gone: the job, and with it its
+            // completer, is dropped, and `wait` reports StreamStopped.
+            let _ = tx.send(job);
+        }
+        Ok(value)
+    }
+
+    /// Enqueues `body(comm, seq, op)` as an operation of `kind` on `stream`, reported to the
+    /// current observer; `on_panic(message)` runs on the stream's thread when the body panics
+    /// (the backend aborts the job), and the operation then fails with
+    /// [`Error::RankPanicked`].
     pub(crate) fn issue<T, F>(
         &self,
         stream: &CommStream,
@@ -203,8 +217,21 @@ impl<C: StreamComm> HostStreams<C> {
         T: Send + 'static,
         F: FnOnce(&mut C, u64, &str) -> Result<T> + Send + 'static,
     {
-        let observer = self.observer.lock().clone();
-        issue(stream, self.id, self.rank, kind, observer, on_panic, body)
+        let rank = self.rank;
+        let issued = self.issue_job(stream, kind, |is: Issued| {
+            let (work, completer) = Work::pending(is.op.clone(), rank, &*is.stream);
+            let job: Job<C> = Box::new(move |comm| {
+                let observed = is
+                    .observer
+                    .as_ref()
+                    .and_then(|o| o.op_started(&is.stream, kind, &is.op));
+                let result = run_stream_op(&is.op, rank, || body(comm, is.seq, &is.op), on_panic);
+                drop(observed);
+                completer.complete(result);
+            });
+            (work, job)
+        });
+        issued.unwrap_or_else(|e| Work::ready(Err(e)))
     }
 
     /// Closes the streams of a group being dropped: sets `closing` (each thread then leaves

@@ -8,7 +8,8 @@
 //!
 //! # Streams
 //!
-//! Every [`CommStream`] is one thread of this process (named `mpi-{rank}-{stream}`) with a
+//! The streams of `comm::engine`'s host group: every [`crate::comm::CommStream`] is one
+//! thread of this process (named `mpi-{rank}-{stream}`) with a
 //! communicator of its own, duplicated from the group's (`MPI_Comm_idup`): an all-gather and a
 //! reduce-scatter on different streams are in flight together, and operations on one stream run
 //! in issue order, as the [`crate::comm`] contract says. Stream and sub-group creation run on
@@ -19,7 +20,8 @@
 //! Every collective first exchanges a small descriptor with every peer and validates all of them
 //! with the thread backend's code (same [`Error::CollectiveMismatch`] / [`Error::BadBuffer`] on
 //! every rank, group still usable), then moves data with non-blocking point-to-point messages
-//! and reduces locally in rank order (see `ops`): reductions are **bitwise identical to the
+//! and reduces locally in rank order (`comm::engine::messages`, over this backend's messages,
+//! `ops`): reductions are **bitwise identical to the
 //! thread backend's** for every dtype (bf16/f16 accumulate in f32 and round once; they travel at
 //! 16 bits, nothing is widened on the wire and no MPI reduction op is used).
 //!
@@ -188,7 +190,13 @@ impl Transport for Mpi {
         self.ctx(setup, op).exchange(post, bytes)
     }
 
-    fn open(&self, _setup: &mut MpiComm, op: Op<'_>, _index: usize) -> Result<MpiComm> {
+    fn open(
+        &self,
+        _setup: &mut MpiComm,
+        op: Op<'_>,
+        _index: usize,
+        _name: &str,
+    ) -> Result<MpiComm> {
         let group = (self.rank, self.world_size);
         let comm = dup(self.rt, self.base, group, op.name, self.config.timeout)?;
         self.comms.lock().push(comm);

@@ -10,7 +10,8 @@
 //!
 //! # Streams
 //!
-//! As in the MPI backend: every [`CommStream`] is one thread of this process (named
+//! The streams of `comm::engine`'s host group, as in the MPI backend: every
+//! [`crate::comm::CommStream`] is one thread of this process (named
 //! `shm-{rank}-{stream}`) with a communicator of its own (a segment per rank), so an
 //! all-gather and a reduce-scatter are in flight together and each stream keeps issue order.
 //! Stream and sub-group creation run on the caller's thread over a setup communicator.
@@ -47,6 +48,7 @@ use std::time::Duration;
 use self::ops::{Comm, Ctx};
 use self::segment::{shm_dir, AbortSlot, PeerMap, Segment};
 use super::buffer::Post;
+use super::engine::board;
 use super::engine::group::{Collective, HostGroup, Op, Transport};
 use super::engine::streams as host_stream;
 use super::store::TcpStore;
@@ -142,7 +144,7 @@ impl Transport for Shm {
     }
 
     fn run(&self, comm: &mut Comm, op: Op<'_>, collective: Collective<'_>) -> Result<()> {
-        self.ctx(comm, op).run(collective)
+        board::run(&mut self.ctx(comm, op), collective)
     }
 
     fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()> {
@@ -150,7 +152,7 @@ impl Transport for Shm {
     }
 
     /// Every rank creates its segment, then maps the others', then removes its file.
-    fn open(&self, setup: &mut Comm, op: Op<'_>, index: usize) -> Result<Comm> {
+    fn open(&self, setup: &mut Comm, op: Op<'_>, index: usize, _name: &str) -> Result<Comm> {
         let ctx = self.ctx(setup, op);
         let own = self.create(index).inspect_err(|e| self.abort_self(e))?;
         ctx.sync_next()?;

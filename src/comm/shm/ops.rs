@@ -1,27 +1,19 @@
-//! The collectives of the shared-memory backend, run on a comm stream's thread (setup
-//! operations on the caller's): the thread backend's algorithm over the ranks' segments.
+//! The shared-memory backend's [`Board`]: a rank's segment of one communicator (setup
+//! operations on the caller's thread, collectives on a stream's), over which the shared-memory
+//! family's collectives run (`comm::engine::board`, the thread backend's algorithm).
 //!
-//! A collective copies this rank's input into its own segment, writes its descriptor (the
-//! [`Post`] the thread and MPI backends validate, encoded by `comm::wire`) into the segment
-//! header and arrives at barrier 1; once every rank arrived, every rank validates every
-//! descriptor (the same verdict everywhere) and does its own share of the copying straight from
-//! the peers' segments with the thread backend's copy loops and reduction kernel
-//! (`engine::copy`): all-gather copies every peer's input into its output; reduce-scatter
-//! reduces its own chunk across the peers' inputs in rank order; all-reduce reduces chunk r into
-//! its segment, then (after a barrier) copies every other chunk from its owner's segment;
-//! broadcast copies the root's segment; reduce has the root reduce every segment into its
-//! buffer. Barrier 2 keeps every segment unchanged until every rank finished reading it.
-//! Reductions are therefore bitwise the thread backend's.
-
-use candle_core::Tensor;
+//! Before barrier 1 a rank copies what its peers will read of its buffer into its own segment
+//! (growing it if needed) and writes its descriptor (the [`Post`] every backend validates,
+//! encoded by `comm::wire`) into the segment header; then every rank validates every descriptor
+//! (the same verdict everywhere) and reads the peers' segments in place. Reductions are
+//! therefore bitwise the thread backend's.
 
 use super::segment::{wait_for, Header, PeerMap, Segment, Stop, DESC_MAX};
 use super::Shm;
-use crate::comm::buffer::{with_checked_bufs, Kind, Post, Problem, RawBuf};
-use crate::comm::engine::copy::{self, with_elem};
-use crate::comm::engine::group::Collective;
+use crate::comm::buffer::{Kind, Post, Problem, RawBuf};
+use crate::comm::engine::board::{Board, Expose};
 use crate::comm::engine::messages::decode_and_validate;
-use crate::comm::{wire, Call, OpKind, ReduceOp};
+use crate::comm::wire;
 use crate::error::{Error, Result};
 
 /// One communicator of one rank: its own segment and its mappings of the peers' (index =
@@ -65,37 +57,16 @@ pub(super) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    pub(super) fn rank(&self) -> usize {
-        self.core.rank
-    }
-
-    pub(super) fn ws(&self) -> usize {
-        self.core.world_size
-    }
-
-    /// Runs `collective` (`None`: a barrier) on this communicator.
-    pub(super) fn run(&mut self, collective: Collective<'_>) -> Result<()> {
-        match collective {
-            None => self.barrier(),
-            Some((Call::AllGather, out, Some(input))) => self.all_gather(input, out),
-            Some((Call::ReduceScatter(op), out, Some(input))) => {
-                self.reduce_scatter(input, out, op)
-            }
-            Some((Call::AllReduce(op), buf, _)) => self.all_reduce(buf, op),
-            Some((Call::Broadcast(root), buf, _)) => self.broadcast(buf, root),
-            Some((Call::Reduce(root, op), buf, _)) => self.reduce(buf, root, op),
-            Some(_) => unreachable!("all-gather and reduce-scatter have an input"),
-        }
-    }
-
     /// Arrives at the barrier after this rank's last one and waits for every rank to arrive.
     pub(super) fn sync_next(&self) -> Result<()> {
-        self.sync(self.comm.header(self.rank()).arrivals() + 1)
+        self.arrive_and_wait(self.comm.header(self.rank()).arrivals() + 1)
     }
 
     /// Arrives at `target` and waits for every rank to arrive.
-    pub(super) fn sync(&self, target: u64) -> Result<()> {
-        let headers: Vec<Header> = (0..self.ws()).map(|j| self.comm.header(j)).collect();
+    fn arrive_and_wait(&self, target: u64) -> Result<()> {
+        let headers: Vec<Header> = (0..self.world_size())
+            .map(|j| self.comm.header(j))
+            .collect();
         headers[self.rank()].arrive(target);
         self.wait(&headers, target)
     }
@@ -165,7 +136,9 @@ impl Ctx<'_> {
                 DESC_MAX - 64
             )));
         }
-        let headers: Vec<Header> = (0..self.ws()).map(|j| self.comm.header(j)).collect();
+        let headers: Vec<Header> = (0..self.world_size())
+            .map(|j| self.comm.header(j))
+            .collect();
         let me = headers[self.rank()];
         let target = me.arrivals() + 1;
         me.write_desc(target, &desc);
@@ -180,7 +153,7 @@ impl Ctx<'_> {
     }
 
     /// Reports a local `problem` through the exchange (every rank fails the same way).
-    fn fail_with(&mut self, kind: Kind, problem: Problem) -> Error {
+    fn report(&mut self, kind: Kind, problem: Problem) -> Error {
         let mut post = Post::new(kind, self.seq);
         post.problem = Some(problem);
         match self.exchange(&post, &[]) {
@@ -233,164 +206,43 @@ impl Ctx<'_> {
         }
         Ok(())
     }
+}
 
-    /// Runs collective `kind` on `dst` (written; `which` names it) and `src` (read), both
-    /// locked for the whole call; a buffer this rank cannot use takes part in the exchange
-    /// only to report why.
-    fn with_storage(
-        &mut self,
-        kind: OpKind,
-        dst: &Tensor,
-        which: &'static str,
-        src: Option<&Tensor>,
-        body: impl FnOnce(&mut Self, RawBuf, Option<RawBuf>) -> Result<()>,
-    ) -> Result<()> {
-        with_checked_bufs(self, kind, dst, which, src, Self::fail_with, body)
+impl Board for Ctx<'_> {
+    fn rank(&self) -> usize {
+        self.core.rank
     }
 
-    fn post(&self, kind: OpKind) -> Post {
-        Post::new(Kind::Op(kind), self.seq)
+    fn world_size(&self) -> usize {
+        self.core.world_size
     }
 
-    fn all_gather(&mut self, input: &Tensor, output: &Tensor) -> Result<()> {
-        let kind = OpKind::AllGather;
-        self.with_storage(kind, output, "output", Some(input), |ctx, out, src| {
-            let src = src.expect("all-gather has an input");
-            ctx.copy_in(src, 0..0)?;
-            let mut post = ctx.post(kind);
-            post.input = Some(src);
-            post.output = Some(out);
-            let generation = ctx.exchange(&post, &[])?;
-            let srcs = (0..ctx.ws())
-                .map(|j| match j == ctx.rank() {
-                    true => Ok(src),
-                    false => ctx.seg(j, src, src.len),
-                })
-                .collect::<Result<Vec<RawBuf>>>()?;
-            // SAFETY: validated posts; `out` is this rank's locked output; every segment holds
-            // its rank's input and stays unchanged until barrier 2.
-            with_elem!(out.dtype, T => unsafe { copy::gather::<T>(out, &srcs, src.len) });
-            ctx.sync(generation + 1)
-        })
+    fn seq(&self) -> u64 {
+        self.seq
     }
 
-    fn reduce_scatter(&mut self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
-        let kind = OpKind::ReduceScatter;
-        self.with_storage(kind, output, "output", Some(input), |ctx, out, src| {
-            let src = src.expect("reduce-scatter has an input");
-            // This rank's own chunk is read from its tensor by itself only.
-            let own = ctx.rank() * out.len..(ctx.rank() + 1) * out.len;
-            ctx.copy_in(src, own)?;
-            let mut post = ctx.post(kind);
-            post.input = Some(src);
-            post.output = Some(out);
-            post.op = Some(op);
-            let generation = ctx.exchange(&post, &[])?;
-            let srcs = (0..ctx.ws())
-                .map(|j| match j == ctx.rank() {
-                    true => Ok(src),
-                    false => ctx.seg(j, src, src.len),
-                })
-                .collect::<Result<Vec<RawBuf>>>()?;
-            let (start, ws) = (ctx.rank() * out.len, ctx.ws());
-            // SAFETY: as in `all_gather`; `out` is disjoint from every input.
-            with_elem!(out.dtype, T => unsafe {
-                copy::reduce_shard::<T>(out, &srcs, start, op, ws)
-            });
-            ctx.sync(generation + 1)
-        })
+    /// Copies what the peers read into this rank's segment, then barrier 1 (`exchange`).
+    fn publish(&mut self, post: &Post, buf: RawBuf, expose: Expose) -> Result<u64> {
+        match expose {
+            Expose::Nothing => {}
+            Expose::Whole => self.copy_in(buf, 0..0)?,
+            Expose::AllBut(skip) => self.copy_in(buf, skip)?,
+        }
+        self.exchange(post, &[])
     }
 
-    fn all_reduce(&mut self, buf: &Tensor, op: ReduceOp) -> Result<()> {
-        let kind = OpKind::AllReduce;
-        self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
-            ctx.copy_in(mine, 0..0)?;
-            let mut post = ctx.post(kind);
-            post.input = Some(mine);
-            post.op = Some(op);
-            let generation = ctx.exchange(&post, &[])?;
-            let (ws, rank) = (ctx.ws(), ctx.rank());
-            let segs = (0..ws)
-                .map(|j| ctx.seg(j, mine, mine.len))
-                .collect::<Result<Vec<RawBuf>>>()?;
-            // SAFETY: validated posts; in phase A rank r reads and writes only chunk r of the
-            // segments (its own segment's chunk r is the destination).
-            with_elem!(mine.dtype, T => unsafe {
-                copy::all_reduce_phase_a::<T>(&segs, rank, op, ws)
-            });
-            // Phase B reads every chunk from its owner's segment into this rank's buffer, its
-            // own chunk included.
-            let mut dsts = segs.clone();
-            dsts[rank] = mine;
-            let (start, n) = crate::comm::reduce::chunk(mine.len, ws, rank);
-            let size = mine.dtype.size_in_bytes();
-            // SAFETY: chunk r of this rank's segment is final; `mine` is locked by this rank.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    segs[rank].ptr.add(start * size),
-                    mine.ptr.add(start * size),
-                    n * size,
-                )
-            };
-            ctx.sync(generation + 1)?;
-            // SAFETY: every rank finished phase A; segments stay unchanged until barrier 3.
-            with_elem!(mine.dtype, T => unsafe {
-                copy::all_reduce_phase_b::<T>(&dsts, rank, ws)
-            });
-            ctx.sync(generation + 2)
-        })
+    fn readable(&self, j: usize, like: RawBuf, len: usize) -> Result<RawBuf> {
+        self.seg(j, like, len)
     }
 
-    fn broadcast(&mut self, buf: &Tensor, root: usize) -> Result<()> {
-        let kind = OpKind::Broadcast;
-        self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
-            if ctx.rank() == root {
-                ctx.copy_in(mine, 0..0)?;
-            }
-            let mut post = ctx.post(kind);
-            post.input = Some(mine);
-            post.root = Some(root);
-            let generation = ctx.exchange(&post, &[])?;
-            if ctx.rank() != root {
-                let src = ctx.seg(root, mine, mine.len)?;
-                // SAFETY: validated posts; the root's segment is unchanged until barrier 2.
-                with_elem!(mine.dtype, T => unsafe { copy::copy_from::<T>(mine, src) });
-            }
-            ctx.sync(generation + 1)
-        })
+    fn sync(&self, target: u64) -> Result<()> {
+        Ctx::arrive_and_wait(self, target)
     }
 
-    fn reduce(&mut self, buf: &Tensor, root: usize, op: ReduceOp) -> Result<()> {
-        let kind = OpKind::Reduce;
-        self.with_storage(kind, buf, "buffer", None, |ctx, mine, _| {
-            if ctx.rank() != root {
-                ctx.copy_in(mine, 0..0)?;
-            }
-            let mut post = ctx.post(kind);
-            post.input = Some(mine);
-            post.op = Some(op);
-            post.root = Some(root);
-            let generation = ctx.exchange(&post, &[])?;
-            if ctx.rank() == root {
-                let ws = ctx.ws();
-                let bufs = (0..ws)
-                    .map(|j| match j == root {
-                        true => Ok(mine),
-                        false => ctx.seg(j, mine, mine.len),
-                    })
-                    .collect::<Result<Vec<RawBuf>>>()?;
-                // SAFETY: validated posts; the root writes only its own buffer.
-                with_elem!(mine.dtype, T => unsafe {
-                    copy::reduce_to_root::<T>(&bufs, root, op, ws)
-                });
-            }
-            ctx.sync(generation + 1)
-        })
+    fn fail_with(&mut self, kind: Kind, problem: Problem) -> Error {
+        self.report(kind, problem)
     }
 
-    fn barrier(&mut self) -> Result<()> {
-        let post = self.post(OpKind::Barrier);
-        // No data is shared: no second barrier (descriptors are double-buffered).
-        self.exchange(&post, &[]).map(|_| ())
-    }
+    /// Nothing to guard: the data lives in the segments, never in a peer's tensors.
+    fn data_phase(&self) -> impl Sized + '_ {}
 }

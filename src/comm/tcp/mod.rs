@@ -3,7 +3,7 @@
 //! with `--device cpu` whose ranks span machines (`LOCAL_WORLD_SIZE < WORLD_SIZE`; one
 //! machine's ranks use [`crate::comm::shm`]).
 //!
-//! [`TcpProcessGroup::connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`,
+//! [`connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`,
 //! served by rank 0): every rank listens on an ephemeral port of the address its peers reach it
 //! by (the interface of the route toward `MASTER_ADDR`; `FSDP_TCP_ADDR` names the address,
 //! `FSDP_TCP_IFNAME` an interface), publishes `host:port` in the store, reads everybody's, and
@@ -12,14 +12,16 @@
 //!
 //! # Streams
 //!
-//! As in the shared-memory and MPI backends: every [`CommStream`] is one thread of this process
+//! The streams of `comm::engine`'s host group, as in the shared-memory and MPI
+//! backends: every [`crate::comm::CommStream`] is one thread of this process
 //! (named `tcp-{rank}-{stream}`) with its own connection to every peer, so an all-gather and a
 //! reduce-scatter are in flight together and each stream keeps issue order. Stream and
 //! sub-group creation run on the caller's thread over a setup communicator.
 //!
 //! # Algorithm and guarantees
 //!
-//! Direct exchange (see `ops`): every collective first exchanges descriptors, validated by
+//! The message family's direct exchange (`comm::engine::messages`, over this backend's
+//! connections, `ops`): every collective first exchanges descriptors, validated by
 //! every rank with the thread backend's code (the same [`Error::CollectiveMismatch`] /
 //! [`Error::BadBuffer`] on every rank; the group stays usable), then every rank sends what each
 //! peer needs and reduces what it receives in rank order with the thread backend's kernel:
@@ -131,7 +133,7 @@ impl Transport for Tcp {
         self.ctx(setup, op).exchange(post, bytes)
     }
 
-    fn open(&self, _setup: &mut Comm, _op: Op<'_>, index: usize) -> Result<Comm> {
+    fn open(&self, _setup: &mut Comm, _op: Op<'_>, index: usize, _name: &str) -> Result<Comm> {
         self.connect(index)
             .inspect_err(|e| self.abort(&e.message()))
     }
@@ -248,7 +250,7 @@ fn root(net: Arc<Net>, config: TcpConfig) -> Result<Arc<dyn ProcessGroup>> {
 }
 
 /// Runs `f` on this process's rank of a TCP job of `world_size` processes that meet through
-/// the store at `addr:port` ([`TcpProcessGroup::connect`]; the group wrapped in
+/// the store at `addr:port` ([`connect`]; the group wrapped in
 /// [`super::Instrumented`]) and returns its result (one element). When `f` fails or panics, the job is
 /// aborted with the error's text: every other rank's collectives fail with
 /// [`Error::PeerFailed`].

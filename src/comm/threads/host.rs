@@ -1,6 +1,6 @@
-//! The host data path of the thread backend: its collectives on CPU tensors, access to each
-//! tensor's storage through Candle's in-place ops, around the rendezvous and the copy loops of
-//! [`copy`] (the GPU data path is `super::cuda`).
+//! The host data path of the thread backend: the shared-memory family's collectives
+//! (`comm::engine::board`) over this backend's rendezvous, the peers reading each other's tensors
+//! through the posted addresses (the GPU data path is `super::cuda`).
 //!
 //! The output (or in-place buffer) is written through [`Tensor::inplace_op1`] /
 //! [`Tensor::inplace_op2`], which hand us `&mut CpuStorage` under the tensor's storage write lock
@@ -10,170 +10,65 @@
 //! that, and every other local problem (device, shape, layout, dtype), is posted to the
 //! rendezvous so that every rank fails with the same [`crate::Error::BadBuffer`].
 
-use candle_core::Tensor;
-
 use super::rendezvous::{AbortOnUnwind, Ctx};
-use crate::comm::buffer::{check, validate, with_raw_bufs, Kind, Problem, RawBuf};
-use crate::comm::engine::copy::{self, with_elem};
-use crate::comm::{Call, OpKind, ReduceOp};
-use crate::error::Result;
+use crate::comm::buffer::{validate, Kind, Post, Problem, RawBuf};
+use crate::comm::engine::board::{Board, Expose};
+use crate::error::{Error, Result};
 
-impl Ctx<'_> {
-    /// Runs collective `call` on host buffers: `out` is the output (or in-place buffer), `input`
-    /// the input of all-gather and reduce-scatter.
-    pub(super) fn run_call(&self, call: Call, out: &Tensor, input: Option<&Tensor>) -> Result<()> {
-        match (call, input) {
-            (Call::AllGather, Some(input)) => self.all_gather(input, out),
-            (Call::ReduceScatter(op), Some(input)) => self.reduce_scatter(input, out, op),
-            (Call::AllReduce(op), _) => self.all_reduce(out, op),
-            (Call::Broadcast(root), _) => self.broadcast(out, root),
-            (Call::Reduce(root, op), _) => self.reduce(out, root, op),
-            (Call::AllGather | Call::ReduceScatter(_), None) => {
-                unreachable!("all-gather and reduce-scatter are issued with an input")
-            }
+/// A rank's side of a thread-backend rendezvous for one collective: the peers read its tensor
+/// itself (through the posted address), so nothing is copied before the rendezvous.
+pub(super) struct HostBoard<'a> {
+    pub ctx: &'a Ctx<'a>,
+    /// Every rank's post, after [`Board::publish`].
+    posts: Vec<Post>,
+}
+
+impl<'a> HostBoard<'a> {
+    pub(super) fn new(ctx: &'a Ctx<'a>) -> Self {
+        HostBoard {
+            ctx,
+            posts: Vec::new(),
         }
     }
+}
 
-    /// Runs `body(dst, src)` with `dst` (named `which`) write-locked and `src` read-locked for
-    /// the whole call, or takes part in the rendezvous only to report why it cannot.
-    fn with_storage(
-        &self,
-        kind: OpKind,
-        dst: &Tensor,
-        which: &'static str,
-        src: Option<&Tensor>,
-        body: impl FnOnce(RawBuf, Option<RawBuf>) -> Result<()>,
-    ) -> Result<()> {
-        let kind_ = Kind::Op(kind);
-        if let Some(problem) = src
-            .and_then(|s| check(s, "input"))
-            .or_else(|| check(dst, which))
-        {
-            return Err(self.fail_with(kind_, problem));
-        }
-        // Refused: Candle refused before calling `body`, i.e. the output shares storage with the
-        // input (layouts and devices were checked above).
-        match with_raw_bufs(dst, src, body) {
-            Ok(result) => result,
-            Err(_refused) => Err(self.fail_with(kind_, Problem::Aliased)),
-        }
+impl Board for HostBoard<'_> {
+    fn rank(&self) -> usize {
+        self.ctx.rank
     }
 
-    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
-        let kind = OpKind::AllGather;
-        self.with_storage(kind, output, "output", Some(input), |out, src| {
-            let src = src.expect("all-gather has an input");
-            let mut post = self.post(Kind::Op(kind));
-            post.input = Some(src);
-            post.output = Some(out);
-            let (generation, posts) = self.rendezvous(post)?;
-            validate(self.op, self.shared.world_size, &posts)?;
-            let _guard = AbortOnUnwind(self.op);
-            let srcs: Vec<RawBuf> = posts.iter().map(|p| p.input.expect("input")).collect();
-            // SAFETY: validated posts; `out` is write-locked by this rank and read by nobody;
-            // inputs stay alive and read-locked by their ranks until the second barrier.
-            with_elem!(out.dtype, T => unsafe { copy::gather::<T>(out, &srcs, src.len) });
-            self.sync(generation + 1);
-            Ok(())
-        })
+    fn world_size(&self) -> usize {
+        self.ctx.shared.world_size
     }
 
-    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
-        let kind = OpKind::ReduceScatter;
-        self.with_storage(kind, output, "output", Some(input), |out, src| {
-            let mut post = self.post(Kind::Op(kind));
-            post.input = src;
-            post.output = Some(out);
-            post.op = Some(op);
-            let (generation, posts) = self.rendezvous(post)?;
-            validate(self.op, self.shared.world_size, &posts)?;
-            let _guard = AbortOnUnwind(self.op);
-            let start = self.rank * out.len;
-            let srcs: Vec<RawBuf> = posts.iter().map(|p| p.input.expect("input")).collect();
-            let ws = self.shared.world_size;
-            // SAFETY: as in `all_gather`; `out` is disjoint from every input.
-            with_elem!(out.dtype, T => unsafe {
-                copy::reduce_shard::<T>(out, &srcs, start, op, ws)
-            });
-            self.sync(generation + 1);
-            Ok(())
-        })
+    fn seq(&self) -> u64 {
+        self.ctx.seq
     }
 
-    fn all_reduce(&self, buf: &Tensor, op: ReduceOp) -> Result<()> {
-        let kind = OpKind::AllReduce;
-        self.with_storage(kind, buf, "buffer", None, |mine, _| {
-            let mut post = self.post(Kind::Op(kind));
-            post.input = Some(mine);
-            post.op = Some(op);
-            let (generation, posts) = self.rendezvous(post)?;
-            validate(self.op, self.shared.world_size, &posts)?;
-            let _guard = AbortOnUnwind(self.op);
-            let bufs: Vec<RawBuf> = posts.iter().map(|p| p.input.expect("buffer")).collect();
-            let (ws, rank) = (self.shared.world_size, self.rank);
-            // SAFETY: validated posts; every buffer is write-locked by its rank, which only
-            // accesses it through the posted address until the last barrier; phase A works on
-            // chunk `rank` only.
-            with_elem!(mine.dtype, T => unsafe {
-                copy::all_reduce_phase_a::<T>(&bufs, rank, op, ws)
-            });
-            self.sync(generation + 1);
-            // SAFETY: every rank finished phase A.
-            with_elem!(mine.dtype, T => unsafe {
-                copy::all_reduce_phase_b::<T>(&bufs, rank, ws)
-            });
-            self.sync(generation + 2);
-            Ok(())
-        })
+    fn publish(&mut self, post: &Post, _buf: RawBuf, _expose: Expose) -> Result<u64> {
+        let (generation, posts) = self.ctx.rendezvous(*post)?;
+        validate(self.ctx.op, self.ctx.shared.world_size, &posts)?;
+        self.posts = posts;
+        Ok(generation)
     }
 
-    fn broadcast(&self, buf: &Tensor, root: usize) -> Result<()> {
-        let kind = OpKind::Broadcast;
-        self.with_storage(kind, buf, "buffer", None, |mine, _| {
-            let mut post = self.post(Kind::Op(kind));
-            post.input = Some(mine);
-            post.root = Some(root);
-            let (generation, posts) = self.rendezvous(post)?;
-            validate(self.op, self.shared.world_size, &posts)?;
-            let _guard = AbortOnUnwind(self.op);
-            if self.rank != root {
-                let src = posts[root].input.expect("buffer");
-                // SAFETY: validated posts; the root's buffer is only read during a broadcast
-                // and stays alive until the second barrier; `mine` is read by nobody.
-                with_elem!(mine.dtype, T => unsafe { copy::copy_from::<T>(mine, src) });
-            }
-            self.sync(generation + 1);
-            Ok(())
-        })
+    fn readable(&self, j: usize, _like: RawBuf, _len: usize) -> Result<RawBuf> {
+        Ok(self.posts[j]
+            .input
+            .expect("a collective's post has its buffer"))
     }
 
-    fn reduce(&self, buf: &Tensor, root: usize, op: ReduceOp) -> Result<()> {
-        let kind = OpKind::Reduce;
-        self.with_storage(kind, buf, "buffer", None, |mine, _| {
-            let mut post = self.post(Kind::Op(kind));
-            post.input = Some(mine);
-            post.op = Some(op);
-            post.root = Some(root);
-            let (generation, posts) = self.rendezvous(post)?;
-            validate(self.op, self.shared.world_size, &posts)?;
-            let _guard = AbortOnUnwind(self.op);
-            if self.rank == root {
-                let bufs: Vec<RawBuf> = posts.iter().map(|p| p.input.expect("buffer")).collect();
-                let ws = self.shared.world_size;
-                // SAFETY: validated posts; only the root reads any buffer and writes its own.
-                with_elem!(mine.dtype, T => unsafe {
-                    copy::reduce_to_root::<T>(&bufs, root, op, ws)
-                });
-            }
-            self.sync(generation + 1);
-            Ok(())
-        })
+    /// Cannot fail: every rank passed barrier 1 (see `Ctx::sync`).
+    fn sync(&self, target: u64) -> Result<()> {
+        self.ctx.sync(target);
+        Ok(())
     }
 
-    pub(super) fn barrier(&self) -> Result<()> {
-        let post = self.post(Kind::Op(OpKind::Barrier));
-        let (_generation, posts) = self.rendezvous(post)?;
-        // No buffer is shared, so no second barrier is needed (posts are double-buffered).
-        validate(self.op, self.shared.world_size, &posts)
+    fn fail_with(&mut self, kind: Kind, problem: Problem) -> Error {
+        self.ctx.fail_with(kind, problem)
+    }
+
+    fn data_phase(&self) -> impl Sized + '_ {
+        AbortOnUnwind(self.ctx.op)
     }
 }

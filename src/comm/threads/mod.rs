@@ -1,7 +1,7 @@
 //! In-process thread backend: `world_size` ranks as threads of one process, exchanging data
 //! through shared memory.
 //!
-//! [`new_group`] creates one [`ThreadProcessGroup`] handle per rank; [`run_ranks`] /
+//! [`new_group`] creates one handle per rank (an `Arc<dyn ProcessGroup>`); [`run_ranks`] /
 //! [`run_ranks_ok`] run a closure on every rank in its own thread (named `rank-{r}`), each with
 //! its handle wrapped in [`crate::comm::Instrumented`] (statistics), and collect the results
 //! ([`crate::launch::Launcher::Threads`] is the same launcher behind the common API).
@@ -87,20 +87,28 @@ pub use self::run::{
 };
 #[cfg(feature = "cuda")]
 pub use self::run::{new_group_on_gpu, run_ranks_on_gpu};
-use super::engine::{check_ranks, run_stream_op};
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
-use std::thread::{self, JoinHandle};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{Device, Tensor};
-use crossbeam::channel::{unbounded, Sender};
-use parking_lot::Mutex;
+use candle_core::Device;
+#[cfg(feature = "cuda")]
+use candle_core::Tensor;
 
+use self::host::HostBoard;
 use self::rendezvous::{Communicator, Ctx, Shared};
-use super::{Call, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM};
-use crate::comm::buffer::{validate, Kind, RawBytes};
+use super::buffer::{validate, Post};
+use super::engine::board;
+use super::engine::group::{Collective, HostGroup, Member, Op, Transport};
+#[cfg(feature = "cuda")]
+use super::engine::streams::HostStreams;
+use super::engine::streams::StreamComm;
+#[cfg(feature = "cuda")]
+use super::{Call, CommStream, OpKind, Work};
+use super::{ProcessGroup, DEFAULT_STREAM};
+// `Error` is named by the docs above, and used by the GPU path.
+#[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
 use crate::error::{Error, Result};
 
 /// Configuration of a thread process group.
@@ -120,393 +128,114 @@ impl Default for ThreadGroupConfig {
     }
 }
 
-type Job = Box<dyn FnOnce() + Send>;
-
-/// Issue side of one stream of one rank: the sequence number of the last operation issued and
-/// the channel to the stream's thread (`None` once the group handle closed it).
-struct StreamSlot {
-    seq: u64,
-    tx: Option<Sender<Job>>,
-}
-
-/// The thread backend's state behind a [`CommStream`].
-struct ThreadStream {
-    /// Id of the [`ThreadProcessGroup`] that created it.
-    owner: u64,
-    name: Arc<str>,
-    comm: Arc<Communicator>,
-    slot: Mutex<StreamSlot>,
+/// One communicator of a rank as its thread holds it: a stream's rendezvous (`None`: the
+/// group's setup rendezvous) and, on a GPU, the stream's CUDA stream.
+pub(crate) struct ThreadComm {
+    shared: Arc<Shared>,
+    comm: Option<Arc<Communicator>>,
     /// The CUDA stream the stream's data movement is enqueued on (groups on a GPU).
     #[cfg(feature = "cuda")]
     device_stream: Option<Arc<cudarc::driver::CudaStream>>,
 }
 
-/// The CUDA state of a rank of a group on a GPU (`None` on the CPU).
-#[cfg(feature = "cuda")]
-type RankDevice = Option<Arc<cuda::RankCuda>>;
-
-/// Setup operations issued by one rank handle.
-struct SetupState {
-    /// Sequence number of the last setup operation.
-    seq: u64,
-    /// Streams created so far (the default stream included): the index of the next one.
-    streams: usize,
-}
-
-static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
-
-/// One rank's handle on an in-process group; see the [module docs](self).
-///
-/// Dropping the handle closes its comm streams, waits for the work already queued on them to
-/// finish, then marks the rank as departed: peers still waiting for it fail with
-/// [`Error::PeerExited`].
-pub struct ThreadProcessGroup {
-    id: u64,
-    rank: usize,
-    device: Device,
-    shared: Arc<Shared>,
-    default_stream: CommStream,
-    streams: Mutex<Vec<Weak<ThreadStream>>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
-    setup: Mutex<SetupState>,
-    observer: Mutex<Option<Arc<dyn CommObserver>>>,
-    /// Set when the handle is dropped, before its streams are closed.
-    closing: Arc<AtomicBool>,
-    /// This rank's GPU state (groups on a GPU).
-    #[cfg(feature = "cuda")]
-    cuda: RankDevice,
-}
-
-impl std::fmt::Debug for ThreadProcessGroup {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ThreadProcessGroup")
-            .field("rank", &self.rank)
-            .field("world_size", &self.shared.world_size)
-            .field("timeout", &self.shared.timeout)
-            .finish()
+impl ThreadComm {
+    fn communicator(&self) -> &Communicator {
+        self.comm.as_deref().unwrap_or(&self.shared.setup)
     }
 }
 
-/// Starts the thread of the `index`-th stream of `rank`, named `name`, owned by group `owner`.
-///
-/// The thread runs until its channel closes. When the group handle closed it (`closing` set),
-/// the thread marks the rank as finished on its communicator, so that peers waiting there stop
-/// waiting while the handle is still joining its other streams. When the last [`CommStream`] on
-/// it was dropped instead, the rank is still alive and may yet fail: peers waiting on the stream
-/// then learn of the rank's fate from its abort or its handle's departure.
-fn start_stream(
-    owner: u64,
-    rank: usize,
-    shared: &Shared,
-    closing: &Arc<AtomicBool>,
-    index: usize,
-    name: &str,
-    #[cfg(feature = "cuda")] cuda: &RankDevice,
-) -> Result<(Arc<ThreadStream>, JoinHandle<()>)> {
-    #[cfg(feature = "cuda")]
-    let device_stream = match cuda {
-        Some(c) => Some(crate::device::cuda::new_stream(&c.cuda)?),
-        None => None,
-    };
-    let comm = shared.communicator(index, name);
-    let (tx, rx) = unbounded::<Job>();
-    let thread_comm = Arc::clone(&comm);
-    let closing = Arc::clone(closing);
-    let handle = thread::Builder::new()
-        .name(format!("rank-{rank}-{name}"))
-        .spawn(move || {
-            raise_priority();
-            for job in rx.iter() {
-                job();
+impl StreamComm for ThreadComm {
+    /// A stream's thread marks the rank as finished on its communicator, so that peers waiting
+    /// there stop waiting while the handle still joins its other streams; the setup
+    /// communicator's departure marks the rank as departed from the group. (When the last
+    /// [`crate::comm::CommStream`] of a stream is dropped instead, its thread ends without
+    /// this: the rank is still alive and may yet fail.)
+    fn leave(&mut self, rank: usize) {
+        match &self.comm {
+            Some(comm) => comm.finish(rank),
+            None => {
+                self.shared.departed[rank].store(true, Ordering::Release);
+                self.shared.notify_all();
             }
-            if closing.load(Ordering::Acquire) {
-                thread_comm.finish(rank);
-            }
-        })
-        .map_err(|error| Error::SpawnFailed {
-            what: format!("comm stream {name} of rank {rank}"),
-            error,
-        })?;
-    let stream = Arc::new(ThreadStream {
-        owner,
-        name: name.into(),
-        comm,
-        slot: Mutex::new(StreamSlot {
-            seq: 0,
-            tx: Some(tx),
-        }),
-        #[cfg(feature = "cuda")]
-        device_stream,
-    });
-    Ok((stream, handle))
+        }
+    }
+
+    fn thread_name(_backend: &str, rank: usize, stream: &str) -> String {
+        format!("rank-{rank}-{stream}")
+    }
+
+    fn on_thread_start() {
+        raise_priority();
+    }
 }
 
-impl ThreadProcessGroup {
+/// The thread backend's transport of one rank of one group: the group's shared rendezvous
+/// state and, on a GPU, the rank's CUDA state.
+pub(crate) struct Threads {
+    rank: usize,
+    shared: Arc<Shared>,
+    #[cfg(feature = "cuda")]
+    cuda: Option<Arc<cuda::RankCuda>>,
+}
+
+impl Threads {
     /// The handle of `rank` on `shared`, with its default stream running.
-    fn create(
+    fn group(
         shared: Arc<Shared>,
         rank: usize,
-        #[cfg(feature = "cuda")] cuda: RankDevice,
-    ) -> Result<Arc<ThreadProcessGroup>> {
-        let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
-        let closing = Arc::new(AtomicBool::new(false));
-        let started = start_stream(
-            id,
+        #[cfg(feature = "cuda")] cuda: Option<Arc<cuda::RankCuda>>,
+    ) -> Result<Arc<dyn ProcessGroup>> {
+        let threads = Threads {
             rank,
-            &shared,
-            &closing,
-            0,
-            DEFAULT_STREAM,
-            #[cfg(feature = "cuda")]
-            &cuda,
-        );
-        let (default, thread) = match started {
-            Ok(started) => started,
-            Err(e) => {
-                // No handle will ever join: peers waiting for this rank must not hang.
-                shared.departed[rank].store(true, Ordering::Release);
-                shared.notify_all();
-                return Err(e);
-            }
-        };
-        #[cfg(feature = "cuda")]
-        let device = cuda.as_ref().map_or(Device::Cpu, |c| c.device.clone());
-        #[cfg(not(feature = "cuda"))]
-        let device = Device::Cpu;
-        Ok(Arc::new(ThreadProcessGroup {
-            id,
-            rank,
-            device,
             shared,
-            streams: Mutex::new(vec![Arc::downgrade(&default)]),
-            default_stream: CommStream::new(DEFAULT_STREAM, default),
-            threads: Mutex::new(vec![thread]),
-            setup: Mutex::new(SetupState { seq: 0, streams: 1 }),
-            observer: Mutex::new(None),
-            closing,
             #[cfg(feature = "cuda")]
             cuda,
-        }))
-    }
-
-    /// The configured collective timeout.
-    pub fn timeout(&self) -> Duration {
-        self.shared.timeout
-    }
-
-    /// Enqueues `body` as an operation of `kind` on `stream`.
-    /// Issues collective `call` on `stream`, on the rank's data path: its GPU's (`cuda.rs`,
-    /// feature `cuda`) when the group was made on one, else the host's (`host.rs`). `out` is the
-    /// output (or in-place buffer), `input` the input of all-gather and reduce-scatter.
-    fn issue_call(
-        &self,
-        stream: &CommStream,
-        call: Call,
-        out: Tensor,
-        input: Option<&Tensor>,
-    ) -> Work<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(rc) = &self.cuda {
-            return self.issue_cuda(stream, rc, call, out, input);
-        }
-        let input = input.cloned();
-        self.issue(stream, call.kind(), move |ctx| {
-            ctx.run_call(call, &out, input.as_ref())?;
-            Ok(out)
-        })
-    }
-
-    fn issue<T, F>(&self, stream: &CommStream, kind: OpKind, body: F) -> Work<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&Ctx) -> Result<T> + Send + 'static,
-    {
-        let Some(ts) = stream
-            .backend_state::<ThreadStream>()
-            .filter(|s| s.owner == self.id)
-        else {
-            return Work::ready(Err(crate::comm::foreign_stream(kind, self.rank, stream)));
         };
-        // Holding the slot from the sequence number to the send keeps both in the same order.
-        let mut slot = ts.slot.lock();
-        slot.seq += 1;
-        let seq = slot.seq;
-        let op = format!("{} #{seq} (stream {})", kind.name(), ts.name);
-        let (work, completer) = Work::pending(op.clone(), self.rank, &*ts.name);
-        let shared = Arc::clone(&self.shared);
-        let comm = Arc::clone(&ts.comm);
-        let stream_name = Arc::clone(&ts.name);
-        let rank = self.rank;
-        let observer = self.observer.lock().clone();
-        let job: Job = Box::new(move || {
-            let observed = observer
-                .as_ref()
-                .and_then(|o| o.op_started(&stream_name, kind, &op));
-            let ctx = Ctx {
-                shared: &shared,
-                comm: &comm,
-                rank,
-                seq,
-                op: &op,
-            };
-            let result = run_stream_op(
-                &op,
-                rank,
-                || body(&ctx),
-                |message| shared.abort(rank, &format!("comm stream panicked: {message}")),
-            );
-            drop(observed);
-            completer.complete(result);
-        });
-        if let Some(tx) = &slot.tx {
-            // A send error means the stream thread is gone: the job, and with it the completer,
-            // is dropped, and `wait` reports `Error::StreamStopped`.
-            let _ = tx.send(job);
-        }
-        work
-    }
-
-    /// Runs a setup rendezvous (`new_stream`, `new_group`) on the calling thread: posts `post`,
-    /// validates every rank's post, runs `then` on the validated outcome while peers still
-    /// keep their arguments alive, and leaves after the second barrier.
-    fn setup_rendezvous<T>(
-        &self,
-        ctx: &Ctx,
-        post: crate::comm::buffer::Post,
-        then: impl FnOnce(Result<()>) -> Result<T>,
-    ) -> Result<T> {
-        let (generation, posts) = ctx.rendezvous(post)?;
-        let outcome = then(validate(ctx.op, self.shared.world_size, &posts));
-        // Peers read this rank's argument while validating: every rank leaves together.
-        ctx.sync(generation + 1);
-        outcome
-    }
-
-    /// Issues a collective on CUDA buffers: `output` is the output or in-place buffer, `input`
-    /// the input of all-gather and reduce-scatter.
-    #[cfg(feature = "cuda")]
-    fn issue_cuda(
-        &self,
-        stream: &CommStream,
-        rc: &Arc<cuda::RankCuda>,
-        call: Call,
-        output: Tensor,
-        input: Option<&Tensor>,
-    ) -> Work<Tensor> {
-        let input = input.cloned();
-        let mut keep = vec![output.clone()];
-        keep.extend(input.iter().cloned());
-        let dst = output.clone();
-        let kind = call.kind();
-        self.issue_cuda_job(stream, rc, kind, output, keep, move |ctx, job| {
-            ctx.cuda_collective(job, call, &dst, input.as_ref())
-        })
-    }
-
-    /// Enqueues `body` as a CUDA operation of `kind` on `stream`: records the compute stream's
-    /// "inputs ready" event now (on the caller's thread), runs `body` on the stream's thread,
-    /// and returns a [`Work`] whose value `value` is valid once the operation's final event
-    /// completed; `keep` (the buffers) is released only after the compute stream waited on it.
-    #[cfg(feature = "cuda")]
-    fn issue_cuda_job<T, F>(
-        &self,
-        stream: &CommStream,
-        rc: &Arc<cuda::RankCuda>,
-        kind: OpKind,
-        value: T,
-        keep: Vec<Tensor>,
-        body: F,
-    ) -> Work<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&Ctx, &cuda::CudaJob) -> crate::comm::engine::cuda::CudaDone + Send + 'static,
-    {
-        let Some((ts, device_stream)) = stream
-            .backend_state::<ThreadStream>()
-            .filter(|s| s.owner == self.id)
-            .and_then(|s| s.device_stream.clone().map(|d| (s, d)))
-        else {
-            return Work::ready(Err(crate::comm::foreign_stream(kind, self.rank, stream)));
-        };
-        let mut slot = ts.slot.lock();
-        slot.seq += 1;
-        let seq = slot.seq;
-        let op = format!("{} #{seq} (stream {})", kind.name(), ts.name);
-        let (completion, completer) =
-            cuda::CudaOp::pending(Arc::clone(&rc.compute), &op, self.rank, &ts.name);
-        // The inputs as of this call: recorded now, on the compute stream.
-        let ready = crate::device::cuda::record(&rc.compute, false);
-        let shared = Arc::clone(&self.shared);
-        let comm = Arc::clone(&ts.comm);
-        let stream_name = Arc::clone(&ts.name);
-        let rank = self.rank;
-        let observer = self.observer.lock().clone();
-        let rc = Arc::clone(rc);
-        let job: Job = Box::new(move || {
-            let observed = observer
-                .as_ref()
-                .and_then(|o| o.op_started(&stream_name, kind, &op));
-            let timing = observer.as_ref().is_some_and(|o| o.times_device_ops());
-            let ctx = Ctx {
-                shared: &shared,
-                comm: &comm,
-                rank,
-                seq,
-                op: &op,
-            };
-            let done = run_stream_op(
-                &op,
-                rank,
-                || {
-                    Ok(match &ready {
-                        Ok(ready) => {
-                            let job = cuda::CudaJob {
-                                stream: &device_stream,
-                                cuda: &rc.cuda,
-                                device: &rc.device,
-                                ready,
-                                timing,
-                            };
-                            body(&ctx, &job)
-                        }
-                        Err(e) => {
-                            let e = Error::Cuda(format!("{op} on rank {rank}: {e}"));
-                            shared.abort(rank, &e.to_string());
-                            crate::comm::engine::cuda::CudaDone::failed(e)
-                        }
-                    })
-                },
-                |message| shared.abort(rank, &format!("comm stream panicked: {message}")),
-            )
-            .unwrap_or_else(crate::comm::engine::cuda::CudaDone::failed);
-            drop(observed);
-            let crate::comm::engine::cuda::CudaDone {
-                final_event,
-                timing,
-                result,
-            } = done;
-            if let (Some(o), Some((start, end))) = (&observer, timing) {
-                o.device_op(&stream_name, kind, &op, start, end);
+        let default = threads.shared.communicator(0, DEFAULT_STREAM);
+        match threads.comm(Some(default)) {
+            Ok(default) => {
+                let setup = threads.comm(None)?;
+                Ok(HostGroup::new(threads, setup, default)?)
             }
-            completer.complete(
-                crate::comm::engine::cuda::CudaDone {
-                    final_event,
-                    timing: None,
-                    result,
-                },
-                keep,
-            );
-        });
-        if let Some(tx) = &slot.tx {
-            // As in `issue`: a send error drops the job and its completer, which fails the
-            // operation with `Error::StreamStopped`.
-            let _ = tx.send(job);
+            Err(e) => {
+                // No handle will ever join: peers waiting for this rank must not hang.
+                threads.comm(None)?.leave(rank);
+                Err(e)
+            }
         }
-        Work::with_completion(value, completion)
+    }
+
+    /// This rank's side of `comm` (`None`: the setup rendezvous), with a CUDA stream of its
+    /// own on a GPU.
+    fn comm(&self, comm: Option<Arc<Communicator>>) -> Result<ThreadComm> {
+        #[cfg(feature = "cuda")]
+        let device_stream = match (&self.cuda, &comm) {
+            (Some(c), Some(_)) => Some(crate::device::cuda::new_stream(&c.cuda)?),
+            _ => None,
+        };
+        Ok(ThreadComm {
+            shared: Arc::clone(&self.shared),
+            comm,
+            #[cfg(feature = "cuda")]
+            device_stream,
+        })
+    }
+
+    fn ctx<'a>(&'a self, comm: &'a ThreadComm, op: Op<'a>) -> Ctx<'a> {
+        Ctx {
+            shared: &self.shared,
+            comm: comm.communicator(),
+            rank: self.rank,
+            seq: op.seq,
+            op: op.name,
+        }
     }
 }
 
-impl ProcessGroup for ThreadProcessGroup {
+impl Transport for Threads {
+    type Comm = ThreadComm;
+    const BACKEND: &'static str = "threads";
+
     fn rank(&self) -> usize {
         self.rank
     }
@@ -515,160 +244,179 @@ impl ProcessGroup for ThreadProcessGroup {
         self.shared.world_size
     }
 
-    fn backend(&self) -> &'static str {
-        "threads"
+    fn timeout(&self) -> Duration {
+        self.shared.timeout
     }
 
-    fn device(&self) -> &Device {
-        &self.device
-    }
-
-    fn new_stream(&self, name: &str) -> Result<CommStream> {
-        let mut setup = self.setup.lock();
-        setup.seq += 1;
-        let index = setup.streams;
-        let op = format!("new_stream #{} ({name:?})", setup.seq);
-        let ctx = Ctx {
-            shared: &self.shared,
-            comm: &self.shared.setup,
-            rank: self.rank,
-            seq: setup.seq,
-            op: &op,
-        };
-        let mut post = ctx.post(Kind::NewStream);
-        post.bytes = Some(RawBytes::of(name.as_bytes()));
-        post.index = Some(index);
-        self.setup_rendezvous(&ctx, post, |verdict| verdict)?;
-        setup.streams += 1;
-        let (stream, thread) = start_stream(
-            self.id,
-            self.rank,
-            &self.shared,
-            &self.closing,
-            index,
-            name,
-            #[cfg(feature = "cuda")]
-            &self.cuda,
-        )?;
-        let mut threads = self.threads.lock();
-        threads.retain(|t| !t.is_finished());
-        threads.push(thread);
-        let mut streams = self.streams.lock();
-        streams.retain(|s| s.strong_count() > 0);
-        streams.push(Arc::downgrade(&stream));
-        Ok(CommStream::new(Arc::clone(&stream.name), stream))
-    }
-
-    fn default_stream(&self) -> CommStream {
-        self.default_stream.clone()
-    }
-
-    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
-        self.issue_call(stream, Call::AllGather, output, Some(input))
-    }
-
-    fn reduce_scatter(
-        &self,
-        stream: &CommStream,
-        input: &Tensor,
-        output: Tensor,
-        op: ReduceOp,
-    ) -> Work<Tensor> {
-        self.issue_call(stream, Call::ReduceScatter(op), output, Some(input))
-    }
-
-    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
-        self.issue_call(stream, Call::AllReduce(op), buf, None)
-    }
-
-    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
-        self.issue_call(stream, Call::Broadcast(root), buf, None)
-    }
-
-    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
-        self.issue_call(stream, Call::Reduce(root, op), buf, None)
-    }
-
-    fn barrier(&self, stream: &CommStream) -> Work<()> {
+    fn device(&self) -> Device {
         #[cfg(feature = "cuda")]
-        if let Some(rc) = &self.cuda {
-            return self.issue_cuda_job(stream, rc, OpKind::Barrier, (), Vec::new(), |ctx, job| {
-                ctx.cuda_barrier(job)
-            });
+        if let Some(c) = &self.cuda {
+            return c.device.clone();
         }
-        self.issue(stream, OpKind::Barrier, |ctx| ctx.barrier())
+        Device::Cpu
     }
 
-    fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
-        let mut setup = self.setup.lock();
-        setup.seq += 1;
-        let seq = setup.seq;
-        let op = format!("new_group #{seq} ({ranks:?})");
-        let ctx = Ctx {
-            shared: &self.shared,
-            comm: &self.shared.setup,
-            rank: self.rank,
-            seq,
-            op: &op,
+    fn run(&self, comm: &mut ThreadComm, op: Op<'_>, collective: Collective<'_>) -> Result<()> {
+        let ctx = self.ctx(comm, op);
+        board::run(&mut HostBoard::new(&ctx), collective)
+    }
+
+    /// A setup rendezvous on the caller's thread: posts `post`, validates every rank's post,
+    /// and leaves after a second barrier (peers read this rank's argument while validating).
+    fn agree(&self, setup: &mut ThreadComm, op: Op<'_>, post: &Post, _bytes: &[u8]) -> Result<()> {
+        let ctx = self.ctx(setup, op);
+        let (generation, posts) = ctx.rendezvous(*post)?;
+        let verdict = validate(op.name, self.shared.world_size, &posts);
+        ctx.sync(generation + 1);
+        verdict
+    }
+
+    /// The `index`-th communicator of the group is its stream `index - 1` (0: the default
+    /// stream; the setup rendezvous has a place of its own).
+    fn open(
+        &self,
+        _setup: &mut ThreadComm,
+        _op: Op<'_>,
+        index: usize,
+        name: &str,
+    ) -> Result<ThreadComm> {
+        self.comm(Some(self.shared.communicator(index - 1, name)))
+    }
+
+    /// Members take the sub-group's shared state (the first one creates it, the last one to
+    /// take it removes it from the forming list).
+    fn split(
+        &self,
+        _setup: &mut ThreadComm,
+        op: Op<'_>,
+        ranks: &[usize],
+    ) -> Result<Option<Member<Threads>>> {
+        let Some(local) = ranks.iter().position(|&r| r == self.rank) else {
+            return Ok(None);
         };
-        let mut post = ctx.post(Kind::NewGroup);
-        post.bytes = Some(RawBytes::of(ranks));
-        let position = ranks.iter().position(|&r| r == self.rank);
-        let sub = self.setup_rendezvous(&ctx, post, |verdict| {
-            verdict?;
-            check_ranks(&op, ranks, self.shared.world_size)?;
-            // Members take the sub-group's shared state; the first one creates it.
-            Ok(position.map(|_| {
-                let mut forming = self.shared.forming.lock();
-                if let Some((_, s)) = forming.iter().find(|(s, _)| *s == seq) {
-                    return Arc::clone(s);
-                }
+        let shared = {
+            let mut forming = self.shared.forming.lock();
+            let at = forming.iter().position(|(s, _, _)| *s == op.seq);
+            let at = at.unwrap_or_else(|| {
                 let root_ranks = ranks.iter().map(|&r| self.shared.root_ranks[r]).collect();
-                let s = Shared::new(
-                    self.shared.timeout,
-                    root_ranks,
-                    Some(Arc::clone(self.shared.family())),
-                    DEFAULT_STREAM,
-                );
-                forming.push((seq, Arc::clone(&s)));
-                s
-            }))
-        });
-        if self.rank == 0 {
-            // Every member took its state before the second barrier.
-            self.shared.forming.lock().retain(|(s, _)| *s != seq);
-        }
-        match (sub?, position) {
-            (Some(shared), Some(local)) => Ok(Some(ThreadProcessGroup::create(
-                shared,
-                local,
-                #[cfg(feature = "cuda")]
-                self.cuda.clone(),
-            )? as Arc<dyn ProcessGroup>)),
-            _ => Ok(None),
-        }
+                let family = Some(Arc::clone(self.shared.family()));
+                let s = Shared::new(self.shared.timeout, root_ranks, family, DEFAULT_STREAM);
+                forming.push((op.seq, s, 0));
+                forming.len() - 1
+            });
+            forming[at].2 += 1;
+            let shared = Arc::clone(&forming[at].1);
+            if forming[at].2 == ranks.len() {
+                forming.remove(at);
+            }
+            shared
+        };
+        let sub = Threads {
+            rank: local,
+            shared,
+            #[cfg(feature = "cuda")]
+            cuda: self.cuda.clone(),
+        };
+        let setup = sub.comm(None)?;
+        let default = sub.comm(Some(sub.shared.communicator(0, DEFAULT_STREAM)))?;
+        Ok(Some((sub, setup, default)))
     }
 
     fn abort(&self, reason: &str) {
         self.shared.abort(self.rank, reason);
     }
 
-    fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
-        *self.observer.lock() = observer;
+    #[cfg(feature = "cuda")]
+    fn on_device(&self) -> bool {
+        self.cuda.is_some()
     }
-}
 
-impl Drop for ThreadProcessGroup {
-    fn drop(&mut self) {
-        // Close every channel first so the streams drain concurrently, then join them.
-        self.closing.store(true, Ordering::Release);
-        for stream in self.streams.get_mut().drain(..) {
-            if let Some(stream) = stream.upgrade() {
-                stream.slot.lock().tx = None;
-            }
+    /// Records the compute stream's "inputs ready" event now (on the caller's thread), runs
+    /// the collective on the stream's thread (`cuda`), and returns a [`Work`] whose value is
+    /// valid once the operation's final event completed; the buffers are released only after
+    /// the compute stream waited on it.
+    #[cfg(feature = "cuda")]
+    fn issue_device<V: Send + 'static>(
+        &self,
+        streams: &HostStreams<ThreadComm>,
+        stream: &CommStream,
+        kind: OpKind,
+        value: V,
+        collective: Option<(Call, Tensor, Option<Tensor>)>,
+    ) -> Work<V> {
+        use crate::comm::engine::cuda::CudaDone;
+        let rc = Arc::clone(self.cuda.as_ref().expect("a group on a GPU"));
+        let (rank, shared) = (self.rank, Arc::clone(&self.shared));
+        let issued = streams.issue_job(stream, kind, move |is| {
+            let (completion, completer) =
+                cuda::CudaOp::pending(Arc::clone(&rc.compute), &is.op, rank, &is.stream);
+            // The inputs as of this call: recorded now, on the compute stream.
+            let ready = crate::device::cuda::record(&rc.compute, false);
+            let job: crate::comm::engine::streams::Job<ThreadComm> = Box::new(move |comm| {
+                let op = &is.op;
+                let observer = is.observer.as_ref();
+                let observed = observer.and_then(|o| o.op_started(&is.stream, kind, op));
+                let timing = observer.is_some_and(|o| o.times_device_ops());
+                let ctx = Ctx {
+                    shared: &shared,
+                    comm: comm.communicator(),
+                    rank,
+                    seq: is.seq,
+                    op,
+                };
+                let keep: Vec<Tensor> = match &collective {
+                    Some((_, out, input)) => std::iter::once(out).chain(input).cloned().collect(),
+                    None => Vec::new(),
+                };
+                let run = || {
+                    let (ready, device_stream) = match (&ready, &comm.device_stream) {
+                        (Ok(ready), Some(stream)) => (ready, stream),
+                        (Err(e), _) => {
+                            let e = Error::Cuda(format!("{op} on rank {rank}: {e}"));
+                            shared.abort(rank, &e.to_string());
+                            return Ok(CudaDone::failed(e));
+                        }
+                        (_, None) => unreachable!("every stream of a group on a GPU has one"),
+                    };
+                    let job = cuda::CudaJob {
+                        stream: device_stream,
+                        cuda: &rc.cuda,
+                        device: &rc.device,
+                        ready,
+                        timing,
+                    };
+                    Ok(match &collective {
+                        Some((call, out, input)) => {
+                            ctx.cuda_collective(&job, *call, out, input.as_ref())
+                        }
+                        None => ctx.cuda_barrier(&job),
+                    })
+                };
+                let on_panic =
+                    |message: &str| shared.abort(rank, &format!("comm stream panicked: {message}"));
+                let done = crate::comm::engine::run_stream_op(op, rank, run, on_panic)
+                    .unwrap_or_else(CudaDone::failed);
+                drop(observed);
+                let CudaDone {
+                    final_event,
+                    timing,
+                    result,
+                } = done;
+                if let (Some(o), Some((start, end))) = (observer, timing) {
+                    o.device_op(&is.stream, kind, op, start, end);
+                }
+                let done = CudaDone {
+                    final_event,
+                    timing: None,
+                    result,
+                };
+                completer.complete(done, keep);
+            });
+            (completion, job)
+        });
+        match issued {
+            Ok(completion) => Work::with_completion(value, completion),
+            Err(e) => Work::ready(Err(e)),
         }
-        crate::comm::join_stream_threads(self.threads.get_mut());
-        self.shared.departed[self.rank].store(true, Ordering::Release);
-        self.shared.notify_all();
     }
 }

@@ -90,8 +90,9 @@ pub(super) struct Shared {
     pub setup: Communicator,
     /// Ranks whose handle was dropped.
     pub departed: Vec<AtomicBool>,
-    /// Sub-groups being created, by setup sequence number.
-    pub forming: Mutex<Vec<(u64, Arc<Shared>)>>,
+    /// Sub-groups being created: setup sequence number, shared state, members that took it
+    /// (the last one removes the entry).
+    pub forming: Mutex<Vec<(u64, Arc<Shared>, usize)>>,
 }
 
 impl Shared {

@@ -12,7 +12,7 @@ use std::thread;
 #[cfg(feature = "cuda")]
 use super::cuda;
 use super::rendezvous::Shared;
-use super::{ThreadGroupConfig, ThreadProcessGroup};
+use super::{ThreadGroupConfig, Threads};
 use crate::comm::{collect_rank_results, Instrumented, ProcessGroup, DEFAULT_STREAM};
 use crate::error::{Error, Result};
 
@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 pub fn new_group(
     world_size: usize,
     config: ThreadGroupConfig,
-) -> Result<Vec<Arc<ThreadProcessGroup>>> {
+) -> Result<Vec<Arc<dyn ProcessGroup>>> {
     if world_size == 0 {
         return Err(Error::InvalidArgument(
             "a process group needs world_size >= 1, got 0".to_string(),
@@ -39,7 +39,7 @@ pub fn new_group(
     );
     (0..world_size)
         .map(|rank| {
-            ThreadProcessGroup::create(
+            Threads::group(
                 Arc::clone(&shared),
                 rank,
                 #[cfg(feature = "cuda")]
@@ -62,7 +62,7 @@ pub fn new_group_on_gpu(
     world_size: usize,
     config: ThreadGroupConfig,
     ordinal: usize,
-) -> Result<Vec<Arc<ThreadProcessGroup>>> {
+) -> Result<Vec<Arc<dyn ProcessGroup>>> {
     if world_size == 0 {
         return Err(Error::InvalidArgument(
             "a process group needs world_size >= 1, got 0".to_string(),
@@ -86,7 +86,7 @@ pub fn new_group_on_gpu(
     devices
         .into_iter()
         .enumerate()
-        .map(|(rank, rc)| ThreadProcessGroup::create(Arc::clone(&shared), rank, Some(rc)))
+        .map(|(rank, rc)| Threads::group(Arc::clone(&shared), rank, Some(rc)))
         .collect()
 }
 
@@ -141,7 +141,7 @@ where
 
 /// Runs `f` on every handle of `groups` (index = rank), one scoped thread per rank; see
 /// [`run_ranks`].
-fn run_groups<T, F>(groups: Vec<Arc<ThreadProcessGroup>>, f: F) -> Vec<Result<T>>
+fn run_groups<T, F>(groups: Vec<Arc<dyn ProcessGroup>>, f: F) -> Vec<Result<T>>
 where
     T: Send,
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T> + Send + Sync,
@@ -152,7 +152,7 @@ where
         let handles: Vec<_> = groups
             .into_iter()
             .map(|pg| {
-                let rank = pg.rank;
+                let rank = pg.rank();
                 let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(pg));
                 // On failure the handle moved into the closure is dropped: peers see this rank
                 // as departed.

@@ -1,0 +1,191 @@
+//! The collectives of the shared-memory family (the thread backend, whose ranks read each
+//! other's tensors, and the shared-memory backend, whose ranks read each other's segments),
+//! written once over a [`Board`]: one rank's side of one communicator's rendezvous.
+//!
+//! A collective makes this rank's buffer readable by its peers (shm: copies what they will read
+//! into its segment), publishes its [`Post`] and waits for every rank (barrier 1), validates
+//! every rank's post (the same verdict on every rank: the group stays usable after a
+//! mismatch), then does its own share of the copying straight from the peers' readable buffers
+//! with the copy loops and rank-order reduction kernel of [`super::copy`] (bitwise the same
+//! reductions on both backends):
+//! - **all-gather**: every rank's input into its place in the output;
+//! - **reduce-scatter**: this rank's chunk, reduced over every rank's input in rank order;
+//! - **all-reduce** (in place, two phases): chunk `r` reduced over every rank's buffer into this
+//!   rank's readable buffer (and copied into its own, when those differ); barrier; every other
+//!   chunk copied from its owner's readable buffer;
+//! - **broadcast**: non-roots copy the root's buffer; **reduce**: the root reduces every
+//!   rank's buffer into its own.
+//!
+//! A last barrier keeps every readable buffer unchanged until every rank finished reading it.
+//! **barrier** is barrier 1 alone (posts are double-buffered).
+
+use std::ops::Range;
+
+use candle_core::Tensor;
+
+use super::copy::{self, with_elem};
+use crate::comm::buffer::{with_checked_bufs, Kind, Post, Problem, RawBuf};
+use crate::comm::reduce::chunk;
+use crate::comm::{Call, OpKind};
+use crate::error::{Error, Result};
+
+/// What the peers read of this rank's buffer in a collective.
+#[derive(Debug, Clone)]
+pub(crate) enum Expose {
+    /// Nothing (a barrier, a broadcast's non-root, a reduce's root).
+    Nothing,
+    /// The whole buffer.
+    Whole,
+    /// All but these elements (a reduce-scatter's own chunk, read only by this rank).
+    AllBut(Range<usize>),
+}
+
+/// One rank's side of one communicator's rendezvous, for one operation: what the thread and
+/// shared-memory backends implement.
+pub(crate) trait Board {
+    /// This rank in the group.
+    fn rank(&self) -> usize;
+    /// Ranks of the group.
+    fn world_size(&self) -> usize;
+    /// Sequence number of the operation.
+    fn seq(&self) -> u64;
+    /// Makes what `expose` says of this rank's `buf` readable by the peers, publishes `post`,
+    /// waits for every rank and validates every rank's post; returns the generation reached.
+    fn publish(&mut self, post: &Post, buf: RawBuf, expose: Expose) -> Result<u64>;
+    /// Rank `j`'s readable buffer as `len` elements of `like`'s dtype (after
+    /// [`Board::publish`]; this rank's own readable buffer at its own index).
+    fn readable(&self, j: usize, like: RawBuf, len: usize) -> Result<RawBuf>;
+    /// Arrives at barrier `target` after the data phase and waits for every rank.
+    fn sync(&self, target: u64) -> Result<()>;
+    /// Reports a local `problem` through the rendezvous (every rank fails the same way).
+    fn fail_with(&mut self, kind: Kind, problem: Problem) -> Error;
+    /// Held through the data phase (the thread backend aborts the process on a panic there:
+    /// unwinding would free buffers peers are still reading).
+    fn data_phase(&self) -> impl Sized + '_;
+}
+
+/// Runs `collective` (`None`: a barrier) on `board`; see the module docs.
+pub(crate) fn run<B: Board>(
+    board: &mut B,
+    collective: Option<(Call, &Tensor, Option<&Tensor>)>,
+) -> Result<()> {
+    let Some((call, buf, input)) = collective else {
+        let post = Post::new(Kind::Op(OpKind::Barrier), board.seq());
+        let none = RawBuf {
+            ptr: std::ptr::null_mut(),
+            len: 0,
+            dtype: candle_core::DType::U8,
+        };
+        return board.publish(&post, none, Expose::Nothing).map(|_| ());
+    };
+    let kind = call.kind();
+    let which = match input {
+        Some(_) => "output",
+        None => "buffer",
+    };
+    with_checked_bufs(
+        board,
+        kind,
+        buf,
+        which,
+        input,
+        B::fail_with,
+        |b, dst, src| {
+            let (rank, ws) = (b.rank(), b.world_size());
+            let mut post = Post::new(Kind::Op(kind), b.seq());
+            post.input = Some(src.unwrap_or(dst));
+            post.output = src.map(|_| dst);
+            post.op = call.op();
+            if let Call::Broadcast(root) | Call::Reduce(root, _) = call {
+                post.root = Some(root);
+            }
+            let mine = src.unwrap_or(dst);
+            // What the peers read of this rank's buffer.
+            let expose = match call {
+                Call::ReduceScatter(_) => Expose::AllBut(rank * dst.len..(rank + 1) * dst.len),
+                Call::Broadcast(root) if root != rank => Expose::Nothing,
+                Call::Reduce(root, _) if root == rank => Expose::Nothing,
+                _ => Expose::Whole,
+            };
+            let generation = b.publish(&post, mine, expose)?;
+            let guard = b.data_phase();
+            let all = |b: &B, len| {
+                (0..ws)
+                    .map(|j| b.readable(j, mine, len))
+                    .collect::<Result<Vec<_>>>()
+            };
+            match call {
+                Call::AllGather => {
+                    let mut srcs = all(b, mine.len)?;
+                    srcs[rank] = mine;
+                    // SAFETY: validated posts; `dst` is this rank's locked output; every readable
+                    // buffer holds its rank's input and stays unchanged until the last barrier.
+                    with_elem!(dst.dtype, T => unsafe { copy::gather::<T>(dst, &srcs, mine.len) });
+                }
+                Call::ReduceScatter(op) => {
+                    let mut srcs = all(b, mine.len)?;
+                    srcs[rank] = mine;
+                    // SAFETY: as for all-gather; `dst` is disjoint from every input.
+                    with_elem!(dst.dtype, T => unsafe {
+                        copy::reduce_shard::<T>(dst, &srcs, rank * dst.len, op, ws)
+                    });
+                }
+                Call::AllReduce(op) => {
+                    let srcs = all(b, mine.len)?;
+                    let exposed = srcs[rank];
+                    let (start, n) = chunk(mine.len, ws, rank);
+                    let chunk_of = |buf: RawBuf| RawBuf {
+                        ptr: buf.ptr.wrapping_add(start * buf.dtype.size_in_bytes()),
+                        len: n,
+                        dtype: buf.dtype,
+                    };
+                    // SAFETY: validated posts; in phase A rank r reads chunk r of every readable
+                    // buffer and writes chunk r of its own (exactly one of the sources).
+                    with_elem!(mine.dtype, T => unsafe {
+                        copy::reduce_shard::<T>(chunk_of(exposed), &srcs, start, op, ws)
+                    });
+                    if exposed.ptr != mine.ptr {
+                        // SAFETY: chunk r of this rank's readable buffer is final; `mine` is locked.
+                        with_elem!(mine.dtype, T => unsafe {
+                            copy::copy_from::<T>(chunk_of(mine), chunk_of(exposed))
+                        });
+                    }
+                    b.sync(generation + 1)?;
+                    let mut dsts = srcs;
+                    dsts[rank] = mine;
+                    // SAFETY: every rank finished phase A; readable buffers stay unchanged until the
+                    // last barrier; this rank writes only its own buffer's other chunks.
+                    with_elem!(mine.dtype, T => unsafe {
+                        copy::all_reduce_phase_b::<T>(&dsts, rank, ws)
+                    });
+                    let synced = b.sync(generation + 2);
+                    drop(guard);
+                    return synced;
+                }
+                Call::Broadcast(root) => {
+                    if rank != root {
+                        let src = b.readable(root, mine, mine.len)?;
+                        // SAFETY: validated posts; the root's readable buffer is unchanged until
+                        // the last barrier; `mine` is read by nobody during a broadcast.
+                        with_elem!(mine.dtype, T => unsafe { copy::copy_from::<T>(mine, src) });
+                    }
+                }
+                Call::Reduce(root, op) => {
+                    if rank == root {
+                        let srcs = all(b, mine.len)?;
+                        let mut bufs = srcs;
+                        bufs[root] = mine;
+                        // SAFETY: validated posts; only the root reads any buffer, and it writes
+                        // only its own.
+                        with_elem!(mine.dtype, T => unsafe {
+                            copy::reduce_to_root::<T>(&bufs, root, op, ws)
+                        });
+                    }
+                }
+            }
+            let synced = b.sync(generation + 1);
+            drop(guard);
+            synced
+        },
+    )
+}
