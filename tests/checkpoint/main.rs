@@ -4,6 +4,8 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../common/user_gpt.rs"]
+mod user_gpt;
 
 mod async_save;
 mod full;
