@@ -4,7 +4,6 @@
 //! (a clone of the tensor sees the update), without allocation proportional to the tensor, and
 //! refusing bad arguments with errors that name them.
 
-use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor};
@@ -18,10 +17,10 @@ mod counting_alloc;
 
 use common::adamw_hyper;
 
-use counting_alloc::{Counting, LIVE, PEAK};
+use counting_alloc::{peak, reset_peak};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: counting_alloc::Counting = counting_alloc::COUNTING;
 
 /// Tests of this file run one at a time: the allocation test reads process-wide counters.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -252,8 +251,7 @@ fn kernels_allocate_nothing_proportional_to_the_tensor() {
     for _ in 0..3 {
         ops::adamw_step(&p, &g, &m, &s, &h).unwrap();
     }
-    let base = LIVE.load(Ordering::SeqCst);
-    PEAK.store(base, Ordering::SeqCst);
+    let base = reset_peak();
     ops::adamw_step(&p, &g, &m, &s, &h).unwrap();
     ops::sgd_step(&p, &g, Some(&m), &sh).unwrap();
     ops::scale_(&g, 0.5).unwrap();
@@ -262,7 +260,7 @@ fn kernels_allocate_nothing_proportional_to_the_tensor() {
     assert!(ops::sum_squares(&g).unwrap() > 0.0);
     ops::add_(&g, &bf).unwrap();
     ops::add_(&g, &m).unwrap();
-    let peak = PEAK.load(Ordering::SeqCst) - base;
+    let peak = peak() - base;
     // Candle's in-place entry point allocates a few bytes for its overlap check, and the
     // optimizer's rayon split a few KiB of job-queue blocks per call (9 KiB measured, whatever
     // the tensors' size); a temporary of the tensors would be 2-4 MiB.
