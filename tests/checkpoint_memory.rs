@@ -3,7 +3,6 @@
 //! checkpoint maps the files instead of reading them into memory; building a Llama from a
 //! Hugging Face directory holds each rank's shards, not the model.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use candle_fsdp::checkpoint::{load_full, load_sharded, save_full, save_sharded, TrainState};
@@ -15,10 +14,10 @@ use candle_fsdp::{FsdpConfig, FsdpModel};
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
 
-use counting_alloc::{Counting, LIVE, PEAK};
+use counting_alloc::{live, peak, reset_peak};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: counting_alloc::Counting = counting_alloc::COUNTING;
 
 /// The allocator counts the whole process: the tests of this file run one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -45,9 +44,9 @@ fn build(pg: Arc<dyn ProcessGroup>) -> candle_fsdp::Result<FsdpModel> {
 fn start(pg: &dyn ProcessGroup) -> candle_fsdp::Result<isize> {
     pg.barrier_wait()?;
     std::thread::sleep(std::time::Duration::from_millis(50));
-    let base = LIVE.load(Ordering::SeqCst);
+    let base = live();
     if pg.rank() == 0 {
-        PEAK.store(base, Ordering::SeqCst);
+        reset_peak();
     }
     pg.barrier_wait()?;
     Ok(base)
@@ -58,7 +57,7 @@ fn peak_since(pg: &dyn ProcessGroup, base: isize) -> candle_fsdp::Result<isize> 
     pg.barrier_wait()?;
     std::thread::sleep(std::time::Duration::from_millis(50));
     pg.barrier_wait()?;
-    Ok(PEAK.load(Ordering::SeqCst) - base)
+    Ok(peak() - base)
 }
 
 #[test]

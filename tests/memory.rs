@@ -1,7 +1,6 @@
 //! Unsharded parameters are really freed after each unit's forward and backward (FULL_SHARD),
 //! measured with a counting global allocator, and the runtime's own counters agree.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
@@ -13,10 +12,10 @@ use candle_fsdp::{FsdpConfig, FsdpModel};
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
 
-use counting_alloc::{Counting, LIVE, PEAK};
+use counting_alloc::{live, peak, reset_peak};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: counting_alloc::Counting = counting_alloc::COUNTING;
 
 /// The allocator counts the whole process: the tests of this file run one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -58,20 +57,19 @@ fn full_shard_frees_unsharded_parameters_after_each_unit() {
         drop(y);
         model.zero_grad();
         settle(pg.as_ref())?;
-        let base = LIVE.load(Ordering::SeqCst);
-        PEAK.store(base, Ordering::SeqCst);
+        let base = reset_peak();
         pg.barrier_wait()?;
         model.reset_peak();
         let y = model.forward(&x)?;
         settle(pg.as_ref())?;
-        let after_forward = LIVE.load(Ordering::SeqCst) - base;
-        let peak_forward = PEAK.load(Ordering::SeqCst) - base;
+        let after_forward = live() - base;
+        let peak_forward = peak() - base;
         pg.barrier_wait()?;
         model.backward(&y.sum_all()?)?;
         drop(y);
         settle(pg.as_ref())?;
-        let peak_step = PEAK.load(Ordering::SeqCst) - base;
-        let after_step = LIVE.load(Ordering::SeqCst) - base;
+        let peak_step = peak() - base;
+        let after_step = live() - base;
         let stats = model.memory_stats();
         // Nobody drops its model (and so its shards) before everyone has read the counters.
         pg.barrier_wait()?;
@@ -143,11 +141,11 @@ fn after_forward_only_the_last_unit_is_resident_and_checkpointing_keeps_only_inp
             drop(y);
             model.zero_grad();
             settle(pg.as_ref())?;
-            let base = LIVE.load(Ordering::SeqCst);
+            let base = live();
             pg.barrier_wait()?;
             let y = model.forward(&x)?;
             settle(pg.as_ref())?;
-            let after = LIVE.load(Ordering::SeqCst) - base;
+            let after = live() - base;
             pg.barrier_wait()?;
             drop(y);
             model.discard_forward();
@@ -262,9 +260,9 @@ fn bytes_resident_after_forward_per_unit_kind() {
                 drop(y);
                 model.zero_grad();
                 settle(pg.as_ref())?;
-                let base = LIVE.load(Ordering::SeqCst);
+                let base = live();
                 let y = model.forward(&x)?;
-                let after = LIVE.load(Ordering::SeqCst) - base;
+                let after = live() - base;
                 drop(y);
                 model.discard_forward();
                 Ok(after)

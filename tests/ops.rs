@@ -1,21 +1,26 @@
 //! Device kernels (`candle_fsdp::ops`) on the CPU: bitwise equal to the host loops they replaced
-//! (the reference loops below are those loops, verbatim), in place (a clone of the tensor sees
-//! the update), without allocation proportional to the tensor, and refusing bad arguments with
-//! errors that name them.
+//! (the crate's references `candle_fsdp::kernels::{adamw,sgd,scale}_reference`, which are those
+//! loops operation for operation; the f64 sum of squares of the former `clip.rs` below), in place
+//! (a clone of the tensor sees the update), without allocation proportional to the tensor, and
+//! refusing bad arguments with errors that name them.
 
-use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor};
-use candle_fsdp::ops::{self, AdamWHyper, SgdHyper};
+use candle_fsdp::kernels;
+use candle_fsdp::ops::{self, SgdHyper};
 
+#[path = "common/mod.rs"]
+mod common;
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
 
-use counting_alloc::{Counting, LIVE, PEAK};
+use common::adamw_hyper;
+
+use counting_alloc::{peak, reset_peak};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: counting_alloc::Counting = counting_alloc::COUNTING;
 
 /// Tests of this file run one at a time: the allocation test reads process-wide counters.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -55,21 +60,6 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-fn adamw_hyper(step: i32, lr: f64, wd: f64) -> AdamWHyper {
-    let (beta1, beta2, eps) = (0.9f64, 0.999f64, 1e-8f64);
-    AdamWHyper {
-        beta1: beta1 as f32,
-        beta2: beta2 as f32,
-        one_minus_beta1: (1.0 - beta1) as f32,
-        one_minus_beta2: (1.0 - beta2) as f32,
-        bias_correction1: (1.0 / (1.0 - beta1.powi(step))) as f32,
-        bias_correction2: (1.0 / (1.0 - beta2.powi(step))) as f32,
-        decay: (1.0 - lr * wd) as f32,
-        lr: lr as f32,
-        eps: eps as f32,
-    }
-}
-
 #[test]
 fn adamw_step_is_bitwise_the_host_loop_and_in_place() {
     let _s = serial();
@@ -79,20 +69,10 @@ fn adamw_step_is_bitwise_the_host_loop_and_in_place() {
     let held = tp.clone();
     for step in 1..=5 {
         let g = values(n, 10 + step as u64, 0.1);
-        let h = adamw_hyper(step, 1e-3, 0.01);
+        let h = adamw_hyper(1e-3, 0.01, step);
         ops::adamw_step(&tp, &t(&g), &tm, &ts, &h).unwrap();
-        // The loop of src/optim.rs before the kernels, verbatim.
-        let (b1, b2, one_b1, one_b2) = (h.beta1, h.beta2, h.one_minus_beta1, h.one_minus_beta2);
-        let (scale_m, scale_v, decay, lr, eps) =
-            (h.bias_correction1, h.bias_correction2, h.decay, h.lr, h.eps);
-        for (((p, &g), m), v) in p.iter_mut().zip(&g).zip(&mut m).zip(&mut s) {
-            *m = *m * b1 + g * one_b1;
-            *v = *v * b2 + (g * g) * one_b2;
-            let m_hat = *m * scale_m;
-            let v_hat = *v * scale_v;
-            *p *= decay;
-            *p -= (m_hat / (v_hat.sqrt() + eps)) * lr;
-        }
+        // The loop of src/optim.rs before the kernels (unscaled, no inf found).
+        kernels::adamw_reference(&mut p, &g, &mut m, &mut s, &(&h).into(), 1.0, 0.0);
         assert_eq!(bits(&v(&tp)), bits(&p), "param after step {step}");
         assert_eq!(bits(&v(&tm)), bits(&m), "exp_avg after step {step}");
         assert_eq!(bits(&v(&ts)), bits(&s), "exp_avg_sq after step {step}");
@@ -131,21 +111,9 @@ fn sgd_step_is_bitwise_the_host_loop_for_every_option() {
             };
             let b = (momentum != 0.0).then_some(&tb);
             ops::sgd_step(&tp, &t(&g), b, &h).unwrap();
-            // The loop of src/optim.rs before the kernels, verbatim.
-            let (lr, mu, damp, wd) = (h.lr, h.momentum, h.one_minus_dampening, h.weight_decay);
-            let first = step == 0;
-            for (j, (p, &g)) in p.iter_mut().zip(&g).enumerate() {
-                let mut d = g;
-                if wd != 0.0 {
-                    d += wd * *p;
-                }
-                if mu != 0.0 {
-                    let b = &mut buf[j];
-                    *b = if first { d } else { mu * *b + damp * d };
-                    d = if nesterov { d + mu * *b } else { *b };
-                }
-                *p -= lr * d;
-            }
+            // The loops of src/optim.rs before the kernels (unscaled, no inf found); without
+            // momentum the buffer is neither read nor written.
+            kernels::sgd_reference(&mut p, &g, Some(&mut buf), &(&h).into(), 1.0, 0.0);
             let what = format!("momentum {momentum}, nesterov {nesterov}, step {step}");
             assert_eq!(bits(&v(&tp)), bits(&p), "param, {what}");
             assert_eq!(bits(&v(&tb)), bits(&buf), "momentum buffer, {what}");
@@ -165,7 +133,8 @@ fn norms_scaling_and_finiteness() {
     assert!(ops::all_finite(&tx).unwrap());
 
     ops::scale_(&tx, 0.3).unwrap();
-    let scaled: Vec<f32> = x.iter().map(|x| x * 0.3).collect();
+    let mut scaled = x.clone();
+    kernels::scale_reference(&mut scaled, 0.3);
     assert_eq!(bits(&v(&tx)), bits(&scaled));
 
     // Unscale with the inf/NaN check in one pass.
@@ -208,7 +177,7 @@ fn add_widens_half_precision_sources_exactly() {
 fn bad_arguments_are_refused_naming_kernel_and_tensor() {
     let _s = serial();
     let (p, g, m, s) = (t(&[1.0; 4]), t(&[1.0; 4]), t(&[0.0; 4]), t(&[0.0; 4]));
-    let h = adamw_hyper(1, 1e-3, 0.0);
+    let h = adamw_hyper(1e-3, 0.0, 1);
     let err = |r: candle_fsdp::Result<()>| r.unwrap_err().to_string();
     // Length.
     let e = err(ops::adamw_step(&p, &t(&[1.0; 3]), &m, &s, &h));
@@ -268,7 +237,7 @@ fn kernels_allocate_nothing_proportional_to_the_tensor() {
         Tensor::zeros(n, DType::F32, &Device::Cpu).unwrap(),
     );
     let bf = g.to_dtype(DType::BF16).unwrap();
-    let h = adamw_hyper(1, 1e-3, 0.01);
+    let h = adamw_hyper(1e-3, 0.01, 1);
     let sh = SgdHyper {
         lr: 0.1,
         momentum: 0.9,
@@ -282,8 +251,7 @@ fn kernels_allocate_nothing_proportional_to_the_tensor() {
     for _ in 0..3 {
         ops::adamw_step(&p, &g, &m, &s, &h).unwrap();
     }
-    let base = LIVE.load(Ordering::SeqCst);
-    PEAK.store(base, Ordering::SeqCst);
+    let base = reset_peak();
     ops::adamw_step(&p, &g, &m, &s, &h).unwrap();
     ops::sgd_step(&p, &g, Some(&m), &sh).unwrap();
     ops::scale_(&g, 0.5).unwrap();
@@ -292,7 +260,7 @@ fn kernels_allocate_nothing_proportional_to_the_tensor() {
     assert!(ops::sum_squares(&g).unwrap() > 0.0);
     ops::add_(&g, &bf).unwrap();
     ops::add_(&g, &m).unwrap();
-    let peak = PEAK.load(Ordering::SeqCst) - base;
+    let peak = peak() - base;
     // Candle's in-place entry point allocates a few bytes for its overlap check, and the
     // optimizer's rayon split a few KiB of job-queue blocks per call (9 KiB measured, whatever
     // the tensors' size); a temporary of the tensors would be 2-4 MiB.
@@ -309,7 +277,7 @@ fn unfit_tensors_are_bad_tensor_errors() {
     let p = t(&values(8, 1, 1.0));
     let g16 = t(&values(8, 2, 1.0)).to_dtype(DType::BF16).unwrap();
     let (m, v) = (t(&[0.0; 8]), t(&[0.0; 8]));
-    let h = adamw_hyper(1, 1e-3, 0.0);
+    let h = adamw_hyper(1e-3, 0.0, 1);
     match ops::adamw_step(&p, &g16, &m, &v, &h) {
         Err(candle_fsdp::Error::BadTensor {
             op,

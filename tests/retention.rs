@@ -1,8 +1,9 @@
 //! What a step keeps: after `FsdpModel::backward` a rank holds its parameter shards and its
 //! gradient shards, and nothing of the step's activations or gathered parameters. Measured with
-//! the counting allocator (`candle_fsdp::alloc`), which makes this binary's heap observable; one
-//! test function so that nothing else allocates while it measures. The units are GPT blocks
-//! (attention and MLP), whose activations are their own, not unit outputs.
+//! the tests' counting allocator (`common/counting_alloc.rs`, on `candle_fsdp::alloc`), which
+//! makes this binary's heap observable; one test function so that nothing else allocates while
+//! it measures. The units are GPT blocks (attention and MLP), whose activations are their own,
+//! not unit outputs.
 //!
 //! The fault this guards against: a gradient computed by Candle's backward keeps the graph it was
 //! computed from (the unit's inputs and gathered weights) unless detached. Where the flat
@@ -16,8 +17,13 @@ use candle_fsdp::comm::ProcessGroupExt;
 use candle_fsdp::models::gpt::{Block, GptConfig};
 use candle_fsdp::{FsdpConfig, FsdpModel, ShardingStrategy};
 
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
+
+use counting_alloc::live;
+
 #[global_allocator]
-static A: candle_fsdp::alloc::Counting = candle_fsdp::alloc::Counting(std::alloc::System);
+static GLOBAL: counting_alloc::Counting = counting_alloc::COUNTING;
 
 const LAYERS: usize = 4;
 /// Batch of (B, T) positions: a block's MLP hidden activation is B·T·4d f32 = 4 MiB, its
@@ -57,13 +63,13 @@ fn growth(world_size: usize, strategy: ShardingStrategy) -> (isize, usize) {
         // measuring.
         for step in 0..2 {
             pg.barrier_wait()?;
-            let before = candle_fsdp::alloc::live_bytes() as isize;
+            let before = live();
             let y = model.forward(&x)?;
             let loss = y.sqr()?.mean_all()?;
             model.backward(&loss)?;
             drop((y, loss));
             pg.barrier_wait()?;
-            let after = candle_fsdp::alloc::live_bytes() as isize;
+            let after = live();
             model.zero_grad();
             if step == 1 {
                 let shards: usize = model.shards().map(|v| 4 * v.layout.shard_numel).sum();

@@ -1,7 +1,8 @@
 //! Sharded checkpoints: exact round trips at world sizes 1–4, loads at another world size or
 //! sharding strategy (4→2, 2→3, 3→1, …), resume equal to training straight through (bitwise),
 //! failed and killed saves that keep the previous checkpoint, rotation, and clear errors for
-//! every kind of bad input.
+//! every kind of bad input; a GPT with a tied head and frozen parameters (tests/common/user_gpt.rs)
+//! saved at world size 2 and continued at world size 3 trains like uninterrupted plain Candle.
 
 use crate::common;
 
@@ -1198,4 +1199,56 @@ fn loaded_optimizer_state_of_the_wrong_length_is_refused_at_the_step() {
         e.contains("optimizer state exp_avg of unit fc1 has 136 elements, its shard 137"),
         "{e}"
     );
+}
+
+#[test]
+fn a_users_gpt_with_tied_and_frozen_weights_saved_at_ws2_continues_at_ws3_like_uninterrupted() {
+    use crate::user_gpt::{
+        assert_parity, batches, builder, full_params, make_opt, reference, train_step, BlockCfg,
+        Case, Outcome,
+    };
+    let mut c = Case::gpt(2, BlockCfg::default(), false);
+    c.freeze = vec!["wpe.*".into(), "h1.ln2.*".into()];
+    c.rows = 6;
+    c.steps = 4;
+    let want = reference(&c);
+    let dir = std::env::temp_dir().join(format!("user-gpt-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let data = batches(c.rows, c.steps);
+    let (c1, d1, dir1) = (c.clone(), data.clone(), dir.clone());
+    let (path, first) = run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+        let mut model = builder(&c1, pg.clone()).build()?;
+        let mut opt = make_opt(false);
+        let mut losses = Vec::new();
+        for (s, batch) in d1.iter().enumerate().take(2) {
+            losses.push(train_step(&c1, &mut model, opt.as_mut(), batch, s)?);
+        }
+        let state = TrainState {
+            step: 2,
+            ..Default::default()
+        };
+        let path = save_sharded(&dir1, &model, opt.as_ref(), &state, 0)?;
+        Ok((path, losses))
+    })
+    .unwrap()
+    .remove(0);
+    let c2 = c.clone();
+    let (later, params) = run_ranks_ok(3, ThreadGroupConfig::default(), move |pg| {
+        let mut model = builder(&c2, pg.clone()).build()?;
+        let mut opt = make_opt(false);
+        load_sharded(&path, &mut model, opt.as_mut())?;
+        let mut losses = Vec::new();
+        for (s, batch) in data.iter().enumerate().take(4).skip(2) {
+            losses.push(train_step(&c2, &mut model, opt.as_mut(), batch, s)?);
+        }
+        Ok((losses, full_params(&model)?))
+    })
+    .unwrap()
+    .remove(0);
+    let _ = std::fs::remove_dir_all(&dir);
+    let got = Outcome {
+        losses: first.into_iter().chain(later).collect(),
+        params,
+    };
+    assert_parity(&got, &want, "save ws 2 -> load ws 3 -> continue");
 }

@@ -1,28 +1,29 @@
-//! A global allocator that counts live and peak heap bytes of the whole test process. A test
+//! The one counting global allocator of the tests that measure allocations (`memory.rs`,
+//! `checkpoint_memory.rs`, `ops.rs`, `retention.rs`): the crate's own
+//! [`candle_fsdp::alloc::Counting`] (live and peak heap bytes of the whole process: [`live`],
+//! [`peak`], [`reset_peak`], as `candle_fsdp::alloc::{live_bytes, peak_bytes, reset_peak}`),
+//! wrapped around [`PerThread`], which also counts each thread's own net allocations
+//! ([`thread_reset_peak`], [`thread_peak`]): with thread ranks, what one rank holds. A test
 //! binary opts in with
-//! `#[global_allocator] static GLOBAL: counting_alloc::Counting = counting_alloc::Counting;`.
-//! Each thread's own net allocations are counted too ([`thread_reset_peak`], [`thread_peak`]):
-//! with thread ranks, what one rank holds.
+//! `#[global_allocator] static GLOBAL: counting_alloc::Counting = counting_alloc::COUNTING;`.
+#![allow(dead_code)] // not every binary including this file uses every counter
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
 
-/// Counts every allocation of the process into [`LIVE`] and [`PEAK`].
-pub struct Counting;
+/// The process-wide counter of the crate around the per-thread one.
+pub type Counting = candle_fsdp::alloc::Counting<PerThread>;
 
-/// Bytes allocated now.
-pub static LIVE: AtomicIsize = AtomicIsize::new(0);
-/// Highest [`LIVE`] since it was last reset (`PEAK.store(LIVE.load())`).
-pub static PEAK: AtomicIsize = AtomicIsize::new(0);
+/// The value of the `#[global_allocator]` static.
+pub const COUNTING: Counting = candle_fsdp::alloc::Counting(PerThread);
 
-unsafe impl GlobalAlloc for Counting {
+/// The system allocator, counting each thread's own allocations.
+pub struct PerThread;
+
+unsafe impl GlobalAlloc for PerThread {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: forwarded unchanged to the system allocator.
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
-            let now =
-                LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst) + layout.size() as isize;
-            PEAK.fetch_max(now, Ordering::SeqCst);
             thread_add(layout.size() as isize);
         }
         p
@@ -30,9 +31,24 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: `ptr` came from `alloc` above with this `layout`.
         unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
         thread_add(-(layout.size() as isize));
     }
+}
+
+/// Bytes allocated now (the whole process).
+pub fn live() -> isize {
+    candle_fsdp::alloc::live_bytes() as isize
+}
+
+/// Highest [`live`] since the last [`reset_peak`].
+pub fn peak() -> isize {
+    candle_fsdp::alloc::peak_bytes() as isize
+}
+
+/// Resets [`peak`] to [`live`] and returns that count: a baseline for [`peak`].
+pub fn reset_peak() -> isize {
+    candle_fsdp::alloc::reset_peak();
+    live()
 }
 
 thread_local! {
@@ -55,7 +71,6 @@ fn thread_add(delta: isize) {
 
 /// Resets this thread's peak to its live count and returns that count: a baseline for
 /// [`thread_peak`]. With thread ranks, what one rank's thread holds (its shards, its buffers).
-#[allow(dead_code)] // not every binary including this file measures threads
 pub fn thread_reset_peak() -> isize {
     let live = THREAD_LIVE.with(|l| l.get());
     THREAD_PEAK.with(|p| p.set(live));
@@ -63,7 +78,6 @@ pub fn thread_reset_peak() -> isize {
 }
 
 /// This thread's highest live count since [`thread_reset_peak`].
-#[allow(dead_code)] // not every binary including this file measures threads
 pub fn thread_peak() -> isize {
     THREAD_PEAK.with(|p| p.get())
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Module, Tensor};
+use candle_fsdp::ops::AdamWHyper;
 use candle_fsdp::unit::UnitSpec;
 use candle_nn::{Activation, Init, VarBuilder};
 use rand::{Rng, SeedableRng};
@@ -223,4 +224,20 @@ pub fn final_accuracy(out: &str) -> String {
     out.lines()
         .find_map(|l| l.find("final test accuracy").map(|i| l[i..].to_string()))
         .unwrap_or_else(|| panic!("no final accuracy in:\n{out}"))
+}
+
+/// AdamW constants as `optim::AdamWConfig::hyper` computes them (f64, rounded once).
+pub fn adamw_hyper(lr: f64, wd: f64, t: i32) -> AdamWHyper {
+    let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
+    AdamWHyper {
+        beta1: b1 as f32,
+        beta2: b2 as f32,
+        one_minus_beta1: (1.0 - b1) as f32,
+        one_minus_beta2: (1.0 - b2) as f32,
+        bias_correction1: (1.0 / (1.0 - b1.powi(t))) as f32,
+        bias_correction2: (1.0 / (1.0 - b2.powi(t))) as f32,
+        decay: (1.0 - lr * wd) as f32,
+        lr: lr as f32,
+        eps: eps as f32,
+    }
 }

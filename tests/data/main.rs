@@ -1,7 +1,7 @@
 //! The data side: the distributed sampler and batch loader, the MNIST IDX reader, the text
 //! corpus, and the classification metric.
 //!
-//! One test binary per area (a binary links the whole crate once); one module per former file.
+//! One test binary per area (a binary links the whole crate once); one module per topic.
 //! Apart from `tools` because these tests hold the MNIST data set in this process (see
 //! `tests/tools/main.rs`).
 

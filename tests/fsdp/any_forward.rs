@@ -2,7 +2,10 @@
 //! residual spanning units, a unit of two inputs and two outputs, a unit called twice, a
 //! concatenation, a differentiable LayerNorm, and an embedding tied to the LM head through a
 //! group — against single-process Candle running the same modules. Plus frozen parameters and
-//! the loud errors of operations without backward.
+//! the loud errors of operations without backward. Module `users_gpt`: the same kinds of forward
+//! on the GPT of tests/common/user_gpt.rs (a unit called three times, units unused in some
+//! steps, integer inputs and views, a unit returning its weight, a rank-dependent depth) and the
+//! gathered `FullModel` against the sharded eval forward.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -642,4 +645,401 @@ fn tied_and_frozen_checkpoint_reshards_across_world_sizes() {
         assert!(a == b, "{n1} differs after resharding 2 -> 3");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The same kinds of forward on a GPT written the way Candle users write it
+/// (tests/common/user_gpt.rs), trained against plain Candle on the global batch at world sizes 2
+/// and 3: a universal transformer, units unused or not called in some steps, integer inputs and
+/// view outputs, a unit returning its weight, a rank-dependent depth; and the gathered
+/// `FullModel` against the sharded eval forward.
+mod users_gpt {
+    use std::sync::Arc;
+
+    use candle_core::{DType, Device, Module, Tensor};
+    use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
+    use candle_fsdp::init::{seeded_var_builder, varmap_values};
+    use candle_fsdp::unit::{UnitModule, UnitSpec};
+    use candle_fsdp::{FsdpConfig, FsdpModel};
+    use candle_nn::{Linear, Optimizer, VarBuilder, VarMap};
+
+    use crate::user_gpt::*;
+
+    struct Mlp {
+        fc: Linear,
+        proj: Linear,
+    }
+
+    impl Module for Mlp {
+        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            self.proj.forward(&self.fc.forward(x)?.gelu()?)
+        }
+    }
+
+    fn mlp(vb: VarBuilder) -> candle_core::Result<Mlp> {
+        Ok(Mlp {
+            fc: candle_nn::linear(DM, 2 * DM, vb.pp("fc"))?,
+            proj: candle_nn::linear(2 * DM, DM, vb.pp("proj"))?,
+        })
+    }
+
+    /// A unit without parameters returning its input (a view of it).
+    struct Identity;
+
+    impl Module for Identity {
+        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            Ok(x.clone())
+        }
+    }
+
+    /// A unit without parameters returning a reshape (a view) of its input.
+    struct Flatten;
+
+    impl Module for Flatten {
+        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            x.flatten_to(1)
+        }
+    }
+
+    /// Returns (a(x), b(x)): the caller uses only the first.
+    struct Two {
+        a: Linear,
+        b: Linear,
+    }
+
+    impl UnitModule for Two {
+        fn forward_t(&self, xs: &[Tensor], _: bool) -> candle_core::Result<Vec<Tensor>> {
+            Ok(vec![
+                self.a.forward(&xs[0])?,
+                self.b.forward(&xs[0])?.tanh()?,
+            ])
+        }
+    }
+
+    fn two(vb: VarBuilder) -> candle_core::Result<Two> {
+        Ok(Two {
+            a: candle_nn::linear(DM, DM, vb.pp("a"))?,
+            b: candle_nn::linear(DM, DM, vb.pp("b"))?,
+        })
+    }
+
+    /// Universal transformer: one block called 3 times, a residual spanning units (h + mlp(h)).
+    #[test]
+    fn a_residual_across_units_and_a_unit_called_three_times_match_plain_candle() {
+        let layout = || {
+            let mut l = embeddings();
+            l.push((
+                "blk".into(),
+                vec![UnitSpec::multi("blk", block(BlockCfg::default()))],
+            ));
+            l.push(("mlp".into(), vec![UnitSpec::new("mlp", mlp)]));
+            l.push(ln_f());
+            l
+        };
+        let program: Program = Arc::new(|call, b, _| {
+            let (ids, y) = (&b[0], &b[1]);
+            let pos = Tensor::arange(0u32, T as u32, ids.device())?;
+            let mut h = call("emb", &[ids])?
+                .remove(0)
+                .broadcast_add(&call("wpe", &[&pos])?[0])?;
+            let mask = causal_mask(T)?;
+            for _ in 0..3 {
+                h = call("blk", &[&h, &mask])?.remove(0);
+                h = (&h + call("mlp", &[&h])?.remove(0))?;
+            }
+            let h = call("ln_f", &[&h])?.remove(0);
+            ce(&call("head", &[&h])?[0], y)
+        });
+        let c = Case::new(layout, program);
+        let want = reference(&c);
+        for ws in [2, 3] {
+            assert_parity(
+                &fsdp(&c, ws),
+                &want,
+                &format!("universal transformer ws {ws}"),
+            );
+        }
+        let mut c = c;
+        c.layout = Arc::new(move || {
+            let mut l = layout();
+            l[2].1[0] = UnitSpec::multi("blk", block(BlockCfg::default()))
+                .with_activation_checkpointing(true);
+            l
+        });
+        assert_parity(
+            &fsdp(&c, 2),
+            &want,
+            "universal transformer + checkpointing ws 2",
+        );
+    }
+
+    /// "aux" is called every step but its output reaches the loss only in even steps; "extra" is
+    /// called only in step 1. Both must then get no update (AdamW skips parameters without a
+    /// gradient).
+    #[test]
+    fn units_unused_or_not_called_in_some_steps_get_no_update_like_plain_candle() {
+        let layout = || {
+            let mut l = embeddings();
+            l.push((
+                "aux".into(),
+                vec![UnitSpec::new("aux", |vb| candle_nn::linear(DM, DM, vb))],
+            ));
+            l.push(("extra".into(), vec![UnitSpec::new("extra", mlp)]));
+            l.push(("mlp".into(), vec![UnitSpec::new("mlp", mlp)]));
+            l.push(ln_f());
+            l
+        };
+        let program: Program = Arc::new(|call, b, step| {
+            let (ids, y) = (&b[0], &b[1]);
+            let pos = Tensor::arange(0u32, T as u32, ids.device())?;
+            let mut h = call("emb", &[ids])?
+                .remove(0)
+                .broadcast_add(&call("wpe", &[&pos])?[0])?;
+            let a = call("aux", &[&h])?.remove(0);
+            if step % 2 == 0 {
+                h = (h + a)?;
+            }
+            if step == 1 {
+                h = (&h + call("extra", &[&h])?.remove(0))?;
+            }
+            h = (&h + call("mlp", &[&h])?.remove(0))?;
+            let h = call("ln_f", &[&h])?.remove(0);
+            ce(&call("head", &[&h])?[0], y)
+        });
+        let mut c = Case::new(layout, program);
+        c.steps = 4;
+        let want = reference(&c);
+        for ws in [2, 3] {
+            assert_parity(
+                &fsdp(&c, ws),
+                &want,
+                &format!("unused outputs, AdamW, ws {ws}"),
+            );
+        }
+        c.sgd = true;
+        let want = reference(&c);
+        assert_parity(&fsdp(&c, 2), &want, "unused outputs, SGD, ws 2");
+    }
+
+    /// Integer input → f32 output (embedding with token ids), a parameterless identity unit (returns
+    /// its input), a reshape-view unit, a two-output unit of which one output is used.
+    #[test]
+    fn integer_inputs_views_and_an_unused_second_output_match_plain_candle() {
+        let layout = || {
+            let mut l = embeddings();
+            l.push(("id".into(), vec![UnitSpec::new("id", |_vb| Ok(Identity))]));
+            l.push((
+                "flat".into(),
+                vec![UnitSpec::new("flat", |_vb| Ok(Flatten))],
+            ));
+            l.push(("two".into(), vec![UnitSpec::multi("two", two)]));
+            l.push(ln_f());
+            l
+        };
+        let program: Program = Arc::new(|call, b, _| {
+            let (ids, y) = (&b[0], &b[1]);
+            let (bs, t) = ids.dims2()?;
+            let pos = Tensor::arange(0u32, t as u32, ids.device())?;
+            let tok = call("emb", &[ids])?.remove(0);
+            assert_eq!(tok.dtype(), DType::F32);
+            // identity on a tensor with history, and on a fresh leaf (pos embedding output)
+            let pe = call("wpe", &[&pos])?.remove(0);
+            let pe = call("id", &[&pe])?.remove(0);
+            let h = call("id", &[&tok.broadcast_add(&pe)?])?.remove(0);
+            let h = call("flat", &[&h])?.remove(0); // (bs*t, DM)
+            let mut o = call("two", &[&h])?;
+            let h = o.remove(0).reshape((bs, t, DM))?;
+            let h = call("ln_f", &[&h])?.remove(0);
+            ce(&call("head", &[&h])?[0], y)
+        });
+        let c = Case::new(layout, program);
+        let want = reference(&c);
+        for ws in [2, 3] {
+            assert_parity(
+                &fsdp(&c, ws),
+                &want,
+                &format!("views / two outputs ws {ws}"),
+            );
+        }
+    }
+
+    /// The tied weight returned by a unit of no input (the user computes the logits himself), the
+    /// same tensor passed as both inputs of a unit, and a unit returning one tensor twice.
+    struct WeightOf(Tensor);
+
+    impl UnitModule for WeightOf {
+        fn forward_t(&self, xs: &[Tensor], _: bool) -> candle_core::Result<Vec<Tensor>> {
+            assert!(xs.is_empty());
+            Ok(vec![self.0.clone()])
+        }
+    }
+
+    struct Pair2 {
+        a: Linear,
+        b: Linear,
+    }
+
+    impl UnitModule for Pair2 {
+        fn forward_t(&self, xs: &[Tensor], _: bool) -> candle_core::Result<Vec<Tensor>> {
+            Ok(vec![
+                (self.a.forward(&xs[0])? + self.b.forward(&xs[1])?.tanh()?)?,
+            ])
+        }
+    }
+
+    struct Dup(Linear);
+
+    impl UnitModule for Dup {
+        fn forward_t(&self, xs: &[Tensor], _: bool) -> candle_core::Result<Vec<Tensor>> {
+            let y = self.0.forward(&xs[0])?;
+            Ok(vec![y.clone(), y])
+        }
+    }
+
+    #[test]
+    fn a_weight_returning_unit_one_input_twice_and_one_output_twice_match_plain_candle() {
+        let layout = || -> Layout {
+            vec![
+                (
+                    "wte".into(),
+                    vec![
+                        UnitSpec::new("emb", |vb| candle_nn::embedding(V, DM, vb)),
+                        UnitSpec::multi("wmat", |vb| Ok(WeightOf(vb.get((V, DM), "weight")?))),
+                    ],
+                ),
+                (
+                    "wpe".into(),
+                    vec![UnitSpec::new("wpe", |vb| candle_nn::embedding(T, DM, vb))],
+                ),
+                (
+                    "pair2".into(),
+                    vec![UnitSpec::multi("pair2", |vb| {
+                        Ok(Pair2 {
+                            a: candle_nn::linear(DM, DM, vb.pp("a"))?,
+                            b: candle_nn::linear(DM, DM, vb.pp("b"))?,
+                        })
+                    })],
+                ),
+                (
+                    "dup".into(),
+                    vec![UnitSpec::multi("dup", |vb| {
+                        Ok(Dup(candle_nn::linear(DM, DM, vb)?))
+                    })],
+                ),
+                ln_f(),
+            ]
+        };
+        let program: Program = Arc::new(|call, b, _| {
+            let (ids, y) = (&b[0], &b[1]);
+            let pos = Tensor::arange(0u32, T as u32, ids.device())?;
+            let tok = call("emb", &[ids])?
+                .remove(0)
+                .broadcast_add(&call("wpe", &[&pos])?[0])?;
+            let p = call("pair2", &[&tok, &tok])?.remove(0);
+            let d = call("dup", &[&p])?;
+            let h = (&d[0] + (&d[1] * 0.5)?)?;
+            let h = call("ln_f", &[&h])?.remove(0);
+            let w = call("wmat", &[])?.remove(0);
+            ce(&h.broadcast_matmul(&w.t()?)?, y)
+        });
+        let c = Case::new(layout, program);
+        let want = reference(&c);
+        for ws in [2, 3] {
+            assert_parity(
+                &fsdp(&c, ws),
+                &want,
+                &format!("weight unit / same input twice ws {ws}"),
+            );
+        }
+    }
+
+    /// A rank-dependent depth (rank 0 applies "a" twice, rank 1 once: an early exit taken on one
+    /// rank). The collectives still match (a second call of a present unit gathers nothing), and the
+    /// result must be the gradient of the mean of the ranks' losses: compared with plain Candle.
+    #[test]
+    fn a_rank_dependent_depth_matches_plain_candle() {
+        let xs: Vec<Tensor> = (0..2)
+            .map(|r| {
+                let v: Vec<f32> = (0..2 * DM)
+                    .map(|i| ((i * 7 + r * 3) % 11) as f32 / 11.0 - 0.5)
+                    .collect();
+                Tensor::from_vec(v, (2, DM), &Device::Cpu).unwrap()
+            })
+            .collect();
+        let fwd = |call: &mut Call<'_>, x: &Tensor, r: usize| -> candle_fsdp::Result<Tensor> {
+            let mut h = call("a", &[x])?.remove(0).tanh()?;
+            if r == 0 {
+                h = call("a", &[&h])?.remove(0).tanh()?;
+            }
+            Ok(call("b", &[&h])?.remove(0).sqr()?.mean_all()?)
+        };
+        // Plain Candle: loss = (L0 + L1) / 2, one SGD step.
+        let varmap = VarMap::new();
+        let vb = seeded_var_builder(&varmap, SEED, DType::F32, &Device::Cpu);
+        let a = candle_nn::linear(DM, DM, vb.pp("a")).unwrap();
+        let b = candle_nn::linear(DM, 3, vb.pp("b")).unwrap();
+        let mut call = |n: &str, x: &[&Tensor]| -> candle_fsdp::Result<Vec<Tensor>> {
+            Ok(vec![if n == "a" {
+                a.forward(x[0])?
+            } else {
+                b.forward(x[0])?
+            }])
+        };
+        let l0 = fwd(&mut call, &xs[0], 0).unwrap();
+        let l1 = fwd(&mut call, &xs[1], 1).unwrap();
+        let loss = ((l0 + l1).unwrap() / 2.0).unwrap();
+        let mut sgd = candle_nn::SGD::new(varmap.all_vars(), LR).unwrap();
+        sgd.backward_step(&loss).unwrap();
+        let want = varmap_values(&varmap).unwrap();
+        let got = run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+            let mut model = FsdpModel::builder(
+                pg.clone(),
+                FsdpConfig {
+                    seed: SEED,
+                    ..Default::default()
+                },
+            )
+            .unit("a", |vb| candle_nn::linear(DM, DM, vb))
+            .unit("b", |vb| candle_nn::linear(DM, 3, vb))
+            .build()?;
+            let r = pg.rank();
+            let x = xs[r].clone();
+            let l = model.forward_with(|f| fwd(&mut |n, x| f.call(n, x), &x, r))?;
+            model.backward(&l)?;
+            make_opt(true).step(&mut model)?;
+            full_params(&model)
+        })
+        .unwrap()
+        .remove(0);
+        for (n, w) in &want {
+            let e = w
+                .iter()
+                .zip(&got[n])
+                .map(|(p, q)| (p - q).abs())
+                .fold(0.0f32, f32::max);
+            assert!(e < 1e-6, "{n} differs by {e}");
+        }
+    }
+
+    #[test]
+    fn the_gathered_full_model_gives_the_sharded_eval_forwards_loss() {
+        let c = Case::gpt(2, BlockCfg::default(), false);
+        let data = batches(4, 2);
+        run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+            let mut c = c.clone();
+            c.rows = 4;
+            let mut model = builder(&c, pg.clone()).build()?;
+            let mut opt = make_opt(false);
+            train_step(&c, &mut model, opt.as_mut(), &data[0], 0)?;
+            let b = &data[1];
+            let p = c.program.clone();
+            let eval = model.forward_eval_with(|f| p(&mut |n, xs| f.call(n, xs), b, 0))?;
+            let full = model.gather_full_model(false)?.unwrap();
+            let p = c.program.clone();
+            let direct = p(&mut |n, xs| full.call(n, xs, false), b, 0)?;
+            let (a, d) = (eval.to_scalar::<f32>()?, direct.to_scalar::<f32>()?);
+            assert!((a - d).abs() < 1e-5, "eval loss {a} vs FullModel {d}");
+            Ok(())
+        })
+        .unwrap();
+    }
 }

@@ -1,9 +1,11 @@
-//! Mixed precision, the sharded grad scaler, gradient clipping and gradient accumulation.
+//! Mixed precision, the sharded grad scaler, gradient clipping and gradient accumulation (also
+//! bf16 and micro-batches without gradient sync on the GPT of tests/common/user_gpt.rs).
 
 use crate::common;
 
 use std::sync::Arc;
 
+use crate::user_gpt::{assert_parity, diff, fsdp, reference, BlockCfg, Case};
 use candle_core::{DType, Device, Tensor};
 use candle_fsdp::clip::{clip_grad_norm, total_grad_norm};
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
@@ -448,4 +450,65 @@ fn bf16_and_f16_mnist_accuracy_within_half_a_point_of_f32() {
         (f16_acc - f32_acc).abs() <= 0.5,
         "f16 {f16_acc} vs f32 {f32_acc}"
     );
+}
+
+// A GPT written the way Candle users write it (tests/common/user_gpt.rs): bf16 against plain
+// Candle in f32, micro-batches without gradient sync against one global batch.
+
+#[test]
+fn bf16_users_gpt_trains_within_5_percent_of_f32() {
+    let mut c = Case::gpt(3, BlockCfg::default(), false);
+    let want = reference(&c);
+    c.mp = MixedPrecision::bf16();
+    let got = fsdp(&c, 2);
+    let (dl, dp, worst) = diff(&got, &want);
+    println!(
+        "bf16: losses {:?} vs f32 {:?}; max param rel err {dp:e} ({worst})",
+        got.losses, want.losses
+    );
+    assert!(got.losses.iter().all(|l| l.is_finite()));
+    assert!(
+        dl < 0.05,
+        "bf16 losses {:?} vs f32 {:?}",
+        got.losses,
+        want.losses
+    );
+    assert!(dp < 0.05, "bf16 parameter {worst} off by {dp}");
+    assert!(got.losses[2] < got.losses[0], "{:?}", got.losses);
+}
+
+/// bf16 with everything at once: activation checkpointing, frozen parameters, 2 micro-batches.
+#[test]
+fn bf16_with_checkpointing_frozen_parameters_and_accumulation_within_5_percent_of_f32() {
+    let mut c = Case::gpt(2, BlockCfg::default(), true);
+    c.freeze = vec!["h0.ln1.*".into(), "wpe.*".into()];
+    let want = reference(&c);
+    c.mp = MixedPrecision::bf16();
+    c.accum = 2;
+    let got = fsdp(&c, 2);
+    let (dl, dp, worst) = diff(&got, &want);
+    println!(
+        "bf16 + AC + frozen + no_sync: losses {:?} vs f32 {:?}; max param rel err {dp:e} ({worst})",
+        got.losses, want.losses
+    );
+    assert!(dl < 0.05, "{:?} vs {:?}", got.losses, want.losses);
+    assert!(dp < 0.05, "{worst}: {dp}");
+}
+
+#[test]
+fn micro_batches_without_gradient_sync_match_one_global_batch_with_and_without_checkpointing() {
+    let mut c = Case::gpt(2, BlockCfg::default(), false);
+    let want = reference(&c);
+    c.accum = 2;
+    for ws in [2, 3] {
+        assert_parity(
+            &fsdp(&c, ws),
+            &want,
+            &format!("2 micro-batches, no_sync, ws {ws}"),
+        );
+    }
+    // With activation checkpointing too.
+    let mut c = Case::gpt(2, BlockCfg::default(), true);
+    c.accum = 2;
+    assert_parity(&fsdp(&c, 2), &want, "2 micro-batches + checkpointing ws 2");
 }

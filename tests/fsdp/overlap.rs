@@ -1,6 +1,6 @@
 //! Prefetch and the rate limiter, proved from the trace: the order of issue markers and compute
 //! spans, the number of units unsharded at once, and bitwise-equal results with prefetch on and
-//! off.
+//! off; and from the runtime's memory stats on an 8-block GPT (with and without frozen twins).
 
 use std::sync::Arc;
 
@@ -10,6 +10,8 @@ use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::optim::{AdamW, AdamWConfig, ShardedOptimizer};
 use candle_fsdp::trace::{chrome_trace_json, overlap_summary, Lane, Span, SpanKind, TraceSession};
 use candle_fsdp::{BackwardPrefetch, FsdpConfig, FsdpModel};
+
+use crate::user_gpt::{batches, builder, make_opt, BlockCfg, Case, DM, V};
 
 const UNITS: usize = 8;
 const DIM: usize = 32;
@@ -211,4 +213,103 @@ fn trace_has_comm_lanes_and_exports_chrome_json_and_overlap_figures() {
         assert!((0.0..=1.0).contains(&s.overlap_fraction));
     }
     let _ = DType::F32;
+}
+
+// The runtime's memory stats on a user's 8-block GPT (tests/common/user_gpt.rs): forward prefetch
+// holds two blocks, nothing stays unsharded after backward, frozen twin groups keep prefetch.
+
+/// Per step of rank 0: memory stats after forward, after backward, after the optimizer step.
+fn memory_probe(
+    freeze: Vec<String>,
+) -> Vec<(
+    candle_fsdp::MemoryStats,
+    candle_fsdp::MemoryStats,
+    candle_fsdp::MemoryStats,
+)> {
+    let mut c = Case::gpt(8, BlockCfg::default(), false);
+    c.rows = 4;
+    c.freeze = freeze.clone();
+    let stats = run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+        let mut model = builder(&c, pg.clone()).build()?;
+        let mut opt = make_opt(false);
+        let data = batches(c.rows, 3);
+        let mut out = Vec::new();
+        let r = pg.rank();
+        for (s, b) in data.iter().enumerate() {
+            model.reset_peak();
+            let rows: Vec<Tensor> = b
+                .iter()
+                .map(|t| t.narrow(0, r * 2, 2))
+                .collect::<candle_core::Result<_>>()?;
+            let p = c.program.clone();
+            let loss = model.forward_with(|f| p(&mut |n, xs| f.call(n, xs), &rows, s))?;
+            let after_fwd = model.memory_stats();
+            model.backward(&loss)?;
+            let after_bwd = model.memory_stats();
+            opt.step(&mut model)?;
+            model.zero_grad();
+            out.push((after_fwd, after_bwd, model.memory_stats()));
+        }
+        Ok(out)
+    })
+    .unwrap();
+    for (s, (f, b, _)) in stats[0].iter().enumerate() {
+        println!("freeze {freeze:?} step {s}:\n after fwd {f:?}\n after bwd {b:?}");
+    }
+    stats.into_iter().next().unwrap()
+}
+
+/// Bytes of one block's parameters (f32).
+const BLOCK_BYTES: usize = 4
+    * (2 * DM
+        + DM * 3 * DM
+        + 3 * DM
+        + DM * DM
+        + DM
+        + 2 * DM
+        + DM * 4 * DM
+        + 4 * DM
+        + 4 * DM * DM
+        + DM);
+
+#[test]
+fn memory_stats_show_forward_prefetch_and_nothing_unsharded_after_backward() {
+    for (s, (f, b, end)) in memory_probe(Vec::new()).iter().enumerate() {
+        assert_eq!(
+            b.unsharded_bytes, 0,
+            "step {s}: unsharded bytes after backward: {b:?}"
+        );
+        assert_eq!(b.unsharded_units, 0, "{b:?}");
+        assert_eq!(end.unsharded_bytes, 0);
+        assert!(b.peak_unsharded_units <= 2, "step {s}: {b:?}");
+        // Forward prefetch at work: a block computes while the next one is gathered.
+        assert!(f.peak_unsharded_bytes >= 2 * BLOCK_BYTES, "step {s}: {f:?}");
+        assert!(
+            b.peak_unsharded_bytes <= 2 * BLOCK_BYTES + 4 * V * DM,
+            "step {s}: {b:?}"
+        );
+    }
+}
+
+/// Freezing one tensor per block (h*.ln1.*) gives every block a frozen twin group. The forward
+/// must still prefetch the next block while one computes: its peak of unsharded bytes stays two
+/// blocks (less the frozen tensors), and backward holds at most 2 units. (When
+/// `limit_all_gathers` (2) counted groups, a block's own two groups exhausted it and the next
+/// block was never prefetched: the forward peak dropped to one block, all-gathers exposed.)
+#[test]
+fn frozen_twin_groups_keep_forward_prefetch() {
+    for (s, (f, b, end)) in memory_probe(vec!["h*.ln1.*".to_string()])
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(b.unsharded_bytes, 0, "step {s}: {b:?}");
+        assert_eq!(end.unsharded_bytes, 0);
+        assert!(
+            f.peak_unsharded_bytes >= 2 * BLOCK_BYTES - 4 * 2 * DM * 8,
+            "step {s}: forward peak {} bytes < two blocks ({} bytes): no forward prefetch: {f:?}",
+            f.peak_unsharded_bytes,
+            2 * BLOCK_BYTES
+        );
+        assert!(b.peak_unsharded_units <= 2, "step {s}: {b:?}");
+    }
 }

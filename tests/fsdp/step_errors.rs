@@ -1,13 +1,20 @@
 //! Errors that say where: a collective error, timeout or abort during a step names the unit, the
-//! phase and the step, and `run_ranks_ok` still reports the root cause under that context.
+//! phase and the step, and `run_ranks_ok` still reports the root cause under that context. A
+//! panic (in forward or in backward) or a unit error on one rank, and ranks calling different
+//! units, fail every rank promptly instead of waiting for the collective timeout.
 
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device, Tensor};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor};
 use candle_fsdp::comm::threads::{run_ranks, run_ranks_ok, ThreadGroupConfig};
-use candle_fsdp::comm::ProcessGroupExt;
+use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt};
 use candle_fsdp::error::Phase;
 use candle_fsdp::{Error, FsdpConfig, FsdpModel};
+use candle_nn::Linear;
+
+use crate::user_gpt::{make_opt, DM};
 
 fn model(
     pg: std::sync::Arc<dyn candle_fsdp::comm::ProcessGroup>,
@@ -233,4 +240,201 @@ fn eval_during_a_pending_forward_unrelated_losses_and_bad_unit_indices_are_error
         Ok(())
     })
     .unwrap();
+}
+
+// A panic or an error on one rank, and ranks that call different units: every rank fails
+// promptly, none waits for the collective timeout.
+
+#[test]
+fn a_panic_in_forward_on_one_rank_fails_every_rank_promptly() {
+    struct Boom(Linear);
+    impl Module for Boom {
+        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            if std::thread::current().name() == Some("rank-1") {
+                panic!("boom in rank 1");
+            }
+            self.0.forward(x)
+        }
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        let res = run_ranks(2, ThreadGroupConfig::default(), |pg| {
+            let mut model = FsdpModel::builder(pg.clone(), FsdpConfig::default())
+                .unit("a", |vb| candle_nn::linear(DM, DM, vb))
+                .unit("boom", |vb| Ok(Boom(candle_nn::linear(DM, DM, vb)?)))
+                .unit("c", |vb| candle_nn::linear(DM, DM, vb))
+                .build()?;
+            let x = Tensor::ones((2, DM), DType::F32, &Device::Cpu)?;
+            let y = model.forward(&x)?;
+            model.backward(&y.sum_all()?)?;
+            Ok(())
+        });
+        let msgs: Vec<String> = res
+            .iter()
+            .map(|r| match r {
+                Ok(()) => "ok".into(),
+                Err(e) => e.to_string(),
+            })
+            .collect();
+        let _ = tx.send((start.elapsed(), msgs));
+    });
+    let (elapsed, msgs) = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("ranks still running 120 s after one panicked");
+    println!("panic: {elapsed:?} {msgs:?}");
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "took {elapsed:?}: {msgs:?}"
+    );
+    assert!(msgs[1].contains("boom in rank 1"), "{msgs:?}");
+    assert!(msgs[0] != "ok", "{msgs:?}");
+}
+
+/// Identity whose backward panics on rank 1.
+struct PanicInBackward;
+
+impl candle_core::CustomOp1 for PanicInBackward {
+    fn name(&self) -> &'static str {
+        "panic-in-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let candle_core::CpuStorage::F32(v) = s else {
+            candle_core::bail!("f32 only")
+        };
+        let (a, b) = l.contiguous_offsets().expect("contiguous");
+        Ok((
+            candle_core::CpuStorage::F32(v[a..b].to_vec()),
+            l.shape().clone(),
+        ))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        if std::thread::current().name() == Some("rank-1") {
+            panic!("boom in rank 1's backward");
+        }
+        Ok(Some(g.clone()))
+    }
+}
+
+struct LinearPanicBwd(Linear);
+
+impl Module for LinearPanicBwd {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.0.forward(x)?.apply_op1(PanicInBackward)
+    }
+}
+
+/// Runs `f` on 2 ranks in a watchdog thread: (elapsed, per-rank "ok" or error text).
+fn timed_ranks<F>(timeout: Duration, f: F) -> (Duration, Vec<String>)
+where
+    F: Fn(Arc<dyn ProcessGroup>) -> candle_fsdp::Result<()> + Send + Sync + 'static,
+{
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        let res = run_ranks(2, ThreadGroupConfig { timeout }, f);
+        let msgs: Vec<String> = res
+            .iter()
+            .map(|r| match r {
+                Ok(()) => "ok".into(),
+                Err(e) => e.to_string(),
+            })
+            .collect();
+        let _ = tx.send((start.elapsed(), msgs));
+    });
+    rx.recv_timeout(timeout + Duration::from_secs(60))
+        .expect("ranks still running a minute past the collective timeout")
+}
+
+#[test]
+fn a_panic_in_backward_on_one_rank_fails_every_rank_promptly() {
+    let (elapsed, msgs) = timed_ranks(Duration::from_secs(300), |pg| {
+        let mut model = FsdpModel::builder(pg.clone(), FsdpConfig::default())
+            .unit("a", |vb| candle_nn::linear(DM, DM, vb))
+            .unit("boom", |vb| {
+                Ok(LinearPanicBwd(candle_nn::linear(DM, DM, vb)?))
+            })
+            .unit("c", |vb| candle_nn::linear(DM, DM, vb))
+            .build()?;
+        let x = Tensor::ones((2, DM), DType::F32, &Device::Cpu)?;
+        let y = model.forward(&x)?;
+        model.backward(&y.sum_all()?)?;
+        Ok(())
+    });
+    println!("panic in backward: {elapsed:?} {msgs:?}");
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "took {elapsed:?}: {msgs:?}"
+    );
+    assert!(msgs[1].contains("boom in rank 1's backward"), "{msgs:?}");
+    assert!(msgs[0] != "ok", "{msgs:?}");
+}
+
+#[test]
+fn a_unit_error_on_one_rank_fails_every_rank_promptly() {
+    // Rank 1 feeds a batch of the wrong width (a data bug on one rank).
+    let (elapsed, msgs) = timed_ranks(Duration::from_secs(300), |pg| {
+        let mut model = FsdpModel::builder(pg.clone(), FsdpConfig::default())
+            .unit("a", |vb| candle_nn::linear(DM, DM, vb))
+            .unit("b", |vb| candle_nn::linear(DM, DM, vb))
+            .build()?;
+        let w = if pg.rank() == 1 { DM + 1 } else { DM };
+        let x = Tensor::ones((2, w), DType::F32, &Device::Cpu)?;
+        let y = model.forward(&x)?;
+        model.backward(&y.sum_all()?)?;
+        Ok(())
+    });
+    println!("error on one rank: {elapsed:?} {msgs:?}");
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "took {elapsed:?}: {msgs:?}"
+    );
+    assert!(msgs[1].contains("unit a"), "{msgs:?}");
+    assert!(msgs[0] != "ok", "{msgs:?}");
+}
+
+/// Data-dependent control flow that differs between ranks: rank 0 calls unit "a", rank 1 calls
+/// unit "b" (same shapes). The all-gathers pair rank 0's shard of a with rank 1's shard of b.
+/// Expected: an error (the library checks at build time that ranks built the same model, and
+/// the docs say every rank must call the same units in the same order), not silently mixed
+/// parameters and gradients.
+#[test]
+fn ranks_calling_different_units_fail_promptly_in_the_forward() {
+    let (elapsed, msgs) = timed_ranks(Duration::from_secs(20), |pg| {
+        let mut model = FsdpModel::builder(pg.clone(), FsdpConfig::default())
+            .unit("a", |vb| candle_nn::linear(DM, DM, vb))
+            .unit("b", |vb| candle_nn::linear(DM, DM, vb))
+            .unit("c", |vb| candle_nn::linear(DM, DM, vb))
+            .build()?;
+        let x = Tensor::ones((2, DM), DType::F32, &Device::Cpu)?;
+        let r = pg.rank();
+        let y = model.forward_with(|f| {
+            let h = f.call1(if r == 0 { "a" } else { "b" }, &x)?;
+            f.call1("c", &h)
+        })?;
+        model.backward(&y.sum_all()?)?;
+        let mut opt = make_opt(false);
+        opt.step(&mut model)?;
+        Ok(())
+    });
+    println!("ranks calling different units: {elapsed:?} {msgs:?}");
+    assert!(
+        msgs.iter().all(|m| m != "ok"),
+        "no error on any rank: {msgs:?}"
+    );
+    // Expected: a prompt error in the forward, not the collective timeout (20 s here).
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "took {elapsed:?}: {msgs:?}"
+    );
+    assert!(
+        msgs[0].contains("forward"),
+        "not caught in the forward: {msgs:?}"
+    );
 }

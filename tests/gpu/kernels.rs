@@ -1,5 +1,5 @@
 //! The kernels of `kernels/` on a GPU against their CPU references (`candle_fsdp::kernels`),
-//! which `tests/kernels.rs` ties to the production CPU paths.
+//! which `tests/optim/kernels.rs` ties to the production CPU paths.
 //!
 //! `every_module_compiles_with_nvrtc` is not ignored: it needs libnvrtc, not a GPU, and checks
 //! each kernel's parameter list in the PTX against what the launch wrappers pass (the one thing
@@ -12,10 +12,12 @@ use candle_core::{DType, Device, Tensor};
 use candle_fsdp::flat_param::FlatParamLayout;
 use candle_fsdp::kernels::{self, FloatVec, Floats, KernelFloat};
 use candle_fsdp::ops::cuda as k;
-use candle_fsdp::ops::{self, AdamWHyper, ScaleFactor, SgdHyper, Unscale};
+use candle_fsdp::ops::{self, ScaleFactor, SgdHyper, Unscale};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+use crate::common::adamw_hyper;
 
 const SIZES: [usize; 4] = [1, 7, 1025, (1 << 20) + 3];
 
@@ -624,21 +626,6 @@ fn elementwise_kernels_match_their_references() {
 }
 
 // ---- optimizers ----------------------------------------------------------------------------
-
-fn adamw_hyper(lr: f64, wd: f64, t: i32) -> AdamWHyper {
-    let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
-    AdamWHyper {
-        beta1: b1 as f32,
-        beta2: b2 as f32,
-        one_minus_beta1: (1.0 - b1) as f32,
-        one_minus_beta2: (1.0 - b2) as f32,
-        bias_correction1: (1.0 / (1.0 - b1.powi(t))) as f32,
-        bias_correction2: (1.0 / (1.0 - b2.powi(t))) as f32,
-        decay: (1.0 - lr * wd) as f32,
-        lr: lr as f32,
-        eps: eps as f32,
-    }
-}
 
 #[test]
 #[ignore = "needs a GPU; scripts/gpu-check.sh runs it"]

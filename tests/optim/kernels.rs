@@ -17,7 +17,7 @@ use candle_fsdp::comm::ProcessGroup;
 use candle_fsdp::flat_param::FlatParamLayout;
 use candle_fsdp::grad_scaler::{GradScalerConfig, ShardedGradScaler};
 use candle_fsdp::kernels::{self, plan as args, FloatVec, Floats, KernelFloat};
-use candle_fsdp::ops::{self, AdamWHyper, ScaleFactor, SgdHyper, Unscale};
+use candle_fsdp::ops::{self, ScaleFactor, SgdHyper, Unscale};
 use candle_fsdp::optim::{Sgd, SgdConfig};
 use candle_fsdp::unit::UnitSpec;
 use candle_fsdp::{FsdpConfig, FsdpModel, MixedPrecision};
@@ -25,6 +25,8 @@ use candle_nn::{Init, VarBuilder};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+use crate::common::adamw_hyper;
 
 /// The awkward sizes of the kernel tests (1, a prime, one past a power of two, a size that
 /// hits the reductions' block cap).
@@ -207,22 +209,6 @@ fn cast_reference_is_candles_to_dtype_for_all_six_pairs() {
     check_cast::<f16, bf16>(&h);
     check_cast::<bf16, bf16>(&b);
     check_cast::<f16, f16>(&h);
-}
-
-/// AdamW constants as `optim::AdamWConfig::hyper` computes them (f64, rounded once).
-fn adamw_hyper(lr: f64, wd: f64, t: i32) -> AdamWHyper {
-    let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
-    AdamWHyper {
-        beta1: b1 as f32,
-        beta2: b2 as f32,
-        one_minus_beta1: (1.0 - b1) as f32,
-        one_minus_beta2: (1.0 - b2) as f32,
-        bias_correction1: (1.0 / (1.0 - b1.powi(t))) as f32,
-        bias_correction2: (1.0 / (1.0 - b2.powi(t))) as f32,
-        decay: (1.0 - lr * wd) as f32,
-        lr: lr as f32,
-        eps: eps as f32,
-    }
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! What users run beside the library: fsdp-ckpt, fsdp-run, the timeline pictures.
 //!
-//! One test binary per area (a binary links the whole crate once); one module per former file.
+//! One test binary per area (a binary links the whole crate once); one module per topic.
 //! No test here may allocate much in this process: `ckpt_tool` measures the peak RSS of the
 //! `fsdp-ckpt` children it spawns through `ru_maxrss`, and a child started by vfork + exec
 //! (Rust's `Command` on glibc) is charged the parent's high-water mark at its exec. The data
