@@ -48,6 +48,38 @@ enum ParamState {
     },
 }
 
+/// How the step's parameter tensors are bound (see [`ParamGroup::binds_views`]); `Unbound`
+/// outside a step and before its first unshard. The tensors are created by the step's first
+/// unshard and kept for the whole step.
+enum Binding {
+    Unbound,
+    /// Autograd variables (a trainable group): refilled in place at each unshard, their
+    /// storage emptied at reshard.
+    Variables(Vec<Tensor>),
+    /// Plain tensors without gradient (a frozen twin), refilled and emptied like variables.
+    Copies(Vec<Tensor>),
+    /// Views of the cast shard, which is the unsharded buffer (a group that does not gather,
+    /// read only by fused nodes): nothing to refill or free.
+    ShardViews(Vec<Tensor>),
+    /// Views of the gathered buffer `unsharded` (read only by fused nodes): `reshard` frees its
+    /// storage in place, the next gather's buffer moves into it ([`super::storage::adopt`]).
+    GatheredViews {
+        views: Vec<Tensor>,
+        unsharded: Tensor,
+    },
+}
+
+impl Binding {
+    /// The step's parameter tensors (layout order), once bound.
+    fn tensors(&self) -> Option<&[Tensor]> {
+        match self {
+            Binding::Unbound => None,
+            Binding::Variables(t) | Binding::Copies(t) | Binding::ShardViews(t) => Some(t),
+            Binding::GatheredViews { views, .. } => Some(views),
+        }
+    }
+}
+
 /// One parameter group of an [`super::FsdpModel`]: this rank's FlatParameter shard, buffers,
 /// mixed-precision policy, and its parameter state.
 pub(crate) struct ParamGroup {
@@ -64,8 +96,8 @@ pub(crate) struct ParamGroup {
     /// layout; reduced together with the next synchronised backward.
     unsharded_grad: Option<Tensor>,
     params: ParamState,
-    /// The step's parameter tensors (layout order): variables, or plain tensors when frozen.
-    vars: Option<Vec<Tensor>>,
+    /// The step's parameter tensors (layout order) and how they are bound.
+    binding: Binding,
     /// Training calls of this step whose backward has not run.
     pending_calls: usize,
     /// The step's flat gradient (the [`collectives::flatten_grads`] form), summed over the
@@ -86,13 +118,6 @@ pub(crate) struct ParamGroup {
     fused_only: Option<bool>,
     /// This step's observations for [`ParamGroup::fused_only`] (AND over its calls).
     step_fused: Option<bool>,
-    /// The step's parameter tensors are views (no copies) of the shard (a group that does not
-    /// gather: nothing to refill, and the shard's storage is never freed) or of `unsharded`.
-    views_bound: bool,
-    /// A gathering group bound to views: the step's unsharded flat buffer the views share;
-    /// `reshard` frees its storage in place, the next gather's buffer moves into it
-    /// ([`super::storage::adopt`]).
-    unsharded: Option<Tensor>,
 }
 
 impl ParamGroup {
@@ -112,15 +137,13 @@ impl ParamGroup {
             reshard_after_forward: true,
             unsharded_grad: None,
             params: ParamState::Sharded,
-            vars: None,
+            binding: Binding::Unbound,
             pending_calls: 0,
             grad_acc: None,
             local_present: Vec::new(),
             secondary: None,
             fused_only: None,
             step_fused: None,
-            views_bound: false,
-            unsharded: None,
         }
     }
 
@@ -148,7 +171,10 @@ impl ParamGroup {
     /// Whether the step's parameter tensors are views bound for fused nodes (see
     /// [`ParamGroup::binds_views`]).
     pub(crate) fn binds_views_now(&self) -> bool {
-        self.views_bound
+        matches!(
+            self.binding,
+            Binding::ShardViews(_) | Binding::GatheredViews { .. }
+        )
     }
 
     /// The step ended for this group: a first step's observations decide
@@ -161,8 +187,6 @@ impl ParamGroup {
                 self.fused_only = Some(false);
             }
         }
-        self.views_bound = false;
-        self.unsharded = None;
     }
 
     /// Ors `present` into this rank's gradient presence.
@@ -239,7 +263,7 @@ impl ParamGroup {
 
     /// True while a step holds state of this group (variables, calls awaiting backward).
     pub(crate) fn in_step(&self) -> bool {
-        self.vars.is_some() || self.pending_calls > 0
+        !matches!(self.binding, Binding::Unbound) || self.pending_calls > 0
     }
 
     /// Transition `Sharded → Unsharding`: issues the all-gather in `param_dtype` on the shard
@@ -323,28 +347,29 @@ impl ParamGroup {
         }
         let layout = self.flat.layout();
         let flat = self.unpacked(flat)?;
-        match &self.vars {
-            // Views of the shard already hold the values; views of a gathered buffer get the
-            // new gather's buffer moved into the storage they share.
-            Some(_) if self.views_bound => {
-                if let Some(u) = &self.unsharded {
-                    super::storage::adopt(u, &flat)?;
-                }
+        match &self.binding {
+            // Views of the shard already hold the values.
+            Binding::ShardViews(_) => {}
+            // Views of a gathered buffer get the new gather's buffer moved into the storage
+            // they share.
+            Binding::GatheredViews { unsharded, .. } => super::storage::adopt(unsharded, &flat)?,
+            Binding::Variables(t) | Binding::Copies(t) => {
+                collectives::refill_params(layout, &flat, t)?
             }
-            Some(vars) => collectives::refill_params(layout, &flat, vars)?,
-            None if self.binds_views() => {
-                self.vars = Some(collectives::param_detached_views(layout, &flat)?);
-                self.views_bound = true;
-                if self.gathers() {
-                    self.unsharded = Some(flat.clone());
+            Binding::Unbound => {
+                self.binding = match (self.binds_views(), self.gathers(), self.frozen) {
+                    (true, true, _) => Binding::GatheredViews {
+                        views: collectives::param_detached_views(layout, &flat)?,
+                        unsharded: flat.clone(),
+                    },
+                    (true, false, _) => {
+                        Binding::ShardViews(collectives::param_detached_views(layout, &flat)?)
+                    }
+                    (false, _, true) => Binding::Copies(collectives::param_copies(layout, &flat)?),
+                    (false, _, false) => {
+                        Binding::Variables(collectives::param_vars(layout, &flat)?)
+                    }
                 }
-            }
-            None => {
-                self.vars = Some(if self.frozen {
-                    collectives::param_copies(layout, &flat)?
-                } else {
-                    collectives::param_vars(layout, &flat)?
-                })
             }
         }
         self.params = ParamState::Present { _guard: guard };
@@ -375,12 +400,12 @@ impl ParamGroup {
     /// Errors: the in-place free's (a device without an implementation).
     pub(crate) fn reshard(&mut self) -> Result<()> {
         if self.is_present() {
-            match (&self.vars, self.views_bound, &self.unsharded) {
-                (Some(vars), false, _) => collectives::free_params(vars)?,
+            match &self.binding {
+                Binding::Variables(t) | Binding::Copies(t) => collectives::free_params(t)?,
                 // Views of the gathered buffer: free the buffer they share.
-                (Some(_), true, Some(u)) => super::storage::free(u)?,
+                Binding::GatheredViews { unsharded, .. } => super::storage::free(unsharded)?,
                 // Views alias the master shard: there is nothing of the step's own to free.
-                _ => {}
+                Binding::ShardViews(_) | Binding::Unbound => {}
             }
             self.params = ParamState::Sharded;
         }
@@ -391,7 +416,7 @@ impl ParamGroup {
     /// to `Sharded`.
     pub(crate) fn finalize(&mut self) {
         self.end_step_observation();
-        self.vars = None;
+        self.binding = Binding::Unbound;
         self.secondary = None;
         self.params = ParamState::Sharded;
         self.pending_calls = 0;
@@ -409,7 +434,7 @@ impl ParamGroup {
         detached: bool,
         live_buffers: bool,
     ) -> Result<()> {
-        let vars = match (&self.vars, self.is_present()) {
+        let vars = match (self.binding.tensors(), self.is_present()) {
             (Some(vars), true) => vars,
             _ => {
                 return Err(Error::Internal(format!(
@@ -474,14 +499,15 @@ impl ParamGroup {
 
     /// The step's parameter tensors (layout order), when the step has created them.
     pub(crate) fn param_tensors(&self) -> Option<&[Tensor]> {
-        self.vars.as_deref()
+        self.binding.tensors()
     }
 
     /// True when `t` shares storage with one of the step's parameter tensors.
     pub(crate) fn is_view_of_param(&self, t: &Tensor) -> bool {
-        self.vars
+        self.binding
+            .tensors()
+            .unwrap_or(&[])
             .iter()
-            .flatten()
             .any(|p| super::storage::same_storage(p, t))
     }
 
@@ -501,7 +527,7 @@ impl ParamGroup {
         if self.frozen {
             return Ok(());
         }
-        let vars = self.vars.as_deref().unwrap_or(&[]);
+        let vars = self.binding.tensors().unwrap_or(&[]);
         if let Some((fg, present)) = collectives::flatten_grads(&self.flat, grads, vars)? {
             self.note_present(&present);
             match &self.grad_acc {
@@ -522,7 +548,7 @@ impl ParamGroup {
             return (false, None);
         }
         self.end_step_observation();
-        self.vars = None;
+        self.binding = Binding::Unbound;
         self.secondary = None;
         self.params = ParamState::Sharded;
         (true, self.grad_acc.take())
