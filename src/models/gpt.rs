@@ -114,7 +114,7 @@ impl GptConfig {
 
     /// Checks the shape.
     ///
-    /// Errors ([`Error::Value`], naming the value): a zero size; `n_head` not
+    /// Errors ([`Error::Value`], [`Error::Conflict`], naming the values): a zero size; `n_head` not
     /// dividing `d_model`; an epsilon that is not a positive finite number.
     pub fn validate(&self) -> Result<()> {
         for (name, v) in [
@@ -129,10 +129,10 @@ impl GptConfig {
             }
         }
         if !self.d_model.is_multiple_of(self.n_head) {
-            return Err(Error::value(
-                "GPT n_head",
-                format!("a divisor of d_model {}", self.d_model),
-                self.n_head,
+            return Err(Error::conflict(
+                format!("GPT n_head {}", self.n_head),
+                format!("d_model {}", self.d_model),
+                "n_head must divide d_model",
             ));
         }
         if !(self.layer_norm_eps.is_finite() && self.layer_norm_eps > 0.0) {

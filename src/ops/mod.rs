@@ -355,8 +355,8 @@ fn sgd_with(
         (true, None) => {
             return Err(bad(
                 op,
-                "momentum_buffer",
-                format!("is needed for momentum {}, none given", h.momentum),
+                "momentum",
+                format!("{} needs a momentum buffer, none given", h.momentum),
             ))
         }
     };
