@@ -346,21 +346,13 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                     print!("{d}");
                     d.identical() && !d.common_steps.is_empty()
                 }
-                _ => {
-                    return Err(candle_fsdp::Error::conflict(
-                        format!(
-                            "diff of {} ({})",
-                            a.display(),
-                            if a.is_dir() { "a directory" } else { "a file" }
-                        ),
-                        format!(
-                            "{} ({})",
-                            b.display(),
-                            if b.is_dir() { "a directory" } else { "a file" }
-                        ),
-                        "diff compares two fingerprint files or two checkpoints",
-                    ))
-                }
+                _ => return Err(candle_fsdp::Error::InvalidArgument(format!(
+                    "diff compares two fingerprint files or two checkpoints: {} is {}, {} is {}",
+                    a.display(),
+                    if a.is_dir() { "a directory" } else { "a file" },
+                    b.display(),
+                    if b.is_dir() { "a directory" } else { "a file" },
+                ))),
             };
             if !identical {
                 return Ok(ExitCode::FAILURE);
