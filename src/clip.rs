@@ -105,9 +105,11 @@ pub fn total_grad_norm(model: &FsdpModel) -> Result<f32> {
 pub fn total_grad_norm_p(model: &FsdpModel, norm_type: f64) -> Result<f32> {
     model.in_phase(Phase::Optimizer, None, check_synced)?;
     if norm_type.is_nan() || norm_type <= 0.0 {
-        return Err(Error::InvalidArgument(format!(
-            "gradient norm_type must be > 0 or infinity, found {norm_type}"
-        )));
+        return Err(Error::value(
+            "gradient norm_type",
+            "> 0 or infinity",
+            norm_type,
+        ));
     }
     let local = local_part(model, norm_type)? as f32;
     let op = if norm_type.is_infinite() {

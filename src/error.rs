@@ -3,13 +3,17 @@
 //! Every variant names the values involved (rank, operation, expected vs found, file), following
 //! Candle's convention of errors that carry their context.
 
+use std::fmt::Display;
 use std::path::PathBuf;
 use std::time::Duration;
 
 /// Errors raised by candle-fsdp.
 ///
-/// The kinds a caller handles differently have variants of their own: a bad argument
-/// ([`Error::InvalidArgument`]), the runtime's protocol used out of order ([`Error::Misuse`]),
+/// The kinds a caller handles differently have variants of their own: a bad argument (a
+/// value out of its range, a size, dtype or device mismatch, something missing, two settings
+/// in conflict: [`Error::Value`], [`Error::OutOfRange`], [`Error::Shape`], [`Error::DType`],
+/// [`Error::Device`], [`Error::Missing`], [`Error::NoMatch`], [`Error::Conflict`],
+/// [`Error::Env`], and [`Error::InvalidArgument`] for the rest), the runtime's protocol used out of order ([`Error::Misuse`]),
 /// ranks that disagree ([`Error::RanksDisagree`], [`Error::CollectiveMismatch`]), a unit that
 /// autograd does not connect ([`Error::Disconnected`]), a broken invariant of the runtime
 /// ([`Error::Internal`]), and the failures of communication, files and devices. More may be
@@ -80,9 +84,138 @@ pub enum Error {
         /// Found length/dtype.
         found: String,
     },
-    /// Invalid configuration or argument.
+    /// Invalid configuration or argument that none of the typed variants below describes
+    /// (a value given by the caller, the message says which and why). The common failures have
+    /// variants of their own, whose fields a caller can match: [`Error::Value`],
+    /// [`Error::OutOfRange`], [`Error::Shape`], [`Error::DType`], [`Error::Device`],
+    /// [`Error::Missing`], [`Error::NoMatch`], [`Error::Conflict`], [`Error::Env`]. All of them
+    /// are displayed with the prefix `invalid argument: `.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A value outside the values it may take: a size of 0, an epsilon that is not a positive
+    /// finite number, a name that is none of the accepted ones (a device, a sharding strategy,
+    /// a precision). Displayed as `"invalid argument: {what} must be {expected}, found
+    /// {found}"`, e.g. `"invalid argument: GPT n_layer must be at least 1, found 0"`.
+    #[error("invalid argument: {what} must be {expected}, found {found}")]
+    Value {
+        /// The value's name, with its owner where it helps, e.g. `GPT n_layer`,
+        /// `BatchLoader: batch_size`, `sharding strategy`.
+        what: String,
+        /// What it may be, as a phrase, e.g. `at least 1`, `a positive finite number`,
+        /// `full-shard, shard-grad-op, no-shard, hybrid-shard or hybrid-shard-grad-op`.
+        expected: String,
+        /// The value given, as written (a name quoted, e.g. `"fulll-shard"`).
+        found: String,
+    },
+    /// An index or a rank at or past the end of what it indexes. Displayed as `"invalid
+    /// argument: {what} {value} is out of range for {of} {bound} (expected 0..{bound})"`, e.g.
+    /// `"invalid argument: store: rank 2 is out of range for world size 2 (expected 0..2)"`.
+    #[error(
+        "invalid argument: {what} {value} is out of range for {of} {bound} (expected 0..{bound})"
+    )]
+    OutOfRange {
+        /// What the value indexes, e.g. `store: rank`, `unit index`.
+        what: String,
+        /// The index given.
+        value: usize,
+        /// What `bound` counts, e.g. `world size`, `the model's unit count`.
+        of: String,
+        /// The exclusive upper bound (the count of what is indexed).
+        bound: usize,
+    },
+    /// Two sizes that must agree do not: element counts, lengths, shapes, byte counts.
+    /// Displayed as `"invalid argument: {what}: expected {expected}, found {found}"`, e.g.
+    /// `"invalid argument: store key \"id\": expected 128 bytes, found 4"`.
+    #[error("invalid argument: {what}: expected {expected}, found {found}")]
+    Shape {
+        /// Which tensor, buffer or list, with its owner (kernel, unit, file).
+        what: String,
+        /// The size it must have, with its unit (`elements`, `bytes`, a shape `[2, 3]`) and
+        /// where the expectation comes from when that is not obvious.
+        expected: String,
+        /// The size it has, in the same unit.
+        found: String,
+    },
+    /// A tensor or a setting of a dtype that the operation does not take. Displayed as
+    /// `"invalid argument: {what} must be {expected}, found {found:?}"`, e.g. `"invalid
+    /// argument: AdamW state dtype must be f32 or bf16, found F16"`.
+    #[error("invalid argument: {what} must be {expected}, found {found:?}")]
+    DType {
+        /// Which tensor or setting, with its owner, e.g. `adamw_step: param`.
+        what: String,
+        /// The dtypes accepted, as a phrase, e.g. `f32, bf16 or f16`.
+        expected: String,
+        /// The dtype given.
+        found: candle_core::DType,
+    },
+    /// A tensor or a setting on a device the operation does not run on, or on another device
+    /// than the tensors it goes with. Displayed as `"invalid argument: {what} is on {found:?}:
+    /// expected {expected}"`, e.g. `"invalid argument: adamw_step: grad is on Cuda { gpu_id: 1
+    /// }: expected the GPU of the other tensors"`.
+    #[error("invalid argument: {what} is on {found:?}: expected {expected}")]
+    Device {
+        /// Which tensor or setting, with its owner.
+        what: String,
+        /// The device it must be on, as a phrase (and the fix, where there is one).
+        expected: String,
+        /// Where it is.
+        found: candle_core::DeviceLocation,
+    },
+    /// Something asked for is not there: a unit or parameter group by name, a file of a model
+    /// directory, a buffer of the optimizer state, the parameters an operation needs.
+    /// Displayed as `"invalid argument: no {what}; {detail}"`, e.g. `"invalid argument: no unit
+    /// named \"embed\"; the model's units are: emb, head"`.
+    #[error("invalid argument: no {what}; {detail}")]
+    Missing {
+        /// What is missing and where it was looked for, e.g. `unit named "embed"`,
+        /// `config.json in /models/x`.
+        what: String,
+        /// What is there instead, or why it is needed.
+        detail: String,
+    },
+    /// A pattern (a glob of parameter names, a list of LoRA targets) that matches nothing.
+    /// Displayed as `"invalid argument: {what} {pattern} matches no {among}; {known}"`, e.g.
+    /// `"invalid argument: freeze pattern \"fc.wieght\" matches no parameter; the parameters
+    /// are: fc.bias, fc.weight"`.
+    #[error("invalid argument: {what} {pattern} matches no {among}; {known}")]
+    NoMatch {
+        /// Which pattern, e.g. `freeze pattern`, `LoRA: the target list`.
+        what: String,
+        /// The pattern as given (quoted).
+        pattern: String,
+        /// What it is matched against, singular, e.g. `parameter`.
+        among: String,
+        /// The candidates, e.g. `the parameters are: fc.bias, fc.weight`.
+        known: String,
+    },
+    /// Two settings (flags, options, the launcher and the build) that cannot go together.
+    /// Displayed as `"invalid argument: {a} with {b}: {why}"`, e.g. `"invalid argument: --device
+    /// cuda:0 with --world-size 9: the ranks of one process share the GPU as threads, 1 to 8 of
+    /// them"`.
+    #[error("invalid argument: {a} with {b}: {why}")]
+    Conflict {
+        /// The first setting, with its value, e.g. `--base-model`, `this process was started by
+        /// mpirun`.
+        a: String,
+        /// The setting it conflicts with, with its value, e.g. `--format hf`.
+        b: String,
+        /// Why they conflict, and the way out.
+        why: String,
+    },
+    /// An environment variable (of a launcher: `RANK`, `WORLD_SIZE`, `MASTER_PORT`,
+    /// `LOCAL_RANK`, …) whose value is refused. Displayed as `"invalid argument: environment
+    /// variable {var}={value} {problem}"`, e.g. `"invalid argument: environment variable
+    /// MASTER_PORT=\"x\" is not a TCP port (1..=65535)"`.
+    #[error("invalid argument: environment variable {var}={value} {problem}")]
+    Env {
+        /// The variable's name.
+        var: String,
+        /// Its value as set (a string that does not parse is quoted; a number is not).
+        value: String,
+        /// What is wrong with it, as a phrase starting with a verb, e.g. `is not a TCP port
+        /// (1..=65535)`.
+        problem: String,
+    },
     /// The runtime's protocol used out of order, e.g. `backward` without a training forward:
     /// what was called, the state it was called in, and the fix to type. Displayed as
     /// `"{call} {state}: {fix}"`.
@@ -415,6 +548,200 @@ impl Error {
             text = text.replacen(trace.as_str(), "", 1);
         }
         text
+    }
+
+    /// True for the bad-argument variants ([`Error::InvalidArgument`], [`Error::Value`],
+    /// [`Error::OutOfRange`], [`Error::Shape`], [`Error::DType`], [`Error::Device`],
+    /// [`Error::Missing`], [`Error::NoMatch`], [`Error::Conflict`], [`Error::Env`]), whose
+    /// message starts with `invalid argument: `.
+    pub fn is_argument(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidArgument(_)
+                | Error::Value { .. }
+                | Error::OutOfRange { .. }
+                | Error::Shape { .. }
+                | Error::DType { .. }
+                | Error::Device { .. }
+                | Error::Missing { .. }
+                | Error::NoMatch { .. }
+                | Error::Conflict { .. }
+                | Error::Env { .. }
+        )
+    }
+
+    /// The message of a bad-argument variant without its `invalid argument: ` prefix (for
+    /// callers that put it in a sentence of their own, e.g. naming the file it came from);
+    /// `None` for the other variants.
+    pub fn argument_text(&self) -> Option<String> {
+        if !self.is_argument() {
+            return None;
+        }
+        let text = self.to_string();
+        Some(match text.strip_prefix("invalid argument: ") {
+            Some(rest) => rest.to_string(),
+            None => text,
+        })
+    }
+
+    /// A bad-argument error (see [`Error::is_argument`]) with `prefix` (e.g. `unit fc2`) put
+    /// before what it names: `"{prefix}: {what}"`; other errors unchanged.
+    pub(crate) fn prefixed(self, prefix: &str) -> Self {
+        let p = |s: String| format!("{prefix}: {s}");
+        match self {
+            Error::InvalidArgument(m) => Error::InvalidArgument(p(m)),
+            Error::Value {
+                what,
+                expected,
+                found,
+            } => Error::Value {
+                what: p(what),
+                expected,
+                found,
+            },
+            Error::Shape {
+                what,
+                expected,
+                found,
+            } => Error::Shape {
+                what: p(what),
+                expected,
+                found,
+            },
+            Error::DType {
+                what,
+                expected,
+                found,
+            } => Error::DType {
+                what: p(what),
+                expected,
+                found,
+            },
+            Error::Device {
+                what,
+                expected,
+                found,
+            } => Error::Device {
+                what: p(what),
+                expected,
+                found,
+            },
+            Error::OutOfRange {
+                what,
+                value,
+                of,
+                bound,
+            } => Error::OutOfRange {
+                what: p(what),
+                value,
+                of,
+                bound,
+            },
+            Error::NoMatch {
+                what,
+                pattern,
+                among,
+                known,
+            } => Error::NoMatch {
+                what: p(what),
+                pattern,
+                among,
+                known,
+            },
+            Error::Conflict { a, b, why } => Error::Conflict { a: p(a), b, why },
+            other => other,
+        }
+    }
+
+    /// [`Error::Value`]: `what` must be `expected`, found `found`.
+    pub fn value(what: impl Display, expected: impl Display, found: impl Display) -> Self {
+        Error::Value {
+            what: what.to_string(),
+            expected: expected.to_string(),
+            found: found.to_string(),
+        }
+    }
+
+    /// [`Error::OutOfRange`]: `what` `value` is out of range for `of` `bound`.
+    pub fn out_of_range(what: impl Display, value: usize, of: impl Display, bound: usize) -> Self {
+        Error::OutOfRange {
+            what: what.to_string(),
+            value,
+            of: of.to_string(),
+            bound,
+        }
+    }
+
+    /// [`Error::Shape`]: `what`: expected `expected`, found `found`.
+    pub fn shape(what: impl Display, expected: impl Display, found: impl Display) -> Self {
+        Error::Shape {
+            what: what.to_string(),
+            expected: expected.to_string(),
+            found: found.to_string(),
+        }
+    }
+
+    /// [`Error::DType`]: `what` must be `expected`, found `found`.
+    pub fn dtype(what: impl Display, expected: impl Display, found: candle_core::DType) -> Self {
+        Error::DType {
+            what: what.to_string(),
+            expected: expected.to_string(),
+            found,
+        }
+    }
+
+    /// [`Error::Device`]: `what` is on `found`: expected `expected`.
+    pub fn device(
+        what: impl Display,
+        expected: impl Display,
+        found: candle_core::DeviceLocation,
+    ) -> Self {
+        Error::Device {
+            what: what.to_string(),
+            expected: expected.to_string(),
+            found,
+        }
+    }
+
+    /// [`Error::Missing`]: no `what`; `detail`.
+    pub fn missing(what: impl Display, detail: impl Display) -> Self {
+        Error::Missing {
+            what: what.to_string(),
+            detail: detail.to_string(),
+        }
+    }
+
+    /// [`Error::NoMatch`]: `what` `pattern` matches no `among`; `known`.
+    pub fn no_match(
+        what: impl Display,
+        pattern: impl Display,
+        among: impl Display,
+        known: impl Display,
+    ) -> Self {
+        Error::NoMatch {
+            what: what.to_string(),
+            pattern: pattern.to_string(),
+            among: among.to_string(),
+            known: known.to_string(),
+        }
+    }
+
+    /// [`Error::Conflict`]: `a` with `b`: `why`.
+    pub fn conflict(a: impl Display, b: impl Display, why: impl Display) -> Self {
+        Error::Conflict {
+            a: a.to_string(),
+            b: b.to_string(),
+            why: why.to_string(),
+        }
+    }
+
+    /// [`Error::Env`]: environment variable `var`=`value` `problem`.
+    pub fn env(var: impl Display, value: impl Display, problem: impl Display) -> Self {
+        Error::Env {
+            var: var.to_string(),
+            value: value.to_string(),
+            problem: problem.to_string(),
+        }
     }
 
     /// A data or checkpoint file problem.

@@ -91,14 +91,10 @@ impl FlatParamLayout {
         multiple: usize,
     ) -> Result<Self> {
         if multiple == 0 {
-            return Err(Error::InvalidArgument(
-                "shard multiple must be at least 1".into(),
-            ));
+            return Err(Error::value("shard multiple", "at least 1", 0));
         }
         if world_size == 0 {
-            return Err(Error::InvalidArgument(
-                "world size must be at least 1".into(),
-            ));
+            return Err(Error::value("world size", "at least 1", 0));
         }
         let mut infos = Vec::with_capacity(params.len());
         let mut offset = 0usize;
@@ -274,19 +270,23 @@ impl FlatParameter {
             return Ok(());
         }
         if self.grad.is_some() {
-            return Err(Error::InvalidArgument(
-                "pack: the flat parameter holds a gradient; only frozen parameters are stored \
-                 packed"
-                    .into(),
+            return Err(Error::conflict(
+                "pack",
+                "a flat parameter that holds a gradient",
+                "only frozen parameters are stored packed",
             ));
         }
         let n = self.layout.shard_numel;
         if !n.is_multiple_of(format.block()) {
-            return Err(Error::InvalidArgument(format!(
-                "pack: shard of {n} elements is not a whole number of {}-element {} blocks",
-                format.block(),
-                format.name()
-            )));
+            return Err(Error::shape(
+                "pack: shard",
+                format!(
+                    "a whole number of {}-element {} blocks",
+                    format.block(),
+                    format.name()
+                ),
+                format!("{n} elements"),
+            ));
         }
         let device = self.shard.device().clone();
         let values = self.shard.to_vec1::<f32>()?;
@@ -360,25 +360,30 @@ impl FlatParameter {
     /// expected and found).
     pub(crate) fn check_reduced_grad(&self, reduced: Tensor, present: &[bool]) -> Result<Tensor> {
         if present.len() != self.layout.params.len() {
-            return Err(Error::InvalidArgument(format!(
-                "gradient presence flags: expected one per parameter ({}), found {}",
-                self.layout.params.len(),
-                present.len()
-            )));
+            return Err(Error::shape(
+                "gradient presence flags",
+                format!("one per parameter ({})", self.layout.params.len()),
+                present.len(),
+            ));
         }
         let n = self.layout.shard_numel;
         if reduced.elem_count() != n
             || !reduced.device().same_device(self.shard.device())
             || !matches!(reduced.dtype(), DType::F32 | DType::BF16 | DType::F16)
         {
-            return Err(Error::InvalidArgument(format!(
-                "reduced gradient shard: expected {n} elements of f32, bf16 or f16 on {:?}, \
-                 found {} elements of {:?} on {:?}",
-                self.shard.device().location(),
-                reduced.elem_count(),
-                reduced.dtype(),
-                reduced.device().location()
-            )));
+            return Err(Error::shape(
+                "reduced gradient shard",
+                format!(
+                    "{n} elements of f32, bf16 or f16 on {:?}",
+                    self.shard.device().location()
+                ),
+                format!(
+                    "{} elements of {:?} on {:?}",
+                    reduced.elem_count(),
+                    reduced.dtype(),
+                    reduced.device().location()
+                ),
+            ));
         }
         Ok(if reduced.rank() == 1 {
             reduced
@@ -474,14 +479,19 @@ impl FlatParameter {
         let n = self.layout.shard_numel;
         let device = self.shard.device();
         if t.dims() != [n] || t.dtype() != DType::F32 || !t.device().same_device(device) {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: expected a 1-D f32 tensor of {n} elements on {:?}, found shape {:?} of \
-                 {:?} on {:?}",
-                device.location(),
-                t.dims(),
-                t.dtype(),
-                t.device().location()
-            )));
+            return Err(Error::shape(
+                what,
+                format!(
+                    "a 1-D f32 tensor of {n} elements on {:?}",
+                    device.location()
+                ),
+                format!(
+                    "shape {:?} of {:?} on {:?}",
+                    t.dims(),
+                    t.dtype(),
+                    t.device().location()
+                ),
+            ));
         }
         Ok(())
     }

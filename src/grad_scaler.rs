@@ -72,15 +72,18 @@ impl ShardedGradScaler {
     pub fn new(config: GradScalerConfig) -> Result<Self> {
         let s = config.init_scale;
         if !(s > 0.0 && s.is_finite() && s.log2().fract() == 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "grad scaler init_scale must be a positive power of two, found {s}"
-            )));
+            return Err(Error::value(
+                "grad scaler init_scale",
+                "a positive power of two",
+                s,
+            ));
         }
         if config.growth_factor <= 1.0 || !(0.0..1.0).contains(&config.backoff_factor) {
-            return Err(Error::InvalidArgument(format!(
-                "grad scaler needs growth_factor > 1 and 0 < backoff_factor < 1, found {} and {}",
-                config.growth_factor, config.backoff_factor
-            )));
+            return Err(Error::value(
+                "grad scaler growth_factor and backoff_factor",
+                "> 1 and in (0, 1)",
+                format!("{} and {}", config.growth_factor, config.backoff_factor),
+            ));
         }
         Ok(Self {
             config,

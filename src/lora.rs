@@ -88,35 +88,43 @@ impl LoraConfig {
     /// Errors, naming the field: `r` of 0, an `alpha` not finite and positive, no target, an
     /// invalid glob, a dropout outside `[0, 1)`.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::InvalidArgument(format!("LoRA: {m}")));
+        let bad = |what: &str, expected: String, found: String| {
+            Err(Error::value(format!("LoRA: {what}"), expected, found))
+        };
         if self.r == 0 {
-            return bad("r (the rank) must be at least 1".into());
+            return bad("r (the rank)", "at least 1".into(), "0".into());
         }
         if !(self.alpha.is_finite() && self.alpha > 0.0) {
-            return bad(format!(
-                "alpha must be finite and positive, found {}",
-                self.alpha
-            ));
+            return bad(
+                "alpha",
+                "finite and positive".into(),
+                self.alpha.to_string(),
+            );
         }
         if self.targets.is_empty() {
-            return bad("no target module (e.g. q_proj, v_proj)".into());
+            return Err(Error::missing(
+                "target module (e.g. q_proj, v_proj)",
+                "LoRA adapts the modules its targets name",
+            ));
         }
         for t in &self.targets {
             if t.is_empty() {
-                return bad("an empty target module name".into());
+                return bad("a target module name", "non-empty".into(), "\"\"".into());
             }
             if is_glob(t) {
                 if let Err(e) = glob::Pattern::new(t) {
-                    return bad(format!("target {t:?} is not a valid glob: {e}"));
+                    return Err(Error::InvalidArgument(format!(
+                        "LoRA: target {t:?} is not a valid glob: {e}"
+                    )));
                 }
             }
         }
         if !(0.0..1.0).contains(&self.dropout) {
-            return bad(format!(
-                "dropout must be in [0, 1) (the probability of zeroing an input element), found \
-                 {}",
-                self.dropout
-            ));
+            return bad(
+                "dropout",
+                "in [0, 1) (the probability of zeroing an input element)".into(),
+                self.dropout.to_string(),
+            );
         }
         Ok(())
     }

@@ -164,11 +164,11 @@ impl LrScheduler {
     pub fn apply(&self, optim: &mut dyn ShardedOptimizer) -> Result<()> {
         let n = optim.group_learning_rates().len();
         if n != self.state.base_lrs.len() {
-            return Err(Error::InvalidArgument(format!(
-                "learning-rate scheduler has base rates for {} parameter groups, the optimizer \
-                 has {n}",
-                self.state.base_lrs.len()
-            )));
+            return Err(Error::shape(
+                "learning-rate scheduler: base rates",
+                format!("{n} (one per parameter group of the optimizer)"),
+                self.state.base_lrs.len(),
+            ));
         }
         let f = self.factor();
         for (g, base) in self.state.base_lrs.iter().enumerate() {

@@ -81,9 +81,11 @@ impl MixedPrecision {
             "bf16" => Ok(Self::bf16()),
             "f16" | "fp16" => Ok(Self::f16()),
             "bf16-f32-reduce" => Ok(Self::bf16_compute_f32_reduce()),
-            other => Err(Error::InvalidArgument(format!(
-                "unknown precision {other:?}: expected f32, bf16, f16 or bf16-f32-reduce"
-            ))),
+            other => Err(Error::value(
+                "precision",
+                "f32, bf16, f16 or bf16-f32-reduce",
+                format!("{other:?}"),
+            )),
         }
     }
 
@@ -95,9 +97,11 @@ impl MixedPrecision {
             ("buffer_dtype", self.buffer_dtype),
         ] {
             if !matches!(d, DType::F32 | DType::BF16 | DType::F16) {
-                return Err(Error::InvalidArgument(format!(
-                    "mixed precision {what} must be f32, bf16 or f16, found {d:?}"
-                )));
+                return Err(Error::dtype(
+                    format!("mixed precision {what}"),
+                    "f32, bf16 or f16",
+                    d,
+                ));
             }
         }
         Ok(())

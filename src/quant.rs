@@ -83,7 +83,7 @@ impl BaseDType {
     /// Parses `f32`, `bf16`, `int8` or `nf4` (the `--base-dtype` flag).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming the value and the accepted ones.
+    /// [`Error::Value`] naming the value and the accepted ones.
     pub fn from_name(name: &str) -> Result<Self> {
         Ok(match name {
             "f32" => Self::F32,
@@ -91,9 +91,11 @@ impl BaseDType {
             "int8" => Self::Int8,
             "nf4" => Self::Nf4,
             _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "base dtype {name:?}: expected one of f32, bf16, int8, nf4"
-                )))
+                return Err(Error::value(
+                    "base dtype",
+                    "one of f32, bf16, int8, nf4",
+                    format!("{name:?}"),
+                ))
             }
         })
     }
@@ -158,18 +160,18 @@ impl BaseDType {
 
     fn check(self, numel: usize, bytes: usize, what: &str) -> Result<()> {
         if !numel.is_multiple_of(self.block()) {
-            return Err(Error::InvalidArgument(format!(
-                "{what} {numel} values as {}: the count must be a multiple of the block, {}",
-                self.name(),
-                self.block()
-            )));
+            return Err(Error::shape(
+                format!("{what} {numel} values as {}: the count", self.name()),
+                format!("a multiple of the block, {}", self.block()),
+                numel,
+            ));
         }
         if bytes != self.packed_bytes(numel) {
-            return Err(Error::InvalidArgument(format!(
-                "{what} {numel} values as {}: expected {} packed bytes, found {bytes}",
-                self.name(),
-                self.packed_bytes(numel)
-            )));
+            return Err(Error::shape(
+                format!("{what} {numel} values as {}", self.name()),
+                format!("{} packed bytes", self.packed_bytes(numel)),
+                bytes,
+            ));
         }
         Ok(())
     }
@@ -178,7 +180,7 @@ impl BaseDType {
 /// Packs `values` into `out` in `format` (layouts in the module docs).
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] when `values.len()` is not a multiple of [`BaseDType::block`] or
+/// [`Error::Shape`] when `values.len()` is not a multiple of [`BaseDType::block`] or
 /// `out.len()` is not [`BaseDType::packed_bytes`] of it.
 pub fn pack(format: BaseDType, values: &[f32], out: &mut [u8]) -> Result<()> {
     let n = values.len();
@@ -240,7 +242,7 @@ pub fn pack(format: BaseDType, values: &[f32], out: &mut [u8]) -> Result<()> {
 /// blocks.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] when `out.len()` is not a multiple of [`BaseDType::block`] or
+/// [`Error::Shape`] when `out.len()` is not a multiple of [`BaseDType::block`] or
 /// `packed.len()` is not [`BaseDType::packed_bytes`] of it.
 pub fn unpack(format: BaseDType, packed: &[u8], out: &mut [f32]) -> Result<()> {
     use rayon::prelude::*;

@@ -297,26 +297,28 @@ fn draw<DB: DrawingBackend>(
 
 fn check_spans(spans: &[Span]) -> Result<()> {
     if spans.is_empty() {
-        return Err(Error::InvalidArgument(
-            "cannot render a timeline of no spans (was a tracer set and enabled while the steps ran?)"
-                .to_string(),
+        return Err(Error::missing(
+            "spans to render a timeline of",
+            "was a tracer set and enabled while the steps ran?",
         ));
     }
     if let Some(s) = spans
         .iter()
         .find(|s| !s.start_us.is_finite() || !s.dur_us.is_finite())
     {
-        return Err(Error::InvalidArgument(format!(
-            "cannot render a timeline: span {:?} of rank {} has start {} µs, duration {} µs",
-            s.name, s.rank, s.start_us, s.dur_us
-        )));
+        return Err(Error::value(
+            format!("timeline span {:?} of rank {}", s.name, s.rank),
+            "a finite start and duration (µs)",
+            format!("start {} µs, duration {} µs", s.start_us, s.dur_us),
+        ));
     }
     Ok(())
 }
 
 /// Renders the timeline of `spans` as an SVG document and returns it.
 ///
-/// Errors: [`Error::InvalidArgument`] when `spans` is empty or a span has a non-finite time.
+/// Errors: [`Error::Missing`] when `spans` is empty, [`Error::Value`] when a span has a
+/// non-finite time.
 pub fn render_timeline_to_svg_string(spans: &[Span]) -> Result<String> {
     check_spans(spans)?;
     ensure_font();
@@ -333,8 +335,8 @@ pub fn render_timeline_to_svg_string(spans: &[Span]) -> Result<String> {
 /// ends in `.png`, an SVG when it ends in `.svg` (case-insensitive). The picture is
 /// [`timeline_dimensions`] pixels large.
 ///
-/// Errors: [`Error::InvalidArgument`] when `spans` is empty, a span has a non-finite time, or
-/// the extension is neither; [`Error::Io`] / [`Error::File`] when the file cannot be written.
+/// Errors: [`Error::Missing`] when `spans` is empty; [`Error::Value`] when a span has a
+/// non-finite time or the extension is neither; [`Error::Io`] / [`Error::File`] when the file cannot be written.
 pub fn render_timeline(spans: &[Span], path: &Path) -> Result<()> {
     let ext = path
         .extension()
@@ -351,9 +353,10 @@ pub fn render_timeline(spans: &[Span], path: &Path) -> Result<()> {
             let root = BitMapBackend::new(path, timeline_dimensions(spans)).into_drawing_area();
             draw(&root, spans).map_err(|m| Error::file(path, m))
         }
-        _ => Err(Error::InvalidArgument(format!(
-            "cannot render a timeline to {}: the extension must be .png or .svg",
-            path.display()
-        ))),
+        _ => Err(Error::value(
+            format!("the extension of the timeline file {}", path.display()),
+            ".png or .svg",
+            format!("{ext:?}"),
+        )),
     }
 }

@@ -197,9 +197,11 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                 ("--dtype", dtype.is_some(), "the adapter is written in f32"),
             ] {
                 if given {
-                    return Err(candle_fsdp::Error::InvalidArgument(format!(
-                        "{flag} does not apply to --format peft ({why})"
-                    )));
+                    return Err(candle_fsdp::Error::conflict(
+                        flag,
+                        "--format peft",
+                        format!("it does not apply ({why})"),
+                    ));
                 }
             }
             let s = candle_fsdp::hf::export_peft(&dir, &out, base_model.as_deref())?;
@@ -223,8 +225,10 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             base,
         } => {
             if base_model.is_some() {
-                return Err(candle_fsdp::Error::InvalidArgument(
-                    "--base-model applies to --format peft only".into(),
+                return Err(candle_fsdp::Error::conflict(
+                    "--base-model",
+                    "--format hf",
+                    "--base-model applies to --format peft only",
                 ));
             }
             let opts = candle_fsdp::hf::HfExportOptions {
@@ -265,10 +269,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                 ("--base", base.is_some(), "hf"),
             ] {
                 if given {
-                    return Err(candle_fsdp::Error::InvalidArgument(format!(
-                        "{flag} applies to --format {fmt} only (this export writes one \
-                         safetensors file)"
-                    )));
+                    return Err(candle_fsdp::Error::conflict(flag, "--format safetensors", format!("{flag} applies to --format {fmt} only (this export writes one safetensors file)")));
                 }
             }
             let s = tools::export_full(&dir, &out, dtype.map(DType::from))?;
@@ -345,15 +346,13 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                     print!("{d}");
                     d.identical() && !d.common_steps.is_empty()
                 }
-                _ => {
-                    return Err(candle_fsdp::Error::InvalidArgument(format!(
+                _ => return Err(candle_fsdp::Error::InvalidArgument(format!(
                     "diff compares two fingerprint files or two checkpoints: {} is {}, {} is {}",
                     a.display(),
                     if a.is_dir() { "a directory" } else { "a file" },
                     b.display(),
                     if b.is_dir() { "a directory" } else { "a file" },
-                )))
-                }
+                ))),
             };
             if !identical {
                 return Ok(ExitCode::FAILURE);

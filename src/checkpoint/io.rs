@@ -406,9 +406,11 @@ pub(crate) fn st_dtype(dtype: DType) -> Result<Dtype> {
         DType::F16 => Dtype::F16,
         DType::F64 => Dtype::F64,
         other => {
-            return Err(Error::InvalidArgument(format!(
-                "checkpoints store floating-point tensors (F32, BF16, F16, F64), found {other:?}"
-            )))
+            return Err(Error::dtype(
+                "a checkpoint tensor",
+                "floating-point (F32, BF16, F16, F64)",
+                other,
+            ))
         }
     })
 }

@@ -326,10 +326,11 @@ impl UnitMeta {
         let mut prev: Option<&ParamMeta> = None;
         for (p, q) in self.params.iter().zip(&layout.params) {
             if p.numel != q.numel {
-                return Err(Error::InvalidArgument(format!(
-                    "unit {unit}: parameter {} of shape {:?} recorded with {} elements, not {}",
-                    p.name, p.shape, p.numel, q.numel
-                )));
+                return Err(Error::shape(
+                    format!("unit {unit}: parameter {} of shape {:?}", p.name, p.shape),
+                    format!("{} elements (its layout's)", q.numel),
+                    format!("{} elements recorded", p.numel),
+                ));
             }
             if p.offset != q.offset {
                 let msg = match prev.filter(|r| p.offset < r.offset + r.numel) {
@@ -357,11 +358,14 @@ impl UnitMeta {
             layout.shard_numel,
         );
         if recorded != derived {
-            return Err(Error::InvalidArgument(format!(
-                "unit {unit}: recorded unpadded/padded/shard sizes {recorded:?} over {} shards, \
-                 its parameters lay out as {derived:?}",
-                self.world_size
-            )));
+            return Err(Error::shape(
+                format!(
+                    "unit {unit}: unpadded/padded/shard sizes over {} shards",
+                    self.world_size
+                ),
+                format!("{derived:?} (its parameters' layout)"),
+                format!("{recorded:?} recorded"),
+            ));
         }
         Ok(layout)
     }
@@ -725,10 +729,7 @@ fn validate_meta(meta: &CheckpointMeta, path: &Path) -> Result<()> {
         }
         // Offsets, sizes, overlaps: the metadata must be the layout of its parameters.
         if let Err(e) = u.to_layout() {
-            return bad(match e {
-                Error::InvalidArgument(m) => m,
-                other => other.to_string(),
-            });
+            return bad(e.argument_text().unwrap_or_else(|| e.to_string()));
         }
         for b in &u.buffers {
             if !seen.insert(b.name.as_str()) {

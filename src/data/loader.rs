@@ -73,8 +73,8 @@ impl BatchLoader {
     /// the dataset items to visit, in order (repeats allowed).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `batch_size == 0`, if `C × H × W == 0`, if
-    /// `images.len() != labels.len() × C × H × W` (expected vs found), or if an index is
+    /// [`Error::Value`] if `batch_size == 0` or `C × H × W == 0`, [`Error::Shape`] if
+    /// `images.len() != labels.len() × C × H × W` (expected vs found), [`Error::OutOfRange`] if an index is
     /// `>= labels.len()` (naming the index, its position and the dataset length).
     pub fn new(
         images: Arc<Vec<f32>>,
@@ -98,7 +98,7 @@ impl BatchLoader {
     /// As [`new`](Self::new) with `depth` batches prefetched (channel capacity).
     ///
     /// # Errors
-    /// As [`new`](Self::new), plus [`Error::InvalidArgument`] if `depth == 0`.
+    /// As [`new`](Self::new), plus [`Error::Value`] if `depth == 0`.
     pub fn with_depth(
         images: Arc<Vec<f32>>,
         labels: Arc<Vec<u8>>,
@@ -109,35 +109,35 @@ impl BatchLoader {
         depth: usize,
     ) -> Result<Self> {
         if batch_size == 0 {
-            return Err(Error::InvalidArgument(
-                "BatchLoader: batch_size must be > 0, found 0".into(),
-            ));
+            return Err(Error::value("BatchLoader: batch_size", "> 0", 0));
         }
         if depth == 0 {
-            return Err(Error::InvalidArgument(
-                "BatchLoader: prefetch depth must be > 0, found 0".into(),
-            ));
+            return Err(Error::value("BatchLoader: prefetch depth", "> 0", 0));
         }
         let (c, h, w) = item_shape;
         let item_len = c * h * w;
         if item_len == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "BatchLoader: item_shape {item_shape:?} has no elements"
-            )));
+            return Err(Error::value(
+                "BatchLoader: item_shape",
+                "a shape with elements",
+                format!("{item_shape:?}"),
+            ));
         }
         let n = labels.len();
         if Some(images.len()) != n.checked_mul(item_len) {
-            return Err(Error::InvalidArgument(format!(
-                "BatchLoader: {n} labels of shape {item_shape:?} need {} image values, found {}",
-                n.saturating_mul(item_len),
-                images.len()
-            )));
+            return Err(Error::shape(
+                format!("BatchLoader: {n} labels of shape {item_shape:?}"),
+                format!("{} image values", n.saturating_mul(item_len)),
+                images.len(),
+            ));
         }
         if let Some((pos, &idx)) = indices.iter().enumerate().find(|(_, &i)| i >= n) {
-            return Err(Error::InvalidArgument(format!(
-                "BatchLoader: index {idx} (position {pos} of the index list) is out of range \
-                 for a dataset of len {n}"
-            )));
+            return Err(Error::out_of_range(
+                format!("BatchLoader: position {pos} of the index list: index"),
+                idx,
+                "a dataset of len",
+                n,
+            ));
         }
 
         let num_batches = if drop_last {
@@ -158,8 +158,9 @@ impl BatchLoader {
                     }
                 }
             })
-            .map_err(|e| {
-                Error::InvalidArgument(format!("BatchLoader: cannot spawn loader thread: {e}"))
+            .map_err(|e| Error::SpawnFailed {
+                what: "BatchLoader's loader thread".to_string(),
+                error: e,
             })?;
         Ok(Self {
             rx: Some(rx),

@@ -56,7 +56,7 @@ impl DistributedSampler {
     /// `seed` must be the same on every rank (PyTorch's default is 0).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming both values if `world_size == 0` or
+    /// [`Error::OutOfRange`] naming both values if `world_size == 0` or
     /// `rank >= world_size`.
     pub fn new(
         dataset_len: usize,
@@ -67,10 +67,12 @@ impl DistributedSampler {
         drop_last: bool,
     ) -> Result<Self> {
         if world_size == 0 || rank >= world_size {
-            return Err(Error::InvalidArgument(format!(
-                "DistributedSampler: rank {rank} is not valid for world_size {world_size} \
-                 (need world_size >= 1 and rank in 0..world_size)"
-            )));
+            return Err(Error::out_of_range(
+                "DistributedSampler: rank",
+                rank,
+                "world_size",
+                world_size,
+            ));
         }
         let num_samples = if drop_last && !dataset_len.is_multiple_of(world_size) {
             // ceil((len - ws) / ws) in Python, with a negative numerator giving 0.
@@ -111,14 +113,18 @@ impl DistributedSampler {
     pub fn restore(&mut self, state: &SamplerState) -> Result<()> {
         let position = state.position_for(self.world_size());
         if position > self.num_samples() {
-            return Err(Error::InvalidArgument(format!(
-                "checkpoint sampler position {} (world size {}) is past the end of the epoch: \
-                 {} samples per rank at world size {}",
+            return Err(Error::value(
+                format!(
+                    "checkpoint sampler position (world size {})",
+                    state.world_size
+                ),
+                format!(
+                    "at most the end of the epoch: {} samples per rank at world size {}",
+                    self.num_samples(),
+                    self.world_size()
+                ),
                 state.position,
-                state.world_size,
-                self.num_samples(),
-                self.world_size()
-            )));
+            ));
         }
         self.set_epoch(state.epoch);
         self.set_start(position);

@@ -63,10 +63,7 @@ pub fn open_device(ordinal: usize) -> Result<Device> {
 pub fn cuda_device<'a>(device: &'a Device, what: &str) -> Result<&'a CudaDevice> {
     match device {
         Device::Cuda(d) => Ok(d),
-        other => Err(Error::InvalidArgument(format!(
-            "{what}: expected a CUDA device, found {:?}",
-            other.location()
-        ))),
+        other => Err(Error::device(what, "a CUDA device", other.location())),
     }
 }
 
@@ -161,14 +158,17 @@ pub fn pool_used_bytes(device: &CudaDevice) -> Result<u64> {
 pub fn read_small<T: SmallElem>(t: &Tensor) -> Result<Vec<T>> {
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cuda(s) = &*storage else {
-        return Err(Error::InvalidArgument(format!(
-            "read_small: expected a tensor on a GPU, found {:?}",
-            t.device().location()
-        )));
+        return Err(Error::device(
+            "read_small: the tensor",
+            "a GPU",
+            t.device().location(),
+        ));
     };
     let Some((start, end)) = layout.contiguous_offsets() else {
-        return Err(Error::InvalidArgument(
-            "read_small: expected a contiguous tensor".into(),
+        return Err(Error::value(
+            "read_small: the tensor",
+            "contiguous",
+            "a strided layout",
         ));
     };
     let slice = s.as_cuda_slice::<T>()?;

@@ -51,12 +51,14 @@ impl std::str::FromStr for DeviceSpec {
 
     /// Parses `cpu`, `cuda` or `cuda:N`.
     ///
-    /// Errors: anything else, as [`Error::InvalidArgument`] naming the value.
+    /// Errors: anything else, as [`Error::Value`] naming the value.
     fn from_str(s: &str) -> Result<Self> {
         let bad = || {
-            Error::InvalidArgument(format!(
-                "device {s:?}: expected `cpu`, `cuda` or `cuda:N` (N a GPU ordinal)"
-            ))
+            Error::value(
+                "device",
+                "`cpu`, `cuda` or `cuda:N` (N a GPU ordinal)",
+                format!("{s:?}"),
+            )
         };
         match s {
             "cpu" => Ok(DeviceSpec::Cpu),
@@ -89,9 +91,11 @@ pub fn local_gpu_ordinal() -> Result<usize> {
     for var in ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"] {
         if let Ok(v) = std::env::var(var) {
             return v.trim().parse().map_err(|_| {
-                Error::InvalidArgument(format!(
-                    "{var}={v:?}: expected a non-negative integer (the GPU of this process)"
-                ))
+                Error::env(
+                    var,
+                    format!("{v:?}"),
+                    "is not a non-negative integer (the GPU of this process)",
+                )
             });
         }
     }

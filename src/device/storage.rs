@@ -59,10 +59,11 @@ pub(crate) fn with_storage<R>(
         Storage::Cpu(c) => StorageRef::Cpu(c),
         Storage::Cuda(c) => StorageRef::Cuda(c),
         _ => {
-            return Err(Error::InvalidArgument(format!(
-                "a tensor on {:?}: only CPU and CUDA storage is supported",
-                t.device().location()
-            )))
+            return Err(Error::device(
+                "a tensor",
+                "the CPU or a CUDA GPU (only CPU and CUDA storage is supported)",
+                t.device().location(),
+            ))
         }
     };
     Ok(f(s, layout))

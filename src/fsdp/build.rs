@@ -195,14 +195,7 @@ impl FsdpModel {
 /// Step 1: the config's device is the one the process group's buffers live on.
 fn check_device(config: &FsdpConfig, pg: &dyn ProcessGroup) -> Result<()> {
     if !config.device.same_device(pg.device()) {
-        return Err(Error::InvalidArgument(format!(
-            "FsdpConfig::device is {:?} but the process group's buffers live on {:?} (rank \
-             {}): set `device: pg.device().clone()` (on a GPU each rank's Candle device, \
-             with its own compute stream, is the group's)",
-            config.device.location(),
-            pg.device().location(),
-            pg.rank()
-        )));
+        return Err(Error::device("FsdpConfig::device", format!("{:?}, where the process group's buffers live (rank {}): set `device: pg.device().clone()` (on a GPU each rank's Candle device, with its own compute stream, is the group's)", pg.device().location(), pg.rank()), config.device.location()));
     }
     Ok(())
 }
@@ -222,15 +215,20 @@ impl FreezePatterns {
     /// Parses `source` (after checking that the model has a unit, the error that comes first).
     fn new(source: &[String], keep: &[String], groups: &[GroupSpec]) -> Result<Self> {
         if groups.iter().all(|g| g.members.is_empty()) {
-            return Err(Error::InvalidArgument(
-                "a model needs at least one unit".into(),
+            return Err(Error::missing(
+                "unit in the model",
+                "a model needs at least one",
             ));
         }
         let patterns = source
             .iter()
             .map(|p| {
                 glob::Pattern::new(p).map_err(|e| {
-                    Error::InvalidArgument(format!("freeze pattern {p:?} is not a valid glob: {e}"))
+                    Error::value(
+                        "freeze pattern",
+                        format!("a valid glob ({e})"),
+                        format!("{p:?}"),
+                    )
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -238,9 +236,11 @@ impl FreezePatterns {
             .iter()
             .map(|p| {
                 glob::Pattern::new(p).map_err(|e| {
-                    Error::InvalidArgument(format!(
-                        "train-only pattern {p:?} is not a valid glob: {e}"
-                    ))
+                    Error::value(
+                        "train-only pattern",
+                        format!("a valid glob ({e})"),
+                        format!("{p:?}"),
+                    )
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -304,10 +304,10 @@ fn record_groups(groups: Vec<GroupSpec>, config: &FsdpConfig) -> Result<Vec<Reco
     let mut creator: HashMap<String, String> = HashMap::new();
     for g in groups {
         if g.members.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "group {} has no unit",
-                g.name
-            )));
+            return Err(Error::missing(
+                format!("unit in group {}", g.name),
+                "a group needs at least one",
+            ));
         }
         for m in &g.members {
             if out
@@ -315,10 +315,11 @@ fn record_groups(groups: Vec<GroupSpec>, config: &FsdpConfig) -> Result<Vec<Reco
                 .flat_map(|o| &o.spec.members)
                 .any(|o| o.name == m.name)
             {
-                return Err(Error::InvalidArgument(format!(
-                    "two units are named {}",
-                    m.name
-                )));
+                return Err(Error::value(
+                    "unit names",
+                    "unique",
+                    format!("{} twice", m.name),
+                ));
             }
         }
         let mut all_recorded: Vec<RecordedParam> = Vec::new();
@@ -506,11 +507,12 @@ fn plan_groups(
             .flat_map(|u| u.layout.params.iter().map(|p| p.name.as_str()))
             .collect();
         names.sort_unstable();
-        return Err(Error::InvalidArgument(format!(
-            "{kind} pattern {:?} matches no parameter; the parameters are: {}",
-            pattern,
-            names.join(", ")
-        )));
+        return Err(Error::no_match(
+            format!("{kind} pattern"),
+            format!("{pattern:?}"),
+            "parameter",
+            format!("the parameters are: {}", names.join(", ")),
+        ));
     }
     if let Some(budget) = &config.memory_budget {
         let sizes: Vec<super::budget::GroupSize> = planned

@@ -132,13 +132,15 @@ pub(crate) fn unpack_gathered(
     let out = crate::ops::with_host_u8(gathered, |bytes| -> Result<Vec<f32>> {
         let segments = bytes.len().checked_div(seg).unwrap_or(0);
         if seg * segments != bytes.len() || segments * shard > layout.padded_numel {
-            return Err(Error::InvalidArgument(format!(
-                "gathered packed shards: {} bytes are not whole {}-byte {} segments of {shard} \
-                 elements",
-                bytes.len(),
-                seg,
-                format.name()
-            )));
+            return Err(Error::shape(
+                "gathered packed shards",
+                format!(
+                    "whole {}-byte {} segments of {shard} elements",
+                    seg,
+                    format.name()
+                ),
+                format!("{} bytes", bytes.len()),
+            ));
         }
         let mut out = vec![0f32; segments * shard];
         for (o, b) in out

@@ -91,10 +91,11 @@ impl std::str::FromStr for ShardingStrategy {
         let (name, size) = match norm.split_once(':') {
             Some((n, k)) => {
                 let k: usize = k.trim().parse().ok().filter(|&k| k > 0).ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "sharding strategy {s:?}: the shard size after ':' must be a positive \
-                         integer"
-                    ))
+                    Error::value(
+                        format!("sharding strategy {s:?}: the shard size after ':'"),
+                        "a positive integer",
+                        format!("{:?}", k.trim()),
+                    )
                 })?;
                 (n.trim().to_string(), Some(k))
             }
@@ -109,17 +110,19 @@ impl std::str::FromStr for ShardingStrategy {
                 ShardingStrategy::HybridShardGradOp { shard_size: size }
             }
             _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "unknown sharding strategy {s:?}: expected full-shard, shard-grad-op, \
-                     no-shard, hybrid-shard or hybrid-shard-grad-op"
-                )))
+                return Err(Error::value(
+                    "sharding strategy",
+                    "full-shard, shard-grad-op, no-shard, hybrid-shard or hybrid-shard-grad-op",
+                    format!("{s:?}"),
+                ))
             }
         };
         if size.is_some() && !strategy.is_hybrid() {
-            return Err(Error::InvalidArgument(format!(
-                "sharding strategy {s:?}: only hybrid-shard and hybrid-shard-grad-op take a \
-                 shard size"
-            )));
+            return Err(Error::conflict(
+                format!("sharding strategy {s:?}"),
+                "a shard size",
+                "only hybrid-shard and hybrid-shard-grad-op take one",
+            ));
         }
         Ok(strategy)
     }

@@ -771,14 +771,20 @@ pub(crate) mod fault {
 /// `t` (1-D) with bit `bit` of element `element` flipped (fault injection).
 pub(crate) fn flip_bit(t: &Tensor, element: usize, bit: u32) -> Result<Tensor> {
     if t.dtype() != candle_core::DType::F32 {
-        return Err(Error::InvalidArgument(format!(
-            "fault injection flips bits of f32 gradients, found {:?}",
-            t.dtype()
-        )));
+        return Err(Error::dtype(
+            "fault injection: the gradient",
+            "F32 (it flips bits of f32 gradients)",
+            t.dtype(),
+        ));
     }
     let mut v = t.to_vec1::<f32>()?;
     let x = v.get_mut(element).ok_or_else(|| {
-        Error::InvalidArgument(format!("fault injection: element {element} out of range"))
+        Error::out_of_range(
+            "fault injection: element",
+            element,
+            "the gradient's element count",
+            t.elem_count(),
+        )
     })?;
     *x = f32::from_bits(x.to_bits() ^ (1 << bit));
     Ok(Tensor::from_vec(v, t.elem_count(), t.device())?)

@@ -203,9 +203,7 @@ impl FsdpModel {
         match out.len() {
             1 => Ok(out.pop().expect("one output")),
             n => Err(self.at_name(
-                Error::InvalidArgument(format!(
-                    "call1 expects one output, but the unit returned {n}: use call"
-                )),
+                Error::shape("call1: the unit's outputs", "one (use call for several)", n),
                 &self.members[m].spec.name.clone(),
                 self.state.call_phase(),
             )),

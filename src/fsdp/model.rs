@@ -387,10 +387,10 @@ impl FsdpModel {
     pub(super) fn member_index(&self, name: &str) -> Result<usize> {
         self.by_name.get(name).copied().ok_or_else(|| {
             let names: Vec<&str> = self.unit_names().collect();
-            Error::InvalidArgument(format!(
-                "no unit named {name:?}; the model's units are: {}",
-                names.join(", ")
-            ))
+            Error::missing(
+                format!("unit named {name:?}"),
+                format!("the model's units are: {}", names.join(", ")),
+            )
         })
     }
 }

@@ -103,16 +103,13 @@ impl FsdpModel {
 
     fn unit_mut(&mut self, unit: usize) -> Result<&mut ParamGroup> {
         let n = self.units.len();
-        self.units.get_mut(unit).ok_or_else(|| {
-            Error::InvalidArgument(format!("unit index {unit} out of range: the model has {n}"))
-        })
+        self.units
+            .get_mut(unit)
+            .ok_or_else(|| Error::out_of_range("unit index", unit, "the model's unit count", n))
     }
 }
 
 /// Prefixes an argument error with the unit it concerns.
 fn in_unit(name: &str, e: Error) -> Error {
-    match e {
-        Error::InvalidArgument(m) => Error::InvalidArgument(format!("unit {name}: {m}")),
-        other => other,
-    }
+    e.prefixed(&format!("unit {name}"))
 }

@@ -22,10 +22,12 @@ impl FsdpModel {
     /// a training step in progress (gather state dicts between steps).
     pub fn gather_unit_f32(&self, k: usize) -> Result<Tensor> {
         let Some(u) = self.units.get(k) else {
-            return Err(Error::InvalidArgument(format!(
-                "unit index {k} out of range: the model has {} units",
-                self.units.len()
-            )));
+            return Err(Error::out_of_range(
+                "unit index",
+                k,
+                "the model's unit count",
+                self.units.len(),
+            ));
         };
         if !u.is_sharded() || u.in_step() {
             let e = Error::Misuse {
@@ -135,11 +137,11 @@ impl FullModel {
         for (name, m) in &self.modules {
             let mut out = m.forward_t(std::slice::from_ref(&h), train)?;
             if out.len() != 1 {
-                return Err(Error::InvalidArgument(format!(
-                    "unit {name} returned {} outputs: call units of a model that is not a chain \
-                     with FullModel::call",
-                    out.len()
-                )));
+                return Err(Error::shape(
+                    format!("unit {name}"),
+                    "one output (call units of a model that is not a chain with FullModel::call)",
+                    format!("{} outputs", out.len()),
+                ));
             }
             h = out.pop().expect("one output");
         }
@@ -151,7 +153,10 @@ impl FullModel {
     /// Errors: no unit of that name; the unit's own.
     pub fn call(&self, unit: &str, xs: &[&Tensor], train: bool) -> Result<Vec<Tensor>> {
         let Some((_, m)) = self.modules.iter().find(|(n, _)| n == unit) else {
-            return Err(Error::InvalidArgument(format!("no unit named {unit:?}")));
+            return Err(Error::missing(
+                format!("unit named {unit:?}"),
+                "FullModel::call takes the name of one of the model's units",
+            ));
         };
         let xs: Vec<Tensor> = xs.iter().map(|&x| x.clone()).collect();
         Ok(m.forward_t(&xs, train)?)

@@ -290,13 +290,15 @@ pub(crate) fn free_whole(t: &Tensor) -> Result<bool> {
 /// Errors: dtype or element-count mismatch, a non-contiguous source, an unsupported device.
 pub(crate) fn refill(t: &Tensor, src: &Tensor) -> Result<()> {
     if t.dtype() != src.dtype() || t.elem_count() != src.elem_count() {
-        return Err(Error::InvalidArgument(format!(
-            "refill: parameter of {:?} x {} elements from a source of {:?} x {}",
-            t.dtype(),
-            t.elem_count(),
-            src.dtype(),
-            src.elem_count()
-        )));
+        return Err(Error::shape(
+            "refill: the source",
+            format!(
+                "{:?} x {} elements (the parameter's)",
+                t.dtype(),
+                t.elem_count()
+            ),
+            format!("{:?} x {}", src.dtype(), src.elem_count()),
+        ));
     }
     t.inplace_op2(src, &Refill).map_err(Error::from)
 }
@@ -365,17 +367,25 @@ impl candle_core::InplaceOp1 for Put {
 /// than the CPU.
 pub(crate) fn adopt(dst: &Tensor, src: &Tensor) -> Result<()> {
     if dst.dtype() != src.dtype() || dst.elem_count() != src.elem_count() {
-        return Err(Error::InvalidArgument(format!(
-            "adopt: destination of {:?} x {} elements from a source of {:?} x {}",
-            dst.dtype(),
-            dst.elem_count(),
-            src.dtype(),
-            src.elem_count()
-        )));
+        return Err(Error::shape(
+            "adopt: the source",
+            format!(
+                "{:?} x {} elements (the destination's)",
+                dst.dtype(),
+                dst.elem_count()
+            ),
+            format!("{:?} x {}", src.dtype(), src.elem_count()),
+        ));
     }
     if !dst.device().is_cpu() || !src.device().is_cpu() {
-        return Err(Error::InvalidArgument(
-            "adopt: only CPU buffers move without a copy".into(),
+        return Err(Error::device(
+            "adopt: a buffer",
+            "the CPU (only CPU buffers move without a copy)",
+            if dst.device().is_cpu() {
+                src.device().location()
+            } else {
+                dst.device().location()
+            },
         ));
     }
     let take = Take(std::sync::Mutex::new(None));

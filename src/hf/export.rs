@@ -189,9 +189,7 @@ fn torch_name(d: Dtype) -> &'static str {
 pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExportSummary> {
     let dir = resolve_checkpoint(dir)?;
     if opts.max_shard_bytes == 0 {
-        return Err(Error::InvalidArgument(
-            "max_shard_bytes must be at least 1".into(),
-        ));
+        return Err(Error::value("max_shard_bytes", "at least 1", 0));
     }
     if out.exists() && !out.is_dir() {
         return Err(Error::file(

@@ -61,10 +61,9 @@ pub fn save_peft_adapter(
     let mut local = Ok(());
     let mut writer = None;
     if units.is_empty() {
-        local = Err(Error::InvalidArgument(
-            "the model has no LoRA parameters (*.lora_A.weight, *.lora_B.weight) to save as a \
-             PEFT adapter"
-                .into(),
+        local = Err(Error::missing(
+            "LoRA parameters (*.lora_A.weight, *.lora_B.weight) in the model",
+            "nothing to save as a PEFT adapter",
         ));
     } else if pg.rank() == 0 {
         let opened = (|| -> Result<SafetensorsWriter> {

@@ -350,9 +350,11 @@ impl FloatVec {
             DType::BF16 => FloatVec::BF16(flat.to_vec1()?),
             DType::F16 => FloatVec::F16(flat.to_vec1()?),
             other => {
-                return Err(crate::error::Error::InvalidArgument(format!(
-                    "expected f32, bf16 or f16, found {other:?}"
-                )))
+                return Err(crate::error::Error::dtype(
+                    "a tensor read as floats",
+                    "f32, bf16 or f16",
+                    other,
+                ))
             }
         })
     }

@@ -32,7 +32,12 @@ fn ptx_static(module: &str) -> Result<&'static str> {
     let (name, src) = super::SOURCES
         .iter()
         .find(|(n, _)| *n == module)
-        .ok_or_else(|| Error::InvalidArgument(format!("no kernel module named {module:?}")))?;
+        .ok_or_else(|| {
+            Error::missing(
+                format!("kernel module named {module:?}"),
+                "the kernels are compiled from the crate's own modules",
+            )
+        })?;
     let mut cache = ptx_cache().lock().unwrap_or_else(|e| e.into_inner());
     if let Some(p) = cache.get(name) {
         return Ok(p);

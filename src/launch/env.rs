@@ -4,7 +4,8 @@
 //! thread of this process).
 //!
 //! Every variable is validated (integers, ranges, consistency between the two families) and a
-//! problem is an [`Error::InvalidArgument`] that names the variable and its value.
+//! problem is an [`Error::Env`] that names the variable and its value (or an
+//! [`Error::InvalidArgument`] naming the variables that disagree).
 //! [`LaunchEnv::world_size_for`] checks a requested world size (the examples' `--world-size`)
 //! against the launcher's.
 
@@ -63,25 +64,28 @@ const TORCHRUN_VARS: [&str; 6] = [
 fn parse_usize(get: &dyn Fn(&str) -> Option<String>, var: &str) -> Result<Option<usize>> {
     match get(var) {
         None => Ok(None),
-        Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
-            Error::InvalidArgument(format!(
-                "environment variable {var}={v:?} is not a non-negative integer"
-            ))
-        }),
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .map(Some)
+            .map_err(|_| Error::env(var, format!("{v:?}"), "is not a non-negative integer")),
     }
 }
 
 fn check_rank(rank_var: &str, rank: usize, size_var: &str, size: usize) -> Result<()> {
     if size == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "environment variable {size_var}=0: a job needs at least one process"
-        )));
+        return Err(Error::env(
+            size_var,
+            0,
+            "leaves no process: a job needs at least one",
+        ));
     }
     if rank >= size {
-        return Err(Error::InvalidArgument(format!(
-            "environment variable {rank_var}={rank} is out of range for {size_var}={size} \
-             (expected 0..{size})"
-        )));
+        return Err(Error::env(
+            rank_var,
+            rank,
+            format!("is out of range for {size_var}={size} (expected 0..{size})"),
+        ));
     }
     Ok(())
 }
@@ -128,10 +132,11 @@ impl TorchrunEnv {
             local_world_size,
         )?;
         if local_world_size > world_size {
-            return Err(Error::InvalidArgument(format!(
-                "environment variable LOCAL_WORLD_SIZE={local_world_size} is larger than \
-                 WORLD_SIZE={world_size}"
-            )));
+            return Err(Error::env(
+                "LOCAL_WORLD_SIZE",
+                local_world_size,
+                format!("is larger than WORLD_SIZE={world_size}"),
+            ));
         }
         let master_addr = get("MASTER_ADDR");
         let master_port = match get("MASTER_PORT") {
@@ -139,9 +144,11 @@ impl TorchrunEnv {
             Some(p) => match p.trim().parse::<u16>() {
                 Ok(port) if port > 0 => Some(port),
                 _ => {
-                    return Err(Error::InvalidArgument(format!(
-                        "environment variable MASTER_PORT={p:?} is not a TCP port (1..=65535)"
-                    )))
+                    return Err(Error::env(
+                        "MASTER_PORT",
+                        format!("{p:?}"),
+                        "is not a TCP port (1..=65535)",
+                    ))
                 }
             },
         };

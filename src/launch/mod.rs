@@ -218,7 +218,7 @@ impl Launcher {
     /// `MASTER_ADDR`/`MASTER_PORT` for a store bootstrap under `mpirun`, `LOCAL_RANK` for a
     /// plain start). Only `--device cpu` under `mpirun` has a side effect: it initialises MPI.
     ///
-    /// Errors ([`Error::InvalidArgument`], each naming the way out): `requested` disagrees
+    /// Errors ([`Error::Conflict`], [`Error::Env`], [`Error::Missing`], each naming the way out): `requested` disagrees
     /// with the launcher; `--device cpu` under a torchrun-style launch of several ranks without
     /// `MASTER_ADDR`/`MASTER_PORT`; `--device cuda` in a
     /// build without `cuda`, or one process per GPU without `nccl` (or under `mpirun` without
@@ -278,11 +278,7 @@ impl Launcher {
                     _ => None,
                 };
                 if store.is_none() && t.world_size > 1 {
-                    return Err(Error::InvalidArgument(format!(
-                        "{how} with --device {spec} but MASTER_ADDR and MASTER_PORT are not both \
-                         set: the NCCL unique id travels through the TCP store rank 0 serves \
-                         there (fsdp-run and torchrun set both)"
-                    )));
+                    return Err(Error::conflict(&how, format!("--device {spec} but MASTER_ADDR and MASTER_PORT are not both set"), "the NCCL unique id travels through the TCP store rank 0 serves there (fsdp-run and torchrun set both)"));
                 }
                 nccl_launcher(
                     &spec,
@@ -312,13 +308,7 @@ impl Launcher {
                         Some(n) => n,
                         None if m.local_size == 1 => 0,
                         None => {
-                            return Err(Error::InvalidArgument(format!(
-                                "started by mpirun with {} processes on this machine and \
-                                 --device {spec}, but no local rank variable \
-                                 (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, LOCAL_RANK) says \
-                                 which GPU this process uses: set LOCAL_RANK",
-                                m.local_size
-                            )))
+                            return Err(Error::missing("local rank variable (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, LOCAL_RANK)", format!("started by mpirun with {} processes on this machine and --device {spec}, one says which GPU this process uses: set LOCAL_RANK", m.local_size)))
                         }
                     },
                 };
@@ -332,23 +322,25 @@ impl Launcher {
     fn from_mpi_env(m: &MpiEnv, timeout: Duration) -> Result<Launcher> {
         let launcher = Launcher::mpi(crate::comm::mpi::MpiConfig { timeout })?;
         if launcher.world_size() != m.world_size {
-            return Err(Error::InvalidArgument(format!(
-                "MPI reports a world of {} processes but {}={}",
+            return Err(Error::shape(
+                "MPI's world size",
+                format!("{} (the launcher's {})", m.world_size, m.source),
                 launcher.world_size(),
-                m.source,
-                m.world_size
-            )));
+            ));
         }
         Ok(launcher)
     }
 
     #[cfg(not(feature = "mpi"))]
     fn from_mpi_env(m: &MpiEnv, _timeout: Duration) -> Result<Launcher> {
-        Err(Error::InvalidArgument(format!(
-            "this process was started by mpirun ({}={}) but candle-fsdp was built without \
-             the `mpi` feature: rebuild with `--features mpi`",
-            m.source, m.world_size
-        )))
+        Err(Error::conflict(
+            format!(
+                "this process was started by mpirun ({}={})",
+                m.source, m.world_size
+            ),
+            "this build",
+            "candle-fsdp was built without the `mpi` feature: rebuild with `--features mpi`",
+        ))
     }
 
     /// Number of ranks of the job.
@@ -479,12 +471,7 @@ fn shm_launcher(t: &TorchrunEnv, timeout: Duration) -> Result<Launcher> {
         (Some(addr), Some(port)) => (addr.trim().to_string(), port),
         _ if t.world_size == 1 => (String::new(), 1),
         _ => {
-            return Err(Error::InvalidArgument(format!(
-                "this process was started torchrun-style (RANK={}, WORLD_SIZE={}) with --device \
-                 cpu but MASTER_ADDR and MASTER_PORT are not both set: the processes meet \
-                 through the TCP store rank 0 serves there (fsdp-run and torchrun set both)",
-                t.rank, t.world_size
-            )))
+            return Err(Error::conflict(format!("this process was started torchrun-style (RANK={}, WORLD_SIZE={})", t.rank, t.world_size), "--device cpu but MASTER_ADDR and MASTER_PORT are not both set", "the processes meet through the TCP store rank 0 serves there (fsdp-run and torchrun set both)"))
         }
     };
     let addr: &'static str = Box::leak(addr.into_boxed_str());
@@ -512,9 +499,11 @@ fn local_rank_from(get: &dyn Fn(&str) -> Option<String>, vars: &[&str]) -> Resul
     for var in vars {
         if let Some(v) = get(var).filter(|v| !v.trim().is_empty()) {
             return v.trim().parse().map(Some).map_err(|_| {
-                Error::InvalidArgument(format!(
-                    "{var}={v:?}: expected a non-negative integer (the GPU of this process)"
-                ))
+                Error::env(
+                    var,
+                    format!("{v:?}"),
+                    "is not a non-negative integer (the GPU of this process)",
+                )
             });
         }
     }
@@ -531,12 +520,7 @@ fn one_rank_per_gpu(
     local_name: &str,
 ) -> Result<Option<usize>> {
     match gpu {
-        Some(n) if local > 1 => Err(Error::InvalidArgument(format!(
-            "--device {spec} puts the {local} processes of this machine ({local_name} = {local}) \
-             on GPU {n}, but NCCL refuses two ranks on one GPU: use --device cuda (each process \
-             takes the GPU of its local rank), or run the ranks as threads of one process \
-             sharing the GPU (no launcher, --world-size {local})"
-        ))),
+        Some(n) if local > 1 => Err(Error::conflict(format!("--device {spec}"), format!("the {local} processes of this machine ({local_name} = {local})"), format!("they would all use GPU {n}, but NCCL refuses two ranks on one GPU: use --device cuda (each process takes the GPU of its local rank), or run the ranks as threads of one process sharing the GPU (no launcher, --world-size {local})"))),
         other => Ok(other),
     }
 }
@@ -549,9 +533,11 @@ fn master_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<(String, u
     match (addr, port) {
         (Some(addr), Some(port)) => match port.trim().parse::<u16>() {
             Ok(p) if p > 0 => Ok(Some((addr.trim().to_string(), p))),
-            _ => Err(Error::InvalidArgument(format!(
-                "environment variable MASTER_PORT={port:?} is not a TCP port (1..=65535)"
-            ))),
+            _ => Err(Error::env(
+                "MASTER_PORT",
+                format!("{port:?}"),
+                "is not a TCP port (1..=65535)",
+            )),
         },
         _ => Ok(None),
     }
@@ -567,10 +553,11 @@ fn gpu_threads_launcher(
 ) -> Result<Launcher> {
     let max = crate::comm::threads::MAX_CUDA_RANKS;
     if world_size == 0 || world_size > max {
-        return Err(Error::InvalidArgument(format!(
-            "--device {spec} with --world-size {world_size}: the ranks of one process share \
-             the GPU as threads, 1 to {max} of them"
-        )));
+        return Err(Error::conflict(
+            format!("--device {spec}"),
+            format!("--world-size {world_size}"),
+            format!("the ranks of one process share the GPU as threads, 1 to {max} of them"),
+        ));
     }
     Ok(Launcher::ThreadsOnGpu {
         world_size,
@@ -612,11 +599,7 @@ fn nccl_launcher(
         let addr: &'static str = Box::leak(addr.into_boxed_str());
         NcclBootstrap::Store { addr, port }
     } else {
-        return Err(Error::InvalidArgument(format!(
-            "this process was started {how} with one GPU per process: the NCCL unique id \
-             travels over MPI (rebuild with `--features nccl,mpi`) or through a TCP store (set \
-             MASTER_ADDR and MASTER_PORT to rank 0's host and a free port)"
-        )));
+        return Err(Error::conflict(format!("this process was started {how}"), "one GPU per process", "the NCCL unique id travels over MPI (rebuild with `--features nccl,mpi`) or through a TCP store (set MASTER_ADDR and MASTER_PORT to rank 0's host and a free port)"));
     };
     Ok(Launcher::Nccl {
         rank,
@@ -642,11 +625,7 @@ fn need_nccl(spec: &str, how: &str) -> Result<()> {
     if cfg!(feature = "nccl") {
         return Ok(());
     }
-    Err(Error::InvalidArgument(format!(
-        "this process was started {how} with --device {spec}: one process per GPU needs the \
-         NCCL backend; rebuild with `--features nccl` (and `mpi` to bootstrap over MPI under \
-         mpirun), or run the ranks as threads sharing one GPU (no launcher, --world-size N)"
-    )))
+    Err(Error::conflict(format!("this process was started {how}"), format!("--device {spec}"), "one process per GPU needs the NCCL backend; rebuild with `--features nccl` (and `mpi` to bootstrap over MPI under mpirun), or run the ranks as threads sharing one GPU (no launcher, --world-size N)"))
 }
 
 /// Without NCCL, [`need_nccl`] refused before any call.

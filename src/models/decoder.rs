@@ -124,21 +124,26 @@ impl Llama3RopeScaling {
             ("high_freq_factor", self.high_freq_factor),
         ] {
             if !(v.is_finite() && v > 0.0) {
-                return Err(Error::InvalidArgument(format!(
-                    "{model} rope_scaling.{name} must be a positive finite number, found {v}"
-                )));
+                return Err(Error::value(
+                    format!("{model} rope_scaling.{name}"),
+                    "a positive finite number",
+                    v,
+                ));
             }
         }
         if self.low_freq_factor >= self.high_freq_factor {
-            return Err(Error::InvalidArgument(format!(
-                "{model} rope_scaling.low_freq_factor {} must be below high_freq_factor {}",
-                self.low_freq_factor, self.high_freq_factor
-            )));
+            return Err(Error::value(
+                format!("{model} rope_scaling.low_freq_factor"),
+                format!("below high_freq_factor {}", self.high_freq_factor),
+                self.low_freq_factor,
+            ));
         }
         if self.original_max_position_embeddings == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "{model} rope_scaling.original_max_position_embeddings must be at least 1, found 0"
-            )));
+            return Err(Error::value(
+                format!("{model} rope_scaling.original_max_position_embeddings"),
+                "at least 1",
+                0,
+            ));
         }
         Ok(())
     }
@@ -223,7 +228,8 @@ impl DecoderConfig {
 
     /// Checks the shape.
     ///
-    /// Errors ([`Error::InvalidArgument`], naming the key): a zero size; `num_key_value_heads`
+    /// Errors (naming the key: [`Error::Value`], [`Error::OutOfRange`], [`Error::Shape`],
+    /// [`Error::Conflict`], [`Error::Missing`]): a zero size; `num_key_value_heads`
     /// not dividing `num_attention_heads`; an odd `head_dim` with rotary embeddings; an
     /// epsilon, `rope_theta`, soft-cap or scalar that is not a positive finite number;
     /// `layer_types` not of `num_hidden_layers` entries; a sliding layer without a window, or a
@@ -241,44 +247,45 @@ impl DecoderConfig {
             ("max_position_embeddings", self.max_position_embeddings),
         ] {
             if v == 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "{model} {name} must be at least 1, found 0"
-                )));
+                return Err(Error::value(format!("{model} {name}"), "at least 1", 0));
             }
         }
         if !self
             .num_attention_heads
             .is_multiple_of(self.num_key_value_heads)
         {
-            return Err(Error::InvalidArgument(format!(
-                "{model} num_key_value_heads {} must divide num_attention_heads {}",
-                self.num_key_value_heads, self.num_attention_heads
-            )));
+            return Err(Error::value(
+                format!("{model} num_key_value_heads"),
+                format!(
+                    "a divisor of num_attention_heads {}",
+                    self.num_attention_heads
+                ),
+                self.num_key_value_heads,
+            ));
         }
         let gpt2 = self.table().style == family::BlockStyle::Gpt2;
         if gpt2
             && (self.num_key_value_heads != self.num_attention_heads
                 || self.head_dim * self.num_attention_heads != self.hidden_size)
         {
-            return Err(Error::InvalidArgument(format!(
-                "{model}: n_head {} must divide n_embd {} (multi-head attention, head_dim = \
-                 n_embd / n_head), found {} key/value heads of {}",
-                self.num_attention_heads, self.hidden_size, self.num_key_value_heads, self.head_dim
-            )));
+            return Err(Error::conflict(format!("{model}: {} key/value heads of {}", self.num_key_value_heads, self.head_dim), format!("n_head {} and n_embd {}", self.num_attention_heads, self.hidden_size), "n_head must divide n_embd (multi-head attention: as many key/value heads as heads, head_dim = n_embd / n_head)"));
         }
         if !gpt2 && !self.head_dim.is_multiple_of(2) {
-            return Err(Error::InvalidArgument(format!(
-                "{model} head_dim must be even (rotary embeddings rotate pairs), found {}",
-                self.head_dim
-            )));
+            return Err(Error::value(
+                format!("{model} head_dim"),
+                "even (rotary embeddings rotate pairs)",
+                self.head_dim,
+            ));
         }
         let positive = |name: &str, v: f64| -> Result<()> {
             if v.is_finite() && v > 0.0 {
                 Ok(())
             } else {
-                Err(Error::InvalidArgument(format!(
-                    "{model} {name} must be a positive finite number, found {v}"
-                )))
+                Err(Error::value(
+                    format!("{model} {name}"),
+                    "a positive finite number",
+                    v,
+                ))
             }
         };
         positive("norm epsilon", self.norm_eps)?;
@@ -296,32 +303,36 @@ impl DecoderConfig {
             scaling.validate(model)?;
         }
         if self.layer_types.len() != self.num_hidden_layers {
-            return Err(Error::InvalidArgument(format!(
-                "{model} layer_types has {} entries for {} layers",
-                self.layer_types.len(),
-                self.num_hidden_layers
-            )));
+            return Err(Error::shape(
+                format!("{model} layer_types"),
+                format!("{} entries (one per layer)", self.num_hidden_layers),
+                format!("{} entries", self.layer_types.len()),
+            ));
         }
         if let Some(p) = self.pad_token_id {
             if p as usize >= self.vocab_size {
-                return Err(Error::InvalidArgument(format!(
-                    "{model} pad_token_id {p} is outside the vocabulary of {} (transformers' \
-                     embedding refuses it too)",
-                    self.vocab_size
-                )));
+                return Err(Error::out_of_range(
+                    format!("{model} pad_token_id"),
+                    p as usize,
+                    "vocab_size",
+                    self.vocab_size,
+                ));
             }
         }
         let sliding = self.layer_types.contains(&LayerType::SlidingAttention);
         match self.sliding_window {
             Some(0) => {
-                return Err(Error::InvalidArgument(format!(
-                    "{model} sliding_window must be at least 1, found 0"
-                )))
+                return Err(Error::value(
+                    format!("{model} sliding_window"),
+                    "at least 1",
+                    0,
+                ))
             }
             None if sliding => {
-                return Err(Error::InvalidArgument(format!(
-                    "{model} layer_types has sliding_attention layers but sliding_window is null"
-                )))
+                return Err(Error::missing(
+                    format!("sliding_window in {model} (it is null)"),
+                    "layer_types has sliding_attention layers, which need one",
+                ))
             }
             _ => {}
         }
@@ -533,12 +544,11 @@ impl FsdpDecoder {
         let arch = cfg.table().architecture;
         if let Some(p) = position_ids {
             if p.dims() != [b, t] || p.dtype() != candle_core::DType::U32 {
-                return Err(Error::InvalidArgument(format!(
-                    "{arch}: position ids must be ({b}, {t}) u32 like the token ids, found {:?} \
-                     {:?}",
-                    p.dims(),
-                    p.dtype()
-                )));
+                return Err(Error::value(
+                    format!("{arch}: position ids"),
+                    format!("({b}, {t}) u32 like the token ids"),
+                    format!("{:?} {:?}", p.dims(), p.dtype()),
+                ));
             }
         }
         // Learned positions have a table of that many rows; rotary positions extend to any
@@ -672,12 +682,14 @@ impl Decoder {
 /// With learned positions, a context of `last` positions must fit the table.
 fn check_context(cfg: &DecoderConfig, last: usize) -> Result<()> {
     if last > cfg.max_position_embeddings {
-        return Err(Error::InvalidArgument(format!(
-            "{} context of {last} positions is longer than n_positions {} (the rows of its \
-             learned position table)",
-            cfg.table().architecture,
-            cfg.max_position_embeddings
-        )));
+        return Err(Error::value(
+            format!("{} context", cfg.table().architecture),
+            format!(
+                "at most n_positions {} (the rows of its learned position table)",
+                cfg.max_position_embeddings
+            ),
+            format!("{last} positions"),
+        ));
     }
     Ok(())
 }

@@ -114,7 +114,7 @@ impl GptConfig {
 
     /// Checks the shape.
     ///
-    /// Errors ([`Error::InvalidArgument`], naming the value): a zero size; `n_head` not
+    /// Errors ([`Error::Value`], [`Error::Conflict`], naming the values): a zero size; `n_head` not
     /// dividing `d_model`; an epsilon that is not a positive finite number.
     pub fn validate(&self) -> Result<()> {
         for (name, v) in [
@@ -125,22 +125,22 @@ impl GptConfig {
             ("seq_len", self.seq_len),
         ] {
             if v == 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "GPT {name} must be at least 1, found 0"
-                )));
+                return Err(Error::value(format!("GPT {name}"), "at least 1", 0));
             }
         }
         if !self.d_model.is_multiple_of(self.n_head) {
-            return Err(Error::InvalidArgument(format!(
-                "GPT n_head {} must divide d_model {}",
-                self.n_head, self.d_model
-            )));
+            return Err(Error::conflict(
+                format!("GPT n_head {}", self.n_head),
+                format!("d_model {}", self.d_model),
+                "n_head must divide d_model",
+            ));
         }
         if !(self.layer_norm_eps.is_finite() && self.layer_norm_eps > 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "GPT layer_norm_eps must be a positive finite number, found {}",
-                self.layer_norm_eps
-            )));
+            return Err(Error::value(
+                "GPT layer_norm_eps",
+                "a positive finite number",
+                self.layer_norm_eps,
+            ));
         }
         Ok(())
     }

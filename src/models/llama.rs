@@ -112,10 +112,9 @@ impl Default for LlamaConfig {
 impl LlamaConfig {
     /// Checks the shape.
     ///
-    /// Errors ([`crate::Error::InvalidArgument`], naming the key): as
-    /// [`DecoderConfig::validate`] (a zero size; `num_key_value_heads` not dividing
-    /// `num_attention_heads`; an odd `head_dim`; an epsilon or `rope_theta` that is not a
-    /// positive finite number).
+    /// Errors (those of [`DecoderConfig::validate`], e.g. [`crate::Error::Value`], naming the
+    /// key): a zero size; `num_key_value_heads` not dividing `num_attention_heads`; an odd
+    /// `head_dim`; an epsilon or `rope_theta` that is not a positive finite number.
     pub fn validate(&self) -> Result<()> {
         DecoderConfig::from(*self).validate()
     }
@@ -191,10 +190,11 @@ impl TryFrom<&DecoderConfig> for LlamaConfig {
             && c.final_logit_softcapping.is_none()
             && c.query_pre_attn_scalar.is_none();
         if !plain {
-            return Err(Error::InvalidArgument(format!(
-                "a {} decoder is not a Llama (models::decoder builds it)",
-                c.table().architecture
-            )));
+            return Err(Error::conflict(
+                format!("a {} decoder", c.table().architecture),
+                "a Llama",
+                "it is not one (models::decoder builds it)",
+            ));
         }
         Ok(LlamaConfig {
             vocab_size: c.vocab_size,

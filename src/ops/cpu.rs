@@ -287,11 +287,15 @@ fn cpu_unscale(u: &Unscale<'_>) -> Result<Option<f32>> {
 /// Errors: the layout is not contiguous (naming its shape and strides).
 fn contiguous_range(layout: &candle_core::Layout) -> Result<(usize, usize)> {
     layout.contiguous_offsets().ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "expected a contiguous tensor, found shape {:?} with strides {:?}",
-            layout.dims(),
-            layout.stride()
-        ))
+        super::bad(
+            "reading a tensor",
+            "the tensor",
+            format!(
+                "must be contiguous, found shape {:?} with strides {:?}",
+                layout.dims(),
+                layout.stride()
+            ),
+        )
     })
 }
 
@@ -301,10 +305,11 @@ pub(super) fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result
         let (start, end) = contiguous_range(layout)?;
         match storage {
             StorageRef::Cpu(CpuStorage::F32(v)) => Ok(f(&v[start..end])),
-            StorageRef::Cpu(other) => Err(Error::InvalidArgument(format!(
-                "expected an f32 tensor, found {:?}",
-                other.dtype()
-            ))),
+            StorageRef::Cpu(other) => Err(Error::dtype(
+                "a tensor read on the host",
+                "F32",
+                other.dtype(),
+            )),
             StorageRef::Cuda(_) => Err(super::not_on_cpu("reading a tensor", t.device())),
         }
     })
@@ -317,10 +322,11 @@ pub(super) fn with_cpu_u8<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R
         let (start, end) = contiguous_range(layout)?;
         match storage {
             StorageRef::Cpu(CpuStorage::U8(v)) => Ok(f(&v[start..end])),
-            StorageRef::Cpu(other) => Err(Error::InvalidArgument(format!(
-                "expected a u8 tensor, found {:?}",
-                other.dtype()
-            ))),
+            StorageRef::Cpu(other) => Err(Error::dtype(
+                "a tensor read on the host",
+                "U8",
+                other.dtype(),
+            )),
             StorageRef::Cuda(_) => Err(super::not_on_cpu("reading a tensor", t.device())),
         }
     })

@@ -31,7 +31,7 @@
 //! `found_inf` flag on the device, which [`adamw_step_fused`] and [`sgd_step_fused`] read to
 //! skip the step without a host sync (PyTorch's fused optimizers with `found_inf`). The fused
 //! entry points work on the CPU too, with the CPU loops, so callers need not care where the
-//! tensors are. Any other device is an [`Error::InvalidArgument`] naming the kernel and the
+//! tensors are. Any other device is an [`Error::Device`] naming the kernel and the
 //! device.
 //!
 //! Aliasing: the tensors written by one call must not share storage with each other, with its
@@ -353,10 +353,11 @@ fn sgd_with(
         (false, _) => None,
         (true, Some(b)) => Some(b),
         (true, None) => {
-            return Err(Error::InvalidArgument(format!(
-                "{op}: momentum {} needs a momentum buffer, none given",
-                h.momentum
-            )))
+            return Err(bad(
+                op,
+                "momentum",
+                format!("{} needs a momentum buffer, none given", h.momentum),
+            ))
         }
     };
     let all = [
@@ -519,10 +520,14 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     let n = check_all(OP, &[("dst", dst)])?;
     check_layout(OP, "src", src, &[DType::F32, DType::BF16, DType::F16])?;
     if src.elem_count() != n {
-        return Err(Error::InvalidArgument(format!(
-            "{OP}: src has {} elements, expected {n} (those of dst)",
-            src.elem_count()
-        )));
+        return Err(bad(
+            OP,
+            "src",
+            format!(
+                "has {} elements, expected {n} (those of dst)",
+                src.elem_count()
+            ),
+        ));
     }
     if n == 0 {
         return Ok(());
@@ -545,10 +550,14 @@ pub fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     const OP: &str = "cast";
     let fl = [DType::F32, DType::BF16, DType::F16];
     if !fl.contains(&t.dtype()) || !fl.contains(&dtype) {
-        return Err(Error::InvalidArgument(format!(
-            "{OP}: converts between f32, bf16 and f16, asked {:?} -> {dtype:?}",
-            t.dtype()
-        )));
+        return Err(bad(
+            OP,
+            "the conversion",
+            format!(
+                "must be between f32, bf16 and f16, asked {:?} -> {dtype:?}",
+                t.dtype()
+            ),
+        ));
     }
     #[cfg(feature = "cuda")]
     if t.device().is_cuda() {
@@ -567,10 +576,7 @@ pub fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
 /// Errors: `t` is not f32; a failed copy.
 pub(crate) fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     if t.dtype() != DType::F32 {
-        return Err(Error::InvalidArgument(format!(
-            "expected an f32 tensor, found {:?}",
-            t.dtype()
-        )));
+        return Err(Error::dtype("a tensor read on the host", "F32", t.dtype()));
     }
     if t.device().is_cpu() && t.is_contiguous() {
         return cpu::with_cpu_f32(t, f);
@@ -584,10 +590,7 @@ pub(crate) fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Resul
 /// Errors: `t` is not u8; a failed copy.
 pub(crate) fn with_host_u8<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
     if t.dtype() != DType::U8 {
-        return Err(Error::InvalidArgument(format!(
-            "expected a u8 tensor, found {:?}",
-            t.dtype()
-        )));
+        return Err(Error::dtype("a tensor read on the host", "U8", t.dtype()));
     }
     if t.device().is_cpu() && t.is_contiguous() {
         return cpu::with_cpu_u8(t, f);
@@ -612,11 +615,11 @@ pub(crate) fn crc32c_append(crc: u32, t: &Tensor) -> Result<(u32, u64)> {
 }
 
 fn not_on_cpu(op: &str, device: &Device) -> Error {
-    Error::InvalidArgument(format!(
-        "{op}: tensor on {:?}: the kernels run on the CPU and, in a build with feature `cuda`, \
-         on CUDA GPUs",
-        device.location()
-    ))
+    Error::device(
+        format!("{op}: a tensor"),
+        "the CPU or, in a build with feature `cuda`, a CUDA GPU (where the kernels run)",
+        device.location(),
+    )
 }
 
 /// Whether the kernels run on `device`: the CPU, and a GPU in a build with feature `cuda`.
@@ -634,12 +637,16 @@ fn check_unscale(op: &str, device: &Device, u: &Unscale<'_>) -> Result<()> {
         let Some(t) = t else { continue };
         check_layout(op, what, t, &[DType::F32])?;
         if t.elem_count() != 1 || !t.device().same_device(device) {
-            return Err(Error::InvalidArgument(format!(
-                "{op}: {what} must be one f32 element on {:?}, found shape {:?} on {:?}",
-                device.location(),
-                t.dims(),
-                t.device().location()
-            )));
+            return Err(bad(
+                op,
+                what,
+                format!(
+                    "must be one f32 element on {:?}, found shape {:?} on {:?}",
+                    device.location(),
+                    t.dims(),
+                    t.device().location()
+                ),
+            ));
         }
     }
     Ok(())

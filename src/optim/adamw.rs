@@ -117,14 +117,17 @@ impl AdamW {
     /// before the first step or load).
     pub fn with_state_dtype(mut self, dtype: DType) -> Result<Self> {
         if !matches!(dtype, DType::F32 | DType::BF16) {
-            return Err(crate::Error::InvalidArgument(format!(
-                "AdamW state dtype must be f32 or bf16, found {dtype:?}"
-            )));
+            return Err(crate::Error::dtype(
+                "AdamW state dtype",
+                "f32 or bf16",
+                dtype,
+            ));
         }
         if !self.state.units.is_empty() && self.state.dtype != dtype {
-            return Err(crate::Error::InvalidArgument(
-                "AdamW state dtype: the state is already allocated (set it before the first step)"
-                    .into(),
+            return Err(crate::Error::conflict(
+                "AdamW state dtype",
+                "a state already allocated",
+                "set it before the first step",
             ));
         }
         self.state.dtype = dtype;

@@ -26,7 +26,7 @@ pub(super) fn group_mut<C>(
 ) -> Result<&mut ParamGroup<C>> {
     let n = groups.len();
     groups.get_mut(group).ok_or_else(|| {
-        Error::InvalidArgument(format!("no parameter group {group}: the optimizer has {n}"))
+        Error::out_of_range("parameter group", group, "the optimizer's group count", n)
     })
 }
 

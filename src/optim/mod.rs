@@ -290,10 +290,10 @@ pub trait ShardedOptimizer {
 
 /// The error of a buffer asked for that the optimizer does not hold.
 fn missing_buffer(unit: usize, kind: BufferKind) -> Error {
-    Error::InvalidArgument(format!(
-        "optimizer state: unit {unit} has no {} buffer",
-        kind.name()
-    ))
+    Error::missing(
+        format!("{} buffer for unit {unit}", kind.name()),
+        "the optimizer state does not hold it",
+    )
 }
 
 /// Checks that `state` may be loaded into an optimizer of `kind` with `ours` groups.
@@ -303,19 +303,15 @@ pub(crate) fn check_loadable(
     state: &OptimizerHyper,
 ) -> Result<()> {
     if state.kind() != kind {
-        return Err(Error::InvalidArgument(format!(
-            "optimizer state of kind {} cannot be loaded into an optimizer of kind {kind} \
-             (expected {kind}, found {})",
+        return Err(Error::value(
+            format!("the kind of an optimizer state loaded into an optimizer of kind {kind}"),
+            kind,
             state.kind(),
-            state.kind()
-        )));
+        ));
     }
     let (a, b) = (ours.group_names(), state.group_names());
     if a != b {
-        return Err(Error::InvalidArgument(format!(
-            "optimizer parameter groups differ: this {kind} optimizer has {a:?}, the state has \
-             {b:?} (name, patterns)"
-        )));
+        return Err(Error::shape(format!("optimizer parameter groups (name, patterns) of the state for this {kind} optimizer"), format!("{a:?}"), format!("{b:?}")));
     }
     Ok(())
 }

@@ -211,10 +211,11 @@ impl ShardState {
                 .collect::<Result<_>>()?;
         }
         if self.units.len() != n_units {
-            return Err(Error::InvalidArgument(format!(
-                "optimizer state covers {} units, the model has {n_units}",
-                self.units.len()
-            )));
+            return Err(Error::shape(
+                "optimizer state: units",
+                format!("{n_units} (the model's)"),
+                self.units.len(),
+            ));
         }
         for (v, u) in model.shards().zip(&mut self.units) {
             if u.group.len() != v.layout.params.len() {
@@ -231,24 +232,18 @@ impl ShardState {
         loaded: Vec<UnitOptimState>,
     ) -> Result<Vec<UnitSlot>> {
         if loaded.len() != model.shards().len() {
-            return Err(Error::InvalidArgument(format!(
-                "optimizer state covers {} units, the model has {}",
+            return Err(Error::shape(
+                "optimizer state: units",
+                format!("{} (the model's)", model.shards().len()),
                 loaded.len(),
-                model.shards().len()
-            )));
+            ));
         }
         model
             .shards()
             .zip(loaded)
             .map(|(v, mut u)| {
                 if u.steps.len() != v.layout.params.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "optimizer state of unit {} has step counts for {} parameters, the unit \
-                         has {}",
-                        v.unit_name,
-                        u.steps.len(),
-                        v.layout.params.len()
-                    )));
+                    return Err(Error::shape(format!("optimizer state of unit {}: step counts", v.unit_name), format!("{} (one per parameter of the unit)", v.layout.params.len()), u.steps.len()));
                 }
                 let max_step = u.steps.iter().copied().max().unwrap_or(0);
                 if v.frozen && max_step == 0 {
@@ -264,11 +259,7 @@ impl ShardState {
                     .kinds
                     .iter()
                     .map(|k| match u.buffers.remove(k) {
-                        None if max_step > 0 => Err(Error::InvalidArgument(format!(
-                            "optimizer at step {max_step} has no {k} state for unit {} (loaded \
-                             from a checkpoint without it?)",
-                            v.unit_name
-                        ))),
+                        None if max_step > 0 => Err(Error::missing(format!("{k} state for unit {}", v.unit_name), format!("the optimizer is at step {max_step} (loaded from a checkpoint without it?)"))),
                         None => Ok(Tensor::zeros(
                             v.layout.shard_numel,
                             self.dtype,
@@ -293,11 +284,7 @@ impl ShardState {
                     })
                     .collect::<Result<_>>()?;
                 if let Some(k) = u.buffers.keys().next() {
-                    return Err(Error::InvalidArgument(format!(
-                        "optimizer state of unit {} has a {k} buffer, which this optimizer does \
-                         not use",
-                        v.unit_name
-                    )));
+                    return Err(Error::conflict(format!("optimizer state of unit {} with a {k} buffer", v.unit_name), "this optimizer", "it does not use that buffer"));
                 }
                 // A frozen twin whose parameters were stepped keeps their state, unchanged while
                 // frozen (see `UnitSlot::bufs`).

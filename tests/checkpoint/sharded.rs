@@ -1140,7 +1140,7 @@ fn the_accessor_shows_every_unit_and_loading_checks_each_unit_shard() {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("unit index 9 out of range: the model has 6"),
+            e.contains("unit index 9 is out of range for the model's unit count 6"),
             "{e}"
         );
         // A good shard replaces the old one and the accessor shows it; the gradient likewise.

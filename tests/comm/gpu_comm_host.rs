@@ -137,7 +137,7 @@ fn cuda_plainly_is_threads_on_one_gpu() {
     );
     let e = err(select("cuda", &[("LOCAL_RANK", "x")], None));
     assert!(
-        e.contains("LOCAL_RANK=\"x\": expected a non-negative integer"),
+        e.contains("environment variable LOCAL_RANK=\"x\" is not a non-negative integer"),
         "{e}"
     );
     let e = err(select("cuda", &[], Some(65)));

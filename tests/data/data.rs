@@ -223,11 +223,13 @@ fn sampler_set_start() {
 fn sampler_rejects_bad_rank() {
     for (ws, r) in [(0, 0), (2, 2), (4, 7)] {
         match DistributedSampler::new(10, ws, r, false, 0, false) {
-            Err(Error::InvalidArgument(m)) => {
+            Err(e @ Error::OutOfRange { value, bound, .. }) => {
+                assert_eq!((value, bound), (r, ws));
+                let m = e.to_string();
                 assert!(m.contains(&format!("rank {r}")), "{m}");
                 assert!(m.contains(&format!("world_size {ws}")), "{m}");
             }
-            other => panic!("expected InvalidArgument, got {other:?}"),
+            other => panic!("expected Error::OutOfRange, got {other:?}"),
         }
     }
     let s = DistributedSampler::new(0, 3, 0, true, 0, false).unwrap();
@@ -610,20 +612,23 @@ fn loader_validates_arguments() {
         2,
         false,
     ) {
-        Err(Error::InvalidArgument(m)) => m,
-        other => panic!("expected InvalidArgument, got {other:?}"),
+        Err(e @ Error::OutOfRange { .. }) => e.to_string(),
+        other => panic!("expected Error::OutOfRange, got {other:?}"),
     };
     assert!(msg.contains("index 10"), "{msg}");
     assert!(msg.contains("len 10"), "{msg}");
     match BatchLoader::new(images.clone(), labels.clone(), (1, 2, 2), vec![0], 0, false) {
-        Err(Error::InvalidArgument(m)) => assert!(m.contains("batch_size"), "{m}"),
-        other => panic!("expected InvalidArgument, got {other:?}"),
+        Err(e @ Error::Value { .. }) => assert!(e.to_string().contains("batch_size"), "{e}"),
+        other => panic!("expected Error::Value, got {other:?}"),
     }
     match BatchLoader::new(images.clone(), labels.clone(), (1, 3, 2), vec![0], 1, false) {
-        Err(Error::InvalidArgument(m)) => {
-            assert!(m.contains("need 60 image values, found 40"), "{m}")
+        Err(e @ Error::Shape { .. }) => {
+            assert!(
+                e.to_string().contains("expected 60 image values, found 40"),
+                "{e}"
+            )
         }
-        other => panic!("expected InvalidArgument, got {other:?}"),
+        other => panic!("expected Error::Shape, got {other:?}"),
     }
     assert!(BatchLoader::with_depth(images, labels, (1, 2, 2), vec![0], 1, false, 0).is_err());
 }

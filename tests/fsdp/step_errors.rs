@@ -234,7 +234,7 @@ fn eval_during_a_pending_forward_unrelated_losses_and_bad_unit_indices_are_error
         assert!(e.contains("does not depend on the output"), "{e}");
         let e = m.gather_unit_f32(7).unwrap_err().to_string();
         assert!(
-            e.contains("unit index 7 out of range: the model has 3 units"),
+            e.contains("unit index 7 is out of range for the model's unit count 3 (expected 0..3)"),
             "{e}"
         );
         Ok(())

@@ -689,7 +689,7 @@ fn bad_input_gives_errors_naming_the_file_and_the_problem() {
     );
     assert_eq!(
         ckpt_err(&["reshard", s(&ok_dir), "--world-size", "0", "--out", r]),
-        "invalid argument: world size must be at least 1"
+        "invalid argument: world size must be at least 1, found 0"
     );
     // Import: a missing file, a directory, not safetensors, an integer tensor.
     assert_eq!(

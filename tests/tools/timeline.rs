@@ -219,21 +219,22 @@ fn bad_extension_and_empty_spans_are_clear_errors() {
     for name in ["timeline.jpg", "timeline"] {
         let path = scratch(name);
         match render_timeline(&spans, &path) {
-            Err(Error::InvalidArgument(m)) => {
+            Err(e @ Error::Value { .. }) => {
+                let m = e.to_string();
                 assert!(m.contains(&path.display().to_string()), "{m}");
                 assert!(m.contains(".png") && m.contains(".svg"), "{m}");
             }
-            other => panic!("expected InvalidArgument, got {other:?}"),
+            other => panic!("expected Error::Value, got {other:?}"),
         }
         assert!(!path.exists());
     }
     match render_timeline(&[], &scratch("empty.png")) {
-        Err(Error::InvalidArgument(m)) => assert!(m.contains("no spans"), "{m}"),
-        other => panic!("expected InvalidArgument, got {other:?}"),
+        Err(e @ Error::Missing { .. }) => assert!(e.to_string().contains("no spans"), "{e}"),
+        other => panic!("expected Error::Missing, got {other:?}"),
     }
     match render_timeline_to_svg_string(&[]) {
-        Err(Error::InvalidArgument(m)) => assert!(m.contains("no spans"), "{m}"),
-        other => panic!("expected InvalidArgument, got {other:?}"),
+        Err(e @ Error::Missing { .. }) => assert!(e.to_string().contains("no spans"), "{e}"),
+        other => panic!("expected Error::Missing, got {other:?}"),
     }
 }
 

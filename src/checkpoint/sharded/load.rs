@@ -393,10 +393,7 @@ pub(super) fn classify_optimizer(
 
 /// The message of an argument error without its variant's prefix.
 pub(crate) fn root_message(e: Error) -> String {
-    match e {
-        Error::InvalidArgument(m) => m,
-        other => other.to_string(),
-    }
+    e.argument_text().unwrap_or_else(|| e.to_string())
 }
 
 /// Step 5: every tensor that will be read exists with its dtype and shape, and its data

@@ -114,9 +114,11 @@ impl Kept {
             candle_core::DType::F32 => Dtype::F32,
             candle_core::DType::BF16 => Dtype::BF16,
             d => {
-                return Err(Error::InvalidArgument(format!(
-                    "checkpoint: optimizer state of dtype {d:?} (f32 or bf16 are saved)"
-                )))
+                return Err(Error::dtype(
+                    "checkpoint: optimizer state",
+                    "f32 or bf16 (those are saved)",
+                    d,
+                ))
             }
         };
         Ok(Self {

@@ -66,10 +66,7 @@ fn for_each_piece(
                         f(&optim_tensor(*kind, k), Piece::Values { values: b, bf16 })
                     })
                     .map_err(|e| {
-                        Error::InvalidArgument(format!(
-                            "optimizer state of unit {} ({kind}): {e}",
-                            u.unit_name
-                        ))
+                        e.prefixed(&format!("optimizer state of unit {} ({kind})", u.unit_name))
                     })?;
             }
         }
@@ -224,11 +221,11 @@ fn gather_checksums(
 ) -> Result<(FileChecksums, Vec<u64>)> {
     let ws = names.len();
     if writes && names[rank].len() != mine.len() {
-        return Err(Error::InvalidArgument(format!(
-            "checkpoint checksums: rank {rank} wrote {} tensors, expected {}",
+        return Err(Error::shape(
+            format!("checkpoint checksums: tensors rank {rank} wrote"),
+            names[rank].len(),
             mine.len(),
-            names[rank].len()
-        )));
+        ));
     }
     // The checksums of every file's tensors, then each file's size.
     let total: usize = names.iter().map(Vec::len).sum();

@@ -389,9 +389,11 @@ pub(crate) fn st_float(dtype: DType) -> Result<Dtype> {
         DType::BF16 => Ok(Dtype::BF16),
         DType::F16 => Ok(Dtype::F16),
         DType::F64 => Ok(Dtype::F64),
-        other => Err(Error::InvalidArgument(format!(
-            "a model file holds float tensors (F32, BF16, F16, F64), not {other:?}"
-        ))),
+        other => Err(Error::dtype(
+            "a model file's tensor",
+            "float (F32, BF16, F16, F64)",
+            other,
+        )),
     }
 }
 

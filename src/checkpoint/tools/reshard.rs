@@ -88,9 +88,7 @@ enum ImportSource {
 /// exists; a write error.
 pub fn import_full(file: &Path, out_root: &Path, opts: &ImportOptions) -> Result<PathBuf> {
     if opts.world_size == 0 {
-        return Err(Error::InvalidArgument(
-            "world size must be at least 1".into(),
-        ));
+        return Err(Error::value("world size", "at least 1", 0));
     }
     if file.is_dir() {
         return Err(Error::file(
@@ -253,9 +251,7 @@ enum ReshardSource {
 /// `world_size`; `world_size` 0; the output checkpoint already exists; a write error.
 pub fn reshard(dir: &Path, out_root: &Path, world_size: usize) -> Result<PathBuf> {
     if world_size == 0 {
-        return Err(Error::InvalidArgument(
-            "world size must be at least 1".into(),
-        ));
+        return Err(Error::value("world size", "at least 1", 0));
     }
     let dir = resolve_checkpoint(dir)?;
     let meta = read_meta(&dir)?;

@@ -250,10 +250,8 @@ pub fn config_from_json(text: &str, path: &Path) -> Result<DecoderConfig> {
         BlockStyle::Gpt2 => gpt2_config(&keys)?,
         BlockStyle::Llama => llama_style_config(family, &keys)?,
     };
-    cfg.validate().map_err(|e| match e {
-        Error::InvalidArgument(m) => bad(m),
-        e => bad(e.to_string()),
-    })?;
+    cfg.validate()
+        .map_err(|e| bad(e.argument_text().unwrap_or_else(|| e.to_string())))?;
     Ok(cfg)
 }
 

@@ -88,10 +88,14 @@ fn check_f32(op: &str, tensors: &[(&str, &Tensor)]) -> Result<usize> {
     for &(what, t) in tensors {
         check_one(op, what, t, &dev, &[DType::F32])?;
         if t.elem_count() != n {
-            return Err(Error::InvalidArgument(format!(
-                "{op}: {what} has {} elements, expected {n} (those of {first_name})",
-                t.elem_count()
-            )));
+            return Err(super::bad(
+                op,
+                what,
+                format!(
+                    "has {} elements, expected {n} (those of {first_name})",
+                    t.elem_count()
+                ),
+            ));
         }
     }
     Ok(n)
@@ -101,10 +105,11 @@ fn check_f32(op: &str, tensors: &[(&str, &Tensor)]) -> Result<usize> {
 fn check_one(op: &str, what: &str, t: &Tensor, dev: &CudaDevice, dtypes: &[DType]) -> Result<()> {
     let d = device_of(op, what, t)?;
     if d.id() != dev.id() {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: {what} is on {:?}, the other tensors on another GPU",
-            t.device().location()
-        )));
+        return Err(Error::device(
+            format!("{op}: {what}"),
+            "the GPU of the other tensors",
+            t.device().location(),
+        ));
     }
     super::check_dtype_contiguous(op, what, t, dtypes)
 }
@@ -113,10 +118,11 @@ fn check_one(op: &str, what: &str, t: &Tensor, dev: &CudaDevice, dtypes: &[DType
 fn check_scalar(op: &str, what: &str, t: &Tensor, dev: &CudaDevice) -> Result<()> {
     check_one(op, what, t, dev, &[DType::F32])?;
     if t.elem_count() != 1 {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: {what} must hold one element, found shape {:?}",
-            t.dims()
-        )));
+        return Err(super::bad(
+            op,
+            what,
+            format!("must hold one element, found shape {:?}", t.dims()),
+        ));
     }
     Ok(())
 }
@@ -125,19 +131,21 @@ fn check_scalar(op: &str, what: &str, t: &Tensor, dev: &CudaDevice) -> Result<()
 fn cuda_storage<'a>(s: &'a Storage, op: &str, what: &str) -> Result<&'a CudaStorage> {
     match s {
         Storage::Cuda(c) => Ok(c),
-        _ => Err(Error::InvalidArgument(format!(
-            "{op}: {what} is not on a GPU"
-        ))),
+        _ => Err(super::bad(op, what, "is not on a GPU".to_string())),
     }
 }
 
 fn range(l: &Layout, op: &str, what: &str) -> Result<(usize, usize)> {
     l.contiguous_offsets().ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "{op}: {what} must be contiguous, found shape {:?} with strides {:?}",
-            l.dims(),
-            l.stride()
-        ))
+        super::bad(
+            op,
+            what,
+            format!(
+                "must be contiguous, found shape {:?} with strides {:?}",
+                l.dims(),
+                l.stride()
+            ),
+        )
     })
 }
 
@@ -173,10 +181,11 @@ impl<'a> AnyView<'a> {
             CudaStorageSlice::BF16(v) => AnyView::BF16(v.slice(start..end)),
             CudaStorageSlice::F16(v) => AnyView::F16(v.slice(start..end)),
             _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "{op}: {what} must be f32, bf16 or f16, found {:?}",
-                    s.dtype()
-                )))
+                return Err(Error::dtype(
+                    format!("{op}: {what}"),
+                    "f32, bf16 or f16",
+                    s.dtype(),
+                ))
             }
         })
     }
@@ -206,9 +215,11 @@ impl<'a> AnyViewMut<'a> {
             CudaStorageSlice::BF16(v) => AnyViewMut::BF16(v.slice_mut(start..end)),
             CudaStorageSlice::F16(v) => AnyViewMut::F16(v.slice_mut(start..end)),
             _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "{op}: {what} must be f32, bf16 or f16, found {dtype:?}"
-                )))
+                return Err(Error::dtype(
+                    format!("{op}: {what}"),
+                    "f32, bf16 or f16",
+                    dtype,
+                ))
             }
         })
     }
@@ -230,9 +241,11 @@ fn with_mut(
 ) -> Result<()> {
     with_storage_mut(t, None, name, |s, l, _| match s {
         StorageMut::Cuda(s) => f(s, l),
-        StorageMut::Cpu(_) => Err(Error::InvalidArgument(format!(
-            "{name}: a CUDA kernel was called on a CPU tensor"
-        ))),
+        StorageMut::Cpu(_) => Err(Error::device(
+            format!("{name}: a tensor of a CUDA kernel"),
+            "a GPU",
+            candle_core::DeviceLocation::Cpu,
+        )),
     })?
 }
 
@@ -246,9 +259,11 @@ fn with_mut2(
 ) -> Result<()> {
     with_storage_mut(dst, Some(src), name, |d, dl, s| match (d, s) {
         (StorageMut::Cuda(d), Some((StorageRef::Cuda(s), sl))) => f(d, dl, s, sl),
-        _ => Err(Error::InvalidArgument(format!(
-            "{name}: a CUDA kernel was called on CPU tensors"
-        ))),
+        _ => Err(Error::device(
+            format!("{name}: a tensor of a CUDA kernel"),
+            "a GPU",
+            candle_core::DeviceLocation::Cpu,
+        )),
     })?
 }
 
@@ -278,11 +293,7 @@ unsafe fn alloc_any(stream: &Arc<CudaStream>, dtype: DType, n: usize) -> Result<
             DType::F32 => AnyOwned::F32(stream.alloc::<f32>(n).map_err(err)?),
             DType::BF16 => AnyOwned::BF16(stream.alloc::<bf16>(n).map_err(err)?),
             DType::F16 => AnyOwned::F16(stream.alloc::<f16>(n).map_err(err)?),
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "expected f32, bf16 or f16, found {other:?}"
-                )))
-            }
+            other => return Err(Error::dtype("a GPU buffer", "f32, bf16 or f16", other)),
         })
     }
 }
@@ -371,11 +382,8 @@ fn factor_parts<'a>(f: &ScaleFactor<'a>) -> (f32, Option<&'a Tensor>) {
 pub fn cast(src: &Tensor, dtype: DType, stream: Option<&Arc<CudaStream>>) -> Result<Tensor> {
     const OP: &str = "cast";
     let dev = device_of(OP, "src", src)?;
-    dtype_code(dtype).ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "{OP}: target must be f32, bf16 or f16, found {dtype:?}"
-        ))
-    })?;
+    dtype_code(dtype)
+        .ok_or_else(|| Error::dtype(format!("{OP}: target"), "f32, bf16 or f16", dtype))?;
     let fl = [DType::F32, DType::BF16, DType::F16];
     if !fl.contains(&src.dtype()) {
         // The message of the contiguous case (the check after a copy, before this version).
@@ -437,10 +445,11 @@ pub fn cast_into(src: &Tensor, dst: &Tensor) -> Result<()> {
     check_one(OP, "dst", dst, &dev, &fl)?;
     let n = dst.elem_count();
     if src.elem_count() != n {
-        return Err(Error::InvalidArgument(format!(
-            "{OP}: src has {} elements, dst {n}",
-            src.elem_count()
-        )));
+        return Err(super::bad(
+            OP,
+            "src",
+            format!("has {} elements, dst {n}", src.elem_count()),
+        ));
     }
     super::check_distinct(OP, &[("src", src), ("dst", dst)])?;
     if n == 0 {
@@ -500,16 +509,18 @@ pub fn copy_in(
         return Ok(None);
     }
     let out_code = dtype_code(reduce_dtype).ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "{OP}: reduce dtype must be f32, bf16 or f16, found {reduce_dtype:?}"
-        ))
+        Error::dtype(
+            format!("{OP}: reduce dtype"),
+            "f32, bf16 or f16",
+            reduce_dtype,
+        )
     })?;
     if grads.len() > layout.params.len() {
-        return Err(Error::InvalidArgument(format!(
-            "{OP}: {} gradients for {} parameters",
+        return Err(Error::shape(
+            format!("{OP}: gradients"),
+            format!("at most {} (one per parameter)", layout.params.len()),
             grads.len(),
-            layout.params.len()
-        )));
+        ));
     }
     let fl = [DType::F32, DType::BF16, DType::F16];
     let mut owned: Vec<Option<Tensor>> = Vec::with_capacity(layout.params.len());
@@ -520,11 +531,11 @@ pub fn copy_in(
         };
         let what = format!("gradient of {}", p.name);
         if g.elem_count() != p.numel {
-            return Err(Error::InvalidArgument(format!(
-                "{OP}: {what} has {} elements, the parameter {}",
-                g.elem_count(),
-                p.numel
-            )));
+            return Err(super::bad(
+                OP,
+                &what,
+                format!("has {} elements, the parameter {}", g.elem_count(), p.numel),
+            ));
         }
         let g = if g.is_contiguous() {
             g.clone()
@@ -621,11 +632,8 @@ pub fn copy_out(
         &dev,
         &[DType::F32, DType::BF16, DType::F16],
     )?;
-    let dst_code = dtype_code(dtype).ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "{OP}: dtype must be f32, bf16 or f16, found {dtype:?}"
-        ))
-    })?;
+    let dst_code = dtype_code(dtype)
+        .ok_or_else(|| Error::dtype(format!("{OP}: dtype"), "f32, bf16 or f16", dtype))?;
     let src_code = dtype_code(flat.dtype()).expect("checked");
     let need = layout
         .params
@@ -634,10 +642,11 @@ pub fn copy_out(
         .max()
         .unwrap_or(0);
     if flat.elem_count() < need {
-        return Err(Error::InvalidArgument(format!(
-            "{OP}: the flat buffer has {} elements, the parameters need {need}",
-            flat.elem_count()
-        )));
+        return Err(Error::shape(
+            format!("{OP}: the flat buffer"),
+            format!("{need} elements (those the parameters need)"),
+            format!("{} elements", flat.elem_count()),
+        ));
     }
     let stream = stream.cloned().unwrap_or_else(|| dev.cuda_stream());
     let mut outs: Vec<AnyOwned> = Vec::with_capacity(layout.params.len());

@@ -168,10 +168,11 @@ pub fn sum_squares_into(t: &Tensor, out: &Tensor, accumulate: bool) -> Result<()
     let dev = device_of(OP, "tensor", t)?;
     check_one(OP, "out", out, &dev, &[DType::F64])?;
     if out.elem_count() != 1 {
-        return Err(Error::InvalidArgument(format!(
-            "{OP}: out must hold one element, found shape {:?}",
-            out.dims()
-        )));
+        return Err(crate::ops::bad(
+            OP,
+            "out",
+            format!("must hold one element, found shape {:?}", out.dims()),
+        ));
     }
     crate::ops::check_distinct(OP, &[("tensor", t), ("out", out)])?;
     let blocks = kernels::sum_squares_blocks(n);
@@ -372,10 +373,14 @@ pub fn update_scale_(
     check_scalar(OP, "found_inf", found_inf, &dev)?;
     check_one(OP, "growth_tracker", growth_tracker, &dev, &[DType::U32])?;
     if growth_tracker.elem_count() != 1 {
-        return Err(Error::InvalidArgument(format!(
-            "{OP}: growth_tracker must hold one element, found shape {:?}",
-            growth_tracker.dims()
-        )));
+        return Err(crate::ops::bad(
+            OP,
+            "growth_tracker",
+            format!(
+                "must hold one element, found shape {:?}",
+                growth_tracker.dims()
+            ),
+        ));
     }
     let mut all = vec![
         ("scale", scale),
