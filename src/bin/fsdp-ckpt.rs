@@ -346,13 +346,15 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                     print!("{d}");
                     d.identical() && !d.common_steps.is_empty()
                 }
-                _ => return Err(candle_fsdp::Error::InvalidArgument(format!(
+                _ => {
+                    return Err(candle_fsdp::Error::InvalidArgument(format!(
                     "diff compares two fingerprint files or two checkpoints: {} is {}, {} is {}",
                     a.display(),
                     if a.is_dir() { "a directory" } else { "a file" },
                     b.display(),
                     if b.is_dir() { "a directory" } else { "a file" },
-                ))),
+                )))
+                }
             };
             if !identical {
                 return Ok(ExitCode::FAILURE);
