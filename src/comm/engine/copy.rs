@@ -62,7 +62,9 @@ pub(in crate::comm) unsafe fn reduce_shard<T: Elem>(
 ///
 /// # Safety
 ///
-/// As phase A, and every rank finished phase A (the barrier between the phases).
+/// Validated posts (same length and dtype), all buffers alive and unmoved until the last
+/// barrier, every rank finished phase A (the barrier between the phases: chunk `j` of rank
+/// `j`'s buffer is final), and `bufs[rank]` is this rank's own buffer, which only it writes.
 pub(in crate::comm) unsafe fn all_reduce_phase_b<T: Elem>(bufs: &[RawBuf], rank: usize, ws: usize) {
     let dst = bufs[rank].typed::<T>();
     for (j, src) in bufs.iter().enumerate() {

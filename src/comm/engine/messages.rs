@@ -10,9 +10,9 @@
 //! - **reduce-scatter**: every rank sends `input[j*n..(j+1)*n]` to rank `j` and reduces the
 //!   shares it receives *in rank order* with the thread backend's kernel
 //!   ([`crate::comm::reduce::reduce_into`]: f32, bf16 and f16 accumulate in f32 and round once),
-//!   in segments of [`Link::SEGMENT_BYTES`] per peer, two rounds in flight (round k+1 is started
-//!   before segment k is reduced, so peers are not held up by this rank's arithmetic, and a
-//!   segment is reduced while still in cache). bf16/f16 travel at their own width and no
+//!   in segments of [`Link::SEGMENT_BYTES`] per peer (round k+1 is started before segment k is
+//!   reduced, so on a link that moves bytes at the start, MPI's, peers are not held up by this
+//!   rank's arithmetic; a segment is reduced while still in cache). bf16/f16 travel at their own width and no
 //!   transport reduction is involved, so the result is **bitwise the thread backend's**, for
 //!   every dtype and op.
 //! - **all-reduce**: the reduce-scatter above over `ws` nearly equal chunks, in place, then the
@@ -57,6 +57,10 @@ pub(crate) trait Link {
     type Pending;
     /// Bytes per peer and round of the reducing exchanges (see the module docs).
     const SEGMENT_BYTES: usize;
+    /// Rounds of a reducing exchange whose receive space is in use at once: 2 for a link
+    /// whose [`Link::start`] moves bytes (round k+1's receives land while segment k is
+    /// reduced), 1 for one that moves them only in [`Link::finish`].
+    const ROUNDS_IN_FLIGHT: usize;
 
     /// This rank in the group.
     fn rank(&self) -> usize;
@@ -64,6 +68,9 @@ pub(crate) trait Link {
     fn world_size(&self) -> usize;
     /// Sequence number of the operation.
     fn seq(&self) -> u64;
+    /// The operation's buffers are locked and its exchange is about to start (a link that
+    /// gives each operation one deadline starts it here, not while waiting for the locks).
+    fn start_clock(&mut self) {}
     /// Sends this rank's `post` (with `setup_bytes`, a setup operation's argument) to every
     /// peer, receives theirs, and validates all of them ([`decode_and_validate`]).
     fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<()>;
@@ -133,6 +140,7 @@ pub(crate) fn run<L: Link>(
         input,
         fail_with,
         |link, dst, src| {
+            link.start_clock();
             let mut post = Post::new(Kind::Op(kind), link.seq());
             post.input = Some(src.unwrap_or(dst));
             post.output = src.map(|_| dst);
@@ -312,8 +320,9 @@ struct Landing {
 /// [`Link::SEGMENT_BYTES`]: in round k every rank sends segment k of each `sends` share to its
 /// peer and receives segment k of its own share from every rank in `recv_from`, then reduces
 /// segment k over all ranks in rank order into `into.dst`. Round k+1 is started before segment
-/// k is reduced (two scratch buffers of one segment per peer). Every rank runs the same number
-/// of rounds (the longest share's segments), so the rounds cannot deadlock.
+/// k is reduced ([`Link::ROUNDS_IN_FLIGHT`] scratch buffers of one segment per peer). Every rank
+/// runs the same number of rounds (the longest share's segments), so the rounds cannot
+/// deadlock.
 fn reduce_exchange<L: Link>(
     link: &mut L,
     sends: &[Share],
@@ -331,9 +340,17 @@ fn reduce_exchange<L: Link>(
     let rounds = longest.div_ceil(seg);
     let (ws, rank) = (link.world_size(), link.rank());
     let stride = (seg * es).div_ceil(8) * 8;
-    let scratch = link.scratch(2 * ws * stride);
-    // Scratch slot of peer `j` for round `k` (two buffers, alternating).
-    let slot = |k: usize, j: usize| scratch.wrapping_add(((k % 2) * ws + j) * stride);
+    let slots = match recv_from.is_empty() {
+        true => 0,
+        false => L::ROUNDS_IN_FLIGHT * (ws - 1),
+    };
+    let scratch = link.scratch(slots * stride);
+    // Scratch slot of peer `j` (not this rank) for round `k`, alternating between the rounds
+    // in flight.
+    let slot = |k: usize, j: usize| {
+        let peer = j - usize::from(j > rank);
+        scratch.wrapping_add(((k % L::ROUNDS_IN_FLIGHT) * (ws - 1) + peer) * stride)
+    };
     let piece = |k: usize, elems: usize| elems.saturating_sub(k * seg).min(seg);
     let start_round = |link: &mut L, k: usize| {
         let recv_n = piece(k, into.elems);

@@ -193,12 +193,13 @@ impl Transport for Mpi {
     fn open(
         &self,
         _setup: &mut MpiComm,
-        op: Op<'_>,
+        _op: Op<'_>,
         _index: usize,
-        _name: &str,
+        name: &str,
     ) -> Result<MpiComm> {
         let group = (self.rank, self.world_size);
-        let comm = dup(self.rt, self.base, group, op.name, self.config.timeout)?;
+        let what = format!("stream {name}");
+        let comm = dup(self.rt, self.base, group, &what, self.config.timeout)?;
         self.comms.lock().push(comm);
         Ok(MpiComm::new(comm, wire::OP_DESC_MAX))
     }

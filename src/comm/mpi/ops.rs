@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use mpi::ffi;
 
-use super::runtime::{abandon, check, wait_all, Comm, Runtime, WaitFor};
+use super::runtime::{abandon, check, deadline_after, wait_all, Comm, Runtime, WaitFor};
 use crate::comm::buffer::Post;
 use crate::comm::engine::messages::{decode_and_validate, Link, Msg};
 use crate::comm::wire;
@@ -186,6 +186,8 @@ impl OpCtx<'_> {
 impl Link for OpCtx<'_> {
     type Pending = Pending;
     const SEGMENT_BYTES: usize = SEGMENT_BYTES;
+    /// Receives are posted at the start: round k+1's land while segment k is reduced.
+    const ROUNDS_IN_FLIGHT: usize = 2;
 
     fn rank(&self) -> usize {
         self.rank
@@ -197,6 +199,11 @@ impl Link for OpCtx<'_> {
 
     fn seq(&self) -> u64 {
         self.seq
+    }
+
+    /// The operation's one deadline starts once its buffers are locked.
+    fn start_clock(&mut self) {
+        self.deadline = deadline_after(self.timeout);
     }
 
     fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<()> {

@@ -327,6 +327,8 @@ impl Link for Ctx<'_> {
     /// The messages to move: a TCP transfer moves bytes only while it is finished.
     type Pending = (Vec<Msg>, Vec<Msg>);
     const SEGMENT_BYTES: usize = SEGMENT_BYTES;
+    /// Bytes move only while a transfer is finished.
+    const ROUNDS_IN_FLIGHT: usize = 1;
 
     fn rank(&self) -> usize {
         self.core.rank

@@ -317,9 +317,15 @@ impl Transport for Threads {
             #[cfg(feature = "cuda")]
             cuda: self.cuda.clone(),
         };
-        let setup = sub.comm(None)?;
-        let default = sub.comm(Some(sub.shared.communicator(0, DEFAULT_STREAM)))?;
-        Ok(Some((sub, setup, default)))
+        let mut setup = sub.comm(None)?;
+        match sub.comm(Some(sub.shared.communicator(0, DEFAULT_STREAM))) {
+            Ok(default) => Ok(Some((sub, setup, default))),
+            Err(e) => {
+                // No handle will ever join: the sub-group's peers must not hang.
+                setup.leave(local);
+                Err(e)
+            }
+        }
     }
 
     fn abort(&self, reason: &str) {
@@ -364,9 +370,14 @@ impl Transport for Threads {
                     seq: is.seq,
                     op,
                 };
-                let keep: Vec<Tensor> = match &collective {
-                    Some((_, out, input)) => std::iter::once(out).chain(input).cloned().collect(),
-                    None => Vec::new(),
+                // The buffers move into `keep`, which the completer releases only once the
+                // compute stream waited on the operation: no other reference of the job's
+                // outlives it.
+                let (call, keep): (Option<Call>, Vec<Tensor>) = match collective {
+                    Some((call, out, input)) => {
+                        (Some(call), std::iter::once(out).chain(input).collect())
+                    }
+                    None => (None, Vec::new()),
                 };
                 let run = || {
                     let (ready, device_stream) = match (&ready, &comm.device_stream) {
@@ -385,10 +396,8 @@ impl Transport for Threads {
                         ready,
                         timing,
                     };
-                    Ok(match &collective {
-                        Some((call, out, input)) => {
-                            ctx.cuda_collective(&job, *call, out, input.as_ref())
-                        }
+                    Ok(match call {
+                        Some(call) => ctx.cuda_collective(&job, call, &keep[0], keep.get(1)),
                         None => ctx.cuda_barrier(&job),
                     })
                 };
