@@ -98,7 +98,7 @@ impl LrSchedule {
         } else {
             Err(Error::value(
                 "the learning-rate schedule",
-                "total_steps at least 1 and factors finite and >= 0",
+                "one with total_steps at least 1 and factors finite and >= 0",
                 format_args!("{self:?}"),
             ))
         }

@@ -23,7 +23,7 @@ pub fn accuracy(model: &FullModel, images: &Tensor, labels: &Tensor, batch: usiz
     }
     if labels.dims() != [n] {
         return Err(Error::shape(
-            "accuracy: labels",
+            format_args!("accuracy: the labels of {n} images"),
             format_args!("[{n}] (one per image)"),
             format_args!("{:?}", labels.dims()),
         ));

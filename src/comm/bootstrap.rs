@@ -144,9 +144,9 @@ impl Notice {
         let bad = || {
             Error::value(
                 "an inbox value",
-                "a failure notice (`failed RANK\nREASON` or `closed`)",
+                "a notice (`failed RANK`, a newline and the reason, or `closed`)",
                 format_args!(
-                    "{:?}",
+                    "{:?}, not a failure notice",
                     String::from_utf8_lossy(&bytes[..bytes.len().min(64)])
                 ),
             )

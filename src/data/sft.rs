@@ -498,7 +498,10 @@ mod tests {
         assert_eq!(count(&rows), count(&ex));
         assert!(ex.iter().all(SftExample::is_plain) && !rows[0].is_plain());
         let err = pack(&ex, 4).unwrap_err().to_string();
-        assert!(err.contains("example 0 has 5 tokens"), "{err}");
+        assert!(
+            err.contains("example 0: expected at most 4 tokens (the length of a packed sequence), found 5 tokens"),
+            "{err}"
+        );
         // A batch pads to its longest: the second row with pad 0, IGNORE targets, positions
         // continuing its last example's.
         let (x, y, p) = batch(&[&rows[0], &rows[1]], 0, &Device::Cpu).unwrap();

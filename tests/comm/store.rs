@@ -91,12 +91,17 @@ fn world_of_one_and_values_at_the_bounds() {
         .set("too_big", &vec![0u8; MAX_VALUE_BYTES + 1])
         .unwrap_err();
     assert!(
-        matches!(err, Error::Value { .. }) && err.to_string().contains("over the limit"),
+        matches!(err, Error::Value { .. })
+            && err.to_string().contains(&format!(
+                "must be at most {MAX_VALUE_BYTES} bytes, found {} bytes",
+                MAX_VALUE_BYTES + 1
+            )),
         "{err}"
     );
     let err = store.get(&"k".repeat(2000)).unwrap_err();
     assert!(
-        err.to_string().contains("over the limit of 1024 bytes"),
+        err.to_string()
+            .contains("store: key must be at most 1024 bytes, found 2000 bytes"),
         "{err}"
     );
     // Still usable after refused arguments.

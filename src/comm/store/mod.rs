@@ -374,8 +374,8 @@ impl TcpStore {
         if value.len() > MAX_VALUE_BYTES {
             return Err(Error::value(
                 format!("store: the value of key {key:?}"),
-                format!("at most {MAX_VALUE_BYTES} bytes (the limit)"),
-                format!("{} bytes, over the limit", value.len()),
+                format!("at most {MAX_VALUE_BYTES} bytes"),
+                format!("{} bytes", value.len()),
             ));
         }
         let what = format!("set of key {key:?}");
@@ -607,8 +607,8 @@ fn check_key(key: &str, what: &str) -> Result<()> {
     if key.len() > MAX_KEY_BYTES {
         return Err(Error::value(
             format!("store: {what}"),
-            format!("at most {MAX_KEY_BYTES} bytes (the limit)"),
-            format!("{} bytes, over the limit", key.len()),
+            format!("at most {MAX_KEY_BYTES} bytes"),
+            format!("{} bytes", key.len()),
         ));
     }
     Ok(())
