@@ -66,7 +66,7 @@ impl BaseIdentity {
     ///
     /// # Errors
     /// [`Error::Io`] naming the directory or file that could not be read; a directory without
-    /// `config.json` ([`Error::InvalidArgument`] naming it).
+    /// `config.json` ([`Error::Missing`] naming it).
     pub fn of(dir: &Path) -> Result<Self> {
         let canonical = fs::canonicalize(dir).map_err(|e| Error::io(dir, e))?;
         let mut listing = Vec::new();
@@ -80,10 +80,10 @@ impl BaseIdentity {
         }
         listing.sort();
         if !listing.iter().any(|(n, ..)| n == "config.json") {
-            return Err(Error::InvalidArgument(format!(
-                "{}: no config.json: not a Hugging Face model directory",
-                dir.display()
-            )));
+            return Err(Error::missing(
+                format_args!("config.json in {}", dir.display()),
+                "not a Hugging Face model directory",
+            ));
         }
         let key = (canonical.clone(), listing.clone());
         if let Some(files) = cache().lock().expect("base cache").get(&key) {
@@ -117,7 +117,7 @@ impl BaseIdentity {
     /// recorded one.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming the first file that differs: absent from either side,
+    /// [`Error::Conflict`] naming the first file that differs: absent from either side,
     /// another size or another checksum, with both directories.
     pub fn check(&self, found: &BaseIdentity) -> Result<()> {
         let theirs: HashMap<&str, &BaseFile> =
@@ -128,12 +128,17 @@ impl BaseIdentity {
             } else {
                 format!("({}) is not it", found.dir.display())
             };
-            Err(Error::InvalidArgument(format!(
-                "the checkpoint was trained on the frozen base {}, and the base given {other}: \
-                 {what} (an adapter-only checkpoint holds no base tensor: it needs the base it \
-                 was trained on)",
-                self.dir.display(),
-            )))
+            Err(Error::conflict(
+                format_args!(
+                    "the frozen base {} the checkpoint was trained on",
+                    self.dir.display()
+                ),
+                "the base given",
+                format_args!(
+                    "the base given {other}: {what} (an adapter-only checkpoint holds no base \
+                     tensor: it needs the base it was trained on)"
+                ),
+            ))
         };
         for f in &self.files {
             match theirs.get(f.name.as_str()) {

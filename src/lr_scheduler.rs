@@ -96,10 +96,11 @@ impl LrSchedule {
         if ok {
             Ok(())
         } else {
-            Err(Error::InvalidArgument(format!(
-                "invalid learning-rate schedule {self:?}: total_steps must be at least 1 and \
-                 factors finite and >= 0"
-            )))
+            Err(Error::value(
+                "the learning-rate schedule",
+                "one with total_steps at least 1 and factors finite and >= 0",
+                format_args!("{self:?}"),
+            ))
         }
     }
 }

@@ -14,15 +14,19 @@ use crate::fsdp::FullModel;
 /// last output dimension equals the label. 0 when N is 0.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for `batch == 0` or labels that are not `(N,)`; a unit's error.
+/// [`Error::Value`] for `batch == 0`, [`Error::Shape`] for labels that are not `(N,)`; a unit's
+/// error.
 pub fn accuracy(model: &FullModel, images: &Tensor, labels: &Tensor, batch: usize) -> Result<f64> {
     let n = images.dim(0)?;
-    if batch == 0 || labels.dims() != [n] {
-        return Err(Error::InvalidArgument(format!(
-            "accuracy: {n} images need ({n},) labels and a batch > 0, found labels {:?} \
-             and batch {batch}",
-            labels.dims()
-        )));
+    if batch == 0 {
+        return Err(Error::value("accuracy: batch", "at least 1", 0));
+    }
+    if labels.dims() != [n] {
+        return Err(Error::shape(
+            format_args!("accuracy: the labels of {n} images"),
+            format_args!("[{n}] (one per image)"),
+            format_args!("{:?}", labels.dims()),
+        ));
     }
     let mut correct = 0f64;
     for start in (0..n).step_by(batch) {

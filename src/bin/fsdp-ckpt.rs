@@ -347,13 +347,13 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                     d.identical() && !d.common_steps.is_empty()
                 }
                 _ => {
-                    return Err(candle_fsdp::Error::InvalidArgument(format!(
-                    "diff compares two fingerprint files or two checkpoints: {} is {}, {} is {}",
-                    a.display(),
-                    if a.is_dir() { "a directory" } else { "a file" },
-                    b.display(),
-                    if b.is_dir() { "a directory" } else { "a file" },
-                )))
+                    let kind =
+                        |p: &std::path::Path| if p.is_dir() { "a directory" } else { "a file" };
+                    return Err(candle_fsdp::Error::conflict(
+                        format_args!("{} ({})", a.display(), kind(&a)),
+                        format_args!("{} ({})", b.display(), kind(&b)),
+                        "diff compares two fingerprint files or two checkpoints",
+                    ));
                 }
             };
             if !identical {

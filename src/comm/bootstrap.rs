@@ -54,7 +54,7 @@ pub const UNIQUE_ID_KEY: &str = "candle-fsdp/nccl/unique-id";
 ///
 /// Errors: `make` fails (on rank 0 its own error; on the others "rank 0 could not …" with rank
 /// 0's message); the store's errors (a rank or the key missing within the timeout); a value of
-/// the wrong length ([`Error::InvalidArgument`] naming the key).
+/// the wrong length ([`Error::Shape`] naming the key).
 pub fn share_from_rank0(
     store: &dyn KeyValueStore,
     key: &str,
@@ -92,18 +92,21 @@ pub fn share_from_rank0(
             failed_rank: 0,
             reason: String::from_utf8_lossy(reason).into_owned(),
         }),
-        _ => Err(Error::InvalidArgument(format!(
-            "store key {key:?}: not a value shared by rank 0 (another program's store?)"
-        ))),
+        _ => Err(Error::value(
+            format_args!("store key {key:?}"),
+            "a value shared by rank 0",
+            "another value (another program's store?)",
+        )),
     }
 }
 
 fn check_len(key: &str, value: &[u8], len: usize) -> Result<()> {
     if value.len() != len {
-        return Err(Error::InvalidArgument(format!(
-            "store key {key:?}: expected {len} bytes, found {}",
-            value.len()
-        )));
+        return Err(Error::shape(
+            format_args!("store key {key:?}"),
+            format_args!("{len} bytes"),
+            value.len(),
+        ));
     }
     Ok(())
 }
@@ -133,16 +136,20 @@ impl Notice {
 
     /// Parses an inbox value.
     ///
-    /// Errors: not a notice ([`Error::InvalidArgument`] naming what was found).
+    /// Errors: not a notice ([`Error::Value`] naming what was found).
     pub fn decode(bytes: &[u8]) -> Result<Notice> {
         if bytes == b"closed" {
             return Ok(Notice::Closed);
         }
         let bad = || {
-            Error::InvalidArgument(format!(
-                "not a failure notice: {:?}",
-                String::from_utf8_lossy(&bytes[..bytes.len().min(64)])
-            ))
+            Error::value(
+                "an inbox value",
+                "a notice (`failed RANK`, a newline and the reason, or `closed`)",
+                format_args!(
+                    "{:?}, not a failure notice",
+                    String::from_utf8_lossy(&bytes[..bytes.len().min(64)])
+                ),
+            )
         };
         let rest = bytes.strip_prefix(b"failed ").ok_or_else(bad)?;
         let nl = rest.iter().position(|&b| b == b'\n').ok_or_else(bad)?;

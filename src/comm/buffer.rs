@@ -382,18 +382,21 @@ pub(crate) fn validate(op: &str, world_size: usize, posts: &[Post]) -> Result<()
     }
     if let Some(root) = p0.root {
         if root >= world_size {
-            return Err(Error::InvalidArgument(format!(
-                "{op}: root {root} is out of range for world size {world_size}"
-            )));
+            return Err(Error::out_of_range(
+                format_args!("{op}: root"),
+                root,
+                "world size",
+                world_size,
+            ));
         }
     }
     if let (Some(ReduceOp::Avg), Some(b)) = (p0.op, &p0.input) {
         if !b.dtype.is_float() {
-            return Err(Error::InvalidArgument(format!(
-                "{op}: ReduceOp::Avg is not defined for {:?} buffers (integer dtypes support \
-                 Sum, Max and Min)",
-                b.dtype
-            )));
+            return Err(Error::dtype(
+                format_args!("{op}: a buffer of ReduceOp::Avg"),
+                "a float dtype (integer dtypes support Sum, Max and Min)",
+                b.dtype,
+            ));
         }
     }
     Ok(())

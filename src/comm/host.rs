@@ -80,16 +80,18 @@ pub trait ProcessGroupExt: ProcessGroup {
 
     /// All-reduce of u64 values, carried as i64: exact for values and results below 2⁶³.
     ///
-    /// Errors: a value ≥ 2⁶³ ([`Error::InvalidArgument`], on this rank only, before any
+    /// Errors: a value ≥ 2⁶³ ([`Error::Value`], on this rank only, before any
     /// communication), a sum ≥ 2⁶³ (wrapped negative), `Avg`.
     fn all_reduce_u64s(&self, values: Vec<u64>, op: ReduceOp) -> Result<Vec<u64>> {
         let signed = values
             .iter()
             .map(|&v| {
                 i64::try_from(v).map_err(|_| {
-                    Error::InvalidArgument(format!(
-                        "all_reduce_u64s carries u64 values as i64: {v} does not fit"
-                    ))
+                    Error::value(
+                        "all_reduce_u64s: a value",
+                        "below 2^63 (u64 values are carried as i64)",
+                        format_args!("{v}, which does not fit"),
+                    )
                 })
             })
             .collect::<Result<Vec<i64>>>()?;

@@ -112,11 +112,11 @@ impl Call {
 /// The error of a collective of kind `kind` on `rank` given a stream another group created
 /// (every backend's wording).
 pub(crate) fn foreign_stream(kind: OpKind, rank: usize, stream: &CommStream) -> Error {
-    Error::InvalidArgument(format!(
-        "{} on rank {rank}: stream {:?} was not created by this process group",
-        kind.name(),
-        stream.name()
-    ))
+    Error::value(
+        format_args!("{} on rank {rank}: stream {:?}", kind.name(), stream.name()),
+        "one of this process group's streams",
+        "a stream not created by this process group",
+    )
 }
 
 /// Joins the stream threads of a group handle being dropped, except the current thread (a
@@ -297,7 +297,8 @@ pub trait ProcessGroup: Send + Sync {
     /// `Some(group)`, in which their rank is their position in `ranks`; the others get `None`.
     /// The sub-group has its own streams, starting with its default stream.
     ///
-    /// Errors: an empty list, a duplicate or out-of-range rank ([`Error::InvalidArgument`]),
+    /// Errors: an empty list ([`Error::Missing`]), a duplicate rank ([`Error::Value`]), an
+    /// out-of-range rank ([`Error::OutOfRange`]),
     /// ranks passing different lists (backend-defined), a peer failure.
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>>;
     /// Marks this rank as failed with `reason`: the pending and later collectives of the other

@@ -210,8 +210,9 @@ impl ChatTemplate {
     /// is not the start of the whole conversation's text; the template's.
     pub fn prompt_and_completion(&self, messages: &[Message]) -> Result<(String, String)> {
         let Some(last) = messages.last() else {
-            return Err(Error::InvalidArgument(
-                "a conversation without messages".into(),
+            return Err(Error::missing(
+                "message in the conversation",
+                "a supervised conversation ends with the assistant's message (its completion)",
             ));
         };
         if last.role != "assistant" {
@@ -337,10 +338,11 @@ pub fn read_jsonl(
 /// Errors: an example longer than `seq_len` (read with a larger `seq_len`), naming it.
 pub fn pack(examples: &[SftExample], seq_len: usize) -> Result<Vec<SftExample>> {
     if let Some((i, e)) = examples.iter().enumerate().find(|(_, e)| e.len() > seq_len) {
-        return Err(Error::InvalidArgument(format!(
-            "example {i} has {} tokens, more than the {seq_len} of a packed sequence",
-            e.len()
-        )));
+        return Err(Error::shape(
+            format_args!("example {i}"),
+            format_args!("at most {seq_len} tokens (the length of a packed sequence)"),
+            format_args!("{} tokens", e.len()),
+        ));
     }
     let mut order: Vec<usize> = (0..examples.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(examples[i].len()));
@@ -403,8 +405,9 @@ pub fn batch(
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let t = examples.iter().map(|e| e.len()).max().unwrap_or(0);
     if t == 0 {
-        return Err(Error::InvalidArgument(
-            "an SFT batch needs at least one non-empty example".into(),
+        return Err(Error::missing(
+            "non-empty example in the SFT batch",
+            "a batch needs at least one",
         ));
     }
     let b = examples.len();
@@ -445,8 +448,9 @@ pub fn batch(
 pub fn token_scale(pg: &dyn ProcessGroup, local: usize) -> Result<f32> {
     let n = pg.all_reduce_u64s(vec![local as u64], ReduceOp::Sum)?[0];
     if n == 0 {
-        return Err(Error::InvalidArgument(
-            "no target token on any rank in this step: every example's completion is empty".into(),
+        return Err(Error::missing(
+            "target token on any rank in this step",
+            "every example's completion is empty",
         ));
     }
     Ok((pg.world_size() as f64 / n as f64) as f32)
@@ -494,7 +498,10 @@ mod tests {
         assert_eq!(count(&rows), count(&ex));
         assert!(ex.iter().all(SftExample::is_plain) && !rows[0].is_plain());
         let err = pack(&ex, 4).unwrap_err().to_string();
-        assert!(err.contains("example 0 has 5 tokens"), "{err}");
+        assert!(
+            err.contains("example 0: expected at most 4 tokens (the length of a packed sequence), found 5 tokens"),
+            "{err}"
+        );
         // A batch pads to its longest: the second row with pad 0, IGNORE targets, positions
         // continuing its last example's.
         let (x, y, p) = batch(&[&rows[0], &rows[1]], 0, &Device::Cpu).unwrap();

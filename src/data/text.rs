@@ -95,10 +95,11 @@ impl TextCorpus {
     pub fn from_bytes(path: impl Into<PathBuf>, bytes: Vec<u8>, val_fraction: f64) -> Result<Self> {
         let path = path.into();
         if !(val_fraction > 0.0 && val_fraction < 1.0) {
-            return Err(Error::InvalidArgument(format!(
-                "{}: the validation fraction must be in (0, 1), found {val_fraction}",
-                path.display()
-            )));
+            return Err(Error::value(
+                format_args!("{}: the validation fraction", path.display()),
+                "in (0, 1)",
+                val_fraction,
+            ));
         }
         let len = bytes.len();
         if len < 2 {
@@ -161,7 +162,7 @@ impl TextCorpus {
     pub fn check_seq_len(&self, split: Split, seq_len: usize) -> Result<()> {
         let n = self.split(split).len();
         if seq_len == 0 {
-            return Err(Error::InvalidArgument("seq_len must be at least 1".into()));
+            return Err(Error::value("seq_len", "at least 1", 0));
         }
         if n < seq_len.saturating_add(1) {
             return Err(Error::file(
@@ -249,7 +250,7 @@ fn windows_of<T: Copy + Into<u32>>(
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
     if batch == 0 {
-        return Err(Error::InvalidArgument("batch must be at least 1".into()));
+        return Err(Error::value("batch", "at least 1", 0));
     }
     let starts = sample_window_starts(data.len(), split, batch, seq_len, seed, rank, step)?;
     let mut inputs = Vec::with_capacity(batch * seq_len);
@@ -280,12 +281,21 @@ pub fn sample_window_starts(
     rank: usize,
     step: u64,
 ) -> Result<Vec<usize>> {
-    if seq_len == 0 || len < seq_len + 1 {
-        return Err(Error::InvalidArgument(format!(
-            "the {} split has {len} tokens, too few for one window of seq_len {seq_len} \
-             (seq_len + 1 tokens, seq_len at least 1)",
-            split.name()
-        )));
+    if seq_len == 0 {
+        return Err(Error::value("seq_len", "at least 1", 0));
+    }
+    if len < seq_len.saturating_add(1) {
+        return Err(Error::shape(
+            format_args!(
+                "the {} split, for one window of seq_len {seq_len}",
+                split.name()
+            ),
+            format_args!(
+                "at least {} tokens (seq_len + 1)",
+                seq_len.saturating_add(1)
+            ),
+            format_args!("{len} tokens, too few"),
+        ));
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(stream_seed(seed, split, rank, step));
     Ok((0..batch)
@@ -448,10 +458,11 @@ impl TokenCorpus {
     ) -> Result<Self> {
         let path = corpus.path().to_path_buf();
         if !(val_fraction > 0.0 && val_fraction < 1.0) {
-            return Err(Error::InvalidArgument(format!(
-                "{}: the validation fraction must be in (0, 1), found {val_fraction}",
-                path.display()
-            )));
+            return Err(Error::value(
+                format_args!("{}: the validation fraction", path.display()),
+                "in (0, 1)",
+                val_fraction,
+            ));
         }
         let tokens = encode(corpus.text()?)
             .map_err(|e| Error::file(&path, format!("tokenizing it: {e}")))?;

@@ -4,8 +4,8 @@
 //! thread of this process).
 //!
 //! Every variable is validated (integers, ranges, consistency between the two families) and a
-//! problem is an [`Error::Env`] that names the variable and its value (or an
-//! [`Error::InvalidArgument`] naming the variables that disagree).
+//! problem is an [`Error::Env`] that names the variable and its value (or an [`Error::Missing`]
+//! or [`Error::Conflict`] naming the variables that are missing or disagree).
 //! [`LaunchEnv::world_size_for`] checks a requested world size (the examples' `--world-size`)
 //! against the launcher's.
 
@@ -116,11 +116,13 @@ impl TorchrunEnv {
                 .into_iter()
                 .filter(|v| get(v).is_none())
                 .collect();
-            return Err(Error::InvalidArgument(format!(
-                "torchrun-style launch: {} set but {} missing",
-                set.join(", "),
-                missing.join(" and ")
-            )));
+            return Err(Error::missing(
+                format_args!("{} for the torchrun-style launch", missing.join(" and ")),
+                format_args!(
+                    "{} set, and such a launch sets both RANK and WORLD_SIZE",
+                    set.join(", ")
+                ),
+            ));
         };
         check_rank("RANK", rank, "WORLD_SIZE", world_size)?;
         let local_rank = parse_usize(get, "LOCAL_RANK")?.unwrap_or(rank);
@@ -209,10 +211,14 @@ impl LaunchEnv {
         match (MpiEnv::from_vars(get)?, torchrun) {
             (Some(mpi), Some(t)) => {
                 if t.world_size != mpi.world_size || t.rank != mpi.rank {
-                    return Err(Error::InvalidArgument(format!(
-                        "RANK={} WORLD_SIZE={} disagree with mpirun's rank {} of {} ({})",
-                        t.rank, t.world_size, mpi.rank, mpi.world_size, mpi.source
-                    )));
+                    return Err(Error::conflict(
+                        format_args!("RANK={} WORLD_SIZE={}", t.rank, t.world_size),
+                        format_args!(
+                            "mpirun's rank {} of {} ({})",
+                            mpi.rank, mpi.world_size, mpi.source
+                        ),
+                        "they disagree; unset RANK and WORLD_SIZE or make them agree",
+                    ));
                 }
                 Ok(LaunchEnv::Mpi(mpi))
             }
@@ -325,7 +331,7 @@ mod tests {
             (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK=\"x\" is not"),
             (
                 &[("RANK", "0"), ("LOCAL_RANK", "0")],
-                "RANK, LOCAL_RANK set but WORLD_SIZE missing",
+                "no WORLD_SIZE for the torchrun-style launch; RANK, LOCAL_RANK set",
             ),
             (
                 &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")],
@@ -376,7 +382,7 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            err.contains("RANK=0 WORLD_SIZE=4 disagree with mpirun's rank 0 of 2"),
+            err.contains("RANK=0 WORLD_SIZE=4 with mpirun's rank 0 of 2"),
             "{err}"
         );
         let e = LaunchEnv::from_vars(&env(&[("RANK", "1"), ("WORLD_SIZE", "2")])).unwrap();

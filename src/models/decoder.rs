@@ -427,11 +427,12 @@ impl FsdpDecoder {
                 .collect();
             kinds.sort_unstable();
             kinds.dedup();
-            return Err(Error::InvalidArgument(format!(
-                "LoRA: the targets {:?} match no projection of the model; its projections are: {}",
-                lora.targets,
-                kinds.join(", ")
-            )));
+            return Err(Error::no_match(
+                "LoRA: the target list",
+                format_args!("{:?}", lora.targets),
+                "projection of the model",
+                format_args!("its projections are: {}", kinds.join(", ")),
+            ));
         }
         self.lora = Some(lora);
         Ok(self)

@@ -115,10 +115,7 @@ fn run<T: Send>(ws: usize, f: impl Fn(&Pg) -> Result<T> + Send + Sync) -> Vec<T>
 
 #[test]
 fn new_group_validates_world_size_and_reports_ranks() {
-    assert!(matches!(
-        new_group(0, cfg()),
-        Err(Error::InvalidArgument(_))
-    ));
+    assert!(matches!(new_group(0, cfg()), Err(Error::Value { .. })));
     let groups = new_group(3, cfg()).unwrap();
     for (r, g) in groups.iter().enumerate() {
         assert_eq!(g.rank(), r);
@@ -135,7 +132,7 @@ fn new_group_validates_world_size_and_reports_ranks() {
     );
     let results = run_ranks(0, cfg(), |_pg| Ok(()));
     assert_eq!(results.len(), 1);
-    assert!(matches!(results[0], Err(Error::InvalidArgument(_))));
+    assert!(matches!(results[0], Err(Error::Value { .. })));
 }
 
 #[test]
@@ -460,14 +457,15 @@ fn avg_on_integers_is_an_error_naming_the_op() {
     });
     for (a, b) in errs {
         match a {
-            Some(Error::InvalidArgument(m)) => {
+            Some(e @ Error::DType { .. }) => {
+                let m = e.to_string();
                 assert!(m.contains("all_reduce #1 (stream collective)"), "{m}");
                 assert!(m.contains("Avg") && m.contains("I64"), "{m}");
             }
-            other => panic!("expected InvalidArgument, got {other:?}"),
+            other => panic!("expected DType, got {other:?}"),
         }
         assert!(
-            matches!(&b, Some(Error::InvalidArgument(m)) if m.contains("reduce_scatter #1") && m.contains("U8")),
+            matches!(&b, Some(e @ Error::DType { .. }) if e.to_string().contains("reduce_scatter #1") && e.to_string().contains("U8")),
             "{b:?}"
         );
     }
@@ -572,7 +570,7 @@ fn host_helpers_run_on_the_default_stream() {
         assert_eq!(red, vec![expected_red]);
         assert_eq!(gathered, vec![0.0, -0.0, 1.0, -1.0, 2.0, -2.0]);
         assert!(
-            matches!(&too_big, Some(Error::InvalidArgument(m)) if m.contains("does not fit")),
+            matches!(&too_big, Some(e @ Error::Value { .. }) if e.to_string().contains("does not fit")),
             "{too_big:?}"
         );
         // 7 collectives on the default stream besides the all-gather (the refused u64 never
@@ -724,7 +722,7 @@ fn a_stream_works_only_with_the_group_that_created_it() {
         .wait()
         .unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("\"collective\"") && m.contains("not created by this process group")),
+        matches!(&err, Error::Value { what, found, .. } if what.contains("\"collective\"") && found.contains("not created by this process group")),
         "{err}"
     );
     // Its own stream works.
@@ -974,12 +972,18 @@ fn new_group_refuses_bad_lists_on_every_rank() {
         let texts: Vec<String> = errs
             .into_iter()
             .map(|e| match e {
-                Some(Error::InvalidArgument(m)) => m,
-                other => panic!("expected InvalidArgument, got {other:?}"),
+                Some(
+                    e @ (Error::Missing { .. } | Error::Value { .. } | Error::OutOfRange { .. }),
+                ) => e.to_string(),
+                other => panic!("expected a bad-argument error, got {other:?}"),
             })
             .collect();
         assert!(texts[0].contains("at least one rank"), "{}", texts[0]);
-        assert!(texts[1].contains("rank 0 is listed twice"), "{}", texts[1]);
+        assert!(
+            texts[1].contains("rank 0 must be listed once, found listed twice"),
+            "{}",
+            texts[1]
+        );
         assert!(
             texts[2].contains("rank 4 is out of range for world size 4"),
             "{}",
@@ -1348,7 +1352,7 @@ fn threads_mismatched_dtype_op_root_or_collective_fail_on_every_rank() {
     // root out of range (the same on every rank)
     let errs = collect_errors(2, |pg| Ok(pg.broadcast(zeros(3), 2).wait().err()));
     for e in errs {
-        assert!(matches!(e, Some(Error::InvalidArgument(_))), "{e:?}");
+        assert!(matches!(e, Some(Error::OutOfRange { .. })), "{e:?}");
     }
     // different collectives on the same stream
     let errs = collect_errors(2, |pg| {

@@ -91,12 +91,17 @@ fn world_of_one_and_values_at_the_bounds() {
         .set("too_big", &vec![0u8; MAX_VALUE_BYTES + 1])
         .unwrap_err();
     assert!(
-        matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("over the limit"),
+        matches!(err, Error::Value { .. })
+            && err.to_string().contains(&format!(
+                "must be at most {MAX_VALUE_BYTES} bytes, found {} bytes",
+                MAX_VALUE_BYTES + 1
+            )),
         "{err}"
     );
     let err = store.get(&"k".repeat(2000)).unwrap_err();
     assert!(
-        err.to_string().contains("over the limit of 1024 bytes"),
+        err.to_string()
+            .contains("store: key must be at most 1024 bytes, found 2000 bytes"),
         "{err}"
     );
     // Still usable after refused arguments.
@@ -391,12 +396,22 @@ fn wrong_world_size_and_duplicate_rank_are_refused() {
 fn bad_arguments_are_refused() {
     for (rank, ws, port, expected) in [
         (2, 2, 1234, "rank 2 is out of range for world size 2"),
-        (0, 0, 1234, "world size 0"),
-        (0, 1, 0, "port 0"),
+        (
+            0,
+            0,
+            1234,
+            "world size must be at least 1 (a job needs at least one rank), found 0",
+        ),
+        (
+            0,
+            1,
+            0,
+            "port must be a fixed port that every rank knows (MASTER_PORT), found 0",
+        ),
     ] {
         let err = TcpStore::connect("127.0.0.1", port, rank, ws, T).unwrap_err();
         assert!(
-            matches!(err, Error::InvalidArgument(_)) && err.to_string().contains(expected),
+            err.is_argument() && err.to_string().contains(expected),
             "{err}"
         );
     }

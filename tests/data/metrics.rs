@@ -42,9 +42,13 @@ fn accuracy_counts_argmax_matches_and_checks_its_inputs() {
     assert!((acc - 80.0).abs() < 1e-9, "{acc}");
     assert!((one_batch - 80.0).abs() < 1e-9, "{one_batch}");
     assert_eq!(empty, 0.0);
-    assert!(errors[0].contains("batch 0"), "{}", errors[0]);
     assert!(
-        errors[1].contains("5 images need (5,) labels") && errors[1].contains("[4]"),
+        errors[0].contains("accuracy: batch must be at least 1, found 0"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        errors[1].contains("the labels of 5 images: expected [5] (one per image), found [4]"),
         "{}",
         errors[1]
     );

@@ -189,7 +189,7 @@ fn lora_errors_name_the_problem() {
     };
     let e = build(LoraConfig::new(4, 8.0, ["query_key_value"]));
     assert!(
-        e.contains("match no projection")
+        e.contains("matches no projection")
             && e.contains("q_proj")
             && e.contains("down_proj")
             && e.contains("query_key_value"),

@@ -451,7 +451,10 @@ fn lr_schedulers_follow_the_torch_formulas_per_group() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("total_steps must be at least 1"), "{e}");
+    assert!(
+        e.contains("must be one with total_steps at least 1") && e.contains("total_steps: 0"),
+        "{e}"
+    );
 }
 
 #[test]

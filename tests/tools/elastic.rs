@@ -192,7 +192,7 @@ fn mnist_under_fsdp_run_on_cpu_matches_the_thread_run_bitwise() {
     assert_eq!(code, 1, "{text}");
     assert!(
         text.contains("diff compares two fingerprint files or two checkpoints")
-            && text.contains("run.fp is a file"),
+            && text.contains("run.fp (a file) with "),
         "{text}"
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -61,20 +61,26 @@ where
 /// Checks the rank list of `new_group` (the same on every rank once lists agree).
 pub(crate) fn check_ranks(op: &str, ranks: &[usize], world_size: usize) -> Result<()> {
     if ranks.is_empty() {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: a sub-group needs at least one rank"
-        )));
+        return Err(Error::missing(
+            format_args!("rank in the {op} sub-group"),
+            "a sub-group needs at least one rank",
+        ));
     }
     if let Some(&r) = ranks.iter().find(|&&r| r >= world_size) {
-        return Err(Error::InvalidArgument(format!(
-            "{op}: rank {r} is out of range for world size {world_size}"
-        )));
+        return Err(Error::out_of_range(
+            format_args!("{op}: rank"),
+            r,
+            "world size",
+            world_size,
+        ));
     }
     for (i, r) in ranks.iter().enumerate() {
         if ranks[..i].contains(r) {
-            return Err(Error::InvalidArgument(format!(
-                "{op}: rank {r} is listed twice"
-            )));
+            return Err(Error::value(
+                format_args!("{op}: rank {r}"),
+                "listed once",
+                "listed twice",
+            ));
         }
     }
     Ok(())

@@ -78,10 +78,11 @@ pub(super) fn mpi_unique_id(rank: usize, world_size: usize) -> Result<UniqueId> 
     use mpi::ffi;
     let (mpi_rank, mpi_size) = crate::comm::mpi::world_rank_and_size()?;
     if (mpi_rank, mpi_size) != (rank, world_size) {
-        return Err(Error::InvalidArgument(format!(
-            "NCCL over MPI: rank {rank} of {world_size} requested but MPI says rank {mpi_rank} \
-             of {mpi_size}"
-        )));
+        return Err(Error::conflict(
+            format_args!("NCCL over MPI: rank {rank} of {world_size} requested"),
+            format_args!("MPI's rank {mpi_rank} of {mpi_size}"),
+            "the rank and world size must be MPI's",
+        ));
     }
     let mut msg = [0u8; 129];
     let mut local_error = None;

@@ -245,7 +245,7 @@ impl NcclGroup {
     /// its stream is the compute stream), the unique id obtained through `bootstrap`. Every
     /// rank calls it.
     ///
-    /// Errors: `device` is not CUDA ([`Error::InvalidArgument`]); the bootstrap's (the store
+    /// Errors: `device` is not CUDA ([`Error::Device`]); the bootstrap's (the store
     /// naming missing ranks, MPI's); NCCL's ([`Error::Nccl`], e.g. two ranks on one GPU);
     /// the driver's ([`Error::Cuda`]).
     pub fn new(
@@ -258,10 +258,11 @@ impl NcclGroup {
         match bootstrap {
             NcclBootstrap::Single => {
                 if world_size != 1 || rank != 0 {
-                    return Err(Error::InvalidArgument(format!(
-                        "NcclBootstrap::Single is for a job of one rank, got rank {rank} of \
-                         {world_size}"
-                    )));
+                    return Err(Error::value(
+                        "the world size of NcclBootstrap::Single",
+                        "1 (a job of one rank, rank 0)",
+                        format_args!("rank {rank} of {world_size}"),
+                    ));
                 }
                 NcclGroup::from_unique_id(device, 0, 1, UniqueId::new()?, config)
             }
@@ -303,9 +304,12 @@ impl NcclGroup {
         config: NcclConfig,
     ) -> Result<Arc<NcclGroup>> {
         if rank >= world_size {
-            return Err(Error::InvalidArgument(format!(
-                "NCCL group: rank {rank} is out of range for world size {world_size}"
-            )));
+            return Err(Error::out_of_range(
+                "NCCL group: rank",
+                rank,
+                "world size",
+                world_size,
+            ));
         }
         let cuda = crate::device::cuda::cuda_device(device, "NCCL process group")?.clone();
         let family = Family::new(rank, config.timeout);
@@ -376,12 +380,7 @@ impl NcclGroup {
     }
 
     fn foreign_stream(&self, stream: &CommStream, kind: OpKind) -> Error {
-        Error::InvalidArgument(format!(
-            "{} on rank {}: stream {:?} was not created by this process group",
-            kind.name(),
-            self.rank,
-            stream.name()
-        ))
+        crate::comm::foreign_stream(kind, self.rank, stream)
     }
 
     /// Checks, orders and enqueues one collective; see the module docs.

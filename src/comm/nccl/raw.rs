@@ -56,13 +56,14 @@ impl UniqueId {
 
     /// The id from the bytes a bootstrap carried.
     ///
-    /// Errors: not 128 bytes ([`Error::InvalidArgument`], naming `source`).
+    /// Errors: not 128 bytes ([`Error::Shape`], naming `source`).
     pub fn from_bytes(bytes: &[u8], source: &str) -> Result<UniqueId> {
         let arr: [u8; 128] = bytes.try_into().map_err(|_| {
-            Error::InvalidArgument(format!(
-                "{source}: an NCCL unique id has 128 bytes, found {}",
-                bytes.len()
-            ))
+            Error::shape(
+                format_args!("{source}: an NCCL unique id"),
+                "128 bytes",
+                format_args!("{} bytes", bytes.len()),
+            )
         })?;
         Ok(UniqueId(arr))
     }

@@ -229,9 +229,12 @@ pub fn connect(
     config: ShmConfig,
 ) -> Result<Arc<dyn ProcessGroup>> {
     if world_size == 0 || rank >= world_size {
-        return Err(Error::InvalidArgument(format!(
-            "shared-memory group: rank {rank} of {world_size} ranks"
-        )));
+        return Err(Error::out_of_range(
+            "shared-memory group: rank",
+            rank,
+            "world size",
+            world_size,
+        ));
     }
     let fresh = || {
         let nanos = std::time::SystemTime::now()
@@ -360,8 +363,10 @@ fn share_prefix(
             failed_rank: 0,
             reason: reason.to_string(),
         }),
-        _ => Err(Error::InvalidArgument(format!(
-            "store key {PREFIX_KEY:?}: not a value of this version"
-        ))),
+        _ => Err(Error::value(
+            format_args!("store key {PREFIX_KEY:?}"),
+            "a value of this version of candle-fsdp",
+            "another value (another version's or program's store?)",
+        )),
     }
 }

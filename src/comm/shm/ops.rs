@@ -129,12 +129,14 @@ impl Ctx<'_> {
         }
         let desc = wire::encode(post, setup_bytes);
         if desc.len() > DESC_MAX {
-            return Err(Error::InvalidArgument(format!(
-                "{}: argument of {} bytes, the shared-memory backend takes at most {}",
-                self.op,
-                setup_bytes.len(),
-                DESC_MAX - 64
-            )));
+            return Err(Error::shape(
+                format_args!("{}: the argument", self.op),
+                format_args!(
+                    "at most {} bytes (the shared-memory backend's limit)",
+                    DESC_MAX - 64
+                ),
+                format_args!("{} bytes", setup_bytes.len()),
+            ));
         }
         let headers: Vec<Header> = (0..self.world_size())
             .map(|j| self.comm.header(j))
@@ -171,10 +173,11 @@ impl Ctx<'_> {
             None => (self.comm.own.data(), usize::MAX),
         };
         if bytes > have {
-            return Err(Error::InvalidArgument(format!(
-                "{}: rank {j}'s segment holds {have} bytes, {bytes} needed",
-                self.op
-            )));
+            return Err(Error::shape(
+                format_args!("{}: rank {j}'s segment", self.op),
+                format_args!("{bytes} bytes (needed)"),
+                format_args!("{have} bytes (what it holds)"),
+            ));
         }
         Ok(RawBuf {
             ptr,

@@ -52,7 +52,7 @@
 //! missing: the ranks that did not join or reach a barrier (also in its `missing` field), the key
 //! that was not set, the OS error of a bind or connect; arguments that cannot work
 //! (`world_size` 0, `rank >= world_size`, port 0, a key or value over the bounds) are
-//! [`Error::InvalidArgument`].
+//! [`Error::Value`] and [`Error::OutOfRange`].
 //!
 //! # Protocol (version 1)
 //!
@@ -220,8 +220,8 @@ impl TcpStore {
     /// [`set`](TcpStore::set), [`get`](TcpStore::get) and [`barrier`](TcpStore::barrier).
     ///
     /// Errors ([`Error::Store`] unless said otherwise):
-    /// - `world_size` 0, `rank >= world_size`, port 0, an empty `addr`:
-    ///   [`Error::InvalidArgument`];
+    /// - `world_size` 0, port 0, an empty `addr`: [`Error::Value`]; `rank >= world_size`:
+    ///   [`Error::OutOfRange`];
     /// - rank 0 cannot bind the port: names `addr:port` and the OS error;
     /// - the store cannot be reached within `timeout`: names `addr:port` and the last OS
     ///   error;
@@ -239,32 +239,40 @@ impl TcpStore {
         timeout: Duration,
     ) -> Result<TcpStore> {
         if world_size == 0 {
-            return Err(Error::InvalidArgument(
-                "store: world size 0: a job needs at least one rank".into(),
+            return Err(Error::value(
+                "store: world size",
+                "at least 1 (a job needs at least one rank)",
+                0,
             ));
         }
         if rank >= world_size {
-            return Err(Error::InvalidArgument(format!(
-                "store: rank {rank} is out of range for world size {world_size} (expected \
-                 0..{world_size})"
-            )));
+            return Err(Error::out_of_range(
+                "store: rank",
+                rank,
+                "world size",
+                world_size,
+            ));
         }
         if port == 0 {
-            return Err(Error::InvalidArgument(
-                "store: port 0: the store needs a fixed port that every rank knows \
-                 (MASTER_PORT)"
-                    .into(),
+            return Err(Error::value(
+                "store: port",
+                "a fixed port that every rank knows (MASTER_PORT)",
+                0,
             ));
         }
         if addr.trim().is_empty() {
-            return Err(Error::InvalidArgument(
-                "store: empty address: the store needs rank 0's host (MASTER_ADDR)".into(),
+            return Err(Error::value(
+                "store: address",
+                "rank 0's host (MASTER_ADDR)",
+                format!("{addr:?}"),
             ));
         }
         if world_size > u32::MAX as usize {
-            return Err(Error::InvalidArgument(format!(
-                "store: world size {world_size} is too large"
-            )));
+            return Err(Error::value(
+                "store: world size",
+                format!("at most {}", u32::MAX),
+                world_size,
+            ));
         }
         let deadline = Instant::now() + timeout;
         let display = display_addr(addr, port);
@@ -359,16 +367,16 @@ impl TcpStore {
     /// [`get`](TcpStore::get) once this returns.
     ///
     /// Errors: a key over [`MAX_KEY_BYTES`] or a value over [`MAX_VALUE_BYTES`] bytes
-    /// ([`Error::InvalidArgument`]); the connection to the store is lost or no reply comes
+    /// ([`Error::Value`]); the connection to the store is lost or no reply comes
     /// within the timeout ([`Error::Store`]).
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         check_key(key, "key")?;
         if value.len() > MAX_VALUE_BYTES {
-            return Err(Error::InvalidArgument(format!(
-                "store: the value of key {key:?} has {} bytes, over the limit of \
-                 {MAX_VALUE_BYTES} bytes",
-                value.len()
-            )));
+            return Err(Error::value(
+                format!("store: the value of key {key:?}"),
+                format!("at most {MAX_VALUE_BYTES} bytes"),
+                format!("{} bytes", value.len()),
+            ));
         }
         let what = format!("set of key {key:?}");
         let req = Request::Set {
@@ -383,7 +391,7 @@ impl TcpStore {
 
     /// The value of `key`, waiting until some rank sets it or the timeout passes.
     ///
-    /// Errors: a key over [`MAX_KEY_BYTES`] bytes ([`Error::InvalidArgument`]); the key is not
+    /// Errors: a key over [`MAX_KEY_BYTES`] bytes ([`Error::Value`]); the key is not
     /// set within the timeout (naming the key and the store's address), or the connection is
     /// lost ([`Error::Store`]).
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
@@ -414,7 +422,7 @@ impl TcpStore {
     /// Waits until every rank has called `barrier(name)` as many times as this rank has
     /// (each name counts its own calls), or the timeout passes.
     ///
-    /// Errors: a name over [`MAX_KEY_BYTES`] bytes ([`Error::InvalidArgument`]); ranks did not
+    /// Errors: a name over [`MAX_KEY_BYTES`] bytes ([`Error::Value`]); ranks did not
     /// arrive within the timeout, or left the store (their process exited or dropped its
     /// store) before arriving: names them ([`Error::Store`], also in `missing`); the
     /// connection is lost.
@@ -597,10 +605,11 @@ fn ms(d: Duration) -> u32 {
 
 fn check_key(key: &str, what: &str) -> Result<()> {
     if key.len() > MAX_KEY_BYTES {
-        return Err(Error::InvalidArgument(format!(
-            "store: {what} of {} bytes is over the limit of {MAX_KEY_BYTES} bytes",
-            key.len()
-        )));
+        return Err(Error::value(
+            format!("store: {what}"),
+            format!("at most {MAX_KEY_BYTES} bytes"),
+            format!("{} bytes", key.len()),
+        ));
     }
     Ok(())
 }

@@ -177,8 +177,8 @@ fn addr_key(j: usize) -> String {
 /// needs no store (`addr` and `port` are ignored).
 ///
 /// Errors: the store's ([`Error::Store`]: a rank missing, the port taken); this rank's
-/// address cannot be found or listened on ([`Error::InvalidArgument`] naming the address
-/// and the variables that choose it); a peer cannot be connected to (naming its rank and
+/// address cannot be found or listened on ([`Error::Env`] or [`Error::InvalidArgument`] naming
+/// the address and the variables that choose it); a peer cannot be connected to (naming its rank and
 /// address) or failed meanwhile ([`Error::PeerFailed`]); a thread cannot be started.
 pub fn connect(
     rank: usize,
@@ -188,9 +188,12 @@ pub fn connect(
     config: TcpConfig,
 ) -> Result<Arc<dyn ProcessGroup>> {
     if world_size == 0 || rank >= world_size {
-        return Err(Error::InvalidArgument(format!(
-            "tcp group: rank {rank} of {world_size} ranks"
-        )));
+        return Err(Error::out_of_range(
+            "tcp group: rank",
+            rank,
+            "world size",
+            world_size,
+        ));
     }
     let deadline = || Instant::now() + config.timeout;
     if world_size == 1 {
@@ -220,10 +223,11 @@ pub fn connect(
                 })
             }
             _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "store key {:?}: not a value of this version",
-                    addr_key(j)
-                )))
+                return Err(Error::value(
+                    format_args!("store key {:?}", addr_key(j)),
+                    "a value of this version of candle-fsdp",
+                    "another value (another version's or program's store?)",
+                ))
             }
         }
     }

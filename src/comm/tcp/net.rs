@@ -61,9 +61,11 @@ pub(super) fn local_ip(master: &str, port: u16) -> Result<IpAddr> {
                 .next()
                 .map(|a| a.ip())
                 .ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "tcp backend: {ADDR_VAR}={addr:?} resolves to no address"
-                    ))
+                    Error::env(
+                        ADDR_VAR,
+                        format_args!("{addr:?}"),
+                        "resolves to no address (the tcp backend's address of this rank)",
+                    )
                 }),
         };
     }

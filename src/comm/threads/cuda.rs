@@ -435,27 +435,29 @@ unsafe fn launch_reduce(
     if n == 0 {
         return Ok(());
     }
-    let name = match dtype {
-        DType::F32 => "comm_reduce_f32",
-        DType::F64 => "comm_reduce_f64",
-        DType::BF16 => "comm_reduce_bf16",
-        DType::F16 => "comm_reduce_f16",
-        DType::U8 => "comm_reduce_u8",
-        DType::U32 => "comm_reduce_u32",
-        DType::I16 => "comm_reduce_i16",
-        DType::I32 => "comm_reduce_i32",
-        DType::I64 => "comm_reduce_i64",
-        other => {
-            return Err(Error::InvalidArgument(format!(
-                "no reduction kernel for {other:?}"
-            )))
-        }
-    };
+    let name =
+        match dtype {
+            DType::F32 => "comm_reduce_f32",
+            DType::F64 => "comm_reduce_f64",
+            DType::BF16 => "comm_reduce_bf16",
+            DType::F16 => "comm_reduce_f16",
+            DType::U8 => "comm_reduce_u8",
+            DType::U32 => "comm_reduce_u32",
+            DType::I16 => "comm_reduce_i16",
+            DType::I32 => "comm_reduce_i32",
+            DType::I64 => "comm_reduce_i64",
+            other => return Err(Error::dtype(
+                "the CUDA reduction's buffers",
+                "a dtype with a reduction kernel: f32, f64, bf16, f16, u8, u32, i16, i32 or i64",
+                other,
+            )),
+        };
     if srcs.len() > MAX_CUDA_RANKS {
-        return Err(Error::InvalidArgument(format!(
-            "the CUDA reduction takes at most {MAX_CUDA_RANKS} sources, got {}",
-            srcs.len()
-        )));
+        return Err(Error::value(
+            "the CUDA reduction's source count",
+            format_args!("at most {MAX_CUDA_RANKS}"),
+            srcs.len(),
+        ));
     }
     let func = crate::kernels::nvrtc::func(cuda, MODULE, name)?;
     let mut table = [0u64; MAX_CUDA_RANKS];

@@ -20,15 +20,17 @@ use crate::error::{Error, Result};
 /// handle (each with its default stream running). The handles are bare backends: wrap them in
 /// [`Instrumented`] for statistics, as [`run_ranks`] does.
 ///
-/// Errors: [`Error::InvalidArgument`] when `world_size == 0`; [`Error::SpawnFailed`] when a
+/// Errors: [`Error::Value`] when `world_size == 0`; [`Error::SpawnFailed`] when a
 /// stream thread cannot be started.
 pub fn new_group(
     world_size: usize,
     config: ThreadGroupConfig,
 ) -> Result<Vec<Arc<dyn ProcessGroup>>> {
     if world_size == 0 {
-        return Err(Error::InvalidArgument(
-            "a process group needs world_size >= 1, got 0".to_string(),
+        return Err(Error::value(
+            "a process group's world_size",
+            "at least 1",
+            0,
         ));
     }
     let shared = Shared::new(
@@ -54,7 +56,7 @@ pub fn new_group(
 /// Buffers of its collectives are 1-D contiguous tensors on the rank's device
 /// ([`ProcessGroup::device`]). The handles are bare backends, as from [`new_group`].
 ///
-/// Errors: [`Error::InvalidArgument`] when `world_size` is 0 or above
+/// Errors: [`Error::Value`] when `world_size` is 0 or above
 /// [`MAX_CUDA_RANKS`]; [`Error::Cuda`] when the GPU cannot be opened or a stream created;
 /// [`Error::SpawnFailed`].
 #[cfg(feature = "cuda")]
@@ -64,15 +66,18 @@ pub fn new_group_on_gpu(
     ordinal: usize,
 ) -> Result<Vec<Arc<dyn ProcessGroup>>> {
     if world_size == 0 {
-        return Err(Error::InvalidArgument(
-            "a process group needs world_size >= 1, got 0".to_string(),
+        return Err(Error::value(
+            "a process group's world_size",
+            "at least 1",
+            0,
         ));
     }
     if world_size > cuda::MAX_CUDA_RANKS {
-        return Err(Error::InvalidArgument(format!(
-            "the thread backend on CUDA runs at most {} ranks on one GPU, got {world_size}",
-            cuda::MAX_CUDA_RANKS
-        )));
+        return Err(Error::value(
+            "the world_size of the thread backend on CUDA",
+            format_args!("at most {} (ranks on one GPU)", cuda::MAX_CUDA_RANKS),
+            world_size,
+        ));
     }
     let devices = (0..world_size)
         .map(|_| cuda::RankCuda::open(ordinal).map(Arc::new))
