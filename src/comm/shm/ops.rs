@@ -129,14 +129,14 @@ impl Ctx<'_> {
         }
         let desc = wire::encode(post, setup_bytes);
         if desc.len() > DESC_MAX {
-            return Err(Error::shape(
+            return Err(self.stop_job(Error::shape(
                 format_args!("{}: the argument", self.op),
                 format_args!(
                     "at most {} bytes (the shared-memory backend's limit)",
                     DESC_MAX - 64
                 ),
                 format_args!("{} bytes", setup_bytes.len()),
-            ));
+            )));
         }
         let headers: Vec<Header> = (0..self.world_size())
             .map(|j| self.comm.header(j))
@@ -147,11 +147,20 @@ impl Ctx<'_> {
         me.arrive(target);
         self.wait(&headers, target)?;
         let descs: Vec<Vec<u8>> = headers.iter().map(|h| h.read_desc(target)).collect();
-        for p in self.comm.peers.iter_mut().flatten() {
-            p.refresh()?;
-        }
+        let refreshed = (self.comm.peers.iter_mut().flatten()).try_for_each(|p| p.refresh());
+        refreshed.map_err(|e| self.stop_job(e))?;
         decode_and_validate(self.op, self.rank(), &descs)?;
         Ok(target)
+    }
+
+    /// Records `e`, a failure of this rank alone (its segment cannot grow, a peer's cannot be
+    /// mapped), as the job's failure: the peers would otherwise wait at a barrier this rank
+    /// never reaches, or pass one it reached early, until the timeout.
+    fn stop_job(&self, e: Error) -> Error {
+        self.core
+            .abort
+            .set(self.core.root_ranks[self.rank()], &e.message());
+        e
     }
 
     /// Reports a local `problem` through the exchange (every rank fails the same way).
@@ -226,16 +235,17 @@ impl Board for Ctx<'_> {
 
     /// Copies what the peers read into this rank's segment, then barrier 1 (`exchange`).
     fn publish(&mut self, post: &Post, buf: RawBuf, expose: Expose) -> Result<u64> {
-        match expose {
-            Expose::Nothing => {}
-            Expose::Whole => self.copy_in(buf, 0..0)?,
-            Expose::AllBut(skip) => self.copy_in(buf, skip)?,
-        }
+        let copied = match expose {
+            Expose::Nothing => Ok(()),
+            Expose::Whole => self.copy_in(buf, 0..0),
+            Expose::AllBut(skip) => self.copy_in(buf, skip),
+        };
+        copied.map_err(|e| self.stop_job(e))?;
         self.exchange(post, &[])
     }
 
     fn readable(&self, j: usize, like: RawBuf, len: usize) -> Result<RawBuf> {
-        self.seg(j, like, len)
+        self.seg(j, like, len).map_err(|e| self.stop_job(e))
     }
 
     fn sync(&self, target: u64) -> Result<()> {
