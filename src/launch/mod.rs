@@ -520,7 +520,13 @@ fn one_rank_per_gpu(
     local_name: &str,
 ) -> Result<Option<usize>> {
     match gpu {
-        Some(n) if local > 1 => Err(Error::conflict(format!("--device {spec}"), format!("the {local} processes of this machine ({local_name} = {local})"), format!("they would all use GPU {n}, but NCCL refuses two ranks on one GPU: use --device cuda (each process takes the GPU of its local rank), or run the ranks as threads of one process sharing the GPU (no launcher, --world-size {local})"))),
+        // The wording is pinned by tests/comm/gpu_comm_host.rs.
+        Some(n) if local > 1 => Err(Error::InvalidArgument(format!(
+            "--device {spec} puts the {local} processes of this machine ({local_name} = {local}) \
+             on GPU {n}, but NCCL refuses two ranks on one GPU: use --device cuda (each process \
+             takes the GPU of its local rank), or run the ranks as threads of one process \
+             sharing the GPU (no launcher, --world-size {local})"
+        ))),
         other => Ok(other),
     }
 }
