@@ -762,6 +762,11 @@ impl ProcessGroup for NcclGroup {
     fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
         *self.observer.lock() = observer;
     }
+
+    /// The watchdog's timeout ([`NcclConfig::timeout`]).
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.family.timeout)
+    }
 }
 
 impl NcclGroup {
