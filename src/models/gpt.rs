@@ -16,8 +16,8 @@
 //! fused block node and its names are the decoder's: Hugging Face's GPT-2 names and layouts
 //! (`transformer.h.{i}.attn.c_attn.weight` `(d, 3d)`, …), and a checkpoint of the example
 //! exports with `fsdp-ckpt export --format hf` to a directory transformers'
-//! `GPT2LMHeadModel` loads. [`FsdpGpt`] is [`FsdpDecoder`] and [`Gpt`] the plain-Candle
-//! [`Decoder`] (the tests' single-process reference).
+//! `GPT2LMHeadModel` loads. [`FsdpGpt`] is [`crate::models::decoder::FsdpDecoder`] and [`Gpt`] the plain-Candle
+//! [`crate::models::decoder::Decoder`] (the tests' single-process reference).
 //!
 //! **Units**: `transformer.wte` (with a tied head, [`GptConfig::tied`], the GPT-2 default, a
 //! group of the embedding and the head `lm_head`: one FlatParameter for both uses, as FSDP2's

@@ -250,7 +250,7 @@ fn adamw_with(
 /// by 0.1 % of its distance to `g²`, below half a bf16 ulp (0.2–0.4 %) unless `g²` exceeds
 /// about 5 `v`, so `v` would stop decaying (Zamirai et al. 2020, "Revisiting BFloat16 Training",
 /// arXiv:2010.06192, on the same effect in weights). The random bits are a hash
-/// ([`crate::fsdp::fused::mix64`]) of `seed` and the element's index `offset + i`: a step is a
+/// (`fsdp::fused::mix64`) of `seed` and the element's index `offset + i`: a step is a
 /// pure function of its inputs (a resumed run draws the same bits).
 ///
 /// Errors: as [`adamw_step`] (the moments bf16 instead of f32); a GPU device (CPU only).

@@ -1,5 +1,5 @@
-//! [`HostGroup`]: the one [`ProcessGroup`] of the process-per-rank host backends (shared
-//! memory, TCP, MPI), over a [`Transport`] that each backend provides.
+//! [`HostGroup`]: the one [`ProcessGroup`] of the host backends (threads, shared memory, TCP,
+//! MPI), over a [`Transport`] that each backend provides.
 //!
 //! The group owns what every such backend does the same way: the rank's streams (one thread
 //! each, [`HostStreams`]), the numbering and naming of operations, the setup communicator on
@@ -7,7 +7,9 @@
 //! rank, then the rank list checked by [`check_ranks`]), the observer, panics turned into a job
 //! abort, and the departure of a dropped handle. A transport only moves bytes: it runs one
 //! collective on one of its communicators, agrees on a setup descriptor, opens a communicator,
-//! splits off a sub-group and aborts the job.
+//! splits off a sub-group and aborts the job (and, for the thread backend on a GPU, issues a
+//! device operation). The collectives themselves are written once per family: over messages
+//! ([`super::messages`]: tcp, MPI) and over shared buffers ([`super::board`]: threads, shm).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,7 +49,9 @@ pub(crate) type Member<T> = (T, <T as Transport>::Comm, <T as Transport>::Comm);
 pub(crate) trait Transport: Send + Sync + Sized + 'static {
     /// A communicator: the group's setup one and one per stream (each owned by one thread).
     type Comm: StreamComm;
-    /// Backend name ([`ProcessGroup::backend`], thread names `{backend}-{rank}-{stream}`).
+    /// Backend name ([`ProcessGroup::backend`]; stream threads are named by
+    /// [`StreamComm::thread_name`], `{backend}-{rank}-{stream}` unless the backend says
+    /// otherwise).
     const BACKEND: &'static str;
 
     /// This rank in the group.

@@ -11,10 +11,10 @@
 //! Every stream of a rank is one OS thread (named `rank-{r}-{stream name}`, at raised priority:
 //! see `raise_priority`) fed through a channel of jobs and executing them in issue order. The
 //! default stream exists from the handle's creation; [`ProcessGroup::new_stream`] starts another
-//! one. Every collective enqueues a job on the stream it is given and returns a [`Work`] at once;
-//! the job runs the collective on the stream's thread and completes the `Work`. A stream's thread
-//! exits when every [`CommStream`] handle on it is dropped, or when its group handle is dropped;
-//! only the latter tells the peers that the rank left (a rank that merely dropped a stream is
+//! one. Every collective enqueues a job on the stream it is given and returns a
+//! [`crate::comm::Work`] at once; the job runs the collective on the stream's thread and
+//! completes the `Work`. A stream's thread exits when every [`crate::comm::CommStream`] handle on
+//! it is dropped, or when its group handle is dropped; only the latter tells the peers that the rank left (a rank that merely dropped a stream is
 //! still alive: peers waiting for it on that stream wait for its abort, its departure or the
 //! timeout).
 //!
