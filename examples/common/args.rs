@@ -371,10 +371,29 @@ fn check_checkpoint_dir(args: &TrainArgs) -> anyhow::Result<()> {
         args.resume || super::trainer::restart_count() > 0,
         existing.last(),
     ) {
-        (true, None) => println!(
-            "--resume: no complete checkpoint in {}: starting from scratch",
-            dir.display()
-        ),
+        (true, None) => {
+            // A checkpoint that failed to load was renamed `step-<n>.damaged[-<i>]`: say so,
+            // or the fresh start goes unnoticed.
+            let mut damaged: Vec<String> = std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains(".damaged"))
+                .collect();
+            damaged.sort();
+            let set_aside = match damaged.is_empty() {
+                true => String::new(),
+                false => format!(
+                    " (set aside as damaged by an earlier load: {}; `fsdp-ckpt verify` says why)",
+                    damaged.join(", ")
+                ),
+            };
+            println!(
+                "--resume: no complete checkpoint in {}{set_aside}: starting from scratch",
+                dir.display()
+            )
+        }
         (false, Some(last)) => println!(
             "note: {} already holds checkpoints (newest {}); this run starts from scratch and \
              saves beside them (a checkpoint of the same step is kept, renamed \

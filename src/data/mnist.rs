@@ -198,6 +198,13 @@ fn load_split(dir: &Path, images: &str, labels: &str) -> Result<(Vec<f32>, Vec<u
     let ipath = resolve(dir, images)?;
     let lpath = resolve(dir, labels)?;
     let (pixels, count, rows, cols) = read_idx_images(&ipath)?;
+    if count == 0 {
+        // An empty split would train on nothing and report a NaN loss and 0 % accuracy.
+        return Err(Error::file(
+            &ipath,
+            "holds no images: expected at least one (an empty split has no loss or accuracy)",
+        ));
+    }
     let labels = read_idx_labels(&lpath)?;
     if labels.len() != count {
         return Err(Error::file(
@@ -232,7 +239,8 @@ impl Mnist {
     ///
     /// # Errors
     /// Everything [`read_idx_images`] and [`read_idx_labels`] report, plus [`Error::File`] naming
-    /// the file when a file is missing, when a label file's count differs from its image file's
+    /// the file when a file is missing, when an image file holds no images, when a label file's
+    /// count differs from its image file's
     /// (expected vs found), when a label is not in `0..10`, or when the test images' size differs
     /// from the training images' (expected vs found `rows×cols`).
     pub fn load(dir: impl AsRef<Path>) -> Result<Mnist> {

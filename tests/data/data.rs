@@ -344,6 +344,32 @@ fn mnist_uncompressed_fallback() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// An empty training split (valid IDX headers, zero items) is an error naming the file, not a
+/// run that trains on nothing and reports a NaN loss.
+#[cfg(feature = "mnist")]
+#[test]
+fn mnist_empty_split_is_an_error_naming_it() {
+    let dir = temp_dir("empty");
+    let mut images = 0x0803u32.to_be_bytes().to_vec();
+    for v in [0u32, 28, 28] {
+        images.extend(v.to_be_bytes());
+    }
+    let mut labels = 0x0801u32.to_be_bytes().to_vec();
+    labels.extend(0u32.to_be_bytes());
+    std::fs::write(dir.join("train-images-idx3-ubyte"), &images).unwrap();
+    std::fs::write(dir.join("train-labels-idx1-ubyte"), &labels).unwrap();
+    for name in ["t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"] {
+        let bytes = gunzip(&mnist_dir().join(format!("{name}.gz")));
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+    let err = Mnist::load(&dir).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::File { .. }), "{err:?}");
+    assert!(msg.contains("train-images-idx3-ubyte"), "{msg}");
+    assert!(msg.contains("holds no images"), "{msg}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[cfg(feature = "mnist")]
 #[test]
 fn mnist_truncated_file_is_an_error_naming_it() {

@@ -282,3 +282,66 @@ fn a_rank_killed_with_sigkill_restarts_and_ends_like_the_uninterrupted_run() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A `--resume` whose only checkpoint was set aside as damaged by an earlier load says so when
+/// it starts from scratch, naming the directory it set aside (a user would otherwise miss that
+/// the run started over).
+#[test]
+fn a_resume_after_a_damaged_checkpoint_names_what_was_set_aside() {
+    let dir = crate::common::tmpdir("damaged-resume");
+    let run = |extra: &[&str]| {
+        let child = Command::new(mnist())
+            .args([
+                "--epochs",
+                "1",
+                "--batch-size",
+                "1024",
+                "--data-dir",
+                &data_dir(),
+            ])
+            .arg("--checkpoint-dir")
+            .arg(&dir)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        finish(child, Duration::from_secs(120))
+    };
+    let (code, out, err) = run(&[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let steps: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join(candle_fsdp::checkpoint::META_FILE).is_file())
+        .collect();
+    assert!(
+        !steps.is_empty(),
+        "no checkpoint written in {}",
+        dir.display()
+    );
+    for step in &steps {
+        for shard in std::fs::read_dir(step).unwrap().flatten() {
+            let path = shard.path();
+            if path.extension().is_some_and(|e| e == "safetensors") {
+                let bytes = std::fs::read(&path).unwrap();
+                std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+            }
+        }
+    }
+    let (code, out, err) = run(&["--resume"]);
+    assert_ne!(code, 0, "a damaged checkpoint was loaded:\n{out}\n{err}");
+    assert!(
+        format!("{out}{err}").contains("safetensors"),
+        "{out}\n{err}"
+    );
+    let (code, out, err) = run(&["--resume"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("--resume: no complete checkpoint in")
+            && out.contains("set aside as damaged by an earlier load: step-")
+            && out.contains(".damaged"),
+        "{out}"
+    );
+}
