@@ -11,7 +11,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, DeviceLocation, Layout, Tensor};
 
-use crate::comm::{OpKind, ReduceOp};
+use crate::comm::{Call, OpKind, ReduceOp};
 use crate::device::{with_storage_mut, Refused, StorageMut, StorageRef};
 use crate::error::{Error, Result};
 
@@ -223,6 +223,20 @@ impl Post {
             index: None,
             problem: None,
         }
+    }
+
+    /// The post of collective `call` (sequence number `seq`) on this rank's buffers: `dst` the
+    /// output or in-place buffer, `src` the input of all-gather and reduce-scatter. What every
+    /// host backend publishes before the data moves.
+    pub(crate) fn of_call(call: Call, seq: u64, dst: RawBuf, src: Option<RawBuf>) -> Post {
+        let mut post = Post::new(Kind::Op(call.kind()), seq);
+        post.input = Some(src.unwrap_or(dst));
+        post.output = src.map(|_| dst);
+        post.op = call.op();
+        if let Call::Broadcast(root) | Call::Reduce(root, _) = call {
+            post.root = Some(root);
+        }
+        post
     }
 }
 

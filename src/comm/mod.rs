@@ -77,7 +77,6 @@ pub use work::{Completion, Work, WorkCompleter};
 
 /// Which collective, with its scalar arguments: what a backend's `issue` path receives (the
 /// thread backend's host and CUDA data paths, the NCCL backend).
-#[cfg_attr(not(any(feature = "cuda", feature = "nccl")), allow(dead_code))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Call {
     AllGather,
@@ -100,7 +99,6 @@ impl Call {
     }
 
     /// The reduction of a reducing collective.
-    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     pub(crate) fn op(self) -> Option<ReduceOp> {
         match self {
             Call::ReduceScatter(op) | Call::AllReduce(op) | Call::Reduce(_, op) => Some(op),

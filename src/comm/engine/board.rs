@@ -92,13 +92,7 @@ pub(crate) fn run<B: Board>(
         B::fail_with,
         |b, dst, src| {
             let (rank, ws) = (b.rank(), b.world_size());
-            let mut post = Post::new(Kind::Op(kind), b.seq());
-            post.input = Some(src.unwrap_or(dst));
-            post.output = src.map(|_| dst);
-            post.op = call.op();
-            if let Call::Broadcast(root) | Call::Reduce(root, _) = call {
-                post.root = Some(root);
-            }
+            let post = Post::of_call(call, b.seq(), dst, src);
             let mine = src.unwrap_or(dst);
             // What the peers read of this rank's buffer.
             let expose = match call {

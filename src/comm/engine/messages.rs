@@ -141,13 +141,7 @@ pub(crate) fn run<L: Link>(
         fail_with,
         |link, dst, src| {
             link.start_clock();
-            let mut post = Post::new(Kind::Op(kind), link.seq());
-            post.input = Some(src.unwrap_or(dst));
-            post.output = src.map(|_| dst);
-            post.op = call.op();
-            if let Call::Broadcast(root) | Call::Reduce(root, _) = call {
-                post.root = Some(root);
-            }
+            let post = Post::of_call(call, link.seq(), dst, src);
             link.exchange(&post, &[])?;
             match (call, src) {
                 (Call::AllGather, Some(src)) => all_gather(link, src, dst),
