@@ -1,16 +1,17 @@
-//! Rank agreement, "agree, then act": ranks that disagree fail at once, all with the same
-//! error, instead of issuing different collectives and hanging until the timeout.
-//! - at build, [`agree_on_model`]: every rank built the same model;
+//! Rank agreement, "agree, then act": ranks that disagree fail at once, each naming its own
+//! side, instead of issuing different collectives and hanging until the timeout.
+//! - at build, [`agree_on_model`]: every rank built the same model under the same
+//!   schedule-shaping [`FsdpConfig`] fields (strategy, seed, prefetching, mixed precision, …);
 //! - after each forward, `issue_agreement` / `finish_agreement`: every rank all-gathered the
 //!   same groups in the same order.
 //!
-//! Both compare one [`Fingerprint`] (FNV-1a 64-bit, [`crate::init::fnv1a64`]) with one
-//! all-reduce of two integers: the maximum of `h` and of `M - h` give the largest and the
-//! smallest fingerprint over the ranks, which are equal when every rank has the same.
+//! Both compare [`Fingerprint`]s (FNV-1a 64-bit, [`crate::init::fnv1a64`]) with one all-reduce:
+//! for each fingerprint `h`, the maximum of `h` and of `M - h` give the largest and the smallest
+//! over the ranks, which are equal when every rank has the same.
 
 use candle_core::Tensor;
 
-use super::config::ShardingStrategy;
+use super::config::FsdpConfig;
 use super::model::FsdpModel;
 use super::param_group::ParamGroup;
 use crate::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
@@ -114,46 +115,120 @@ impl FsdpModel {
     }
 }
 
-/// Checks that every rank built the same model (a collective: one all-reduce of two integers on
-/// the default stream). Ranks that disagree would otherwise issue different collectives and
-/// hang until the timeout; here every rank fails at once with the same error.
+/// Checks that every rank built the same model under the same schedule-shaping configuration
+/// (a collective: one all-reduce of `2 × 10` integers on the default stream). Ranks that
+/// disagree would otherwise issue different collectives (a prefetch in another order, another
+/// wire dtype, a secondary group) and hang until the timeout, or silently compute on a model
+/// initialised differently; here every rank fails at once, naming each field that differs and
+/// its own value of it.
 ///
-/// The fingerprint is FNV-1a (64-bit) over the strategy and each unit's name, parameter names
-/// and shapes, and buffer names, in order.
+/// Each field is an FNV-1a (64-bit) fingerprint: the model's over each unit's name, options
+/// (mixed-precision policy, `reshard_after_forward`, frozen), parameter names and shapes and
+/// buffer names, in order; each [`FsdpConfig`] field's over its `Debug` form. The device, the
+/// memory budget and the fingerprint file's path may differ between ranks (whether runs are
+/// fingerprinted at all may not: recording adds collectives).
+///
+/// Errors: [`Error::RanksDisagree`], `what` = `built different models` when the models differ,
+/// `configured FSDP differently` when only the configurations do.
 pub(super) fn agree_on_model(
     pg: &dyn ProcessGroup,
     units: &[ParamGroup],
-    strategy: ShardingStrategy,
+    config: &FsdpConfig,
 ) -> Result<()> {
     if pg.world_size() == 1 {
         return Ok(());
     }
-    let mut fp = Fingerprint::new();
-    fp.field(format!("{strategy:?}").as_bytes());
+    let mut model = Fingerprint::new();
     for u in units {
-        fp.field(u.name().as_bytes());
+        model.field(u.name().as_bytes());
+        // A policy inherited from the config is the config's field's to compare.
+        let policy = if u.policy() == &config.mixed_precision {
+            "the config's".to_string()
+        } else {
+            format!("{:?}", u.policy())
+        };
+        let options = format!("{policy} {} {}", u.reshard_after_forward, u.is_frozen());
+        model.field(options.as_bytes());
         for p in &u.flat().layout().params {
-            fp.field(p.name.as_bytes());
-            fp.field(format!("{:?}", p.shape.dims()).as_bytes());
+            model.field(p.name.as_bytes());
+            model.field(format!("{:?}", p.shape.dims()).as_bytes());
         }
         for (b, _) in u.buffers() {
-            fp.field(b.as_bytes());
+            model.field(b.as_bytes());
         }
     }
-    let h = fp.finish();
+    let c = config;
+    let fields: [(&str, String); 9] = [
+        ("sharding_strategy", format!("{:?}", c.sharding_strategy)),
+        ("seed", c.seed.to_string()),
+        ("forward_prefetch", c.forward_prefetch.to_string()),
+        ("backward_prefetch", format!("{:?}", c.backward_prefetch)),
+        ("limit_all_gathers", format!("{:?}", c.limit_all_gathers)),
+        (
+            "reshard_after_forward_ranks",
+            format!("{:?}", c.reshard_after_forward_ranks),
+        ),
+        ("mixed_precision", format!("{:?}", c.mixed_precision)),
+        ("frozen_storage", format!("{:?}", c.frozen_storage)),
+        (
+            "fingerprint",
+            if c.fingerprint.is_some() {
+                "set"
+            } else {
+                "unset"
+            }
+            .to_string(),
+        ),
+    ];
+    let hash = |v: &str| {
+        let mut f = Fingerprint::new();
+        f.field(v.as_bytes());
+        f.finish()
+    };
+    let hashes: Vec<u64> = std::iter::once(model.finish())
+        .chain(fields.iter().map(|(_, v)| hash(v)))
+        .collect();
     // Max of h and of (M - h) give the largest and the smallest fingerprint in one all-reduce.
     let m = u64::MAX >> 1;
-    let fp = h & m;
-    let r = pg.all_reduce_u64s(vec![fp, m - fp], ReduceOp::Max)?;
-    let (max, min) = (r[0], m - r[1]);
-    if max != min {
+    let mut both: Vec<u64> = hashes.iter().map(|h| h & m).collect();
+    both.extend(hashes.iter().map(|h| m - (h & m)));
+    let r = pg.all_reduce_u64s(both, ReduceOp::Max)?;
+    let n = hashes.len();
+    let differs = |i: usize| r[i] != m - r[n + i];
+    let config_diff: Vec<String> = fields
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| differs(i + 1))
+        .map(|(_, (name, v))| format!("{name} = {v}"))
+        .collect();
+    if differs(0) {
+        let also = if config_diff.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; FsdpConfig fields differ too, this rank's: {}",
+                config_diff.join(", ")
+            )
+        };
         return Err(Error::RanksDisagree {
             what: "built different models",
             rank: pg.rank(),
             detail: format!(
-                "has {} units (unit names, parameter names or shapes, buffers or sharding \
-                 strategy differ); every rank must build the same model in the same order",
+                "has {} units (unit names or options, parameter names or shapes, or buffers \
+                 differ){also}; every rank must build the same model in the same order",
                 units.len()
+            ),
+        });
+    }
+    if !config_diff.is_empty() {
+        return Err(Error::RanksDisagree {
+            what: "configured FSDP differently",
+            rank: pg.rank(),
+            detail: format!(
+                "has {} (the FsdpConfig fields that differ between the ranks); every rank must \
+                 pass the same FsdpConfig (its device, memory budget and fingerprint path \
+                 excepted)",
+                config_diff.join(", ")
             ),
         });
     }

@@ -179,7 +179,7 @@ impl FsdpModel {
             .collect::<Result<Vec<_>>>()?;
         let (planned, members) = plan_groups(classified, &config, mesh.shard.as_ref(), &freeze)?;
         let units = allocate(planned, &config, mesh.shard.as_ref(), &mut fill)?;
-        agree_on_model(pg.as_ref(), &units, config.sharding_strategy)?;
+        agree_on_model(pg.as_ref(), &units, &config)?;
         let comm = CommContext::new(mesh)?;
         let fingerprint = config
             .fingerprint

@@ -6,7 +6,8 @@
 //! Every matrix is row-major f32 unless a [`Mat`] says otherwise; `N` is the number of rows
 //! (tokens, `B·T`). The work of each kernel is split over the rank's threads as the rest of
 //! [`crate::nn`] (see its documentation): bit-identical results whatever the thread count,
-//! except [`matmul`], which is the `gemm` crate's.
+//! also [`matmul`] on the crate's AVX2 kernel; on the `gemm` crate's ([`matmul_kernel`]) that
+//! is the crate's to say.
 
 use std::ops::Range;
 
@@ -16,6 +17,7 @@ use crate::cpu::{exp_fast, filled, gemm_f32, parallel_chunks, parallel_map, with
 
 pub use super::activation::{gelu_f32 as gelu_tanh, gelu_grad_f32 as gelu_tanh_grad};
 pub use super::attention::AttentionOptions;
+pub use crate::cpu::{matmul_kernel, MatmulKernel};
 
 /// A strided view of an `rows × cols` f32 matrix: element `(i, j)` at `data[i·rs + j·cs]`.
 #[derive(Clone, Copy, Debug)]
@@ -99,7 +101,8 @@ impl<'a> Mat<'a> {
 
 /// `dst = a · b` (or `dst += a · b` when `accumulate`) for `a` `m × k` and `b` `k × n`; `dst`
 /// holds the `m × n` result row-major with row stride `dst_rs` (`≥ n`; a wider stride writes a
-/// block of columns of a wider matrix). The `gemm` crate's kernel on the rank's threads.
+/// block of columns of a wider matrix). The kernel [`matmul_kernel`] names, on the rank's
+/// threads.
 ///
 /// Panics: shapes that do not chain, a view or `dst` too short for its strides.
 pub fn matmul(dst: &mut [f32], dst_rs: usize, accumulate: bool, a: Mat<'_>, b: Mat<'_>) {

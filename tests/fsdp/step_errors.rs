@@ -214,6 +214,52 @@ fn ranks_building_different_models_fail_at_build_not_at_the_timeout() {
     }
 }
 
+/// Ranks built alike but configured with different schedule-shaping fields (prefetching, the
+/// mixed-precision policy) fail at build naming each field and their own value of it, instead
+/// of issuing all-gathers in different orders or dtypes and hanging until the timeout. The
+/// device and the memory budget may differ.
+#[test]
+fn ranks_configured_differently_fail_at_build_naming_the_fields() {
+    // One Linear unit; `rank` gets a memory budget, and when `differ`, the other prefetch
+    // setting and bf16.
+    let build = |pg: Arc<dyn ProcessGroup>, rank: usize, differ: bool| {
+        let mut config = FsdpConfig::default();
+        if pg.rank() == rank {
+            config.memory_budget = Some(candle_fsdp::MemoryBudget {
+                max_bytes_per_rank: 1 << 30,
+                optimizer_bytes_per_element: 8,
+                activation_bytes: 0,
+            });
+            if differ {
+                config.forward_prefetch = !config.forward_prefetch;
+                config.mixed_precision = candle_fsdp::MixedPrecision::bf16();
+            }
+        }
+        FsdpModel::builder(pg, config)
+            .unit("pre", |vb| candle_nn::linear(4, 8, vb))
+            .build()
+            .map(|_| ())
+    };
+    let t0 = Instant::now();
+    let results = run_ranks(2, ThreadGroupConfig::default(), |pg| build(pg, 1, true));
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    let default = FsdpConfig::default();
+    for (rank, r) in results.iter().enumerate() {
+        let e = r.as_ref().unwrap_err().to_string();
+        let prefetch = default.forward_prefetch ^ (rank == 1);
+        assert!(
+            e.contains(&format!(
+                "the ranks configured FSDP differently: rank {rank} has forward_prefetch = \
+                 {prefetch}, mixed_precision = "
+            )),
+            "{e}"
+        );
+        assert!(!e.contains("memory_budget") && !e.contains("seed"), "{e}");
+    }
+    // Only the memory budget differs: the ranks build.
+    run_ranks_ok(2, ThreadGroupConfig::default(), |pg| build(pg, 0, false)).unwrap();
+}
+
 #[test]
 fn eval_during_a_pending_forward_unrelated_losses_and_bad_unit_indices_are_errors() {
     run_ranks_ok(2, ThreadGroupConfig::default(), |pg| {

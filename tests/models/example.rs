@@ -66,6 +66,18 @@ fn eval_loss(out: &str) -> f64 {
         .unwrap()
 }
 
+/// Asserts that two `eval loss` lines of one model at different world sizes agree. The runs
+/// group the windows differently (say 2 ranks with batches of 2 against 3 ranks of one window
+/// each), so their f32 sums and the matmuls' row blocks may round a few ulps apart (an ulp of
+/// 4.5 is 4.8e-7, the line prints 6 decimals); a weight lost, mis-scaled or transposed on the
+/// way moves the loss by far more, as the few training steps before it did (> 1e-4).
+fn assert_same_eval(got: f64, want: f64, what: &str) {
+    assert!(
+        (got - want).abs() <= 4e-6,
+        "{what}: eval loss {got} against {want}"
+    );
+}
+
 fn expected_eval() -> (f64, String) {
     let text = std::fs::read_to_string(fixture("llama-mha").join("expected.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -177,10 +189,10 @@ fn fine_tune_export_and_reload_evaluates_to_the_same_loss() {
             &seq_len,
         ],
     );
-    assert_eq!(
+    assert_same_eval(
         eval_loss(&out),
         tuned,
-        "the published model is the fine-tuned one"
+        "the published model is the fine-tuned one",
     );
     let _ = std::fs::remove_dir_all(&root);
 }
@@ -684,10 +696,10 @@ fn readme_lora_commands_train_export_and_reload_the_adapters() {
     ];
     args.extend(lora);
     let out = run(&bin, &args);
-    assert_eq!(
+    assert_same_eval(
         eval_loss(&out),
         tuned,
-        "base + exported adapter = the tuned model"
+        "base + exported adapter = the tuned model",
     );
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -7,6 +7,8 @@
 
 use candle_core::{bail, Layout, Result};
 
+pub(crate) mod gemm;
+
 /// The element types of the CPU kernels, all computed in f32.
 pub(crate) trait Elem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
@@ -273,10 +275,12 @@ pub(crate) unsafe fn filled<T: Copy + Send>(
 }
 
 /// `dst (m × n) = [dst +] lhs (m × k) · rhs (k × n)` in f32 with explicit strides (`(slice,
-/// row stride, column stride)` for each operand; `dst` row-major with row stride `dst_rs`),
-/// the `gemm` crate's kernel, on rayon's pool under the rule of [`parallel_map`] when `par`,
-/// else on the calling thread. `dst` may be uninitialised when `accumulate` is false: it is
-/// then only written.
+/// row stride, column stride)` for each operand; `dst` row-major with row stride `dst_rs`), on
+/// rayon's pool under the rule of [`parallel_map`] when `par`, else on the calling thread.
+/// `dst` may be uninitialised when `accumulate` is false: it is then only written.
+///
+/// The kernel is [`matmul_kernel`]'s: the crate's own AVX2 kernel ([`gemm`]) on CPUs without
+/// AVX-512, the `gemm` crate's AVX-512 kernel on those with it.
 ///
 /// # Safety
 ///
@@ -294,14 +298,35 @@ pub(crate) unsafe fn gemm_f32(
     rhs: (&[f32], usize, usize),
     par: bool,
 ) {
-    let parallelism = if par && threads() > 1 {
-        gemm::Parallelism::Rayon(threads())
+    let threads = if par { threads() } else { 1 };
+    let level = match matmul_kernel() {
+        MatmulKernel::Avx2 => Some(gemm::Level::Avx2),
+        MatmulKernel::Avx512 => Some(gemm::Level::Avx512),
+        MatmulKernel::GemmCrate => None,
+    };
+    if let Some(level) = level {
+        let o = gemm::Operands {
+            m,
+            n,
+            k,
+            a: lhs.0.as_ptr(),
+            rs_a: lhs.1,
+            cs_a: lhs.2,
+            b: rhs.0.as_ptr(),
+            rs_b: rhs.1,
+            cs_b: rhs.2,
+        };
+        // SAFETY: the caller's contract; `matmul_kernel` chose a level this CPU runs.
+        return unsafe { gemm::gemm(level, o, dst, dst_rs, accumulate, threads) };
+    }
+    let parallelism = if threads > 1 {
+        ::gemm::Parallelism::Rayon(threads)
     } else {
-        gemm::Parallelism::None
+        ::gemm::Parallelism::None
     };
     // SAFETY: the caller's contract.
     unsafe {
-        gemm::gemm(
+        ::gemm::gemm(
             m,
             n,
             k,
@@ -323,6 +348,61 @@ pub(crate) unsafe fn gemm_f32(
             parallelism,
         )
     }
+}
+
+/// Which kernel the crate's f32 matrix products run on the CPU ([`matmul_kernel`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// The crate's AVX2 + FMA kernel (6 × 16 register tile, packed panels; `cpu/gemm.rs`).
+    Avx2,
+    /// The crate's AVX-512 kernel (14 × 32 register tile, packed panels; `cpu/gemm.rs`).
+    Avx512,
+    /// The `gemm` crate's kernel for the widest instructions the CPU has (AVX-512 with its
+    /// `x86-v4` feature, which this crate turns on): Candle's own matmul.
+    GemmCrate,
+}
+
+/// The kernel of the crate's f32 matrix products (those of [`crate::nn`]'s fused nodes and of
+/// the decoder's block), chosen once per process: on a CPU with AVX2 and FMA but without
+/// AVX-512, the crate's AVX2 kernel (at MKL's AVX2 rate where `gemm`'s reached 0.78–0.92× of
+/// it: BENCHMARKS.md §15, issue 31); elsewhere the `gemm` crate's (its AVX-512 kernel; the
+/// crate's own AVX-512 kernel measured level with it, within this machine's noise, so the
+/// default stays). `FSDP_MATMUL=avx2`, `avx512` or `gemm` forces one (one the CPU cannot run
+/// falls back to the default with a warning). Candle's own `matmul` (the composed ops) always
+/// runs the `gemm` crate.
+pub fn matmul_kernel() -> MatmulKernel {
+    static CHOICE: std::sync::OnceLock<MatmulKernel> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        let level = gemm::level();
+        let best = match level {
+            Some(gemm::Level::Avx2) => MatmulKernel::Avx2,
+            _ => MatmulKernel::GemmCrate,
+        };
+        let forced = std::env::var("FSDP_MATMUL").unwrap_or_default();
+        let want = match forced.trim() {
+            "" => return best,
+            "gemm" => MatmulKernel::GemmCrate,
+            "avx2" => MatmulKernel::Avx2,
+            "avx512" => MatmulKernel::Avx512,
+            other => {
+                eprintln!(
+                    "FSDP_MATMUL={other:?} is none of \"avx512\", \"avx2\", \"gemm\"; using {best:?}"
+                );
+                return best;
+            }
+        };
+        let runs = match want {
+            MatmulKernel::Avx512 => level == Some(gemm::Level::Avx512),
+            MatmulKernel::Avx2 => level.is_some(),
+            MatmulKernel::GemmCrate => true,
+        };
+        if runs {
+            want
+        } else {
+            eprintln!("FSDP_MATMUL={forced}: this CPU cannot run it; using {best:?}");
+            best
+        }
+    })
 }
 
 #[cfg(test)]
