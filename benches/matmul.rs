@@ -9,6 +9,9 @@
 //! own products (`candle_fsdp::nn::kernels::matmul`, on the kernel `matmul_kernel()` names:
 //! the crate's AVX2 kernel without AVX-512, `gemm` with it; `FSDP_MATMUL=avx2|gemm` forces one).
 //!
+//! `MATMUL_SHAPES=llama` times the Llama bench block's projections instead (the families'
+//! step, BENCHMARKS §2).
+//!
 //! `MATMUL_MODE=cold` writes 64 MiB of other memory before each product (its operands leave
 //! the caches, as in a training step, where a product's operands were last touched many ops
 //! earlier); `sleep` waits 3 ms before each (the pool's threads fall asleep); `coldsleep` both.
@@ -23,6 +26,16 @@ mod alloc;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `(m, k, n)`: the products of one Llama bench block at batch 4 × 256 (BENCHMARKS §2: d 512,
+/// 8 + 2 + 2 heads of 64, SwiGLU 1408; forward `x · Wᵀ` of qkv, o, gate-up and down), with
+/// `MATMUL_SHAPES=llama`.
+const LLAMA: [(usize, usize, usize); 4] = [
+    (1024, 512, 768),
+    (1024, 512, 512),
+    (1024, 512, 2816),
+    (1024, 1408, 512),
+];
 
 /// `(m, k, n)`: the products of one GPT block at batch 4 × 256 (forward `x · Wᵀ` of qkv, fc,
 /// the MLP projection; backward `g · W` and `gᵀ · x`), and a square one.
@@ -43,7 +56,11 @@ fn main() -> candle_core::Result<()> {
         matmul_kernel()
     );
     let mut flush = vec![0f32; 16 << 20];
-    for (m, k, n) in SHAPES {
+    let shapes: &[(usize, usize, usize)] = match std::env::var("MATMUL_SHAPES").as_deref() {
+        Ok("llama") => &LLAMA,
+        _ => &SHAPES,
+    };
+    for &(m, k, n) in shapes {
         let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
         let b = Tensor::randn(0f32, 1.0, (k, n), &Device::Cpu)?;
         // The backward's transposed operand, as a strided view (no copy).

@@ -8,7 +8,8 @@
 //!
 //! - `B` is packed into column panels of `NR` (a `KC × NC` block, in the last-level cache), `A`
 //!   into row panels of `MR` (an `MC × KC` block, in L2), zero-padded at the edges, with 8 × 8
-//!   in-register transposes for the transposed `B` of `x·Wᵀ`;
+//!   in-register transposes where the packed layout crosses the stored one (the `B = Wᵀ` of
+//!   `x·Wᵀ`, the row-major `A` of `x·Wᵀ` and `g·W`);
 //! - the register tile ([`Isa`]) is 6 × 16 on AVX2 (twelve 8-lane accumulators, two loads of
 //!   `B` and six broadcasts of `A` for twelve fused multiply-adds per `k`: 15 of the 16 `ymm`
 //!   registers) and 14 × 32 on AVX-512 (28 of the 32 `zmm` registers accumulate);
@@ -93,8 +94,34 @@ pub(crate) fn level() -> Option<Level> {
 struct Line([f32; 16]);
 
 thread_local! {
-    /// The thread's packing buffers (`A` block, `B` block), kept between products.
-    static PACKS: RefCell<(Vec<Line>, Vec<Line>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// The thread's packing buffer of `A` blocks, kept between products.
+    static PACK_A: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+    /// The thread's packing buffer of `B` blocks, kept between products.
+    static PACK_B: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `f` with this thread's buffer `key`; with a fresh one if it is taken (a product does not
+/// call back into rayon while it holds its buffers, so this is a safeguard).
+fn with_buffer<R>(
+    key: &'static std::thread::LocalKey<RefCell<Vec<Line>>>,
+    f: impl FnOnce(&mut Vec<Line>) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut v) => f(&mut v),
+        Err(_) => f(&mut Vec::new()),
+    })
+}
+
+/// One `KC × NC` block of `B` (columns `jc..jc + nc`, depth `pc..pc + kc`) packed at `bp`,
+/// and whether the products against it overwrite `C` (its first block without `accumulate`).
+#[derive(Clone, Copy)]
+struct BlockB {
+    jc: usize,
+    nc: usize,
+    pc: usize,
+    kc: usize,
+    bp: *mut f32,
+    overwrite: bool,
 }
 
 /// A pointer that may cross to the pool's threads: each thread writes a disjoint set of `C`'s
@@ -103,6 +130,7 @@ thread_local! {
 struct Shared(*mut f32);
 // SAFETY: the threads of one product write disjoint tiles of `C` and only read `A` and `B`.
 unsafe impl Send for Shared {}
+
 // SAFETY: as above.
 unsafe impl Sync for Shared {}
 
@@ -204,23 +232,17 @@ unsafe fn blocked(
     ldc: usize,
     accumulate: bool,
 ) {
-    PACKS.with(|packs| {
-        // A product does not call back into rayon while it holds the buffers, so the borrow
-        // is never taken twice on one thread; if it were, fresh buffers would do.
-        let mut own = (Vec::new(), Vec::new());
-        let mut held = packs.try_borrow_mut();
-        let (pa, pb) = match held.as_deref_mut() {
-            Ok((pa, pb)) => (pa, pb),
-            Err(_) => (&mut own.0, &mut own.1),
-        };
-        let c = c.0;
-        // SAFETY: the caller's contract; `level` runs on this CPU.
-        unsafe {
-            match level {
-                Level::Avx2 => kernel_avx2(o, rows, cols, c, ldc, accumulate, pa, pb),
-                Level::Avx512 => kernel_avx512(o, rows, cols, c, ldc, accumulate, pa, pb),
+    with_buffer(&PACK_A, |pa| {
+        with_buffer(&PACK_B, |pb| {
+            let c = c.0;
+            // SAFETY: the caller's contract; `level` runs on this CPU.
+            unsafe {
+                match level {
+                    Level::Avx2 => kernel_avx2(o, rows, cols, c, ldc, accumulate, pa, pb),
+                    Level::Avx512 => kernel_avx512(o, rows, cols, c, ldc, accumulate, pa, pb),
+                }
             }
-        }
+        })
     })
 }
 
@@ -284,69 +306,113 @@ unsafe fn kernel<I: Isa>(
     pa: &mut Vec<Line>,
     pb: &mut Vec<Line>,
 ) {
-    let (mr, nr, kc_max) = (I::MR, I::NR, I::KC.min(o.k));
-    let ap = buffer(pa, I::MC.min(rows.len()).div_ceil(mr) * mr * kc_max);
+    let (nr, kc_max) = (I::NR, I::KC.min(o.k));
     let bp = buffer(pb, I::NC.min(cols.len()).div_ceil(nr) * nr * kc_max);
     let mut jc = cols.start;
     while jc < cols.end {
         let nc = I::NC.min(cols.end - jc);
         let mut pc = 0;
         while pc < o.k {
-            let kc = I::KC.min(o.k - pc);
-            // SAFETY: the block lies in `B` (the caller's contract); `bp` holds it.
-            unsafe {
-                pack_b(
-                    nr,
-                    kc,
-                    nc,
-                    o.b.add(pc * o.rs_b + jc * o.cs_b),
-                    o.rs_b,
-                    o.cs_b,
-                    bp,
-                )
+            let blk = BlockB {
+                jc,
+                nc,
+                pc,
+                kc: I::KC.min(o.k - pc),
+                bp,
+                overwrite: pc == 0 && !accumulate,
             };
-            let overwrite = pc == 0 && !accumulate;
-            let mut ic = rows.start;
-            while ic < rows.end {
-                let mc = I::MC.min(rows.end - ic);
-                // SAFETY: as above, for `A`.
-                unsafe {
-                    pack_a(
-                        mr,
-                        mc,
-                        kc,
-                        o.a.add(ic * o.rs_a + pc * o.cs_a),
-                        o.rs_a,
-                        o.cs_a,
-                        ap,
-                    )
-                };
-                let mut jr = 0;
-                while jr < nc {
-                    let mut ir = 0;
-                    while ir < mc {
-                        // SAFETY: panels inside the packed blocks; the tile inside `C`.
-                        unsafe {
-                            I::tile(
-                                kc,
-                                ap.add(ir * kc),
-                                bp.add(jr * kc),
-                                c.add((ic + ir) * ldc + jc + jr),
-                                ldc,
-                                mr.min(mc - ir),
-                                nr.min(nc - jr),
-                                overwrite,
-                            )
-                        };
-                        ir += mr;
-                    }
-                    jr += nr;
-                }
-                ic += mc;
+            // SAFETY: the caller's contract.
+            unsafe {
+                pack_b_panels::<I>(&o, blk, 0..nc.div_ceil(nr));
+                rows_against::<I>(&o, blk, rows.clone(), c, ldc, pa);
             }
-            pc += kc;
+            pc += I::KC;
         }
         jc += nc;
+    }
+}
+
+/// Packs panels `panels` (of `I::NR` columns) of `blk` into their place in `blk.bp`.
+///
+/// # Safety
+///
+/// As [`gemm`]; `blk.bp` holds the block; compiled inside a function with `I`'s instructions.
+#[inline(always)]
+unsafe fn pack_b_panels<I: Isa>(o: &Operands, blk: BlockB, panels: Range<usize>) {
+    let nr = I::NR;
+    let (lo, hi) = (panels.start * nr, (panels.end * nr).min(blk.nc));
+    if lo >= hi {
+        return;
+    }
+    // SAFETY: the columns lie in `B` (the caller's contract); the panels in `blk.bp`.
+    unsafe {
+        pack_b(
+            nr,
+            blk.kc,
+            hi - lo,
+            o.b.add(blk.pc * o.rs_b + (blk.jc + lo) * o.cs_b),
+            o.rs_b,
+            o.cs_b,
+            blk.bp.add(panels.start * blk.kc * nr),
+        )
+    }
+}
+
+/// Rows `rows` of `C`'s columns `blk.jc..blk.jc + blk.nc` (=/+=) `A`'s rows times the packed
+/// block: `A` packed `MC` rows at a time into `pa`, then the register tiles.
+///
+/// # Safety
+///
+/// As [`gemm`]; `blk` packed; compiled inside a function with `I`'s instructions.
+#[inline(always)]
+unsafe fn rows_against<I: Isa>(
+    o: &Operands,
+    blk: BlockB,
+    rows: Range<usize>,
+    c: *mut f32,
+    ldc: usize,
+    pa: &mut Vec<Line>,
+) {
+    let (mr, nr, kc) = (I::MR, I::NR, blk.kc);
+    // `pack_a`'s transposes may spill up to 7 floats past the last panel.
+    let ap = buffer(pa, I::MC.min(rows.len()).div_ceil(mr) * mr * kc + 8);
+    let mut ic = rows.start;
+    while ic < rows.end {
+        let mc = I::MC.min(rows.end - ic);
+        // SAFETY: the block lies in `A` (the caller's contract); `ap` holds it.
+        unsafe {
+            pack_a(
+                mr,
+                mc,
+                kc,
+                o.a.add(ic * o.rs_a + blk.pc * o.cs_a),
+                o.rs_a,
+                o.cs_a,
+                ap,
+            )
+        };
+        let mut jr = 0;
+        while jr < blk.nc {
+            let mut ir = 0;
+            while ir < mc {
+                // SAFETY: panels inside the packed blocks; the tile inside `C`.
+                unsafe {
+                    I::tile(
+                        kc,
+                        ap.add(ir * kc),
+                        blk.bp.add(jr * kc),
+                        c.add((ic + ir) * ldc + blk.jc + jr),
+                        ldc,
+                        mr.min(mc - ir),
+                        nr.min(blk.nc - jr),
+                        blk.overwrite,
+                    )
+                };
+                ir += mr;
+            }
+            jr += nr;
+        }
+        ic += mc;
     }
 }
 
@@ -374,7 +440,24 @@ unsafe fn pack_a(
                     std::ptr::copy_nonoverlapping(a.add(p * cs), d.add(p * mr), mr);
                 }
             } else if rows == mr && cs == 1 {
-                for p in 0..kc {
+                // Rows contiguous along `k` (`A = X`, row-major): 8 × 8 transposes of eight
+                // rows at a time. A group that overhangs `mr` reads row `mr - 1` again for the
+                // missing rows and writes them into the next step's first slots, which the
+                // groups below it (stored after it) or the next steps overwrite; past the last
+                // panel they land in the buffer's slack.
+                let mut p = 0;
+                while p + 8 <= kc {
+                    let mut g = (mr - 1) / 8 * 8;
+                    loop {
+                        transpose8_rows(a.add(g * rs + p), rs, mr - g, d.add(p * mr + g), mr);
+                        if g == 0 {
+                            break;
+                        }
+                        g -= 8;
+                    }
+                    p += 8;
+                }
+                for p in p..kc {
                     for i in 0..mr {
                         *d.add(p * mr + i) = *a.add(i * rs + p);
                     }
@@ -450,8 +533,9 @@ unsafe fn pack_b(
     }
 }
 
-/// `dst[q·ld_dst + r] = src[r·ld_src + q]` for `q < 8`, `r < 8`: eight rows of eight floats,
-/// transposed in registers; rows from `rows` on are read as zeros (and not read).
+/// `dst[q·ld_dst + r] = src[min(r, rows - 1)·ld_src + q]` for `q < 8`, `r < 8`: eight rows
+/// of eight floats transposed in registers, rows from `rows` on reading the last one again
+/// (`rows ≥ 1`). Stores go in increasing `q`.
 #[inline(always)]
 unsafe fn transpose8_rows(
     src: *const f32,
@@ -461,15 +545,21 @@ unsafe fn transpose8_rows(
     ld_dst: usize,
 ) {
     // SAFETY: `rows` rows of eight floats at `src`, eight rows of eight at `dst` (the caller's
-    // contract); compiled inside a kernel with AVX.
+    // contract); compiled inside a kernel with AVX. The loads are written out: a closure
+    // (`array::map`) is not compiled with the kernel's target features, so its intrinsics
+    // became calls (3 % of the kernel's samples under `perf`).
     unsafe {
-        let r = [0, 1, 2, 3, 4, 5, 6, 7].map(|i| {
-            if i < rows {
-                _mm256_loadu_ps(src.add(i * ld_src))
-            } else {
-                _mm256_setzero_ps()
-            }
-        });
+        let last = rows - 1;
+        let r = [
+            _mm256_loadu_ps(src),
+            _mm256_loadu_ps(src.add(last.min(1) * ld_src)),
+            _mm256_loadu_ps(src.add(last.min(2) * ld_src)),
+            _mm256_loadu_ps(src.add(last.min(3) * ld_src)),
+            _mm256_loadu_ps(src.add(last.min(4) * ld_src)),
+            _mm256_loadu_ps(src.add(last.min(5) * ld_src)),
+            _mm256_loadu_ps(src.add(last.min(6) * ld_src)),
+            _mm256_loadu_ps(src.add(last.min(7) * ld_src)),
+        ];
         let t0 = _mm256_unpacklo_ps(r[0], r[1]);
         let t1 = _mm256_unpackhi_ps(r[0], r[1]);
         let t2 = _mm256_unpacklo_ps(r[2], r[3]);
@@ -653,209 +743,4 @@ unsafe fn store_edge(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The kernels this CPU runs (none: the test says so and checks nothing).
-    fn levels() -> Vec<Level> {
-        match level() {
-            Some(Level::Avx512) => vec![Level::Avx2, Level::Avx512],
-            Some(Level::Avx2) => vec![Level::Avx2],
-            None => {
-                eprintln!("skipped: this CPU lacks AVX2 and FMA");
-                vec![]
-            }
-        }
-    }
-
-    /// A deterministic pseudo-random f32 in [-1, 1).
-    fn value(i: usize, seed: usize) -> f32 {
-        let x = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (seed as u64) << 17;
-        let x = (x ^ (x >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    /// `[C +] A·B` in f64 over the same strided operands.
-    #[allow(clippy::too_many_arguments)]
-    fn reference(
-        (m, n, k): (usize, usize, usize),
-        a: &[f32],
-        (ars, acs): (usize, usize),
-        b: &[f32],
-        (brs, bcs): (usize, usize),
-        c: &[f32],
-        ldc: usize,
-        accumulate: bool,
-    ) -> Vec<f64> {
-        let mut out = vec![0f64; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                let mut s = if accumulate {
-                    c[i * ldc + j] as f64
-                } else {
-                    0.0
-                };
-                for p in 0..k {
-                    s += a[i * ars + p * acs] as f64 * b[p * brs + j * bcs] as f64;
-                }
-                out[i * n + j] = s;
-            }
-        }
-        out
-    }
-
-    /// Runs one product on `threads` threads; returns `C` (row stride `n + 3`: the columns past
-    /// `n` must stay untouched).
-    #[allow(clippy::too_many_arguments)]
-    fn product(
-        level: Level,
-        (m, n, k): (usize, usize, usize),
-        a: &[f32],
-        (rs_a, cs_a): (usize, usize),
-        b: &[f32],
-        (rs_b, cs_b): (usize, usize),
-        c0: &[f32],
-        accumulate: bool,
-        threads: usize,
-    ) -> Vec<f32> {
-        let mut c = c0.to_vec();
-        let o = Operands {
-            m,
-            n,
-            k,
-            a: a.as_ptr(),
-            rs_a,
-            cs_a,
-            b: b.as_ptr(),
-            rs_b,
-            cs_b,
-        };
-        // SAFETY: `level` runs here (the callers' `levels()`); the strides stay inside.
-        unsafe { gemm(level, o, c.as_mut_ptr(), n + 3, accumulate, threads) };
-        c
-    }
-
-    /// Every orientation the step uses (and a general stride), every edge of the 6 × 16 tile
-    /// and of the `KC` / `MC` blocks, accumulating or not, one and two threads: within f32
-    /// rounding of an f64 reference, bitwise equal across thread counts, and the columns past
-    /// `n` untouched.
-    #[test]
-    fn products_match_an_f64_reference() {
-        for level in levels() {
-            every_case(level);
-        }
-    }
-
-    fn every_case(level: Level) {
-        let dims = [
-            (1, 1, 1),
-            (6, 16, 8),
-            (7, 17, 9),
-            (14, 32, 200),
-            (15, 33, 193),
-            (5, 15, 300),
-            (13, 40, 257),
-            (121, 33, 64),
-            (64, 700, 520),
-            (300, 70, 33),
-            (97, 250, 600),
-        ];
-        for (case, &(m, n, k)) in dims.iter().enumerate() {
-            // (name, A's strides, B's strides, elements of A and B)
-            let orientations = [
-                ("a·b", (k, 1), (n, 1)),
-                ("a·bᵀ", (k, 1), (1, k)),
-                ("aᵀ·b", (1, m), (n, 1)),
-                ("aᵀ·bᵀ", (1, m), (1, k)),
-                ("strided", (2 * k + 1, 2), (1, 3 * k)),
-            ];
-            for (name, (ars, acs), (brs, bcs)) in orientations {
-                let a: Vec<f32> = (0..(m - 1) * ars + (k - 1) * acs + 1)
-                    .map(|i| value(i, case))
-                    .collect();
-                let b: Vec<f32> = (0..(k - 1) * brs + (n - 1) * bcs + 1)
-                    .map(|i| value(i, case + 100))
-                    .collect();
-                let ldc = n + 3;
-                let c0: Vec<f32> = (0..m * ldc).map(|i| value(i, case + 200)).collect();
-                for accumulate in [false, true] {
-                    let one = product(
-                        level,
-                        (m, n, k),
-                        &a,
-                        (ars, acs),
-                        &b,
-                        (brs, bcs),
-                        &c0,
-                        accumulate,
-                        1,
-                    );
-                    let two = product(
-                        level,
-                        (m, n, k),
-                        &a,
-                        (ars, acs),
-                        &b,
-                        (brs, bcs),
-                        &c0,
-                        accumulate,
-                        2,
-                    );
-                    let want = reference(
-                        (m, n, k),
-                        &a,
-                        (ars, acs),
-                        &b,
-                        (brs, bcs),
-                        &c0,
-                        ldc,
-                        accumulate,
-                    );
-                    let what =
-                        format!("{level:?} {name} m {m} n {n} k {k} accumulate {accumulate}");
-                    assert!(
-                        one.iter()
-                            .zip(&two)
-                            .all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "{what}: one and two threads differ"
-                    );
-                    for i in 0..m {
-                        for j in 0..ldc {
-                            let got = one[i * ldc + j];
-                            if j >= n {
-                                assert_eq!(
-                                    got.to_bits(),
-                                    c0[i * ldc + j].to_bits(),
-                                    "{what}: ({i}, {j}) past n written"
-                                );
-                                continue;
-                            }
-                            let w = want[i * n + j];
-                            // f32 rounding of k products and sums of values below 1.
-                            let tol = 1e-6 * (k as f64 + 2.0);
-                            assert!(
-                                (got as f64 - w).abs() <= tol,
-                                "{what}: ({i}, {j}) {got} vs {w}"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// `k = 0`: `C = 0` without accumulation (from uninitialised memory), untouched with it.
-    #[test]
-    fn an_empty_sum_writes_zeros_or_nothing() {
-        for level in levels() {
-            let c0 = vec![7f32; 4 * 5];
-            let none = product(level, (4, 2, 0), &[], (0, 1), &[], (2, 1), &c0, false, 2);
-            let kept = product(level, (4, 2, 0), &[], (0, 1), &[], (2, 1), &c0, true, 2);
-            for i in 0..4 {
-                assert_eq!(&none[i * 5..i * 5 + 2], &[0.0, 0.0]);
-                assert_eq!(&none[i * 5 + 2..i * 5 + 5], &[7.0; 3]);
-                assert_eq!(&kept[i * 5..i * 5 + 5], &[7.0; 5]);
-            }
-        }
-    }
-}
+mod tests;
