@@ -428,6 +428,32 @@ unsafe fn pack_a(
     cs: usize,
     dst: *mut f32,
 ) {
+    if rs == 1 {
+        // Columns contiguous along `m` (`A = gᵀ` of a weight gradient): step `p`'s `mc` floats
+        // are one run, read once and in order into every panel (panel by panel, each step's
+        // run was fetched again per panel, 4 KiB apart).
+        let full = mc / mr;
+        let rest = mc - full * mr;
+        for p in 0..kc {
+            // SAFETY: column `p` of the block lies in `A`; the panels in `dst`.
+            unsafe {
+                let src = a.add(p * cs);
+                for q in 0..full {
+                    std::ptr::copy_nonoverlapping(
+                        src.add(q * mr),
+                        dst.add(q * kc * mr + p * mr),
+                        mr,
+                    );
+                }
+                if rest > 0 {
+                    let d = dst.add(full * kc * mr + p * mr);
+                    std::ptr::copy_nonoverlapping(src.add(full * mr), d, rest);
+                    std::ptr::write_bytes(d.add(rest), 0, mr - rest);
+                }
+            }
+        }
+        return;
+    }
     let mut d = dst;
     let mut ir = 0;
     while ir < mc {
@@ -435,11 +461,7 @@ unsafe fn pack_a(
         // SAFETY: rows `ir..ir + rows` of the block lie in `A`; `d` has `kc·mr` floats.
         unsafe {
             let a = a.add(ir * rs);
-            if rows == mr && rs == 1 {
-                for p in 0..kc {
-                    std::ptr::copy_nonoverlapping(a.add(p * cs), d.add(p * mr), mr);
-                }
-            } else if rows == mr && cs == 1 {
+            if rows == mr && cs == 1 {
                 // Rows contiguous along `k` (`A = X`, row-major): 8 × 8 transposes of eight
                 // rows at a time. A group that overhangs `mr` reads row `mr - 1` again for the
                 // missing rows and writes them into the next step's first slots, which the
