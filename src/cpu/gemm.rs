@@ -637,6 +637,13 @@ impl Isa for Avx2 {
         const NR: usize = 16;
         // SAFETY: the trait's contract; AVX2 and FMA are on.
         unsafe {
+            if !overwrite {
+                // The tile's rows of `C`, read after the loop: fetched while it runs.
+                for i in 0..rows {
+                    _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc + NR - 1) as *const i8);
+                }
+            }
             let mut acc = [[_mm256_setzero_ps(); 2]; MR];
             let (mut a, mut b) = (a, b);
             for _ in 0..kc {
@@ -699,6 +706,14 @@ impl Isa for Avx512 {
         const NR: usize = 32;
         // SAFETY: the trait's contract; AVX-512 F is on.
         unsafe {
+            if !overwrite {
+                // The tile's rows of `C`, read after the loop: fetched while it runs.
+                for i in 0..rows {
+                    _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc + 16) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(c.add(i * ldc + NR - 1) as *const i8);
+                }
+            }
             let mut acc = [[_mm512_setzero_ps(); 2]; MR];
             let (mut a, mut b) = (a, b);
             for _ in 0..kc {
