@@ -364,9 +364,9 @@ pub enum MatmulKernel {
 
 /// The kernel of the crate's f32 matrix products (those of [`crate::nn`]'s fused nodes and of
 /// the decoder's block), chosen once per process: on a CPU with AVX2 and FMA but without
-/// AVX-512, the crate's AVX2 kernel (at MKL's AVX2 rate where `gemm`'s reached 0.78–0.92× of
-/// it: BENCHMARKS.md §15, issue 31); elsewhere the `gemm` crate's (its AVX-512 kernel; the
-/// crate's own AVX-512 kernel measured level with it, within this machine's noise, so the
+/// AVX-512, the crate's AVX2 kernel (0.95–1.05× MKL's AVX2 rate where `gemm`'s reached
+/// 0.78–0.97× of it: BENCHMARKS.md §15, issue 31); elsewhere the `gemm` crate's (its AVX-512
+/// kernel; the crate's own is faster alone but was 1–2 % slower inside the Llama step, so the
 /// default stays). `FSDP_MATMUL=avx2`, `avx512` or `gemm` forces one (one the CPU cannot run
 /// falls back to the default with a warning). Candle's own `matmul` (the composed ops) always
 /// runs the `gemm` crate.
