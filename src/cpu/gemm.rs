@@ -323,38 +323,20 @@ unsafe fn kernel<I: Isa>(
             };
             // SAFETY: the caller's contract.
             unsafe {
-                pack_b_panels::<I>(&o, blk, 0..nc.div_ceil(nr));
+                pack(
+                    nr,
+                    blk.kc,
+                    nc,
+                    o.b.add(pc * o.rs_b + jc * o.cs_b),
+                    o.cs_b,
+                    o.rs_b,
+                    bp,
+                );
                 rows_against::<I>(&o, blk, rows.clone(), c, ldc, pa);
             }
             pc += I::KC;
         }
         jc += nc;
-    }
-}
-
-/// Packs panels `panels` (of `I::NR` columns) of `blk` into their place in `blk.bp`.
-///
-/// # Safety
-///
-/// As [`gemm`]; `blk.bp` holds the block; compiled inside a function with `I`'s instructions.
-#[inline(always)]
-unsafe fn pack_b_panels<I: Isa>(o: &Operands, blk: BlockB, panels: Range<usize>) {
-    let nr = I::NR;
-    let (lo, hi) = (panels.start * nr, (panels.end * nr).min(blk.nc));
-    if lo >= hi {
-        return;
-    }
-    // SAFETY: the columns lie in `B` (the caller's contract); the panels in `blk.bp`.
-    unsafe {
-        pack_b(
-            nr,
-            blk.kc,
-            hi - lo,
-            o.b.add(blk.pc * o.rs_b + (blk.jc + lo) * o.cs_b),
-            o.rs_b,
-            o.cs_b,
-            blk.bp.add(panels.start * blk.kc * nr),
-        )
     }
 }
 
@@ -374,17 +356,17 @@ unsafe fn rows_against<I: Isa>(
     pa: &mut Vec<Line>,
 ) {
     let (mr, nr, kc) = (I::MR, I::NR, blk.kc);
-    // `pack_a`'s transposes may spill up to 7 floats past the last panel.
+    // `pack`'s transposes may spill up to 7 floats past the last panel.
     let ap = buffer(pa, I::MC.min(rows.len()).div_ceil(mr) * mr * kc + 8);
     let mut ic = rows.start;
     while ic < rows.end {
         let mc = I::MC.min(rows.end - ic);
         // SAFETY: the block lies in `A` (the caller's contract); `ap` holds it.
         unsafe {
-            pack_a(
+            pack(
                 mr,
-                mc,
                 kc,
+                mc,
                 o.a.add(ic * o.rs_a + blk.pc * o.cs_a),
                 o.rs_a,
                 o.cs_a,
@@ -416,62 +398,61 @@ unsafe fn rows_against<I: Isa>(
     }
 }
 
-/// Packs `A`'s `mc × kc` block into row panels of `mr`: panel `q`, step `p`, row `i` at
-/// `dst[q·kc·mr + p·mr + i]`, rows past `mc` zero.
+/// Packs `len` lines of `kc` steps into panels of `w` lines: panel `q`, step `p`, line `i` at
+/// `dst[q·kc·w + p·w + i]`, lines past `len` zero. Line `i` at step `p` is `src[i·ls + p·ks]`:
+/// `A`'s rows (`ls`, `ks` = its row and column strides) or `B`'s columns (its column and row
+/// strides), so one routine packs both operands.
 #[inline(always)]
-unsafe fn pack_a(
-    mr: usize,
-    mc: usize,
+unsafe fn pack(
+    w: usize,
     kc: usize,
-    a: *const f32,
-    rs: usize,
-    cs: usize,
+    len: usize,
+    src: *const f32,
+    ls: usize,
+    ks: usize,
     dst: *mut f32,
 ) {
-    if rs == 1 {
-        // Columns contiguous along `m` (`A = gᵀ` of a weight gradient): step `p`'s `mc` floats
-        // are one run, read once and in order into every panel (panel by panel, each step's
-        // run was fetched again per panel, 4 KiB apart).
-        let full = mc / mr;
-        let rest = mc - full * mr;
+    if ls == 1 {
+        // Lines contiguous (a row-major `B`, the `gᵀ` of a weight gradient): step `p`'s `len`
+        // floats are one run, read once and in order into every panel (panel by panel, each
+        // step's run was fetched again per panel, 4 KiB apart).
+        let full = len / w;
+        let rest = len - full * w;
         for p in 0..kc {
-            // SAFETY: column `p` of the block lies in `A`; the panels in `dst`.
+            // SAFETY: step `p` of the block lies in the operand; the panels in `dst`.
             unsafe {
-                let src = a.add(p * cs);
+                let run = src.add(p * ks);
                 for q in 0..full {
-                    std::ptr::copy_nonoverlapping(
-                        src.add(q * mr),
-                        dst.add(q * kc * mr + p * mr),
-                        mr,
-                    );
+                    std::ptr::copy_nonoverlapping(run.add(q * w), dst.add(q * kc * w + p * w), w);
                 }
                 if rest > 0 {
-                    let d = dst.add(full * kc * mr + p * mr);
-                    std::ptr::copy_nonoverlapping(src.add(full * mr), d, rest);
-                    std::ptr::write_bytes(d.add(rest), 0, mr - rest);
+                    let d = dst.add(full * kc * w + p * w);
+                    std::ptr::copy_nonoverlapping(run.add(full * w), d, rest);
+                    std::ptr::write_bytes(d.add(rest), 0, w - rest);
                 }
             }
         }
         return;
     }
     let mut d = dst;
-    let mut ir = 0;
-    while ir < mc {
-        let rows = mr.min(mc - ir);
-        // SAFETY: rows `ir..ir + rows` of the block lie in `A`; `d` has `kc·mr` floats.
+    let mut i0 = 0;
+    while i0 < len {
+        let lines = w.min(len - i0);
+        // SAFETY: lines `i0..i0 + lines` of the block lie in the operand; `d` has `kc·w` floats
+        // (and the slack `rows_against` gives `A`'s buffer).
         unsafe {
-            let a = a.add(ir * rs);
-            if rows == mr && cs == 1 {
-                // Rows contiguous along `k` (`A = X`, row-major): 8 × 8 transposes of eight
-                // rows at a time. A group that overhangs `mr` reads row `mr - 1` again for the
-                // missing rows and writes them into the next step's first slots, which the
-                // groups below it (stored after it) or the next steps overwrite; past the last
-                // panel they land in the buffer's slack.
+            let src = src.add(i0 * ls);
+            if lines == w && ks == 1 {
+                // Lines contiguous along `k` (the row-major `A` of `x·Wᵀ`, the `Wᵀ` as `B`):
+                // 8 × 8 transposes of eight lines at a time. A group that overhangs `w` (`A`'s
+                // 6 or 14) reads line `w - 1` again for the missing lines and writes them into
+                // the next step's first slots, which the groups below it (stored after it) or
+                // the next steps overwrite; past the last panel they land in the buffer's slack.
                 let mut p = 0;
                 while p + 8 <= kc {
-                    let mut g = (mr - 1) / 8 * 8;
+                    let mut g = (w - 1) / 8 * 8;
                     loop {
-                        transpose8_rows(a.add(g * rs + p), rs, mr - g, d.add(p * mr + g), mr);
+                        transpose8_rows(src.add(g * ls + p), ls, w - g, d.add(p * w + g), w);
                         if g == 0 {
                             break;
                         }
@@ -480,78 +461,24 @@ unsafe fn pack_a(
                     p += 8;
                 }
                 for p in p..kc {
-                    for i in 0..mr {
-                        *d.add(p * mr + i) = *a.add(i * rs + p);
+                    for i in 0..w {
+                        *d.add(p * w + i) = *src.add(i * ls + p);
                     }
                 }
             } else {
                 for p in 0..kc {
-                    for i in 0..mr {
-                        *d.add(p * mr + i) = if i < rows {
-                            *a.add(i * rs + p * cs)
+                    for i in 0..w {
+                        *d.add(p * w + i) = if i < lines {
+                            *src.add(i * ls + p * ks)
                         } else {
                             0.0
                         };
                     }
                 }
             }
-            d = d.add(kc * mr);
+            d = d.add(kc * w);
         }
-        ir += mr;
-    }
-}
-
-/// Packs `B`'s `kc × nc` block into column panels of `nr` (a multiple of 8): panel `q`, step
-/// `p`, column `j` at `dst[q·kc·nr + p·nr + j]`, columns past `nc` zero.
-#[inline(always)]
-unsafe fn pack_b(
-    nr: usize,
-    kc: usize,
-    nc: usize,
-    b: *const f32,
-    rs: usize,
-    cs: usize,
-    dst: *mut f32,
-) {
-    let mut d = dst;
-    let mut jr = 0;
-    while jr < nc {
-        let cols = nr.min(nc - jr);
-        // SAFETY: columns `jr..jr + cols` of the block lie in `B`; `d` has `kc·nr` floats.
-        unsafe {
-            let b = b.add(jr * cs);
-            if cols == nr && cs == 1 {
-                for p in 0..kc {
-                    std::ptr::copy_nonoverlapping(b.add(p * rs), d.add(p * nr), nr);
-                }
-            } else if cols == nr && rs == 1 {
-                // Columns contiguous along `k` (`B = Wᵀ`): 8 × 8 transposes.
-                let mut p = 0;
-                while p + 8 <= kc {
-                    for j in (0..nr).step_by(8) {
-                        transpose8_rows(b.add(p + j * cs), cs, 8, d.add(p * nr + j), nr);
-                    }
-                    p += 8;
-                }
-                for p in p..kc {
-                    for j in 0..nr {
-                        *d.add(p * nr + j) = *b.add(j * cs + p);
-                    }
-                }
-            } else {
-                for p in 0..kc {
-                    for j in 0..nr {
-                        *d.add(p * nr + j) = if j < cols {
-                            *b.add(p * rs + j * cs)
-                        } else {
-                            0.0
-                        };
-                    }
-                }
-            }
-            d = d.add(kc * nr);
-        }
-        jr += nr;
+        i0 += w;
     }
 }
 
