@@ -29,8 +29,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
+use candle_fsdp::alloc::in_shared;
 use candle_fsdp::comm::{ProcessGroup, ProcessGroupExt, ReduceOp};
 use candle_fsdp::launch::{launch, Launcher};
+
+// The shm workers' inputs come from their shared arenas (`in_shared`), read in place by the
+// peers, as under the examples' allocator (`candle_fsdp::alloc::SharedLarge`); the other
+// backends do not use it.
+#[global_allocator]
+static GLOBAL: candle_fsdp::alloc::SharedLarge =
+    candle_fsdp::alloc::SharedLarge(std::alloc::System);
 
 const OPS: [&str; 3] = ["all_gather", "reduce_scatter", "all_reduce"];
 
@@ -72,8 +80,10 @@ fn sweep(pg: &Arc<dyn ProcessGroup>) -> candle_fsdp::Result<Vec<Row>> {
     for op in OPS {
         for size in sizes() {
             let (n_in, n_out) = lengths(op, size, ws);
-            let input = Tensor::ones(n_in, DType::F32, pg.device())?;
-            let mut out = Some(Tensor::zeros(n_out, DType::F32, pg.device())?);
+            // What a collective reads (the input; the all-reduce's buffer) is made as the FSDP
+            // runtime makes its comm buffers: in the shared arena under shm (read in place).
+            let input = in_shared(|| Tensor::ones(n_in, DType::F32, pg.device()))?;
+            let mut out = Some(in_shared(|| Tensor::zeros(n_out, DType::F32, pg.device()))?);
             let mut run = |n: usize| -> candle_fsdp::Result<f64> {
                 pg.barrier_wait()?;
                 let start = Instant::now();

@@ -240,7 +240,8 @@ impl FlatParameter {
         device: &Device,
         mut fill: impl FnMut(usize, Range<usize>, &mut [f32]) -> Result<()>,
     ) -> Result<Self> {
-        let mut shard = vec![0.0f32; layout.shard_numel];
+        // In the shared arena under shm (the all-gather's peers read the shard in place).
+        let mut shard = crate::alloc::in_shared(|| vec![0.0f32; layout.shard_numel]);
         for e in layout.shard_table(shard_index) {
             let out = &mut shard[e.offset_in_shard..e.offset_in_shard + e.numel_in_shard];
             fill(e.param_index, e.range_in_param.clone(), out)?;
@@ -290,7 +291,7 @@ impl FlatParameter {
         }
         let device = self.shard.device().clone();
         let values = self.shard.to_vec1::<f32>()?;
-        let mut bytes = vec![0u8; format.packed_bytes(n)];
+        let mut bytes = crate::alloc::in_shared(|| vec![0u8; format.packed_bytes(n)]);
         crate::quant::pack(format, &values, &mut bytes)?;
         let len = bytes.len();
         self.packed = Some(PackedShard {
@@ -438,10 +439,13 @@ impl FlatParameter {
             self.shard = shard.contiguous()?;
             return self.pack(format);
         }
-        self.shard = if shard.is_contiguous() {
-            shard
-        } else {
-            shard.contiguous()?
+        // Under shm the shard lives in the shared arena, where the all-gather's peers read it
+        // in place: a shard from elsewhere (a checkpoint's) is copied there.
+        self.shard = match (shard.is_contiguous(), crate::alloc::is_shared_enabled()) {
+            (true, false) => shard,
+            (false, false) => shard.contiguous()?,
+            (true, true) => crate::alloc::in_shared(|| shard.copy())?,
+            (false, true) => crate::alloc::in_shared(|| shard.contiguous())?,
         };
         Ok(())
     }

@@ -37,7 +37,8 @@ pub use trainer::{print_checkpoint, print_peak_rss};
 // malloc returns them to the kernel and pays page faults on each reuse, mimalloc keeps them
 // (design/decisions.md, decision 10).
 // Counted, so that the GPT example can measure its activation estimate
-// (`candle_fsdp::alloc`).
+// (`candle_fsdp::alloc`); large blocks from the shared arena under the shared-memory backend
+// (`fsdp-run --nproc-per-node N`), whose collectives then read peers' tensors in place.
 #[global_allocator]
-static GLOBAL: candle_fsdp::alloc::Counting<mimalloc::MiMalloc> =
-    candle_fsdp::alloc::Counting(mimalloc::MiMalloc);
+static GLOBAL: candle_fsdp::alloc::Counting<candle_fsdp::alloc::SharedLarge<mimalloc::MiMalloc>> =
+    candle_fsdp::alloc::Counting(candle_fsdp::alloc::SharedLarge(mimalloc::MiMalloc));

@@ -378,7 +378,8 @@ impl FsdpModel {
                 fg = fingerprint::flip_bit(&fg, i, bit)?;
             }
             // The wire carries `reduce_dtype`: the fingerprint sees what enters the collective.
-            let fg = fg.to_dtype(self.units[g].policy().reduce_dtype)?;
+            let dtype = self.units[g].policy().reduce_dtype;
+            let fg = crate::alloc::in_shared(|| fg.to_dtype(dtype))?;
             self.fingerprint_tensor(g, FingerprintPhase::ReduceIn, &fg)?;
             self.mark_issue(|| format!("FSDP::reduce_scatter {}", self.units[g].name()));
             let u = &self.units[g];
@@ -387,6 +388,7 @@ impl FsdpModel {
                 &self.comm.reduce_scatter,
                 u.flat().layout(),
                 fg,
+                self.comm.mesh.replica.is_some(),
             );
             let all_local = self.units[g].take_all_present_locally();
             self.scheduler.push_reduction(g, work, all_local);

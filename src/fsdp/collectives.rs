@@ -78,7 +78,7 @@ pub(crate) fn all_gather_shard(
     dtype: DType,
     real: bool,
 ) -> Work<Tensor> {
-    let input = match flat.shard().to_dtype(dtype) {
+    let input = match crate::alloc::in_shared(|| flat.shard().to_dtype(dtype)) {
         Ok(t) => t,
         Err(e) => return Work::ready(Err(e.into())),
     };
@@ -194,7 +194,9 @@ pub(crate) fn unpack_when_gathered(
 /// `rank`-th of `pg`'s `world_size` equal chunks, copied (the gathered buffer is dropped).
 pub(crate) fn secondary_piece(pg: &dyn ProcessGroup, flat: &Tensor) -> Result<Tensor> {
     let n = flat.elem_count() / pg.world_size();
-    Ok(flat.narrow(0, pg.rank() * n, n)?.copy()?)
+    Ok(crate::alloc::in_shared(|| {
+        flat.narrow(0, pg.rank() * n, n)?.copy()
+    })?)
 }
 
 /// Issues the all-gather of [`secondary_piece`]s inside their group on `stream`: the full flat
@@ -388,7 +390,9 @@ pub(crate) fn flatten_grads(
             }
         }
     }
-    Ok(Some((Tensor::cat(&pieces, 0)?, local)))
+    // In the shared arena under shm: the reduce-scatter's peers read it in place.
+    let flat = crate::alloc::in_shared(|| Tensor::cat(&pieces, 0))?;
+    Ok(Some((flat, local)))
 }
 
 /// Splits a reduced chunk of a [`flatten_grads`] buffer (`shard_numel + F` elements) into the
@@ -414,12 +418,16 @@ pub(crate) fn split_reduced(
 /// Issues the reduction of one unit's [`flatten_grads`] buffer on `stream`, in its dtype (the
 /// caller has cast it to the unit's `reduce_dtype`: the wire carries that): reduce-scatter
 /// (average) into this rank's chunk (shard and presence flags) when the unit is sharded,
-/// all-reduce (average) under NO_SHARD, nothing at world size 1.
+/// all-reduce (average) under NO_SHARD, nothing at world size 1. With `to_replicas` (a hybrid
+/// mesh) the reduced chunk is made in the shared arena: the replica all-reduce reads it
+/// ([`crate::alloc::in_shared`]; elsewhere it is private, and kept out of the arena so that
+/// its memory serves the next step's activations).
 pub(crate) fn reduce_grads(
     pg: &dyn ProcessGroup,
     stream: &CommStream,
     layout: &FlatParamLayout,
     input: Tensor,
+    to_replicas: bool,
 ) -> Work<Tensor> {
     if pg.world_size() == 1 {
         return Work::ready(Ok(input));
@@ -430,7 +438,12 @@ pub(crate) fn reduce_grads(
     // SAFETY: the reduce-scatter writes every element of its output before `wait` hands it
     // out; on error the buffer is dropped unread.
     let chunk = layout.shard_numel + layout.params.len();
-    match unsafe { Tensor::empty(chunk, input.dtype(), input.device()) } {
+    let empty = || unsafe { Tensor::empty(chunk, input.dtype(), input.device()) };
+    let out = match to_replicas {
+        true => crate::alloc::in_shared(empty),
+        false => empty(),
+    };
+    match out {
         Ok(out) => pg.reduce_scatter(stream, &input, out, ReduceOp::Avg),
         Err(e) => Work::ready(Err(e.into())),
     }

@@ -112,6 +112,70 @@ pub(crate) fn exercise(pg: Arc<dyn ProcessGroup>) -> Result<Vec<(String, Vec<u64
     Ok(out)
 }
 
+/// The shared-memory group's in-place path (`candle_fsdp::alloc::SharedLarge`, installed in
+/// this binary): large tensors made inside `in_shared` after the group come from this
+/// process's arena and are read by the peers in place; `early` (made before the group, on
+/// shm) is outside it and is copied into the segment. Even ranks use `early` where given, odd
+/// ones arena tensors, so each collective mixes both ways; then a sub-group. Named results,
+/// as bits.
+fn in_arena_and_not(
+    pg: Arc<dyn ProcessGroup>,
+    early: Option<Tensor>,
+) -> Result<Vec<(String, Vec<u64>)>> {
+    let (r, ws) = (pg.rank(), pg.world_size());
+    let n = 3 * 300_000;
+    let on_shm = early.is_some();
+    let before = candle_fsdp::alloc::shared_bytes();
+    let late = candle_fsdp::alloc::in_shared(|| tensor(r, 9, n, DType::F32))?;
+    if on_shm {
+        // The arena holds the new tensor.
+        assert!(
+            candle_fsdp::alloc::shared_bytes() >= before + 4 * n,
+            "rank {r}: {} bytes in the arena after a {}-byte tensor (was {before})",
+            candle_fsdp::alloc::shared_bytes(),
+            4 * n
+        );
+        // Outside `in_shared`, large tensors stay with the wrapped allocator.
+        let now = candle_fsdp::alloc::shared_bytes();
+        let outside = tensor(r, 11, n, DType::F32)?;
+        assert_eq!(candle_fsdp::alloc::shared_bytes(), now, "rank {r}");
+        drop(outside);
+    }
+    let input = match early {
+        Some(t) if r % 2 == 0 => t,
+        _ => late,
+    };
+    let s = pg.default_stream();
+    let mut out = Vec::new();
+    let o = pg.all_gather(&s, &input, Tensor::zeros(n * ws, DType::F32, &Device::Cpu)?);
+    out.push(("all_gather".to_string(), bits(&o.wait()?)?));
+    let chunk = n / ws;
+    let o = pg.reduce_scatter(
+        &s,
+        &input.narrow(0, 0, chunk * ws)?,
+        Tensor::zeros(chunk, DType::F32, &Device::Cpu)?,
+        ReduceOp::Sum,
+    );
+    out.push(("reduce_scatter".to_string(), bits(&o.wait()?)?));
+    let o = pg.all_reduce(&s, input.copy()?, ReduceOp::Avg).wait()?;
+    out.push(("all_reduce".to_string(), bits(&o)?));
+    // The input itself in place (all-reduce writes its buffer), then read back.
+    let o = pg.all_reduce(&s, input, ReduceOp::Max).wait()?;
+    out.push(("all_reduce in place".to_string(), bits(&o)?));
+    let o = candle_fsdp::alloc::in_shared(|| o.affine(2.0, 1.0))?;
+    let o = pg.broadcast(&s, o, 0).wait()?;
+    out.push(("broadcast".to_string(), bits(&o)?));
+    // A sub-group of the last and the first rank, in that order (its ranks' arenas are the
+    // root group's).
+    if let Some(sub) = pg.new_group(&[ws - 1, 0])? {
+        let piece = candle_fsdp::alloc::in_shared(|| tensor(r, 10, n, DType::F32))?;
+        let s = sub.default_stream();
+        let o = sub.all_gather(&s, &piece, Tensor::zeros(2 * n, DType::F32, &Device::Cpu)?);
+        out.push((format!("sub-group rank {}", sub.rank()), bits(&o.wait()?)?));
+    }
+    Ok(out)
+}
+
 /// The backend a job of [`spawn_job_on`] runs on.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Backend {
@@ -251,6 +315,27 @@ fn helper_shm_rank() {
                 println!("rank {rank}: error: {e}");
             }
         }
+        "arena" => {
+            // Made before the group: outside the arena, so copied into this rank's segment.
+            let early = tensor(rank, 9, 3 * 300_000, DType::F32).unwrap();
+            let got = launcher
+                .run(|pg| in_arena_and_not(pg, Some(early.clone())))
+                .unwrap()
+                .remove(0);
+            let want = run_ranks_ok(ws, ThreadGroupConfig::default(), |pg| {
+                in_arena_and_not(pg, None)
+            })
+            .unwrap()
+            .swap_remove(rank);
+            assert_eq!(got.len(), want.len());
+            for ((name, g), (_, w)) in got.iter().zip(&want) {
+                assert!(
+                    g == w,
+                    "rank {rank}: {name} differs from the thread backend"
+                );
+            }
+            println!("rank {rank}: {} arena results bitwise equal", got.len());
+        }
         "connect" => match launcher.run(|_| Ok(())) {
             Ok(_) => println!("rank {rank}: connected"),
             Err(e) => println!("rank {rank}: connect error: {e}"),
@@ -262,6 +347,23 @@ fn helper_shm_rank() {
 #[test]
 fn shm_collectives_are_bitwise_the_thread_backends() {
     check_exact(Backend::Shm);
+}
+
+#[test]
+fn shm_reads_arena_tensors_in_place_and_copies_the_others_bitwise_the_thread_backends() {
+    for (r, (code, out)) in spawn_job_on(Backend::Shm, 3, "arena")
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(code, 0, "rank {r}: {out}");
+        assert!(
+            out.contains(&format!(
+                "rank {r}: {} arena results bitwise equal",
+                if r == 1 { 5 } else { 6 }
+            )),
+            "{out}"
+        );
+    }
 }
 
 /// A job of 3 ranks on `backend` runs [`exercise`]; every rank's results equal the thread

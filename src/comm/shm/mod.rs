@@ -18,11 +18,15 @@
 //!
 //! # Algorithm and guarantees
 //!
-//! See `ops`: each rank copies its input into its segment, publishes a descriptor in the
-//! segment header and arrives at a barrier (an atomic counter in the header); then every rank
-//! validates every descriptor with the thread backend's code and does its share of the copying
-//! straight from the peers' segments with the thread backend's copy loops and rank-ordered
-//! reduction kernel. Reductions are **bitwise identical to the thread backend's** (and to the
+//! See `ops`: each rank makes its input readable — in place when it lies in the process's
+//! shared arena (made inside [`crate::alloc::in_shared`] under the
+//! [`crate::alloc::SharedLarge`] allocator: the FSDP runtime's shards and flattened
+//! gradients), else by copying it into its segment — publishes where it is and a descriptor in
+//! the segment header and arrives at a barrier (an atomic counter in the header); then every
+//! rank validates every descriptor with the thread backend's code and does its share of the
+//! copying straight from the peers' arenas or segments with the thread backend's copy loops
+//! and rank-ordered reduction kernel. [`connect`] maps every peer's arena (through
+//! `/proc/<pid>/fd`); when some rank has none or cannot map one, the group copies. Reductions are **bitwise identical to the thread backend's** (and to the
 //! MPI backend's) for every dtype and op; a mismatch is the same [`Error::CollectiveMismatch`] /
 //! [`Error::BadBuffer`] on every rank, and the group stays usable.
 //!
@@ -35,8 +39,9 @@
 //! process is gone without a word (a `kill -9`: checked every 20 ms through `/proc`; the
 //! finding is recorded in the abort slot, so every rank stops), and with [`Error::Timeout`]
 //! after [`ShmConfig::timeout`] (which aborts the job too). Unlike the thread backend, every
-//! barrier may fail, also after the data phase: the data lives in the segments, never in a
-//! peer's tensors, so no rank can read freed memory.
+//! barrier may fail, also after the data phase: the data lives in segments or arenas, which
+//! stay mapped whatever a peer frees, so no rank can fault on a peer's memory (and a rank that
+//! fails mid-collective never arrives at the last barrier: the peers' collective fails).
 
 mod ops;
 mod segment;
@@ -46,13 +51,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use self::ops::{Comm, Ctx};
-use self::segment::{shm_dir, AbortSlot, PeerMap, Segment};
+use self::segment::{shm_dir, AbortSlot, Header, PeerMap, Segment};
 use super::buffer::Post;
 use super::engine::board;
 use super::engine::group::{Collective, HostGroup, Op, Transport};
 use super::engine::streams as host_stream;
 use super::store::TcpStore;
 use super::ProcessGroup;
+use crate::alloc::shared::{self as arena, PeerArena};
 use crate::error::{Error, Result};
 
 /// Configuration of a shared-memory process group.
@@ -88,6 +94,12 @@ pub(crate) struct Shm {
     abort: Arc<AbortSlot>,
     /// Path prefix of this group's segment files.
     prefix: String,
+    /// The peers' arenas mapped here, by rank of the root group (`None`: this process's, or
+    /// not mapped); see `crate::alloc::shared`.
+    arenas: Arc<Vec<Option<PeerArena>>>,
+    /// Every rank of the job has an arena and mapped every peer's: a buffer in this rank's
+    /// arena is read in place instead of copied into its segment.
+    in_place: bool,
 }
 
 impl Shm {
@@ -180,6 +192,8 @@ impl Transport for Shm {
             timeout: self.timeout,
             abort: Arc::clone(&self.abort),
             prefix: format!("{}{}-g", self.prefix, op.seq),
+            arenas: Arc::clone(&self.arenas),
+            in_place: self.in_place,
         });
         let ctx = self.ctx(setup, op);
         let owns = match &sub {
@@ -255,6 +269,8 @@ pub fn connect(
             timeout: config.timeout,
             abort: Arc::new(AbortSlot::private()?),
             prefix: fresh(),
+            arenas: Arc::new(vec![None]),
+            in_place: arena::enable().is_some(),
         };
         let comms = [core.create(0)?, core.create(1)?].map(|own| Comm::new(own, vec![None]));
         for c in &comms {
@@ -285,17 +301,28 @@ pub fn connect(
         timeout: config.timeout,
         abort: Arc::new(abort),
         prefix: format!("{prefix}-g"),
+        arenas: Arc::new(Vec::new()),
+        in_place: false,
     };
+    let own_arena = arena::enable();
     let owns = [core.create(0), core.create(1)];
     if let Some(Err(e)) = owns.iter().find(|r| r.is_err()) {
         core.abort.set(rank, &e.message());
     }
     let [setup, default] = owns;
     let (setup, default) = (setup?, default?);
+    Header(setup.header()).set_arena(own_arena);
     store.barrier("candle-fsdp/shm/created")?;
     let setup = core.map_peers(0, setup)?;
     let default = core.map_peers(1, default)?;
+    let arenas = map_arenas(&setup, rank);
+    let mapped_all = own_arena.is_some() && arenas.iter().flatten().count() == world_size - 1;
+    store.set(&arena_key(rank), &[u8::from(mapped_all)])?;
     store.barrier("candle-fsdp/shm/mapped")?;
+    let mut in_place = true;
+    for j in 0..world_size {
+        in_place &= store.get(&arena_key(j))? == [1];
+    }
     setup.own.unlink();
     default.own.unlink();
     if rank == 0 {
@@ -311,7 +338,29 @@ pub fn connect(
         })
         .map(|pid| if segment::alive(pid) { pid } else { 0 })
         .collect();
-    Ok(HostGroup::new(Shm { pids, ..core }, setup, default)?)
+    let core = Shm {
+        pids,
+        arenas: Arc::new(arenas),
+        in_place,
+        ..core
+    };
+    Ok(HostGroup::new(core, setup, default)?)
+}
+
+fn arena_key(rank: usize) -> String {
+    format!("candle-fsdp/shm/arena/{rank}")
+}
+
+/// Maps every peer's arena that its setup segment's header names (`None` where a peer has
+/// none, or this process cannot open it: then the group copies, as without arenas).
+fn map_arenas(setup: &Comm, rank: usize) -> Vec<Option<PeerArena>> {
+    (0..setup.peers.len())
+        .map(|j| {
+            let peer = setup.peers[j].as_ref().filter(|_| j != rank)?;
+            let id = setup.header(j).arena()?;
+            PeerArena::open(peer.pid, id).ok()
+        })
+        .collect()
 }
 
 /// Runs `f` on this process's rank of a shared-memory job of `world_size` processes that meet

@@ -10,6 +10,7 @@
 
 use super::segment::{wait_for, Header, PeerMap, Segment, Stop, DESC_MAX};
 use super::Shm;
+use crate::alloc::shared as arena;
 use crate::comm::buffer::{Kind, Post, Problem, RawBuf};
 use crate::comm::engine::board::{Board, Expose};
 use crate::comm::engine::messages::decode_and_validate;
@@ -233,19 +234,49 @@ impl Board for Ctx<'_> {
         self.seq
     }
 
-    /// Copies what the peers read into this rank's segment, then barrier 1 (`exchange`).
+    /// Says where the peers read this rank's buffer: in place when it lies in this process's
+    /// arena (and every rank mapped every arena), else copied into this rank's segment; then
+    /// barrier 1 (`exchange`).
     fn publish(&mut self, post: &Post, buf: RawBuf, expose: Expose) -> Result<u64> {
-        let copied = match expose {
-            Expose::Nothing => Ok(()),
-            Expose::Whole => self.copy_in(buf, 0..0),
-            Expose::AllBut(skip) => self.copy_in(buf, skip),
+        let bytes = buf.len * buf.dtype.size_in_bytes();
+        let in_place = match expose {
+            Expose::Nothing => None,
+            _ if self.core.in_place => arena::offset_of(buf.ptr, bytes),
+            _ => None,
+        };
+        self.comm.header(self.rank()).set_data_at(in_place);
+        let copied = match (in_place, expose) {
+            (Some(_), _) | (None, Expose::Nothing) => Ok(()),
+            (None, Expose::Whole) => self.copy_in(buf, 0..0),
+            (None, Expose::AllBut(skip)) => self.copy_in(buf, skip),
         };
         copied.map_err(|e| self.stop_job(e))?;
         self.exchange(post, &[])
     }
 
+    /// Rank `j`'s buffer where its arena holds it, else its segment's data area.
     fn readable(&self, j: usize, like: RawBuf, len: usize) -> Result<RawBuf> {
-        self.seg(j, like, len).map_err(|e| self.stop_job(e))
+        let Some(off) = self.comm.header(j).data_at() else {
+            return self.seg(j, like, len).map_err(|e| self.stop_job(e));
+        };
+        let bytes = len * like.dtype.size_in_bytes();
+        let ptr = match j == self.rank() {
+            true => arena::own_at(off, bytes),
+            false => (self.core.arenas.get(self.core.root_ranks[j]))
+                .and_then(|a| a.as_ref()?.at(off, bytes)),
+        };
+        let ptr = ptr.ok_or_else(|| {
+            self.stop_job(Error::shape(
+                format_args!("{}: rank {j}'s arena", self.op),
+                format_args!("{bytes} bytes from offset {off} inside it"),
+                "an arena that is not mapped here, or too short",
+            ))
+        })?;
+        Ok(RawBuf {
+            ptr,
+            len,
+            dtype: like.dtype,
+        })
     }
 
     fn sync(&self, target: u64) -> Result<()> {

@@ -17,6 +17,7 @@ use std::time::Instant;
 
 use memmap2::{MmapOptions, MmapRaw};
 
+use crate::alloc::shared::ArenaId;
 use crate::error::{Error, Result};
 
 /// Bytes of a segment's header (the data area starts here, page aligned).
@@ -31,6 +32,12 @@ const ARRIVALS: usize = 0;
 const DEPARTED: usize = 8;
 const PID: usize = 16;
 const CAPACITY: usize = 24;
+/// Where this rank's buffer of the current collective is: 0 in the data area, `1 + offset` in
+/// its arena (read in place).
+const DATA_AT: usize = 32;
+/// The rank's arena: `1 + fd` (0: none), and its length.
+const ARENA_FD: usize = 40;
+const ARENA_LEN: usize = 48;
 const DESC_LEN: usize = 64;
 const DESC: usize = 128;
 
@@ -257,6 +264,34 @@ impl Header {
 
     pub(super) fn set_departed(&self) {
         self.word(DEPARTED).store(1, Ordering::Release);
+    }
+
+    /// Says where this rank's buffer is for the collective it is about to arrive at: `Some`
+    /// offset in its arena, `None` in its data area (before [`Header::arrive`]).
+    pub(super) fn set_data_at(&self, at: Option<usize>) {
+        self.word(DATA_AT)
+            .store(at.map_or(0, |off| off as u64 + 1), Ordering::Relaxed);
+    }
+
+    /// Where the rank's buffer is (after seeing its arrival): see [`Header::set_data_at`].
+    pub(super) fn data_at(&self) -> Option<usize> {
+        (self.word(DATA_AT).load(Ordering::Relaxed) as usize).checked_sub(1)
+    }
+
+    /// Publishes this rank's arena (before the first barrier its peers map after).
+    pub(super) fn set_arena(&self, arena: Option<ArenaId>) {
+        let (fd, len) = arena.map_or((0, 0), |a| (a.fd as u64 + 1, a.len as u64));
+        self.word(ARENA_LEN).store(len, Ordering::Relaxed);
+        self.word(ARENA_FD).store(fd, Ordering::Release);
+    }
+
+    /// The rank's arena, if it published one.
+    pub(super) fn arena(&self) -> Option<ArenaId> {
+        let fd = self.word(ARENA_FD).load(Ordering::Acquire).checked_sub(1)?;
+        Some(ArenaId {
+            fd: fd as i32,
+            len: self.word(ARENA_LEN).load(Ordering::Relaxed) as usize,
+        })
     }
 
     /// Writes `desc` into the slot of `generation`'s parity (before [`Header::arrive`]).

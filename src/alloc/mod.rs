@@ -6,6 +6,14 @@
 //! (it forwards to the allocator it wraps, e.g. `Counting(mimalloc::MiMalloc)`). Without it, [`live_bytes`] and [`peak_bytes`] stay 0
 //! and [`is_counting`] is false. The GPT example measures its activation estimate with it
 //! ([`crate::fsdp::MemoryBudget`]).
+//!
+//! [`SharedLarge`] (module `shared`) serves the collectives' large inputs (made inside
+//! [`in_shared`]) from memory the other processes of a shared-memory job map, so that its
+//! collectives read peers' tensors in place.
+
+pub(crate) mod shared;
+
+pub use shared::{in_shared, is_shared_enabled, release_shared, shared_bytes, SharedLarge};
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
