@@ -65,18 +65,21 @@
 //! f32, bf16 and f16 inputs on the CPU run the kernel (computing in f32, rounding the outputs
 //! once); other dtypes and devices run [`attention_composed`].
 
-use candle_core::{
-    backend::BackendStorage, bail, CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result,
-    Shape, Tensor, D,
-};
+mod composed;
+mod op;
+
+use candle_core::{bail, DType, Layout, Result, Tensor};
 
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-use super::softmax::causal_softmax;
-use crate::cpu::{
-    contiguous, dot16, exp_fast, filled, gemm_f32, max16, parallel_map, sum16, with_simd, Elem,
+use crate::cpu::{dot16, exp_fast, filled, gemm_f32, max16, parallel_map, sum16, with_simd, Elem};
+use composed::composed_in;
+pub use composed::{
+    attention_composed, attention_packed_composed, causal_attention_composed,
+    causal_attention_gqa_composed,
 };
+use op::AttentionOp;
 
 /// Query rows per tile of the kernel: 64 rows of scores for `T` keys are `256 · T` bytes, which
 /// stays in L2 for the contexts used here.
@@ -247,98 +250,6 @@ fn attention_in(qkv: &Tensor, opts: &AttentionOptions, starts: Option<&Tensor>) 
     })
 }
 
-/// [`attention`] composed of Candle ops: split `qkv` into `(B, n_head, T, hd)` queries and
-/// keys and values repeated to `n_head` heads (transformers' `repeat_kv`), `U = scale · Q·Kᵀ`,
-/// then either [`causal_softmax`] (no soft-cap, no window shorter than `T`) or `c · tanh(U / c)`
-/// when soft-capped, plus a `(T, T)` mask (0 where `i − W < j ≤ i`, −∞ elsewhere) and
-/// `candle_nn::ops::softmax`; then `·V` and the heads merged back to `(B, T, n_head·hd)`. The
-/// `(B, n_head, T, T)` scores are materialised. Candle's autograd differentiates it; any dtype
-/// and device. The reference of [`attention`]'s kernel in the tests.
-///
-/// Errors: as [`attention`].
-pub fn attention_composed(qkv: &Tensor, opts: &AttentionOptions) -> Result<Tensor> {
-    composed_in(qkv, opts, None)
-}
-
-/// [`attention_packed`] composed of Candle ops, as [`attention_composed`] with a `(B, 1, T, T)`
-/// mask that also hides the keys of other examples. Any dtype and device.
-///
-/// Errors: as [`attention_packed`].
-pub fn attention_packed_composed(
-    qkv: &Tensor,
-    opts: &AttentionOptions,
-    starts: &Tensor,
-) -> Result<Tensor> {
-    let (b, t, _) = check(qkv, opts)?;
-    composed_in(qkv, opts, Some(&starts_of(starts, b, t)?))
-}
-
-/// [`attention_composed`] with the segment starts (`B·T`, checked) when given.
-fn composed_in(qkv: &Tensor, opts: &AttentionOptions, starts: Option<&[u32]>) -> Result<Tensor> {
-    let (b, t, hd) = check(qkv, opts)?;
-    let (n_head, n_kv_head) = (opts.n_head, opts.n_kv_head);
-    let (d, dkv) = (n_head * hd, n_kv_head * hd);
-    let rep = n_head / n_kv_head;
-    let heads = |z: Tensor, n: usize| z.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
-    let repeat = |z: Tensor| -> Result<Tensor> {
-        let z = z.reshape((b, t, n_kv_head, 1, hd))?;
-        let z = z.broadcast_as((b, t, n_kv_head, rep, hd))?.contiguous()?;
-        heads(z.reshape((b, t, d))?, n_head)
-    };
-    let q = heads(qkv.narrow(2, 0, d)?, n_head)?;
-    let k = repeat(qkv.narrow(2, d, dkv)?)?;
-    let v = repeat(qkv.narrow(2, d + dkv, dkv)?)?;
-    let scores = q.matmul(&k.t()?)?; // (B, h, T, T)
-    let scale = opts.scale.unwrap_or(1.0 / (hd as f64).sqrt());
-    let window = opts.window.filter(|&w| w < t);
-    let att = if opts.softcap.is_none() && window.is_none() && starts.is_none() {
-        causal_softmax(&scores, scale)?
-    } else {
-        let z = match opts.softcap {
-            None => (scores * scale)?,
-            Some(c) => ((scores * (scale / c))?.tanh()? * c)?,
-        };
-        let mask = window_mask(b, t, window, starts, qkv.device())?.to_dtype(z.dtype())?;
-        candle_nn::ops::softmax(&z.broadcast_add(&mask)?, D::Minus1)?
-    };
-    att.matmul(&v)? // (B, h, T, hd)
-        .transpose(1, 2)?
-        .reshape((b, t, d))
-}
-
-/// The f32 mask of query `i` (rows) and key `j` (columns): 0 where `j ≤ i` and, with a
-/// window `W`, `j > i − W`, and with segment starts `S` (`B·T`), `j ≥ S(i)`; −∞ elsewhere.
-/// `(T, T)` without starts, `(B, 1, T, T)` with them.
-fn window_mask(
-    b: usize,
-    t: usize,
-    window: Option<usize>,
-    starts: Option<&[u32]>,
-    device: &Device,
-) -> Result<Tensor> {
-    let seen = |i: usize, j: usize| j <= i && window.is_none_or(|w| j + w > i);
-    let Some(starts) = starts else {
-        let mask: Vec<f32> = (0..t)
-            .flat_map(|i| (0..t).map(move |j| if seen(i, j) { 0.0 } else { f32::NEG_INFINITY }))
-            .collect();
-        return Tensor::from_vec(mask, (t, t), device);
-    };
-    let mut mask = Vec::with_capacity(b * t * t);
-    for row in starts.chunks(t.max(1)).take(b) {
-        for (i, &s) in row.iter().enumerate() {
-            let s = s as usize;
-            mask.extend((0..t).map(|j| {
-                if seen(i, j) && j >= s {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            }));
-        }
-    }
-    Tensor::from_vec(mask, (b, 1, t, t), device)
-}
-
 /// Causal multi-head self-attention over a fused projection, differentiable in `qkv`: [`attention`]
 /// with `AttentionOptions::new(n_head, n_head)` (scale `1/√hd`, no window, no soft-cap).
 ///
@@ -359,26 +270,6 @@ pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
 /// Errors: as [`attention`].
 pub fn causal_attention_gqa(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
     attention(qkv, &AttentionOptions::new(n_head, n_kv_head))
-}
-
-/// [`causal_attention`] composed of Candle ops: [`attention_composed`] with
-/// `AttentionOptions::new(n_head, n_head)`. Any dtype and device.
-///
-/// Errors: as [`causal_attention`].
-pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
-    causal_attention_gqa_composed(qkv, n_head, n_head)
-}
-
-/// [`causal_attention_gqa`] composed of Candle ops: [`attention_composed`] with
-/// `AttentionOptions::new(n_head, n_kv_head)`. Any dtype and device.
-///
-/// Errors: as [`causal_attention_gqa`].
-pub fn causal_attention_gqa_composed(
-    qkv: &Tensor,
-    n_head: usize,
-    n_kv_head: usize,
-) -> Result<Tensor> {
-    attention_composed(qkv, &AttentionOptions::new(n_head, n_kv_head))
 }
 
 /// `(B, T, hd)` of a valid `qkv` under valid options.
@@ -912,115 +803,5 @@ pub(super) fn attention_bwd_with<T: Elem>(
                 }
             }
         })
-    }
-}
-
-/// The forward custom op of [`attention`]; its backward is [`AttentionBwdOp`].
-#[derive(Clone, Debug)]
-struct AttentionOp {
-    n_head: usize,
-    n_kv_head: usize,
-    scores: Scores<'static>,
-    /// The segment starts of every position (`B·T`, [`attention_packed`]), or one segment.
-    starts: Option<Arc<[u32]>>,
-}
-
-impl CustomOp1 for AttentionOp {
-    fn name(&self) -> &'static str {
-        "causal-attention"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        fn run<T: Elem + candle_core::WithDType>(
-            op: &AttentionOp,
-            s: &CpuStorage,
-            l: &Layout,
-        ) -> Result<(CpuStorage, Shape)> {
-            let dims = Dims::of(l, op.n_head, op.n_kv_head)?;
-            let x = contiguous(s.as_slice::<T>()?, l, "qkv")?;
-            let y = attention_fwd_with(x, None, dims, op.scores, op.starts.as_deref());
-            Ok((
-                T::to_cpu_storage_owned(y),
-                Shape::from((dims.b, dims.t, dims.d())),
-            ))
-        }
-        match s.dtype() {
-            DType::F32 => run::<f32>(self, s, l),
-            DType::BF16 => run::<half::bf16>(self, s, l),
-            DType::F16 => run::<half::f16>(self, s, l),
-            dt => bail!("causal-attention: no CPU kernel for {dt:?}"),
-        }
-    }
-
-    fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let op = AttentionBwdOp {
-            n_head: self.n_head,
-            n_kv_head: self.n_kv_head,
-            scores: self.scores,
-            starts: self.starts.clone(),
-        };
-        Ok(Some(arg.apply_op3_no_bwd(
-            res,
-            &grad_res.contiguous()?,
-            &op,
-        )?))
-    }
-}
-
-/// The backward kernel of [`attention`] as a (no-backward) custom op on `(qkv, y, grad_y)`,
-/// giving `grad_qkv`.
-#[derive(Clone, Debug)]
-struct AttentionBwdOp {
-    n_head: usize,
-    n_kv_head: usize,
-    scores: Scores<'static>,
-    starts: Option<Arc<[u32]>>,
-}
-
-impl CustomOp3 for AttentionBwdOp {
-    fn name(&self) -> &'static str {
-        "causal-attention-bwd"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let dims = Dims::of(l1, self.n_head, self.n_kv_head)?;
-        let out = [dims.b, dims.t, dims.d()];
-        if l2.dims() != out || l3.dims() != out || s2.dtype() != s1.dtype() {
-            bail!(
-                "causal-attention backward: qkv {:?} {:?}, output {:?} {:?}, gradient {:?} do not fit",
-                l1.shape(),
-                s1.dtype(),
-                l2.shape(),
-                s2.dtype(),
-                l3.shape()
-            );
-        }
-        fn run<T: Elem + candle_core::WithDType>(
-            op: &AttentionBwdOp,
-            dims: Dims,
-            x: (&CpuStorage, &Layout),
-            y: (&CpuStorage, &Layout),
-            g: (&CpuStorage, &Layout),
-        ) -> Result<(CpuStorage, Shape)> {
-            let xs = contiguous(x.0.as_slice::<T>()?, x.1, "qkv")?;
-            let ys = contiguous(y.0.as_slice::<T>()?, y.1, "attention output")?;
-            let gs = contiguous(g.0.as_slice::<T>()?, g.1, "output gradient")?;
-            let dx = attention_bwd_with(xs, None, ys, gs, dims, op.scores, op.starts.as_deref());
-            Ok((T::to_cpu_storage_owned(dx), x.1.shape().clone()))
-        }
-        match s1.dtype() {
-            DType::F32 => run::<f32>(self, dims, (s1, l1), (s2, l2), (s3, l3)),
-            DType::BF16 => run::<half::bf16>(self, dims, (s1, l1), (s2, l2), (s3, l3)),
-            DType::F16 => run::<half::f16>(self, dims, (s1, l1), (s2, l2), (s3, l3)),
-            dt => bail!("causal-attention-bwd: no CPU kernel for {dt:?}"),
-        }
     }
 }
