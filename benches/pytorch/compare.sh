@@ -4,7 +4,10 @@
 # machine. Needs `pip install torch` (any 2.x; the CPU kernels are what is compared) and the
 # release examples (`cargo build --release --examples`).
 #
-#   bash benches/pytorch/compare.sh            # GPT bench config ws 1 and 2, MNIST ws 2
+#   bash benches/pytorch/compare.sh            # GPT bench config ws 1 and 2, MNIST ws 2, then
+#                                              # the Llama bench size ws 1 and 2 against
+#                                              # transformers and FSDP2 (families.sh; needs
+#                                              # transformers, skipped without it)
 #   (build the examples with `--features mpi` to add MNIST under `mpirun -n 2`)
 #   ROUNDS=3 bash benches/pytorch/compare.sh   # alternate the two sides three times
 #
@@ -68,3 +71,10 @@ for r in $(seq 1 "$ROUNDS"); do
         echo "| $r | MNIST ws 2, s/epoch (DDP indexed vs FSDP under mpirun -n 2) | $t | $m | $(awk -v t="$t" -v o="$m" 'BEGIN {printf "%.2f×", o / t}') |"
     fi
 done
+# The Llama bench size (issue 31): transformers' LlamaForCausalLM at world size 1, FSDP2 at 2.
+if python -c 'import transformers' 2>/dev/null; then
+    echo
+    FAMILIES=llama ROUNDS="$ROUNDS" STEPS="$STEPS" bash benches/pytorch/families.sh
+    echo
+    WS=2 FAMILIES=llama ROUNDS="$ROUNDS" STEPS="$STEPS" bash benches/pytorch/families.sh
+fi

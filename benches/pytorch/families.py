@@ -25,6 +25,9 @@ context 256, batch 4, f32, untied heads except where the family ties by default.
   python benches/pytorch/families.py --family qwen3 --save DIR    # config.json + model.safetensors
   python benches/pytorch/families.py --family qwen3 --steps 8     # time 8 steps of a random model
   python benches/pytorch/families.py --family qwen3 --steps 8 --from DIR   # ... of DIR's weights
+  torchrun --nproc-per-node 2 benches/pytorch/families.py --family llama --from DIR
+      # FSDP2 over gloo: `fully_shard` per decoder layer, then the root; the batch per rank, each
+      # rank its own windows, the cores split among the ranks; tokens/s over all ranks
 
 A step as the example's: the inputs are 256 tokens of a window of 257 bytes of the corpus and the
 targets the same window shifted by one; forward (`use_cache=False`), the mean cross-entropy of
@@ -160,7 +163,13 @@ def main():
               f"tied {model.config.tie_word_embeddings}, saved to {a.save}")
         return
 
-    torch.set_num_threads(a.threads)
+    ws = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if ws > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, a.threads // ws))
     batch = a.batch_size or s["batch"]
     seq = a.seq_len or s["ctx"]
     model, attn = load(a.family, s, a.attn, a.src)
@@ -168,9 +177,19 @@ def main():
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=a.lora_rank, lora_alpha=a.lora_alpha, lora_dropout=0.0,
                                                  target_modules=a.lora_targets.split(","), task_type="CAUSAL_LM"))
+    if ws > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        layers = [m for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.ModuleList) and name.split(".")[-1] in ("layers", "h")]
+        assert len(layers) == 1, f"one list of decoder layers expected, found {len(layers)}"
+        for layer in layers[0]:
+            fully_shard(layer)
+        fully_shard(model)
     model.train()
-    n = sum(p.numel() for p in model.parameters())
-    print(f"{type(model).__name__} ({a.size}{', from ' + a.src if a.src else ''}): {n / 1e6:.2f} M parameters, "
+    n = sum(p.numel() for p in model.parameters()) * ws
+    say = print if rank == 0 else (lambda *args, **kw: None)
+    say(f"{type(model).__name__} ({a.size}{', from ' + a.src if a.src else ''}): {n / 1e6:.2f} M parameters, "
           f"tied {model.config.tie_word_embeddings}, attn {attn}, batch {batch} x {seq}", flush=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.dim() >= 2]
@@ -180,7 +199,7 @@ def main():
         lr=3e-4,
         betas=(0.9, 0.95),
     )
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + rank)
     if a.data:
         raw = Path(a.data).read_bytes()
         if a.data.endswith(".gz"):
@@ -205,10 +224,13 @@ def main():
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         times.append(dt)
-        print(f"step {step + 1:3}/{a.steps}  loss {loss.item():.4f}  {dt * 1e3:.1f} ms/step  {batch * seq / dt:.0f} tok/s", flush=True)
+        say(f"step {step + 1:3}/{a.steps}  loss {loss.item():.4f}  {dt * 1e3:.1f} ms/step  {ws * batch * seq / dt:.0f} tok/s", flush=True)
     med = statistics.median(times[a.warmup:] or times)
-    print(f"transformers {transformers.__version__} (torch {torch.__version__}) {a.family} attn {attn}, "
-          f"{torch.get_num_threads()} thread(s): median step {med * 1e3:.1f} ms, {batch * seq / med:.0f} tokens/s")
+    say(f"transformers {transformers.__version__} (torch {torch.__version__}) {a.family} attn {attn}, "
+        f"{torch.get_num_threads()} thread(s){f', FSDP2 ws {ws}' if ws > 1 else ''}: median step {med * 1e3:.1f} ms, "
+        f"{ws * batch * seq / med:.0f} tokens/s")
+    if ws > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@
 #   LOG_DIR=logs bash benches/pytorch/families.sh              # keep each run's full output
 #   LORA_RANK=16 FAMILIES=llama bash benches/pytorch/families.sh   # LoRA r 16 on every
 #                     # projection, base frozen, both sides (PEFT 0.21 on transformers' side)
+#   WS=2 FAMILIES=llama bash benches/pytorch/families.sh       # world size 2: FSDP2 under
+#                     # torchrun (gloo, `fully_shard` per layer) against ours as threads and
+#                     # under `fsdp-run --nproc-per-node 2` (shared memory); batch per rank
 #   BASE_BIN=/other/target/release/examples bash benches/pytorch/families.sh
 #                     # also an older build's llama example, alternated with ours in each round
 #                     # (before/after a change on the same machine): two more columns
@@ -29,6 +32,7 @@ BIN="${CARGO_TARGET_DIR:-target}/release/examples"
 FAMILIES=${FAMILIES:-llama mistral qwen2 qwen3 phi3 gemma2 gpt2}
 ROUNDS=${ROUNDS:-1}
 STEPS=${STEPS:-8}
+WS=${WS:-1}
 export SIZE=${SIZE:-bench}
 case "$SIZE" in
     bench) SEQ=256 BATCH=4 ;;
@@ -41,7 +45,7 @@ trap 'rm -rf "$TMP"' EXIT
 [ -x "$BIN/llama" ] || echo "note: no $BIN/llama (cargo build --release --example llama): our cells will say failed" >&2
 
 median() { sort -n | awk '{a[NR] = $1} END {if (NR) print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
-steps_median() { sed -n 's/^step .* \([0-9.]*\) ms\/step.*/\1/p' "$1" | tail -n +3 | median; }
+steps_median() { sed -n 's/^\(\[rank 0\] \)\{0,1\}step .* \([0-9.]*\) ms\/step.*/\2/p' "$1" | tail -n +3 | median; }
 name() {
     case "$1" in
         llama) echo Llama ;; mistral) echo Mistral ;; qwen2) echo Qwen2 ;; qwen3) echo Qwen3 ;;
@@ -66,23 +70,33 @@ if [ "${LORA_RANK:-0}" != 0 ]; then
     ours_lora=(--lora-rank "$LORA_RANK" --lora-alpha 16 --lora-targets "$LORA_TARGETS")
 fi
 theirs() { # family dir log
-    run "$3" python benches/pytorch/families.py --family "$1" --from "$2" --steps "$STEPS" "${theirs_lora[@]}"
+    local launch=(python)
+    [ "$WS" != 1 ] && launch=(torchrun --nproc-per-node "$WS")
+    run "$3" "${launch[@]}" benches/pytorch/families.py --family "$1" --from "$2" --steps "$STEPS" "${theirs_lora[@]}"
 }
-ours() { # dir log [bin dir]
+ours() { # dir log [bin dir] [fsdp-run]: threads, or one process per rank under fsdp-run (shm)
     rm -rf "$TMP/ckpt"
-    run "$2" "${3:-$BIN}/llama" --from-hf "$1" --world-size 1 --seq-len "$SEQ" --batch-size "$BATCH" \
+    local launch=() ws=(--world-size "$WS")
+    if [ "${4:-}" = fsdp-run ]; then
+        launch=("$(dirname "$BIN")/fsdp-run" --nproc-per-node "$WS" --)
+        ws=()
+    fi
+    run "$2" "${launch[@]}" "${3:-$BIN}/llama" --from-hf "$1" "${ws[@]}" --seq-len "$SEQ" --batch-size "$BATCH" \
         --max-steps "$STEPS" --log-interval 1 --eval-interval 0 --eval-batches 1 --sample-len 0 \
         --checkpoint-dir "$TMP/ckpt" "${ours_lora[@]}"
 }
 cell() { # ms: "ms (tok/s)", or "failed"
     if [ -n "$1" ]; then
-        awk -v ms="$1" -v n=$((BATCH * SEQ)) 'BEGIN {printf "%s (%.0f)", ms, n / (ms / 1000)}'
+        awk -v ms="$1" -v n=$((BATCH * SEQ * WS)) 'BEGIN {printf "%s (%.0f)", ms, n / (ms / 1000)}'
     else
         echo failed
     fi
 }
 
-if [ -n "${BASE_BIN:-}" ]; then
+if [ "$WS" != 1 ]; then
+    echo "| family | transformers FSDP2 ws $WS ms/step (tok/s) | candle-fsdp threads ms/step (tok/s) | ratio | candle-fsdp under fsdp-run (shm) ms/step (tok/s) | ratio |"
+    echo "|---|---|---|---|---|---|"
+elif [ -n "${BASE_BIN:-}" ]; then
     echo "| family | transformers ms/step (tok/s) | candle-fsdp ms/step (tok/s) | ratio (our tok/s / theirs) | baseline build ms/step (tok/s) | ours / baseline (tok/s) |"
     echo "|---|---|---|---|---|---|"
 else
@@ -101,7 +115,13 @@ for f in $FAMILIES; do
         attn=$(sed -n 's/^transformers .* attn \([a-z_]*\),.*/\1/p' "$TMP/$f.transformers.$r.log")
         ours "$dir" "$TMP/$f.ours.$r.log" && o=$(steps_median "$TMP/$f.ours.$r.log")
         extra=""
-        if [ -n "${BASE_BIN:-}" ]; then
+        if [ "$WS" != 1 ]; then
+            p=""
+            ours "$dir" "$TMP/$f.fsdp-run.$r.log" "$BIN" fsdp-run && p=$(steps_median "$TMP/$f.fsdp-run.$r.log")
+            pratio="—"
+            [ -n "$t" ] && [ -n "$p" ] && pratio=$(awk -v t="$t" -v o="$p" 'BEGIN {printf "%.2f×", t / o}')
+            extra=" $(cell "$p") | $pratio |"
+        elif [ -n "${BASE_BIN:-}" ]; then
             bs=""
             ours "$dir" "$TMP/$f.base.$r.log" "$BASE_BIN" && bs=$(steps_median "$TMP/$f.base.$r.log")
             bratio="—"
@@ -119,7 +139,7 @@ for f in $FAMILIES; do
     done
 done
 echo
-echo "SIZE $SIZE, batch $BATCH × $SEQ tokens, $STEPS steps (median of steps 3..$STEPS), $(nproc) cores;" \
+echo "SIZE $SIZE, world size $WS, batch $BATCH × $SEQ tokens per rank, $STEPS steps (median of steps 3..$STEPS), $(nproc) cores;" \
     "CPU: $(lscpu | sed -n 's/^Model name: *//p' | head -1);" \
     "flags: $(lscpu | sed -n 's/^Flags: *//p' | tr ' ' '\n' | grep -E 'avx|fma|amx' | tr '\n' ' ' | sed 's/ $//');" \
     "$(python -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")' 2>/dev/null)"
