@@ -27,6 +27,8 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
+use crate::error::{Error, Result};
+
 /// Smallest allocation (bytes) served from the arena inside [`in_shared`]: below it a copy into
 /// the segment costs less than a page-granular block (and shm is already level with the thread
 /// backend there, BENCHMARKS §1).
@@ -106,12 +108,14 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SharedLarge<A> {
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let in_arena = ARENA.get().is_some_and(|a| a.contains(ptr));
-        if !in_arena && (new_size < THRESHOLD || ARENA.get().is_none()) {
+        // SAFETY: `new_size` is non-zero and fits `isize` (GlobalAlloc's contract).
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        // Outside `in_shared`, a block of the wrapped allocator stays with it (it may grow in
+        // place).
+        if !in_arena && arena_for(new_layout).is_none() {
             // SAFETY: forwarded unchanged: the wrapped allocator made `ptr`.
             return unsafe { self.0.realloc(ptr, layout, new_size) };
         }
-        // SAFETY: `new_size` is non-zero and fits `isize` (GlobalAlloc's contract).
-        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
         // SAFETY: a fresh block of `new_layout`; the old one is live with `layout`.
         unsafe {
             let new = self.alloc(new_layout);
@@ -147,19 +151,38 @@ pub(crate) struct ArenaId {
 
 /// Makes this process's arena (once; later calls return the same) when [`SharedLarge`] is the
 /// global allocator; `None` when it is not, when `FSDP_SHM_ARENA=0` turns it off, or when the
-/// arena cannot be made (no `memfd`): the shared-memory backend then copies, as without it.
-pub(crate) fn enable() -> Option<ArenaId> {
-    if !INSTALLED.load(Ordering::Relaxed)
-        || std::env::var_os("FSDP_SHM_ARENA").is_some_and(|v| v == "0")
-    {
-        return None;
+/// arena cannot be made (no `memfd`, an address-space limit): the shared-memory backend then
+/// copies, as without it.
+///
+/// Errors: `FSDP_SHM_ARENA` set to anything but `1`/`true`/`on`/`yes` or `0`/`false`/`off`/`no`
+/// (any case) — [`Error::Env`].
+pub(crate) fn enable() -> Result<Option<ArenaId>> {
+    if let Some(v) = std::env::var_os("FSDP_SHM_ARENA") {
+        let text = v.to_string_lossy().trim().to_ascii_lowercase();
+        match text.as_str() {
+            "1" | "true" | "on" | "yes" => {}
+            "0" | "false" | "off" | "no" => return Ok(None),
+            _ => {
+                return Err(Error::env(
+                    "FSDP_SHM_ARENA",
+                    format_args!("{v:?}"),
+                    "is not 1/true/on/yes or 0/false/off/no (whether the shared-memory \
+                     backend reads peers' comm buffers in place)",
+                ))
+            }
+        }
+    }
+    if !INSTALLED.load(Ordering::Relaxed) {
+        return Ok(None);
     }
     let _one = ENABLING.lock().unwrap_or_else(|e| e.into_inner());
     if ARENA.get().is_none() {
-        let arena = Arena::create(reserve_bytes()).ok()?;
+        let Ok(arena) = Arena::create(reserve_bytes()) else {
+            return Ok(None);
+        };
         let _ = ARENA.set(arena);
     }
-    ARENA.get().map(Arena::id)
+    Ok(ARENA.get().map(Arena::id))
 }
 
 /// Byte offset of `bytes` bytes at `ptr` in this process's arena, when they lie inside it.

@@ -350,6 +350,24 @@ fn shm_collectives_are_bitwise_the_thread_backends() {
 }
 
 #[test]
+fn shm_a_bad_arena_switch_is_an_error_naming_it() {
+    let env = |_| vec![("FSDP_SHM_ARENA", "maybe".to_string())];
+    for (r, (code, out)) in spawn_job_with(Backend::Shm, 2, "connect", env)
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(code, 0, "rank {r}: {out}");
+        assert!(
+            out.contains(&format!("rank {r}: connect error: "))
+                && out.contains("FSDP_SHM_ARENA")
+                && out.contains("\"maybe\"")
+                && out.contains("0/false/off/no"),
+            "rank {r}: {out}"
+        );
+    }
+}
+
+#[test]
 fn shm_reads_arena_tensors_in_place_and_copies_the_others_bitwise_the_thread_backends() {
     for (r, (code, out)) in spawn_job_on(Backend::Shm, 3, "arena")
         .into_iter()

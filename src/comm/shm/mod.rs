@@ -250,6 +250,8 @@ pub fn connect(
             world_size,
         ));
     }
+    // Before the store: a bad `FSDP_SHM_ARENA` fails here, not half-way through the setup.
+    let own_arena = arena::enable()?;
     let fresh = || {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -270,7 +272,7 @@ pub fn connect(
             abort: Arc::new(AbortSlot::private()?),
             prefix: fresh(),
             arenas: Arc::new(vec![None]),
-            in_place: arena::enable().is_some(),
+            in_place: own_arena.is_some(),
         };
         let comms = [core.create(0)?, core.create(1)?].map(|own| Comm::new(own, vec![None]));
         for c in &comms {
@@ -304,7 +306,6 @@ pub fn connect(
         arenas: Arc::new(Vec::new()),
         in_place: false,
     };
-    let own_arena = arena::enable();
     let owns = [core.create(0), core.create(1)];
     if let Some(Err(e)) = owns.iter().find(|r| r.is_err()) {
         core.abort.set(rank, &e.message());

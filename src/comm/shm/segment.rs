@@ -114,8 +114,12 @@ impl Segment {
             .open(&path)
             .map_err(|e| io_error("cannot create", &path, e))?;
         let len = HEADER_BYTES + INITIAL_CAPACITY;
-        reserve(&file, &path, len)?;
-        let map = map(&file, &path, len)?;
+        let removed = |e| {
+            let _ = std::fs::remove_file(&path);
+            e
+        };
+        reserve(&file, &path, len).map_err(removed)?;
+        let map = map(&file, &path, len).map_err(removed)?;
         let seg = Segment {
             file,
             map,
@@ -164,6 +168,14 @@ impl Segment {
         self.word(CAPACITY)
             .store(capacity as u64, Ordering::Release);
         Ok(())
+    }
+}
+
+/// A segment dropped before every peer mapped it (a setup that failed half-way: a peer died, a
+/// store barrier failed) takes its file with it; otherwise the file is gone already.
+impl Drop for Segment {
+    fn drop(&mut self) {
+        self.unlink();
     }
 }
 
@@ -354,6 +366,17 @@ const ABORT_MAX_REASON: usize = ABORT_BYTES - 64;
 pub(super) struct AbortSlot {
     map: MmapRaw,
     _file: File,
+    /// The file rank 0 created (removed, if still there, when the slot is dropped: a setup
+    /// that failed before every rank opened it).
+    created: Option<PathBuf>,
+}
+
+impl Drop for AbortSlot {
+    fn drop(&mut self) {
+        if let Some(path) = &self.created {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 impl AbortSlot {
@@ -366,10 +389,15 @@ impl AbortSlot {
             .mode(0o600)
             .open(path)
             .map_err(|e| io_error("cannot create", path, e))?;
-        reserve(&file, path, ABORT_BYTES)?;
+        let removed = |e| {
+            let _ = std::fs::remove_file(path);
+            e
+        };
+        reserve(&file, path, ABORT_BYTES).map_err(removed)?;
         Ok(AbortSlot {
-            map: map(&file, path, ABORT_BYTES)?,
+            map: map(&file, path, ABORT_BYTES).map_err(removed)?,
             _file: file,
+            created: Some(path.to_path_buf()),
         })
     }
 
@@ -383,6 +411,7 @@ impl AbortSlot {
         Ok(AbortSlot {
             map: map(&file, path, ABORT_BYTES)?,
             _file: file,
+            created: None,
         })
     }
 
@@ -397,6 +426,7 @@ impl AbortSlot {
         Ok(AbortSlot {
             map: map.into(),
             _file: file,
+            created: None,
         })
     }
 
@@ -500,5 +530,37 @@ pub(super) fn wait_for(
         } else {
             std::thread::sleep(std::time::Duration::from_micros(50));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn path(tag: &str) -> PathBuf {
+        shm_dir().join(format!("candle-fsdp-test-{}-{tag}", std::process::id()))
+    }
+
+    #[test]
+    fn a_segment_or_abort_slot_dropped_before_unlinking_removes_its_file() {
+        // A setup that fails half-way (a peer died before a store barrier) drops what it made:
+        // nothing may stay in /dev/shm.
+        let seg_path = path("segment");
+        let seg = Segment::create(seg_path.clone()).unwrap();
+        assert!(seg_path.exists());
+        drop(seg);
+        assert!(!seg_path.exists(), "{} left behind", seg_path.display());
+
+        let slot_path = path("abort");
+        let slot = AbortSlot::create(&slot_path).unwrap();
+        let peer = AbortSlot::open(&slot_path).unwrap();
+        drop(peer);
+        assert!(
+            slot_path.exists(),
+            "a peer's slot removed the creator's file"
+        );
+        slot.set(1, "gone");
+        drop(slot);
+        assert!(!slot_path.exists(), "{} left behind", slot_path.display());
     }
 }
