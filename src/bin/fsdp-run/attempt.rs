@@ -206,6 +206,12 @@ pub(crate) fn run_attempt(
         for v in MPI_VARS {
             cmd.env_remove(v);
         }
+        // One machine: the job's own id, so that the store refuses a rank of another job
+        // started on the same port (several machines keep what the user set, as torchrun's
+        // --rdzv-id: every node must agree).
+        if cli.nnodes == 1 && std::env::var_os("TORCHELASTIC_RUN_ID").is_none() {
+            cmd.env("TORCHELASTIC_RUN_ID", job_id);
+        }
         // SAFETY: the closure runs in the forked child before exec and calls only
         // async-signal-safe functions (prctl, getppid, _exit).
         #[cfg(target_os = "linux")]

@@ -15,7 +15,9 @@
 //! `127.0.0.1`, `29500`), and removes the variables `mpirun` sets (`OMPI_COMM_WORLD_*`,
 //! `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALNRANKS`) so that the children are not taken for MPI ranks.
 //! Rank 0 serves the job's rendezvous store at `MASTER_ADDR:MASTER_PORT`
-//! (`candle_fsdp::comm::store`); `fsdp-run` itself opens no port. On several machines, run
+//! (`candle_fsdp::comm::store`); `fsdp-run` itself opens no port. On one machine it also sets
+//! `TORCHELASTIC_RUN_ID` to the job's id (unless set already), so that the store refuses a rank
+//! of another job started on the same port instead of letting it take a rank of this one. On several machines, run
 //! one `fsdp-run` per machine with the same `--nnodes`, `--nproc-per-node`, `--master-addr`
 //! (node rank 0's address) and `--master-port`, and its own `--node-rank`. With `--device cpu`
 //! the ranks then meet over TCP (`candle_fsdp::comm::tcp`; one machine's ranks share memory).

@@ -274,10 +274,23 @@ impl TcpStore {
                 world_size,
             ));
         }
+        let job = std::env::var("TORCHELASTIC_RUN_ID").unwrap_or_default();
+        Self::connect_as(addr, port, rank, world_size, timeout, &job)
+    }
+
+    /// [`TcpStore::connect`] as a rank of `job` (what `TORCHELASTIC_RUN_ID` says there).
+    pub(crate) fn connect_as(
+        addr: &str,
+        port: u16,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        job: &str,
+    ) -> Result<TcpStore> {
         let deadline = Instant::now() + timeout;
         let display = display_addr(addr, port);
         let server = if rank == 0 {
-            Some(Server::start(addr, port, world_size, &display)?)
+            Some(Server::start(addr, port, world_size, job, &display)?)
         } else {
             None
         };
@@ -324,6 +337,7 @@ impl TcpStore {
         let hello = Request::Hello {
             rank: rank as u32,
             world_size: world_size as u32,
+            job: job.to_string(),
         };
         match store.call(&hello, "joining", Duration::ZERO)? {
             Reply::Ok => {}

@@ -10,6 +10,9 @@ use super::*;
 
 pub(super) struct State {
     world_size: usize,
+    /// The job rank 0 belongs to (`TORCHELASTIC_RUN_ID`, empty when unset): a rank of another
+    /// job is refused without disturbing this one.
+    job: String,
     kv: HashMap<String, Vec<u8>>,
     /// Peer address of each registered rank.
     joined: Vec<Option<SocketAddr>>,
@@ -62,7 +65,13 @@ pub(super) struct Server {
 
 impl Server {
     /// Binds `port` on the wildcard address of `host`'s family and starts accepting.
-    pub(super) fn start(host: &str, port: u16, world_size: usize, display: &str) -> Result<Server> {
+    pub(super) fn start(
+        host: &str,
+        port: u16,
+        world_size: usize,
+        job: &str,
+        display: &str,
+    ) -> Result<Server> {
         let wildcard = match (host, port)
             .to_socket_addrs()
             .ok()
@@ -87,6 +96,7 @@ impl Server {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 world_size,
+                job: job.to_string(),
                 kv: HashMap::new(),
                 joined: vec![None; world_size],
                 left: vec![false; world_size],
@@ -165,8 +175,9 @@ pub(super) fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: 
                     Request::Hello {
                         rank: r,
                         world_size,
+                        job,
                     },
-                ) => match register(shared, r as usize, world_size as usize, peer) {
+                ) => match register(shared, r as usize, world_size as usize, &job, peer) {
                     Ok(()) => {
                         rank = Some(r as usize);
                         (Reply::Ok, false)
@@ -214,10 +225,19 @@ pub(super) fn register(
     shared: &Shared,
     rank: usize,
     world_size: usize,
+    job: &str,
     peer: SocketAddr,
 ) -> std::result::Result<(), String> {
     let mut st = shared.lock();
-    let refusal = if world_size != st.world_size {
+    let refusal = if job != st.job {
+        // Checked first: a rank of another job that shares the port must not take a rank
+        // of this one (which the real one would then find "joined twice").
+        Some(format!(
+            "rank {rank} (from {peer}) belongs to job {job:?}, but the store at this port serves \
+             job {:?} (TORCHELASTIC_RUN_ID): two jobs on one MASTER_PORT? give each its own",
+            st.job
+        ))
+    } else if world_size != st.world_size {
         Some(format!(
             "rank {rank} (from {peer}) asked to join with world size {world_size}, but the store \
              (served by rank 0) has world size {}",

@@ -9,6 +9,7 @@ fn messages_round_trip() {
         Request::Hello {
             rank: 3,
             world_size: 4,
+            job: "1234-5678".into(),
         },
         Request::Set {
             key: "nccl_id".into(),
@@ -53,6 +54,7 @@ fn malformed_messages_are_refused() {
     let mut hello = Request::Hello {
         rank: 0,
         world_size: 1,
+        job: String::new(),
     }
     .encode();
     hello[1] = b'Z';
@@ -86,4 +88,32 @@ fn addresses_and_durations_print_plainly() {
     assert_eq!(display_addr("::1", 29500), "[::1]:29500");
     assert_eq!(secs(Duration::from_secs(30)), "30 s");
     assert_eq!(secs(Duration::from_millis(1500)), "1.5 s");
+}
+
+#[test]
+fn a_rank_of_another_job_on_the_port_is_refused_and_the_job_goes_on() {
+    // Job "a" (2 ranks) serves the store; a rank 1 of job "b" (started on the same port) comes
+    // first and is refused, naming both jobs; job "a"'s own rank 1 then joins, and both of
+    // job "a"'s ranks finish joining (before: the intruder took rank 1, the real one was
+    // refused as "joined twice", and job "a" failed).
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let t = Duration::from_secs(20);
+    let r0 = std::thread::spawn(move || TcpStore::connect_as("127.0.0.1", port, 0, 2, t, "a"));
+    let Err(intruder) = TcpStore::connect_as("127.0.0.1", port, 1, 2, t, "b") else {
+        panic!("a rank of another job joined");
+    };
+    let intruder = intruder.to_string();
+    assert!(
+        intruder.contains("belongs to job \"b\"")
+            && intruder.contains("serves job \"a\"")
+            && intruder.contains("MASTER_PORT"),
+        "{intruder}"
+    );
+    let r1 = TcpStore::connect_as("127.0.0.1", port, 1, 2, t, "a").unwrap();
+    let r0 = r0.join().unwrap().unwrap();
+    r1.set("k", b"v").unwrap();
+    assert_eq!(r0.get("k").unwrap(), b"v");
 }

@@ -11,6 +11,8 @@ pub(super) enum Request {
     Hello {
         rank: u32,
         world_size: u32,
+        /// The job the rank belongs to (`TORCHELASTIC_RUN_ID`; empty when unset).
+        job: String,
     },
     Set {
         key: String,
@@ -125,10 +127,14 @@ impl<'a> Dec<'a> {
 impl Request {
     pub(super) fn encode(&self) -> Vec<u8> {
         match self {
-            Request::Hello { rank, world_size } => {
+            Request::Hello {
+                rank,
+                world_size,
+                job,
+            } => {
                 let mut e = Enc::new(op::HELLO);
                 e.0.extend_from_slice(MAGIC);
-                e.u32(*rank).u32(*world_size).0
+                e.u32(*rank).u32(*world_size).bytes(job.as_bytes()).0
             }
             Request::Set { key, value } => Enc::new(op::SET).bytes(key.as_bytes()).bytes(value).0,
             Request::Get { key, wait_ms } => {
@@ -159,6 +165,7 @@ impl Request {
                 Request::Hello {
                     rank: d.u32()?,
                     world_size: d.u32()?,
+                    job: d.string(MAX_KEY_BYTES, "job")?,
                 }
             }
             op::SET => Request::Set {
