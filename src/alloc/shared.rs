@@ -43,7 +43,7 @@ const PAGE: usize = 4096;
 /// It composes with [`super::Counting`]: `Counting(SharedLarge(System))`.
 pub struct SharedLarge<A = System>(pub A);
 
-/// Set by [`SharedLarge`]'s first allocation: the allocator is installed.
+/// Set by [`SharedLarge`]'s first large allocation: the allocator is installed.
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 /// This process's arena, once [`enable`] made it.
 static ARENA: OnceLock<Arena> = OnceLock::new();
@@ -99,7 +99,12 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SharedLarge<A> {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        match ARENA.get().filter(|a| a.contains(ptr)) {
+        // Only blocks of at least THRESHOLD bytes can be the arena's.
+        let arena = match layout.size() >= THRESHOLD {
+            true => ARENA.get().filter(|a| a.contains(ptr)),
+            false => None,
+        };
+        match arena {
             Some(a) => a.free(ptr, layout.size()),
             // SAFETY: not the arena's: the wrapped allocator made it with this layout.
             None => unsafe { self.0.dealloc(ptr, layout) },
@@ -107,7 +112,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SharedLarge<A> {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let in_arena = ARENA.get().is_some_and(|a| a.contains(ptr));
+        let in_arena = layout.size() >= THRESHOLD && ARENA.get().is_some_and(|a| a.contains(ptr));
         // SAFETY: `new_size` is non-zero and fits `isize` (GlobalAlloc's contract).
         let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
         // Outside `in_shared`, a block of the wrapped allocator stays with it (it may grow in
@@ -129,11 +134,16 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SharedLarge<A> {
 }
 
 /// The arena, when `layout` is one it serves (enabled, large enough, alignment ≤ a page).
+/// Small blocks, nearly every allocation of a step, leave after one comparison.
+#[inline(always)]
 fn arena_for(layout: Layout) -> Option<&'static Arena> {
+    if layout.size() < THRESHOLD {
+        return None;
+    }
     if !INSTALLED.load(Ordering::Relaxed) {
         INSTALLED.store(true, Ordering::Relaxed);
     }
-    if layout.size() < THRESHOLD || layout.align() > PAGE {
+    if layout.align() > PAGE {
         return None;
     }
     let arena = ARENA.get()?;
@@ -172,6 +182,8 @@ pub(crate) fn enable() -> Result<Option<ArenaId>> {
             }
         }
     }
+    // A large block through the global allocator marks `SharedLarge` as installed.
+    drop(std::hint::black_box(Vec::<u8>::with_capacity(THRESHOLD)));
     if !INSTALLED.load(Ordering::Relaxed) {
         return Ok(None);
     }
