@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 pub const THRESHOLD: usize = 64 << 10;
 const PAGE: usize = 4096;
 
-/// A global allocator that serves allocations of at least [`THRESHOLD`] bytes made inside
+/// A global allocator that serves allocations of at least 64 KiB (`THRESHOLD`) made inside
 /// [`in_shared`] from this process's shared arena once a shared-memory group has enabled it,
 /// and everything else from the allocator it wraps (the system's by default).
 ///
@@ -56,7 +56,7 @@ thread_local! {
     static SCOPE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
-/// Runs `f` with this thread's allocations of at least [`THRESHOLD`] bytes served from the
+/// Runs `f` with this thread's allocations of at least 64 KiB (`THRESHOLD`) served from the
 /// shared arena (when [`SharedLarge`] is installed and a shared-memory group enabled it; else
 /// `f` runs unchanged). Wrap the creation of tensors a collective reads (its input; an
 /// all-reduce's buffer): the shared-memory backend then lets the peers read them in place
@@ -73,7 +73,8 @@ pub fn in_shared<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// True once this process has an arena ([`enable`] succeeded).
+/// True once this process has an arena (a shared-memory group was created with
+/// [`SharedLarge`] installed).
 pub fn is_shared_enabled() -> bool {
     ARENA.get().is_some()
 }

@@ -26,8 +26,9 @@
 //! rank validates every descriptor with the thread backend's code and does its share of the
 //! copying straight from the peers' arenas or segments with the thread backend's copy loops
 //! and rank-ordered reduction kernel. [`connect`] maps every peer's arena (through
-//! `/proc/<pid>/fd`); when some rank has none or cannot map one, the group copies. Reductions are **bitwise identical to the thread backend's** (and to the
-//! MPI backend's) for every dtype and op; a mismatch is the same [`Error::CollectiveMismatch`] /
+//! `/proc/<pid>/fd`); when some rank has none or cannot map one, the group copies.
+//! Reductions are **bitwise identical to the thread backend's** (and to the MPI backend's)
+//! for every dtype and op; a mismatch is the same [`Error::CollectiveMismatch`] /
 //! [`Error::BadBuffer`] on every rank, and the group stays usable.
 //!
 //! # Failures

@@ -7,23 +7,23 @@ use candle_core::{Device, Result, Tensor, D};
 use super::{check, starts_of, AttentionOptions};
 use crate::nn::softmax::causal_softmax;
 
-/// [`attention`] composed of Candle ops: split `qkv` into `(B, n_head, T, hd)` queries and
+/// [`attention`](super::attention) composed of Candle ops: split `qkv` into `(B, n_head, T, hd)` queries and
 /// keys and values repeated to `n_head` heads (transformers' `repeat_kv`), `U = scale · Q·Kᵀ`,
 /// then either [`causal_softmax`] (no soft-cap, no window shorter than `T`) or `c · tanh(U / c)`
 /// when soft-capped, plus a `(T, T)` mask (0 where `i − W < j ≤ i`, −∞ elsewhere) and
 /// `candle_nn::ops::softmax`; then `·V` and the heads merged back to `(B, T, n_head·hd)`. The
 /// `(B, n_head, T, T)` scores are materialised. Candle's autograd differentiates it; any dtype
-/// and device. The reference of [`attention`]'s kernel in the tests.
+/// and device. The reference of [`attention`](super::attention)'s kernel in the tests.
 ///
-/// Errors: as [`attention`].
+/// Errors: as [`attention`](super::attention).
 pub fn attention_composed(qkv: &Tensor, opts: &AttentionOptions) -> Result<Tensor> {
     composed_in(qkv, opts, None)
 }
 
-/// [`attention_packed`] composed of Candle ops, as [`attention_composed`] with a `(B, 1, T, T)`
+/// [`attention_packed`](super::attention_packed) composed of Candle ops, as [`attention_composed`] with a `(B, 1, T, T)`
 /// mask that also hides the keys of other examples. Any dtype and device.
 ///
-/// Errors: as [`attention_packed`].
+/// Errors: as [`attention_packed`](super::attention_packed).
 pub fn attention_packed_composed(
     qkv: &Tensor,
     opts: &AttentionOptions,
@@ -103,18 +103,18 @@ fn window_mask(
     Tensor::from_vec(mask, (b, 1, t, t), device)
 }
 
-/// [`causal_attention`] composed of Candle ops: [`attention_composed`] with
+/// [`causal_attention`](super::causal_attention) composed of Candle ops: [`attention_composed`] with
 /// `AttentionOptions::new(n_head, n_head)`. Any dtype and device.
 ///
-/// Errors: as [`causal_attention`].
+/// Errors: as [`causal_attention`](super::causal_attention).
 pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
     causal_attention_gqa_composed(qkv, n_head, n_head)
 }
 
-/// [`causal_attention_gqa`] composed of Candle ops: [`attention_composed`] with
+/// [`causal_attention_gqa`](super::causal_attention_gqa) composed of Candle ops: [`attention_composed`] with
 /// `AttentionOptions::new(n_head, n_kv_head)`. Any dtype and device.
 ///
-/// Errors: as [`causal_attention_gqa`].
+/// Errors: as [`causal_attention_gqa`](super::causal_attention_gqa).
 pub fn causal_attention_gqa_composed(
     qkv: &Tensor,
     n_head: usize,
