@@ -444,8 +444,8 @@ impl FlatParameter {
         self.shard = match (shard.is_contiguous(), crate::alloc::is_shared_enabled()) {
             (true, false) => shard,
             (false, false) => shard.contiguous()?,
-            (true, true) => crate::alloc::in_shared(|| shard.copy())?,
-            (false, true) => crate::alloc::in_shared(|| shard.contiguous())?,
+            // A buffer of the shard's size, whatever storage the given view is part of.
+            (_, true) => crate::alloc::in_shared(|| shard.force_contiguous())?,
         };
         Ok(())
     }

@@ -158,6 +158,17 @@ pub(crate) struct ArenaId {
     pub fd: i32,
     /// Bytes of the file (the arena's reserved size).
     pub len: usize,
+    /// The file's identity (`st_dev`, `st_ino`): what a peer checks the file it opened
+    /// against (in another PID namespace `/proc/<pid>` may be another process).
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// `(st_dev, st_ino)` of an open file.
+fn identity(file: &std::fs::File) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = file.metadata()?;
+    Ok((m.dev(), m.ino()))
 }
 
 /// Makes this process's arena (once; later calls return the same) when [`SharedLarge`] is the
@@ -254,6 +265,9 @@ pub(crate) struct Arena {
     base: *mut u8,
     len: usize,
     fd: i32,
+    /// The file's `(st_dev, st_ino)`.
+    dev: u64,
+    ino: u64,
     extents: Mutex<Extents>,
 }
 
@@ -291,10 +305,19 @@ impl Arena {
             if base == libc::MAP_FAILED {
                 return fail(fd);
             }
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd, &mut st) != 0 {
+                let e = std::io::Error::last_os_error();
+                libc::munmap(base, len);
+                libc::close(fd);
+                return Err(e);
+            }
             Ok(Arena {
                 base: base.cast(),
                 len,
                 fd,
+                dev: st.st_dev,
+                ino: st.st_ino,
                 extents: Mutex::new(Extents {
                     free: BTreeMap::new(),
                     top: 0,
@@ -309,6 +332,8 @@ impl Arena {
         ArenaId {
             fd: self.fd,
             len: self.len,
+            dev: self.dev,
+            ino: self.ino,
         }
     }
 
@@ -442,8 +467,27 @@ unsafe impl Sync for PeerArena {}
 
 impl PeerArena {
     /// Maps the arena `id` of process `pid` (through `/proc/<pid>/fd/<fd>`).
+    ///
+    /// Errors: the file cannot be opened (another user's process, no `/proc`); it is not the
+    /// arena `id` names (another file or process behind that path: another PID namespace), or
+    /// it is this process's own arena; it is shorter than `id.len`; it cannot be mapped.
     pub(crate) fn open(pid: u32, id: ArenaId) -> std::io::Result<PeerArena> {
         let file = std::fs::File::open(format!("/proc/{pid}/fd/{}", id.fd))?;
+        let found = identity(&file)?;
+        if found != (id.dev, id.ino) {
+            return Err(std::io::Error::other(format!(
+                "/proc/{pid}/fd/{} is not the peer's arena (file {found:?}, expected {:?}): \
+                 another PID namespace?",
+                id.fd,
+                (id.dev, id.ino)
+            )));
+        }
+        if ARENA.get().is_some_and(|own| (own.dev, own.ino) == found) {
+            return Err(std::io::Error::other(format!(
+                "/proc/{pid}/fd/{} is this process's own arena: another PID namespace?",
+                id.fd
+            )));
+        }
         let size = file.metadata()?.len() as usize;
         if size < id.len {
             return Err(std::io::Error::other(format!(
@@ -554,5 +598,12 @@ mod tests {
         // SAFETY: a live read-only mapping of the same page.
         assert_eq!(unsafe { *p.add(7) }, 42);
         assert!(peer.at(1 << 20, 1).is_none());
+        // Another file behind the path (another PID namespace) is refused, naming it.
+        let wrong = ArenaId {
+            ino: a.id().ino + 1,
+            ..a.id()
+        };
+        let e = PeerArena::open(std::process::id(), wrong).err().unwrap();
+        assert!(e.to_string().contains("is not the peer's arena"), "{e}");
     }
 }

@@ -194,8 +194,10 @@ pub(crate) fn unpack_when_gathered(
 /// `rank`-th of `pg`'s `world_size` equal chunks, copied (the gathered buffer is dropped).
 pub(crate) fn secondary_piece(pg: &dyn ProcessGroup, flat: &Tensor) -> Result<Tensor> {
     let n = flat.elem_count() / pg.world_size();
+    // `force_contiguous`: a buffer of the piece's size (`copy` would clone the whole gathered
+    // storage behind the view and keep it alive).
     Ok(crate::alloc::in_shared(|| {
-        flat.narrow(0, pg.rank() * n, n)?.copy()
+        flat.narrow(0, pg.rank() * n, n)?.force_contiguous()
     })?)
 }
 

@@ -1,9 +1,10 @@
 //! The collectives of the shared-memory family (the thread backend, whose ranks read each
-//! other's tensors, and the shared-memory backend, whose ranks read each other's segments),
+//! other's tensors, and the shared-memory backend, whose ranks read each other's arenas or
+//! segments),
 //! written once over a [`Board`]: one rank's side of one communicator's rendezvous.
 //!
-//! A collective makes this rank's buffer readable by its peers (shm: copies what they will read
-//! into its segment), publishes its [`Post`] and waits for every rank (barrier 1), validates
+//! A collective makes this rank's buffer readable by its peers (shm: posts its offset in the
+//! shared arena, or copies what they will read into its segment), publishes its [`Post`] and waits for every rank (barrier 1), validates
 //! every rank's post (the same verdict on every rank: the group stays usable after a
 //! mismatch), then does its own share of the copying straight from the peers' readable buffers
 //! with the copy loops and rank-order reduction kernel of [`super::copy`] (bitwise the same

@@ -289,7 +289,9 @@ pub fn connect(
         Some(slot) => slot,
         None => AbortSlot::open(&PathBuf::from(format!("{prefix}-abort"))).map_err(|e| {
             Error::InvalidArgument(format!(
-                "rank {rank} cannot open the job's shared memory ({e}): the shared-memory \
+                "rank {rank} cannot open the job's shared memory ({e}): either rank 0 failed \
+                     while setting the job up (its own error says why), or this rank runs on \
+                     another machine: the shared-memory \
                      backend connects the ranks of one machine; CPU ranks on several machines \
                      use the TCP backend (chosen when LOCAL_WORLD_SIZE < WORLD_SIZE, as \
                      `fsdp-run --nnodes N` sets them) or MPI (`mpirun --hostfile HOSTS`)"
@@ -360,7 +362,14 @@ fn map_arenas(setup: &Comm, rank: usize) -> Vec<Option<PeerArena>> {
         .map(|j| {
             let peer = setup.peers[j].as_ref().filter(|_| j != rank)?;
             let id = setup.header(j).arena()?;
-            PeerArena::open(peer.pid, id).ok()
+            PeerArena::open(peer.pid, id)
+                .inspect_err(|e| {
+                    tracing::warn!(
+                        "shm: rank {rank} cannot map rank {j}'s arena ({e}); the group copies \
+                         each collective's input into its segments instead of reading it in place"
+                    )
+                })
+                .ok()
         })
         .collect()
 }

@@ -2,11 +2,12 @@
 //! operations on the caller's thread, collectives on a stream's), over which the shared-memory
 //! family's collectives run (`comm::engine::board`, the thread backend's algorithm).
 //!
-//! Before barrier 1 a rank copies what its peers will read of its buffer into its own segment
-//! (growing it if needed) and writes its descriptor (the [`Post`] every backend validates,
-//! encoded by `comm::wire`) into the segment header; then every rank validates every descriptor
-//! (the same verdict everywhere) and reads the peers' segments in place. Reductions are
-//! therefore bitwise the thread backend's.
+//! Before barrier 1 a rank makes what its peers will read of its buffer readable: it posts the
+//! buffer's offset in its shared arena when the buffer lies there (`crate::alloc::shared`), else
+//! copies it into its own segment (growing it if needed); and it writes its descriptor (the
+//! [`Post`] every backend validates, encoded by `comm::wire`) into the segment header. Then every
+//! rank validates every descriptor (the same verdict everywhere) and reads the peers' arenas or
+//! segments in place. Reductions are therefore bitwise the thread backend's.
 
 use super::segment::{wait_for, Header, PeerMap, Segment, Stop, DESC_MAX};
 use super::Shm;
@@ -279,14 +280,28 @@ impl Board for Ctx<'_> {
         })
     }
 
+    /// Arrives at barrier `target` and waits for every rank; fails when the job was aborted
+    /// meanwhile even if every rank arrived: a rank that arrived and then timed out waiting
+    /// may have freed a buffer this rank was still reading in place.
     fn sync(&self, target: u64) -> Result<()> {
-        Ctx::arrive_and_wait(self, target)
+        Ctx::arrive_and_wait(self, target)?;
+        match self.core.abort.get() {
+            None => Ok(()),
+            Some((failed_rank, reason)) => Err(Error::PeerFailed {
+                op: self.op.to_string(),
+                rank: self.rank(),
+                failed_rank,
+                reason,
+            }),
+        }
     }
 
     fn fail_with(&mut self, kind: Kind, problem: Problem) -> Error {
         self.report(kind, problem)
     }
 
-    /// Nothing to guard: the data lives in the segments, never in a peer's tensors.
+    /// Nothing to guard: what peers read lives in segments or arenas, which stay mapped
+    /// whatever this rank frees, and a rank that leaves the data phase early never arrives at
+    /// the last barrier, so the peers' collective fails (see [`Board::sync`] here).
     fn data_phase(&self) -> impl Sized + '_ {}
 }

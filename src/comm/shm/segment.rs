@@ -38,6 +38,9 @@ const DATA_AT: usize = 32;
 /// The rank's arena: `1 + fd` (0: none), and its length.
 const ARENA_FD: usize = 40;
 const ARENA_LEN: usize = 48;
+/// The arena file's `st_dev` and `st_ino` (checked by the peers that open it).
+const ARENA_DEV: usize = 80;
+const ARENA_INO: usize = 88;
 const DESC_LEN: usize = 64;
 const DESC: usize = 128;
 
@@ -293,7 +296,10 @@ impl Header {
     /// Publishes this rank's arena (before the first barrier its peers map after).
     pub(super) fn set_arena(&self, arena: Option<ArenaId>) {
         let (fd, len) = arena.map_or((0, 0), |a| (a.fd as u64 + 1, a.len as u64));
+        let (dev, ino) = arena.map_or((0, 0), |a| (a.dev, a.ino));
         self.word(ARENA_LEN).store(len, Ordering::Relaxed);
+        self.word(ARENA_DEV).store(dev, Ordering::Relaxed);
+        self.word(ARENA_INO).store(ino, Ordering::Relaxed);
         self.word(ARENA_FD).store(fd, Ordering::Release);
     }
 
@@ -303,6 +309,8 @@ impl Header {
         Some(ArenaId {
             fd: fd as i32,
             len: self.word(ARENA_LEN).load(Ordering::Relaxed) as usize,
+            dev: self.word(ARENA_DEV).load(Ordering::Relaxed),
+            ino: self.word(ARENA_INO).load(Ordering::Relaxed),
         })
     }
 

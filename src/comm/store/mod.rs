@@ -64,7 +64,7 @@
 //!
 //! | request (client → server) | opcode | fields | replies |
 //! |---|---|---|---|
-//! | `HELLO` (must come first) | 1 | magic `b"CFSDPKV1"`, rank `u32`, world size `u32` | `OK`, `ERR` |
+//! | `HELLO` (must come first) | 1 | magic `b"CFSDPKV2"`, rank `u32`, world size `u32`, job (bytes: `TORCHELASTIC_RUN_ID`) | `OK`, `ERR` |
 //! | `SET` | 2 | key `bytes`, value `bytes` | `OK` |
 //! | `GET` | 3 | key `bytes`, wait `u32` (ms) | `VALUE`, `NOT_YET` |
 //! | `JOINED` | 4 | wait `u32` (ms) | `DONE`, `PENDING` |
@@ -109,7 +109,7 @@ pub const MAX_VALUE_BYTES: usize = 16 << 20;
 pub const MAX_FRAME_BYTES: usize = MAX_VALUE_BYTES + 2 * MAX_KEY_BYTES + 64;
 
 /// Protocol magic and version, sent in `HELLO`.
-const MAGIC: &[u8; 8] = b"CFSDPKV1";
+const MAGIC: &[u8; 8] = b"CFSDPKV2";
 /// Longest server-side wait of one request.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
 /// How long a client waits for a reply beyond the server-side wait it asked for.
