@@ -441,7 +441,8 @@ impl FlatParameter {
         }
         // Under shm the shard lives in the shared arena, where the all-gather's peers read it
         // in place: a shard from elsewhere (a checkpoint's) is copied there.
-        self.shard = match (shard.is_contiguous(), crate::alloc::is_shared_enabled()) {
+        let shared = crate::alloc::is_shared_enabled() && shard.device().is_cpu();
+        self.shard = match (shard.is_contiguous(), shared) {
             (true, false) => shard,
             (false, false) => shard.contiguous()?,
             // A buffer of the shard's size, whatever storage the given view is part of.

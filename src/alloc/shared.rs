@@ -264,7 +264,8 @@ struct Extents {
 pub(crate) struct Arena {
     base: *mut u8,
     len: usize,
-    fd: i32,
+    /// The shared file (`memfd_create`).
+    file: std::fs::File,
     /// The file's `(st_dev, st_ino)`.
     dev: u64,
     ino: u64,
@@ -280,57 +281,48 @@ unsafe impl Sync for Arena {}
 impl Arena {
     /// Creates a sparse shared file of `len` bytes and maps it.
     pub(crate) fn create(len: usize) -> std::io::Result<Arena> {
-        // SAFETY: plain syscalls on a descriptor this function owns; the mapping is checked.
-        unsafe {
-            let fd = libc::memfd_create(c"candle-fsdp-arena".as_ptr(), libc::MFD_CLOEXEC);
-            if fd < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let fail = |fd| {
-                let e = std::io::Error::last_os_error();
-                libc::close(fd);
-                Err(e)
-            };
-            if libc::ftruncate(fd, len as libc::off_t) != 0 {
-                return fail(fd);
-            }
-            let base = libc::mmap(
+        use std::os::fd::{AsRawFd, FromRawFd};
+        // SAFETY: plain syscall.
+        let fd = unsafe { libc::memfd_create(c"candle-fsdp-arena".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nobody else owns (closed with the file from here on).
+        let file = unsafe { std::fs::File::from_raw_fd(fd) };
+        file.set_len(len as u64)?;
+        let (dev, ino) = identity(&file)?;
+        // SAFETY: maps the file's `len` bytes; checked below.
+        let base = unsafe {
+            libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED | libc::MAP_NORESERVE,
-                fd,
+                file.as_raw_fd(),
                 0,
-            );
-            if base == libc::MAP_FAILED {
-                return fail(fd);
-            }
-            let mut st: libc::stat = std::mem::zeroed();
-            if libc::fstat(fd, &mut st) != 0 {
-                let e = std::io::Error::last_os_error();
-                libc::munmap(base, len);
-                libc::close(fd);
-                return Err(e);
-            }
-            Ok(Arena {
-                base: base.cast(),
-                len,
-                fd,
-                dev: st.st_dev,
-                ino: st.st_ino,
-                extents: Mutex::new(Extents {
-                    free: BTreeMap::new(),
-                    top: 0,
-                    clean: 0,
-                    live: 0,
-                }),
-            })
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
         }
+        Ok(Arena {
+            base: base.cast(),
+            len,
+            file,
+            dev,
+            ino,
+            extents: Mutex::new(Extents {
+                free: BTreeMap::new(),
+                top: 0,
+                clean: 0,
+                live: 0,
+            }),
+        })
     }
 
     fn id(&self) -> ArenaId {
         ArenaId {
-            fd: self.fd,
+            fd: std::os::fd::AsRawFd::as_raw_fd(&self.file),
             len: self.len,
             dev: self.dev,
             ino: self.ino,
@@ -434,7 +426,7 @@ impl Arena {
         // pages, which is only memory.
         unsafe {
             libc::fallocate(
-                self.fd,
+                std::os::fd::AsRawFd::as_raw_fd(&self.file),
                 libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
                 off as libc::off_t,
                 len as libc::off_t,
@@ -445,12 +437,9 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        // SAFETY: the mapping and descriptor this value made (the process's own arena is a
-        // static and never dropped; only tests' arenas are).
-        unsafe {
-            libc::munmap(self.base.cast(), self.len);
-            libc::close(self.fd);
-        }
+        // SAFETY: the mapping this value made (the process's own arena is a static and never
+        // dropped; only tests' arenas are); the file closes itself.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
     }
 }
 

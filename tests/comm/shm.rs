@@ -176,6 +176,19 @@ fn in_arena_and_not(
     Ok(out)
 }
 
+/// `got` (this backend's named results) equals `want` (the thread backend's), name for name and
+/// bit for bit.
+fn assert_same_bits(rank: usize, got: &[(String, Vec<u64>)], want: &[(String, Vec<u64>)]) {
+    assert_eq!(got.len(), want.len(), "rank {rank}: number of results");
+    for ((name, g), (wname, w)) in got.iter().zip(want) {
+        assert_eq!(name, wname);
+        assert!(
+            g == w,
+            "rank {rank}: {name} differs from the thread backend"
+        );
+    }
+}
+
 /// The backend a job of [`spawn_job_on`] runs on.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Backend {
@@ -260,14 +273,7 @@ fn helper_shm_rank() {
             let want = run_ranks_ok(ws, ThreadGroupConfig::default(), exercise)
                 .unwrap()
                 .swap_remove(rank);
-            assert_eq!(got.len(), want.len());
-            for ((name, g), (wname, w)) in got.iter().zip(&want) {
-                assert_eq!(name, wname);
-                assert!(
-                    g == w,
-                    "rank {rank}: {name} differs from the thread backend"
-                );
-            }
+            assert_same_bits(rank, &got, &want);
             println!(
                 "rank {rank}: {} results bitwise equal to the thread backend's",
                 got.len()
@@ -327,13 +333,7 @@ fn helper_shm_rank() {
             })
             .unwrap()
             .swap_remove(rank);
-            assert_eq!(got.len(), want.len());
-            for ((name, g), (_, w)) in got.iter().zip(&want) {
-                assert!(
-                    g == w,
-                    "rank {rank}: {name} differs from the thread backend"
-                );
-            }
+            assert_same_bits(rank, &got, &want);
             println!("rank {rank}: {} arena results bitwise equal", got.len());
         }
         "connect" => match launcher.run(|_| Ok(())) {

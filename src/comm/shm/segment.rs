@@ -97,6 +97,26 @@ fn map(file: &File, path: &Path, len: usize) -> Result<MmapRaw> {
         .map_err(|e| io_error("cannot map", path, e))
 }
 
+/// Creates the file at `path` (which must not exist; mode 0600), reserves `bytes` in it and
+/// maps them; on a failure after the file exists, removes it.
+fn create_mapped(path: &Path, bytes: usize) -> Result<(File, MmapRaw)> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| io_error("cannot create", path, e))?;
+    let mapped = reserve(&file, path, bytes).and_then(|()| map(&file, path, bytes));
+    match mapped {
+        Ok(map) => Ok((file, map)),
+        Err(e) => {
+            let _ = std::fs::remove_file(path);
+            Err(e)
+        }
+    }
+}
+
 /// This rank's segment of one communicator.
 pub(super) struct Segment {
     file: File,
@@ -109,20 +129,7 @@ impl Segment {
     /// Creates the file at `path` (which must not exist) with the initial capacity, and writes
     /// this process's id into the header.
     pub(super) fn create(path: PathBuf) -> Result<Segment> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| io_error("cannot create", &path, e))?;
-        let len = HEADER_BYTES + INITIAL_CAPACITY;
-        let removed = |e| {
-            let _ = std::fs::remove_file(&path);
-            e
-        };
-        reserve(&file, &path, len).map_err(removed)?;
-        let map = map(&file, &path, len).map_err(removed)?;
+        let (file, map) = create_mapped(&path, HEADER_BYTES + INITIAL_CAPACITY)?;
         let seg = Segment {
             file,
             map,
@@ -390,20 +397,9 @@ impl Drop for AbortSlot {
 impl AbortSlot {
     /// Creates the slot file at `path` (rank 0).
     pub(super) fn create(path: &Path) -> Result<AbortSlot> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(path)
-            .map_err(|e| io_error("cannot create", path, e))?;
-        let removed = |e| {
-            let _ = std::fs::remove_file(path);
-            e
-        };
-        reserve(&file, path, ABORT_BYTES).map_err(removed)?;
+        let (file, map) = create_mapped(path, ABORT_BYTES)?;
         Ok(AbortSlot {
-            map: map(&file, path, ABORT_BYTES).map_err(removed)?,
+            map,
             _file: file,
             created: Some(path.to_path_buf()),
         })

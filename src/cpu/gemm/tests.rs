@@ -21,64 +21,61 @@ fn value(i: usize, seed: usize) -> f32 {
     ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
-/// `[C +] A·B` in f64 over the same strided operands.
-#[allow(clippy::too_many_arguments)]
-fn reference(
-    (m, n, k): (usize, usize, usize),
-    a: &[f32],
-    (ars, acs): (usize, usize),
-    b: &[f32],
-    (brs, bcs): (usize, usize),
-    c: &[f32],
-    ldc: usize,
-    accumulate: bool,
-) -> Vec<f64> {
-    let mut out = vec![0f64; m * n];
-    for i in 0..m {
-        for j in 0..n {
-            let mut s = if accumulate {
-                c[i * ldc + j] as f64
-            } else {
-                0.0
-            };
-            for p in 0..k {
-                s += a[i * ars + p * acs] as f64 * b[p * brs + j * bcs] as f64;
-            }
-            out[i * n + j] = s;
-        }
-    }
-    out
+/// One product: `A` (`m × k`) and `B` (`k × n`) with their (row, column) strides, and `C`'s
+/// starting values (row stride `n + 3`: the columns past `n` must stay untouched).
+struct Case {
+    dims: (usize, usize, usize),
+    a: Vec<f32>,
+    a_strides: (usize, usize),
+    b: Vec<f32>,
+    b_strides: (usize, usize),
+    c0: Vec<f32>,
 }
 
-/// Runs one product on `threads` threads; returns `C` (row stride `n + 3`: the columns past
-/// `n` must stay untouched).
-#[allow(clippy::too_many_arguments)]
-fn product(
-    level: Level,
-    (m, n, k): (usize, usize, usize),
-    a: &[f32],
-    (rs_a, cs_a): (usize, usize),
-    b: &[f32],
-    (rs_b, cs_b): (usize, usize),
-    c0: &[f32],
-    accumulate: bool,
-    threads: usize,
-) -> Vec<f32> {
-    let mut c = c0.to_vec();
-    let o = Operands {
-        m,
-        n,
-        k,
-        a: a.as_ptr(),
-        rs_a,
-        cs_a,
-        b: b.as_ptr(),
-        rs_b,
-        cs_b,
-    };
-    // SAFETY: `level` runs here (the callers' `levels()`); the strides stay inside.
-    unsafe { gemm(level, o, c.as_mut_ptr(), n + 3, accumulate, threads) };
-    c
+impl Case {
+    fn ldc(&self) -> usize {
+        self.dims.1 + 3
+    }
+
+    /// `C` after the kernel of `level` on `threads` threads.
+    fn run(&self, level: Level, accumulate: bool, threads: usize) -> Vec<f32> {
+        let (m, n, k) = self.dims;
+        let mut c = self.c0.clone();
+        let o = Operands {
+            m,
+            n,
+            k,
+            a: self.a.as_ptr(),
+            rs_a: self.a_strides.0,
+            cs_a: self.a_strides.1,
+            b: self.b.as_ptr(),
+            rs_b: self.b_strides.0,
+            cs_b: self.b_strides.1,
+        };
+        // SAFETY: `level` runs here (the callers' `levels()`); the strides stay inside.
+        unsafe { gemm(level, o, c.as_mut_ptr(), self.ldc(), accumulate, threads) };
+        c
+    }
+
+    /// `[C +] A·B` in f64 over the same strided operands (`m × n`, row stride `n`).
+    fn reference(&self, accumulate: bool) -> Vec<f64> {
+        let ((m, n, k), (ars, acs), (brs, bcs)) = (self.dims, self.a_strides, self.b_strides);
+        let mut out = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = if accumulate {
+                    self.c0[i * self.ldc() + j] as f64
+                } else {
+                    0.0
+                };
+                for p in 0..k {
+                    s += self.a[i * ars + p * acs] as f64 * self.b[p * brs + j * bcs] as f64;
+                }
+                out[i * n + j] = s;
+            }
+        }
+        out
+    }
 }
 
 /// Every orientation the step uses (and a general stride), every edge of the 6 × 16 tile
@@ -119,47 +116,24 @@ fn every_case(level: Level) {
             ("strided", (2 * k + 1, 2), (1, 3 * k)),
         ];
         for (name, (ars, acs), (brs, bcs)) in orientations {
-            let a: Vec<f32> = (0..(m - 1) * ars + (k - 1) * acs + 1)
-                .map(|i| value(i, case))
-                .collect();
-            let b: Vec<f32> = (0..(k - 1) * brs + (n - 1) * bcs + 1)
-                .map(|i| value(i, case + 100))
-                .collect();
             let ldc = n + 3;
-            let c0: Vec<f32> = (0..m * ldc).map(|i| value(i, case + 200)).collect();
+            let c = Case {
+                dims: (m, n, k),
+                a: (0..(m - 1) * ars + (k - 1) * acs + 1)
+                    .map(|i| value(i, case))
+                    .collect(),
+                a_strides: (ars, acs),
+                b: (0..(k - 1) * brs + (n - 1) * bcs + 1)
+                    .map(|i| value(i, case + 100))
+                    .collect(),
+                b_strides: (brs, bcs),
+                c0: (0..m * ldc).map(|i| value(i, case + 200)).collect(),
+            };
+            let c0 = &c.c0;
             for accumulate in [false, true] {
-                let one = product(
-                    level,
-                    (m, n, k),
-                    &a,
-                    (ars, acs),
-                    &b,
-                    (brs, bcs),
-                    &c0,
-                    accumulate,
-                    1,
-                );
-                let two = product(
-                    level,
-                    (m, n, k),
-                    &a,
-                    (ars, acs),
-                    &b,
-                    (brs, bcs),
-                    &c0,
-                    accumulate,
-                    2,
-                );
-                let want = reference(
-                    (m, n, k),
-                    &a,
-                    (ars, acs),
-                    &b,
-                    (brs, bcs),
-                    &c0,
-                    ldc,
-                    accumulate,
-                );
+                let one = c.run(level, accumulate, 1);
+                let two = c.run(level, accumulate, 2);
+                let want = c.reference(accumulate);
                 let what = format!("{level:?} {name} m {m} n {n} k {k} accumulate {accumulate}");
                 assert!(
                     one.iter()
@@ -196,9 +170,16 @@ fn every_case(level: Level) {
 #[test]
 fn an_empty_sum_writes_zeros_or_nothing() {
     for level in levels() {
-        let c0 = vec![7f32; 4 * 5];
-        let none = product(level, (4, 2, 0), &[], (0, 1), &[], (2, 1), &c0, false, 2);
-        let kept = product(level, (4, 2, 0), &[], (0, 1), &[], (2, 1), &c0, true, 2);
+        let c = Case {
+            dims: (4, 2, 0),
+            a: vec![],
+            a_strides: (0, 1),
+            b: vec![],
+            b_strides: (2, 1),
+            c0: vec![7f32; 4 * 5],
+        };
+        let none = c.run(level, false, 2);
+        let kept = c.run(level, true, 2);
         for i in 0..4 {
             assert_eq!(&none[i * 5..i * 5 + 2], &[0.0, 0.0]);
             assert_eq!(&none[i * 5 + 2..i * 5 + 5], &[7.0; 3]);
