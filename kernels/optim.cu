@@ -10,6 +10,14 @@
 //
 // Preceded by common.cuh (dtype codes, GRID_STRIDE, factor).
 
+// x, or +0 when |x| is below f32's smallest normal number (FLT_MIN, 2^-126): how the optimizers
+// store their moments and momentum buffers (a moment whose gradient became zero decays into the
+// subnormal range, where a CPU takes ~100 cycles an operation; the CPU loops flush the same way,
+// so the results stay bit-identical across devices).
+__device__ __forceinline__ float flush_subnormal(float x) {
+    return fabsf(x) < __int_as_float(0x00800000) ? 0.0f : x;
+}
+
 // Per-step constants of one AdamW update (mirrors ops::AdamWHyper, field for field).
 struct AdamWArgs {
     float beta1;
@@ -25,7 +33,7 @@ struct AdamWArgs {
 
 // One AdamW update (ops::adamw_step's CPU loop), element-wise, with g = grad * f
 // (f = *inv_scale_ptr when given, else inv_scale; 1 for an unscaled gradient):
-//   m = m*beta1 + g*(1-beta1);  v = v*beta2 + (g*g)*(1-beta2);
+//   m = flush(m*beta1 + g*(1-beta1));  v = flush(v*beta2 + (g*g)*(1-beta2));
 //   p = p*decay;  p = p - (m*c1 / (sqrt(v*c2) + eps)) * lr.
 // The gradient is read only. Launch: 1-D, any grid, any block size.
 extern "C" __global__ void adamw(float* param, const float* grad, float* exp_avg,
@@ -37,9 +45,10 @@ extern "C" __global__ void adamw(float* param, const float* grad, float* exp_avg
     const float f = factor(inv_scale, inv_scale_ptr);
     GRID_STRIDE(i, n) {
         const float g = __fmul_rn(grad[i], f);
-        const float m = __fadd_rn(__fmul_rn(exp_avg[i], h.beta1), __fmul_rn(g, h.one_minus_beta1));
-        const float v =
-            __fadd_rn(__fmul_rn(exp_avg_sq[i], h.beta2), __fmul_rn(__fmul_rn(g, g), h.one_minus_beta2));
+        const float m = flush_subnormal(
+            __fadd_rn(__fmul_rn(exp_avg[i], h.beta1), __fmul_rn(g, h.one_minus_beta1)));
+        const float v = flush_subnormal(__fadd_rn(__fmul_rn(exp_avg_sq[i], h.beta2),
+                                                  __fmul_rn(__fmul_rn(g, g), h.one_minus_beta2)));
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
         const float m_hat = __fmul_rn(m, h.bias_correction1);
@@ -62,7 +71,7 @@ struct SgdArgs {
 
 // One SGD update (ops::sgd_step's CPU loops), element-wise, with g = grad * f as in adamw:
 //   d = g (+ lambda*p when lambda != 0);
-//   with a momentum buffer b (momentum != 0): b = first_step ? d : mu*b + (1-tau)*d;
+//   with a momentum buffer b (momentum != 0): b = flush(first_step ? d : mu*b + (1-tau)*d);
 //     d = nesterov ? d + mu*b : b;
 //   p = p - lr*d.
 // `momentum_buffer` is null when momentum is 0 (it is then neither read nor written).
@@ -92,10 +101,10 @@ extern "C" __global__ void sgd(float* param, const float* grad, float* momentum_
         if (wd) {
             d = __fadd_rn(d, __fmul_rn(h.weight_decay, p));
         }
-        const float b = h.first_step != 0u
-                            ? d
-                            : __fadd_rn(__fmul_rn(h.momentum, momentum_buffer[i]),
-                                        __fmul_rn(h.one_minus_dampening, d));
+        const float b = flush_subnormal(h.first_step != 0u
+                                            ? d
+                                            : __fadd_rn(__fmul_rn(h.momentum, momentum_buffer[i]),
+                                                        __fmul_rn(h.one_minus_dampening, d)));
         momentum_buffer[i] = b;
         d = h.nesterov != 0u ? __fadd_rn(d, __fmul_rn(h.momentum, b)) : b;
         param[i] = __fsub_rn(p, __fmul_rn(h.lr, d));

@@ -121,6 +121,69 @@ fn sgd_step_is_bitwise_the_host_loop_for_every_option() {
     }
 }
 
+/// A moment or momentum buffer that decays below f32's smallest normal number is stored as
+/// `+0` (the optimizers' subnormal flush: subnormal arithmetic is ~100× slower on a CPU), by the
+/// kernels and their references alike; values above it are untouched.
+#[test]
+fn optimizer_state_decaying_into_subnormals_is_stored_as_zero() {
+    let _s = serial();
+    let tiny = f32::MIN_POSITIVE; // 2^-126
+    // Moments after one step with a zero gradient: state · β. Index 0 stays normal, 1–3 would
+    // become subnormal (m: 1.07e-38, -1.07e-38, 9e-40 from a subnormal; v: 0.9995 · 2^-126,
+    // 9e-40), 4 is ordinary.
+    let m0 = [tiny * 1.25, tiny * 1.1, -tiny * 1.1, tiny / 13.0, 0.5];
+    let s0 = [tiny * 1.25, tiny * 1.0005, tiny * 1.0005, tiny / 13.0, 0.5];
+    let n = m0.len();
+    let g = vec![0.0f32; n];
+    let h = adamw_hyper(1e-3, 0.0, 3);
+    let (mut p, mut m, mut s) = (vec![1.0f32; n], m0.to_vec(), s0.to_vec());
+    let (tp, tm, ts) = (t(&p), t(&m), t(&s));
+    ops::adamw_step(&tp, &t(&g), &tm, &ts, &h).unwrap();
+    kernels::adamw_reference(&mut p, &g, &mut m, &mut s, &(&h).into(), 1.0, 0.0);
+    let got = v(&tm);
+    assert_eq!(bits(&got), bits(&m), "exp_avg against the reference");
+    assert_eq!(bits(&v(&ts)), bits(&s), "exp_avg_sq against the reference");
+    assert_eq!(bits(&v(&tp)), bits(&p), "param against the reference");
+    assert_eq!(got[0], m0[0] * h.beta1, "a normal result is kept: {got:?}");
+    assert!(got[0] >= tiny);
+    for i in 1..4 {
+        assert_eq!(got[i].to_bits(), 0, "element {i} ({:e} · β1) is stored as +0: {got:?}", m0[i]);
+        assert_eq!(v(&ts)[i].to_bits(), 0, "exp_avg_sq element {i} is stored as +0");
+    }
+    assert_eq!(got[4], 0.5 * h.beta1);
+
+    // bf16 moments: the same flush before rounding to bf16.
+    let bf = |x: &[f32]| t(x).to_dtype(DType::BF16).unwrap();
+    let (tm, ts) = (bf(&m0), bf(&s0));
+    ops::adamw_step_bf16_state(&t(&vec![1.0f32; n]), &t(&g), &tm, &ts, &h, 7, 0).unwrap();
+    let got = tm.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+    assert!(got[0] >= tiny, "bf16 exp_avg {got:?}");
+    for i in 1..4 {
+        assert_eq!(got[i].to_bits(), 0, "bf16 exp_avg element {i}: {got:?}");
+    }
+
+    // SGD's momentum buffer: b = μ·b with a zero gradient (not the first step).
+    let hs = SgdHyper {
+        lr: 0.1,
+        momentum: 0.9,
+        one_minus_dampening: 1.0,
+        weight_decay: 0.0,
+        nesterov: false,
+        first_step: false,
+    };
+    let (mut p, mut b) = (vec![1.0f32; n], m0.to_vec());
+    let (tp, tb) = (t(&p), t(&b));
+    ops::sgd_step(&tp, &t(&g), Some(&tb), &hs).unwrap();
+    kernels::sgd_reference(&mut p, &g, Some(&mut b), &(&hs).into(), 1.0, 0.0);
+    let got = v(&tb);
+    assert_eq!(bits(&got), bits(&b), "momentum buffer against the reference");
+    assert_eq!(bits(&v(&tp)), bits(&p), "param against the reference");
+    assert_eq!(got[0], m0[0] * 0.9);
+    for i in 1..4 {
+        assert_eq!(got[i].to_bits(), 0, "momentum element {i}: {got:?}");
+    }
+}
+
 #[test]
 fn norms_scaling_and_finiteness() {
     let _s = serial();

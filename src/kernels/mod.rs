@@ -575,11 +575,22 @@ fn block_sum_reference(v: &[f64]) -> f64 {
 
 // ---- module `optim` ------------------------------------------------------------------------
 
+/// `x`, or `+0` when `|x|` is below f32's smallest normal number: how the optimizer kernels
+/// store their moments and momentum buffers.
+fn flush(x: f32) -> f32 {
+    if x.abs() < f32::MIN_POSITIVE {
+        0.0
+    } else {
+        x
+    }
+}
+
 /// Reference of `adamw` (module `optim`): unless `found_inf != 0` (then nothing changes), per
 /// element with `g = grad · inv_scale`:
 /// `m = m·β1 + g·(1−β1)`, `v = v·β2 + (g·g)·(1−β2)`, `p = p·decay`,
 /// `p = p − (m·c1 / (sqrt(v·c2) + ε))·lr` (Loshchilov & Hutter, ICLR 2019, as PyTorch's
-/// `torch.optim.AdamW`; `h` the kernel's [`AdamWArgs`], made from a `crate::ops::AdamWHyper`). With `inv_scale == 1` this is
+/// `torch.optim.AdamW`), except that an `m` or `v` below f32's smallest normal number is stored
+/// (and used) as `+0` (the optimizers' subnormal flush, `design/kernels.md`; `h` the kernel's [`AdamWArgs`], made from a `crate::ops::AdamWHyper`). With `inv_scale == 1` this is
 /// [`crate::ops::adamw_step`]'s CPU loop; with another `inv_scale` it equals
 /// [`crate::ops::scale_and_check_finite_`]`(grad, inv_scale)` followed by that loop.
 ///
@@ -600,8 +611,8 @@ pub fn adamw_reference(
     }
     for i in 0..n {
         let g = grad[i] * inv_scale;
-        let m = exp_avg[i] * h.beta1 + g * h.one_minus_beta1;
-        let v = exp_avg_sq[i] * h.beta2 + (g * g) * h.one_minus_beta2;
+        let m = flush(exp_avg[i] * h.beta1 + g * h.one_minus_beta1);
+        let v = flush(exp_avg_sq[i] * h.beta2 + (g * g) * h.one_minus_beta2);
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
         let m_hat = m * h.bias_correction1;
@@ -615,8 +626,9 @@ pub fn adamw_reference(
 /// Reference of `sgd` (module `optim`): unless `found_inf != 0` (then nothing changes), per
 /// element with `d = grad · inv_scale`: `d = d + λ·p` when λ ≠ 0; with a momentum buffer `b`
 /// (required when `h.momentum ≠ 0`, ignored otherwise): `b = d` at the first step, else
-/// `b = μ·b + (1−τ)·d`, then `d = d + μ·b` (Nesterov) or `d = b`; finally `p = p − lr·d`
-/// (PyTorch's `torch.optim.SGD` algorithm). With `inv_scale == 1` this is
+/// `b = μ·b + (1−τ)·d` (a `b` below f32's smallest normal number stored and used as `+0`, the
+/// optimizers' subnormal flush), then `d = d + μ·b` (Nesterov) or `d = b`; finally
+/// `p = p − lr·d` (PyTorch's `torch.optim.SGD` algorithm). With `inv_scale == 1` this is
 /// [`crate::ops::sgd_step`]'s CPU loops.
 ///
 /// Panics when the lengths differ or the buffer is missing with momentum.
@@ -654,11 +666,11 @@ pub fn sgd_reference(
                 if wd {
                     d += h.weight_decay * p;
                 }
-                b[i] = if first_step {
+                b[i] = flush(if first_step {
                     d
                 } else {
                     h.momentum * b[i] + h.one_minus_dampening * d
-                };
+                });
                 d = if nesterov {
                     d + h.momentum * b[i]
                 } else {

@@ -118,8 +118,8 @@ fn adamw_bf16(
         } = h;
         let base = offset + (c * CHUNK) as u64;
         for (i, (((p, &g), m), v)) in p.iter_mut().zip(g).zip(m).zip(v).enumerate() {
-            let m32 = m.to_f32() * beta1 + g * one_minus_beta1;
-            let v32 = v.to_f32() * beta2 + (g * g) * one_minus_beta2;
+            let m32 = flush_subnormal(m.to_f32() * beta1 + g * one_minus_beta1);
+            let v32 = flush_subnormal(v.to_f32() * beta2 + (g * g) * one_minus_beta2);
             let m_hat = m32 * bias_correction1;
             let v_hat = v32 * bias_correction2;
             *p *= decay;
@@ -509,12 +509,32 @@ fn adamw_impl<const UNSCALE: bool>(
     } = h;
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
         let g = if UNSCALE { g * inv } else { g };
-        *m = *m * beta1 + g * one_minus_beta1;
-        *v = *v * beta2 + (g * g) * one_minus_beta2;
+        *m = flush_subnormal(*m * beta1 + g * one_minus_beta1);
+        *v = flush_subnormal(*v * beta2 + (g * g) * one_minus_beta2);
         let m_hat = *m * bias_correction1;
         let v_hat = *v * bias_correction2;
         *p *= decay;
         *p -= (m_hat / (v_hat.sqrt() + eps)) * lr;
+    }
+}
+
+/// `x`, or `+0.0` when `|x|` is below f32's smallest normal number (`f32::MIN_POSITIVE`,
+/// about 1.18e-38): how the optimizers store their moments and momentum buffers. A moment whose
+/// gradient has become zero shrinks by β every step (β1 = 0.9: from 1e-5 into the subnormal
+/// range in about 700 steps, where it stays about 150 more); every operation on a subnormal
+/// takes the CPU a micro-code assist of about a hundred cycles, so a model with many such
+/// moments ran its optimizer up to 17× slower (AdamW over 109 k subnormal moments: 962 µs a
+/// step against 55 µs; the MNIST example at world size 1, epoch 1: 1.64 → 1.18 s). What changes
+/// is only values below 1.2e-38, which the update `m̂ / (√v̂ + ε)` (ε ≥ 1e-8 in practice)
+/// cannot tell from zero. Written as a comparison (not the CPU's flush-to-zero mode) so that
+/// the GPU kernels (`kernels/optim.cu`) and the references ([`crate::kernels`]) do the same,
+/// bit for bit. PyTorch keeps subnormals unless `torch.set_flush_denormal(True)`.
+#[inline(always)]
+fn flush_subnormal(x: f32) -> f32 {
+    if x.abs() < f32::MIN_POSITIVE {
+        0.0
+    } else {
+        x
     }
 }
 
@@ -573,7 +593,7 @@ fn sgd_momentum_impl<const UNSCALE: bool>(
         if wd != 0.0 {
             d += wd * *p;
         }
-        *b = if first_step { d } else { mu * *b + damp * d };
+        *b = flush_subnormal(if first_step { d } else { mu * *b + damp * d });
         d = if nesterov { d + mu * *b } else { *b };
         *p -= lr * d;
     }
