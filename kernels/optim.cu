@@ -15,7 +15,7 @@
 // subnormal range, where a CPU takes ~100 cycles an operation; the CPU loops flush the same way,
 // so the results stay bit-identical across devices).
 __device__ __forceinline__ float flush_subnormal(float x) {
-    return fabsf(x) < __int_as_float(0x00800000) ? 0.0f : x;
+    return fabsf(x) < __uint_as_float(0x00800000u) ? 0.0f : x;
 }
 
 // Per-step constants of one AdamW update (mirrors ops::AdamWHyper, field for field).

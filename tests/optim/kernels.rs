@@ -1171,13 +1171,19 @@ fn kernel_sources_run_under_host_emulation() {
             (0.1, 0.3, false),
         ] {
             let p0 = random(&mut rng, n, 1.0);
-            let (mut p, mut m, mut v) = (p0.clone(), vec![0.0f32; n], vec![0.0f32; n]);
-            let (mut rp, mut rm, mut rv) = (p0, vec![0.0f32; n], vec![0.0f32; n]);
+            // Every fifth element starts with moments just above f32's smallest normal and
+            // gets no gradient: its first step takes them below it (the subnormal flush).
+            let tiny = f32::MIN_POSITIVE;
+            let m0: Vec<f32> = (0..n).map(|i| if i % 5 == 0 { tiny * 1.05 } else { 0.0 }).collect();
+            let v0: Vec<f32> = (0..n).map(|i| if i % 5 == 0 { tiny * 1.0005 } else { 0.0 }).collect();
+            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+            let (mut rp, mut rm, mut rv) = (p0, m0, v0);
             let (factor, zero, one) = ([inv], [0.0f32], [1.0f32]);
             for t in 1..=3 {
                 let h = adamw_hyper(1e-3, wd, t);
                 let a = args::AdamWArgs::from(&h);
-                let g = random(&mut rng, n, 100.0);
+                let mut g = random(&mut rng, n, 100.0);
+                g.iter_mut().step_by(5).for_each(|g| *g = 0.0);
                 let (value, fp, found) = if on_device {
                     (7.0, factor.as_ptr(), zero.as_ptr())
                 } else {
@@ -1204,6 +1210,7 @@ fn kernel_sources_run_under_host_emulation() {
                 assert_eq!(bits(&p), bits(&rp), "{what}");
                 assert_eq!(bits(&m), bits(&rm), "{what}");
                 assert_eq!(bits(&v), bits(&rv), "{what}");
+                assert_eq!((m[0].to_bits(), v[0].to_bits()), (0, 0), "{what}: flushed");
                 let before = (p.clone(), m.clone(), v.clone());
                 // SAFETY: as above, the flag set: nothing is written.
                 unsafe {
