@@ -28,14 +28,14 @@ pub fn mnist_mlp() -> Vec<UnitSpec> {
         UnitSpec::new("flatten", |_vb| Ok(candle_nn::func(|x| x.flatten_from(1)))),
         UnitSpec::new("fc1", |vb| {
             Ok(candle_nn::seq()
-                .add(crate::nn::linear(784, 128, vb)?)
+                .add(crate::fsdp::fused::linear(784, 128, vb)?)
                 .add(Activation::Relu))
         }),
         UnitSpec::new("fc2", |vb| {
             Ok(candle_nn::seq()
-                .add(crate::nn::linear(128, 64, vb)?)
+                .add(crate::fsdp::fused::linear(128, 64, vb)?)
                 .add(Activation::Relu))
         }),
-        UnitSpec::new("fc3", |vb| crate::nn::linear(64, 10, vb)),
+        UnitSpec::new("fc3", |vb| crate::fsdp::fused::linear(64, 10, vb)),
     ]
 }

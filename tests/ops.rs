@@ -128,9 +128,9 @@ fn sgd_step_is_bitwise_the_host_loop_for_every_option() {
 fn optimizer_state_decaying_into_subnormals_is_stored_as_zero() {
     let _s = serial();
     let tiny = f32::MIN_POSITIVE; // 2^-126
-    // Moments after one step with a zero gradient: state · β. Index 0 stays normal, 1–3 would
-    // become subnormal (m: 1.07e-38, -1.07e-38, 9e-40 from a subnormal; v: 0.9995 · 2^-126,
-    // 9e-40), 4 is ordinary.
+                                  // Moments after one step with a zero gradient: state · β. Index 0 stays normal, 1–3 would
+                                  // become subnormal (m: 1.07e-38, -1.07e-38, 9e-40 from a subnormal; v: 0.9995 · 2^-126,
+                                  // 9e-40), 4 is ordinary.
     let m0 = [tiny * 1.25, tiny * 1.1, -tiny * 1.1, tiny / 13.0, 0.5];
     let s0 = [tiny * 1.25, tiny * 1.0005, tiny * 1.0005, tiny / 13.0, 0.5];
     let n = m0.len();
@@ -147,8 +147,17 @@ fn optimizer_state_decaying_into_subnormals_is_stored_as_zero() {
     assert_eq!(got[0], m0[0] * h.beta1, "a normal result is kept: {got:?}");
     assert!(got[0] >= tiny);
     for i in 1..4 {
-        assert_eq!(got[i].to_bits(), 0, "element {i} ({:e} · β1) is stored as +0: {got:?}", m0[i]);
-        assert_eq!(v(&ts)[i].to_bits(), 0, "exp_avg_sq element {i} is stored as +0");
+        assert_eq!(
+            got[i].to_bits(),
+            0,
+            "element {i} ({:e} · β1) is stored as +0: {got:?}",
+            m0[i]
+        );
+        assert_eq!(
+            v(&ts)[i].to_bits(),
+            0,
+            "exp_avg_sq element {i} is stored as +0"
+        );
     }
     assert_eq!(got[4], 0.5 * h.beta1);
 
@@ -176,7 +185,11 @@ fn optimizer_state_decaying_into_subnormals_is_stored_as_zero() {
     ops::sgd_step(&tp, &t(&g), Some(&tb), &hs).unwrap();
     kernels::sgd_reference(&mut p, &g, Some(&mut b), &(&hs).into(), 1.0, 0.0);
     let got = v(&tb);
-    assert_eq!(bits(&got), bits(&b), "momentum buffer against the reference");
+    assert_eq!(
+        bits(&got),
+        bits(&b),
+        "momentum buffer against the reference"
+    );
     assert_eq!(bits(&v(&tp)), bits(&p), "param against the reference");
     assert_eq!(got[0], m0[0] * 0.9);
     for i in 1..4 {

@@ -357,9 +357,9 @@ impl FsdpModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let module = self.bind(m, groups, Params::Recompute)?;
-        let frozen = self.frozen_tensors(groups);
+        let (params, frozen) = self.call_tensors(groups);
         // The call's own seed: the recomputation draws the forward's dropout masks.
-        let _armed = super::fused::arm_with_frozen(&frozen, self.call_seed(c));
+        let _armed = super::fused::arm_call(&params, &frozen, self.call_seed(c), true);
         let outs = module.forward_t(&inputs, true)?;
         let outputs: Vec<Option<Tensor>> = outs
             .into_iter()

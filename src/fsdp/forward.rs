@@ -249,8 +249,8 @@ impl FsdpModel {
         // Fused nodes built by this call send their parameters' gradients to the sink its
         // backward opens (`fsdp::fused`); armed through the connectivity check, which counts
         // the parameters they promised as reached.
-        let frozen = self.frozen_tensors(&groups);
-        let _armed = super::fused::arm_with_frozen(&frozen, self.call_seed(pos));
+        let (params, frozen) = self.call_tensors(&groups);
+        let _armed = super::fused::arm_call(&params, &frozen, self.call_seed(pos), !checkpoint);
         let outs = self.run(m, module.as_ref(), &inputs.inputs, true)?;
         drop(module);
         self.post_forward(m, pos, groups, checkpoint, inputs, outs)
@@ -264,14 +264,18 @@ impl FsdpModel {
         mix(mix(mix(self.config.seed ^ mix(step)) ^ pos as u64) ^ self.pg.rank() as u64)
     }
 
-    /// The step's parameter tensors of the frozen groups among `groups` (for fused nodes,
-    /// [`super::fused::trains`]).
-    pub(super) fn frozen_tensors(&self, groups: &[usize]) -> Vec<Tensor> {
-        groups
-            .iter()
-            .filter(|&&g| self.units[g].is_frozen())
-            .flat_map(|&g| self.units[g].param_tensors().unwrap_or(&[]).to_vec())
-            .collect()
+    /// The step's parameter tensors of `groups`, and those of the frozen groups among them
+    /// (for fused nodes: [`super::fused::is_call_param`], [`super::fused::trains`]).
+    pub(super) fn call_tensors(&self, groups: &[usize]) -> (Vec<Tensor>, Vec<Tensor>) {
+        let (mut all, mut frozen) = (Vec::new(), Vec::new());
+        for &g in groups {
+            let t = self.units[g].param_tensors().unwrap_or(&[]);
+            all.extend_from_slice(t);
+            if self.units[g].is_frozen() {
+                frozen.extend_from_slice(t);
+            }
+        }
+        (all, frozen)
     }
 
     /// Before a training call of member `m` (call number `pos`) computes: reshards the previous

@@ -59,6 +59,8 @@ pub fn linear_forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Res
 
 /// candle-nn's [`candle_nn::Linear`] whose forward is [`linear_forward`] (one graph node):
 /// the same parameters (`weight` `(out, in)`, `bias` `(out,)`), the same values up to rounding.
+/// Inside an FSDP unit, [`crate::fsdp::fused::Linear`] is the same layer whose parameters'
+/// gradients bypass Candle's graph, so the runtime need not copy its parameters each step.
 #[derive(Clone, Debug)]
 pub struct Linear(candle_nn::Linear);
 
@@ -200,8 +202,8 @@ impl CustomOp3 for LinearGeluOp {
         };
         // dh = g ⊙ gelu'(h), read straight from the gradient's storage.
         let dh = g.contiguous()?.apply_op1_no_bwd(&GeluGradOfPre(h))?;
-        let (dx, dw, db) = LinearOp::grads(x, w, &dh)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let want = [x.track_op(), w.track_op(), _b.track_op()];
+        LinearOp::grads(x, w, &dh, want)
     }
 }
 
@@ -230,6 +232,33 @@ impl CustomOp1 for GeluGradOfPre<'_> {
         let dh = super::activation::gelu_bwd(self.0, g);
         Ok((CpuStorage::F32(dh), l.shape().clone()))
     }
+}
+
+/// [`linear_forward`]'s CPU f32 forward kernel: `y = [bias +] x · weightᵀ` from the operands'
+/// storages and layouts (`x` `(…, in)` any layout, `weight` `(out, in)` any strides, `bias`
+/// `(out,)`), a fresh contiguous `(…, out)` output; for fused nodes that hold their parameters
+/// outside Candle's graph (`crate::fsdp::fused::Linear`).
+///
+/// Errors: shapes that do not fit, a layout past its storage, a dtype other than f32.
+pub(crate) fn linear_cpu(
+    x: (&CpuStorage, &Layout),
+    weight: (&CpuStorage, &Layout),
+    bias: Option<(&CpuStorage, &Layout)>,
+) -> Result<(CpuStorage, Shape)> {
+    LinearOp::cpu(x, weight, bias)
+}
+
+/// [`linear_forward`]'s backward: `(dx, dweight, dbias)` for the output gradient `g`, each
+/// computed only when `want` (`[dx, dweight, dbias]`) asks for it (CPU, f32).
+///
+/// Errors: shapes that do not fit; Candle's.
+pub(crate) fn linear_grads(
+    x: &Tensor,
+    weight: &Tensor,
+    g: &Tensor,
+    want: [bool; 3],
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    LinearOp::grads(x, weight, g, want)
 }
 
 /// The forward of [`linear_forward`] (CustomOp2 without a bias, CustomOp3 with one).
@@ -323,16 +352,40 @@ impl LinearOp {
         Ok((CpuStorage::F32(y), Shape::from(dims)))
     }
 
-    /// `(dx, dweight, dbias)` for the output gradient `g`: one backward node
-    /// ([`LinearBwdOp`]) whose flat result holds the three one after the other.
-    fn grads(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// `(dx, dweight, dbias)` for the output gradient `g`, each only when `want` asks for it
+    /// (`[dx, dweight, dbias]`): one backward node ([`LinearBwdOp`]) whose flat result holds
+    /// the wanted ones one after the other. A gradient nobody keeps is not computed: the
+    /// input's of a first layer (its input carries no gradient: one gemm of the forward's size
+    /// saved), a frozen weight's (LoRA's base).
+    fn grads(
+        x: &Tensor,
+        w: &Tensor,
+        g: &Tensor,
+        want: [bool; 3],
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (out, inp) = w.dims2()?;
         let n = x.elem_count() / inp;
+        if !want.contains(&true) {
+            return Ok((None, None, None));
+        }
         let g = g.contiguous()?;
-        let all = x.apply_op3_no_bwd(w, &g, &LinearBwdOp)?;
-        let dx = all.narrow(0, 0, n * inp)?.reshape(x.shape())?;
-        let dw = all.narrow(0, n * inp, out * inp)?.reshape((out, inp))?;
-        let db = all.narrow(0, n * inp + out * inp, out)?;
+        let all = x.apply_op3_no_bwd(w, &g, &LinearBwdOp { want })?;
+        let mut at = 0;
+        let mut take = |wanted: bool, len: usize| -> Result<Option<Tensor>> {
+            if !wanted {
+                return Ok(None);
+            }
+            let t = all.narrow(0, at, len)?;
+            at += len;
+            Ok(Some(t))
+        };
+        let dx = take(want[0], n * inp)?
+            .map(|t| t.reshape(x.shape()))
+            .transpose()?;
+        let dw = take(want[1], out * inp)?
+            .map(|t| t.reshape((out, inp)))
+            .transpose()?;
+        let db = take(want[2], out)?;
         Ok((dx, dw, db))
     }
 }
@@ -359,8 +412,8 @@ impl CustomOp2 for LinearOp {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = Self::grads(x, w, g)?;
-        Ok((Some(dx), Some(dw)))
+        let (dx, dw, _) = Self::grads(x, w, g, [x.track_op(), w.track_op(), false])?;
+        Ok((dx, dw))
     }
 }
 
@@ -385,20 +438,21 @@ impl CustomOp3 for LinearOp {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = Self::grads(x, w, g)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        Self::grads(x, w, g, [x.track_op(), w.track_op(), b.track_op()])
     }
 }
 
 /// The backward kernel of [`linear_forward`] as a (no-backward) custom op on `(x, weight,
-/// grad_y)`: one flat f32 buffer holding `dx` (`N · in`), `dweight` (`out · in`) and `dbias`
-/// (`out`), each written once by its gemm or sweep.
+/// grad_y)`: one flat f32 buffer holding those of `dx` (`N · in`), `dweight` (`out · in`) and
+/// `dbias` (`out`) that `want` asks for, in that order, each written once by its gemm or sweep.
 #[derive(Clone, Copy, Debug)]
-struct LinearBwdOp;
+struct LinearBwdOp {
+    want: [bool; 3],
+}
 
 impl CustomOp3 for LinearBwdOp {
     fn name(&self) -> &'static str {
@@ -427,47 +481,55 @@ impl CustomOp3 for LinearBwdOp {
         let xs = contiguous(s1.as_slice::<f32>()?, l1, "input")?;
         let wm = Mat::of(s2, l2, "weight")?;
         let g = contiguous(s3.as_slice::<f32>()?, l3, "output gradient")?;
-        let total = n * inp + out * inp + out;
+        let [want_dx, want_dw, want_db] = self.want;
+        let lens = [n * inp, out * inp, out];
+        let total: usize = lens
+            .iter()
+            .zip(self.want)
+            .filter(|(_, w)| *w)
+            .map(|(l, _)| l)
+            .sum();
         let mut all: Vec<f32> = Vec::with_capacity(total);
         let base = all.as_mut_ptr();
-        // SAFETY: the three destinations are the disjoint ranges [0, n·inp), [n·inp, n·inp +
-        // out·inp) and the last `out` elements of `all`'s capacity `total`; every operand is a
-        // contiguous or checked view of its full shape; no destination is read (no
+        // SAFETY: the wanted destinations are disjoint consecutive ranges of `all`'s capacity
+        // `total` (dx, then dweight, then dbias, each of its length in `lens`); every operand is
+        // a contiguous or checked view of its full shape; no destination is read (no
         // accumulation) and each element is written once, so the length is set after.
         unsafe {
-            // dx (n × inp) = g (n × out) · w (out × inp)
-            gemm_f32(
-                (n, inp, out),
-                base,
-                inp,
-                false,
-                (g, out, 1),
-                wm.view(),
-                true,
-            );
-            // dw (out × inp) = gᵀ (out × n) · x (n × inp)
-            gemm_f32(
-                (out, inp, n),
-                base.add(n * inp),
-                inp,
-                false,
-                (g, 1, out),
-                (xs, inp, 1),
-                true,
-            );
-            // db = Σ_rows g
-            std::ptr::write_bytes(base.add(n * inp + out * inp), 0, out);
-            let db = std::slice::from_raw_parts_mut(base.add(n * inp + out * inp), out);
-            with_simd(
-                #[inline(always)]
-                || {
-                    for row in g.chunks_exact(out) {
-                        for (a, &v) in db.iter_mut().zip(row) {
-                            *a += v;
+            let mut at = base;
+            if want_dx {
+                // dx (n × inp) = g (n × out) · w (out × inp)
+                gemm_f32((n, inp, out), at, inp, false, (g, out, 1), wm.view(), true);
+                at = at.add(lens[0]);
+            }
+            if want_dw {
+                // dw (out × inp) = gᵀ (out × n) · x (n × inp)
+                gemm_f32(
+                    (out, inp, n),
+                    at,
+                    inp,
+                    false,
+                    (g, 1, out),
+                    (xs, inp, 1),
+                    true,
+                );
+                at = at.add(lens[1]);
+            }
+            if want_db {
+                // db = Σ_rows g
+                std::ptr::write_bytes(at, 0, out);
+                let db = std::slice::from_raw_parts_mut(at, out);
+                with_simd(
+                    #[inline(always)]
+                    || {
+                        for row in g.chunks_exact(out) {
+                            for (a, &v) in db.iter_mut().zip(row) {
+                                *a += v;
+                            }
                         }
-                    }
-                },
-            );
+                    },
+                );
+            }
             all.set_len(total);
         }
         Ok((CpuStorage::F32(all), Shape::from(total)))

@@ -40,6 +40,7 @@ pub use attention::{
     AttentionOptions,
 };
 pub use linear::{linear, linear_forward, linear_gelu, linear_normal, Linear};
+pub(crate) use linear::{linear_cpu, linear_grads};
 pub use loss::{cross_entropy, cross_entropy_composed, lm_loss, lm_loss_sum, IGNORE_INDEX};
 pub use norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use rope::{rope, rope_composed};

@@ -19,6 +19,7 @@ mod empty_batch;
 mod fingerprint;
 mod flat_param;
 mod frozen;
+mod fused_linear;
 mod fused_unit;
 #[cfg(feature = "gpt")]
 mod gpt;

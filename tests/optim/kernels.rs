@@ -1174,8 +1174,12 @@ fn kernel_sources_run_under_host_emulation() {
             // Every fifth element starts with moments just above f32's smallest normal and
             // gets no gradient: its first step takes them below it (the subnormal flush).
             let tiny = f32::MIN_POSITIVE;
-            let m0: Vec<f32> = (0..n).map(|i| if i % 5 == 0 { tiny * 1.05 } else { 0.0 }).collect();
-            let v0: Vec<f32> = (0..n).map(|i| if i % 5 == 0 { tiny * 1.0005 } else { 0.0 }).collect();
+            let m0: Vec<f32> = (0..n)
+                .map(|i| if i % 5 == 0 { tiny * 1.05 } else { 0.0 })
+                .collect();
+            let v0: Vec<f32> = (0..n)
+                .map(|i| if i % 5 == 0 { tiny * 1.0005 } else { 0.0 })
+                .collect();
             let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
             let (mut rp, mut rm, mut rv) = (p0, m0, v0);
             let (factor, zero, one) = ([inv], [0.0f32], [1.0f32]);

@@ -40,10 +40,22 @@
 //!   the GPT block (`models/decoder/fused/gpt2.rs`) and the decoder block (`models/decoder/fused.rs`) are
 //!   built this way. Ask [`fusion`] how to run: build the node and [`promise`] for
 //!   [`Fusion::Node`], run the kernels alone for [`Fusion::ForwardOnly`], compose for `None`.
+//!
+//! # A building block
+//!
+//! [`Linear`] ([`linear`], [`linear_forward`]) is `candle_nn::linear` as such a node:
+//! `crate::nn::Linear`'s values and gradients, with the runtime's parameter copies skipped (the
+//! MNIST model's layers). Because a first layer's input carries no gradient, it cannot ask
+//! `x.track_op()` whether the call records autograd: it asks [`records`], and sends only the
+//! gradients of tensors that [`is_call_param`] knows.
 
 use std::cell::RefCell;
 
 use candle_core::{bail, Result, Tensor, TensorId};
+
+mod linear;
+
+pub use linear::{linear, linear_forward, Linear};
 
 #[derive(Default)]
 struct State {
@@ -53,6 +65,11 @@ struct State {
     promised: Vec<TensorId>,
     /// The frozen parameters of the armed call (no gradient wanted).
     frozen: Vec<TensorId>,
+    /// Every parameter tensor of the armed call's groups, frozen or not ([`is_call_param`]).
+    params: Vec<TensorId>,
+    /// Whether the armed call records autograd (false for an activation-checkpointed
+    /// forward, which runs without it and is recomputed in backward): [`records`].
+    records: bool,
     /// Open collections ([`collect`]), innermost last.
     frames: Vec<Vec<(Tensor, Tensor)>>,
     /// The armed call's seed ([`call_seed`]).
@@ -69,6 +86,8 @@ thread_local! {
 pub(crate) struct Armed {
     /// The seed of the enclosing armed call, restored on drop.
     outer_seed: u64,
+    /// The enclosing armed call's [`records`], restored on drop.
+    outer_records: bool,
 }
 
 impl Drop for Armed {
@@ -77,9 +96,11 @@ impl Drop for Armed {
             let mut s = s.borrow_mut();
             s.armed -= 1;
             s.seed = self.outer_seed;
+            s.records = self.outer_records;
             if s.armed == 0 {
                 s.promised.clear();
                 s.frozen.clear();
+                s.params.clear();
             }
         });
     }
@@ -92,18 +113,59 @@ pub(crate) fn arm() -> Armed {
 }
 
 /// [`arm`], with the call's frozen parameters (frozen twins' tensors), whose gradients a node
-/// need not compute ([`trains`]), and the call's `seed` ([`call_seed`]).
+/// need not compute ([`trains`]), and the call's `seed` ([`call_seed`]); a call that records
+/// autograd, with no parameter known to [`is_call_param`] (the tests of fused blocks).
+#[cfg(test)]
 pub(crate) fn arm_with_frozen<'a>(
     frozen: impl IntoIterator<Item = &'a Tensor>,
     seed: u64,
 ) -> Armed {
+    arm_call(std::iter::empty(), frozen, seed, true)
+}
+
+/// Arms this thread for one training call of a unit: `params` every parameter tensor of the
+/// call's groups ([`is_call_param`]), `frozen` those of its frozen twins ([`trains`]), `seed`
+/// the call's seed ([`call_seed`]), `records` whether the call records autograd (false for an
+/// activation-checkpointed forward: [`records`]).
+pub(crate) fn arm_call<'a>(
+    params: impl IntoIterator<Item = &'a Tensor>,
+    frozen: impl IntoIterator<Item = &'a Tensor>,
+    seed: u64,
+    records: bool,
+) -> Armed {
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         s.armed += 1;
+        s.params.extend(params.into_iter().map(Tensor::id));
         s.frozen.extend(frozen.into_iter().map(Tensor::id));
         Armed {
             outer_seed: std::mem::replace(&mut s.seed, seed),
+            outer_records: std::mem::replace(&mut s.records, records),
         }
+    })
+}
+
+/// Whether `t` is one of the armed call's parameter tensors (as the runtime bound them:
+/// variables or views), by identity: a tensor computed from a parameter (a transpose, a
+/// merged LoRA weight) is not. False when the thread is not armed. A node that sends `t`'s
+/// gradient to the sink must ask this first: the runtime adds what it receives only into its
+/// parameters' gradients.
+pub fn is_call_param(t: &Tensor) -> bool {
+    STATE.with(|s| {
+        let s = s.borrow();
+        s.armed > 0 && s.params.contains(&t.id())
+    })
+}
+
+/// Whether the armed call records autograd: true in a training call's forward and in the
+/// recomputation of an activation-checkpointed call in backward, false in the checkpointed
+/// call's own forward (which keeps no graph) and when the thread is not armed. A node that
+/// hangs from something other than its input (see [`Linear`]) asks this instead of
+/// `x.track_op()`.
+pub fn records() -> bool {
+    STATE.with(|s| {
+        let s = s.borrow();
+        s.armed > 0 && s.records
     })
 }
 

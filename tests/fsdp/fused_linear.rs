@@ -1,0 +1,239 @@
+//! `fsdp::fused::Linear` under the runtime: an MLP of them trains bit for bit like the same MLP
+//! of `nn::Linear` (losses and final parameters) at world sizes 1 and 2 under every strategy,
+//! with a checkpointed unit and with a frozen weight; inside the runtime the layers' parameters
+//! are bound as views after the first step (not autograd variables: the point of the node),
+//! while `nn::Linear` keeps getting variables.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{Device, Module, Result, Tensor};
+use candle_fsdp::comm::{ProcessGroupExt, ReduceOp};
+use candle_fsdp::fsdp::fused;
+use candle_fsdp::launch::{launch, Launcher};
+use candle_fsdp::unit::UnitSpec;
+use candle_fsdp::{AdamW, AdamWConfig, FsdpConfig, FsdpModel, ShardedOptimizer, ShardingStrategy};
+use candle_nn::{Activation, VarBuilder};
+
+use crate::common::to_vec;
+
+const IN: usize = 20;
+const HIDDEN: usize = 16;
+const OUT: usize = 4;
+const PER_RANK: usize = 6;
+const STEPS: usize = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Fused,
+    Plain,
+}
+
+/// A linear layer of either kind that notes, at each call, whether its weight is an autograd
+/// variable.
+struct Probe {
+    kind: Kind,
+    weight: Tensor,
+    bias: Option<Tensor>,
+    seen: Arc<Mutex<Vec<bool>>>,
+}
+
+impl Module for Probe {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.seen.lock().unwrap().push(self.weight.is_variable());
+        match self.kind {
+            Kind::Fused => fused::linear_forward(x, &self.weight, self.bias.as_ref()),
+            Kind::Plain => candle_fsdp::nn::linear_forward(x, &self.weight, self.bias.as_ref()),
+        }
+    }
+}
+
+fn probe(
+    kind: Kind,
+    (i, o, bias): (usize, usize, bool),
+    seen: &Arc<Mutex<Vec<bool>>>,
+    vb: VarBuilder,
+) -> Result<Probe> {
+    let l = if bias {
+        candle_nn::linear(i, o, vb)?
+    } else {
+        candle_nn::linear_no_bias(i, o, vb)?
+    };
+    Ok(Probe {
+        kind,
+        weight: l.weight().clone(),
+        bias: l.bias().cloned(),
+        seen: seen.clone(),
+    })
+}
+
+/// `fc1` (input without gradient) → ReLU → `fc2` (checkpointed when asked) → ReLU → `head`
+/// (no bias).
+fn units(kind: Kind, checkpoint: bool, seen: &Arc<Mutex<Vec<bool>>>) -> Vec<UnitSpec> {
+    let (s1, s2, s3) = (seen.clone(), seen.clone(), seen.clone());
+    vec![
+        UnitSpec::new("fc1", move |vb| {
+            Ok(candle_nn::seq()
+                .add(probe(kind, (IN, HIDDEN, true), &s1, vb)?)
+                .add(Activation::Relu))
+        }),
+        UnitSpec::new("fc2", move |vb| {
+            Ok(candle_nn::seq()
+                .add(probe(kind, (HIDDEN, HIDDEN, true), &s2, vb)?)
+                .add(Activation::Relu))
+        })
+        .with_activation_checkpointing(checkpoint),
+        UnitSpec::new("head", move |vb| probe(kind, (HIDDEN, OUT, false), &s3, vb)),
+    ]
+}
+
+fn batch(step: usize, rank: usize) -> (Tensor, Tensor) {
+    let v = |n: usize, salt: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 7 + step * 13 + rank * 31 + salt) % 23) as f32 - 11.0) / 11.0)
+            .collect()
+    };
+    let x = Tensor::from_vec(v(PER_RANK * IN, 0), (PER_RANK, IN), &Device::Cpu).unwrap();
+    let y = Tensor::from_vec(v(PER_RANK * OUT, 5), (PER_RANK, OUT), &Device::Cpu).unwrap();
+    (x, y)
+}
+
+struct Run {
+    losses: Vec<u32>,
+    init: HashMap<String, Vec<f32>>,
+    params: HashMap<String, Vec<f32>>,
+    /// Rank 0's notes: was the weight a variable, call by call.
+    seen: Vec<bool>,
+}
+
+fn run(
+    kind: Kind,
+    ws: usize,
+    strategy: ShardingStrategy,
+    checkpoint: bool,
+    freeze: &[&str],
+) -> Run {
+    let seen0 = Arc::new(Mutex::new(Vec::new()));
+    let results = launch(&Launcher::threads(ws), |pg| {
+        let seen = if pg.rank() == 0 {
+            seen0.clone()
+        } else {
+            Arc::new(Mutex::new(Vec::new()))
+        };
+        let config = FsdpConfig {
+            sharding_strategy: strategy,
+            seed: 3,
+            ..Default::default()
+        };
+        let mut builder =
+            FsdpModel::builder(pg.clone(), config).units(units(kind, checkpoint, &seen));
+        if !freeze.is_empty() {
+            builder = builder.freeze(freeze.iter().copied());
+        }
+        let mut model = builder.build()?;
+        let gather = |model: &FsdpModel| -> candle_fsdp::Result<HashMap<String, Vec<f32>>> {
+            Ok(model
+                .gather_full_params(false)?
+                .expect("every rank gathers")
+                .into_iter()
+                .map(|(k, t)| (k, to_vec(&t)))
+                .collect())
+        };
+        let init = gather(&model)?;
+        let mut opt = AdamW::new(AdamWConfig {
+            lr: 1e-2,
+            weight_decay: 0.01,
+            ..Default::default()
+        });
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let (x, y) = batch(step, pg.rank());
+            let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
+            model.backward(&loss)?;
+            opt.step(&mut model)?;
+            model.zero_grad();
+            let avg = pg.all_reduce_f32s(vec![loss.to_scalar::<f32>()?], ReduceOp::Avg)?[0];
+            losses.push(avg.to_bits());
+        }
+        Ok((losses, init, gather(&model)?))
+    })
+    .unwrap();
+    let (losses, init, params) = results.into_iter().next().unwrap();
+    let seen = seen0.lock().unwrap().clone();
+    Run {
+        losses,
+        init,
+        params,
+        seen,
+    }
+}
+
+fn assert_same(what: &str, fused: &Run, plain: &Run) {
+    assert_eq!(fused.losses, plain.losses, "{what}: losses (bits)");
+    assert_ne!(
+        fused.losses[0],
+        fused.losses[STEPS - 1],
+        "{what}: training moved the loss"
+    );
+    let mut names: Vec<_> = plain.params.keys().collect();
+    names.sort();
+    assert_eq!(names.len(), 5, "{what}: parameters {names:?}");
+    for n in names {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&fused.params[n]),
+            bits(&plain.params[n]),
+            "{what}: parameter {n} (bits)"
+        );
+    }
+}
+
+#[test]
+fn fused_linear_trains_bit_for_bit_like_nn_linear_under_every_strategy() {
+    for (ws, strategy) in [
+        (1, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::ShardGradOp),
+        (2, ShardingStrategy::NoShard),
+    ] {
+        let what = format!("ws {ws} {strategy:?}");
+        let fused = run(Kind::Fused, ws, strategy, false, &[]);
+        let plain = run(Kind::Plain, ws, strategy, false, &[]);
+        assert_same(&what, &fused, &plain);
+        // Three layers a step: variables in the first step (the runtime learns there that only
+        // fused nodes read the parameters), views after it; nn::Linear gets variables always.
+        assert_eq!(fused.seen.len(), 3 * STEPS, "{what}: calls");
+        assert_eq!(&fused.seen[..3], [true; 3], "{what}: first step");
+        assert!(
+            fused.seen[3..].iter().all(|v| !v),
+            "{what}: views after the first step: {:?}",
+            fused.seen
+        );
+        assert!(
+            plain.seen.iter().all(|v| *v),
+            "{what}: nn::Linear's variables"
+        );
+    }
+}
+
+#[test]
+fn fused_linear_checkpointed_and_frozen_train_like_nn_linear() {
+    let full = ShardingStrategy::FullShard;
+    let fused = run(Kind::Fused, 2, full, true, &[]);
+    let plain = run(Kind::Plain, 2, full, true, &[]);
+    assert_same("checkpointed fc2", &fused, &plain);
+    // A frozen weight: no gradient computed or sent for it, its bias still trains.
+    let fused = run(Kind::Fused, 2, full, false, &["fc2.weight"]);
+    let plain = run(Kind::Plain, 2, full, false, &["fc2.weight"]);
+    assert_same("frozen fc2 weight", &fused, &plain);
+    for r in [&fused, &plain] {
+        assert_eq!(
+            r.params["fc2.weight"], r.init["fc2.weight"],
+            "the frozen weight changed"
+        );
+        assert_ne!(
+            r.params["fc2.bias"], r.init["fc2.bias"],
+            "fc2.bias did not train"
+        );
+    }
+}
