@@ -20,8 +20,8 @@ use crate::unit::UnitSpec;
 /// The seed recipe's MNIST MLP as four units: `flatten` (no parameters: (B, 1, 28, 28) →
 /// (B, 784)), `fc1` Linear(784, 128) + ReLU, `fc2` Linear(128, 64) + ReLU, `fc3`
 /// Linear(64, 10) → logits (B, 10), f32. Parameters are named `fc1.weight`, `fc1.bias`, …
-/// (candle-nn's `linear` names and init); each linear layer is [`crate::nn::Linear`], one
-/// graph node.
+/// (candle-nn's `linear` names and init); each linear layer is [`crate::fsdp::fused::Linear`]:
+/// one graph node, and inside the runtime one whose parameters need no per-step copies.
 #[cfg(feature = "mnist")]
 pub fn mnist_mlp() -> Vec<UnitSpec> {
     vec![
