@@ -38,7 +38,7 @@ done
 never "src/kernels" 'crate::(ops|fsdp|flat_param|comm|launch|optim|checkpoint|nn|device|cuda)\b' \
     "kernels/ is a leaf: it imports nothing of the crate but error"
 never "src/nn" 'crate::(fsdp|models|optim|checkpoint|launch|comm)\b' \
-    "nn/ is the layer library and its kernels: fused nodes that use the runtime's seam (fsdp::fused) live with their models (decision 72)"
+    "nn/ is the layer library and its kernels: fused nodes that use the runtime's seam (fsdp::fused) live with their models (decision 72) or, general-purpose ones, in fsdp/fused/ (decision 88)"
 never "src/quant.rs" 'crate::(ops|fsdp|flat_param|comm|launch|optim|checkpoint|nn|models)\b' \
     "quant.rs is a leaf: storage formats over slices"
 never "src/flat_param.rs" 'crate::(ops|fsdp|comm)\b' \

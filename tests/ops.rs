@@ -127,10 +127,10 @@ fn sgd_step_is_bitwise_the_host_loop_for_every_option() {
 #[test]
 fn optimizer_state_decaying_into_subnormals_is_stored_as_zero() {
     let _s = serial();
-    let tiny = f32::MIN_POSITIVE; // 2^-126
-                                  // Moments after one step with a zero gradient: state · β. Index 0 stays normal, 1–3 would
-                                  // become subnormal (m: 1.07e-38, -1.07e-38, 9e-40 from a subnormal; v: 0.9995 · 2^-126,
-                                  // 9e-40), 4 is ordinary.
+    // 2^-126. Moments after one step with a zero gradient: state · β. Index 0 stays normal, 1–3
+    // would become subnormal (m: 1.07e-38, -1.07e-38, 9e-40 from a subnormal; v: 0.9995 ·
+    // 2^-126, 9e-40), 4 is ordinary.
+    let tiny = f32::MIN_POSITIVE;
     let m0 = [tiny * 1.25, tiny * 1.1, -tiny * 1.1, tiny / 13.0, 0.5];
     let s0 = [tiny * 1.25, tiny * 1.0005, tiny * 1.0005, tiny / 13.0, 0.5];
     let n = m0.len();

@@ -36,10 +36,11 @@ pub use trainer::{print_checkpoint, print_peak_rss};
 // Every step allocates and frees MB-sized buffers (gathered parameters, gradients); glibc's
 // malloc returns them to the kernel and pays page faults on each reuse, mimalloc keeps them
 // (design/decisions.md, decision 10).
-// Counted, so that the GPT example can measure its activation estimate
-// (`candle_fsdp::alloc`), each thread adding to the shared count once per 64 KiB of its own
-// allocations (exact per-allocation counting cost the MNIST step about 8 %); large blocks from the shared arena under the shared-memory backend
-// (`fsdp-run --nproc-per-node N`), whose collectives then read peers' tensors in place.
+// Counted, so that the GPT example can measure its activation estimate (`candle_fsdp::alloc`),
+// each thread counting into its own stripe and comparing with the peak once per 64 KiB of
+// growth (exact per-allocation counting cost the MNIST step about 8 %); large blocks from the
+// shared arena under the shared-memory backend (`fsdp-run --nproc-per-node N`), whose
+// collectives then read peers' tensors in place.
 #[global_allocator]
 static GLOBAL: candle_fsdp::alloc::Counting<
     candle_fsdp::alloc::SharedLarge<mimalloc::MiMalloc>,

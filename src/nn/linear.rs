@@ -29,6 +29,12 @@ use crate::cpu::{contiguous, filled, gemm_f32, with_simd};
 /// Dtypes: all three of one dtype. Other dtypes than f32 and other devices run
 /// `candle_nn::Linear::forward`, the same values up to rounding.
 ///
+/// Gradients: the backward computes the gradient of an operand only when it tracks (a
+/// variable, or a tensor computed from one): a plain input (a first layer's data) gets none,
+/// nor does a frozen weight, and their gemms are skipped. Candle keeps gradients only for
+/// tracking tensors anyway; `candle_nn::Linear`'s composed backward also returned (unused) ones
+/// for the others.
+///
 /// Errors: mismatched shapes or dtypes; Candle's.
 pub fn linear_forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let (out, inp) = weight.dims2()?;
@@ -192,7 +198,7 @@ impl CustomOp3 for LinearGeluOp {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
@@ -202,7 +208,7 @@ impl CustomOp3 for LinearGeluOp {
         };
         // dh = g ⊙ gelu'(h), read straight from the gradient's storage.
         let dh = g.contiguous()?.apply_op1_no_bwd(&GeluGradOfPre(h))?;
-        let want = [x.track_op(), w.track_op(), _b.track_op()];
+        let want = [x.track_op(), w.track_op(), b.track_op()];
         LinearOp::grads(x, w, &dh, want)
     }
 }
@@ -307,6 +313,14 @@ impl LinearOp {
         b: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
         let (out, inp) = w.1.shape().dims2()?;
+        if inp == 0 || x.1.dims().last() != Some(&inp) || b.is_some_and(|b| b.1.dims() != [out]) {
+            bail!(
+                "linear: input {:?}, weight {:?}, bias {:?} do not fit",
+                x.1.shape(),
+                w.1.shape(),
+                b.map(|b| b.1.shape().clone())
+            )
+        }
         let n = x.1.shape().elem_count() / inp;
         let xs = contiguous(x.0.as_slice::<f32>()?, x.1, "input")?;
         let wm = Mat::of(w.0, w.1, "weight")?;

@@ -19,6 +19,7 @@ use candle_core::{CpuStorage, Tensor};
 use super::{AdamWHyper, ScaleFactor, SgdHyper, Unscale};
 use crate::device::{with_storage, with_storage_mut, StorageMut, StorageRef};
 use crate::error::{Error, Result};
+use crate::kernels::flush_subnormal;
 
 // ---- the ops over checked tensors (`super` checked dtype, layout, device, counts, aliasing) --
 
@@ -515,26 +516,6 @@ fn adamw_impl<const UNSCALE: bool>(
         let v_hat = *v * bias_correction2;
         *p *= decay;
         *p -= (m_hat / (v_hat.sqrt() + eps)) * lr;
-    }
-}
-
-/// `x`, or `+0.0` when `|x|` is below f32's smallest normal number (`f32::MIN_POSITIVE`,
-/// about 1.18e-38): how the optimizers store their moments and momentum buffers. A moment whose
-/// gradient has become zero shrinks by β every step (β1 = 0.9: from 1e-5 into the subnormal
-/// range in about 700 steps, where it stays about 150 more); every operation on a subnormal
-/// takes the CPU a micro-code assist of about a hundred cycles, so a model with many such
-/// moments ran its optimizer up to 17× slower (AdamW over 109 k subnormal moments: 962 µs a
-/// step against 55 µs; the MNIST example at world size 1, epoch 1: 1.64 → 1.18 s). What changes
-/// is only values below 1.2e-38, which the update `m̂ / (√v̂ + ε)` (ε ≥ 1e-8 in practice)
-/// cannot tell from zero. Written as a comparison (not the CPU's flush-to-zero mode) so that
-/// the GPU kernels (`kernels/optim.cu`) and the references ([`crate::kernels`]) do the same,
-/// bit for bit. PyTorch keeps subnormals unless `torch.set_flush_denormal(True)`.
-#[inline(always)]
-fn flush_subnormal(x: f32) -> f32 {
-    if x.abs() < f32::MIN_POSITIVE {
-        0.0
-    } else {
-        x
     }
 }
 

@@ -153,7 +153,10 @@ impl From<&SgdHyper> for SgdArgs {
 /// One AdamW update (Loshchilov & Hutter, ICLR 2019; operation by operation as candle-nn's
 /// `AdamW` and PyTorch's `torch.optim.AdamW`), element-wise, in f32:
 /// `m ← β1·m + (1 − β1)·g`, `v ← β2·v + (1 − β2)·g²`, `θ ← θ·(1 − lr·λ)`,
-/// `θ ← θ − lr · (m·c1) / (sqrt(v·c2) + ε)` with `c1`, `c2` the bias corrections of `h`.
+/// `θ ← θ − lr · (m·c1) / (sqrt(v·c2) + ε)` with `c1`, `c2` the bias corrections of `h`; an
+/// `m` or `v` below f32's smallest normal number is stored (and used) as `+0`
+/// ([`crate::kernels::flush_subnormal`]: subnormal arithmetic costs the CPU up to 17×; PyTorch
+/// keeps them).
 ///
 /// `param`, `exp_avg`, `exp_avg_sq` are written in place; `grad` is read. All four: f32,
 /// contiguous, the same element count, the same device, four distinct storages.
@@ -303,7 +306,9 @@ pub fn adamw_step_bf16_state(
 
 /// One SGD update, PyTorch's algorithm (`torch.optim.SGD` docs), element-wise, in f32:
 /// `d ← g + λθ` (when λ ≠ 0); with momentum μ ≠ 0: `b ← d` at the first step, else
-/// `b ← μ·b + (1 − τ)·d`, then `d ← d + μ·b` (Nesterov) or `d ← b`; finally `θ ← θ − lr·d`.
+/// `b ← μ·b + (1 − τ)·d` (a `b` below f32's smallest normal stored and used as `+0`,
+/// [`crate::kernels::flush_subnormal`]), then `d ← d + μ·b` (Nesterov) or `d ← b`; finally
+/// `θ ← θ − lr·d`.
 ///
 /// `param` and `momentum_buffer` are written in place (the buffer is required when
 /// `h.momentum ≠ 0` and ignored otherwise); `grad` is read. Same requirements and errors as

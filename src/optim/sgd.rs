@@ -57,7 +57,8 @@ impl SgdConfig {
 /// `g ← g + λθ`; `b ← g` at the parameter's first update, else `b ← μ b + (1 − τ) g`;
 /// `g ← g + μ b` if Nesterov else `g ← b`; `θ ← θ − lr · g`, in f32 ([`ops::sgd_step`]), with
 /// the hyper-parameters of the parameter's group. Momentum buffers: one f32 tensor per unit
-/// shard on its device.
+/// shard on its device; a buffer value below f32's smallest normal number is stored as 0
+/// (`crate::kernels::flush_subnormal`, decision 87).
 ///
 /// Not `Clone`, for the reason given at [`crate::AdamW`].
 #[derive(Debug)]

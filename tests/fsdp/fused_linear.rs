@@ -29,8 +29,8 @@ enum Kind {
     Plain,
 }
 
-/// A linear layer of either kind that notes, at each call, whether its weight is an autograd
-/// variable.
+/// A linear layer of either kind that notes, at each call, whether its weight or bias is an
+/// autograd variable.
 struct Probe {
     kind: Kind,
     weight: Tensor,
@@ -40,7 +40,8 @@ struct Probe {
 
 impl Module for Probe {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.seen.lock().unwrap().push(self.weight.is_variable());
+        let var = self.weight.is_variable() || self.bias.as_ref().is_some_and(Tensor::is_variable);
+        self.seen.lock().unwrap().push(var);
         match self.kind {
             Kind::Fused => fused::linear_forward(x, &self.weight, self.bias.as_ref()),
             Kind::Plain => candle_fsdp::nn::linear_forward(x, &self.weight, self.bias.as_ref()),
@@ -67,8 +68,8 @@ fn probe(
     })
 }
 
-/// `fc1` (input without gradient) → ReLU → `fc2` (checkpointed when asked) → ReLU → `head`
-/// (no bias).
+/// `fc1` (input without gradient) → ReLU → `fc2` → ReLU → `head` (no bias); the first two
+/// checkpointed when asked.
 fn units(kind: Kind, checkpoint: bool, seen: &Arc<Mutex<Vec<bool>>>) -> Vec<UnitSpec> {
     let (s1, s2, s3) = (seen.clone(), seen.clone(), seen.clone());
     vec![
@@ -76,7 +77,8 @@ fn units(kind: Kind, checkpoint: bool, seen: &Arc<Mutex<Vec<bool>>>) -> Vec<Unit
             Ok(candle_nn::seq()
                 .add(probe(kind, (IN, HIDDEN, true), &s1, vb)?)
                 .add(Activation::Relu))
-        }),
+        })
+        .with_activation_checkpointing(checkpoint),
         UnitSpec::new("fc2", move |vb| {
             Ok(candle_nn::seq()
                 .add(probe(kind, (HIDDEN, HIDDEN, true), &s2, vb)?)
@@ -102,8 +104,10 @@ struct Run {
     losses: Vec<u32>,
     init: HashMap<String, Vec<f32>>,
     params: HashMap<String, Vec<f32>>,
-    /// Rank 0's notes: was the weight a variable, call by call.
+    /// Rank 0's notes: was the weight or bias a variable, call by call.
     seen: Vec<bool>,
+    /// How many of `seen` are the first step's.
+    first_step_calls: usize,
 }
 
 fn run(
@@ -146,6 +150,7 @@ fn run(
             ..Default::default()
         });
         let mut losses = Vec::new();
+        let mut first_step_calls = 0;
         for step in 0..STEPS {
             let (x, y) = batch(step, pg.rank());
             let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
@@ -154,18 +159,44 @@ fn run(
             model.zero_grad();
             let avg = pg.all_reduce_f32s(vec![loss.to_scalar::<f32>()?], ReduceOp::Avg)?[0];
             losses.push(avg.to_bits());
+            if step == 0 {
+                first_step_calls = seen.lock().unwrap().len();
+            }
         }
-        Ok((losses, init, gather(&model)?))
+        Ok((losses, init, gather(&model)?, first_step_calls))
     })
     .unwrap();
-    let (losses, init, params) = results.into_iter().next().unwrap();
+    let (losses, init, params, first_step_calls) = results.into_iter().next().unwrap();
     let seen = seen0.lock().unwrap().clone();
     Run {
         losses,
         init,
         params,
         seen,
+        first_step_calls,
     }
+}
+
+/// The fused layers' parameters are views after the first step (whose calls saw variables
+/// where they recorded autograd: the runtime learns there that only fused nodes read them);
+/// `nn::Linear` always reads variables where its calls record autograd.
+fn assert_views_after_the_first_step(what: &str, fused: &Run, plain: &Run) {
+    let first = fused.first_step_calls;
+    assert!(first >= 3, "{what}: the first step's calls");
+    assert!(
+        fused.seen[..first].contains(&true),
+        "{what}: first step {:?}",
+        fused.seen
+    );
+    assert!(
+        fused.seen[first..].iter().all(|v| !v),
+        "{what}: views after the first step: {:?}",
+        fused.seen
+    );
+    assert!(
+        plain.seen[plain.first_step_calls..].contains(&true),
+        "{what}: nn::Linear's variables"
+    );
 }
 
 fn assert_same(what: &str, fused: &Run, plain: &Run) {
@@ -200,15 +231,10 @@ fn fused_linear_trains_bit_for_bit_like_nn_linear_under_every_strategy() {
         let fused = run(Kind::Fused, ws, strategy, false, &[]);
         let plain = run(Kind::Plain, ws, strategy, false, &[]);
         assert_same(&what, &fused, &plain);
-        // Three layers a step: variables in the first step (the runtime learns there that only
-        // fused nodes read the parameters), views after it; nn::Linear gets variables always.
+        // Three layers a step: variables in the first step, views after it.
         assert_eq!(fused.seen.len(), 3 * STEPS, "{what}: calls");
         assert_eq!(&fused.seen[..3], [true; 3], "{what}: first step");
-        assert!(
-            fused.seen[3..].iter().all(|v| !v),
-            "{what}: views after the first step: {:?}",
-            fused.seen
-        );
+        assert_views_after_the_first_step(&what, &fused, &plain);
         assert!(
             plain.seen.iter().all(|v| *v),
             "{what}: nn::Linear's variables"
@@ -219,13 +245,17 @@ fn fused_linear_trains_bit_for_bit_like_nn_linear_under_every_strategy() {
 #[test]
 fn fused_linear_checkpointed_and_frozen_train_like_nn_linear() {
     let full = ShardingStrategy::FullShard;
+    // fc1 checkpointed is the case `fused::records` exists for: its input carries no
+    // gradient, its forward records nothing, its recompute builds the node.
     let fused = run(Kind::Fused, 2, full, true, &[]);
     let plain = run(Kind::Plain, 2, full, true, &[]);
-    assert_same("checkpointed fc2", &fused, &plain);
+    assert_same("checkpointed fc1 and fc2", &fused, &plain);
+    assert_views_after_the_first_step("checkpointed fc1 and fc2", &fused, &plain);
     // A frozen weight: no gradient computed or sent for it, its bias still trains.
     let fused = run(Kind::Fused, 2, full, false, &["fc2.weight"]);
     let plain = run(Kind::Plain, 2, full, false, &["fc2.weight"]);
     assert_same("frozen fc2 weight", &fused, &plain);
+    assert_views_after_the_first_step("frozen fc2 weight", &fused, &plain);
     for r in [&fused, &plain] {
         assert_eq!(
             r.params["fc2.weight"], r.init["fc2.weight"],

@@ -55,6 +55,15 @@ pub fn linear(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Resul
     Ok(Linear(nn::linear(in_dim, out_dim, vb)?))
 }
 
+/// A [`Linear`] of `in_dim → out_dim` without a bias, its weight from `vb`: candle-nn's
+/// [`candle_nn::linear_no_bias()`] (same name, same init).
+///
+/// Errors: Candle's (a parameter of another shape in `vb`).
+pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<Linear> {
+    let l = candle_nn::linear_no_bias(in_dim, out_dim, vb)?;
+    Ok(Linear::new(l.weight().clone(), None))
+}
+
 /// `y = x · weightᵀ + bias` over the last dimension of `x` (shapes, dtypes and errors as
 /// [`crate::nn::linear_forward`]). In a training call of the FSDP runtime that records autograd
 /// ([`super::records`]), on the CPU in f32, when `weight` (and `bias`) are the call's own

@@ -43,7 +43,7 @@
 //!
 //! # A building block
 //!
-//! [`Linear`] ([`linear`], [`linear_forward`]) is `candle_nn::linear` as such a node:
+//! [`Linear`] ([`linear`], [`linear_no_bias`], [`linear_forward`]) is `candle_nn::linear` as such a node:
 //! `crate::nn::Linear`'s values and gradients, with the runtime's parameter copies skipped (the
 //! MNIST model's layers). Because a first layer's input carries no gradient, it cannot ask
 //! `x.track_op()` whether the call records autograd: it asks [`records`], and sends only the
@@ -55,7 +55,7 @@ use candle_core::{bail, Result, Tensor, TensorId};
 
 mod linear;
 
-pub use linear::{linear, linear_forward, Linear};
+pub use linear::{linear, linear_forward, linear_no_bias, Linear};
 
 #[derive(Default)]
 struct State {
@@ -88,6 +88,9 @@ pub(crate) struct Armed {
     outer_seed: u64,
     /// The enclosing armed call's [`records`], restored on drop.
     outer_records: bool,
+    /// The lengths of `params` and `frozen` before this arming: its own entries are dropped
+    /// with it, so an enclosing call does not see a nested call's tensors as its own.
+    outer_lens: (usize, usize),
 }
 
 impl Drop for Armed {
@@ -97,10 +100,10 @@ impl Drop for Armed {
             s.armed -= 1;
             s.seed = self.outer_seed;
             s.records = self.outer_records;
+            s.params.truncate(self.outer_lens.0);
+            s.frozen.truncate(self.outer_lens.1);
             if s.armed == 0 {
                 s.promised.clear();
-                s.frozen.clear();
-                s.params.clear();
             }
         });
     }
@@ -136,20 +139,24 @@ pub(crate) fn arm_call<'a>(
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         s.armed += 1;
+        let outer_lens = (s.params.len(), s.frozen.len());
         s.params.extend(params.into_iter().map(Tensor::id));
         s.frozen.extend(frozen.into_iter().map(Tensor::id));
         Armed {
             outer_seed: std::mem::replace(&mut s.seed, seed),
             outer_records: std::mem::replace(&mut s.records, records),
+            outer_lens,
         }
     })
 }
 
 /// Whether `t` is one of the armed call's parameter tensors (as the runtime bound them:
 /// variables or views), by identity: a tensor computed from a parameter (a transpose, a
-/// merged LoRA weight) is not. False when the thread is not armed. A node that sends `t`'s
-/// gradient to the sink must ask this first: the runtime adds what it receives only into its
-/// parameters' gradients.
+/// merged LoRA weight) is not. False when the thread is not armed. The runtime adds what the
+/// sink receives only into its parameters' gradients, so a node that may be handed something
+/// else (a general-purpose layer such as [`Linear`]) should ask this before sending; a node
+/// built over known parameters ([`apply`], the decoder blocks) relies on the connectivity
+/// check instead.
 pub fn is_call_param(t: &Tensor) -> bool {
     STATE.with(|s| {
         let s = s.borrow();
@@ -534,6 +541,35 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].1.to_vec1::<f32>().unwrap(), [1.0; 3]);
         assert!(send(&p, p.clone()).is_err());
+    }
+
+    /// `records` and `is_call_param` answer for the innermost armed call and come back to the
+    /// enclosing call's answers when a nested arming ends; outside any call both are false.
+    #[test]
+    fn records_and_call_params_follow_the_innermost_call() {
+        let t = |v: f32| Tensor::new(&[v], &Device::Cpu).unwrap();
+        let (a, b, f) = (t(1.0), t(2.0), t(3.0));
+        assert!(!records() && !is_call_param(&a));
+        {
+            let _outer = arm_call([&a, &f], [&f], 5, false);
+            assert!(!records(), "a checkpointed forward records nothing");
+            assert!(is_call_param(&a) && is_call_param(&f) && !is_call_param(&b));
+            assert!(!trains(&f) && trains(&a));
+            assert_eq!(call_seed(), Some(5));
+            {
+                let _inner = arm_call([&b], [], 9, true);
+                assert!(records() && is_call_param(&b));
+                assert_eq!(call_seed(), Some(9));
+            }
+            assert!(!records(), "the enclosing call's answer is back");
+            assert!(
+                !is_call_param(&b),
+                "the nested call's parameters left with it"
+            );
+            assert!(is_call_param(&a) && !trains(&f));
+            assert_eq!(call_seed(), Some(5));
+        }
+        assert!(!records() && !is_call_param(&a) && trains(&f) && !armed());
     }
 
     /// `apply` with a frozen parameter: the op's backward is told (`trains`), and a gradient
