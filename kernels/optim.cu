@@ -33,7 +33,7 @@ struct AdamWArgs {
 
 // One AdamW update (ops::adamw_step's CPU loop), element-wise, with g = grad * f
 // (f = *inv_scale_ptr when given, else inv_scale; 1 for an unscaled gradient):
-//   m = flush(m*beta1 + g*(1-beta1));  v = flush(v*beta2 + (g*g)*(1-beta2));
+//   m = flush(m*beta1 + g*(1-beta1));  v = v*beta2 + (g*g)*(1-beta2), flushed once m == 0;
 //   p = p*decay;  p = p - (m*c1 / (sqrt(v*c2) + eps)) * lr.
 // The gradient is read only. Launch: 1-D, any grid, any block size.
 extern "C" __global__ void adamw(float* param, const float* grad, float* exp_avg,
@@ -47,8 +47,11 @@ extern "C" __global__ void adamw(float* param, const float* grad, float* exp_avg
         const float g = __fmul_rn(grad[i], f);
         const float m = flush_subnormal(
             __fadd_rn(__fmul_rn(exp_avg[i], h.beta1), __fmul_rn(g, h.one_minus_beta1)));
-        const float v = flush_subnormal(__fadd_rn(__fmul_rn(exp_avg_sq[i], h.beta2),
-                                                  __fmul_rn(__fmul_rn(g, g), h.one_minus_beta2)));
+        const float v_new = __fadd_rn(__fmul_rn(exp_avg_sq[i], h.beta2),
+                                      __fmul_rn(__fmul_rn(g, g), h.one_minus_beta2));
+        // v is flushed only once m is 0 (kernels::flush_second_moment): a flushed v beside a
+        // normal m would divide m by eps alone.
+        const float v = m == 0.0f ? flush_subnormal(v_new) : v_new;
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
         const float m_hat = __fmul_rn(m, h.bias_correction1);

@@ -161,6 +161,16 @@ fn optimizer_state_decaying_into_subnormals_is_stored_as_zero() {
     }
     assert_eq!(got[4], 0.5 * h.beta1);
 
+    // A gradient whose square is subnormal beside a normal first moment: v is kept (a flushed
+    // v would make the update m̂ / ε, infinite with ε = 0).
+    let mut h0 = h;
+    h0.eps = 0.0;
+    let (tp, tm, ts) = (t(&[1.0f32]), t(&[0.0f32]), t(&[0.0f32]));
+    ops::adamw_step(&tp, &t(&[1e-20f32]), &tm, &ts, &h0).unwrap();
+    let (p1, m1, v1) = (v(&tp)[0], v(&tm)[0], v(&ts)[0]);
+    assert!(m1 != 0.0 && v1 != 0.0 && v1 < tiny, "m {m1:e}, v {v1:e}");
+    assert!(p1.is_finite() && (p1 - 1.0).abs() < 1e-2, "p {p1}");
+
     // bf16 moments: the same flush before rounding to bf16.
     let bf = |x: &[f32]| t(x).to_dtype(DType::BF16).unwrap();
     let (tm, ts) = (bf(&m0), bf(&s0));

@@ -243,6 +243,46 @@ impl FsdpModel {
         Ok(())
     }
 
+    /// After a call's backward: every parameter of a group bound as views for fused nodes
+    /// (only fused nodes read it, `fsdp::fused`) that the unit asked for has a gradient, sent
+    /// by a fused node. One without means the node that promised it in the forward never ran
+    /// its backward: its output does not reach the unit's outputs (a fused layer's result
+    /// discarded), which the forward's connectivity check cannot see (a promise counts as
+    /// reached there).
+    ///
+    /// Errors: [`Error::Disconnected`] naming the unit and the parameter.
+    fn check_fused_sent(
+        &self,
+        m: usize,
+        groups: &[usize],
+        grads: &candle_core::backprop::GradStore,
+        outputs: &[Option<Tensor>],
+    ) -> Result<()> {
+        let member = &self.members[m];
+        if member.spec.unused_parameters || outputs.iter().flatten().any(|o| o.elem_count() == 0) {
+            return Ok(());
+        }
+        for &g in groups {
+            let u = &self.units[g];
+            if u.is_frozen() || !u.binds_views_now() {
+                continue;
+            }
+            let views = u.param_tensors().unwrap_or(&[]);
+            for (p, v) in u.flat().layout().params.iter().zip(views) {
+                if member.params.contains(&p.name) && grads.get(v).is_none() {
+                    return Err(Error::Disconnected {
+                        unit: member.spec.name.clone(),
+                        what: format!(
+                            "unit {}: parameter {} is read only by fused nodes (bound as a view                              for them), but none sent its gradient in this call's backward: the                              fused node that promised it does not reach the unit's outputs (its                              result unused?), so the parameter would silently get no gradient",
+                            member.spec.name, p.name
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The autograd part of call `c`'s backward (see [`FsdpModel::backward_call`]).
     fn backward_compute(&mut self, c: usize, m: usize, groups: &[usize]) -> Result<()> {
         let call = &mut self.step_mut().calls[c];
@@ -287,6 +327,7 @@ impl FsdpModel {
                     };
                     grads.insert(&p, g);
                 }
+                self.check_fused_sent(m, groups, &grads, &outputs)?;
                 Some(grads)
             }
             _ => None,

@@ -597,12 +597,28 @@ pub fn flush_subnormal(x: f32) -> f32 {
     }
 }
 
+/// AdamW's second moment `v` as stored beside the (already flushed) first moment `m`:
+/// [`flush_subnormal`]`(v)` once `m` is 0, else `v` as it is. A flushed `v` beside a normal `m`
+/// (a gradient of about 1e-19 or less, whose square is subnormal) would make the update
+/// `m̂ / (0 + ε)`: infinite with ε = 0, where PyTorch's stays finite; a moment whose gradient
+/// stopped reaches `m = 0` long before `v` is subnormal (β1 = 0.9 against β2 = 0.999).
+#[inline(always)]
+pub fn flush_second_moment(v: f32, m: f32) -> f32 {
+    if m == 0.0 {
+        flush_subnormal(v)
+    } else {
+        v
+    }
+}
+
 /// Reference of `adamw` (module `optim`): unless `found_inf != 0` (then nothing changes), per
 /// element with `g = grad · inv_scale`:
 /// `m = m·β1 + g·(1−β1)`, `v = v·β2 + (g·g)·(1−β2)`, `p = p·decay`,
 /// `p = p − (m·c1 / (sqrt(v·c2) + ε))·lr` (Loshchilov & Hutter, ICLR 2019, as PyTorch's
-/// `torch.optim.AdamW`), except that an `m` or `v` below f32's smallest normal number is stored
-/// (and used) as `+0` (the optimizers' subnormal flush, `design/kernels.md`; `h` the kernel's [`AdamWArgs`], made from a `crate::ops::AdamWHyper`). With `inv_scale == 1` this is
+/// `torch.optim.AdamW`), except that an `m` below f32's smallest normal number is stored (and
+/// used) as `+0`, and so is such a `v` once `m` is 0 ([`flush_subnormal`],
+/// [`flush_second_moment`], decision 87); `h` the kernel's [`AdamWArgs`], made from a
+/// `crate::ops::AdamWHyper`. With `inv_scale == 1` this is
 /// [`crate::ops::adamw_step`]'s CPU loop; with another `inv_scale` it equals
 /// [`crate::ops::scale_and_check_finite_`]`(grad, inv_scale)` followed by that loop.
 ///
@@ -624,7 +640,7 @@ pub fn adamw_reference(
     for i in 0..n {
         let g = grad[i] * inv_scale;
         let m = flush_subnormal(exp_avg[i] * h.beta1 + g * h.one_minus_beta1);
-        let v = flush_subnormal(exp_avg_sq[i] * h.beta2 + (g * g) * h.one_minus_beta2);
+        let v = flush_second_moment(exp_avg_sq[i] * h.beta2 + (g * g) * h.one_minus_beta2, m);
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
         let m_hat = m * h.bias_correction1;

@@ -19,7 +19,7 @@ use candle_core::{CpuStorage, Tensor};
 use super::{AdamWHyper, ScaleFactor, SgdHyper, Unscale};
 use crate::device::{with_storage, with_storage_mut, StorageMut, StorageRef};
 use crate::error::{Error, Result};
-use crate::kernels::flush_subnormal;
+use crate::kernels::{flush_second_moment, flush_subnormal};
 
 // ---- the ops over checked tensors (`super` checked dtype, layout, device, counts, aliasing) --
 
@@ -120,7 +120,7 @@ fn adamw_bf16(
         let base = offset + (c * CHUNK) as u64;
         for (i, (((p, &g), m), v)) in p.iter_mut().zip(g).zip(m).zip(v).enumerate() {
             let m32 = flush_subnormal(m.to_f32() * beta1 + g * one_minus_beta1);
-            let v32 = flush_subnormal(v.to_f32() * beta2 + (g * g) * one_minus_beta2);
+            let v32 = flush_second_moment(v.to_f32() * beta2 + (g * g) * one_minus_beta2, m32);
             let m_hat = m32 * bias_correction1;
             let v_hat = v32 * bias_correction2;
             *p *= decay;
@@ -511,7 +511,7 @@ fn adamw_impl<const UNSCALE: bool>(
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
         let g = if UNSCALE { g * inv } else { g };
         *m = flush_subnormal(*m * beta1 + g * one_minus_beta1);
-        *v = flush_subnormal(*v * beta2 + (g * g) * one_minus_beta2);
+        *v = flush_second_moment(*v * beta2 + (g * g) * one_minus_beta2, *m);
         let m_hat = *m * bias_correction1;
         let v_hat = *v * bias_correction2;
         *p *= decay;

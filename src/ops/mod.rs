@@ -154,9 +154,9 @@ impl From<&SgdHyper> for SgdArgs {
 /// `AdamW` and PyTorch's `torch.optim.AdamW`), element-wise, in f32:
 /// `m ← β1·m + (1 − β1)·g`, `v ← β2·v + (1 − β2)·g²`, `θ ← θ·(1 − lr·λ)`,
 /// `θ ← θ − lr · (m·c1) / (sqrt(v·c2) + ε)` with `c1`, `c2` the bias corrections of `h`; an
-/// `m` or `v` below f32's smallest normal number is stored (and used) as `+0`
-/// ([`crate::kernels::flush_subnormal`]: subnormal arithmetic costs the CPU up to 17×; PyTorch
-/// keeps them).
+/// `m` below f32's smallest normal number is stored (and used) as `+0`, and so is such a `v`
+/// once `m` is 0 ([`crate::kernels::flush_subnormal`], [`crate::kernels::flush_second_moment`]:
+/// subnormal arithmetic costs the CPU up to 17×; PyTorch keeps them).
 ///
 /// `param`, `exp_avg`, `exp_avg_sq` are written in place; `grad` is read. All four: f32,
 /// contiguous, the same element count, the same device, four distinct storages.

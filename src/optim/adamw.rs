@@ -65,9 +65,10 @@ const ADAMW_BUFFERS: &[BufferKind] = &[BufferKind::ExpAvg, BufferKind::ExpAvgSq]
 /// per parameter, with its own update count `t`,
 /// `θ ← θ(1 − lr·λ)`, `m ← β1 m + (1 − β1) g`, `v ← β2 v + (1 − β2) g²`,
 /// `θ ← θ − lr · (m / (1 − β1ᵗ)) / (sqrt(v / (1 − β2ᵗ)) + ε)`, all in f32 ([`ops::adamw_step`]),
-/// with the hyper-parameters of the parameter's group; a moment below f32's smallest normal
-/// number is stored as 0 (`crate::kernels::flush_subnormal`, decision 87: PyTorch keeps such
-/// subnormals, at up to 17× the cost). Moments `m`, `v`: one f32 tensor per
+/// with the hyper-parameters of the parameter's group; a first moment below f32's smallest
+/// normal number is stored as 0, and so is such a second moment once the first is 0
+/// (`crate::kernels::flush_second_moment`, decision 87: PyTorch keeps such subnormals, at up to
+/// 17× the cost). Moments `m`, `v`: one f32 tensor per
 /// unit shard on its device (8 bytes per shard element), or bf16 ([`AdamW::with_state_dtype`]:
 /// 4 bytes, the update still computed in f32).
 ///

@@ -89,15 +89,22 @@ fn units(kind: Kind, checkpoint: bool, seen: &Arc<Mutex<Vec<bool>>>) -> Vec<Unit
     ]
 }
 
-fn batch(step: usize, rank: usize) -> (Tensor, Tensor) {
+/// `rows` examples of step `step` for rank `rank`.
+fn batch(step: usize, rank: usize, rows: usize) -> (Tensor, Tensor) {
     let v = |n: usize, salt: usize| -> Vec<f32> {
         (0..n)
             .map(|i| (((i * 7 + step * 13 + rank * 31 + salt) % 23) as f32 - 11.0) / 11.0)
             .collect()
     };
-    let x = Tensor::from_vec(v(PER_RANK * IN, 0), (PER_RANK, IN), &Device::Cpu).unwrap();
-    let y = Tensor::from_vec(v(PER_RANK * OUT, 5), (PER_RANK, OUT), &Device::Cpu).unwrap();
+    let x = Tensor::from_vec(v(rows * IN, 0), (rows, IN), &Device::Cpu).unwrap();
+    let y = Tensor::from_vec(v(rows * OUT, 5), (rows, OUT), &Device::Cpu).unwrap();
     (x, y)
+}
+
+/// The squared error summed over the batch, over a full batch's element count (an empty batch:
+/// 0, not the mean's NaN).
+fn loss(pred: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+    (pred - y)?.sqr()?.sum_all()? / (PER_RANK * OUT) as f64
 }
 
 struct Run {
@@ -110,12 +117,14 @@ struct Run {
     first_step_calls: usize,
 }
 
+/// `STEPS` AdamW steps; every rank's batch is empty at step `empty_at`.
 fn run(
     kind: Kind,
     ws: usize,
     strategy: ShardingStrategy,
     checkpoint: bool,
     freeze: &[&str],
+    empty_at: Option<usize>,
 ) -> Run {
     let seen0 = Arc::new(Mutex::new(Vec::new()));
     let results = launch(&Launcher::threads(ws), |pg| {
@@ -152,8 +161,9 @@ fn run(
         let mut losses = Vec::new();
         let mut first_step_calls = 0;
         for step in 0..STEPS {
-            let (x, y) = batch(step, pg.rank());
-            let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
+            let rows = if empty_at == Some(step) { 0 } else { PER_RANK };
+            let (x, y) = batch(step, pg.rank(), rows);
+            let loss = loss(&model.forward(&x)?, &y)?;
             model.backward(&loss)?;
             opt.step(&mut model)?;
             model.zero_grad();
@@ -228,8 +238,8 @@ fn fused_linear_trains_bit_for_bit_like_nn_linear_under_every_strategy() {
         (2, ShardingStrategy::NoShard),
     ] {
         let what = format!("ws {ws} {strategy:?}");
-        let fused = run(Kind::Fused, ws, strategy, false, &[]);
-        let plain = run(Kind::Plain, ws, strategy, false, &[]);
+        let fused = run(Kind::Fused, ws, strategy, false, &[], None);
+        let plain = run(Kind::Plain, ws, strategy, false, &[], None);
         assert_same(&what, &fused, &plain);
         // Three layers a step: variables in the first step, views after it.
         assert_eq!(fused.seen.len(), 3 * STEPS, "{what}: calls");
@@ -247,13 +257,13 @@ fn fused_linear_checkpointed_and_frozen_train_like_nn_linear() {
     let full = ShardingStrategy::FullShard;
     // fc1 checkpointed is the case `fused::records` exists for: its input carries no
     // gradient, its forward records nothing, its recompute builds the node.
-    let fused = run(Kind::Fused, 2, full, true, &[]);
-    let plain = run(Kind::Plain, 2, full, true, &[]);
+    let fused = run(Kind::Fused, 2, full, true, &[], None);
+    let plain = run(Kind::Plain, 2, full, true, &[], None);
     assert_same("checkpointed fc1 and fc2", &fused, &plain);
     assert_views_after_the_first_step("checkpointed fc1 and fc2", &fused, &plain);
     // A frozen weight: no gradient computed or sent for it, its bias still trains.
-    let fused = run(Kind::Fused, 2, full, false, &["fc2.weight"]);
-    let plain = run(Kind::Plain, 2, full, false, &["fc2.weight"]);
+    let fused = run(Kind::Fused, 2, full, false, &["fc2.weight"], None);
+    let plain = run(Kind::Plain, 2, full, false, &["fc2.weight"], None);
     assert_same("frozen fc2 weight", &fused, &plain);
     assert_views_after_the_first_step("frozen fc2 weight", &fused, &plain);
     for r in [&fused, &plain] {
@@ -266,4 +276,74 @@ fn fused_linear_checkpointed_and_frozen_train_like_nn_linear() {
             "fc2.bias did not train"
         );
     }
+}
+
+/// A step whose batch is empty on every rank: the fused layers send zero gradients for every
+/// parameter, as PyTorch has them (the step's optimizer then finds every parameter present;
+/// before, the views got none and the step failed). `nn::Linear` composes there, and Candle's
+/// broadcast add of an empty tensor drops the bias from the graph, so its biases skip that
+/// step: the runs agree up to the empty step, not after it.
+#[test]
+fn fused_linear_with_an_empty_batch_steps_every_parameter() {
+    for ws in [1, 2] {
+        let full = ShardingStrategy::FullShard;
+        let fused = run(Kind::Fused, ws, full, false, &[], Some(2));
+        let plain = run(Kind::Plain, ws, full, false, &[], Some(2));
+        let what = format!("ws {ws}, empty step 2");
+        assert_eq!(
+            fused.losses[..2],
+            plain.losses[..2],
+            "{what}: before the empty step"
+        );
+        assert_eq!(
+            f32::from_bits(fused.losses[2]),
+            0.0,
+            "{what}: the empty step's loss"
+        );
+        let last = f32::from_bits(fused.losses[STEPS - 1]);
+        assert!(last.is_finite() && last > 0.0, "{what}: {last}");
+        for (n, v) in &fused.params {
+            assert!(v.iter().all(|x| x.is_finite()), "{what}: {n}");
+            assert_ne!(v, &fused.init[n], "{what}: {n} trained");
+        }
+    }
+}
+
+/// A fused layer whose result the unit drops: its parameters are promised (so the forward's
+/// connectivity check counts them as reached) but no backward sends their gradients. Once the
+/// group is bound as views, the call's backward says so, naming the parameter, instead of
+/// training on without them.
+#[test]
+fn a_dropped_fused_result_is_an_error_naming_the_parameter() {
+    struct Dropped(fused::Linear);
+    impl Module for Dropped {
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let _unused = self.0.forward(x)?;
+            x * 2.0
+        }
+    }
+    let err = launch(&Launcher::threads(2), |pg| {
+        let mut model = FsdpModel::builder(pg.clone(), FsdpConfig::default())
+            .units(vec![
+                UnitSpec::new("fc1", |vb| fused::linear(IN, HIDDEN, vb)),
+                UnitSpec::new("mid", |vb| Ok(Dropped(fused::linear(HIDDEN, HIDDEN, vb)?))),
+                UnitSpec::new("head", |vb| fused::linear(HIDDEN, OUT, vb)),
+            ])
+            .build()?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        for step in 0..STEPS {
+            let (x, y) = batch(step, pg.rank(), PER_RANK);
+            let loss = loss(&model.forward(&x)?, &y)?;
+            model.backward(&loss)?;
+            opt.step(&mut model)?;
+            model.zero_grad();
+        }
+        Ok(())
+    })
+    .expect_err("a dropped fused result must not train silently")
+    .to_string();
+    assert!(
+        err.contains("mid.weight") && err.contains("none sent its gradient"),
+        "{err}"
+    );
 }

@@ -1188,6 +1188,8 @@ fn kernel_sources_run_under_host_emulation() {
                 let a = args::AdamWArgs::from(&h);
                 let mut g = random(&mut rng, n, 100.0);
                 g.iter_mut().step_by(5).for_each(|g| *g = 0.0);
+                // A gradient whose square is subnormal: `v` stays beside a normal `m`.
+                g.iter_mut().skip(1).step_by(5).for_each(|g| *g = 1e-20);
                 let (value, fp, found) = if on_device {
                     (7.0, factor.as_ptr(), zero.as_ptr())
                 } else {
@@ -1215,6 +1217,9 @@ fn kernel_sources_run_under_host_emulation() {
                 assert_eq!(bits(&m), bits(&rm), "{what}");
                 assert_eq!(bits(&v), bits(&rv), "{what}");
                 assert_eq!((m[0].to_bits(), v[0].to_bits()), (0, 0), "{what}: flushed");
+                if n > 1 && inv == 1.0 {
+                    assert!(m[1] != 0.0 && v[1] != 0.0, "{what}: v kept beside m");
+                }
                 let before = (p.clone(), m.clone(), v.clone());
                 // SAFETY: as above, the flag set: nothing is written.
                 unsafe {

@@ -15,6 +15,16 @@ use crate::nn;
 /// and inside a training call of the FSDP runtime a fused node whose parameters' gradients go
 /// to the runtime's sink ([`super`]). The values and gradients are those of
 /// [`crate::nn::Linear`], bit for bit; outside the runtime it is [`crate::nn::Linear`].
+///
+/// Two differences inside the runtime, both from the gradients going around Candle's graph:
+/// where a parameter is read in one call by a composed op *and* by two or more fused layers,
+/// the sum of its gradient's terms is taken in another order (last-bit differences); and an
+/// empty batch gives every parameter a zero gradient (PyTorch's behaviour; Candle's composed
+/// layer drops its bias from the graph there). Like every fused node ([`super`]), the unit must
+/// read its parameters the same way in every step: a parameter that only fused layers read in
+/// the first step is bound as a view, and a composed read of it added in a later step gets no
+/// gradient, which the runtime cannot see (decision 66). A fused layer whose result the unit
+/// drops is an error at the call's backward.
 #[derive(Clone, Debug)]
 pub struct Linear(nn::Linear);
 
@@ -65,7 +75,7 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) 
 }
 
 /// `y = x · weightᵀ + bias` over the last dimension of `x` (shapes, dtypes and errors as
-/// [`crate::nn::linear_forward`]). In a training call of the FSDP runtime that records autograd
+/// [`crate::nn::linear_forward`]; an empty batch gives zero gradients, as a composed layer's). In a training call of the FSDP runtime that records autograd
 /// ([`super::records`]), on the CPU in f32, when `weight` (and `bias`) are the call's own
 /// parameter tensors ([`super::is_call_param`]), the layer is one fused node: it promises its
 /// parameters, and its backward computes `dweight` and `dbias` only for trained parameters
@@ -81,7 +91,6 @@ pub fn linear_forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Res
         && f32_cpu(x)
         && f32_cpu(weight)
         && weight.rank() == 2
-        && x.elem_count() > 0
         && weight.elem_count() > 0
         && super::is_call_param(weight)
         && bias.is_none_or(|b| f32_cpu(b) && b.is_contiguous() && super::is_call_param(b))
@@ -143,6 +152,12 @@ impl CustomOp2 for LinearNode {
         _s2: &CpuStorage,
         _l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        if l1.shape().elem_count() == 0 {
+            // An empty batch: no rows out (the backward sends zero gradients).
+            let mut dims = l1.dims().to_vec();
+            *dims.last_mut().expect("rank ≥ 1") = self.weight.dim(0)?;
+            return Ok((CpuStorage::F32(Vec::new()), Shape::from(dims)));
+        }
         let (ws, wl) = self.weight.storage_and_layout();
         let Storage::Cpu(ws) = &*ws else {
             bail!("fused-linear: the weight left the CPU")
@@ -171,7 +186,17 @@ impl CustomOp2 for LinearNode {
             self.trains[0],
             self.trains[1] && self.bias.is_some(),
         ];
-        let (dx, dw, db) = nn::linear_grads(x, &self.weight, g, want)?;
+        let (dx, dw, db) = if x.elem_count() == 0 {
+            // An empty batch: zero gradients, as Candle gives a composed layer's variables.
+            let zeros = |t: &Tensor, wanted: bool| wanted.then(|| t.zeros_like()).transpose();
+            let db = match &self.bias {
+                Some(b) => zeros(b, want[2])?,
+                None => None,
+            };
+            (zeros(x, want[0])?, zeros(&self.weight, want[1])?, db)
+        } else {
+            nn::linear_grads(x, &self.weight, g, want)?
+        };
         if let Some(dw) = dw {
             super::send(&self.weight, dw)?;
         }
