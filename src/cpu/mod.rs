@@ -274,6 +274,10 @@ pub(crate) unsafe fn filled<T: Copy + Send>(
     unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut T, v.len(), v.capacity()) }
 }
 
+/// Below this many multiply-adds (`m · n · k`) a product runs on the calling thread even when
+/// asked to split: waking the pool costs more than the second thread saves.
+const SERIAL_GEMM_MACS: usize = 1 << 22;
+
 /// `dst (m × n) = [dst +] lhs (m × k) · rhs (k × n)` in f32 with explicit strides (`(slice,
 /// row stride, column stride)` for each operand; `dst` row-major with row stride `dst_rs`), on
 /// rayon's pool under the rule of [`parallel_map`] when `par`, else on the calling thread.
@@ -298,7 +302,11 @@ pub(crate) unsafe fn gemm_f32(
     rhs: (&[f32], usize, usize),
     par: bool,
 ) {
-    let threads = if par { threads() } else { 1 };
+    let threads = if par && m * n * k >= SERIAL_GEMM_MACS {
+        threads()
+    } else {
+        1
+    };
     let level = match matmul_kernel() {
         MatmulKernel::Avx2 => Some(gemm::Level::Avx2),
         MatmulKernel::Avx512 => Some(gemm::Level::Avx512),
