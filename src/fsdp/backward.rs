@@ -267,14 +267,13 @@ impl FsdpModel {
             if u.is_frozen() || !u.binds_views_now() {
                 continue;
             }
-            let views = u.param_tensors().unwrap_or(&[]);
-            for (p, v) in u.flat().layout().params.iter().zip(views) {
-                if member.params.contains(&p.name) && grads.get(v).is_none() {
+            for (name, v) in self.asked_params(m, g) {
+                if grads.get(v).is_none() {
                     return Err(Error::Disconnected {
                         unit: member.spec.name.clone(),
                         what: format!(
                             "unit {}: parameter {} is read only by fused nodes (bound as a view                              for them), but none sent its gradient in this call's backward: the                              fused node that promised it does not reach the unit's outputs (its                              result unused?), so the parameter would silently get no gradient",
-                            member.spec.name, p.name
+                            member.spec.name, name
                         ),
                     });
                 }
@@ -398,9 +397,9 @@ impl FsdpModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let module = self.bind(m, groups, Params::Recompute)?;
-        let (params, frozen) = self.call_tensors(groups);
+        let (params, frozen) = self.call_param_ids(groups);
         // The call's own seed: the recomputation draws the forward's dropout masks.
-        let _armed = super::fused::arm_call(&params, &frozen, self.call_seed(c), true);
+        let _armed = super::fused::arm_call(params, frozen, self.call_seed(c), true);
         let outs = module.forward_t(&inputs, true)?;
         let outputs: Vec<Option<Tensor>> = outs
             .into_iter()

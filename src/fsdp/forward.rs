@@ -22,7 +22,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor, TensorId, Var};
 
 use super::call;
 use super::model::FsdpModel;
@@ -249,8 +249,8 @@ impl FsdpModel {
         // Fused nodes built by this call send their parameters' gradients to the sink its
         // backward opens (`fsdp::fused`); armed through the connectivity check, which counts
         // the parameters they promised as reached.
-        let (params, frozen) = self.call_tensors(&groups);
-        let _armed = super::fused::arm_call(&params, &frozen, self.call_seed(pos), !checkpoint);
+        let (params, frozen) = self.call_param_ids(&groups);
+        let _armed = super::fused::arm_call(params, frozen, self.call_seed(pos), !checkpoint);
         let outs = self.run(m, module.as_ref(), &inputs.inputs, true)?;
         drop(module);
         self.post_forward(m, pos, groups, checkpoint, inputs, outs)
@@ -264,16 +264,37 @@ impl FsdpModel {
         mix(mix(mix(self.config.seed ^ mix(step)) ^ pos as u64) ^ self.pg.rank() as u64)
     }
 
-    /// The step's parameter tensors of `groups`, and those of the frozen groups among them
-    /// (for fused nodes: [`super::fused::is_call_param`], [`super::fused::trains`]).
-    pub(super) fn call_tensors(&self, groups: &[usize]) -> (Vec<Tensor>, Vec<Tensor>) {
+    /// Group `g`'s parameters that member `m`'s unit asked for: (name, the step's tensor).
+    pub(super) fn asked_params(
+        &self,
+        m: usize,
+        g: usize,
+    ) -> impl Iterator<Item = (&str, &Tensor)> + '_ {
+        let asked = &self.members[m].params;
+        let u = &self.units[g];
+        u.flat()
+            .layout()
+            .params
+            .iter()
+            .zip(u.param_tensors().unwrap_or(&[]))
+            .filter(move |(p, _)| asked.contains(&p.name))
+            .map(|(p, v)| (p.name.as_str(), v))
+    }
+
+    /// The ids of the step's parameter tensors of `groups`, and of those of the frozen groups
+    /// among them (for fused nodes: [`super::fused::is_call_param`], [`super::fused::trains`]).
+    pub(super) fn call_param_ids(&self, groups: &[usize]) -> (Vec<TensorId>, Vec<TensorId>) {
         let (mut all, mut frozen) = (Vec::new(), Vec::new());
         for &g in groups {
-            let t = self.units[g].param_tensors().unwrap_or(&[]);
-            all.extend_from_slice(t);
+            let ids = self.units[g]
+                .param_tensors()
+                .unwrap_or(&[])
+                .iter()
+                .map(Tensor::id);
             if self.units[g].is_frozen() {
-                frozen.extend_from_slice(t);
+                frozen.extend(ids.clone());
             }
+            all.extend(ids);
         }
         (all, frozen)
     }
@@ -532,11 +553,8 @@ impl FsdpModel {
                             .iter()
                             .all(|v| super::fused::promised(v) && !reached.contains(&v.id())),
                 ));
-                for (p, v) in u.flat().layout().params.iter().zip(vars) {
-                    if member.params.contains(&p.name)
-                        && !reached.contains(&v.id())
-                        && !super::fused::promised(v)
-                    {
+                for (name, v) in self.asked_params(m, g) {
+                    if !reached.contains(&v.id()) && !super::fused::promised(v) {
                         if u.binds_views_now() {
                             return Err(Error::Disconnected {
                                 unit: member.spec.name.clone(),
@@ -546,7 +564,7 @@ impl FsdpModel {
                                      e.g. nn's GPT block), but this call did not consume it \
                                      through a fused node, so it would get no gradient: the \
                                      unit must take the same path in every training step",
-                                    member.spec.name, p.name
+                                    member.spec.name, name
                                 ),
                             });
                         }
@@ -560,7 +578,7 @@ impl FsdpModel {
                                  have none: use candle_fsdp::nn::layer_norm / rms_norm and \
                                  candle_nn::ops::softmax), or the unit does not use it in this \
                                  call (then say so with UnitSpec::with_unused_parameters(true))",
-                                member.spec.name, p.name
+                                member.spec.name, name
                             ),
                         });
                     }

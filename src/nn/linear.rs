@@ -185,7 +185,7 @@ impl CustomOp3 for LinearGeluOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (h, shape) = LinearOp::cpu((s1, l1), (s2, l2), Some((s3, l3)))?;
+        let (h, shape) = linear_cpu((s1, l1), (s2, l2), Some((s3, l3)))?;
         let CpuStorage::F32(h) = h else {
             bail!("linear-gelu: the pre-activation is not f32")
         };
@@ -209,7 +209,7 @@ impl CustomOp3 for LinearGeluOp {
         // dh = g ⊙ gelu'(h), read straight from the gradient's storage.
         let dh = g.contiguous()?.apply_op1_no_bwd(&GeluGradOfPre(h))?;
         let want = [x.track_op(), w.track_op(), b.track_op()];
-        LinearOp::grads(x, w, &dh, want)
+        linear_grads(x, w, &dh, want)
     }
 }
 
@@ -238,33 +238,6 @@ impl CustomOp1 for GeluGradOfPre<'_> {
         let dh = super::activation::gelu_bwd(self.0, g);
         Ok((CpuStorage::F32(dh), l.shape().clone()))
     }
-}
-
-/// [`linear_forward`]'s CPU f32 forward kernel: `y = [bias +] x · weightᵀ` from the operands'
-/// storages and layouts (`x` `(…, in)` any layout, `weight` `(out, in)` any strides, `bias`
-/// `(out,)`), a fresh contiguous `(…, out)` output; for fused nodes that hold their parameters
-/// outside Candle's graph (`crate::fsdp::fused::Linear`).
-///
-/// Errors: shapes that do not fit, a layout past its storage, a dtype other than f32.
-pub(crate) fn linear_cpu(
-    x: (&CpuStorage, &Layout),
-    weight: (&CpuStorage, &Layout),
-    bias: Option<(&CpuStorage, &Layout)>,
-) -> Result<(CpuStorage, Shape)> {
-    LinearOp::cpu(x, weight, bias)
-}
-
-/// [`linear_forward`]'s backward: `(dx, dweight, dbias)` for the output gradient `g`, each
-/// computed only when `want` (`[dx, dweight, dbias]`) asks for it (CPU, f32).
-///
-/// Errors: shapes that do not fit; Candle's.
-pub(crate) fn linear_grads(
-    x: &Tensor,
-    weight: &Tensor,
-    g: &Tensor,
-    want: [bool; 3],
-) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    LinearOp::grads(x, weight, g, want)
 }
 
 /// The forward of [`linear_forward`] (CustomOp2 without a bias, CustomOp3 with one).
@@ -306,102 +279,108 @@ impl<'a> Mat<'a> {
     }
 }
 
-impl LinearOp {
-    fn cpu(
-        x: (&CpuStorage, &Layout),
-        w: (&CpuStorage, &Layout),
-        b: Option<(&CpuStorage, &Layout)>,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (out, inp) = w.1.shape().dims2()?;
-        if inp == 0 || x.1.dims().last() != Some(&inp) || b.is_some_and(|b| b.1.dims() != [out]) {
-            bail!(
-                "linear: input {:?}, weight {:?}, bias {:?} do not fit",
-                x.1.shape(),
-                w.1.shape(),
-                b.map(|b| b.1.shape().clone())
-            )
-        }
-        let n = x.1.shape().elem_count() / inp;
-        let xs = contiguous(x.0.as_slice::<f32>()?, x.1, "input")?;
-        let wm = Mat::of(w.0, w.1, "weight")?;
-        let bias = match b {
-            Some((bs, bl)) => Some(contiguous(bs.as_slice::<f32>()?, bl, "bias")?),
-            None => None,
-        };
-        // y = [bias +] x · wᵀ, written once: the bias rows first (when there is one), then
-        // the gemm reading them.
-        let mut y: Vec<f32> = match bias {
-            // SAFETY: the closure writes every element of each whole-row chunk.
-            Some(bias) => unsafe {
-                filled(n * out, 64 * out, |_, rows| {
-                    for row in rows.chunks_exact_mut(out) {
-                        for (y, &b) in row.iter_mut().zip(bias) {
-                            y.write(b);
-                        }
+/// [`linear_forward`]'s CPU f32 forward kernel: `y = [bias +] x · weightᵀ` from the operands'
+/// storages and layouts (`x` `(…, in)` any layout, `weight` `(out, in)` any strides, `bias`
+/// `(out,)`), a fresh contiguous `(…, out)` output; for fused nodes that hold their parameters
+/// outside Candle's graph (`crate::fsdp::fused::Linear`).
+///
+/// Errors: shapes that do not fit, a layout past its storage, a dtype other than f32.
+pub(crate) fn linear_cpu(
+    x: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    b: Option<(&CpuStorage, &Layout)>,
+) -> Result<(CpuStorage, Shape)> {
+    let (out, inp) = w.1.shape().dims2()?;
+    if inp == 0 || x.1.dims().last() != Some(&inp) || b.is_some_and(|b| b.1.dims() != [out]) {
+        bail!(
+            "linear: input {:?}, weight {:?}, bias {:?} do not fit",
+            x.1.shape(),
+            w.1.shape(),
+            b.map(|b| b.1.shape().clone())
+        )
+    }
+    let n = x.1.shape().elem_count() / inp;
+    let xs = contiguous(x.0.as_slice::<f32>()?, x.1, "input")?;
+    let wm = Mat::of(w.0, w.1, "weight")?;
+    let bias = match b {
+        Some((bs, bl)) => Some(contiguous(bs.as_slice::<f32>()?, bl, "bias")?),
+        None => None,
+    };
+    // y = [bias +] x · wᵀ, written once: the bias rows first (when there is one), then
+    // the gemm reading them.
+    let mut y: Vec<f32> = match bias {
+        // SAFETY: the closure writes every element of each whole-row chunk.
+        Some(bias) => unsafe {
+            filled(n * out, 64 * out, |_, rows| {
+                for row in rows.chunks_exact_mut(out) {
+                    for (y, &b) in row.iter_mut().zip(bias) {
+                        y.write(b);
                     }
-                })
-            },
-            None => Vec::with_capacity(n * out),
-        };
-        let accumulate = bias.is_some();
-        // SAFETY: `xs` is the contiguous `(n, inp)` input, `wm` a checked `(out, inp)` view,
-        // `y` has capacity `n · out` (initialised when `accumulate`: then it is read).
-        unsafe {
-            gemm_f32(
-                (n, out, inp),
-                y.as_mut_ptr(),
-                out,
-                accumulate,
-                (xs, inp, 1),
-                wm.t(),
-                true,
-            );
-            if !accumulate {
-                // Every element was written by the gemm (no read of the destination).
-                y.set_len(n * out);
-            }
+                }
+            })
+        },
+        None => Vec::with_capacity(n * out),
+    };
+    let accumulate = bias.is_some();
+    // SAFETY: `xs` is the contiguous `(n, inp)` input, `wm` a checked `(out, inp)` view,
+    // `y` has capacity `n · out` (initialised when `accumulate`: then it is read).
+    unsafe {
+        gemm_f32(
+            (n, out, inp),
+            y.as_mut_ptr(),
+            out,
+            accumulate,
+            (xs, inp, 1),
+            wm.t(),
+            true,
+        );
+        if !accumulate {
+            // Every element was written by the gemm (no read of the destination).
+            y.set_len(n * out);
         }
-        let mut dims = x.1.dims().to_vec();
-        *dims.last_mut().expect("rank ≥ 1") = out;
-        Ok((CpuStorage::F32(y), Shape::from(dims)))
     }
+    let mut dims = x.1.dims().to_vec();
+    *dims.last_mut().expect("rank ≥ 1") = out;
+    Ok((CpuStorage::F32(y), Shape::from(dims)))
+}
 
-    /// `(dx, dweight, dbias)` for the output gradient `g`, each only when `want` asks for it
-    /// (`[dx, dweight, dbias]`): one backward node ([`LinearBwdOp`]) whose flat result holds
-    /// the wanted ones one after the other. A gradient nobody keeps is not computed: the
-    /// input's of a first layer (its input carries no gradient: one gemm of the forward's size
-    /// saved), a frozen weight's (LoRA's base).
-    fn grads(
-        x: &Tensor,
-        w: &Tensor,
-        g: &Tensor,
-        want: [bool; 3],
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (out, inp) = w.dims2()?;
-        let n = x.elem_count() / inp;
-        if !want.contains(&true) {
-            return Ok((None, None, None));
-        }
-        let g = g.contiguous()?;
-        let all = x.apply_op3_no_bwd(w, &g, &LinearBwdOp { want })?;
-        let mut at = 0;
-        let mut take = |wanted: bool, len: usize| -> Result<Option<Tensor>> {
-            if !wanted {
-                return Ok(None);
-            }
-            let t = all.narrow(0, at, len)?;
-            at += len;
-            Ok(Some(t))
-        };
-        let dx = take(want[0], n * inp)?
-            .map(|t| t.reshape(x.shape()))
-            .transpose()?;
-        let dw = take(want[1], out * inp)?
-            .map(|t| t.reshape((out, inp)))
-            .transpose()?;
-        let db = take(want[2], out)?;
-        Ok((dx, dw, db))
+/// [`linear_forward`]'s backward: `(dx, dweight, dbias)` for the output gradient `g`, each
+/// computed only when `want` (`[dx, dweight, dbias]`) asks for it (CPU, f32), by one
+/// backward node ([`LinearBwdOp`]) whose flat result holds the wanted ones one after the
+/// other. A gradient nobody keeps is not computed: the input's of a first layer (its input
+/// carries no gradient: one gemm of the forward's size saved), a frozen weight's (LoRA's base).
+///
+/// Errors: shapes that do not fit; Candle's.
+pub(crate) fn linear_grads(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    want: [bool; 3],
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (out, inp) = w.dims2()?;
+    let n = x.elem_count() / inp;
+    if !want.contains(&true) {
+        return Ok((None, None, None));
     }
+    let g = g.contiguous()?;
+    let all = x.apply_op3_no_bwd(w, &g, &LinearBwdOp { want })?;
+    let mut at = 0;
+    let mut take = |wanted: bool, len: usize| -> Result<Option<Tensor>> {
+        if !wanted {
+            return Ok(None);
+        }
+        let t = all.narrow(0, at, len)?;
+        at += len;
+        Ok(Some(t))
+    };
+    let dx = take(want[0], n * inp)?
+        .map(|t| t.reshape(x.shape()))
+        .transpose()?;
+    let dw = take(want[1], out * inp)?
+        .map(|t| t.reshape((out, inp)))
+        .transpose()?;
+    let db = take(want[2], out)?;
+    Ok((dx, dw, db))
 }
 
 impl CustomOp2 for LinearOp {
@@ -416,7 +395,7 @@ impl CustomOp2 for LinearOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        Self::cpu((s1, l1), (s2, l2), None)
+        linear_cpu((s1, l1), (s2, l2), None)
     }
 
     fn bwd(
@@ -426,7 +405,7 @@ impl CustomOp2 for LinearOp {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = Self::grads(x, w, g, [x.track_op(), w.track_op(), false])?;
+        let (dx, dw, _) = linear_grads(x, w, g, [x.track_op(), w.track_op(), false])?;
         Ok((dx, dw))
     }
 }
@@ -445,7 +424,7 @@ impl CustomOp3 for LinearOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        Self::cpu((s1, l1), (s2, l2), Some((s3, l3)))
+        linear_cpu((s1, l1), (s2, l2), Some((s3, l3)))
     }
 
     fn bwd(
@@ -456,7 +435,7 @@ impl CustomOp3 for LinearOp {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        Self::grads(x, w, g, [x.track_op(), w.track_op(), b.track_op()])
+        linear_grads(x, w, g, [x.track_op(), w.track_op(), b.track_op()])
     }
 }
 

@@ -33,15 +33,14 @@ impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
         Self(nn::Linear::new(weight, bias))
     }
+}
 
-    /// The weight, `(out, in)`.
-    pub fn weight(&self) -> &Tensor {
-        self.0.weight()
-    }
+/// The parameters (`weight()`, `bias()`) are [`crate::nn::Linear`]'s.
+impl std::ops::Deref for Linear {
+    type Target = nn::Linear;
 
-    /// The bias, `(out,)`, if any.
-    pub fn bias(&self) -> Option<&Tensor> {
-        self.0.bias()
+    fn deref(&self) -> &nn::Linear {
+        &self.0
     }
 }
 
@@ -71,7 +70,7 @@ pub fn linear(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Resul
 /// Errors: Candle's (a parameter of another shape in `vb`).
 pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<Linear> {
     let l = candle_nn::linear_no_bias(in_dim, out_dim, vb)?;
-    Ok(Linear::new(l.weight().clone(), None))
+    Ok(Linear(nn::Linear::from(l)))
 }
 
 /// `y = x · weightᵀ + bias` over the last dimension of `x` (shapes, dtypes and errors as

@@ -123,16 +123,16 @@ pub(crate) fn arm_with_frozen<'a>(
     frozen: impl IntoIterator<Item = &'a Tensor>,
     seed: u64,
 ) -> Armed {
-    arm_call(std::iter::empty(), frozen, seed, true)
+    arm_call([], frozen.into_iter().map(Tensor::id), seed, true)
 }
 
-/// Arms this thread for one training call of a unit: `params` every parameter tensor of the
+/// Arms this thread for one training call of a unit: `params` the ids of every parameter tensor of the
 /// call's groups ([`is_call_param`]), `frozen` those of its frozen twins ([`trains`]), `seed`
 /// the call's seed ([`call_seed`]), `records` whether the call records autograd (false for an
 /// activation-checkpointed forward: [`records`]).
-pub(crate) fn arm_call<'a>(
-    params: impl IntoIterator<Item = &'a Tensor>,
-    frozen: impl IntoIterator<Item = &'a Tensor>,
+pub(crate) fn arm_call(
+    params: impl IntoIterator<Item = TensorId>,
+    frozen: impl IntoIterator<Item = TensorId>,
     seed: u64,
     records: bool,
 ) -> Armed {
@@ -140,8 +140,8 @@ pub(crate) fn arm_call<'a>(
         let mut s = s.borrow_mut();
         s.armed += 1;
         let outer_lens = (s.params.len(), s.frozen.len());
-        s.params.extend(params.into_iter().map(Tensor::id));
-        s.frozen.extend(frozen.into_iter().map(Tensor::id));
+        s.params.extend(params);
+        s.frozen.extend(frozen);
         Armed {
             outer_seed: std::mem::replace(&mut s.seed, seed),
             outer_records: std::mem::replace(&mut s.records, records),
@@ -551,13 +551,13 @@ mod tests {
         let (a, b, f) = (t(1.0), t(2.0), t(3.0));
         assert!(!records() && !is_call_param(&a));
         {
-            let _outer = arm_call([&a, &f], [&f], 5, false);
+            let _outer = arm_call([a.id(), f.id()], [f.id()], 5, false);
             assert!(!records(), "a checkpointed forward records nothing");
             assert!(is_call_param(&a) && is_call_param(&f) && !is_call_param(&b));
             assert!(!trains(&f) && trains(&a));
             assert_eq!(call_seed(), Some(5));
             {
-                let _inner = arm_call([&b], [], 9, true);
+                let _inner = arm_call([b.id()], [], 9, true);
                 assert!(records() && is_call_param(&b));
                 assert_eq!(call_seed(), Some(9));
             }
