@@ -11,6 +11,7 @@ use crossbeam::channel::{unbounded, Sender};
 use parking_lot::Mutex;
 
 use super::{run_one, run_stream_op};
+use crate::comm::work::yield_until;
 use crate::comm::{
     foreign_stream, join_stream_threads, CommObserver, CommStream, Instrumented, OpKind,
     ProcessGroup, Work, DEFAULT_STREAM,
@@ -78,7 +79,16 @@ impl<C: StreamComm> HostStream<C> {
             .spawn(move || {
                 C::on_thread_start();
                 let mut comm = comm;
-                for job in rx.iter() {
+                loop {
+                    // Yield first, as a waiter does (`comm::work::yield_until`): the next
+                    // operation usually follows within microseconds, and an issuer that
+                    // finds this thread awake enqueues without a futex wake-up.
+                    let mut job = rx.try_recv().ok();
+                    if job.is_none() {
+                        yield_until(|| !rx.is_empty());
+                        job = rx.recv().ok();
+                    }
+                    let Some(job) = job else { break };
                     job(&mut comm);
                 }
                 if closing.load(Ordering::Acquire) {
