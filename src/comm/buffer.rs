@@ -10,13 +10,14 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, DeviceLocation, Layout, Tensor};
+use serde::{Deserialize, Serialize};
 
-use crate::comm::{Call, OpKind, ReduceOp};
+use crate::comm::{wire, Call, OpKind, ReduceOp};
 use crate::device::{with_storage_mut, Refused, StorageMut, StorageRef};
 use crate::error::{Error, Result};
 
 /// Kind of a rendezvous: a collective, or one of the setup operations run on the caller's thread.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Kind {
     Op(OpKind),
     NewStream,
@@ -34,10 +35,13 @@ impl Kind {
 }
 
 /// Address, length and dtype of one rank's buffer, as posted to the communicator.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub(crate) struct RawBuf {
+    /// Not sent to peers (a decoded buffer's address is null).
+    #[serde(skip, default = "std::ptr::null_mut")]
     pub ptr: *mut u8,
     pub len: usize,
+    #[serde(with = "wire::dtype")]
     pub dtype: DType,
 }
 
@@ -88,23 +92,34 @@ impl RawBytes {
     }
 }
 
+/// Name of a buffer in a [`Problem`]: `input`, `output` or `buffer` (the thread backend's
+/// `which`). An alias because serde's derive takes a field written `&'static str` for text
+/// borrowed from the encoded bytes; [`wire::which`] finds the decoded name among these instead.
+pub(crate) type Which = &'static str;
+
 /// A buffer this rank cannot take part with, detected locally and reported through the
 /// rendezvous so that every rank fails the same way.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Problem {
     NotOnCpu {
-        which: &'static str,
+        #[serde(deserialize_with = "wire::which")]
+        which: Which,
+        #[serde(with = "wire::Location")]
         found: DeviceLocation,
     },
     NotOneD {
-        which: &'static str,
+        #[serde(deserialize_with = "wire::which")]
+        which: Which,
         dims: usize,
     },
     NotContiguous {
-        which: &'static str,
+        #[serde(deserialize_with = "wire::which")]
+        which: Which,
     },
     Dtype {
-        which: &'static str,
+        #[serde(deserialize_with = "wire::which")]
+        which: Which,
+        #[serde(with = "wire::dtype")]
         dtype: DType,
     },
     /// Candle refused in-place access: the output shares storage with the input.
@@ -114,8 +129,11 @@ pub(crate) enum Problem {
     /// but the tensor belongs to another Candle device (another rank's compute stream).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     WrongDevice {
-        which: &'static str,
+        #[serde(deserialize_with = "wire::which")]
+        which: Which,
+        #[serde(with = "wire::Location")]
         expected: DeviceLocation,
+        #[serde(with = "wire::Location")]
         found: DeviceLocation,
         other_device: bool,
     },
@@ -194,8 +212,8 @@ impl Problem {
     }
 }
 
-/// What one rank published for one rendezvous.
-#[derive(Debug, Clone, Copy)]
+/// What one rank published for one rendezvous (its wire form: [`wire::encode`]).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub(crate) struct Post {
     pub kind: Kind,
     pub seq: u64,
@@ -203,7 +221,9 @@ pub(crate) struct Post {
     pub output: Option<RawBuf>,
     pub op: Option<ReduceOp>,
     pub root: Option<usize>,
-    /// Setup argument: the stream name (`NewStream`) or the ranks (`NewGroup`).
+    /// Setup argument: the stream name (`NewStream`) or the ranks (`NewGroup`); sent after the
+    /// post by [`wire::encode`], not as a field.
+    #[serde(skip)]
     pub bytes: Option<RawBytes>,
     /// `NewStream`: index of the stream among the streams this rank created.
     pub index: Option<usize>,

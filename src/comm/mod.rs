@@ -132,7 +132,7 @@ pub(crate) fn join_stream_threads(threads: &mut Vec<std::thread::JoinHandle<()>>
 pub const DEFAULT_STREAM: &str = "collective";
 
 /// Reduction applied by reduce-scatter, all-reduce and reduce.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ReduceOp {
     /// Element-wise sum (integers wrap on overflow).
     Sum,
@@ -145,7 +145,7 @@ pub enum ReduceOp {
 }
 
 /// Kind of a collective, as reported to a [`CommObserver`] and counted by [`stats`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum OpKind {
     /// [`ProcessGroup::all_gather`].
     AllGather,

@@ -435,8 +435,8 @@ fn oversized_and_foreign_frames_are_refused() {
     assert!(text.contains("frame of 4294967295 bytes refused"), "{text}");
     let text = reply_to(b"GET / HTTP/1.1\r\n\r\n");
     assert!(text.contains("frame of"), "{text}");
-    // A well-formed frame that is not HELLO first.
-    let text = reply_to(&[0, 0, 0, 5, 4, 0, 0, 0, 1]);
+    // A well-formed frame that is not HELLO first (`Joined`, index 3, wait 1 ms).
+    let text = reply_to(&[0, 0, 0, 2, 3, 1]);
     assert!(
         text.contains("first request of a connection must be HELLO"),
         "{text}"

@@ -54,41 +54,45 @@
 //! (`world_size` 0, `rank >= world_size`, port 0, a key or value over the bounds) are
 //! [`Error::Value`] and [`Error::OutOfRange`].
 //!
-//! # Protocol (version 1)
+//! # Protocol (version 3)
 //!
-//! Every message is a frame: a `u32` length `n` (big-endian, like every integer here) then `n`
-//! bytes of body, `1 <= n <= MAX_FRAME_BYTES`; a longer announced length is refused (an error
-//! reply, then the connection is closed) without reading or allocating it. A body is a one-byte
-//! opcode and its fields; `bytes` is a `u32` length and that many bytes, `ranks` a `u32` count
-//! and that many `u32`s, `strings` a `u32` count and that many `bytes`.
+//! Every message is a frame: a `u32` length `n` (big-endian) then `n` bytes of body,
+//! `1 <= n <= MAX_FRAME_BYTES`; a longer announced length is refused (an error reply, then the
+//! connection is closed) without reading or allocating it. A body is one request or reply (the
+//! serde-derived enums of `wire.rs`) in [postcard](https://docs.rs/postcard)'s format (serde
+//! derives instead of a hand-written codec; postcard's format is documented and stable across
+//! its 1.x versions): the variant's index (its opcode, below) then its fields in order; integers
+//! are varints, `bytes` and strings a varint length and that many bytes, lists a varint count
+//! and that many items, the magic its 8 bytes. A body that is truncated, longer than its
+//! message, or over the key, value or note bounds is refused, naming what was wrong.
 //!
 //! | request (client → server) | opcode | fields | replies |
 //! |---|---|---|---|
-//! | `HELLO` (must come first) | 1 | magic `b"CFSDPKV2"`, rank `u32`, world size `u32`, job (bytes: `TORCHELASTIC_RUN_ID`) | `OK`, `ERR` |
-//! | `SET` | 2 | key `bytes`, value `bytes` | `OK` |
-//! | `GET` | 3 | key `bytes`, wait `u32` (ms) | `VALUE`, `NOT_YET` |
-//! | `JOINED` | 4 | wait `u32` (ms) | `DONE`, `PENDING` |
-//! | `BARRIER` | 5 | name `bytes`, generation `u64`, wait `u32` (ms) | `DONE`, `PENDING` |
+//! | `Hello` (must come first) | 0 | magic `b"CFSDPKV3"`, rank `u32`, world size `u32`, job (string: `TORCHELASTIC_RUN_ID`) | `Ok`, `Err` |
+//! | `Set` | 1 | key string, value `bytes` | `Ok` |
+//! | `Get` | 2 | key string, wait `u32` (ms) | `Value`, `NotYet` |
+//! | `Joined` | 3 | wait `u32` (ms) | `Done`, `Pending` |
+//! | `Barrier` | 4 | name string, generation `u64`, wait `u32` (ms) | `Done`, `Pending` |
 //!
 //! | reply (server → client) | opcode | fields |
 //! |---|---|---|
-//! | `OK` | 0x80 | |
-//! | `VALUE` | 0x81 | value `bytes` |
-//! | `NOT_YET` | 0x82 | |
-//! | `DONE` | 0x83 | |
-//! | `PENDING` | 0x84 | missing `ranks`, left `ranks`, notes `strings` |
-//! | `ERR` | 0xFF | message `bytes` (UTF-8) |
+//! | `Ok` | 0 | |
+//! | `Value` | 1 | value `bytes` |
+//! | `NotYet` | 2 | |
+//! | `Done` | 3 | |
+//! | `Pending` | 4 | missing ranks (`u32` list), left ranks (`u32` list), notes (string list) |
+//! | `Err` | 5 | message string |
 //!
-//! The server answers each request before reading the next. A waiting request (`GET`,
-//! `JOINED`, `BARRIER`) blocks on the server for at most its `wait` (the client asks for at
+//! The server answers each request before reading the next. A waiting request (`Get`,
+//! `Joined`, `Barrier`) blocks on the server for at most its `wait` (the client asks for at
 //! most 100 ms at a time and repeats until its own deadline, so a connection is never held
 //! for long and a dead server is noticed within one round), and answers as soon as the key is
-//! set or the ranks are there. `BARRIER` records the sender's arrival at `(name, generation)`;
+//! set or the ranks are there. `Barrier` records the sender's arrival at `(name, generation)`;
 //! each client counts the barriers of one name, so every rank calling `barrier("x")` for the
-//! n-th time meets at generation n. `PENDING` lists the ranks not yet registered (`JOINED`) or
-//! not yet arrived (`BARRIER`), which of those have left, and, for `JOINED`, the registrations
+//! n-th time meets at generation n. `Pending` lists the ranks not yet registered (`Joined`) or
+//! not yet arrived (`Barrier`), which of those have left, and, for `Joined`, the registrations
 //! the server refused (wrong world size, duplicate rank), so that rank 0 can name them.
-//! `ERR` to `HELLO` or to a malformed request closes the connection.
+//! `Err` to `Hello` or to a malformed request closes the connection.
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::{self, Read, Write};
@@ -108,30 +112,16 @@ pub const MAX_VALUE_BYTES: usize = 16 << 20;
 /// them.
 pub const MAX_FRAME_BYTES: usize = MAX_VALUE_BYTES + 2 * MAX_KEY_BYTES + 64;
 
-/// Protocol magic and version, sent in `HELLO`.
-const MAGIC: &[u8; 8] = b"CFSDPKV2";
+/// Protocol magic and version, sent in `Hello`.
+const MAGIC: &[u8; 8] = b"CFSDPKV3";
 /// Longest server-side wait of one request.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
 /// How long a client waits for a reply beyond the server-side wait it asked for.
 const REPLY_GRACE: Duration = Duration::from_secs(10);
-/// Registration refusals kept for `PENDING` notes.
+/// Registration refusals kept for `Pending` notes.
 const MAX_NOTES: usize = 8;
 /// How often the acceptor checks for shutdown.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
-
-mod op {
-    pub const HELLO: u8 = 1;
-    pub const SET: u8 = 2;
-    pub const GET: u8 = 3;
-    pub const JOINED: u8 = 4;
-    pub const BARRIER: u8 = 5;
-    pub const OK: u8 = 0x80;
-    pub const VALUE: u8 = 0x81;
-    pub const NOT_YET: u8 = 0x82;
-    pub const DONE: u8 = 0x83;
-    pub const PENDING: u8 = 0x84;
-    pub const ERR: u8 = 0xFF;
-}
 
 mod server;
 #[cfg(test)]
@@ -335,6 +325,7 @@ impl TcpStore {
             _server: server,
         };
         let hello = Request::Hello {
+            magic: *MAGIC,
             rank: rank as u32,
             world_size: world_size as u32,
             job: job.to_string(),
@@ -528,7 +519,7 @@ impl TcpStore {
             .min(WAIT_SLICE)
     }
 
-    /// Sends `req` and reads its reply, waiting at most `wait + REPLY_GRACE` for it. An `ERR`
+    /// Sends `req` and reads its reply, waiting at most `wait + REPLY_GRACE` for it. An `Err`
     /// reply becomes an error; an I/O or protocol error marks the connection broken.
     fn call(&self, req: &Request, what: &str, wait: Duration) -> Result<Reply> {
         let polling = matches!(
@@ -582,7 +573,7 @@ impl TcpStore {
             conn.stream
                 .set_write_timeout(Some(reply_wait))
                 .map_err(io_err)?;
-            write_frame(&mut conn.stream, &req.encode()).map_err(io_err)?;
+            write_frame(&mut conn.stream, &encode(req)).map_err(io_err)?;
             let body = read_frame(&mut conn.stream).map_err(|e| match e {
                 FrameError::Io(e) => io_err(e),
                 FrameError::BadLength(n) => format!(

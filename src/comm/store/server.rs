@@ -162,7 +162,7 @@ pub(super) fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: 
             Err(FrameError::BadLength(n)) => {
                 let msg =
                     format!("frame of {n} bytes refused: lengths are 1..={MAX_FRAME_BYTES} bytes");
-                let _ = write_frame(&mut stream, &Reply::Err(msg).encode());
+                let _ = write_frame(&mut stream, &encode(&Reply::Err(msg)));
                 close_after_error(&mut stream);
                 break;
             }
@@ -176,6 +176,7 @@ pub(super) fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: 
                         rank: r,
                         world_size,
                         job,
+                        ..
                     },
                 ) => match register(shared, r as usize, world_size as usize, &job, peer) {
                     Ok(()) => {
@@ -191,7 +192,7 @@ pub(super) fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: 
                 (Some(r), req) => (handle(shared, r, req), false),
             },
         };
-        if write_frame(&mut stream, &reply.encode()).is_err() {
+        if write_frame(&mut stream, &encode(&reply)).is_err() {
             break;
         }
         if close {

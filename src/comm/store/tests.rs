@@ -1,4 +1,4 @@
-//! The store's own tests: the wire format round trip, key checks, formatting.
+//! The store's own tests: the wire format round trip and refusals, key checks, formatting.
 
 use super::wire::*;
 use super::*;
@@ -7,6 +7,7 @@ use super::*;
 fn messages_round_trip() {
     let reqs = [
         Request::Hello {
+            magic: *MAGIC,
             rank: 3,
             world_size: 4,
             job: "1234-5678".into(),
@@ -27,7 +28,7 @@ fn messages_round_trip() {
         },
     ];
     for r in reqs {
-        assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+        assert_eq!(Request::decode(&encode(&r)).unwrap(), r);
     }
     let replies = [
         Reply::Ok,
@@ -42,33 +43,45 @@ fn messages_round_trip() {
         Reply::Err("no".into()),
     ];
     for r in replies {
-        assert_eq!(Reply::decode(&r.encode()).unwrap(), r);
+        assert_eq!(Reply::decode(&encode(&r)).unwrap(), r);
     }
 }
 
 #[test]
 fn malformed_messages_are_refused() {
-    assert!(Request::decode(&[op::HELLO, b'X'])
-        .unwrap_err()
-        .contains("truncated"));
-    let mut hello = Request::Hello {
+    let refusal = |body: &[u8]| Request::decode(body).unwrap_err();
+    // `Hello` (index 0) cut inside its magic.
+    assert!(refusal(&[0, b'X']).contains("truncated"));
+    let mut hello = encode(&Request::Hello {
+        magic: *MAGIC,
         rank: 0,
         world_size: 1,
         job: String::new(),
-    }
-    .encode();
+    });
     hello[1] = b'Z';
-    assert!(Request::decode(&hello).unwrap_err().contains("bad magic"));
-    // A key announcing 4 GiB.
-    let mut get = vec![op::GET];
-    get.extend_from_slice(&u32::MAX.to_be_bytes());
-    assert!(Request::decode(&get)
-        .unwrap_err()
-        .contains("exceeds the limit of 1024 bytes"));
-    assert!(Request::decode(&[0x42]).unwrap_err().contains("unknown"));
-    let mut extra = Request::Joined { wait_ms: 1 }.encode();
+    assert!(refusal(&hello).contains("bad magic"));
+    // A `Get` (index 2) whose key announces 4 GiB (a varint), and one over the key bound.
+    assert!(refusal(&[2, 0xff, 0xff, 0xff, 0xff, 0x0f]).contains("truncated"));
+    let long = encode(&Request::Get {
+        key: "k".repeat(2000),
+        wait_ms: 0,
+    });
+    assert!(refusal(&long).contains("key of 2000 bytes exceeds the limit of 1024 bytes"));
+    assert!(refusal(&[0x42]).contains("unknown request opcode 0x42"));
+    assert!(
+        refusal(&[1, 1, 0xff, 0]).contains("utf-8"),
+        "a key that is not UTF-8"
+    );
+    let mut extra = encode(&Request::Joined { wait_ms: 1 });
     extra.push(0);
-    assert!(Request::decode(&extra).unwrap_err().contains("trailing"));
+    assert!(refusal(&extra).contains("1 unexpected trailing bytes"));
+    let pending = Reply::Pending {
+        missing: vec![],
+        left: vec![],
+        notes: vec![String::new(); MAX_NOTES + 1],
+    };
+    let err = Reply::decode(&encode(&pending)).unwrap_err();
+    assert!(err.contains("9 notes exceed the limit of 8"), "{err}");
     // Frame lengths.
     let mut huge = &(u32::MAX).to_be_bytes()[..];
     assert!(matches!(

@@ -1,14 +1,15 @@
-//! The store's wire format: requests, replies and their length-prefixed frames.
+//! The store's wire format: requests, replies (serde derives, postcard bodies) and their
+//! length-prefixed frames.
+
+use serde::{Deserialize, Serialize};
 
 use super::*;
 
-// ---------------------------------------------------------------------------------------------
-// Wire format
-// ---------------------------------------------------------------------------------------------
-
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) enum Request {
     Hello {
+        /// [`MAGIC`]: the protocol and its version.
+        magic: [u8; 8],
         rank: u32,
         world_size: u32,
         /// The job the rank belongs to (`TORCHELASTIC_RUN_ID`; empty when unset).
@@ -32,7 +33,7 @@ pub(super) enum Request {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) enum Reply {
     Ok,
     Value(Vec<u8>),
@@ -46,205 +47,75 @@ pub(super) enum Reply {
     Err(String),
 }
 
-/// Body encoder.
-pub(super) struct Enc(Vec<u8>);
+/// The body of a message (postcard cannot fail on these types: no custom serializers, every
+/// sequence's length known).
+pub(super) fn encode(msg: &impl Serialize) -> Vec<u8> {
+    postcard::to_allocvec(msg).expect("store messages serialize")
+}
 
-impl Enc {
-    fn new(opcode: u8) -> Enc {
-        Enc(vec![opcode])
-    }
-    fn u32(mut self, v: u32) -> Enc {
-        self.0.extend_from_slice(&v.to_be_bytes());
-        self
-    }
-    fn u64(mut self, v: u64) -> Enc {
-        self.0.extend_from_slice(&v.to_be_bytes());
-        self
-    }
-    fn bytes(self, b: &[u8]) -> Enc {
-        let mut e = self.u32(b.len() as u32);
-        e.0.extend_from_slice(b);
-        e
-    }
-    fn ranks(self, r: &[u32]) -> Enc {
-        r.iter().fold(self.u32(r.len() as u32), |e, &v| e.u32(v))
+/// The message of a body: exactly one, whole; the error names what was wrong.
+fn decode<'a, T: Deserialize<'a>>(body: &'a [u8], what: &str) -> std::result::Result<T, String> {
+    match postcard::take_from_bytes(body) {
+        Ok((msg, [])) => Ok(msg),
+        Ok((_, rest)) => Err(format!("{} unexpected trailing bytes", rest.len())),
+        Err(postcard::Error::DeserializeUnexpectedEnd) => Err("truncated message".into()),
+        // Serde's only error on these types (postcard keeps no text): an unknown variant index,
+        // which the body's first byte holds (the first of several from 0x80 on: a varint).
+        Err(postcard::Error::SerdeDeCustom) => {
+            Err(format!("unknown {what} opcode {:#04x}", body[0]))
+        }
+        Err(e) => Err(e.to_string()),
     }
 }
 
-/// Body decoder; every read checks the remaining length.
-pub(super) struct Dec<'a>(&'a [u8]);
-
-impl<'a> Dec<'a> {
-    fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], String> {
-        if self.0.len() < n {
-            return Err(format!(
-                "truncated message: {n} more bytes expected, {} left",
-                self.0.len()
-            ));
-        }
-        let (head, tail) = self.0.split_at(n);
-        self.0 = tail;
-        Ok(head)
+/// `Err` when `what` holds `n > max` bytes.
+fn limit(what: &str, n: usize, max: usize) -> std::result::Result<(), String> {
+    if n > max {
+        return Err(format!(
+            "{what} of {n} bytes exceeds the limit of {max} bytes"
+        ));
     }
-    fn u8(&mut self) -> std::result::Result<u8, String> {
-        Ok(self.take(1)?[0])
-    }
-    fn u32(&mut self) -> std::result::Result<u32, String> {
-        Ok(u32::from_be_bytes(self.take(4)?.try_into().unwrap()))
-    }
-    fn u64(&mut self) -> std::result::Result<u64, String> {
-        Ok(u64::from_be_bytes(self.take(8)?.try_into().unwrap()))
-    }
-    fn bytes(&mut self, max: usize, what: &str) -> std::result::Result<&'a [u8], String> {
-        let n = self.u32()? as usize;
-        if n > max {
-            return Err(format!(
-                "{what} of {n} bytes exceeds the limit of {max} bytes"
-            ));
-        }
-        self.take(n)
-    }
-    fn string(&mut self, max: usize, what: &str) -> std::result::Result<String, String> {
-        let b = self.bytes(max, what)?;
-        String::from_utf8(b.to_vec()).map_err(|_| format!("{what} is not UTF-8"))
-    }
-    fn ranks(&mut self) -> std::result::Result<Vec<u32>, String> {
-        let n = self.u32()? as usize;
-        if n > self.0.len() / 4 {
-            return Err(format!("rank list of {n} entries exceeds the message"));
-        }
-        (0..n).map(|_| self.u32()).collect()
-    }
-    fn end(&self) -> std::result::Result<(), String> {
-        if self.0.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{} unexpected trailing bytes", self.0.len()))
-        }
-    }
+    Ok(())
 }
 
 impl Request {
-    pub(super) fn encode(&self) -> Vec<u8> {
-        match self {
-            Request::Hello {
-                rank,
-                world_size,
-                job,
-            } => {
-                let mut e = Enc::new(op::HELLO);
-                e.0.extend_from_slice(MAGIC);
-                e.u32(*rank).u32(*world_size).bytes(job.as_bytes()).0
-            }
-            Request::Set { key, value } => Enc::new(op::SET).bytes(key.as_bytes()).bytes(value).0,
-            Request::Get { key, wait_ms } => {
-                Enc::new(op::GET).bytes(key.as_bytes()).u32(*wait_ms).0
-            }
-            Request::Joined { wait_ms } => Enc::new(op::JOINED).u32(*wait_ms).0,
-            Request::Barrier {
-                name,
-                generation,
-                wait_ms,
-            } => {
-                Enc::new(op::BARRIER)
-                    .bytes(name.as_bytes())
-                    .u64(*generation)
-                    .u32(*wait_ms)
-                    .0
-            }
-        }
-    }
-
     pub(super) fn decode(body: &[u8]) -> std::result::Result<Request, String> {
-        let mut d = Dec(body);
-        let req = match d.u8()? {
-            op::HELLO => {
-                if d.take(MAGIC.len())? != MAGIC {
-                    return Err("not a candle-fsdp store client (bad magic)".into());
-                }
-                Request::Hello {
-                    rank: d.u32()?,
-                    world_size: d.u32()?,
-                    job: d.string(MAX_KEY_BYTES, "job")?,
-                }
+        let req = decode(body, "request")?;
+        match &req {
+            Request::Hello { magic, .. } if magic != MAGIC => {
+                return Err("not a candle-fsdp store client (bad magic)".into())
             }
-            op::SET => Request::Set {
-                key: d.string(MAX_KEY_BYTES, "key")?,
-                value: d.bytes(MAX_VALUE_BYTES, "value")?.to_vec(),
-            },
-            op::GET => Request::Get {
-                key: d.string(MAX_KEY_BYTES, "key")?,
-                wait_ms: d.u32()?,
-            },
-            op::JOINED => Request::Joined { wait_ms: d.u32()? },
-            op::BARRIER => Request::Barrier {
-                name: d.string(MAX_KEY_BYTES, "barrier name")?,
-                generation: d.u64()?,
-                wait_ms: d.u32()?,
-            },
-            other => return Err(format!("unknown request opcode {other:#04x}")),
-        };
-        d.end()?;
+            Request::Hello { job, .. } => limit("job", job.len(), MAX_KEY_BYTES)?,
+            Request::Set { key, value } => {
+                limit("key", key.len(), MAX_KEY_BYTES)?;
+                limit("value", value.len(), MAX_VALUE_BYTES)?;
+            }
+            Request::Get { key, .. } => limit("key", key.len(), MAX_KEY_BYTES)?,
+            Request::Joined { .. } => {}
+            Request::Barrier { name, .. } => limit("barrier name", name.len(), MAX_KEY_BYTES)?,
+        }
         Ok(req)
     }
 }
 
 impl Reply {
-    pub(super) fn encode(&self) -> Vec<u8> {
-        match self {
-            Reply::Ok => vec![op::OK],
-            Reply::Value(v) => Enc::new(op::VALUE).bytes(v).0,
-            Reply::NotYet => vec![op::NOT_YET],
-            Reply::Done => vec![op::DONE],
-            Reply::Pending {
-                missing,
-                left,
-                notes,
-            } => {
-                notes
-                    .iter()
-                    .fold(
-                        Enc::new(op::PENDING)
-                            .ranks(missing)
-                            .ranks(left)
-                            .u32(notes.len() as u32),
-                        |e, n| e.bytes(n.as_bytes()),
-                    )
-                    .0
-            }
-            Reply::Err(m) => Enc::new(op::ERR).bytes(m.as_bytes()).0,
-        }
-    }
-
     pub(super) fn decode(body: &[u8]) -> std::result::Result<Reply, String> {
-        let mut d = Dec(body);
-        let reply = match d.u8()? {
-            op::OK => Reply::Ok,
-            op::VALUE => Reply::Value(d.bytes(MAX_VALUE_BYTES, "value")?.to_vec()),
-            op::NOT_YET => Reply::NotYet,
-            op::DONE => Reply::Done,
-            op::PENDING => {
-                let missing = d.ranks()?;
-                let left = d.ranks()?;
-                let n = d.u32()? as usize;
-                if n > MAX_NOTES {
-                    return Err(format!("{n} notes exceed the limit of {MAX_NOTES}"));
-                }
-                let notes = (0..n)
-                    .map(|_| d.string(MAX_KEY_BYTES * 4, "note"))
-                    .collect::<std::result::Result<_, _>>()?;
-                Reply::Pending {
-                    missing,
-                    left,
-                    notes,
+        let reply = decode(body, "reply")?;
+        match &reply {
+            Reply::Value(v) => limit("value", v.len(), MAX_VALUE_BYTES)?,
+            Reply::Pending { notes, .. } if notes.len() > MAX_NOTES => {
+                return Err(format!(
+                    "{} notes exceed the limit of {MAX_NOTES}",
+                    notes.len()
+                ))
+            }
+            Reply::Pending { notes, .. } => {
+                for n in notes {
+                    limit("note", n.len(), MAX_KEY_BYTES * 4)?;
                 }
             }
-            op::ERR => {
-                Reply::Err(String::from_utf8_lossy(d.bytes(MAX_FRAME_BYTES, "error")?).into())
-            }
-            other => return Err(format!("unknown reply opcode {other:#04x}")),
-        };
-        d.end()?;
+            Reply::Ok | Reply::NotYet | Reply::Done | Reply::Err(_) => {}
+        }
         Ok(reply)
     }
 }
