@@ -132,6 +132,10 @@ pub(crate) fn join_stream_threads(threads: &mut Vec<std::thread::JoinHandle<()>>
 pub const DEFAULT_STREAM: &str = "collective";
 
 /// Reduction applied by reduce-scatter, all-reduce and reduce.
+///
+/// Serialize/Deserialize: by variant name in self-describing formats; in the process
+/// backends' collective descriptors (postcard, `comm::wire`) by variant index, so the order of
+/// the variants is part of that format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ReduceOp {
     /// Element-wise sum (integers wrap on overflow).
@@ -145,6 +149,9 @@ pub enum ReduceOp {
 }
 
 /// Kind of a collective, as reported to a [`CommObserver`] and counted by [`stats`].
+///
+/// Serialize/Deserialize: as [`ReduceOp`]'s (the variant name, or its index in the process
+/// backends' descriptors); [`OpKind::name`] is the snake-case name traces and errors use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum OpKind {
     /// [`ProcessGroup::all_gather`].

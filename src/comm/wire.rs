@@ -62,11 +62,15 @@ pub(crate) fn encode(post: &Post, setup_bytes: &[u8]) -> Vec<u8> {
     // A `[u8]` serializes as a sequence of bytes: the same length-then-bytes that `decode` reads
     // as a byte string.
     let setup = post.bytes.map(|_| setup_bytes);
-    postcard::to_allocvec(&(post, setup)).expect("descriptors serialize")
+    let out = Vec::with_capacity(OP_DESC_MAX + setup_bytes.len());
+    postcard::to_extend(&(post, setup), out).expect("descriptors serialize")
 }
 
 /// Decodes a peer's descriptor; the setup argument, if any, points into `bytes` (which must
-/// outlive the post's use). `None` when the bytes are not a descriptor of this version.
+/// outlive the post's use). `None` when the bytes are not a descriptor. (Descriptors carry no
+/// version: the order of the variants of `Kind`, `OpKind`, `ReduceOp` and `Problem` is their
+/// format, so ranks must run one build, which `fsdp-run` and the store's protocol check
+/// ensure for the process backends.)
 pub(crate) fn decode(bytes: &[u8]) -> Option<Post> {
     let (mut post, setup): (Post, Option<&[u8]>) = postcard::from_bytes(bytes).ok()?;
     post.bytes = setup.map(RawBytes::of);

@@ -173,6 +173,8 @@ impl<T> WorkCompleter<T> {
 /// step waited 45 % of its time on them). Yielding instead lets the thread that will complete
 /// the operation run at once on the same core, and sees the completion as soon as it happens;
 /// past this bound (a long collective) the waiter sleeps as before, so no core spins for long.
+/// An idle comm stream thread waits for its next operation the same way
+/// (`comm::engine::streams`).
 pub(crate) const YIELD_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Yields the core (`sched_yield`) until `ready()` holds or [`YIELD_BEFORE_SLEEP`] passed;

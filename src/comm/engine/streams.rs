@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{self, JoinHandle};
 
-use crossbeam::channel::{unbounded, Sender};
+use crossbeam::channel::{unbounded, Sender, TryRecvError};
 use parking_lot::Mutex;
 
 use super::{run_one, run_stream_op};
@@ -82,13 +82,19 @@ impl<C: StreamComm> HostStream<C> {
                 loop {
                     // Yield first, as a waiter does (`comm::work::yield_until`): the next
                     // operation usually follows within microseconds, and an issuer that
-                    // finds this thread awake enqueues without a futex wake-up.
-                    let mut job = rx.try_recv().ok();
-                    if job.is_none() {
-                        yield_until(|| !rx.is_empty());
-                        job = rx.recv().ok();
-                    }
-                    let Some(job) = job else { break };
+                    // finds this thread awake enqueues without a futex wake-up. A closed
+                    // queue ends the loop at once.
+                    let job = match rx.try_recv() {
+                        Ok(job) => job,
+                        Err(TryRecvError::Disconnected) => break,
+                        Err(TryRecvError::Empty) => {
+                            yield_until(|| !rx.is_empty());
+                            match rx.recv() {
+                                Ok(job) => job,
+                                Err(_) => break,
+                            }
+                        }
+                    };
                     job(&mut comm);
                 }
                 if closing.load(Ordering::Acquire) {

@@ -81,7 +81,30 @@ fn malformed_messages_are_refused() {
         notes: vec![String::new(); MAX_NOTES + 1],
     };
     let err = Reply::decode(&encode(&pending)).unwrap_err();
-    assert!(err.contains("9 notes exceed the limit of 8"), "{err}");
+    assert!(err.contains("more than 8 notes"), "{err}");
+    // Sixteen million empty notes (16 MiB on the wire, 384 MiB as strings) are refused at the
+    // ninth, not allocated first.
+    let mut bomb = vec![4, 0, 0, 0x80, 0x80, 0x80, 0x08];
+    bomb.resize(bomb.len() + (1 << 24), 0);
+    let err = Reply::decode(&bomb).unwrap_err();
+    assert!(err.contains("more than 8 notes"), "{err}");
+    // Peers of other builds are named as such: a protocol V2 client's HELLO (opcode 1, the
+    // magic), and a V2 server's error reply (0xFF, a 4-byte length, the text).
+    let mut v2_hello = vec![1];
+    v2_hello.extend_from_slice(b"CFSDPKV2");
+    v2_hello.extend_from_slice(&[0; 12]);
+    let err = refusal(&v2_hello);
+    assert!(
+        err.contains("store protocol CFSDPKV2, this server CFSDPKV3"),
+        "{err}"
+    );
+    let mut v2_err = vec![0xFF, 0, 0, 0, 2];
+    v2_err.extend_from_slice(b"no");
+    let err = Reply::decode(&v2_err).unwrap_err();
+    assert!(
+        err.contains("older protocol than this client (CFSDPKV3)") && err.contains("said: no"),
+        "{err}"
+    );
     // Frame lengths.
     let mut huge = &(u32::MAX).to_be_bytes()[..];
     assert!(matches!(

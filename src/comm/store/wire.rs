@@ -1,7 +1,10 @@
 //! The store's wire format: requests, replies (serde derives, postcard bodies) and their
 //! length-prefixed frames.
 
-use serde::{Deserialize, Serialize};
+use std::marker::PhantomData;
+
+use serde::de::{Error as _, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use super::*;
 
@@ -17,6 +20,7 @@ pub(super) enum Request {
     },
     Set {
         key: String,
+        #[serde(with = "serde_bytes")]
         value: Vec<u8>,
     },
     Get {
@@ -36,15 +40,47 @@ pub(super) enum Request {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) enum Reply {
     Ok,
-    Value(Vec<u8>),
+    Value(#[serde(with = "serde_bytes")] Vec<u8>),
     NotYet,
     Done,
     Pending {
         missing: Vec<u32>,
         left: Vec<u32>,
+        #[serde(deserialize_with = "at_most_notes")]
         notes: Vec<String>,
     },
     Err(String),
+}
+
+/// At most [`MAX_NOTES`] notes, refused at the first one past it: a reply of empty strings
+/// (one byte each on the wire, 24 in memory) must not be allocated before the check.
+fn at_most_notes<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Vec<String>, D::Error> {
+    struct AtMost<T>(usize, PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for AtMost<T> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "at most {} elements", self.0)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Vec<T>, A::Error> {
+            let mut out = Vec::new();
+            while let Some(x) = seq.next_element()? {
+                if out.len() == self.0 {
+                    return Err(A::Error::custom("too many elements"));
+                }
+                out.push(x);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(AtMost(MAX_NOTES, PhantomData))
+}
+
+/// The protocol a peer of another build speaks, from the first bytes of its HELLO (every
+/// version's: an opcode byte, then `CFSDPKV` and the version), when it is not [`MAGIC`].
+fn other_version(body: &[u8]) -> Option<String> {
+    let magic = body.get(1..9)?;
+    (magic.starts_with(b"CFSDPKV") && magic != MAGIC)
+        .then(|| String::from_utf8_lossy(magic).into_owned())
 }
 
 /// The body of a message (postcard cannot fail on these types: no custom serializers, every
@@ -53,18 +89,36 @@ pub(super) fn encode(msg: &impl Serialize) -> Vec<u8> {
     postcard::to_allocvec(msg).expect("store messages serialize")
 }
 
-/// The message of a body: exactly one, whole; the error names what was wrong.
-fn decode<'a, T: Deserialize<'a>>(body: &'a [u8], what: &str) -> std::result::Result<T, String> {
+/// The message of a body: exactly one, whole; the error names what was wrong. `variants`:
+/// how many the message type has.
+fn decode<'a, T: Deserialize<'a>>(
+    body: &'a [u8],
+    what: &str,
+    variants: u8,
+) -> std::result::Result<T, String> {
     match postcard::take_from_bytes(body) {
         Ok((msg, [])) => Ok(msg),
-        Ok((_, rest)) => Err(format!("{} unexpected trailing bytes", rest.len())),
-        Err(postcard::Error::DeserializeUnexpectedEnd) => Err("truncated message".into()),
-        // Serde's only error on these types (postcard keeps no text): an unknown variant index,
-        // which the body's first byte holds (the first of several from 0x80 on: a varint).
-        Err(postcard::Error::SerdeDeCustom) => {
+        Ok((_, rest)) => Err(format!(
+            "{what} of {} bytes with {} unexpected trailing bytes",
+            body.len(),
+            rest.len()
+        )),
+        Err(postcard::Error::DeserializeUnexpectedEnd) => Err(format!(
+            "truncated {what} ({} bytes, opcode {:#04x})",
+            body.len(),
+            body[0]
+        )),
+        // Serde's errors on these types (postcard keeps no text): an unknown variant index,
+        // which the body's first byte holds (the first of several from 0x80 on: a varint), or
+        // a list over its limit.
+        Err(postcard::Error::SerdeDeCustom) if body[0] >= variants => {
             Err(format!("unknown {what} opcode {:#04x}", body[0]))
         }
-        Err(e) => Err(e.to_string()),
+        Err(postcard::Error::SerdeDeCustom) => Err(format!(
+            "{what} with opcode {:#04x} over the protocol's limits (more than {MAX_NOTES} notes)",
+            body[0]
+        )),
+        Err(e) => Err(format!("malformed {what} (opcode {:#04x}): {e}", body[0])),
     }
 }
 
@@ -80,7 +134,14 @@ fn limit(what: &str, n: usize, max: usize) -> std::result::Result<(), String> {
 
 impl Request {
     pub(super) fn decode(body: &[u8]) -> std::result::Result<Request, String> {
-        let req = decode(body, "request")?;
+        if let Some(theirs) = other_version(body) {
+            return Err(format!(
+                "a client speaking store protocol {theirs}, this server {}: the launcher and \
+                 the ranks must come from one candle-fsdp build",
+                String::from_utf8_lossy(MAGIC)
+            ));
+        }
+        let req = decode(body, "request", 5)?;
         match &req {
             Request::Hello { magic, .. } if magic != MAGIC => {
                 return Err("not a candle-fsdp store client (bad magic)".into())
@@ -100,15 +161,19 @@ impl Request {
 
 impl Reply {
     pub(super) fn decode(body: &[u8]) -> std::result::Result<Reply, String> {
-        let reply = decode(body, "reply")?;
+        // Protocol CFSDPKV2 and earlier: an error reply's opcode (0xFF, then the text after a
+        // 4-byte length), which is how such a server answers this build's HELLO.
+        if body.first() == Some(&0xFF) {
+            return Err(format!(
+                "the store server speaks an older protocol than this client ({}): the launcher \
+                 and the ranks must come from one candle-fsdp build (it said: {})",
+                String::from_utf8_lossy(MAGIC),
+                String::from_utf8_lossy(body.get(5..).unwrap_or_default())
+            ));
+        }
+        let reply = decode(body, "reply", 6)?;
         match &reply {
             Reply::Value(v) => limit("value", v.len(), MAX_VALUE_BYTES)?,
-            Reply::Pending { notes, .. } if notes.len() > MAX_NOTES => {
-                return Err(format!(
-                    "{} notes exceed the limit of {MAX_NOTES}",
-                    notes.len()
-                ))
-            }
             Reply::Pending { notes, .. } => {
                 for n in notes {
                     limit("note", n.len(), MAX_KEY_BYTES * 4)?;
