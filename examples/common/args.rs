@@ -372,8 +372,9 @@ fn check_checkpoint_dir(args: &TrainArgs) -> anyhow::Result<()> {
         existing.last(),
     ) {
         (true, None) => {
-            // A checkpoint that failed to load was renamed `step-<n>.damaged[-<i>]`: say so,
-            // or the fresh start goes unnoticed.
+            // A checkpoint that failed to load was renamed `step-<n>.damaged[-<i>]`: resuming
+            // cannot mean starting over (under `fsdp-run --max-restarts` a restart would
+            // retrain from step 0 unnoticed), so refuse, as PyTorch's DCP load fails each time.
             let mut damaged: Vec<String> = std::fs::read_dir(dir)
                 .into_iter()
                 .flatten()
@@ -382,15 +383,16 @@ fn check_checkpoint_dir(args: &TrainArgs) -> anyhow::Result<()> {
                 .filter(|n| n.contains(".damaged"))
                 .collect();
             damaged.sort();
-            let set_aside = match damaged.is_empty() {
-                true => String::new(),
-                false => format!(
-                    " (set aside as damaged by an earlier load: {}; `fsdp-ckpt verify` says why)",
-                    damaged.join(", ")
-                ),
-            };
+            anyhow::ensure!(
+                damaged.is_empty(),
+                "--resume: every checkpoint in {} was set aside as damaged by an earlier load \
+                 ({}; `fsdp-ckpt verify <that directory>` says why): repair one and rename it \
+                 back, or move them away (or leave out --resume) to start from scratch",
+                dir.display(),
+                damaged.join(", ")
+            );
             println!(
-                "--resume: no complete checkpoint in {}{set_aside}: starting from scratch",
+                "--resume: no complete checkpoint in {}: starting from scratch",
                 dir.display()
             )
         }

@@ -283,9 +283,9 @@ fn a_rank_killed_with_sigkill_restarts_and_ends_like_the_uninterrupted_run() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A `--resume` whose only checkpoint was set aside as damaged by an earlier load says so when
-/// it starts from scratch, naming the directory it set aside (a user would otherwise miss that
-/// the run started over).
+/// A `--resume` whose only checkpoint was found damaged fails naming where it was set aside,
+/// and so does the next `--resume` (it used to start from scratch: under `--max-restarts` a
+/// restart retrained from step 0).
 #[test]
 fn a_resume_after_a_damaged_checkpoint_names_what_was_set_aside() {
     let dir = crate::common::tmpdir("damaged-resume");
@@ -332,16 +332,20 @@ fn a_resume_after_a_damaged_checkpoint_names_what_was_set_aside() {
     }
     let (code, out, err) = run(&["--resume"]);
     assert_ne!(code, 0, "a damaged checkpoint was loaded:\n{out}\n{err}");
+    let text = format!("{out}{err}");
     assert!(
-        format!("{out}{err}").contains("safetensors"),
+        text.contains("safetensors") && text.contains(".damaged"),
         "{out}\n{err}"
     );
     let (code, out, err) = run(&["--resume"]);
-    assert_eq!(code, 0, "{out}\n{err}");
+    assert_ne!(
+        code, 0,
+        "a --resume without a good checkpoint started over:\n{out}"
+    );
     assert!(
-        out.contains("--resume: no complete checkpoint in")
-            && out.contains("set aside as damaged by an earlier load: step-")
-            && out.contains(".damaged"),
-        "{out}"
+        err.contains("was set aside as damaged by an earlier load (step-")
+            && err.contains(".damaged")
+            && err.contains("leave out --resume) to start from scratch"),
+        "{err}"
     );
 }

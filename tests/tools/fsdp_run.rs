@@ -241,6 +241,24 @@ fn a_failing_child_stops_the_others_and_its_code_is_the_exit_code() {
 }
 
 #[test]
+fn a_rank_that_ended_successfully_before_a_failure_is_named() {
+    // Rank 1 exits 0 at once; rank 0 fails 0.5 s later (as it would after waiting for rank 1
+    // in a rendezvous): the summary says rank 1 had already ended (before, it was not named).
+    let script = "if [ $RANK = 1 ]; then exit 0; fi; sleep 0.5; exit 4";
+    let (code, _, err, _) = run(&["--nproc-per-node", "2", "--", "sh", "-c", script]);
+    assert_eq!(code, 4, "{err}");
+    let summary = last_line(&err);
+    assert!(
+        summary.starts_with("fsdp-run: rank 0 failed first: exited with code 4 after 0.")
+            && summary.contains(
+                "; rank 1 (after 0.0 s) had exited successfully before it: peers wait for \
+                 such a rank until their timeout"
+            ),
+        "{summary}"
+    );
+}
+
+#[test]
 fn a_child_ignoring_sigterm_is_killed_after_the_grace_period() {
     let script = "if [ $RANK = 1 ]; then sleep 0.3; exit 5; fi; trap '' TERM; sleep 62.25";
     let (code, _, err, secs) = run(&[
@@ -419,6 +437,19 @@ fn bad_flags_are_usage_errors() {
         ),
         (&[][..], "required"),
         (&["--nproc-per-node", "2"][..], "required"),
+        // An option fsdp-run does not know is not taken for the program (the breaker's F1).
+        (
+            &["--bogus", "1", "--", "true"][..],
+            "unrecognized option \"--bogus\" (`fsdp-run --help` lists the options",
+        ),
+        (
+            &["--nproc-per-node", "2", "--max-restart", "3", "true"][..],
+            "unrecognized option \"--max-restart\"",
+        ),
+        (
+            &["--standalone", "--", "true"][..],
+            "torchrun's rendezvous flags are not supported",
+        ),
     ] {
         let (code, out, err, _) = run(args);
         assert_eq!(code, 2, "{args:?}: {err}");

@@ -22,6 +22,8 @@ struct Proc {
     child: Child,
     /// Set once reaped.
     status: Option<ExitStatus>,
+    /// When it was reaped.
+    ended: Option<Instant>,
     /// The signals `fsdp-run` sent it (to report how it was stopped).
     sent: Vec<i32>,
 }
@@ -96,6 +98,7 @@ impl Job {
             {
                 let s = ExitStatus::from_raw(status);
                 self.procs[i].status = Some(s);
+                self.procs[i].ended = Some(Instant::now());
                 reaped.push((i, s));
             } else if Some(pid) == self.watchdog {
                 self.watchdog = None;
@@ -272,6 +275,7 @@ pub(crate) fn run_attempt(
             rank,
             child,
             status: None,
+            ended: None,
             sent: Vec::new(),
         });
     }
@@ -429,6 +433,25 @@ pub(crate) fn run_attempt(
         };
         Some((count, how))
     };
+    // The ranks that had ended successfully before rank `failed` failed `after` seconds in:
+    // peers waiting for them in a rendezvous or collective fail only at its timeout.
+    let ended_before = |failed: usize, after: f64| -> String {
+        let early: Vec<String> = (procs.iter())
+            .filter(|p| p.rank != failed && p.sent.is_empty())
+            .filter(|p| p.status.is_some_and(|s| s.success()))
+            .filter_map(|p| Some((p.rank, p.ended?.duration_since(start).as_secs_f64())))
+            .filter(|&(_, t)| t < after)
+            .map(|(rank, t)| format!("rank {rank} (after {t:.1} s)"))
+            .collect();
+        match early.is_empty() {
+            true => String::new(),
+            false => format!(
+                "; {} had exited successfully before it: peers wait for such a rank until \
+                 their timeout",
+                early.join(", ")
+            ),
+        }
+    };
     let left_in_groups = || -> String {
         how_left().map_or(String::new(), |(count, how)| {
             format!("; {count} left in the ranks' process groups or started by them: stopped with {how}")
@@ -462,9 +485,10 @@ pub(crate) fn run_attempt(
         }) if restart < cli.max_restarts => {
             let others = stopped(procs, Some(rank));
             eprintln!(
-                "fsdp-run: rank {rank} failed first: {} after {after:.1} s{}{}; restarting all \
-                 {} (restart {} of at most {})",
+                "fsdp-run: rank {rank} failed first: {} after {after:.1} s{}{}{}; restarting \
+                 all {} (restart {} of at most {})",
                 describe(status),
+                ended_before(rank, after),
                 if others.is_empty() {
                     String::new()
                 } else {
@@ -491,8 +515,9 @@ pub(crate) fn run_attempt(
         }) => {
             let others = stopped(procs, Some(rank));
             eprintln!(
-                "fsdp-run: rank {rank} failed first: {} after {after:.1} s{}{}{}",
+                "fsdp-run: rank {rank} failed first: {} after {after:.1} s{}{}{}{}",
                 describe(status),
+                ended_before(rank, after),
                 if others.is_empty() {
                     String::new()
                 } else {

@@ -333,12 +333,24 @@ fn usage_error(msg: &str) -> ! {
     std::process::exit(2);
 }
 
+/// The first word of PROGRAM when it looks like an option and was not placed after `--`: an
+/// option fsdp-run does not know, which clap takes for the program (the program's own
+/// arguments may start with `-`, so PROGRAM accepts hyphens).
+fn unknown_option(args: &[OsString], command: &[OsString]) -> Option<String> {
+    let first = command.first()?.to_string_lossy();
+    let after_separator = (args.len().checked_sub(command.len() + 1))
+        .and_then(|i| args.get(i))
+        .is_some_and(|a| a == "--");
+    (first.starts_with('-') && !after_separator).then(|| first.into_owned())
+}
+
 fn main() {
     watchdog_if_asked();
     let mut command = Cli::command();
+    let args: Vec<OsString> = std::env::args_os().collect();
     let matches = match config_file::parse_with_config(
         &mut command,
-        std::env::args_os().collect(),
+        args.clone(),
         Section::Table(LAUNCH_TABLE),
     ) {
         Ok(m) => m,
@@ -346,6 +358,19 @@ fn main() {
         Err(e) => usage_error(&e.to_string()),
     };
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit());
+    if let Some(option) = unknown_option(&args, &cli.command) {
+        let rdzv = option.starts_with("--standalone") || option.starts_with("--rdzv");
+        usage_error(&format!(
+            "unrecognized option {option:?} (`fsdp-run --help` lists the options; the program \
+             and its arguments go after `--`){}",
+            if rdzv {
+                "; torchrun's rendezvous flags are not supported: start each node with \
+                 --nnodes N --node-rank R --master-addr HOST --master-port PORT"
+            } else {
+                ""
+            }
+        ));
+    }
     if cli.nproc_per_node == 0 {
         usage_error("--nproc-per-node 0: a job needs at least one process per node");
     }

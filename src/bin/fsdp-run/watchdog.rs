@@ -192,8 +192,9 @@ fn watchdog_main(pipe: std::fs::File, launcher: i32, job: &str, grace: Duration)
     }
     eprintln!(
         "fsdp-run: watchdog: fsdp-run (pid {launcher}) ended without stopping its job; sending \
-         SIGTERM to its {} remaining processes, SIGKILL after {} s",
+         SIGTERM to its {} remaining process{}, SIGKILL after {} s",
         procs.len(),
+        if procs.len() == 1 { "" } else { "es" },
         grace.as_secs_f64()
     );
     proc_table::signal(&procs, |g| pgids.contains(&g), libc::SIGTERM);

@@ -798,7 +798,15 @@ pub(super) fn load_first_good(
             "no loadable checkpoint: every candidate is damaged: {}",
             skipped
                 .iter()
-                .map(|s| format!("{} ({})", s.dir.display(), s.error))
+                .map(|s| match &s.renamed_to {
+                    Some(to) => format!(
+                        "{} ({}; set aside as {})",
+                        s.dir.display(),
+                        s.error,
+                        to.display()
+                    ),
+                    None => format!("{} ({})", s.dir.display(), s.error),
+                })
                 .collect::<Vec<_>>()
                 .join("; ")
         ),

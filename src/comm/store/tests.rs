@@ -153,3 +153,20 @@ fn a_rank_of_another_job_on_the_port_is_refused_and_the_job_goes_on() {
     r1.set("k", b"v").unwrap();
     assert_eq!(r0.get("k").unwrap(), b"v");
 }
+
+#[test]
+fn rank_0_fails_at_once_when_the_master_address_does_not_resolve() {
+    // Before: the server bound the wildcard address anyway and rank 0 retried the name until
+    // the store timeout, then blamed itself ("is rank 0 running?").
+    let t = Duration::from_secs(60);
+    let start = std::time::Instant::now();
+    let Err(e) = TcpStore::connect_as("no-such-host.invalid", 29999, 0, 2, t, "a") else {
+        panic!("a store served at a name that does not resolve");
+    };
+    let msg = e.to_string();
+    assert!(
+        msg.contains("\"no-such-host.invalid\" does not resolve on this machine"),
+        "{msg}"
+    );
+    assert!(start.elapsed() < t, "failed only at the timeout: {msg}");
+}
