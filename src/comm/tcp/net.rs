@@ -184,16 +184,28 @@ fn read_hello(s: &mut TcpStream) -> std::io::Result<(String, usize)> {
     Ok((String::from_utf8_lossy(&key).into_owned(), rank))
 }
 
-/// Accepts connections into `mailbox` until `stop` (the listener polled every 10 ms).
+/// Accepts connections into `mailbox` until `stop` (the listener polled every 10 ms). Each
+/// connection's hello is read on a thread of its own (at most 10 s), so that a connection that
+/// sends nothing (a port scanner, a stray client) does not hold up the peers' behind it.
 fn accept_loop(listener: TcpListener, mailbox: Arc<Mailbox>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Acquire) {
         match listener.accept() {
             Ok((mut s, _)) => {
-                let _ = s.set_nonblocking(false);
-                let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-                if let Ok(id) = read_hello(&mut s) {
-                    mailbox.conns.lock().insert(id, s);
-                    mailbox.arrived.notify_all();
+                let mailbox = Arc::clone(&mailbox);
+                let hello = move || {
+                    let _ = s.set_nonblocking(false);
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+                    if let Ok(id) = read_hello(&mut s) {
+                        mailbox.conns.lock().insert(id, s);
+                        mailbox.arrived.notify_all();
+                    }
+                };
+                // Without a thread the connection is dropped: its peer fails naming this rank.
+                if let Err(e) = std::thread::Builder::new()
+                    .name("tcp-hello".into())
+                    .spawn(hello)
+                {
+                    tracing::warn!("tcp: cannot start a thread to read a connection's hello: {e}");
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -528,4 +540,49 @@ pub(super) fn mesh(
             .map_err(|e| io_err("cannot configure a connection".into(), e))?;
     }
     Ok(conns)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection that sends nothing does not hold up the hello of one behind it (the
+    /// hellos were read one after another, each for up to 10 s).
+    #[test]
+    fn a_silent_connection_does_not_delay_the_next_hello() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mailbox = Arc::new(Mailbox {
+            conns: Mutex::new(HashMap::new()),
+            arrived: Condvar::new(),
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let acceptor = {
+            let (mailbox, stop) = (Arc::clone(&mailbox), Arc::clone(&stop));
+            std::thread::spawn(move || accept_loop(listener, mailbox, stop))
+        };
+        let _silent = TcpStream::connect(addr).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let mut peer = TcpStream::connect(addr).unwrap();
+        let mut hello = MAGIC.to_vec();
+        hello.extend_from_slice(&3u32.to_le_bytes());
+        hello.extend_from_slice(&1u32.to_le_bytes());
+        hello.extend_from_slice(b"g-c");
+        peer.write_all(&hello).unwrap();
+        let start = Instant::now();
+        let key = ("g-c".to_string(), 1);
+        let mut conns = mailbox.conns.lock();
+        while !conns.contains_key(&key) && start.elapsed() < Duration::from_secs(20) {
+            mailbox
+                .arrived
+                .wait_for(&mut conns, Duration::from_millis(100));
+        }
+        let waited = start.elapsed();
+        assert!(conns.contains_key(&key), "the hello never arrived");
+        assert!(waited < Duration::from_secs(5), "arrived after {waited:?}");
+        drop(conns);
+        stop.store(true, Ordering::Release);
+        acceptor.join().unwrap();
+    }
 }
