@@ -82,8 +82,8 @@ impl<C: StreamComm> HostStream<C> {
                 loop {
                     // Yield first, as a waiter does (`comm::work::yield_until`): the next
                     // operation usually follows within microseconds, and an issuer that
-                    // finds this thread awake enqueues without a futex wake-up. A closed
-                    // queue ends the loop at once.
+                    // finds this thread awake enqueues without a futex wake-up. A queue
+                    // already closed ends the loop without the wait.
                     let job = match rx.try_recv() {
                         Ok(job) => job,
                         Err(TryRecvError::Disconnected) => break,
