@@ -372,27 +372,34 @@ fn check_checkpoint_dir(args: &TrainArgs) -> anyhow::Result<()> {
         existing.last(),
     ) {
         (true, None) => {
-            // A checkpoint that failed to load was renamed `step-<n>.damaged[-<i>]`: resuming
-            // cannot mean starting over (under `fsdp-run --max-restarts` a restart would
-            // retrain from step 0 unnoticed), so refuse, as PyTorch's DCP load fails each time.
+            // A checkpoint that failed to load was renamed `step-<n>.damaged[-<i>]`. An
+            // explicit --resume cannot mean starting over (under `fsdp-run --max-restarts` a
+            // restart would retrain from step 0 unnoticed): refuse, as PyTorch's DCP load
+            // fails each time. (A restart of a run started without --resume goes on from
+            // scratch, as its first attempt did, whatever an older run left set aside.)
             let mut damaged: Vec<String> = std::fs::read_dir(dir)
                 .into_iter()
                 .flatten()
                 .flatten()
+                .filter(|e| e.path().is_dir())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.contains(".damaged"))
+                .filter(|n| n.starts_with("step-") && n.contains(".damaged"))
                 .collect();
             damaged.sort();
             anyhow::ensure!(
-                damaged.is_empty(),
+                !args.resume || damaged.is_empty(),
                 "--resume: every checkpoint in {} was set aside as damaged by an earlier load \
                  ({}; `fsdp-ckpt verify <that directory>` says why): repair one and rename it \
                  back, or move them away (or leave out --resume) to start from scratch",
                 dir.display(),
                 damaged.join(", ")
             );
+            let set_aside = match damaged.is_empty() {
+                true => String::new(),
+                false => format!(" (set aside as damaged: {})", damaged.join(", ")),
+            };
             println!(
-                "--resume: no complete checkpoint in {}: starting from scratch",
+                "--resume: no complete checkpoint in {}{set_aside}: starting from scratch",
                 dir.display()
             )
         }

@@ -251,8 +251,8 @@ fn a_rank_that_ended_successfully_before_a_failure_is_named() {
     assert!(
         summary.starts_with("fsdp-run: rank 0 failed first: exited with code 4 after 0.")
             && summary.contains(
-                "; rank 1 (after 0.0 s) had exited successfully before it: peers wait for \
-                 such a rank until their timeout"
+                "; rank 1 (after 0.0 s) had exited successfully before it: peers may wait \
+                 for such a rank until their timeout"
             ),
         "{summary}"
     );
@@ -449,6 +449,14 @@ fn bad_flags_are_usage_errors() {
         (
             &["--standalone", "--", "true"][..],
             "torchrun's rendezvous flags are not supported",
+        ),
+        (
+            &["--rdzv_endpoint=h:1", "true"][..],
+            "torchrun's rendezvous flags are not supported",
+        ),
+        (
+            &["-m", "pkg.train"][..],
+            "fsdp-run starts any program as it is",
         ),
     ] {
         let (code, out, err, _) = run(args);

@@ -84,6 +84,8 @@ impl Job {
     /// the ranks' indices and statuses, in the order they were reaped.
     fn reap(&mut self) -> Vec<(usize, ExitStatus)> {
         let mut reaped = Vec::new();
+        // One time for the pass: `waitpid`'s order is not the order of the exits.
+        let now = Instant::now();
         loop {
             let mut status: libc::c_int = 0;
             // SAFETY: plain syscall writing `status`.
@@ -98,7 +100,7 @@ impl Job {
             {
                 let s = ExitStatus::from_raw(status);
                 self.procs[i].status = Some(s);
-                self.procs[i].ended = Some(Instant::now());
+                self.procs[i].ended = Some(now);
                 reaped.push((i, s));
             } else if Some(pid) == self.watchdog {
                 self.watchdog = None;
@@ -433,20 +435,27 @@ pub(crate) fn run_attempt(
         };
         Some((count, how))
     };
-    // The ranks that had ended successfully before rank `failed` failed `after` seconds in:
+    // The ranks seen to have ended successfully in an earlier pass than the failed rank `failed`:
     // peers waiting for them in a rendezvous or collective fail only at its timeout.
-    let ended_before = |failed: usize, after: f64| -> String {
+    let ended_before = |failed: usize| -> String {
+        let Some(failed_at) = procs
+            .iter()
+            .find(|p| p.rank == failed)
+            .and_then(|p| p.ended)
+        else {
+            return String::new();
+        };
         let early: Vec<String> = (procs.iter())
             .filter(|p| p.rank != failed && p.sent.is_empty())
             .filter(|p| p.status.is_some_and(|s| s.success()))
-            .filter_map(|p| Some((p.rank, p.ended?.duration_since(start).as_secs_f64())))
-            .filter(|&(_, t)| t < after)
-            .map(|(rank, t)| format!("rank {rank} (after {t:.1} s)"))
+            .filter_map(|p| Some((p.rank, p.ended?)))
+            .filter(|&(_, t)| t < failed_at)
+            .map(|(rank, t)| format!("rank {rank} (after {:.1} s)", (t - start).as_secs_f64()))
             .collect();
         match early.is_empty() {
             true => String::new(),
             false => format!(
-                "; {} had exited successfully before it: peers wait for such a rank until \
+                "; {} had exited successfully before it: peers may wait for such a rank until \
                  their timeout",
                 early.join(", ")
             ),
@@ -488,7 +497,7 @@ pub(crate) fn run_attempt(
                 "fsdp-run: rank {rank} failed first: {} after {after:.1} s{}{}{}; restarting \
                  all {} (restart {} of at most {})",
                 describe(status),
-                ended_before(rank, after),
+                ended_before(rank),
                 if others.is_empty() {
                     String::new()
                 } else {
@@ -517,7 +526,7 @@ pub(crate) fn run_attempt(
             eprintln!(
                 "fsdp-run: rank {rank} failed first: {} after {after:.1} s{}{}{}{}",
                 describe(status),
-                ended_before(rank, after),
+                ended_before(rank),
                 if others.is_empty() {
                     String::new()
                 } else {

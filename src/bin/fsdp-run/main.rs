@@ -359,16 +359,23 @@ fn main() {
     };
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit());
     if let Some(option) = unknown_option(&args, &cli.command) {
-        let rdzv = option.starts_with("--standalone") || option.starts_with("--rdzv");
+        let name = option
+            .split('=')
+            .next()
+            .unwrap_or_default()
+            .replace('_', "-");
+        let hint = if name == "--standalone" || name.starts_with("--rdzv") {
+            "; torchrun's rendezvous flags are not supported: start each node with --nnodes N \
+             --node-rank R --master-addr HOST --master-port PORT"
+        } else if ["-m", "--module", "--no-python", "--run-path"].contains(&name.as_str()) {
+            "; fsdp-run starts any program as it is: write the command itself (e.g. `-- python \
+             -m pkg.train`)"
+        } else {
+            ""
+        };
         usage_error(&format!(
             "unrecognized option {option:?} (`fsdp-run --help` lists the options; the program \
-             and its arguments go after `--`){}",
-            if rdzv {
-                "; torchrun's rendezvous flags are not supported: start each node with \
-                 --nnodes N --node-rank R --master-addr HOST --master-port PORT"
-            } else {
-                ""
-            }
+             and its arguments go after `--`){hint}"
         ));
     }
     if cli.nproc_per_node == 0 {

@@ -192,7 +192,13 @@ fn connect_once(host: &str, port: u16, wait: Duration) -> io::Result<TcpStream> 
         io::ErrorKind::NotFound,
         format!("{host} resolves to no address"),
     );
-    for a in (host, port).to_socket_addrs()? {
+    let addrs = (host, port).to_socket_addrs().map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("{host:?} does not resolve: {e}"),
+        )
+    })?;
+    for a in addrs {
         match TcpStream::connect_timeout(&a, wait.max(Duration::from_millis(1))) {
             Ok(s) => return Ok(s),
             Err(e) => last = e,
@@ -278,6 +284,8 @@ impl TcpStore {
         job: &str,
     ) -> Result<TcpStore> {
         let deadline = Instant::now() + timeout;
+        // `[::1]` as a URL writes it: the address is what is inside the brackets.
+        let addr = (addr.strip_prefix('[').and_then(|a| a.strip_suffix(']'))).unwrap_or(addr);
         let display = display_addr(addr, port);
         let server = if rank == 0 {
             Some(Server::start(addr, port, world_size, job, &display)?)
@@ -292,12 +300,34 @@ impl TcpStore {
         };
         // Connect, retrying with a growing pause (20 ms .. 500 ms).
         let mut pause = Duration::from_millis(20);
+        let mut warned = false;
         let stream = loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             match connect_once(addr, port, remaining.min(Duration::from_secs(5))) {
                 Ok(s) => break s,
                 Err(e) => {
+                    // Rank 0 serves the store: the only thing it can wait for is its name.
+                    let unresolved = rank == 0 && e.kind() == io::ErrorKind::NotFound;
+                    if unresolved && !warned {
+                        warned = true;
+                        // (`display` would name tracing's own function inside the macro.)
+                        let served_at = &display;
+                        tracing::warn!(
+                            "rank 0 serves the store at {served_at}, but {e}; retrying for up \
+                             to {} (MASTER_ADDR must name rank 0's machine)",
+                            secs(timeout)
+                        );
+                    }
                     let remaining = deadline.saturating_duration_since(Instant::now());
+                    if remaining.is_zero() && unresolved {
+                        return Err(store_err(format!(
+                            "rank 0 serves the store at {display}, but the name did not \
+                             resolve on this machine within {}: {e} (MASTER_ADDR / \
+                             --master-addr must name rank 0's machine: its host name or one of \
+                             its addresses)",
+                            secs(timeout)
+                        )));
+                    }
                     if remaining.is_zero() {
                         return Err(store_err(format!(
                             "could not connect to the store at {display} within {}: {e} \

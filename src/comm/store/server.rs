@@ -72,19 +72,13 @@ impl Server {
         job: &str,
         display: &str,
     ) -> Result<Server> {
-        // Rank 0 connects to its own store through `host` too: a name that does not resolve
-        // here fails now, not after the timeout of retrying it.
-        let resolved = (host, port).to_socket_addrs().map_err(|e| Error::Store {
-            addr: display.to_string(),
-            rank: 0,
-            missing: vec![],
-            message: format!(
-                "rank 0 serves the store at {display}, but {host:?} does not resolve on this \
-                 machine: {e} (MASTER_ADDR / --master-addr must name rank 0's machine: its \
-                 host name or one of its addresses)"
-            ),
-        })?;
-        let wildcard = match resolved.into_iter().next() {
+        // A name that does not resolve (yet: a DNS record that appears when the job's pods are
+        // ready) binds IPv4's wildcard; the connection below retries the name until the timeout.
+        let wildcard = match (host, port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+        {
             Some(SocketAddr::V6(_)) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
             _ => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
         };

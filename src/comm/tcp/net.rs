@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -165,12 +165,39 @@ pub(super) fn show(addr: SocketAddr) -> String {
 struct Mailbox {
     conns: Mutex<HashMap<(String, usize), TcpStream>>,
     arrived: Condvar,
+    /// Hellos being read (each on a thread of its own; at most [`MAX_HELLOS`]).
+    hellos: AtomicUsize,
 }
 
-/// Reads a connection's hello: `(key, job rank)`.
+/// How many connections' hellos are read at once; a connection past them is closed (a flood
+/// of connections that send nothing must not start a thread each).
+const MAX_HELLOS: usize = 64;
+
+/// How long a connection may take to send its whole hello.
+const HELLO_WITHIN: Duration = Duration::from_secs(10);
+
+/// Fills `buf` from `s` by `deadline` (a read timeout alone bounds each read, not the whole).
+fn read_exact_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[at..])? {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n => at += n,
+        }
+    }
+    Ok(())
+}
+
+/// Reads a connection's hello, whole within [`HELLO_WITHIN`]: `(key, job rank)`.
 fn read_hello(s: &mut TcpStream) -> std::io::Result<(String, usize)> {
+    let deadline = Instant::now() + HELLO_WITHIN;
     let mut head = [0u8; 16];
-    s.read_exact(&mut head)?;
+    read_exact_by(s, &mut head, deadline)?;
     if &head[..8] != MAGIC {
         return Err(std::io::Error::other("not a candle-fsdp tcp connection"));
     }
@@ -180,31 +207,37 @@ fn read_hello(s: &mut TcpStream) -> std::io::Result<(String, usize)> {
         return Err(std::io::Error::other("hello key too long"));
     }
     let mut key = vec![0u8; len];
-    s.read_exact(&mut key)?;
+    read_exact_by(s, &mut key, deadline)?;
     Ok((String::from_utf8_lossy(&key).into_owned(), rank))
 }
 
 /// Accepts connections into `mailbox` until `stop` (the listener polled every 10 ms). Each
-/// connection's hello is read on a thread of its own (at most 10 s), so that a connection that
-/// sends nothing (a port scanner, a stray client) does not hold up the peers' behind it.
+/// connection's hello is read on a thread of its own (whole within [`HELLO_WITHIN`], at most
+/// [`MAX_HELLOS`] at once), so that a connection that sends nothing (a port scanner, a stray
+/// client) does not hold up the peers' behind it.
 fn accept_loop(listener: TcpListener, mailbox: Arc<Mailbox>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Acquire) {
         match listener.accept() {
+            Ok((_, _)) if mailbox.hellos.load(Ordering::Acquire) >= MAX_HELLOS => {}
             Ok((mut s, _)) => {
-                let mailbox = Arc::clone(&mailbox);
+                mailbox.hellos.fetch_add(1, Ordering::AcqRel);
+                let mb = Arc::clone(&mailbox);
                 let hello = move || {
                     let _ = s.set_nonblocking(false);
-                    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-                    if let Ok(id) = read_hello(&mut s) {
-                        mailbox.conns.lock().insert(id, s);
-                        mailbox.arrived.notify_all();
+                    let read = read_hello(&mut s);
+                    let _ = s.set_read_timeout(None);
+                    if let Ok(id) = read {
+                        mb.conns.lock().insert(id, s);
+                        mb.arrived.notify_all();
                     }
+                    mb.hellos.fetch_sub(1, Ordering::AcqRel);
                 };
                 // Without a thread the connection is dropped: its peer fails naming this rank.
                 if let Err(e) = std::thread::Builder::new()
                     .name("tcp-hello".into())
                     .spawn(hello)
                 {
+                    mailbox.hellos.fetch_sub(1, Ordering::AcqRel);
                     tracing::warn!("tcp: cannot start a thread to read a connection's hello: {e}");
                 }
             }
@@ -553,10 +586,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
         let addr = listener.local_addr().unwrap();
-        let mailbox = Arc::new(Mailbox {
-            conns: Mutex::new(HashMap::new()),
-            arrived: Condvar::new(),
-        });
+        let mailbox = Arc::new(Mailbox::default());
         let stop = Arc::new(AtomicBool::new(false));
         let acceptor = {
             let (mailbox, stop) = (Arc::clone(&mailbox), Arc::clone(&stop));
