@@ -69,7 +69,8 @@
 //!   rank 1 killed by signal 9 (SIGKILL) after 4.2 s`).
 //!
 //! Exit status: 0 when every child succeeded; the first failed child's status (above); 2 on a
-//! usage error (bad flags, `--node-rank >= --nnodes`, `--nproc-per-node 0`); 127 (126) when
+//! usage error (bad flags, an option it does not know before the program — not taken for the
+//! program —, `--node-rank >= --nnodes`, `--nproc-per-node 0`); 127 (126) when
 //! the program is not found (not executable), 1 when it cannot be started for another reason:
 //! the message names the program and the OS error.
 
