@@ -78,8 +78,8 @@ pub mod unit;
 
 pub use error::{Error, Result};
 pub use fsdp::{
-    BackwardPrefetch, Forward, FsdpConfig, FsdpModel, FsdpModelBuilder, FullModel, MemoryBudget,
-    MemoryPlan, MemoryStats, ModelSpec, ShardView, ShardingStrategy,
+    BackwardPrefetch, CommStreams, Forward, FsdpConfig, FsdpModel, FsdpModelBuilder, FullModel,
+    MemoryBudget, MemoryPlan, MemoryStats, ModelSpec, ShardView, ShardingStrategy,
 };
 pub use lr_scheduler::{LrSchedule, LrScheduler, LrSchedulerState};
 pub use mixed_precision::MixedPrecision;

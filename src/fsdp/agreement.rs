@@ -158,7 +158,7 @@ pub(super) fn agree_on_model(
         }
     }
     let c = config;
-    let fields: [(&str, String); 9] = [
+    let fields: [(&str, String); 10] = [
         ("sharding_strategy", format!("{:?}", c.sharding_strategy)),
         ("seed", c.seed.to_string()),
         ("forward_prefetch", c.forward_prefetch.to_string()),
@@ -170,6 +170,7 @@ pub(super) fn agree_on_model(
         ),
         ("mixed_precision", format!("{:?}", c.mixed_precision)),
         ("frozen_storage", format!("{:?}", c.frozen_storage)),
+        ("comm_streams", format!("{:?}", c.comm_streams)),
         (
             "fingerprint",
             if c.fingerprint.is_some() {

@@ -180,7 +180,7 @@ impl FsdpModel {
         let (planned, members) = plan_groups(classified, &config, mesh.shard.as_ref(), &freeze)?;
         let units = allocate(planned, &config, mesh.shard.as_ref(), &mut fill)?;
         agree_on_model(pg.as_ref(), &units, &config)?;
-        let comm = CommContext::new(mesh)?;
+        let comm = CommContext::new(mesh, config.comm_streams)?;
         let fingerprint = config
             .fingerprint
             .as_deref()

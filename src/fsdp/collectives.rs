@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
+use super::config::CommStreams;
 use super::mesh::Mesh;
 use super::storage;
 use crate::comm::{CommStream, ProcessGroup, ReduceOp, Work};
@@ -24,7 +25,8 @@ pub(crate) struct CommContext {
     /// Parameter all-gathers (unshard), in issue order, on the shard group.
     pub all_gather: CommStream,
     /// Gradient reductions (reduce-scatter; all-reduce under NO_SHARD) on the shard group, so
-    /// that they never queue behind an all-gather.
+    /// that they never queue behind an all-gather; or the all-gathers' stream itself
+    /// ([`CommStreams::Shared`]).
     pub reduce_scatter: CommStream,
     /// Hybrid only: the all-reduce of the reduced shards across replicas, on the replica group,
     /// so that it never queues behind the next reduce-scatter.
@@ -36,11 +38,24 @@ pub(crate) struct CommContext {
 
 impl CommContext {
     /// Creates the streams on `mesh`'s groups (a collective: every rank builds its models in
-    /// the same order).
-    pub(crate) fn new(mesh: Mesh) -> Result<Self> {
+    /// the same order), the reductions' own unless `streams` shares the all-gathers'.
+    pub(crate) fn new(mesh: Mesh, streams: CommStreams) -> Result<Self> {
+        let all_gather = mesh.shard.new_stream("all_gather")?;
+        let shared = match streams {
+            CommStreams::Separate => false,
+            CommStreams::Shared => true,
+            CommStreams::Auto => {
+                let pg = mesh.shard.as_ref();
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                pg.backend() == "threads" && pg.device().is_cpu() && cores <= pg.world_size()
+            }
+        };
         Ok(Self {
-            all_gather: mesh.shard.new_stream("all_gather")?,
-            reduce_scatter: mesh.shard.new_stream("reduce_scatter")?,
+            reduce_scatter: match shared {
+                true => all_gather.clone(),
+                false => mesh.shard.new_stream("reduce_scatter")?,
+            },
+            all_gather,
             all_reduce: match &mesh.replica {
                 Some(g) => Some(g.new_stream("all_reduce_replicas")?),
                 None => None,

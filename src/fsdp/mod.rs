@@ -80,7 +80,7 @@ mod storage;
 
 pub use budget::{MemoryBudget, MemoryPlan};
 pub use build::FsdpModelBuilder;
-pub use config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
+pub use config::{BackwardPrefetch, CommStreams, FsdpConfig, ShardingStrategy};
 pub use forward::Forward;
 pub use memory::MemoryStats;
 pub use model::FsdpModel;

@@ -33,6 +33,9 @@ fn model(
                 BackwardPrefetch::None
             },
             limit_all_gathers: limit,
+            // The lanes asserted below are FSDP's two streams (Auto shares one on a machine
+            // with no more cores than ranks).
+            comm_streams: candle_fsdp::CommStreams::Separate,
             ..Default::default()
         },
     );

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_fsdp::comm::threads::{run_ranks_ok, ThreadGroupConfig};
 use candle_fsdp::comm::{CommObserver, OpKind, ProcessGroup};
 use candle_fsdp::trace::{Lane, SpanKind, TraceSession};
-use candle_fsdp::{FsdpConfig, FsdpModel, ShardingStrategy};
+use candle_fsdp::{CommStreams, FsdpConfig, FsdpModel, ShardingStrategy};
 
 /// Records (stream, kind) of every collective that starts on this rank.
 #[derive(Default)]
@@ -22,8 +22,17 @@ impl CommObserver for Recorder {
 }
 
 fn model(pg: Arc<dyn ProcessGroup>, strategy: ShardingStrategy) -> candle_fsdp::Result<FsdpModel> {
+    model_on(pg, strategy, CommStreams::Separate)
+}
+
+fn model_on(
+    pg: Arc<dyn ProcessGroup>,
+    strategy: ShardingStrategy,
+    comm_streams: CommStreams,
+) -> candle_fsdp::Result<FsdpModel> {
     let config = FsdpConfig {
         sharding_strategy: strategy,
+        comm_streams,
         ..FsdpConfig::default()
     };
     FsdpModel::builder(pg, config)
@@ -112,4 +121,61 @@ fn the_models_tracer_receives_the_comm_spans_on_its_streams_lanes() {
     assert!(spans
         .iter()
         .any(|s| s.kind == SpanKind::Forward && s.name == "FSDP::forward a"));
+}
+
+/// `CommStreams::Shared` runs the reductions on the all-gathers' stream, behind them in issue
+/// order, with the same results bit for bit as separate streams (and `Auto` picks one of the
+/// two: the same results too).
+#[test]
+fn shared_comm_streams_run_the_reductions_behind_the_gathers_with_the_same_results() {
+    let run = |streams: CommStreams| {
+        run_ranks_ok(2, ThreadGroupConfig::default(), move |pg| {
+            let mut m = model_on(pg.clone(), ShardingStrategy::FullShard, streams)?;
+            let rec = Arc::new(Recorder::default());
+            pg.set_observer(Some(rec.clone()));
+            let x = Tensor::arange(0f32, 12., &Device::Cpu)?.reshape((3, 4))?;
+            let y = m.forward(&x)?;
+            m.backward(&y.sum_all()?)?;
+            pg.set_observer(None);
+            let grads: Vec<Vec<u32>> = m
+                .shards()
+                .map(|s| {
+                    let g = s.grad.expect("a gradient shard");
+                    g.to_vec1::<f32>()
+                        .map(|v| v.iter().map(|x| x.to_bits()).collect())
+                })
+                .collect::<candle_core::Result<_>>()?;
+            let ops = rec.0.lock().unwrap().clone();
+            Ok((ops, grads))
+        })
+        .unwrap()
+    };
+    let separate = run(CommStreams::Separate);
+    let shared = run(CommStreams::Shared);
+    let auto = run(CommStreams::Auto);
+    for r in 0..2 {
+        assert_eq!(
+            shared[r].1, separate[r].1,
+            "rank {r}: gradient shards differ"
+        );
+        assert_eq!(
+            auto[r].1, separate[r].1,
+            "rank {r}: gradient shards differ (auto)"
+        );
+        let ops = &shared[r].0;
+        assert!(
+            ops.iter().all(|(s, _)| s == "all_gather"),
+            "rank {r}: {ops:?}"
+        );
+        let count = |o: &[(String, OpKind)], kind| o.iter().filter(|(_, k)| *k == kind).count();
+        for kind in [OpKind::AllGather, OpKind::ReduceScatter, OpKind::AllReduce] {
+            assert_eq!(
+                count(ops, kind),
+                count(&separate[r].0, kind),
+                "rank {r}: {ops:?}"
+            );
+        }
+        assert_eq!(count(ops, OpKind::ReduceScatter), 3, "rank {r}: {ops:?}");
+        assert_eq!(ops.len(), separate[r].0.len(), "rank {r}: {ops:?}");
+    }
 }
