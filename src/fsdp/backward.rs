@@ -34,8 +34,8 @@ impl FsdpModel {
     /// when its outputs' gradients are complete: its parameters are refilled from an all-gather
     /// issued one call ahead (backward prefetch; the first is issued before the loss's own
     /// backward), its gradients are copied into its group's flat gradient, and after the
-    /// group's last call the reduce-scatter is issued on the reduce-scatter stream without
-    /// waiting. All reductions are waited for at the end and added into the f32 gradient
+    /// group's last call the reduce-scatter is issued on the reduce-scatter stream (the
+    /// all-gathers' under [`crate::CommStreams::Shared`]) without waiting. All reductions are waited for at the end and added into the f32 gradient
     /// shards. Gradients of variables outside the model's units are not kept.
     ///
     /// A rank whose batch is empty (the end of an epoch with an uneven loader) takes the step

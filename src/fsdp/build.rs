@@ -141,8 +141,8 @@ impl FsdpModel {
 
     /// Builds the model, filling each shard piece with `fill(param, range_in_param, out)`.
     ///
-    /// A collective: it creates the model's comm streams ("all_gather", "reduce_scatter") on the
-    /// group, so every rank builds its models in the same order; under the hybrid strategies it
+    /// A collective: it creates the model's comm streams ("all_gather", and "reduce_scatter"
+    /// unless [`super::CommStreams`] shares the first) on the group, so every rank builds its models in the same order; under the hybrid strategies it
     /// first creates the shard and replica groups (`super::mesh`) and the replica group's
     /// stream ("all_reduce_replicas"), and the shards are laid out over the shard group.
     ///
@@ -179,6 +179,8 @@ impl FsdpModel {
             .collect::<Result<Vec<_>>>()?;
         let (planned, members) = plan_groups(classified, &config, mesh.shard.as_ref(), &freeze)?;
         let units = allocate(planned, &config, mesh.shard.as_ref(), &mut fill)?;
+        // `Auto` decided here, so that the agreement compares what each rank will do.
+        config.comm_streams = config.comm_streams.resolve(pg.as_ref());
         agree_on_model(pg.as_ref(), &units, &config)?;
         let comm = CommContext::new(mesh, config.comm_streams)?;
         let fingerprint = config

@@ -24,9 +24,9 @@ pub(crate) struct CommContext {
     pub mesh: Mesh,
     /// Parameter all-gathers (unshard), in issue order, on the shard group.
     pub all_gather: CommStream,
-    /// Gradient reductions (reduce-scatter; all-reduce under NO_SHARD) on the shard group, so
-    /// that they never queue behind an all-gather; or the all-gathers' stream itself
-    /// ([`CommStreams::Shared`]).
+    /// Gradient reductions (reduce-scatter; all-reduce under NO_SHARD) on the shard group: a
+    /// stream of their own, so that they never queue behind an all-gather, or, with
+    /// [`CommStreams::Shared`], the all-gathers' stream itself.
     pub reduce_scatter: CommStream,
     /// Hybrid only: the all-reduce of the reduced shards across replicas, on the replica group,
     /// so that it never queues behind the next reduce-scatter.
@@ -38,22 +38,14 @@ pub(crate) struct CommContext {
 
 impl CommContext {
     /// Creates the streams on `mesh`'s groups (a collective: every rank builds its models in
-    /// the same order), the reductions' own unless `streams` shares the all-gathers'.
+    /// the same order), the reductions' own unless `streams` (resolved at build: the world
+    /// group decides `Auto`) shares the all-gathers'.
     pub(crate) fn new(mesh: Mesh, streams: CommStreams) -> Result<Self> {
         let all_gather = mesh.shard.new_stream("all_gather")?;
-        let shared = match streams {
-            CommStreams::Separate => false,
-            CommStreams::Shared => true,
-            CommStreams::Auto => {
-                let pg = mesh.shard.as_ref();
-                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                pg.backend() == "threads" && pg.device().is_cpu() && cores <= pg.world_size()
-            }
-        };
         Ok(Self {
-            reduce_scatter: match shared {
-                true => all_gather.clone(),
-                false => mesh.shard.new_stream("reduce_scatter")?,
+            reduce_scatter: match streams.resolve(mesh.shard.as_ref()) {
+                CommStreams::Shared => all_gather.clone(),
+                _ => mesh.shard.new_stream("reduce_scatter")?,
             },
             all_gather,
             all_reduce: match &mesh.replica {

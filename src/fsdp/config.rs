@@ -172,12 +172,29 @@ pub enum CommStreams {
     /// time from the compute and the first (BENCHMARKS §22: the MNIST MLP at world size 2 on 2
     /// cores, 0.90–1.20 → 0.67–0.87 s an epoch; the GPT step unchanged).
     Shared,
-    /// `Shared` for the thread backend on the CPU when this machine has no more cores than the
-    /// shard group has ranks (`std::thread::available_parallelism()`: the ranks are threads of
-    /// this process, so they all see the same count); `Separate` otherwise (other backends:
-    /// the ranks of another process could count otherwise, and the streams are a collective).
+    /// `Shared` for the thread backend on the CPU when the cores this rank may use
+    /// (`std::thread::available_parallelism()`) are no more than the job's ranks (all threads
+    /// of this process); `Separate` otherwise, and for the other backends. Decided by each rank
+    /// when the model is built and compared in the build's agreement (ranks pinned to
+    /// different core counts fail there, naming the field, rather than at the streams).
     #[default]
     Auto,
+}
+
+impl CommStreams {
+    /// `Separate` or `Shared`: what `Auto` means for a rank of the world group `world` (see
+    /// [`CommStreams::Auto`]); the others as they are.
+    pub fn resolve(self, world: &dyn crate::comm::ProcessGroup) -> CommStreams {
+        if self != CommStreams::Auto {
+            return self;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = world.backend() == "threads" && world.device().is_cpu();
+        match threads && cores <= world.world_size() {
+            true => CommStreams::Shared,
+            false => CommStreams::Separate,
+        }
+    }
 }
 
 /// Runtime configuration.

@@ -146,7 +146,7 @@ fn shared_comm_streams_run_the_reductions_behind_the_gathers_with_the_same_resul
                 })
                 .collect::<candle_core::Result<_>>()?;
             let ops = rec.0.lock().unwrap().clone();
-            Ok((ops, grads))
+            Ok((ops, grads, m.config().comm_streams))
         })
         .unwrap()
     };
@@ -177,5 +177,12 @@ fn shared_comm_streams_run_the_reductions_behind_the_gathers_with_the_same_resul
         }
         assert_eq!(count(ops, OpKind::ReduceScatter), 3, "rank {r}: {ops:?}");
         assert_eq!(ops.len(), separate[r].0.len(), "rank {r}: {ops:?}");
+        // The model reports what `Auto` became, and its reductions ran where that says.
+        let on_own_stream = auto[r].0.iter().any(|(s, _)| s == "reduce_scatter");
+        match auto[r].2 {
+            CommStreams::Shared => assert!(!on_own_stream, "rank {r}: {:?}", auto[r].0),
+            CommStreams::Separate => assert!(on_own_stream, "rank {r}: {:?}", auto[r].0),
+            CommStreams::Auto => panic!("rank {r}: Auto left undecided after the build"),
+        }
     }
 }
