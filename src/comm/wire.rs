@@ -7,8 +7,8 @@
 //! are ignored, so a descriptor may be read from a longer zero-filled buffer). Postcard: serde
 //! derives instead of a hand-written codec, a documented format that is stable across its 1.x
 //! versions, and varints that keep a collective's descriptor within [`OP_DESC_MAX`]. Every rank
-//! decodes all of them and runs the same [`crate::comm::buffer::validate`] as the thread backend, so a
-//! mismatch is the same error on every rank instead of a hang or garbage.
+//! decodes all of them and runs the same [`crate::comm::buffer::validate`] as the thread backend,
+//! so a mismatch is the same error on every rank instead of a hang or garbage.
 
 use candle_core::{DType, DeviceLocation};
 use serde::de::Error as _;

@@ -126,8 +126,8 @@ pub(crate) fn arm_with_frozen<'a>(
     arm_call([], frozen.into_iter().map(Tensor::id), seed, true)
 }
 
-/// Arms this thread for one training call of a unit: `params` the ids of every parameter tensor of the
-/// call's groups ([`is_call_param`]), `frozen` those of its frozen twins ([`trains`]), `seed`
+/// Arms this thread for one training call of a unit: `params` the ids of every parameter tensor
+/// of the call's groups ([`is_call_param`]), `frozen` those of its frozen twins ([`trains`]), `seed`
 /// the call's seed ([`call_seed`]), `records` whether the call records autograd (false for an
 /// activation-checkpointed forward: [`records`]).
 pub(crate) fn arm_call(
