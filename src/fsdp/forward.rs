@@ -282,21 +282,22 @@ impl FsdpModel {
     }
 
     /// The ids of the step's parameter tensors of `groups`, and of those of the frozen groups
-    /// among them (for fused nodes: [`super::fused::is_call_param`], [`super::fused::trains`]).
-    pub(super) fn call_param_ids(&self, groups: &[usize]) -> (Vec<TensorId>, Vec<TensorId>) {
-        let (mut all, mut frozen) = (Vec::new(), Vec::new());
-        for &g in groups {
-            let ids = self.units[g]
-                .param_tensors()
-                .unwrap_or(&[])
-                .iter()
-                .map(Tensor::id);
-            if self.units[g].is_frozen() {
-                frozen.extend(ids.clone());
-            }
-            all.extend(ids);
-        }
-        (all, frozen)
+    /// among them (for fused nodes: [`super::fused::is_call_param`], [`super::fused::trains`]),
+    /// as iterators: [`super::fused::arm_call`] copies them into the thread's own lists.
+    pub(super) fn call_param_ids<'a>(
+        &'a self,
+        groups: &'a [usize],
+    ) -> (
+        impl Iterator<Item = TensorId> + 'a,
+        impl Iterator<Item = TensorId> + 'a,
+    ) {
+        let ids = move |frozen_only: bool| {
+            (groups.iter())
+                .filter(move |&&g| !frozen_only || self.units[g].is_frozen())
+                .flat_map(move |&g| self.units[g].param_tensors().unwrap_or(&[]).iter())
+                .map(Tensor::id)
+        };
+        (ids(false), ids(true))
     }
 
     /// Before a training call of member `m` (call number `pos`) computes: reshards the previous
