@@ -6,15 +6,19 @@
 //! High-Performance Matrix Multiplication", ACM TOMS 34(3), 2008) as BLIS arranges it (Van Zee
 //! and van de Geijn, ACM TOMS 41(3), 2015):
 //!
-//! - `B` is packed into column panels of `NR` (a `KC × NC` block, in the last-level cache), `A`
-//!   into row panels of `MR` (an `MC × KC` block, in L2), zero-padded at the edges, with 8 × 8
+//! - `B` is packed into column panels of `NR` (a `KC × NC` block, in the last-level cache; on
+//!   one thread `KC × NC_ALONE`, in L2), `A` into row panels of `MR` (an `MC × KC` block, in
+//!   L2), zero-padded at the edges, with 8 × 8
 //!   in-register transposes where the packed layout crosses the stored one (the `B = Wᵀ` of
 //!   `x·Wᵀ`, the row-major `A` of `x·Wᵀ` and `g·W`);
 //! - the register tile ([`Isa`]) is 6 × 16 on AVX2 (twelve 8-lane accumulators, two loads of
 //!   `B` and six broadcasts of `A` for twelve fused multiply-adds per `k`: 15 of the 16 `ymm`
 //!   registers) and 14 × 32 on AVX-512 (28 of the 32 `zmm` registers accumulate);
 //! - the threads split `m` or `n` (the one whose other operand is the cheaper to pack on every
-//!   thread) at tile boundaries, each packing for itself: no barrier inside a product.
+//!   thread) at tile boundaries, each packing for itself: no barrier inside a product; a split
+//!   product keeps each `B` panel in L1 while `A`'s panels stream past it; a product on one
+//!   thread keeps each `A` panel (the broadcast operand's, as BLIS's AVX-512 kernels keep
+//!   theirs) in L1 and streams `B`'s from a block of [`NC_ALONE`] columns.
 //!
 //! Every element of `C` sums its `k` products in the same order (blocks of `KC` in ascending
 //! `k`, each block's sum added to `C`), whatever the thread count and edges: results are
@@ -27,6 +31,14 @@ use std::ops::Range;
 
 /// Below this many multiply-adds a product runs on one thread (a split costs a few µs).
 const SPLIT_MIN: usize = 1 << 18;
+
+/// Columns of a packed `B` block when the product runs on one thread (`KC × 1024` floats,
+/// 1 MiB at `KC` = 256: L2), where the loop over `A`'s panels runs outside the loop over `B`'s.
+/// On one thread that order and this block measured 2–6 % faster than the split order with
+/// [`Isa::NC`] on AVX-512 and 3 % on AVX2 (cold operands, the step's shapes; the GPT step at
+/// world size 2 1–7 % faster); on two threads 1–3 % slower (BENCHMARKS.md §23). Neither
+/// changes an element's summation order.
+const NC_ALONE: usize = 1024;
 
 /// A register tile and the blocking around it, for one instruction set.
 pub(crate) trait Isa {
@@ -122,6 +134,9 @@ struct BlockB {
     kc: usize,
     bp: *mut f32,
     overwrite: bool,
+    /// The product runs on one thread: [`rows_against`] keeps each `A` panel in L1 and
+    /// streams the block's `B` panels past it.
+    alone: bool,
 }
 
 /// A pointer that may cross to the pool's threads: each thread writes a disjoint set of `C`'s
@@ -208,7 +223,7 @@ pub(crate) unsafe fn gemm(
             (0..m, lo..hi)
         };
         // SAFETY: the caller's contract; parts write disjoint tiles.
-        unsafe { blocked(level, o, rows, cols, c, ldc, accumulate) }
+        unsafe { blocked(level, o, rows, cols, c, ldc, accumulate, parts == 1) }
     };
     if parts == 1 {
         run(0);
@@ -223,6 +238,7 @@ pub(crate) unsafe fn gemm(
 /// # Safety
 ///
 /// As [`gemm`].
+#[allow(clippy::too_many_arguments)]
 unsafe fn blocked(
     level: Level,
     o: Operands,
@@ -231,6 +247,7 @@ unsafe fn blocked(
     c: Shared,
     ldc: usize,
     accumulate: bool,
+    alone: bool,
 ) {
     with_buffer(&PACK_A, |pa| {
         with_buffer(&PACK_B, |pb| {
@@ -238,8 +255,10 @@ unsafe fn blocked(
             // SAFETY: the caller's contract; `level` runs on this CPU.
             unsafe {
                 match level {
-                    Level::Avx2 => kernel_avx2(o, rows, cols, c, ldc, accumulate, pa, pb),
-                    Level::Avx512 => kernel_avx512(o, rows, cols, c, ldc, accumulate, pa, pb),
+                    Level::Avx2 => kernel_avx2(o, rows, cols, c, ldc, accumulate, alone, pa, pb),
+                    Level::Avx512 => {
+                        kernel_avx512(o, rows, cols, c, ldc, accumulate, alone, pa, pb)
+                    }
                 }
             }
         })
@@ -256,11 +275,12 @@ unsafe fn kernel_avx2(
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
+    alone: bool,
     pa: &mut Vec<Line>,
     pb: &mut Vec<Line>,
 ) {
     // SAFETY: the caller's contract.
-    unsafe { kernel::<Avx2>(o, rows, cols, c, ldc, accumulate, pa, pb) }
+    unsafe { kernel::<Avx2>(o, rows, cols, c, ldc, accumulate, alone, pa, pb) }
 }
 
 /// [`kernel`] with AVX-512's tile, compiled for AVX-512 F.
@@ -273,11 +293,12 @@ unsafe fn kernel_avx512(
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
+    alone: bool,
     pa: &mut Vec<Line>,
     pb: &mut Vec<Line>,
 ) {
     // SAFETY: the caller's contract.
-    unsafe { kernel::<Avx512>(o, rows, cols, c, ldc, accumulate, pa, pb) }
+    unsafe { kernel::<Avx512>(o, rows, cols, c, ldc, accumulate, alone, pa, pb) }
 }
 
 /// `v` grown to at least `floats` floats; its start.
@@ -303,14 +324,16 @@ unsafe fn kernel<I: Isa>(
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
+    alone: bool,
     pa: &mut Vec<Line>,
     pb: &mut Vec<Line>,
 ) {
     let (nr, kc_max) = (I::NR, I::KC.min(o.k));
-    let bp = buffer(pb, I::NC.min(cols.len()).div_ceil(nr) * nr * kc_max);
+    let nc_max = if alone { NC_ALONE.min(I::NC) } else { I::NC };
+    let bp = buffer(pb, nc_max.min(cols.len()).div_ceil(nr) * nr * kc_max);
     let mut jc = cols.start;
     while jc < cols.end {
-        let nc = I::NC.min(cols.end - jc);
+        let nc = nc_max.min(cols.end - jc);
         let mut pc = 0;
         while pc < o.k {
             let blk = BlockB {
@@ -320,6 +343,7 @@ unsafe fn kernel<I: Isa>(
                 kc: I::KC.min(o.k - pc),
                 bp,
                 overwrite: pc == 0 && !accumulate,
+                alone,
             };
             // SAFETY: the caller's contract.
             unsafe {
@@ -373,10 +397,10 @@ unsafe fn rows_against<I: Isa>(
                 ap,
             )
         };
-        let mut jr = 0;
-        while jr < blk.nc {
-            let mut ir = 0;
-            while ir < mc {
+        // A macro, not a closure: a closure would not inherit the caller's target features.
+        macro_rules! tile {
+            ($ir:expr, $jr:expr) => {{
+                let (ir, jr) = ($ir, $jr);
                 // SAFETY: panels inside the packed blocks; the tile inside `C`.
                 unsafe {
                     I::tile(
@@ -389,10 +413,24 @@ unsafe fn rows_against<I: Isa>(
                         nr.min(blk.nc - jr),
                         blk.overwrite,
                     )
-                };
-                ir += mr;
+                }
+            }};
+        }
+        if blk.alone {
+            // One thread: the `A` panel stays in L1 while the block's `B` panels (`NC_ALONE`
+            // columns: L2) stream past it.
+            for ir in (0..mc).step_by(mr) {
+                for jr in (0..blk.nc).step_by(nr) {
+                    tile!(ir, jr);
+                }
             }
-            jr += nr;
+        } else {
+            // Split: the `B` panel stays in L1 while the `A` block's panels (L2) stream past.
+            for jr in (0..blk.nc).step_by(nr) {
+                for ir in (0..mc).step_by(mr) {
+                    tile!(ir, jr);
+                }
+            }
         }
         ic += mc;
     }
@@ -613,7 +651,7 @@ impl Isa for Avx2 {
 impl Isa for Avx512 {
     const MR: usize = 14;
     const NR: usize = 32;
-    // Panels of 14 and 32 × 192 floats: 35 KiB of L1.
+    // Panels of 14 and 32 × 256 floats: 46 KiB of L1.
     const KC: usize = 256;
     const MC: usize = 126;
     const NC: usize = 3072;

@@ -418,12 +418,19 @@ fn rope_matches_the_composed_ops_values_and_gradients() {
             "{dtype:?} gradients: {}",
             diff(&g1, &g2)
         );
-        // A rotation keeps the norm of every row.
+        // A rotation keeps the norm. Each output is rounded once to `dtype` (relative error
+        // at most 2⁻⁹ in bf16), so each square is within a relative 2·2⁻⁹ + 2⁻¹⁸ of the
+        // rotated one's and so is the sum: 1e-3 held only while the roundings cancelled (one
+        // bf16 run in a few hundred failed). In f32 the two sums' own rounding bounds it
+        // (about 3e-5 at worst for these 240-term sums).
         let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
         let xs = to_vec(var.as_tensor());
+        let norm_tol = if dtype == DType::BF16 { 4e-3 } else { 5e-5 };
         assert!(
-            (norm(&y1) - norm(&xs)).abs() <= 1e-3 * norm(&xs),
-            "{dtype:?} norm"
+            (norm(&y1) - norm(&xs)).abs() <= norm_tol * norm(&xs),
+            "{dtype:?} norm: {} against {}",
+            norm(&y1),
+            norm(&xs)
         );
     }
     // Position 0 is the identity (cos 1, sin 0).

@@ -78,8 +78,8 @@ impl Case {
     }
 }
 
-/// Every orientation the step uses (and a general stride), every edge of the 6 × 16 tile
-/// and of the `KC` / `MC` blocks, accumulating or not, one and two threads: within f32
+/// Every orientation the step uses (and a general stride), every edge of the tiles and of
+/// the `KC` / `MC` / `NC` blocks, accumulating or not, one and two threads: within f32
 /// rounding of an f64 reference, bitwise equal across thread counts, and the columns past
 /// `n` untouched.
 #[test]
@@ -105,6 +105,9 @@ fn every_case(level: Level) {
         // Split over `m` on two threads: several `KC` blocks, then two `NC` blocks.
         (400, 90, 600),
         (3100, 3080, 2),
+        // On one thread (the `A`-panel-resident order): three `NC_ALONE` blocks with two `KC`
+        // blocks each and a short last one, against the split order on two threads.
+        (20, 2100, 300),
     ];
     for (case, &(m, n, k)) in dims.iter().enumerate() {
         // (name, A's strides, B's strides, elements of A and B)
