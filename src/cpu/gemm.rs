@@ -7,7 +7,7 @@
 //! and van de Geijn, ACM TOMS 41(3), 2015):
 //!
 //! - `B` is packed into column panels of `NR` (a `KC × NC` block, in the last-level cache; on
-//!   one thread `KC × NC_ALONE`, in L2), `A` into row panels of `MR` (an `MC × KC` block, in
+//!   one thread on AVX-512 `KC × NC_ALONE`, in L2), `A` into row panels of `MR` (an `MC × KC` block, in
 //!   L2), zero-padded at the edges, with 8 × 8
 //!   in-register transposes where the packed layout crosses the stored one (the `B = Wᵀ` of
 //!   `x·Wᵀ`, the row-major `A` of `x·Wᵀ` and `g·W`);
@@ -17,7 +17,7 @@
 //! - the threads split `m` or `n` (the one whose other operand is the cheaper to pack on every
 //!   thread) at tile boundaries, each packing for itself: no barrier inside a product; a split
 //!   product keeps each `B` panel in L1 while `A`'s panels stream past it; a product on one
-//!   thread keeps each `A` panel (the broadcast operand's, as BLIS's AVX-512 kernels keep
+//!   thread on AVX-512 keeps each `A` panel (the broadcast operand's, as BLIS's AVX-512 kernels keep
 //!   theirs) in L1 and streams `B`'s from a block of [`NC_ALONE`] columns.
 //!
 //! Every element of `C` sums its `k` products in the same order (blocks of `KC` in ascending
@@ -35,9 +35,10 @@ const SPLIT_MIN: usize = 1 << 18;
 /// Columns of a packed `B` block when the product runs on one thread (`KC × 1024` floats,
 /// 1 MiB at `KC` = 256: L2), where the loop over `A`'s panels runs outside the loop over `B`'s.
 /// On one thread that order and this block measured 2–6 % faster than the split order with
-/// [`Isa::NC`] on AVX-512 and 3 % on AVX2 (cold operands, the step's shapes; the GPT step at
-/// world size 2 1–7 % faster); on two threads 1–3 % slower (BENCHMARKS.md §23). Neither
-/// changes an element's summation order.
+/// [`Isa::NC`] on AVX-512 (cold operands, the step's shapes; the GPT step at world size 2
+/// 2.5–7 % faster), neutral on AVX2, which keeps the old order
+/// ([`Isa::A_RESIDENT_ALONE`]); on two threads 1–3 % slower (BENCHMARKS.md §23). Neither changes an element's
+/// summation order.
 const NC_ALONE: usize = 1024;
 
 /// A register tile and the blocking around it, for one instruction set.
@@ -52,6 +53,9 @@ pub(crate) trait Isa {
     const MC: usize;
     /// Columns of a packed `B` block (`KC × NC` floats: the last-level cache).
     const NC: usize;
+    /// Whether a product on one thread keeps the `A` panel in L1 (blocks of [`NC_ALONE`]
+    /// columns) rather than the `B` panel: where the `B` panel would crowd L1.
+    const A_RESIDENT_ALONE: bool;
 
     /// `C[rows × cols] (= or +=) Σ_p a_p ⊗ b_p` over `kc` packed steps (`a`: `kc·MR` floats,
     /// `b`: `kc·NR`, 64-byte aligned).
@@ -329,6 +333,7 @@ unsafe fn kernel<I: Isa>(
     pb: &mut Vec<Line>,
 ) {
     let (nr, kc_max) = (I::NR, I::KC.min(o.k));
+    let alone = alone && I::A_RESIDENT_ALONE;
     let nc_max = if alone { NC_ALONE.min(I::NC) } else { I::NC };
     let bp = buffer(pb, nc_max.min(cols.len()).div_ceil(nr) * nr * kc_max);
     let mut jc = cols.start;
@@ -586,6 +591,9 @@ impl Isa for Avx2 {
     const KC: usize = 256;
     const MC: usize = 120;
     const NC: usize = 3072;
+    // The 16 KiB `B` panel leaves L1 room: the `A`-resident order measured neutral on one
+    // thread (−2.5 to +3 %, BENCHMARKS.md §23).
+    const A_RESIDENT_ALONE: bool = false;
 
     #[inline(always)]
     unsafe fn tile(
@@ -655,6 +663,8 @@ impl Isa for Avx512 {
     const KC: usize = 256;
     const MC: usize = 126;
     const NC: usize = 3072;
+    // The 32 KiB `B` panel crowds a 48 KiB L1.
+    const A_RESIDENT_ALONE: bool = true;
 
     #[inline(always)]
     unsafe fn tile(
