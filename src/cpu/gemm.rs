@@ -7,18 +7,18 @@
 //! and van de Geijn, ACM TOMS 41(3), 2015):
 //!
 //! - `B` is packed into column panels of `NR` (a `KC × NC` block, in the last-level cache; on
-//!   one thread on AVX-512 `KC × NC_ALONE`, in L2), `A` into row panels of `MR` (an `MC × KC` block, in
-//!   L2), zero-padded at the edges, with 8 × 8
-//!   in-register transposes where the packed layout crosses the stored one (the `B = Wᵀ` of
-//!   `x·Wᵀ`, the row-major `A` of `x·Wᵀ` and `g·W`);
+//!   one thread on AVX-512 `KC × NC_ALONE`, in L2), `A` into row panels of `MR` (an `MC × KC`
+//!   block, in L2), zero-padded at the edges, with 8 × 8 in-register transposes where the
+//!   packed layout crosses the stored one (the `B = Wᵀ` of `x·Wᵀ`, the row-major `A` of `x·Wᵀ`
+//!   and `g·W`);
 //! - the register tile ([`Isa`]) is 6 × 16 on AVX2 (twelve 8-lane accumulators, two loads of
 //!   `B` and six broadcasts of `A` for twelve fused multiply-adds per `k`: 15 of the 16 `ymm`
 //!   registers) and 14 × 32 on AVX-512 (28 of the 32 `zmm` registers accumulate);
 //! - the threads split `m` or `n` (the one whose other operand is the cheaper to pack on every
 //!   thread) at tile boundaries, each packing for itself: no barrier inside a product; a split
 //!   product keeps each `B` panel in L1 while `A`'s panels stream past it; a product on one
-//!   thread on AVX-512 keeps each `A` panel (the broadcast operand's, as BLIS's AVX-512 kernels keep
-//!   theirs) in L1 and streams `B`'s from a block of [`NC_ALONE`] columns.
+//!   thread on AVX-512 keeps each `A` panel (the broadcast operand's, as BLIS's AVX-512
+//!   kernels keep theirs) in L1 and streams `B`'s from a block of [`NC_ALONE`] columns.
 //!
 //! Every element of `C` sums its `k` products in the same order (blocks of `KC` in ascending
 //! `k`, each block's sum added to `C`), whatever the thread count and edges: results are
@@ -36,9 +36,8 @@ const SPLIT_MIN: usize = 1 << 18;
 /// 1 MiB at `KC` = 256: L2), where the loop over `A`'s panels runs outside the loop over `B`'s.
 /// On one thread that order and this block measured 2–6 % faster than the split order with
 /// [`Isa::NC`] on AVX-512 (cold operands, the step's shapes; the GPT step at world size 2
-/// 2.5–7 % faster), neutral on AVX2, which keeps the old order
-/// ([`Isa::A_RESIDENT_ALONE`]); on two threads 1–3 % slower (BENCHMARKS.md §23). Neither changes an element's
-/// summation order.
+/// 2.5–7 % faster), neutral on AVX2, which keeps the old order ([`Isa::A_RESIDENT_ALONE`]); on
+/// two threads 1–3 % slower (BENCHMARKS.md §23). Neither changes an element's summation order.
 const NC_ALONE: usize = 1024;
 
 /// A register tile and the blocking around it, for one instruction set.
