@@ -91,12 +91,23 @@ impl<'a> Mat<'a> {
         }
     }
 
-    /// Whether every element the strides reach lies in `data`.
+    /// Whether every element the strides reach lies in `data` (false when the last one's
+    /// offset overflows `usize`).
     fn fits(&self) -> bool {
         self.rows == 0
             || self.cols == 0
-            || (self.rows - 1) * self.rs + (self.cols - 1) * self.cs < self.data.len()
+            || last_offset(self.rows, self.rs, self.cols, self.cs)
+                .is_some_and(|last| last < self.data.len())
     }
+}
+
+/// `(rows − 1)·rs + (cols − 1)·cs`, the offset of a strided view's last element (`rows`, `cols`
+/// at least 1), or `None` when it overflows `usize`: bounds checks on strides a caller chose
+/// must not wrap (a wrapped sum passed them and the kernel read 2⁶³ elements away).
+fn last_offset(rows: usize, rs: usize, cols: usize, cs: usize) -> Option<usize> {
+    (rows - 1)
+        .checked_mul(rs)?
+        .checked_add((cols - 1).checked_mul(cs)?)
 }
 
 /// `dst = a · b` (or `dst += a · b` when `accumulate`) for `a` `m × k` and `b` `k × n`; `dst`
@@ -110,7 +121,8 @@ pub fn matmul(dst: &mut [f32], dst_rs: usize, accumulate: bool, a: Mat<'_>, b: M
     assert_eq!(b.rows, k, "matmul: a is {m}×{k}, b {}×{n}", b.rows);
     assert!(a.fits() && b.fits(), "matmul: a view runs past its data");
     assert!(
-        dst_rs >= n && (m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst.len()),
+        dst_rs >= n
+            && (m == 0 || n == 0 || last_offset(m, dst_rs, n, 1).is_some_and(|l| l < dst.len())),
         "matmul: dst of {} elements, row stride {dst_rs}, cannot hold {m}×{n}",
         dst.len()
     );
@@ -435,13 +447,16 @@ pub fn add_assign(a: &mut [f32], b: &[f32]) {
 /// folding the bias and a residual into the product.
 pub fn broadcast_rows(rows: usize, row: &[f32], base: Option<&[f32]>) -> Vec<f32> {
     let w = row.len();
-    assert!(base.is_none_or(|b| b.len() == rows * w));
+    let n = rows
+        .checked_mul(w)
+        .expect("broadcast_rows: rows × width overflows usize");
+    assert!(base.is_none_or(|b| b.len() == n));
     if w == 0 {
         return Vec::new();
     }
     // SAFETY: each chunk of whole rows is written element by element.
     unsafe {
-        filled(rows * w, 64 * w, |i, out| {
+        filled(n, 64 * w, |i, out| {
             with_simd(
                 #[inline(always)]
                 || {

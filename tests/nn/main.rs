@@ -8,8 +8,10 @@
 //!   cross-entropy and the vectorised exponential.
 //! - `attention_options`: attention's scale, sliding window, logit soft-capping and grouped
 //!   heads, every combination, against a direct f64 reference and the composed ops.
+//! - `matmul`: the crate's strided product against a direct f64 one, and its bounds checks.
 
 mod attention_options;
 mod fused;
+mod matmul;
 mod norms;
 mod softmax_linear;
