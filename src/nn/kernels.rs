@@ -246,12 +246,17 @@ impl AttentionShape {
     }
 
     fn check(&self, qkv: &[f32], bias: Option<&[f32]>, starts: Option<&[u32]>) {
+        // Checked: a product that wrapped could equal `qkv.len()` for a shape it cannot hold.
+        let width = (self.n_kv_head.checked_mul(2))
+            .and_then(|kv| self.n_head.checked_add(kv))
+            .and_then(|heads| heads.checked_mul(self.head_dim));
+        let elems = width.and_then(|w| self.batch.checked_mul(self.seq)?.checked_mul(w));
         assert!(
             self.n_kv_head > 0
                 && self.n_head.is_multiple_of(self.n_kv_head)
                 && self.head_dim > 0
-                && qkv.len() == self.batch * self.seq * self.qkv_width()
-                && bias.is_none_or(|b| b.len() == self.qkv_width()),
+                && elems == Some(qkv.len())
+                && bias.is_none_or(|b| Some(b.len()) == width),
             "attention: {self:?} does not fit a qkv of {} elements",
             qkv.len()
         );

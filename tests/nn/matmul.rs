@@ -1,7 +1,7 @@
 //! `nn::kernels::matmul` through its public strided views: a transposed view against a direct
 //! f64 product, and bounds checks that refuse, with their message, views and row strides whose
 //! last offset overflows `usize` (a wrapped sum once passed the check and the kernel read or
-//! wrote 2⁶³ elements away: a segfault from safe code).
+//! wrote 2⁶³ elements away: a segfault from safe code); the same for attention's shape.
 
 use candle_fsdp::nn::kernels::{matmul, matmul_new, Mat};
 
@@ -62,4 +62,22 @@ fn strides_whose_last_offset_overflows_are_refused() {
         matmul(&mut dst, rs, false, Mat::new(&a, 4, 2), Mat::new(&b, 2, 2));
     });
     assert!(msg.contains("cannot hold 4×2"), "{msg}");
+}
+
+#[test]
+fn an_attention_shape_whose_size_overflows_is_refused() {
+    use candle_fsdp::nn::kernels::{attention_forward, AttentionOptions, AttentionShape};
+    // batch · seq · qkv_width = 6 · (2⁶³ + 1) = 3 · 2⁶⁴ + 6 wraps to the 6 elements given.
+    let shape = AttentionShape {
+        batch: (1usize << 63) + 1,
+        seq: 1,
+        n_head: 1,
+        n_kv_head: 1,
+        head_dim: 2,
+    };
+    let qkv = [0.1f32; 6];
+    let msg = panic_message(|| {
+        attention_forward(&qkv, None, shape, &AttentionOptions::new(1, 1), None);
+    });
+    assert!(msg.contains("does not fit a qkv of 6 elements"), "{msg}");
 }
