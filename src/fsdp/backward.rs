@@ -36,7 +36,8 @@ impl FsdpModel {
     /// backward), its gradients are copied into its group's flat gradient, and after the
     /// group's last call the reduce-scatter is issued on the reduce-scatter stream (the
     /// all-gathers' under [`crate::CommStreams::Shared`]) without waiting. All reductions are
-    /// waited for at the end and added into the f32 gradient shards. Gradients of variables outside the model's units are not kept.
+    /// waited for at the end and added into the f32 gradient shards. Gradients of variables
+    /// outside the model's units are not kept.
     ///
     /// A rank whose batch is empty (the end of an epoch with an uneven loader) takes the step
     /// like the others: every call that returned a zero-element output is back-propagated (its

@@ -143,8 +143,9 @@ impl FsdpModel {
     ///
     /// A collective: it creates the model's comm streams ("all_gather", and "reduce_scatter"
     /// unless [`super::CommStreams`] shares the first) on the group, so every rank builds its
-    /// models in the same order; under the hybrid strategies it first creates the shard and replica groups (`super::mesh`) and the replica group's
-    /// stream ("all_reduce_replicas"), and the shards are laid out over the shard group.
+    /// models in the same order; under the hybrid strategies it first creates the shard and
+    /// replica groups (`super::mesh`) and the replica group's stream ("all_reduce_replicas"),
+    /// and the shards are laid out over the shard group.
     ///
     /// Errors: a hybrid shard size that does not divide the world size (or differs between
     /// ranks); no unit; two units of one name; two units (not in one group) that create a tensor

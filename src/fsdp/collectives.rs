@@ -38,14 +38,18 @@ pub(crate) struct CommContext {
 
 impl CommContext {
     /// Creates the streams on `mesh`'s groups (a collective: every rank builds its models in
-    /// the same order), the reductions' own unless `streams` (resolved at build: the world
-    /// group decides `Auto`) shares the all-gathers'.
+    /// the same order), the reductions' own unless `streams` shares the all-gathers'. `streams`
+    /// is the build's resolved value ([`CommStreams::resolve`] over the world group, so that
+    /// every rank's agreement compared it): `Auto` is not resolved again here.
     pub(crate) fn new(mesh: Mesh, streams: CommStreams) -> Result<Self> {
+        debug_assert_ne!(streams, CommStreams::Auto, "resolved at build");
         let all_gather = mesh.shard.new_stream("all_gather")?;
         Ok(Self {
-            reduce_scatter: match streams.resolve(mesh.shard.as_ref()) {
+            reduce_scatter: match streams {
                 CommStreams::Shared => all_gather.clone(),
-                _ => mesh.shard.new_stream("reduce_scatter")?,
+                CommStreams::Separate | CommStreams::Auto => {
+                    mesh.shard.new_stream("reduce_scatter")?
+                }
             },
             all_gather,
             all_reduce: match &mesh.replica {

@@ -52,8 +52,8 @@
 //!    order), back-propagate through the unit's own graph, add the gradients into the group's
 //!    flat gradient, and after the group's last call issue its reduce-scatter (average over
 //!    ranks) on the reduce-scatter stream (the all-gathers' with [`CommStreams::Shared`])
-//!    without waiting. At the end every reduction is
-//!    waited for and added into the f32 gradient shards.
+//!    without waiting. At the end every reduction is waited for and added into the f32
+//!    gradient shards.
 //!
 //! SHARD_GRAD_OP and NO_SHARD keep the parameters from forward to backward instead; a unit with
 //! activation checkpointing runs its forward without autograd and is recomputed in backward.

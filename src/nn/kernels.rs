@@ -104,7 +104,7 @@ impl<'a> Mat<'a> {
 /// `(rows − 1)·rs + (cols − 1)·cs`, the offset of a strided view's last element (`rows`, `cols`
 /// at least 1), or `None` when it overflows `usize`: bounds checks on strides a caller chose
 /// must not wrap (a wrapped sum passed them and the kernel read 2⁶³ elements away).
-fn last_offset(rows: usize, rs: usize, cols: usize, cs: usize) -> Option<usize> {
+pub(super) fn last_offset(rows: usize, rs: usize, cols: usize, cs: usize) -> Option<usize> {
     (rows - 1)
         .checked_mul(rs)?
         .checked_add((cols - 1).checked_mul(cs)?)

@@ -261,10 +261,9 @@ impl<'a> Mat<'a> {
         }
         let data = &s.as_slice::<f32>()?[l.start_offset()..];
         let (r, c) = l.shape().dims2()?;
-        let last = (r.max(1) - 1)
-            .checked_mul(st[0])
-            .and_then(|x| x.checked_add((c.max(1) - 1).checked_mul(st[1])?));
-        if r > 0 && c > 0 && last.is_none_or(|last| data.len() <= last) {
+        let past =
+            || super::kernels::last_offset(r, st[0], c, st[1]).is_none_or(|l| l >= data.len());
+        if r > 0 && c > 0 && past() {
             bail!("linear: the {what}'s layout {l:?} reaches past its storage")
         }
         Ok(Self {

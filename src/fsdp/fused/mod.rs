@@ -127,8 +127,8 @@ pub(crate) fn arm_with_frozen<'a>(
 }
 
 /// Arms this thread for one training call of a unit: `params` the ids of every parameter tensor
-/// of the call's groups ([`is_call_param`]), `frozen` those of its frozen twins ([`trains`]), `seed`
-/// the call's seed ([`call_seed`]), `records` whether the call records autograd (false for an
+/// of the call's groups ([`is_call_param`]), `frozen` those of its frozen twins ([`trains`]),
+/// `seed` the call's seed ([`call_seed`]), `records` whether the call records autograd (false for an
 /// activation-checkpointed forward: [`records`]).
 pub(crate) fn arm_call(
     params: impl IntoIterator<Item = TensorId>,
