@@ -251,6 +251,84 @@ pub(crate) fn exp_fast(x: f32) -> f32 {
 // ---------------------------------------------------------------------------------------------
 // Outputs.
 
+/// A vector of `n` elements not yet written, for tasks that each write a scattered part of it
+/// (column blocks of rows, say) in parallel: [`Uninit::share`] hands out a [`Scattered`] view,
+/// [`Uninit::assume_init`] takes the vector once every element is written. No zero-fill, as
+/// [`filled`].
+pub(crate) struct Uninit<T>(Vec<std::mem::MaybeUninit<T>>);
+
+impl<T: Copy> Uninit<T> {
+    /// `n` elements, none written.
+    pub(crate) fn new(n: usize) -> Self {
+        let mut v = Vec::with_capacity(n);
+        // SAFETY: `MaybeUninit` needs no initialisation; the capacity is `n`.
+        unsafe { v.set_len(n) };
+        Self(v)
+    }
+
+    /// A view the tasks write through, for as long as it is borrowed.
+    pub(crate) fn share(&mut self) -> Scattered<'_, T> {
+        Scattered {
+            ptr: self.0.as_mut_ptr(),
+            len: self.0.len(),
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// The vector.
+    ///
+    /// # Safety
+    ///
+    /// Every element has been written.
+    pub(crate) unsafe fn assume_init(self) -> Vec<T> {
+        let mut v = std::mem::ManuallyDrop::new(self.0);
+        // SAFETY: every element was written (the caller's contract), `MaybeUninit<T>` has `T`'s
+        // layout, and the allocation is handed over whole (pointer, length, capacity).
+        unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut T, v.len(), v.capacity()) }
+    }
+}
+
+/// A shared view of an [`Uninit`] through which parallel tasks write disjoint runs.
+#[derive(Clone, Copy)]
+pub(crate) struct Scattered<'a, T> {
+    ptr: *mut std::mem::MaybeUninit<T>,
+    len: usize,
+    _borrow: std::marker::PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: the tasks write disjoint elements (the contract of `Scattered::run`); `T` is `Copy`
+// data sent between threads as the elements of a `Vec<T: Send>` would be.
+unsafe impl<T: Send> Send for Scattered<'_, T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for Scattered<'_, T> {}
+
+impl<'a, T> Scattered<'a, T> {
+    /// Elements `start .. start + len`, to write.
+    ///
+    /// # Safety
+    ///
+    /// No other task touches these elements while the run is alive.
+    ///
+    /// # Panics
+    ///
+    /// When the run does not lie in the vector.
+    #[inline(always)]
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn run(
+        &self,
+        start: usize,
+        len: usize,
+    ) -> &'a mut [std::mem::MaybeUninit<T>] {
+        assert!(
+            start <= self.len && len <= self.len - start,
+            "Scattered::run: {start} + {len} past {} elements",
+            self.len
+        );
+        // SAFETY: inside the allocation (asserted); exclusive (the caller's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+}
+
 /// A vector of `n` elements each written exactly once by `fill(chunk_index, chunk)` over chunks
 /// of `chunk` elements (in parallel under the rule of [`parallel_map`]), without zero-filling
 /// it first: the outputs of the kernels are written whole, and a zero-fill of a few MB is a
@@ -416,6 +494,32 @@ pub fn matmul_kernel() -> MatmulKernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Tasks writing disjoint runs of an `Uninit` on the pool give the vector they wrote; a run
+    /// past the end is refused.
+    #[test]
+    fn scattered_runs_fill_the_vector() {
+        let (rows, width) = (37, 10);
+        let mut v = Uninit::<u32>::new(rows * width);
+        let out = v.share();
+        // Task `c` writes column block `c` (two columns) of every row.
+        parallel_map(width / 2, |c| {
+            for r in 0..rows {
+                // SAFETY: column block `c` is this task's alone.
+                let run = unsafe { out.run(r * width + 2 * c, 2) };
+                run[0].write((r * width + 2 * c) as u32);
+                run[1].write((r * width + 2 * c + 1) as u32);
+            }
+        });
+        // SAFETY: the blocks cover every element.
+        let v = unsafe { v.assume_init() };
+        assert_eq!(v, (0..(rows * width) as u32).collect::<Vec<_>>());
+        let mut w = Uninit::<u32>::new(4);
+        let out = w.share();
+        // SAFETY: nothing else writes `w`.
+        let past = std::panic::catch_unwind(|| unsafe { out.run(3, 2).len() });
+        assert!(past.is_err(), "a run past the end was handed out");
+    }
 
     /// `exp_fast` against libm's `exp` over the whole clamped range, and at the edges.
     #[test]

@@ -52,7 +52,9 @@
 //! (FlashAttention's recomputation) and accumulates `dK`, `dV` over the tiles with gemms that
 //! read their destination. Scratch per task: two `TILE × min(T, TILE − 1 + W)` f32 tiles (three
 //! in a soft-capped backward) and the head's buffers; nothing of size `T × T` outlives a tile.
-//! The gemms are the `gemm` crate's, single-threaded inside a task; the exponentials are
+//! The gemms run `crate::cpu::gemm_f32` (the kernel `crate::cpu::matmul_kernel` names),
+//! single-threaded inside a task; a task converts its output rows into the result itself (its
+//! own column block: no pass over the result after the tasks); the exponentials are
 //! `crate::cpu::exp_fast`, vectorised, and so is `tanh` (`(1 − e)/(1 + e)` with
 //! `e = exp(−2|x|)`). Without a window or a soft-cap (the plain causal case, also what the GPT
 //! block of `models/decoder/fused/gpt2.rs` runs) the kernel performs exactly the plain causal kernel's operations,
@@ -60,7 +62,8 @@
 //!
 //! Grouped-query attention runs the same tasks, one per query head; a task reads the key and
 //! value blocks of its group's key/value head, and the backward sums the `dK`, `dV` of a group's
-//! query heads (in head order) before writing them once.
+//! query heads (in head order) before writing them once, in a second set of tasks, one per
+//! `(batch, key/value head)`.
 //!
 //! f32, bf16 and f16 inputs on the CPU run the kernel (computing in f32, rounding the outputs
 //! once); other dtypes and devices run [`attention_composed`].
@@ -70,10 +73,11 @@ mod op;
 
 use candle_core::{bail, DType, Layout, Result, Tensor};
 
-use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-use crate::cpu::{dot16, exp_fast, filled, gemm_f32, max16, parallel_map, sum16, with_simd, Elem};
+use crate::cpu::{
+    dot16, exp_fast, gemm_f32, max16, parallel_map, sum16, with_simd, Elem, Scattered, Uninit,
+};
 use composed::composed_in;
 pub use composed::{
     attention_composed, attention_packed_composed, causal_attention_composed,
@@ -384,8 +388,13 @@ fn gather<T: Elem>(
 
 /// Writes a contiguous f32 `(T, hd)` buffer into column block `col ..` of batch element `bi` of
 /// the `(B, T, width)` output.
-fn scatter<T: Elem>(
-    dst: &mut [MaybeUninit<T>],
+///
+/// # Safety
+///
+/// No other task writes these elements meanwhile.
+#[inline(always)]
+unsafe fn scatter<T: Elem>(
+    dst: Scattered<'_, T>,
     width: usize,
     dims: Dims,
     bi: usize,
@@ -395,10 +404,9 @@ fn scatter<T: Elem>(
     let (t, hd) = (dims.t, dims.hd);
     let base = bi * t * width + col;
     for (i, row) in src.chunks_exact(hd).enumerate() {
-        for (o, &v) in dst[base + i * width..base + i * width + hd]
-            .iter_mut()
-            .zip(row)
-        {
+        // SAFETY: this task's block (the caller's contract).
+        let out = unsafe { dst.run(base + i * width, hd) };
+        for (o, &v) in out.iter_mut().zip(row) {
             o.write(T::from_f32(v));
         }
     }
@@ -717,7 +725,9 @@ pub(super) fn attention_fwd_with<T: Elem>(
     starts: Option<&[u32]>,
 ) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
-    let heads = parallel_map(dims.b * dims.h, |task| {
+    let mut y = Uninit::new(dims.b * dims.t * d);
+    let out = y.share();
+    parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
         let (kc, vc) = dims.kv_cols(hi);
         with_simd(
@@ -727,21 +737,14 @@ pub(super) fn attention_fwd_with<T: Elem>(
                 let k = gather(x, w, dims, bi, kc, bias);
                 let v = gather(x, w, dims, bi, vc, bias);
                 let sc = sc.in_sequence(starts, bi, dims.t);
-                head_forward(&q, &k, &v, dims.t, dims.hd, sc)
+                let o = head_forward(&q, &k, &v, dims.t, dims.hd, sc);
+                // SAFETY: the task's own column block of its batch element's rows.
+                unsafe { scatter(out, d, dims, bi, hi * dims.hd, &o) }
             },
         )
     });
-    let n = dims.b * dims.t * d;
-    // SAFETY: the heads' column blocks tile every row of every batch element: each element is
-    // written once.
-    unsafe {
-        filled(n, n, |_, y| {
-            for (task, o) in heads.iter().enumerate() {
-                let (bi, hi) = (task / dims.h, task % dims.h);
-                scatter(y, d, dims, bi, hi * dims.hd, o);
-            }
-        })
-    }
+    // SAFETY: the heads' column blocks tile every row of every batch element.
+    unsafe { y.assume_init() }
 }
 
 /// The kernel's backward: `grad x` from `x` (+ `bias` as in [`attention_fwd_with`]), the output
@@ -757,7 +760,12 @@ pub(super) fn attention_bwd_with<T: Elem>(
     starts: Option<&[u32]>,
 ) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
-    let mut heads = parallel_map(dims.b * dims.h, |task| {
+    let rep = dims.h / dims.kvh;
+    let mut dx = Uninit::new(x.len());
+    let out = dx.share();
+    // Each task writes its head's `dQ`, and its `dK`, `dV` when its key/value head serves it
+    // alone; else it returns them for the group's sum below.
+    let kv = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
         let (kc, vc) = dims.kv_cols(hi);
         with_simd(
@@ -770,38 +778,48 @@ pub(super) fn attention_bwd_with<T: Elem>(
                 let o = gather(y, d, dims, bi, c, None);
                 let d_o = gather(g, d, dims, bi, c, None);
                 let sc = sc.in_sequence(starts, bi, dims.t);
-                head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, sc)
+                let [dq, dk, dv] = head_backward(&q, &k, &v, &o, &d_o, dims.t, dims.hd, sc);
+                // SAFETY: the task's own query block; its key and value blocks when no other
+                // query head reads them.
+                unsafe {
+                    scatter(out, w, dims, bi, c, &dq);
+                    if rep > 1 {
+                        return Some([dk, dv]);
+                    }
+                    scatter(out, w, dims, bi, kc, &dk);
+                    scatter(out, w, dims, bi, vc, &dv);
+                }
+                None
             },
         )
     });
-    // A key/value head's gradient is the sum over the query heads it serves, in head order,
-    // kept in the group's first head.
-    let rep = dims.h / dims.kvh;
     if rep > 1 {
-        for group in heads.chunks_mut(rep) {
-            let (first, rest) = group.split_at_mut(1);
-            for other in rest.iter() {
-                for (acc, add) in first[0][1..].iter_mut().zip(&other[1..]) {
-                    for (a, &b) in acc.iter_mut().zip(add) {
-                        *a += b;
+        // A key/value head's gradient is the sum over the query heads it serves, in head
+        // order: one task per batch element and key/value head.
+        parallel_map(dims.b * dims.kvh, |group| {
+            let (bi, first) = (group / dims.kvh, group * rep);
+            let (kc, vc) = dims.kv_cols(first % dims.h);
+            with_simd(
+                #[inline(always)]
+                || {
+                    let mut heads = kv[first..first + rep].iter().flatten();
+                    let mut sum = heads.next().expect("a group's first head").clone();
+                    for other in heads {
+                        for (acc, add) in sum.iter_mut().zip(other) {
+                            for (a, &b) in acc.iter_mut().zip(add) {
+                                *a += b;
+                            }
+                        }
                     }
-                }
-            }
-        }
+                    // SAFETY: the group's key and value blocks, which no head task wrote.
+                    unsafe {
+                        scatter(out, w, dims, bi, kc, &sum[0]);
+                        scatter(out, w, dims, bi, vc, &sum[1]);
+                    }
+                },
+            )
+        });
     }
-    // SAFETY: the query blocks of every head and the key and value blocks of every group's
-    // first head tile every row: each element is written once.
-    unsafe {
-        filled(x.len(), x.len(), |_, dx| {
-            for (task, [dq, dk, dv]) in heads.iter().enumerate() {
-                let (bi, hi) = (task / dims.h, task % dims.h);
-                scatter(dx, w, dims, bi, hi * dims.hd, dq);
-                if hi % rep == 0 {
-                    let (kc, vc) = dims.kv_cols(hi);
-                    scatter(dx, w, dims, bi, kc, dk);
-                    scatter(dx, w, dims, bi, vc, dv);
-                }
-            }
-        })
-    }
+    // SAFETY: every head's query block, every key/value head's blocks, in every row.
+    unsafe { dx.assume_init() }
 }
