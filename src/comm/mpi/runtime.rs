@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use mpi::ffi;
 use parking_lot::Mutex;
 
+use crate::comm::engine::peer_failed;
 use crate::error::{Error, Result};
 
 /// An MPI communicator handle (an opaque pointer in OpenMPI) that may cross threads: MPI is
@@ -492,14 +493,9 @@ pub(super) fn wait_all(
         polls += 1;
         if polls.is_multiple_of(64) {
             rt.poll_failures();
-            if let Some((failed_rank, reason)) = rt.failure() {
+            if let Some(failure) = rt.failure() {
                 abandon(rt, reqs);
-                return Err(Error::PeerFailed {
-                    op: w.op.to_string(),
-                    rank: w.rank,
-                    failed_rank,
-                    reason,
-                });
+                return Err(peer_failed(w.op, w.rank, failure));
             }
             if Instant::now() >= w.deadline {
                 let missing = pending_peers(reqs, peers);

@@ -111,7 +111,7 @@ use self::meet::watch_store;
 pub use self::raw::UniqueId;
 use self::raw::{move_dtype, reduce_dtype, RawComm};
 use self::watchdog::{Failure, Family, NcclOp};
-use super::buffer::{check_on, validate, Kind, Post, Problem};
+use super::buffer::{problem, validate, Kind, Post, Problem};
 use super::engine::check_ranks;
 use super::engine::cuda::{addr, raw_read, raw_write, with_cuda_storage, CudaDone, KeepAlive};
 use super::{
@@ -396,13 +396,10 @@ impl NcclGroup {
         if let Some(f) = self.family.failure() {
             return Err(f.error_for(0, op, self.rank));
         }
-        let which = if input.is_some() { "output" } else { "buffer" };
-        if let Some(problem) = input
-            .and_then(|s| check_on(s, "input", &self.device))
-            .or_else(|| check_on(output, which, &self.device))
-        {
+        if let Some(problem) = problem(output, input, &self.device) {
             return Err(problem.to_error(op, self.rank, Kind::Op(kind)));
         }
+        let which = if input.is_some() { "output" } else { "buffer" };
         if call.op().is_some() && reduce_dtype(output.dtype()).is_none() {
             return Err(Error::BadBuffer {
                 op: op.to_string(),

@@ -31,6 +31,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::raw::{abort_all, RawComm};
 use crate::comm::engine::cuda::{cuda_err, KeepAlive};
+use crate::comm::engine::peer_failed;
 use crate::comm::work::Completion;
 use crate::error::{Error, Result};
 
@@ -95,12 +96,7 @@ impl Failure {
             Failure::Rank {
                 failed_rank,
                 reason,
-            } => Error::PeerFailed {
-                op: op.to_string(),
-                rank,
-                failed_rank: *failed_rank,
-                reason: reason.clone(),
-            },
+            } => peer_failed(op, rank, (*failed_rank, reason.clone())),
             Failure::Cuda { message } => Error::Cuda(format!("{op} on rank {rank}: {message}")),
         }
     }

@@ -57,7 +57,7 @@ use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig, PushKernelArg};
 use parking_lot::{Condvar, Mutex};
 
 use super::rendezvous::{AbortOnUnwind, Ctx};
-use crate::comm::buffer::{check_on, validate, Kind, Post, Problem, RawBuf};
+use crate::comm::buffer::{problem, validate, Kind, Post, Problem, RawBuf};
 use crate::comm::engine::cuda::{
     addr, cuda_err, raw_read, raw_write, with_cuda_storage, CudaDone, KeepAlive,
 };
@@ -519,11 +519,7 @@ impl Ctx<'_> {
         src: Option<&Tensor>,
     ) -> CudaDone {
         let kind = call.kind();
-        let which = if src.is_some() { "output" } else { "buffer" };
-        if let Some(problem) = src
-            .and_then(|s| check_on(s, "input", job.device))
-            .or_else(|| check_on(dst, which, job.device))
-        {
+        if let Some(problem) = problem(dst, src, job.device) {
             return CudaDone::failed(self.fail_with(Kind::Op(kind), problem));
         }
         let done = with_cuda_storage(dst, src, |dst_s, dst_l, src_sl| {
