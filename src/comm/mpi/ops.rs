@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use mpi::ffi;
 
-use super::runtime::{abandon, check, deadline_after, wait_all, Comm, Runtime, WaitFor};
+use super::runtime::{check, deadline_after, wait_all, Comm, Runtime, WaitFor};
 use crate::comm::buffer::Post;
 use crate::comm::engine::messages::{decode_and_validate, Link, Msg};
 use crate::comm::engine::peer_failed;
@@ -62,7 +62,7 @@ impl OpCtx<'_> {
     }
 
     /// Posts `recvs` then `sends` (split into messages of at most 1 GiB). On an error the
-    /// messages already posted are abandoned (see [`abandon`]).
+    /// messages already posted are abandoned (see [`Runtime::poison`]).
     fn post(&self, recvs: &[Msg], sends: &[Msg], tag: c_int) -> Result<Pending> {
         let mut p = Pending {
             reqs: Vec::new(),
@@ -118,7 +118,7 @@ impl OpCtx<'_> {
                     self.rt.world_rank,
                 );
                 if let Err(e) = checked {
-                    abandon(self.rt, &mut p.reqs);
+                    self.rt.poison();
                     return Err(e);
                 }
                 p.reqs.push(req);
