@@ -118,6 +118,7 @@ impl Failure {
 pub(super) type Notifier = Box<dyn Fn(usize, &str) + Send + Sync>;
 
 /// State shared by the groups of a family and its watchdog.
+#[derive(Default)]
 pub(super) struct Family {
     /// This process's rank in the root group.
     pub world_rank: usize,
@@ -143,15 +144,7 @@ impl Family {
         Arc::new(Family {
             world_rank,
             timeout,
-            failure: Mutex::new(None),
-            failed: AtomicBool::new(false),
-            comms: Mutex::new(Vec::new()),
-            inflight: Mutex::new(Vec::new()),
-            wake: Condvar::new(),
-            live_groups: AtomicUsize::new(0),
-            notifier: Mutex::new(None),
-            on_close: Mutex::new(None),
-            started: AtomicBool::new(false),
+            ..Family::default()
         })
     }
 

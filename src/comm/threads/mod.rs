@@ -398,22 +398,12 @@ impl Transport for Threads {
                 };
                 let on_panic =
                     |message: &str| shared.abort(rank, &format!("comm stream panicked: {message}"));
-                let done = crate::comm::engine::run_stream_op(op, rank, run, on_panic)
+                let mut done = crate::comm::engine::run_stream_op(op, rank, run, on_panic)
                     .unwrap_or_else(CudaDone::failed);
                 drop(observed);
-                let CudaDone {
-                    final_event,
-                    timing,
-                    result,
-                } = done;
-                if let (Some(o), Some((start, end))) = (observer, timing) {
+                if let (Some(o), Some((start, end))) = (observer, done.timing.take()) {
                     o.device_op(&is.stream, kind, op, start, end);
                 }
-                let done = CudaDone {
-                    final_event,
-                    timing: None,
-                    result,
-                };
                 completer.complete(done, keep);
             });
             (completion, job)

@@ -211,11 +211,6 @@ pub(super) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    /// A post of this rendezvous's sequence number.
-    pub(super) fn post(&self, kind: Kind) -> Post {
-        Post::new(kind, self.seq)
-    }
-
     /// Barrier 1: publishes `post` and waits until every rank posted; returns the generation
     /// reached and every rank's post (index = rank).
     ///
@@ -361,7 +356,7 @@ impl Ctx<'_> {
     /// A rendezvous in which this rank takes part only to report `problem`: fails on every
     /// rank with the same error (see [`validate`]), never a hang.
     pub(super) fn fail_with(&self, kind: Kind, problem: Problem) -> Error {
-        let mut post = self.post(kind);
+        let mut post = Post::new(kind, self.seq);
         post.problem = Some(problem);
         match self.rendezvous(post) {
             Err(e) => e,
@@ -407,7 +402,7 @@ mod tests {
                             seq: round + 1,
                             op: "test",
                         };
-                        let post = ctx.post(Kind::Op(OpKind::AllReduce));
+                        let post = Post::new(Kind::Op(OpKind::AllReduce), ctx.seq);
                         let (mut generation, posts, tokens) = ctx
                             .rendezvous_with_token(post, token(rank, round, 0))
                             .unwrap();
