@@ -16,6 +16,7 @@
 //!   `Closed` ([`close_inbox`]), which stops its watcher. Encoding: `b"closed"`, or
 //!   `b"failed "` then the rank as decimal, a newline and the reason (UTF-8).
 
+use crate::comm::engine::peer_failed;
 use crate::comm::store::TcpStore;
 use crate::error::{Error, Result};
 
@@ -62,40 +63,56 @@ pub fn share_from_rank0(
     make: impl FnOnce() -> Result<Vec<u8>>,
 ) -> Result<Vec<u8>> {
     if store.rank() == 0 {
-        return match make() {
-            Ok(value) => {
-                check_len(key, &value, len)?;
-                let mut msg = Vec::with_capacity(value.len() + 1);
-                msg.push(0u8);
-                msg.extend_from_slice(&value);
-                store.set(key, &msg)?;
-                Ok(value)
-            }
-            Err(e) => {
-                let mut msg = vec![1u8];
-                msg.extend_from_slice(e.to_string().as_bytes());
-                // Best effort: the other ranks fail at once instead of at the timeout.
-                let _ = store.set(key, &msg);
-                Err(e)
-            }
-        };
-    }
-    let msg = store.get(key)?;
-    match msg.split_first() {
-        Some((0, value)) => {
+        let made = make();
+        if let Ok(value) = &made {
             check_len(key, value, len)?;
-            Ok(value.to_vec())
         }
-        Some((1, reason)) => Err(Error::PeerFailed {
-            op: format!("bootstrap (store key {key:?})"),
-            rank: store.rank(),
-            failed_rank: 0,
-            reason: String::from_utf8_lossy(reason).into_owned(),
-        }),
+        publish(store, key, made.as_ref())?;
+        return made;
+    }
+    let value = read_published(store, key, 0, format_args!("bootstrap (store key {key:?})"))?;
+    check_len(key, &value, len)?;
+    Ok(value)
+}
+
+/// Sets `key` to `[0] ++ value` when `made` is a value, else to `[1] ++` its error's text (best
+/// effort: the readers then fail at once instead of at the store's timeout).
+pub(crate) fn publish(
+    store: &dyn KeyValueStore,
+    key: &str,
+    made: std::result::Result<impl AsRef<[u8]>, impl std::fmt::Display>,
+) -> Result<()> {
+    match made {
+        Ok(value) => store.set(key, &[&[0u8][..], value.as_ref()].concat()),
+        Err(e) => {
+            let _ = store.set(key, &[&[1u8][..], e.to_string().as_bytes()].concat());
+            Ok(())
+        }
+    }
+}
+
+/// The value rank `from` set under `key` with [`publish`]; its error's text makes
+/// [`Error::PeerFailed`] (operation `op` of this rank).
+pub(crate) fn read_published(
+    store: &dyn KeyValueStore,
+    key: &str,
+    from: usize,
+    op: impl std::fmt::Display,
+) -> Result<Vec<u8>> {
+    let mut msg = store.get(key)?;
+    match msg.first() {
+        Some(0) => {
+            msg.remove(0);
+            Ok(msg)
+        }
+        Some(1) => {
+            let reason = String::from_utf8_lossy(&msg[1..]).into_owned();
+            Err(peer_failed(op, store.rank(), (from, reason)))
+        }
         _ => Err(Error::value(
             format_args!("store key {key:?}"),
-            "a value shared by rank 0",
-            "another value (another program's store?)",
+            "a value of this version of candle-fsdp",
+            "another value (another version's or program's store?)",
         )),
     }
 }

@@ -199,7 +199,6 @@ impl Problem {
 
     /// The [`Error::BadBuffer`] this problem is on `rank`, for a collective of kind `kind`
     /// named `op` (the wording [`validate`] uses).
-    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     pub(crate) fn to_error(self, op: &str, rank: usize, kind: Kind) -> Error {
         let (which, expected, found) = self.describe();
         Error::BadBuffer {
@@ -320,14 +319,7 @@ pub(crate) fn validate(op: &str, world_size: usize, posts: &[Post]) -> Result<()
         .enumerate()
         .find_map(|(j, p)| p.problem.map(|pr| (j, pr)))
     {
-        let (which, expected, found) = problem.describe();
-        return Err(Error::BadBuffer {
-            op: op.to_string(),
-            rank: j,
-            what: format!("{} {which}", p0.kind.name()),
-            expected,
-            found,
-        });
+        return Err(problem.to_error(op, j, p0.kind));
     }
     for (j, p) in posts.iter().enumerate() {
         // This rank's own buffers must be consistent with each other.
@@ -380,27 +372,16 @@ pub(crate) fn validate(op: &str, world_size: usize, posts: &[Post]) -> Result<()
                 ));
             }
         }
-        if p.op != p0.op {
-            return Err(mismatch(
-                j,
-                format!("ReduceOp::{:?}", p.op),
-                format!("ReduceOp::{:?}", p0.op),
-            ));
+        // The text is formatted only on a mismatch: this runs for every collective.
+        macro_rules! agree {
+            ($($field:ident: $text:literal),*) => {$(
+                if p.$field != p0.$field {
+                    let (found, expected) = (format!($text, p.$field), format!($text, p0.$field));
+                    return Err(mismatch(j, found, expected));
+                }
+            )*};
         }
-        if p.root != p0.root {
-            return Err(mismatch(
-                j,
-                format!("root {:?}", p.root),
-                format!("root {:?}", p0.root),
-            ));
-        }
-        if p.index != p0.index {
-            return Err(mismatch(
-                j,
-                format!("stream index {:?}", p.index),
-                format!("stream index {:?}", p0.index),
-            ));
-        }
+        agree!(op: "ReduceOp::{:?}", root: "root {:?}", index: "stream index {:?}");
         // SAFETY: between the barriers of the rendezvous, peers keep their arguments alive.
         let same_bytes = match (p.bytes, p0.bytes) {
             (Some(a), Some(b)) => unsafe { a.bytes() == b.bytes() },
@@ -445,6 +426,32 @@ pub(crate) fn check(t: &Tensor, which: &'static str) -> Option<Problem> {
             found: location,
         });
     }
+    check_layout(t, which)
+}
+
+/// The first reason `t` cannot be posted as `which` to a group whose buffers live on `device`
+/// (the same Candle device: on CUDA, the rank's own compute stream), if any. On
+/// [`Device::Cpu`] this is [`check`].
+pub(crate) fn check_on(t: &Tensor, which: &'static str, device: &Device) -> Option<Problem> {
+    if device.is_cpu() {
+        return check(t, which);
+    }
+    if !t.device().same_device(device) {
+        let found = t.device().location();
+        let expected = device.location();
+        return Some(Problem::WrongDevice {
+            which,
+            expected,
+            found,
+            other_device: found == expected,
+        });
+    }
+    check_layout(t, which)
+}
+
+/// The first reason of [`check`] and [`check_on`] past the device: not 1-D, strided, or an
+/// unsupported dtype.
+fn check_layout(t: &Tensor, which: &'static str) -> Option<Problem> {
     if t.rank() != 1 {
         return Some(Problem::NotOneD {
             which,
@@ -463,40 +470,12 @@ pub(crate) fn check(t: &Tensor, which: &'static str) -> Option<Problem> {
     None
 }
 
-/// The first reason `t` cannot be posted as `which` to a group whose buffers live on `device`
-/// (the same Candle device: on CUDA, the rank's own compute stream), if any. On
-/// [`Device::Cpu`] this is [`check`].
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn check_on(t: &Tensor, which: &'static str, device: &Device) -> Option<Problem> {
-    if device.is_cpu() {
-        return check(t, which);
-    }
-    if !t.device().same_device(device) {
-        let found = t.device().location();
-        let expected = device.location();
-        return Some(Problem::WrongDevice {
-            which,
-            expected,
-            found,
-            other_device: found == expected,
-        });
-    }
-    if t.rank() != 1 {
-        return Some(Problem::NotOneD {
-            which,
-            dims: t.rank(),
-        });
-    }
-    if !t.is_contiguous() {
-        return Some(Problem::NotContiguous { which });
-    }
-    if !supported(t.dtype()) {
-        return Some(Problem::Dtype {
-            which,
-            dtype: t.dtype(),
-        });
-    }
-    None
+/// The first reason a collective's buffers cannot be posted to a group on `device` ([`check_on`]):
+/// `dst`, the output (or the in-place `buffer` when there is no input), and its input `src`.
+pub(crate) fn problem(dst: &Tensor, src: Option<&Tensor>, device: &Device) -> Option<Problem> {
+    let which = if src.is_some() { "output" } else { "buffer" };
+    src.and_then(|s| check_on(s, "input", device))
+        .or_else(|| check_on(dst, which, device))
 }
 
 /// Start address and length (elements) of a storage's vector.
@@ -577,23 +556,19 @@ pub(crate) fn with_raw_bufs<R>(
     })
 }
 
-/// Runs a host backend's collective `kind` on the raw buffers of `dst` (written; `which` names
-/// it) and `src` (read), both locked for the whole call ([`with_raw_bufs`]). A buffer this rank
-/// cannot use takes part in the descriptor exchange only to report why: `fail` posts the
+/// Runs a host backend's collective `kind` on the raw buffers of `dst` (written) and `src`
+/// (read), both locked for the whole call ([`with_raw_bufs`]). A buffer this rank cannot use
+/// ([`problem`]) takes part in the descriptor exchange only to report why: `fail` posts the
 /// problem and returns the error every rank then gets.
 pub(crate) fn with_checked_bufs<X>(
     x: &mut X,
     kind: OpKind,
     dst: &Tensor,
-    which: &'static str,
     src: Option<&Tensor>,
     fail: fn(&mut X, Kind, Problem) -> Error,
     body: impl FnOnce(&mut X, RawBuf, Option<RawBuf>) -> Result<()>,
 ) -> Result<()> {
-    if let Some(problem) = src
-        .and_then(|s| check(s, "input"))
-        .or_else(|| check(dst, which))
-    {
+    if let Some(problem) = problem(dst, src, &Device::Cpu) {
         return Err(fail(x, Kind::Op(kind), problem));
     }
     match with_raw_bufs(dst, src, |d, s| body(&mut *x, d, s)) {

@@ -117,17 +117,6 @@ pub(crate) fn foreign_stream(kind: OpKind, rank: usize, stream: &CommStream) -> 
     )
 }
 
-/// Joins the stream threads of a group handle being dropped, except the current thread (a
-/// handle dropped on one of its own streams' threads).
-pub(crate) fn join_stream_threads(threads: &mut Vec<std::thread::JoinHandle<()>>) {
-    let me = std::thread::current().id();
-    for handle in threads.drain(..) {
-        if handle.thread().id() != me {
-            let _ = handle.join();
-        }
-    }
-}
-
 /// Name of the stream every group has from its creation ([`ProcessGroup::default_stream`]).
 pub const DEFAULT_STREAM: &str = "collective";
 

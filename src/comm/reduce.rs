@@ -125,43 +125,15 @@ int_elem!(i64);
 /// checked before any rendezvous).
 macro_rules! with_elem {
     ($dtype:expr, $T:ident => $body:expr) => {
+        $crate::comm::reduce::with_elem!(@arms $dtype, $T => $body; F32 f32, BF16 half::bf16,
+            F16 half::f16, F64 f64, U8 u8, U32 u32, I16 i16, I32 i32, I64 i64)
+    };
+    (@arms $dtype:expr, $T:ident => $body:expr; $($d:ident $t:ty),*) => {
         match $dtype {
-            candle_core::DType::F32 => {
-                type $T = f32;
+            $(candle_core::DType::$d => {
+                type $T = $t;
                 $body
-            }
-            candle_core::DType::BF16 => {
-                type $T = half::bf16;
-                $body
-            }
-            candle_core::DType::F16 => {
-                type $T = half::f16;
-                $body
-            }
-            candle_core::DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            candle_core::DType::U8 => {
-                type $T = u8;
-                $body
-            }
-            candle_core::DType::U32 => {
-                type $T = u32;
-                $body
-            }
-            candle_core::DType::I16 => {
-                type $T = i16;
-                $body
-            }
-            candle_core::DType::I32 => {
-                type $T = i32;
-                $body
-            }
-            candle_core::DType::I64 => {
-                type $T = i64;
-                $body
-            }
+            })*
             other => unreachable!("dtype {other:?} is refused before any rendezvous"),
         }
     };

@@ -48,35 +48,33 @@ impl CommStatsSnapshot {
     }
 }
 
+/// `[calls, bytes]` of the all-gathers, of the reduce-scatters and of the other kinds.
 #[derive(Debug, Default)]
-struct Counters {
-    all_gather_calls: AtomicU64,
-    all_gather_bytes: AtomicU64,
-    reduce_scatter_calls: AtomicU64,
-    reduce_scatter_bytes: AtomicU64,
-    other_calls: AtomicU64,
-    other_bytes: AtomicU64,
-}
+struct Counters([[AtomicU64; 2]; 3]);
 
 impl Counters {
     fn count(&self, kind: OpKind, bytes: usize) {
-        let (calls, total) = match kind {
-            OpKind::AllGather => (&self.all_gather_calls, &self.all_gather_bytes),
-            OpKind::ReduceScatter => (&self.reduce_scatter_calls, &self.reduce_scatter_bytes),
-            _ => (&self.other_calls, &self.other_bytes),
+        let row = match kind {
+            OpKind::AllGather => 0,
+            OpKind::ReduceScatter => 1,
+            _ => 2,
         };
+        let [calls, total] = &self.0[row];
         calls.fetch_add(1, Ordering::Relaxed);
         total.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
     fn snapshot(&self) -> CommStatsSnapshot {
+        let load = |row: &[AtomicU64; 2]| row.each_ref().map(|c| c.load(Ordering::Relaxed));
+        let [[ag_calls, ag_bytes], [rs_calls, rs_bytes], [other_calls, other_bytes]] =
+            self.0.each_ref().map(load);
         CommStatsSnapshot {
-            all_gather_calls: self.all_gather_calls.load(Ordering::Relaxed),
-            all_gather_bytes: self.all_gather_bytes.load(Ordering::Relaxed),
-            reduce_scatter_calls: self.reduce_scatter_calls.load(Ordering::Relaxed),
-            reduce_scatter_bytes: self.reduce_scatter_bytes.load(Ordering::Relaxed),
-            other_calls: self.other_calls.load(Ordering::Relaxed),
-            other_bytes: self.other_bytes.load(Ordering::Relaxed),
+            all_gather_calls: ag_calls,
+            all_gather_bytes: ag_bytes,
+            reduce_scatter_calls: rs_calls,
+            reduce_scatter_bytes: rs_bytes,
+            other_calls,
+            other_bytes,
         }
     }
 }

@@ -80,107 +80,95 @@ pub(crate) fn run<B: Board>(
         return board.publish(&post, none, Expose::Nothing).map(|_| ());
     };
     let kind = call.kind();
-    let which = match input {
-        Some(_) => "output",
-        None => "buffer",
-    };
-    with_checked_bufs(
-        board,
-        kind,
-        buf,
-        which,
-        input,
-        B::fail_with,
-        |b, dst, src| {
-            let (rank, ws) = (b.rank(), b.world_size());
-            let post = Post::of_call(call, b.seq(), dst, src);
-            let mine = src.unwrap_or(dst);
-            // What the peers read of this rank's buffer.
-            let expose = match call {
-                Call::ReduceScatter(_) => Expose::AllBut(rank * dst.len..(rank + 1) * dst.len),
-                Call::Broadcast(root) if root != rank => Expose::Nothing,
-                Call::Reduce(root, _) if root == rank => Expose::Nothing,
-                _ => Expose::Whole,
-            };
-            let generation = b.publish(&post, mine, expose)?;
-            let guard = b.data_phase();
-            let all = |b: &B, len| {
-                (0..ws)
-                    .map(|j| b.readable(j, mine, len))
-                    .collect::<Result<Vec<_>>>()
-            };
-            match call {
-                Call::AllGather => {
-                    let mut srcs = all(b, mine.len)?;
-                    srcs[rank] = mine;
-                    // SAFETY: validated posts; `dst` is this rank's locked output; every readable
-                    // buffer holds its rank's input and stays unchanged until the last barrier.
-                    with_elem!(dst.dtype, T => unsafe { copy::gather::<T>(dst, &srcs, mine.len) });
-                }
-                Call::ReduceScatter(op) => {
-                    let mut srcs = all(b, mine.len)?;
-                    srcs[rank] = mine;
-                    // SAFETY: as for all-gather; `dst` is disjoint from every input.
-                    with_elem!(dst.dtype, T => unsafe {
-                        copy::reduce_shard::<T>(dst, &srcs, rank * dst.len, op, ws)
-                    });
-                }
-                Call::AllReduce(op) => {
-                    let srcs = all(b, mine.len)?;
-                    let exposed = srcs[rank];
-                    let (start, n) = chunk(mine.len, ws, rank);
-                    let chunk_of = |buf: RawBuf| RawBuf {
-                        ptr: buf.ptr.wrapping_add(start * buf.dtype.size_in_bytes()),
-                        len: n,
-                        dtype: buf.dtype,
-                    };
-                    // SAFETY: validated posts; in phase A rank r reads chunk r of every readable
-                    // buffer and writes chunk r of its own (exactly one of the sources).
+    with_checked_bufs(board, kind, buf, input, B::fail_with, |b, dst, src| {
+        let (rank, ws) = (b.rank(), b.world_size());
+        let post = Post::of_call(call, b.seq(), dst, src);
+        let mine = src.unwrap_or(dst);
+        // What the peers read of this rank's buffer.
+        let expose = match call {
+            Call::ReduceScatter(_) => Expose::AllBut(rank * dst.len..(rank + 1) * dst.len),
+            Call::Broadcast(root) if root != rank => Expose::Nothing,
+            Call::Reduce(root, _) if root == rank => Expose::Nothing,
+            _ => Expose::Whole,
+        };
+        let generation = b.publish(&post, mine, expose)?;
+        let guard = b.data_phase();
+        let all = |b: &B, len| {
+            (0..ws)
+                .map(|j| b.readable(j, mine, len))
+                .collect::<Result<Vec<_>>>()
+        };
+        match call {
+            Call::AllGather => {
+                let mut srcs = all(b, mine.len)?;
+                srcs[rank] = mine;
+                // SAFETY: validated posts; `dst` is this rank's locked output; every readable
+                // buffer holds its rank's input and stays unchanged until the last barrier.
+                with_elem!(dst.dtype, T => unsafe { copy::gather::<T>(dst, &srcs, mine.len) });
+            }
+            Call::ReduceScatter(op) => {
+                let mut srcs = all(b, mine.len)?;
+                srcs[rank] = mine;
+                // SAFETY: as for all-gather; `dst` is disjoint from every input.
+                with_elem!(dst.dtype, T => unsafe {
+                    copy::reduce_shard::<T>(dst, &srcs, rank * dst.len, op, ws)
+                });
+            }
+            Call::AllReduce(op) => {
+                let srcs = all(b, mine.len)?;
+                let exposed = srcs[rank];
+                let (start, n) = chunk(mine.len, ws, rank);
+                let chunk_of = |buf: RawBuf| RawBuf {
+                    ptr: buf.ptr.wrapping_add(start * buf.dtype.size_in_bytes()),
+                    len: n,
+                    dtype: buf.dtype,
+                };
+                // SAFETY: validated posts; in phase A rank r reads chunk r of every readable
+                // buffer and writes chunk r of its own (exactly one of the sources).
+                with_elem!(mine.dtype, T => unsafe {
+                    copy::reduce_shard::<T>(chunk_of(exposed), &srcs, start, op, ws)
+                });
+                if exposed.ptr != mine.ptr {
+                    // SAFETY: chunk r of this rank's readable buffer is final; `mine` is locked.
                     with_elem!(mine.dtype, T => unsafe {
-                        copy::reduce_shard::<T>(chunk_of(exposed), &srcs, start, op, ws)
+                        copy::copy_from::<T>(chunk_of(mine), chunk_of(exposed))
                     });
-                    if exposed.ptr != mine.ptr {
-                        // SAFETY: chunk r of this rank's readable buffer is final; `mine` is locked.
-                        with_elem!(mine.dtype, T => unsafe {
-                            copy::copy_from::<T>(chunk_of(mine), chunk_of(exposed))
-                        });
-                    }
-                    b.sync(generation + 1)?;
-                    let mut dsts = srcs;
-                    dsts[rank] = mine;
-                    // SAFETY: every rank finished phase A; readable buffers stay unchanged until the
-                    // last barrier; this rank writes only its own buffer's other chunks.
-                    with_elem!(mine.dtype, T => unsafe {
-                        copy::all_reduce_phase_b::<T>(&dsts, rank, ws)
-                    });
-                    let synced = b.sync(generation + 2);
-                    drop(guard);
-                    return synced;
                 }
-                Call::Broadcast(root) => {
-                    if rank != root {
-                        let src = b.readable(root, mine, mine.len)?;
-                        // SAFETY: validated posts; the root's readable buffer is unchanged until
-                        // the last barrier; `mine` is read by nobody during a broadcast.
-                        with_elem!(mine.dtype, T => unsafe { copy::copy_from::<T>(mine, src) });
-                    }
-                }
-                Call::Reduce(root, op) => {
-                    if rank == root {
-                        let srcs = all(b, mine.len)?;
-                        let mut bufs = srcs;
-                        bufs[root] = mine;
-                        // SAFETY: validated posts; only the root reads any buffer, and it writes
-                        // only its own.
-                        with_elem!(mine.dtype, T => unsafe {
-                            copy::reduce_to_root::<T>(&bufs, root, op, ws)
-                        });
-                    }
+                b.sync(generation + 1)?;
+                let mut dsts = srcs;
+                dsts[rank] = mine;
+                // SAFETY: every rank finished phase A; readable buffers stay unchanged until the
+                // last barrier; this rank writes only its own buffer's other chunks.
+                with_elem!(mine.dtype, T => unsafe {
+                    copy::all_reduce_phase_b::<T>(&dsts, rank, ws)
+                });
+                let synced = b.sync(generation + 2);
+                drop(guard);
+                return synced;
+            }
+            Call::Broadcast(root) => {
+                if rank != root {
+                    let src = b.readable(root, mine, mine.len)?;
+                    // SAFETY: validated posts; the root's readable buffer is unchanged until
+                    // the last barrier; `mine` is read by nobody during a broadcast.
+                    with_elem!(mine.dtype, T => unsafe { copy::copy_from::<T>(mine, src) });
                 }
             }
-            let synced = b.sync(generation + 1);
-            drop(guard);
-            synced
-        },
-    )
+            Call::Reduce(root, op) => {
+                if rank == root {
+                    let srcs = all(b, mine.len)?;
+                    let mut bufs = srcs;
+                    bufs[root] = mine;
+                    // SAFETY: validated posts; only the root reads any buffer, and it writes
+                    // only its own.
+                    with_elem!(mine.dtype, T => unsafe {
+                        copy::reduce_to_root::<T>(&bufs, root, op, ws)
+                    });
+                }
+            }
+        }
+        let synced = b.sync(generation + 1);
+        drop(guard);
+        synced
+    })
 }

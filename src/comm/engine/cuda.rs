@@ -52,6 +52,26 @@ impl Drop for KeepAlive {
 // ------------------------------------------------------------------------------------------
 // Access to a tensor's device buffer.
 
+/// The device address of a storage slice's vector (`$ptr`: `device_ptr` or `device_ptr_mut`)
+/// on `$stream`, and its guard.
+macro_rules! slice_ptr {
+    ($slice:expr, $ptr:ident, $stream:expr) => {
+        match $slice {
+            CudaStorageSlice::U8(v) => v.$ptr($stream),
+            CudaStorageSlice::U32(v) => v.$ptr($stream),
+            CudaStorageSlice::I16(v) => v.$ptr($stream),
+            CudaStorageSlice::I32(v) => v.$ptr($stream),
+            CudaStorageSlice::I64(v) => v.$ptr($stream),
+            CudaStorageSlice::BF16(v) => v.$ptr($stream),
+            CudaStorageSlice::F16(v) => v.$ptr($stream),
+            CudaStorageSlice::F32(v) => v.$ptr($stream),
+            CudaStorageSlice::F64(v) => v.$ptr($stream),
+            // Refused by `check_on` (unsupported dtypes) before any storage access.
+            _ => (0, SyncOnDrop::Sync(None)),
+        }
+    };
+}
+
 /// Device address, length and dtype of a tensor's elements in `storage`, for reading on
 /// `stream`. The guard must be dropped after the last use of the address is enqueued: with
 /// cudarc's event tracking on, it records the read on `stream` (tracking then keeps Candle's own
@@ -61,25 +81,8 @@ pub(crate) fn raw_read<'a>(
     layout: &Layout,
     stream: &'a CudaStream,
 ) -> (RawBuf, SyncOnDrop<'a>) {
-    macro_rules! arm {
-        ($v:expr) => {
-            $v.device_ptr(stream)
-        };
-    }
-    let (base, guard) = match &storage.slice {
-        CudaStorageSlice::U8(v) => arm!(v),
-        CudaStorageSlice::U32(v) => arm!(v),
-        CudaStorageSlice::I16(v) => arm!(v),
-        CudaStorageSlice::I32(v) => arm!(v),
-        CudaStorageSlice::I64(v) => arm!(v),
-        CudaStorageSlice::BF16(v) => arm!(v),
-        CudaStorageSlice::F16(v) => arm!(v),
-        CudaStorageSlice::F32(v) => arm!(v),
-        CudaStorageSlice::F64(v) => arm!(v),
-        // Refused by `check_on` (unsupported dtypes) before any storage access.
-        _ => (0, SyncOnDrop::Sync(None)),
-    };
-    (raw(base, storage, layout), guard)
+    let (base, guard) = slice_ptr!(&storage.slice, device_ptr, stream);
+    (raw_typed(base, storage.dtype(), layout), guard)
 }
 
 /// As [`raw_read`], for writing on `stream` (with tracking on, the guard records the write).
@@ -89,28 +92,8 @@ pub(crate) fn raw_write<'a>(
     stream: &'a CudaStream,
 ) -> (RawBuf, SyncOnDrop<'a>) {
     let dtype = storage.dtype();
-    macro_rules! arm {
-        ($v:expr) => {
-            $v.device_ptr_mut(stream)
-        };
-    }
-    let (base, guard) = match &mut storage.slice {
-        CudaStorageSlice::U8(v) => arm!(v),
-        CudaStorageSlice::U32(v) => arm!(v),
-        CudaStorageSlice::I16(v) => arm!(v),
-        CudaStorageSlice::I32(v) => arm!(v),
-        CudaStorageSlice::I64(v) => arm!(v),
-        CudaStorageSlice::BF16(v) => arm!(v),
-        CudaStorageSlice::F16(v) => arm!(v),
-        CudaStorageSlice::F32(v) => arm!(v),
-        CudaStorageSlice::F64(v) => arm!(v),
-        _ => (0, SyncOnDrop::Sync(None)),
-    };
+    let (base, guard) = slice_ptr!(&mut storage.slice, device_ptr_mut, stream);
     (raw_typed(base, dtype, layout), guard)
-}
-
-fn raw(base: u64, storage: &CudaStorage, layout: &Layout) -> RawBuf {
-    raw_typed(base, storage.dtype(), layout)
 }
 
 fn raw_typed(base: u64, dtype: DType, layout: &Layout) -> RawBuf {

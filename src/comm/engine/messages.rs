@@ -128,31 +128,19 @@ pub(crate) fn run<L: Link>(
         return link.exchange(&post, &[]);
     };
     let kind = call.kind();
-    let which = match input {
-        Some(_) => "output",
-        None => "buffer",
-    };
-    let result = with_checked_bufs(
-        link,
-        kind,
-        buf,
-        which,
-        input,
-        fail_with,
-        |link, dst, src| {
-            link.start_clock();
-            let post = Post::of_call(call, link.seq(), dst, src);
-            link.exchange(&post, &[])?;
-            match (call, src) {
-                (Call::AllGather, Some(src)) => all_gather(link, src, dst),
-                (Call::ReduceScatter(op), Some(src)) => reduce_scatter(link, src, dst, op),
-                (Call::AllReduce(op), _) => all_reduce(link, dst, op),
-                (Call::Broadcast(root), _) => broadcast(link, dst, root),
-                (Call::Reduce(root, op), _) => reduce(link, dst, root, op),
-                _ => unreachable!("all-gather and reduce-scatter have an input"),
-            }
-        },
-    );
+    let result = with_checked_bufs(link, kind, buf, input, fail_with, |link, dst, src| {
+        link.start_clock();
+        let post = Post::of_call(call, link.seq(), dst, src);
+        link.exchange(&post, &[])?;
+        match (call, src) {
+            (Call::AllGather, Some(src)) => all_gather(link, src, dst),
+            (Call::ReduceScatter(op), Some(src)) => reduce_scatter(link, src, dst, op),
+            (Call::AllReduce(op), _) => all_reduce(link, dst, op),
+            (Call::Broadcast(root), _) => broadcast(link, dst, root),
+            (Call::Reduce(root, op), _) => reduce(link, dst, root, op),
+            _ => unreachable!("all-gather and reduce-scatter have an input"),
+        }
+    });
     if result.is_err() {
         link.failed(buf, input);
     }
@@ -235,25 +223,16 @@ fn all_reduce<L: Link>(link: &mut L, mine: RawBuf, op: ReduceOp) -> Result<()> {
     };
     reduce_exchange(link, &sends, &peers, into)?;
     // Phase 2: all-gather of the reduced chunks.
+    let msg = |peer, (start, n): (usize, usize)| Msg {
+        peer,
+        ptr: at(start),
+        len: n * es,
+    };
     let recvs: Vec<Msg> = peers
         .iter()
-        .map(|&j| {
-            let (s, n) = chunk(mine.len, ws, j);
-            Msg {
-                peer: j,
-                ptr: at(s),
-                len: n * es,
-            }
-        })
+        .map(|&j| msg(j, chunk(mine.len, ws, j)))
         .collect();
-    let sends: Vec<Msg> = peers
-        .iter()
-        .map(|&j| Msg {
-            peer: j,
-            ptr: own,
-            len: my_n * es,
-        })
-        .collect();
+    let sends: Vec<Msg> = peers.iter().map(|&j| msg(j, (my_start, my_n))).collect();
     link.transfer(&sends, &recvs)
 }
 

@@ -15,4 +15,4 @@ pub(crate) mod messages;
 pub(crate) mod run;
 pub(crate) mod streams;
 
-pub(crate) use run::{check_ranks, panic_message, run_one, run_stream_op};
+pub(crate) use run::{check_ranks, panic_message, peer_failed, run_one, run_stream_op};

@@ -1,6 +1,6 @@
 //! What every host backend's operations and ranks run through: a stream operation's panic
 //! turned into an error that aborts the job, a process rank's closure whose failure aborts its
-//! group, and the rank-list check of `new_group`.
+//! group, the error of a peer's failure, and the rank-list check of `new_group`.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -16,6 +16,21 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "<non-string panic payload>".to_string()
+    }
+}
+
+/// [`Error::PeerFailed`]: operation `op` of rank `rank` stopped because `failed_rank` failed
+/// first with `reason`.
+pub(crate) fn peer_failed(
+    op: impl std::fmt::Display,
+    rank: usize,
+    (failed_rank, reason): (usize, String),
+) -> Error {
+    Error::PeerFailed {
+        op: op.to_string(),
+        rank,
+        failed_rank,
+        reason,
     }
 }
 

@@ -13,8 +13,8 @@ use parking_lot::Mutex;
 use super::{run_one, run_stream_op};
 use crate::comm::work::yield_until;
 use crate::comm::{
-    foreign_stream, join_stream_threads, CommObserver, CommStream, Instrumented, OpKind,
-    ProcessGroup, Work, DEFAULT_STREAM,
+    foreign_stream, CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, Work,
+    DEFAULT_STREAM,
 };
 use crate::error::{Error, Result};
 
@@ -252,7 +252,7 @@ impl<C: StreamComm> HostStreams<C> {
 
     /// Closes the streams of a group being dropped: sets `closing` (each thread then leaves
     /// its communicator), closes every queue, and joins the threads after the work already
-    /// queued.
+    /// queued, except the current thread (a handle dropped on one of its own streams' threads).
     pub(crate) fn close(&mut self) {
         self.closing.store(true, Ordering::Release);
         for stream in self.streams.get_mut().drain(..) {
@@ -260,7 +260,12 @@ impl<C: StreamComm> HostStreams<C> {
                 stream.close();
             }
         }
-        join_stream_threads(self.threads.get_mut());
+        let me = std::thread::current().id();
+        for handle in self.threads.get_mut().drain(..) {
+            if handle.thread().id() != me {
+                let _ = handle.join();
+            }
+        }
     }
 }
 

@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use mpi::ffi;
 
-use super::runtime::{abandon, check, deadline_after, wait_all, Comm, Runtime, WaitFor};
+use super::runtime::{check, deadline_after, wait_all, Comm, Runtime, WaitFor};
 use crate::comm::buffer::Post;
 use crate::comm::engine::messages::{decode_and_validate, Link, Msg};
+use crate::comm::engine::peer_failed;
 use crate::comm::wire;
 use crate::error::Result;
 
@@ -61,7 +62,7 @@ impl OpCtx<'_> {
     }
 
     /// Posts `recvs` then `sends` (split into messages of at most 1 GiB). On an error the
-    /// messages already posted are abandoned (see [`abandon`]).
+    /// messages already posted are abandoned (see [`Runtime::poison`]).
     fn post(&self, recvs: &[Msg], sends: &[Msg], tag: c_int) -> Result<Pending> {
         let mut p = Pending {
             reqs: Vec::new(),
@@ -117,7 +118,7 @@ impl OpCtx<'_> {
                     self.rt.world_rank,
                 );
                 if let Err(e) = checked {
-                    abandon(self.rt, &mut p.reqs);
+                    self.rt.poison();
                     return Err(e);
                 }
                 p.reqs.push(req);
@@ -135,19 +136,38 @@ impl OpCtx<'_> {
         }
         wait_all(self.rt, &mut p.reqs, &p.peers, &self.wait_for(deadline))
     }
+}
+
+impl Link for OpCtx<'_> {
+    type Pending = Pending;
+    const SEGMENT_BYTES: usize = SEGMENT_BYTES;
+    /// Receives are posted at the start: round k+1's land while segment k is reduced.
+    const ROUNDS_IN_FLIGHT: usize = 2;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The operation's one deadline starts once its buffers are locked.
+    fn start_clock(&mut self) {
+        self.deadline = deadline_after(self.timeout);
+    }
 
     /// Sends this rank's descriptor to every peer, receives theirs, and validates all of them
     /// (the same verdict on every rank).
-    fn exchange_posts(&self, post: &Post, setup_bytes: &[u8]) -> Result<()> {
+    fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<()> {
         let ws = self.world_size;
         self.rt.poll_failures();
-        if let Some((failed_rank, reason)) = self.rt.failure() {
-            return Err(crate::error::Error::PeerFailed {
-                op: self.op.to_string(),
-                rank: self.rank,
-                failed_rank,
-                reason,
-            });
+        if let Some(failure) = self.rt.failure() {
+            return Err(peer_failed(self.op, self.rank, failure));
         }
         let mine = wire::encode(post, setup_bytes);
         let mut bufs: Vec<Vec<u8>> = (0..ws).map(|_| vec![0u8; self.desc_max]).collect();
@@ -180,34 +200,6 @@ impl OpCtx<'_> {
         }
         bufs[self.rank] = mine;
         decode_and_validate(self.op, self.rank, &bufs)
-    }
-}
-
-impl Link for OpCtx<'_> {
-    type Pending = Pending;
-    const SEGMENT_BYTES: usize = SEGMENT_BYTES;
-    /// Receives are posted at the start: round k+1's land while segment k is reduced.
-    const ROUNDS_IN_FLIGHT: usize = 2;
-
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn seq(&self) -> u64 {
-        self.seq
-    }
-
-    /// The operation's one deadline starts once its buffers are locked.
-    fn start_clock(&mut self) {
-        self.deadline = deadline_after(self.timeout);
-    }
-
-    fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<()> {
-        self.exchange_posts(post, setup_bytes)
     }
 
     fn start(&mut self, sends: &[Msg], recvs: &[Msg]) -> Result<Pending> {

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use mpi::ffi;
 use parking_lot::Mutex;
 
+use crate::comm::engine::peer_failed;
 use crate::error::{Error, Result};
 
 /// An MPI communicator handle (an opaque pointer in OpenMPI) that may cross threads: MPI is
@@ -60,6 +61,25 @@ struct Control {
     recv_buf: Box<[u8; ABORT_MSG_MAX]>,
     /// Notices in flight (request, buffer); their buffers live until the process ends.
     sends: Vec<(Request, Box<[u8]>)>,
+}
+
+impl Control {
+    /// Posts the receive of the next notice into `recv_buf` (its request slot must be free).
+    fn post_recv(&mut self) -> c_int {
+        // SAFETY: the boxed buffer does not move with `self`, and the runtime keeps its
+        // `Control` for the whole process (it is never dropped once a receive was posted).
+        unsafe {
+            ffi::MPI_Irecv(
+                self.recv_buf.as_mut_ptr().cast(),
+                ABORT_MSG_MAX as c_int,
+                ffi::RSMPI_UINT8_T,
+                ffi::RSMPI_ANY_SOURCE,
+                TAG_ABORT,
+                self.comm.0,
+                &mut self.recv.0,
+            )
+        }
+    }
 }
 
 /// The MPI state of this process; see the [module docs](self).
@@ -189,30 +209,24 @@ fn init() -> std::result::Result<Runtime, String> {
             Ok(Comm(c))
         };
         let base = dup("base communicator")?;
-        let control_comm = dup("failure channel")?;
-        let mut recv_buf = Box::new([0u8; ABORT_MSG_MAX]);
-        let mut req: ffi::MPI_Request = ffi::RSMPI_REQUEST_NULL;
-        let rc = ffi::MPI_Irecv(
-            recv_buf.as_mut_ptr().cast(),
-            ABORT_MSG_MAX as c_int,
-            ffi::RSMPI_UINT8_T,
-            ffi::RSMPI_ANY_SOURCE,
-            TAG_ABORT,
-            control_comm.0,
-            &mut req,
-        );
-        check(rc, || "MPI_Irecv (failure channel)".into(), rank_u).map_err(|e| e.to_string())?;
+        let mut control = Control {
+            comm: dup("failure channel")?,
+            recv: Request(ffi::RSMPI_REQUEST_NULL),
+            recv_buf: Box::new([0u8; ABORT_MSG_MAX]),
+            sends: Vec::new(),
+        };
+        check(
+            control.post_recv(),
+            || "MPI_Irecv (failure channel)".into(),
+            rank_u,
+        )
+        .map_err(|e| e.to_string())?;
         libc::atexit(finalize_at_exit);
         Ok(Runtime {
             world_rank: rank_u,
             world_size: size as usize,
             world: base,
-            control: Mutex::new(Control {
-                comm: control_comm,
-                recv: Request(req),
-                recv_buf,
-                sends: Vec::new(),
-            }),
+            control: Mutex::new(control),
             failed: Mutex::new(None),
             failed_flag: AtomicBool::new(false),
             notified: Mutex::new(vec![false; size as usize]),
@@ -307,7 +321,10 @@ impl Runtime {
         self.runs_active.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Marks pending operations as abandoned: `MPI_Finalize` will not run.
+    /// Marks pending operations as abandoned: `MPI_Finalize` will not run. A wait that gives
+    /// up leaves its requests pending: nothing is cancelled (`MPI_Cancel` is erroneous on
+    /// collective requests, `MPI_Comm_idup`, and was seen to deadlock inside OpenMPI); the
+    /// caller keeps the buffers, and the process is expected to end.
     pub(crate) fn poison(&self) {
         self.poisoned.store(true, Ordering::Release);
     }
@@ -341,21 +358,8 @@ impl Runtime {
                 *n = true;
             }
             self.record_failure(source, reason);
-            let comm = control.comm;
-            let buf = control.recv_buf.as_mut_ptr();
-            // SAFETY: the buffer lives in `control` for the whole process; the request slot is
-            // free (the previous receive completed).
-            let rc = unsafe {
-                ffi::MPI_Irecv(
-                    buf.cast(),
-                    ABORT_MSG_MAX as c_int,
-                    ffi::RSMPI_UINT8_T,
-                    ffi::RSMPI_ANY_SOURCE,
-                    TAG_ABORT,
-                    comm.0,
-                    &mut control.recv.0,
-                )
-            };
+            // The request slot is free: the previous receive completed.
+            let rc = control.post_recv();
             if rc != ffi::MPI_SUCCESS as c_int {
                 return;
             }
@@ -483,7 +487,7 @@ pub(super) fn wait_all(
             )
         };
         if rc != ffi::MPI_SUCCESS as c_int {
-            abandon(rt, reqs);
+            rt.poison();
             return check(rc, || format!("MPI_Testall ({})", w.op), rt.world_rank);
         }
         if flag != 0 {
@@ -492,18 +496,13 @@ pub(super) fn wait_all(
         polls += 1;
         if polls.is_multiple_of(64) {
             rt.poll_failures();
-            if let Some((failed_rank, reason)) = rt.failure() {
-                abandon(rt, reqs);
-                return Err(Error::PeerFailed {
-                    op: w.op.to_string(),
-                    rank: w.rank,
-                    failed_rank,
-                    reason,
-                });
+            if let Some(failure) = rt.failure() {
+                rt.poison();
+                return Err(peer_failed(w.op, w.rank, failure));
             }
             if Instant::now() >= w.deadline {
                 let missing = pending_peers(reqs, peers);
-                abandon(rt, reqs);
+                rt.poison();
                 let err = Error::Timeout {
                     op: w.op.to_string(),
                     rank: w.rank,
@@ -542,12 +541,4 @@ fn pending_peers(reqs: &mut [ffi::MPI_Request], peers: &[usize]) -> Vec<usize> {
     }
     missing.sort_unstable();
     missing
-}
-
-/// Gives up on `reqs`: poisons the runtime and leaves them pending. Nothing is cancelled:
-/// `MPI_Cancel` is erroneous on collective requests (`MPI_Comm_idup`) and was seen to deadlock
-/// inside OpenMPI; the caller keeps the buffers, and the process is expected to end.
-pub(super) fn abandon(rt: &Runtime, reqs: &mut [ffi::MPI_Request]) {
-    let _ = reqs;
-    rt.poison();
 }

@@ -75,6 +75,7 @@ pub(super) fn watch_store(family: &Arc<Family>, store: Arc<TcpStore>) -> Result<
 /// status byte first so that a failure of rank 0 fails every rank at once.
 #[cfg(feature = "mpi")]
 pub(super) fn mpi_unique_id(rank: usize, world_size: usize) -> Result<UniqueId> {
+    use crate::comm::engine::peer_failed;
     use mpi::ffi;
     let (mpi_rank, mpi_size) = crate::comm::mpi::world_rank_and_size()?;
     if (mpi_rank, mpi_size) != (rank, world_size) {
@@ -123,12 +124,9 @@ pub(super) fn mpi_unique_id(rank: usize, world_size: usize) -> Result<UniqueId> 
     }
     if msg[0] != 0 {
         let end = msg[1..].iter().position(|&b| b == 0).map_or(128, |p| p);
-        return Err(Error::PeerFailed {
-            op: "bootstrap (MPI_Bcast of the NCCL unique id)".into(),
-            rank,
-            failed_rank: 0,
-            reason: String::from_utf8_lossy(&msg[1..1 + end]).into_owned(),
-        });
+        let reason = String::from_utf8_lossy(&msg[1..1 + end]).into_owned();
+        let op = "bootstrap (MPI_Bcast of the NCCL unique id)";
+        return Err(peer_failed(op, rank, (0, reason)));
     }
     let mut id = [0u8; 128];
     id.copy_from_slice(&msg[1..]);

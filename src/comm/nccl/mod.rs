@@ -101,9 +101,9 @@ use std::time::Duration;
 
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{CudaDevice, DType, Device, Layout, Tensor};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nccl::{result, sys};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 #[cfg(feature = "mpi")]
 use self::meet::mpi_unique_id;
@@ -111,13 +111,10 @@ use self::meet::watch_store;
 pub use self::raw::UniqueId;
 use self::raw::{move_dtype, reduce_dtype, RawComm};
 use self::watchdog::{Failure, Family, NcclOp};
-use super::buffer::{check_on, validate, Kind, Post, Problem};
+use super::buffer::{problem, validate, Kind, Post, Problem};
 use super::engine::check_ranks;
 use super::engine::cuda::{addr, raw_read, raw_write, with_cuda_storage, CudaDone, KeepAlive};
-use super::{
-    Call, CommObserver, CommStream, Instrumented, OpKind, ProcessGroup, ReduceOp, Work,
-    DEFAULT_STREAM,
-};
+use super::{Call, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM};
 use crate::comm::bootstrap;
 use crate::comm::store::TcpStore;
 use crate::error::{Error, Result};
@@ -221,23 +218,11 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
 
 /// A [`Error::BadBuffer`] from validating this rank's post alone names rank 0 (its index):
 /// name this rank instead.
-fn as_rank(e: Error, rank: usize) -> Error {
-    match e {
-        Error::BadBuffer {
-            op,
-            what,
-            expected,
-            found,
-            ..
-        } => Error::BadBuffer {
-            op,
-            rank,
-            what,
-            expected,
-            found,
-        },
-        other => other,
+fn as_rank(mut e: Error, rank: usize) -> Error {
+    if let Error::BadBuffer { rank: r, .. } = &mut e {
+        *r = rank;
     }
+    e
 }
 
 impl NcclGroup {
@@ -360,27 +345,30 @@ impl NcclGroup {
         output: Tensor,
         input: Option<&Tensor>,
     ) -> Work<Tensor> {
-        let kind = call.kind();
-        let Some(ns) = self.own_stream(stream, kind) else {
-            return Work::ready(Err(self.foreign_stream(stream, kind)));
-        };
-        let mut seq = ns.seq.lock();
-        *seq += 1;
-        let op = format!("{} #{} (stream {})", kind.name(), *seq, ns.name);
-        match self.enqueue(ns, call, &op, &output, input) {
+        // The stream's order lock is held until the operation is enqueued.
+        let issued = self
+            .next_op(stream, call.kind())
+            .and_then(|(ns, _order, op)| self.enqueue(ns, call, &op, &output, input));
+        match issued {
             Ok(done) => Work::with_completion(output, done),
             Err(e) => Work::ready(Err(e)),
         }
     }
 
-    fn own_stream<'a>(&self, stream: &'a CommStream, _kind: OpKind) -> Option<&'a NcclStream> {
-        stream
-            .backend_state::<NcclStream>()
+    /// This group's stream `stream` (else the error of a collective of kind `kind` on a
+    /// foreign stream), its order lock taken, and the name of its next operation.
+    fn next_op<'a>(
+        &self,
+        stream: &'a CommStream,
+        kind: OpKind,
+    ) -> Result<(&'a NcclStream, MutexGuard<'a, u64>, String)> {
+        let ns = (stream.backend_state::<NcclStream>())
             .filter(|s| s.owner == self.id)
-    }
-
-    fn foreign_stream(&self, stream: &CommStream, kind: OpKind) -> Error {
-        crate::comm::foreign_stream(kind, self.rank, stream)
+            .ok_or_else(|| crate::comm::foreign_stream(kind, self.rank, stream))?;
+        let mut seq = ns.seq.lock();
+        *seq += 1;
+        let op = format!("{} #{} (stream {})", kind.name(), *seq, ns.name);
+        Ok((ns, seq, op))
     }
 
     /// Checks, orders and enqueues one collective; see the module docs.
@@ -396,13 +384,10 @@ impl NcclGroup {
         if let Some(f) = self.family.failure() {
             return Err(f.error_for(0, op, self.rank));
         }
-        let which = if input.is_some() { "output" } else { "buffer" };
-        if let Some(problem) = input
-            .and_then(|s| check_on(s, "input", &self.device))
-            .or_else(|| check_on(output, which, &self.device))
-        {
+        if let Some(problem) = problem(output, input, &self.device) {
             return Err(problem.to_error(op, self.rank, Kind::Op(kind)));
         }
+        let which = if input.is_some() { "output" } else { "buffer" };
         if call.op().is_some() && reduce_dtype(output.dtype()).is_none() {
             return Err(Error::BadBuffer {
                 op: op.to_string(),
@@ -439,6 +424,18 @@ impl NcclGroup {
         }
         let mut tensors = vec![output.clone()];
         tensors.extend(input.cloned());
+        Ok(self.track(ns, op, event, tensors))
+    }
+
+    /// Operation `op` on `ns`, enqueued up to `event`, watched by the family; `tensors` are
+    /// released once the compute stream waited on `event`.
+    fn track(
+        &self,
+        ns: &NcclStream,
+        op: &str,
+        event: Arc<CudaEvent>,
+        tensors: Vec<Tensor>,
+    ) -> Arc<NcclOp> {
         let keep = KeepAlive {
             event: Some(Arc::clone(&event)),
             consumer: Arc::clone(&self.compute),
@@ -454,7 +451,7 @@ impl NcclGroup {
             Arc::clone(&ns.comm),
         );
         self.family.track(Arc::clone(&pending));
-        Ok(pending)
+        pending
     }
 
     /// The part of [`NcclGroup::enqueue`] that runs under Candle's storage locks.
@@ -470,7 +467,6 @@ impl NcclGroup {
         dst_l: &Layout,
         src: Option<(&CudaStorage, &Layout)>,
     ) -> CudaDone {
-        let kind = call.kind();
         let stream = &ns.stream;
         if let Err(e) = stream.wait(ready) {
             return CudaDone::failed(Error::Cuda(format!(
@@ -480,26 +476,13 @@ impl NcclGroup {
         }
         let (out, _out_guard) = raw_write(dst, dst_l, stream);
         let input = src.map(|(s, l)| raw_read(s, l, stream));
-        let mut post = Post::new(Kind::Op(kind), 0);
-        match &input {
-            Some((i, _)) => {
-                post.input = Some(*i);
-                post.output = Some(out);
-            }
-            None => post.input = Some(out),
-        }
-        post.op = call.op();
-        if let Call::Broadcast(root) | Call::Reduce(root, _) = call {
-            post.root = Some(root);
-        }
+        let post = Post::of_call(call, 0, out, input.as_ref().map(|(i, _)| *i));
         if let Err(e) = validate(op, self.world_size, &[post]) {
             return CudaDone::failed(as_rank(e, self.rank));
         }
-        let timing_start = if timing {
-            crate::device::cuda::record(stream, true).ok()
-        } else {
-            None
-        };
+        let timing_start = timing
+            .then(|| crate::device::cuda::record(stream, true).ok())
+            .flatten();
         let cu_stream = stream.cu_stream() as sys::cudaStream_t;
         let dtype: DType = out.dtype;
         let buf = addr(out, 0);
@@ -573,12 +556,8 @@ impl NcclGroup {
             self.fail_on(&e);
             return CudaDone::failed(e);
         }
-        let timing = match timing_start {
-            Some(start) => crate::device::cuda::record(stream, true)
-                .ok()
-                .map(|end| (start, end)),
-            None => None,
-        };
+        let timing = timing_start
+            .and_then(|start| Some((start, crate::device::cuda::record(stream, true).ok()?)));
         match crate::device::cuda::record(stream, false) {
             Ok(ev) => CudaDone {
                 final_event: Some(Arc::new(ev)),
@@ -708,14 +687,9 @@ impl ProcessGroup for NcclGroup {
     /// reached it, and (through the comm stream's wait) every rank's compute stream as of the
     /// call.
     fn barrier(&self, stream: &CommStream) -> Work<()> {
-        let kind = OpKind::Barrier;
-        let Some(ns) = self.own_stream(stream, kind) else {
-            return Work::ready(Err(self.foreign_stream(stream, kind)));
-        };
-        let mut seq = ns.seq.lock();
-        *seq += 1;
-        let op = format!("{} #{} (stream {})", kind.name(), *seq, ns.name);
-        match self.enqueue_barrier(ns, &op) {
+        let issued = (self.next_op(stream, OpKind::Barrier))
+            .and_then(|(ns, _order, op)| self.enqueue_barrier(ns, &op));
+        match issued {
             Ok(done) => Work::with_completion((), done),
             Err(e) => Work::ready(Err(e)),
         }
@@ -809,22 +783,7 @@ impl NcclGroup {
             return Err(e);
         }
         let event = Arc::new(crate::device::cuda::record(stream, false)?);
-        let keep = KeepAlive {
-            event: Some(Arc::clone(&event)),
-            consumer: Arc::clone(&self.compute),
-            tensors: Vec::new(),
-        };
-        let pending = NcclOp::new(
-            op.to_string(),
-            self.rank,
-            event,
-            Arc::clone(&self.compute),
-            self.family.timeout,
-            keep,
-            Arc::clone(&ns.comm),
-        );
-        self.family.track(Arc::clone(&pending));
-        Ok(pending)
+        Ok(self.track(ns, op, event, Vec::new()))
     }
 }
 
@@ -838,7 +797,7 @@ impl Drop for NcclGroup {
 }
 
 /// Runs `f` on this process's rank of an NCCL job on GPU `gpu` (the handle wrapped in
-/// [`Instrumented`]) and returns its result (one element). When `f` fails or panics, the group
+/// [`Instrumented`](super::Instrumented)) and returns its result (one element). When `f` fails or panics, the group
 /// is aborted with the error's text: the peers' pending and later collectives fail (through
 /// the store's notices, NCCL, or their timeout).
 ///
@@ -857,11 +816,5 @@ where
 {
     let group = crate::device::cuda::open_device(gpu)
         .and_then(|device| NcclGroup::new(&device, rank, world_size, bootstrap, config));
-    match group {
-        Ok(group) => {
-            let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
-            vec![super::engine::run_one(rank, pg, &f)]
-        }
-        Err(e) => vec![Err(e)],
-    }
+    super::engine::streams::run_process_rank(rank, group, f)
 }

@@ -79,26 +79,19 @@ impl UniqueId {
 
 /// NCCL's description of `code`, plus the communicator's last error when there is one.
 pub(super) fn describe(code: sys::ncclResult_t, comm: Option<sys::ncclComm_t>) -> String {
+    /// The text of `p`, a NUL-terminated string alive for the call (`None`: null).
+    unsafe fn text(p: *const std::ffi::c_char) -> Option<String> {
+        // SAFETY: per the function contract.
+        (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    }
     // SAFETY: ncclGetErrorString returns a pointer to a static NUL-terminated string.
-    let base = unsafe {
-        let p = sys::ncclGetErrorString(code);
-        if p.is_null() {
-            format!("{code:?}")
-        } else {
-            CStr::from_ptr(p).to_string_lossy().into_owned()
-        }
-    };
+    let base = unsafe { text(sys::ncclGetErrorString(code)) };
+    let base = base.unwrap_or_else(|| format!("{code:?}"));
     // SAFETY: ncclGetLastError takes a live communicator (or null) and returns a pointer to a
     // NUL-terminated string owned by NCCL, valid until the next NCCL call on this thread; it is
     // copied at once.
-    let last = unsafe {
-        let p = sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut()));
-        if p.is_null() {
-            String::new()
-        } else {
-            CStr::from_ptr(p).to_string_lossy().into_owned()
-        }
-    };
+    let last = unsafe { text(sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut()))) };
+    let last = last.unwrap_or_default();
     if last.is_empty() {
         format!("{base} ({code:?})")
     } else {

@@ -31,6 +31,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::raw::{abort_all, RawComm};
 use crate::comm::engine::cuda::{cuda_err, KeepAlive};
+use crate::comm::engine::peer_failed;
 use crate::comm::work::Completion;
 use crate::error::{Error, Result};
 
@@ -95,12 +96,7 @@ impl Failure {
             Failure::Rank {
                 failed_rank,
                 reason,
-            } => Error::PeerFailed {
-                op: op.to_string(),
-                rank,
-                failed_rank: *failed_rank,
-                reason: reason.clone(),
-            },
+            } => peer_failed(op, rank, (*failed_rank, reason.clone())),
             Failure::Cuda { message } => Error::Cuda(format!("{op} on rank {rank}: {message}")),
         }
     }
@@ -122,6 +118,7 @@ impl Failure {
 pub(super) type Notifier = Box<dyn Fn(usize, &str) + Send + Sync>;
 
 /// State shared by the groups of a family and its watchdog.
+#[derive(Default)]
 pub(super) struct Family {
     /// This process's rank in the root group.
     pub world_rank: usize,
@@ -147,15 +144,7 @@ impl Family {
         Arc::new(Family {
             world_rank,
             timeout,
-            failure: Mutex::new(None),
-            failed: AtomicBool::new(false),
-            comms: Mutex::new(Vec::new()),
-            inflight: Mutex::new(Vec::new()),
-            wake: Condvar::new(),
-            live_groups: AtomicUsize::new(0),
-            notifier: Mutex::new(None),
-            on_close: Mutex::new(None),
-            started: AtomicBool::new(false),
+            ..Family::default()
         })
     }
 

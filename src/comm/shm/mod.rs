@@ -53,6 +53,7 @@ use std::time::Duration;
 
 use self::ops::{Comm, Ctx};
 use self::segment::{shm_dir, AbortSlot, Header, PeerMap, Segment};
+use super::bootstrap;
 use super::buffer::Post;
 use super::engine::board;
 use super::engine::group::{Collective, HostGroup, Op, Transport};
@@ -403,30 +404,11 @@ fn share_prefix(
 ) -> Result<String> {
     if store.rank() == 0 {
         let prefix = fresh();
-        match AbortSlot::create(&PathBuf::from(format!("{prefix}-abort"))) {
-            Ok(s) => *slot = Some(s),
-            Err(e) => {
-                let _ = store.set(PREFIX_KEY, format!("\u{1}{e}").as_bytes());
-                return Err(e);
-            }
-        }
-        store.set(PREFIX_KEY, format!("\u{0}{prefix}").as_bytes())?;
+        let created = AbortSlot::create(&PathBuf::from(format!("{prefix}-abort")));
+        bootstrap::publish(store, PREFIX_KEY, created.as_ref().map(|_| &prefix))?;
+        *slot = Some(created?);
         return Ok(prefix);
     }
-    let value = store.get(PREFIX_KEY)?;
-    let text = String::from_utf8_lossy(&value).into_owned();
-    match text.split_at_checked(1) {
-        Some(("\u{0}", prefix)) => Ok(prefix.to_string()),
-        Some(("\u{1}", reason)) => Err(Error::PeerFailed {
-            op: "shared-memory group creation".into(),
-            rank: store.rank(),
-            failed_rank: 0,
-            reason: reason.to_string(),
-        }),
-        _ => Err(Error::value(
-            format_args!("store key {PREFIX_KEY:?}"),
-            "a value of this version of candle-fsdp",
-            "another value (another version's or program's store?)",
-        )),
-    }
+    let value = bootstrap::read_published(store, PREFIX_KEY, 0, "shared-memory group creation")?;
+    Ok(String::from_utf8_lossy(&value).into_owned())
 }

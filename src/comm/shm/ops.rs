@@ -15,6 +15,7 @@ use crate::alloc::shared as arena;
 use crate::comm::buffer::{Kind, Post, Problem, RawBuf};
 use crate::comm::engine::board::{Board, Expose};
 use crate::comm::engine::messages::decode_and_validate;
+use crate::comm::engine::peer_failed;
 use crate::comm::wire;
 use crate::error::{Error, Result};
 
@@ -81,12 +82,7 @@ impl Ctx<'_> {
         };
         let (rank, op) = (self.rank(), self.op.to_string());
         let error = match stop {
-            Stop::Failed(failed_rank, reason) => Error::PeerFailed {
-                op,
-                rank,
-                failed_rank,
-                reason,
-            },
+            Stop::Failed(failed_rank, reason) => peer_failed(op, rank, (failed_rank, reason)),
             Stop::Departed(departed) => Error::PeerExited { op, rank, departed },
             Stop::Died(j, pid) => {
                 let reason = format!(
@@ -95,12 +91,7 @@ impl Ctx<'_> {
                 );
                 let failed_rank = self.core.root_ranks[j];
                 self.core.abort.set(failed_rank, &reason);
-                Error::PeerFailed {
-                    op,
-                    rank,
-                    failed_rank,
-                    reason,
-                }
+                peer_failed(op, rank, (failed_rank, reason))
             }
             Stop::Timeout(missing) => {
                 self.core
@@ -121,13 +112,8 @@ impl Ctx<'_> {
     /// rank; then maps grown peer segments and validates every rank's post (the same verdict
     /// on every rank). Returns the generation reached.
     pub(super) fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<u64> {
-        if let Some((failed_rank, reason)) = self.core.abort.get() {
-            return Err(Error::PeerFailed {
-                op: self.op.to_string(),
-                rank: self.rank(),
-                failed_rank,
-                reason,
-            });
+        if let Some(failure) = self.core.abort.get() {
+            return Err(peer_failed(self.op, self.rank(), failure));
         }
         let desc = wire::encode(post, setup_bytes);
         if desc.len() > DESC_MAX {
@@ -163,16 +149,6 @@ impl Ctx<'_> {
             .abort
             .set(self.core.root_ranks[self.rank()], &e.message());
         e
-    }
-
-    /// Reports a local `problem` through the exchange (every rank fails the same way).
-    fn report(&mut self, kind: Kind, problem: Problem) -> Error {
-        let mut post = Post::new(kind, self.seq);
-        post.problem = Some(problem);
-        match self.exchange(&post, &[]) {
-            Err(e) => e,
-            Ok(_) => unreachable!("validation fails on a post with a problem"),
-        }
     }
 
     /// Rank `j`'s data area as a buffer of `len` elements of `like`'s dtype (this rank's own
@@ -287,17 +263,18 @@ impl Board for Ctx<'_> {
         Ctx::arrive_and_wait(self, target)?;
         match self.core.abort.get() {
             None => Ok(()),
-            Some((failed_rank, reason)) => Err(Error::PeerFailed {
-                op: self.op.to_string(),
-                rank: self.rank(),
-                failed_rank,
-                reason,
-            }),
+            Some(failure) => Err(peer_failed(self.op, self.rank(), failure)),
         }
     }
 
+    /// Reports a local `problem` through the exchange (every rank fails the same way).
     fn fail_with(&mut self, kind: Kind, problem: Problem) -> Error {
-        self.report(kind, problem)
+        let mut post = Post::new(kind, self.seq);
+        post.problem = Some(problem);
+        match self.exchange(&post, &[]) {
+            Err(e) => e,
+            Ok(_) => unreachable!("validation fails on a post with a problem"),
+        }
     }
 
     /// Nothing to guard: what peers read lives in segments or arenas, which stay mapped

@@ -37,23 +37,13 @@ impl Shared {
     /// Waits on the condition variable until `done(state)` or `wait` has passed.
     fn wait_for<'a>(
         &'a self,
-        mut guard: MutexGuard<'a, State>,
+        guard: MutexGuard<'a, State>,
         wait: Duration,
         done: impl Fn(&State) -> bool,
     ) -> MutexGuard<'a, State> {
-        let deadline = Instant::now() + wait;
-        while !done(&guard) {
-            let now = Instant::now();
-            if now >= deadline {
-                break;
-            }
-            guard = self
-                .cond
-                .wait_timeout(guard, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        guard
+        (self.cond.wait_timeout_while(guard, wait, |st| !done(st)))
+            .unwrap_or_else(|p| p.into_inner())
+            .0
     }
 }
 
@@ -255,22 +245,14 @@ pub(super) fn register(
         st.joined[rank]
             .map(|first| format!("rank {rank} joined twice: from {first} and again from {peer}"))
     };
-    match refusal {
-        Some(msg) => {
-            if st.refused.len() < MAX_NOTES {
-                st.refused.push(msg.clone());
-            }
-            drop(st);
-            shared.cond.notify_all();
-            Err(msg)
-        }
-        None => {
-            st.joined[rank] = Some(peer);
-            drop(st);
-            shared.cond.notify_all();
-            Ok(())
-        }
+    match &refusal {
+        Some(msg) if st.refused.len() < MAX_NOTES => st.refused.push(msg.clone()),
+        Some(_) => {}
+        None => st.joined[rank] = Some(peer),
     }
+    drop(st);
+    shared.cond.notify_all();
+    refusal.map_or(Ok(()), Err)
 }
 
 pub(super) fn wait_of(ms: u32) -> Duration {

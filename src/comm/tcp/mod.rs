@@ -48,6 +48,7 @@ use std::time::{Duration, Instant};
 use self::net::{mesh, Net};
 pub use self::net::{ADDR_VAR, IFNAME_VAR};
 use self::ops::{Comm, Ctx};
+use super::bootstrap;
 use super::buffer::Post;
 use super::engine::group::{Collective, HostGroup, Op, Transport};
 use super::engine::messages::{self, Link};
@@ -198,38 +199,18 @@ pub fn connect(
     let deadline = || Instant::now() + config.timeout;
     if world_size == 1 {
         let (local, listening) = Net::listen(std::net::Ipv4Addr::LOCALHOST.into())?;
-        let net = listening.join(0, vec![net::show(local)], deadline())?;
+        let net = listening.join(0, vec![local.to_string()], deadline())?;
         return root(net, config);
     }
     let store = TcpStore::connect(addr, port, rank, world_size, config.timeout)?;
     let listened = net::local_ip(addr, port).and_then(Net::listen);
-    let published = match &listened {
-        Ok((local, _)) => format!("\u{0}{}", net::show(*local)),
-        Err(e) => format!("\u{1}{e}"),
-    };
-    store.set(&addr_key(rank), published.as_bytes())?;
+    let local = listened.as_ref().map(|(local, _)| local.to_string());
+    bootstrap::publish(&store, &addr_key(rank), local)?;
     let (_, listening) = listened?;
     let mut addrs = Vec::with_capacity(world_size);
     for j in 0..world_size {
-        let value = String::from_utf8_lossy(&store.get(&addr_key(j))?).into_owned();
-        match value.split_at_checked(1) {
-            Some(("\u{0}", a)) => addrs.push(a.to_string()),
-            Some(("\u{1}", reason)) => {
-                return Err(Error::PeerFailed {
-                    op: "tcp group creation".into(),
-                    rank,
-                    failed_rank: j,
-                    reason: reason.to_string(),
-                })
-            }
-            _ => {
-                return Err(Error::value(
-                    format_args!("store key {:?}", addr_key(j)),
-                    "a value of this version of candle-fsdp",
-                    "another value (another version's or program's store?)",
-                ))
-            }
-        }
+        let value = bootstrap::read_published(&store, &addr_key(j), j, "tcp group creation")?;
+        addrs.push(String::from_utf8_lossy(&value).into_owned());
     }
     let net = listening.join(rank, addrs, deadline())?;
     let group = root(net, config)?;

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::comm::engine::peer_failed;
 use crate::error::{Error, Result};
 
 /// First bytes of every connection of the backend.
@@ -153,11 +154,6 @@ fn interface_ip(name: &str) -> Result<IpAddr> {
             "tcp backend: {IFNAME_VAR}={name:?}: no such interface with an IP address"
         ))
     })
-}
-
-/// `ip:port`, bracketed for IPv6.
-pub(super) fn show(addr: SocketAddr) -> String {
-    addr.to_string()
 }
 
 /// Connections accepted and not yet taken: `(communicator key, job rank)` → stream.
@@ -550,13 +546,9 @@ pub(super) fn mesh(
         match net.take(key, members[j], deadline) {
             Some(s) => *conn = Some(s),
             None => {
-                if let Some((failed_rank, reason)) = net.failure() {
-                    return Err(Error::PeerFailed {
-                        op: format!("tcp connection setup ({key})"),
-                        rank: net.rank,
-                        failed_rank,
-                        reason,
-                    });
+                if let Some(failure) = net.failure() {
+                    let op = format_args!("tcp connection setup ({key})");
+                    return Err(peer_failed(op, net.rank, failure));
                 }
                 return Err(Error::InvalidArgument(format!(
                     "tcp backend: rank {} (job rank) got no connection from rank {} ({}) for \

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use super::Tcp;
 use crate::comm::buffer::Post;
 use crate::comm::engine::messages::{decode_and_validate, unreadable, Link, Msg};
-use crate::comm::engine::streams::StreamComm;
+use crate::comm::engine::{self, streams::StreamComm};
 use crate::comm::wire;
 use crate::error::{Error, Result};
 
@@ -93,61 +93,33 @@ impl Ctx<'_> {
         Instant::now() + self.core.timeout
     }
 
-    fn peer_failed(&self, (failed_rank, reason): (usize, String)) -> Error {
-        Error::PeerFailed {
-            op: self.op.to_string(),
-            rank: self.rank(),
-            failed_rank,
-            reason,
-        }
+    fn peer_failed(&self, failure: (usize, String)) -> Error {
+        engine::peer_failed(self.op, self.rank(), failure)
     }
 
-    /// The error of peer `j`'s goodbye on this communicator: the job's failure if one is
-    /// recorded by the time the control plane has `j`'s goodbye too (a failing rank aborts
-    /// before it drops its group: its reason travels ahead on the control connection), else
-    /// [`Error::PeerExited`].
-    fn departed(&self, j: usize) -> Error {
-        let net = &self.core.net;
-        let until = Instant::now() + Duration::from_secs(1);
-        while net.failure().is_none()
-            && !net.departed(self.core.root_ranks[j])
-            && Instant::now() < until
-        {
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        match net.failure() {
-            Some(f) => self.peer_failed(f),
-            None => Error::PeerExited {
-                op: self.op.to_string(),
-                rank: self.rank(),
-                departed: j,
-            },
-        }
-    }
-
-    /// The error of a connection to peer `j` that broke (`what`): the job's recorded failure
-    /// if the control plane reports one within a second (a peer's abort travels there), a
-    /// departure if `j`'s group was dropped, else `j`'s death (recorded for the job).
-    fn lost(&self, j: usize, what: &str) -> Error {
+    /// The error of peer `j` gone from this communicator: its goodbye (`broke`: `None`) or a
+    /// broken connection to it (`broke`: what happened). The job's failure if the control plane
+    /// reports one within a second (a failing rank aborts before it drops its group, and a
+    /// peer's abort travels there), else [`Error::PeerExited`] if `j`'s group was dropped (or
+    /// it said goodbye), else `j`'s death (recorded for the job).
+    fn gone(&self, j: usize, broke: Option<&str>) -> Error {
         let net = &self.core.net;
         let job_rank = self.core.root_ranks[j];
         let until = Instant::now() + Duration::from_secs(1);
-        loop {
-            if let Some(f) = net.failure() {
-                return self.peer_failed(f);
-            }
-            if net.departed(job_rank) {
-                return Error::PeerExited {
-                    op: self.op.to_string(),
-                    rank: self.rank(),
-                    departed: j,
-                };
-            }
-            if Instant::now() >= until {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        while net.failure().is_none() && !net.departed(job_rank) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(2));
         }
+        if let Some(f) = net.failure() {
+            return self.peer_failed(f);
+        }
+        let Some(what) = broke.filter(|_| !net.departed(job_rank)) else {
+            let (op, rank) = (self.op.to_string(), self.rank());
+            return Error::PeerExited {
+                op,
+                rank,
+                departed: j,
+            };
+        };
         let reason = format!(
             "its process ended without reporting an error (killed by a signal, or it exited \
              in the middle of the job): the connection to it ({}) broke: {what}",
@@ -191,7 +163,7 @@ impl Ctx<'_> {
                     Ok::<(), String>(())
                 })();
                 if let Err(what) = broke {
-                    return Err(self.lost(j, &what));
+                    return Err(self.gone(j, Some(&what)));
                 }
             }
             let busy: Vec<usize> = (0..ws)
@@ -238,10 +210,30 @@ impl Ctx<'_> {
             };
         }
     }
+}
+
+impl Link for Ctx<'_> {
+    /// The messages to move: a TCP transfer moves bytes only while it is finished.
+    type Pending = (Vec<Msg>, Vec<Msg>);
+    const SEGMENT_BYTES: usize = SEGMENT_BYTES;
+    /// Bytes move only while a transfer is finished.
+    const ROUNDS_IN_FLIGHT: usize = 1;
+
+    fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.core.world_size
+    }
+
+    fn seq(&self) -> u64 {
+        self.seq
+    }
 
     /// Sends this rank's `post` (with `setup_bytes`, the setup argument) to every peer,
     /// receives theirs and validates all of them (the same verdict on every rank).
-    fn exchange_posts(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<()> {
+    fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<()> {
         if let Some(f) = self.core.net.failure() {
             return Err(self.peer_failed(f));
         }
@@ -272,7 +264,7 @@ impl Ctx<'_> {
             .collect();
         self.transfer_now(&sends, &recvs)?;
         if let Some(&j) = peers.iter().find(|&&j| frames[j][0] == TAG_BYE) {
-            return Err(self.departed(j));
+            return Err(self.gone(j, None));
         }
         // The rest of long (setup) descriptors.
         let lens: Vec<usize> = frames
@@ -320,30 +312,6 @@ impl Ctx<'_> {
             self.transfer_now(&sends, &recvs)?;
         }
         decode_and_validate(self.op, rank, &descs)
-    }
-}
-
-impl Link for Ctx<'_> {
-    /// The messages to move: a TCP transfer moves bytes only while it is finished.
-    type Pending = (Vec<Msg>, Vec<Msg>);
-    const SEGMENT_BYTES: usize = SEGMENT_BYTES;
-    /// Bytes move only while a transfer is finished.
-    const ROUNDS_IN_FLIGHT: usize = 1;
-
-    fn rank(&self) -> usize {
-        self.core.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.core.world_size
-    }
-
-    fn seq(&self) -> u64 {
-        self.seq
-    }
-
-    fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<()> {
-        self.exchange_posts(post, setup_bytes)
     }
 
     fn start(&mut self, sends: &[Msg], recvs: &[Msg]) -> Result<Self::Pending> {

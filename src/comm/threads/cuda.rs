@@ -57,7 +57,7 @@ use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig, PushKernelArg};
 use parking_lot::{Condvar, Mutex};
 
 use super::rendezvous::{AbortOnUnwind, Ctx};
-use crate::comm::buffer::{check_on, validate, Kind, Post, Problem, RawBuf};
+use crate::comm::buffer::{problem, validate, Kind, Post, Problem, RawBuf};
 use crate::comm::engine::cuda::{
     addr, cuda_err, raw_read, raw_write, with_cuda_storage, CudaDone, KeepAlive,
 };
@@ -388,28 +388,17 @@ impl<'a> Steps<'a> {
     /// published to the peers stay alive until the caller drops the `Steps`, after the last
     /// barrier.
     fn finish(&mut self) -> (Option<Arc<CudaEvent>>, Result<()>) {
-        let final_event = if self.first_err.is_none() {
-            match crate::device::cuda::record(self.stream, false) {
-                Ok(ev) => Some(Arc::new(ev)),
-                Err(e) => {
-                    self.first_err = Some(Error::Cuda(format!(
-                        "{} on rank {}: recording the final event: {e}",
-                        self.op, self.rank
-                    )));
-                    None
-                }
-            }
-        } else {
-            // Still order later work after what was enqueued, if the stream allows it.
-            crate::device::cuda::record(self.stream, false)
-                .ok()
-                .map(Arc::new)
-        };
-        let result = match self.first_err.take() {
-            None => Ok(()),
-            Some(e) => Err(e),
-        };
-        (final_event, result)
+        // Recorded after a failed step too: later work is still ordered after what was
+        // enqueued, if the stream allows it.
+        let recorded = crate::device::cuda::record(self.stream, false);
+        if let (Err(e), None) = (&recorded, &self.first_err) {
+            self.first_err = Some(Error::Cuda(format!(
+                "{} on rank {}: recording the final event: {e}",
+                self.op, self.rank
+            )));
+        }
+        let result = self.first_err.take().map_or(Ok(()), Err);
+        (recorded.ok().map(Arc::new), result)
     }
 }
 
@@ -519,11 +508,7 @@ impl Ctx<'_> {
         src: Option<&Tensor>,
     ) -> CudaDone {
         let kind = call.kind();
-        let which = if src.is_some() { "output" } else { "buffer" };
-        if let Some(problem) = src
-            .and_then(|s| check_on(s, "input", job.device))
-            .or_else(|| check_on(dst, which, job.device))
-        {
+        if let Some(problem) = problem(dst, src, job.device) {
             return CudaDone::failed(self.fail_with(Kind::Op(kind), problem));
         }
         let done = with_cuda_storage(dst, src, |dst_s, dst_l, src_sl| {
@@ -558,23 +543,7 @@ impl Ctx<'_> {
             Ok(ev) => ev,
             Err(e) => return self.cannot_join(e),
         };
-        let mut post = self.post(Kind::Op(call.kind()));
-        match &input {
-            Some((i, _)) => {
-                post.input = Some(*i);
-                post.output = Some(out);
-            }
-            None => post.input = Some(out),
-        }
-        match call {
-            Call::AllGather => {}
-            Call::ReduceScatter(op) | Call::AllReduce(op) => post.op = Some(op),
-            Call::Broadcast(root) => post.root = Some(root),
-            Call::Reduce(root, op) => {
-                post.root = Some(root);
-                post.op = Some(op);
-            }
-        }
+        let post = Post::of_call(call, self.seq, out, input.as_ref().map(|(i, _)| *i));
         let (generation, posts, pres) = match self.rendezvous_with_token(post, token(&pre)) {
             Ok(r) => r,
             Err(e) => return CudaDone::failed(e),
@@ -585,11 +554,10 @@ impl Ctx<'_> {
         let _unwind = AbortOnUnwind(self.op);
         let mut steps = Steps::new(stream, self.op, rank);
         steps.wait_tokens(&pres, "inputs-ready");
-        let timing_start = if job.timing {
-            crate::device::cuda::record(stream, true).ok()
-        } else {
-            None
-        };
+        let timing_start = job
+            .timing
+            .then(|| crate::device::cuda::record(stream, true).ok())
+            .flatten();
         let mut generation = generation;
         let size = out.dtype.size_in_bytes();
         match call {
@@ -662,12 +630,8 @@ impl Ctx<'_> {
                 }
             }
         }
-        let timing = match timing_start {
-            Some(start) => crate::device::cuda::record(stream, true)
-                .ok()
-                .map(|end| (start, end)),
-            None => None,
-        };
+        let timing = timing_start
+            .and_then(|start| Some((start, crate::device::cuda::record(stream, true).ok()?)));
         // Nobody may touch this rank's buffers until every rank finished with them.
         let t = steps.record("done");
         generation += 1;
@@ -706,7 +670,7 @@ impl Ctx<'_> {
             Ok(ev) => ev,
             Err(e) => return self.cannot_join(e),
         };
-        let post: Post = self.post(Kind::Op(OpKind::Barrier));
+        let post = Post::new(Kind::Op(OpKind::Barrier), self.seq);
         let (generation, posts, pres) = match self.rendezvous_with_token(post, token(&pre)) {
             Ok(r) => r,
             Err(e) => return CudaDone::failed(e),

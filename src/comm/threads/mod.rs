@@ -191,15 +191,18 @@ impl Threads {
             #[cfg(feature = "cuda")]
             cuda,
         };
-        let default = threads.shared.communicator(0, DEFAULT_STREAM);
-        match threads.comm(Some(default)) {
-            Ok(default) => {
-                let setup = threads.comm(None)?;
-                Ok(HostGroup::new(threads, setup, default)?)
-            }
+        let (threads, setup, default) = threads.open_member()?;
+        Ok(HostGroup::new(threads, setup, default)?)
+    }
+
+    /// This rank's member of its group: its setup rendezvous and its default stream's.
+    fn open_member(self) -> Result<Member<Threads>> {
+        let mut setup = self.comm(None)?;
+        match self.comm(Some(self.shared.communicator(0, DEFAULT_STREAM))) {
+            Ok(default) => Ok((self, setup, default)),
             Err(e) => {
                 // No handle will ever join: peers waiting for this rank must not hang.
-                threads.comm(None)?.leave(rank);
+                setup.leave(self.rank);
                 Err(e)
             }
         }
@@ -300,7 +303,7 @@ impl Transport for Threads {
             let at = at.unwrap_or_else(|| {
                 let root_ranks = ranks.iter().map(|&r| self.shared.root_ranks[r]).collect();
                 let family = Some(Arc::clone(self.shared.family()));
-                let s = Shared::new(self.shared.timeout, root_ranks, family, DEFAULT_STREAM);
+                let s = Shared::new(self.shared.timeout, root_ranks, family);
                 forming.push((op.seq, s, 0));
                 forming.len() - 1
             });
@@ -317,15 +320,7 @@ impl Transport for Threads {
             #[cfg(feature = "cuda")]
             cuda: self.cuda.clone(),
         };
-        let mut setup = sub.comm(None)?;
-        match sub.comm(Some(sub.shared.communicator(0, DEFAULT_STREAM))) {
-            Ok(default) => Ok(Some((sub, setup, default))),
-            Err(e) => {
-                // No handle will ever join: the sub-group's peers must not hang.
-                setup.leave(local);
-                Err(e)
-            }
-        }
+        sub.open_member().map(Some)
     }
 
     fn abort(&self, reason: &str) {
@@ -403,22 +398,12 @@ impl Transport for Threads {
                 };
                 let on_panic =
                     |message: &str| shared.abort(rank, &format!("comm stream panicked: {message}"));
-                let done = crate::comm::engine::run_stream_op(op, rank, run, on_panic)
+                let mut done = crate::comm::engine::run_stream_op(op, rank, run, on_panic)
                     .unwrap_or_else(CudaDone::failed);
                 drop(observed);
-                let CudaDone {
-                    final_event,
-                    timing,
-                    result,
-                } = done;
-                if let (Some(o), Some((start, end))) = (observer, timing) {
+                if let (Some(o), Some((start, end))) = (observer, done.timing.take()) {
                     o.device_op(&is.stream, kind, op, start, end);
                 }
-                let done = CudaDone {
-                    final_event,
-                    timing: None,
-                    result,
-                };
                 completer.complete(done, keep);
             });
             (completion, job)

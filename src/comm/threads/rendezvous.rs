@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::comm::work::YIELD_BEFORE_SLEEP;
+use crate::comm::DEFAULT_STREAM;
 
 use crate::comm::buffer::{validate, Kind, Post, Problem};
+use crate::comm::engine::peer_failed;
 use crate::error::{Error, Result};
 
 /// Rendezvous state of one communicator, shared by all ranks.
@@ -96,12 +98,22 @@ pub(super) struct Shared {
 }
 
 impl Shared {
+    /// A root group of `world_size` ranks.
+    ///
+    /// Errors: [`Error::Value`] when `world_size == 0`.
+    pub(super) fn root(timeout: Duration, world_size: usize) -> Result<Arc<Shared>> {
+        if world_size == 0 {
+            let what = "a process group's world_size";
+            return Err(Error::value(what, "at least 1", 0));
+        }
+        Ok(Shared::new(timeout, (0..world_size).collect(), None))
+    }
+
     /// A group of `root_ranks.len()` ranks in `family` (a new family for a root group).
     pub(super) fn new(
         timeout: Duration,
         root_ranks: Vec<usize>,
         family: Option<Arc<Family>>,
-        default_stream: &str,
     ) -> Arc<Shared> {
         let world_size = root_ranks.len();
         let family = family.unwrap_or_default();
@@ -111,7 +123,7 @@ impl Shared {
             root_ranks,
             family: Arc::clone(&family),
             comms: Mutex::new(vec![Arc::new(Communicator::new(
-                default_stream,
+                DEFAULT_STREAM,
                 world_size,
             ))]),
             setup: Communicator::new("setup", world_size),
@@ -199,20 +211,6 @@ pub(super) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn peer_failed(&self, failed_rank: usize, reason: String) -> Error {
-        Error::PeerFailed {
-            op: self.op.to_string(),
-            rank: self.rank,
-            failed_rank,
-            reason,
-        }
-    }
-
-    /// A post of this rendezvous's sequence number.
-    pub(super) fn post(&self, kind: Kind) -> Post {
-        Post::new(kind, self.seq)
-    }
-
     /// Barrier 1: publishes `post` and waits until every rank posted; returns the generation
     /// reached and every rank's post (index = rank).
     ///
@@ -237,8 +235,8 @@ impl Ctx<'_> {
         let start = Instant::now();
         let deadline = start.checked_add(self.shared.timeout);
         let mut st = self.comm.state.lock();
-        if let Some((failed_rank, reason)) = self.shared.aborted() {
-            return Err(self.peer_failed(failed_rank, reason));
+        if let Some(failure) = self.shared.aborted() {
+            return Err(peer_failed(self.op, self.rank, failure));
         }
         let target = st.arrivals[self.rank] + 1;
         let parity = (target % 2) as usize;
@@ -258,8 +256,8 @@ impl Ctx<'_> {
                     .collect();
                 return Ok((target, posts, st.tokens[parity].clone()));
             }
-            let error = if let Some((failed_rank, reason)) = self.shared.aborted() {
-                Some(self.peer_failed(failed_rank, reason))
+            let error = if let Some(failure) = self.shared.aborted() {
+                Some(peer_failed(self.op, self.rank, failure))
             } else if let Some(&departed) = missing
                 .iter()
                 .find(|&&j| st.finished[j] || self.shared.departed[j].load(Ordering::Acquire))
@@ -358,7 +356,7 @@ impl Ctx<'_> {
     /// A rendezvous in which this rank takes part only to report `problem`: fails on every
     /// rank with the same error (see [`validate`]), never a hang.
     pub(super) fn fail_with(&self, kind: Kind, problem: Problem) -> Error {
-        let mut post = self.post(kind);
+        let mut post = Post::new(kind, self.seq);
         post.problem = Some(problem);
         match self.rendezvous(post) {
             Err(e) => e,
@@ -390,7 +388,7 @@ mod tests {
     #[test]
     fn tokens_reach_every_rank_through_every_barrier() {
         let ws = 4;
-        let shared = Shared::new(Duration::from_secs(60), (0..ws).collect(), None, "s");
+        let shared = Shared::new(Duration::from_secs(60), (0..ws).collect(), None);
         let comm = shared.communicator(0, "s");
         thread::scope(|s| {
             for rank in 0..ws {
@@ -404,7 +402,7 @@ mod tests {
                             seq: round + 1,
                             op: "test",
                         };
-                        let post = ctx.post(Kind::Op(OpKind::AllReduce));
+                        let post = Post::new(Kind::Op(OpKind::AllReduce), ctx.seq);
                         let (mut generation, posts, tokens) = ctx
                             .rendezvous_with_token(post, token(rank, round, 0))
                             .unwrap();

@@ -13,7 +13,7 @@ use std::thread;
 use super::cuda;
 use super::rendezvous::Shared;
 use super::{ThreadGroupConfig, Threads};
-use crate::comm::{collect_rank_results, Instrumented, ProcessGroup, DEFAULT_STREAM};
+use crate::comm::{collect_rank_results, Instrumented, ProcessGroup};
 use crate::error::{Error, Result};
 
 /// Creates a group of `world_size` ranks living in this process; element `r` is rank `r`'s
@@ -26,19 +26,7 @@ pub fn new_group(
     world_size: usize,
     config: ThreadGroupConfig,
 ) -> Result<Vec<Arc<dyn ProcessGroup>>> {
-    if world_size == 0 {
-        return Err(Error::value(
-            "a process group's world_size",
-            "at least 1",
-            0,
-        ));
-    }
-    let shared = Shared::new(
-        config.timeout,
-        (0..world_size).collect(),
-        None,
-        DEFAULT_STREAM,
-    );
+    let shared = Shared::root(config.timeout, world_size)?;
     (0..world_size)
         .map(|rank| {
             Threads::group(
@@ -65,13 +53,7 @@ pub fn new_group_on_gpu(
     config: ThreadGroupConfig,
     ordinal: usize,
 ) -> Result<Vec<Arc<dyn ProcessGroup>>> {
-    if world_size == 0 {
-        return Err(Error::value(
-            "a process group's world_size",
-            "at least 1",
-            0,
-        ));
-    }
+    let shared = Shared::root(config.timeout, world_size)?;
     if world_size > cuda::MAX_CUDA_RANKS {
         return Err(Error::value(
             "the world_size of the thread backend on CUDA",
@@ -82,12 +64,6 @@ pub fn new_group_on_gpu(
     let devices = (0..world_size)
         .map(|_| cuda::RankCuda::open(ordinal).map(Arc::new))
         .collect::<Result<Vec<_>>>()?;
-    let shared = Shared::new(
-        config.timeout,
-        (0..world_size).collect(),
-        None,
-        DEFAULT_STREAM,
-    );
     devices
         .into_iter()
         .enumerate()
@@ -165,7 +141,10 @@ where
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
                         if on_pool {
-                            on_pool_worker(|| run_one(rank, pg, f))
+                            // On a worker of rayon's global pool (`rayon::scope` runs its body
+                            // there; this thread waits). `run_one` catches its own panics, so
+                            // none crosses the pool.
+                            rayon::scope(|_| run_one(rank, pg, f))
                         } else {
                             run_one(rank, pg, f)
                         }
@@ -189,13 +168,6 @@ where
             })
             .collect()
     })
-}
-
-/// Runs `g` on a worker of rayon's global pool and returns its value (the calling thread, outside
-/// the pool, waits): `rayon::scope` runs its body inside the pool. `g` catches its own panics
-/// ([`run_one`]), so none crosses the pool.
-fn on_pool_worker<R: Send>(g: impl FnOnce() -> R + Send) -> R {
-    rayon::scope(|_| g())
 }
 
 /// Like [`run_ranks`], but returns every rank's value (index = rank) or a single error: the root
