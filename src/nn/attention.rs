@@ -725,6 +725,8 @@ pub(super) fn attention_fwd_with<T: Elem>(
     starts: Option<&[u32]>,
 ) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
+    // The tasks below write every element only for a shape the callers checked.
+    debug_assert!(dims.h > 0 && dims.h.is_multiple_of(dims.kvh) && x.len() == dims.b * dims.t * w);
     let mut y = Uninit::new(dims.b * dims.t * d);
     let out = y.share();
     parallel_map(dims.b * dims.h, |task| {
@@ -761,6 +763,8 @@ pub(super) fn attention_bwd_with<T: Elem>(
 ) -> Vec<T> {
     let (w, d) = (dims.w(), dims.d());
     let rep = dims.h / dims.kvh;
+    // The tasks below write every element only for a shape the callers checked.
+    debug_assert!(dims.h > 0 && dims.h.is_multiple_of(dims.kvh) && x.len() == dims.b * dims.t * w);
     let mut dx = Uninit::new(x.len());
     let out = dx.share();
     // Each task writes its head's `dQ`, and its `dK`, `dV` when its key/value head serves it

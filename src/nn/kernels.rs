@@ -253,6 +253,7 @@ impl AttentionShape {
         let elems = width.and_then(|w| self.batch.checked_mul(self.seq)?.checked_mul(w));
         assert!(
             self.n_kv_head > 0
+                && self.n_head > 0
                 && self.n_head.is_multiple_of(self.n_kv_head)
                 && self.head_dim > 0
                 && elems == Some(qkv.len())

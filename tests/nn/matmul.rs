@@ -81,3 +81,29 @@ fn an_attention_shape_whose_size_overflows_is_refused() {
     });
     assert!(msg.contains("does not fit a qkv of 6 elements"), "{msg}");
 }
+
+#[test]
+fn an_attention_shape_without_query_heads_is_refused() {
+    use candle_fsdp::nn::kernels::{
+        attention_backward, attention_forward, AttentionOptions, AttentionShape,
+    };
+    // 0 query heads "divide" by any key/value head count: the backward would run no task and
+    // hand back its key/value columns unwritten.
+    let shape = AttentionShape {
+        batch: 1,
+        seq: 3,
+        n_head: 0,
+        n_kv_head: 1,
+        head_dim: 2,
+    };
+    let qkv = [0.1f32; 12];
+    let opts = AttentionOptions::new(1, 1);
+    let msg = panic_message(|| {
+        attention_backward(&qkv, None, &[], &[], shape, &opts, None);
+    });
+    assert!(msg.contains("does not fit a qkv of 12 elements"), "{msg}");
+    let msg = panic_message(|| {
+        attention_forward(&qkv, None, shape, &opts, None);
+    });
+    assert!(msg.contains("does not fit a qkv of 12 elements"), "{msg}");
+}

@@ -64,10 +64,14 @@ struct Control {
 }
 
 impl Control {
-    /// Posts the receive of the next notice into `recv_buf` (its request slot must be free).
-    fn post_recv(&mut self) -> c_int {
-        // SAFETY: the boxed buffer does not move with `self`, and the runtime keeps its
-        // `Control` for the whole process (it is never dropped once a receive was posted).
+    /// Posts the receive of the next notice into `recv_buf`.
+    ///
+    /// # Safety
+    ///
+    /// The request slot is free (no receive in flight), and this `Control` lives until the
+    /// process ends (the runtime's, kept in its static, is never dropped).
+    unsafe fn post_recv(&mut self) -> c_int {
+        // SAFETY: the boxed buffer does not move with `self`, which lives on (the contract).
         unsafe {
             ffi::MPI_Irecv(
                 self.recv_buf.as_mut_ptr().cast(),
@@ -216,6 +220,8 @@ fn init() -> std::result::Result<Runtime, String> {
             sends: Vec::new(),
         };
         check(
+            // (In this `unsafe` block: the slot is fresh; `control` goes into the runtime,
+            // whose static keeps it for the process, nothing failing between here and there.)
             control.post_recv(),
             || "MPI_Irecv (failure channel)".into(),
             rank_u,
@@ -341,6 +347,13 @@ impl Runtime {
             return;
         };
         loop {
+            // A receive that could not be posted again leaves the slot null, which `MPI_Test`
+            // reports as complete with an empty status (a "failure" of rank 0): the channel is
+            // then closed.
+            // SAFETY: reading the MPI library's constant.
+            if control.recv.0 == unsafe { ffi::RSMPI_REQUEST_NULL } {
+                return;
+            }
             let mut flag: c_int = 0;
             // SAFETY: MPI_Status is plain data; the request is ours, posted on `recv_buf`.
             let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
@@ -358,8 +371,9 @@ impl Runtime {
                 *n = true;
             }
             self.record_failure(source, reason);
-            // The request slot is free: the previous receive completed.
-            let rc = control.post_recv();
+            // SAFETY: the slot is free (the previous receive completed); the runtime's
+            // `Control` lives in its static.
+            let rc = unsafe { control.post_recv() };
             if rc != ffi::MPI_SUCCESS as c_int {
                 return;
             }

@@ -348,7 +348,11 @@ impl NcclGroup {
         // The stream's order lock is held until the operation is enqueued.
         let issued = self
             .next_op(stream, call.kind())
-            .and_then(|(ns, _order, op)| self.enqueue(ns, call, &op, &output, input));
+            .and_then(|(ns, order, op)| {
+                let done = self.enqueue(ns, call, &op, &output, input);
+                drop(order);
+                done
+            });
         match issued {
             Ok(done) => Work::with_completion(output, done),
             Err(e) => Work::ready(Err(e)),
@@ -687,8 +691,14 @@ impl ProcessGroup for NcclGroup {
     /// reached it, and (through the comm stream's wait) every rank's compute stream as of the
     /// call.
     fn barrier(&self, stream: &CommStream) -> Work<()> {
-        let issued = (self.next_op(stream, OpKind::Barrier))
-            .and_then(|(ns, _order, op)| self.enqueue_barrier(ns, &op));
+        // As in `issue`: the order lock held until the barrier is enqueued.
+        let issued = self
+            .next_op(stream, OpKind::Barrier)
+            .and_then(|(ns, order, op)| {
+                let done = self.enqueue_barrier(ns, &op);
+                drop(order);
+                done
+            });
         match issued {
             Ok(done) => Work::with_completion((), done),
             Err(e) => Work::ready(Err(e)),

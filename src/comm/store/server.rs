@@ -34,7 +34,8 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Waits on the condition variable until `done(state)` or `wait` has passed.
+    /// Waits on the condition variable until `done(state)` or `wait` has passed (or until the
+    /// first wake-up after a thread panicked holding the lock: the callers poll again).
     fn wait_for<'a>(
         &'a self,
         guard: MutexGuard<'a, State>,
