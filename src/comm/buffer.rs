@@ -372,16 +372,25 @@ pub(crate) fn validate(op: &str, world_size: usize, posts: &[Post]) -> Result<()
                 ));
             }
         }
-        // The text is formatted only on a mismatch: this runs for every collective.
+        // The text is formatted only on a mismatch: this runs for every collective. The fields
+        // are set by the collective's kind (checked equal above): `none` is what a rank that
+        // passed none of them says.
         macro_rules! agree {
-            ($($field:ident: $text:literal),*) => {$(
+            ($($field:ident: $some:literal / $none:literal),*) => {$(
                 if p.$field != p0.$field {
-                    let (found, expected) = (format!($text, p.$field), format!($text, p0.$field));
-                    return Err(mismatch(j, found, expected));
+                    let say = |v: &Option<_>| match v {
+                        Some(v) => format!(concat!($some, "{:?}"), v),
+                        None => $none.to_string(),
+                    };
+                    return Err(mismatch(j, say(&p.$field), say(&p0.$field)));
                 }
             )*};
         }
-        agree!(op: "ReduceOp::{:?}", root: "root {:?}", index: "stream index {:?}");
+        agree!(
+            op: "ReduceOp::" / "no reduce op",
+            root: "root " / "no root",
+            index: "stream index " / "no stream index"
+        );
         // SAFETY: between the barriers of the rendezvous, peers keep their arguments alive.
         let same_bytes = match (p.bytes, p0.bytes) {
             (Some(a), Some(b)) => unsafe { a.bytes() == b.bytes() },

@@ -279,6 +279,12 @@ pub fn causal_attention_gqa(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Re
 /// `(B, T, hd)` of a valid `qkv` under valid options.
 fn check(qkv: &Tensor, opts: &AttentionOptions) -> Result<(usize, usize, usize)> {
     let dims = check_qkv(qkv, opts.n_head, opts.n_kv_head)?;
+    check_options(opts)?;
+    Ok(dims)
+}
+
+/// `opts`' scale, window and soft-cap valid (the head counts are the shape's business).
+pub(super) fn check_options(opts: &AttentionOptions) -> Result<()> {
     // Positive and finite, in f64 and as the kernel's f32.
     let positive = |v: f64| v.is_finite() && v > 0.0 && (v as f32).is_finite() && v as f32 > 0.0;
     if let Some(s) = opts.scale.filter(|&s| !positive(s)) {
@@ -290,7 +296,7 @@ fn check(qkv: &Tensor, opts: &AttentionOptions) -> Result<(usize, usize, usize)>
     if let Some(c) = opts.softcap.filter(|&c| !positive(c)) {
         bail!("attention: option `softcap` must be finite and positive, found {c}")
     }
-    Ok(dims)
+    Ok(())
 }
 
 /// `(B, T, hd)` of a valid `qkv`.

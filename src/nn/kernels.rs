@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 
-use super::attention::{attention_bwd_with, attention_fwd_with, Dims, Scores};
+use super::attention::{attention_bwd_with, attention_fwd_with, check_options, Dims, Scores};
 use super::norm::{norm_bwd, norm_fwd};
 use crate::cpu::{exp_fast, filled, gemm_f32, parallel_chunks, parallel_map, with_simd};
 
@@ -286,7 +286,8 @@ impl AttentionShape {
 /// example's keys.
 ///
 /// Panics: `qkv` or `bias` not of `shape`'s sizes; `starts` of another length or not segment
-/// starts (each `S(i)` is `S(i − 1)` or `i`).
+/// starts (each `S(i)` is `S(i − 1)` or `i`); an invalid scale, window or soft-cap in `opts`
+/// (the message [`crate::nn::attention`]'s error would give).
 pub fn attention_forward(
     qkv: &[f32],
     bias: Option<&[f32]>,
@@ -295,7 +296,7 @@ pub fn attention_forward(
     starts: Option<&[u32]>,
 ) -> Vec<f32> {
     shape.check(qkv, bias, starts);
-    let sc = Scores::of(opts, shape.head_dim);
+    let sc = scores(opts, shape);
     attention_fwd_with(qkv, bias, shape.dims(), sc, starts)
 }
 
@@ -325,9 +326,17 @@ pub fn attention_backward(
         out,
         grad,
         shape.dims(),
-        Scores::of(opts, shape.head_dim),
+        scores(opts, shape),
         starts,
     )
+}
+
+/// The scores' options of `opts` for `shape`'s heads, or a panic naming the invalid one.
+fn scores(opts: &AttentionOptions, shape: AttentionShape) -> Scores<'static> {
+    if let Err(e) = check_options(opts) {
+        panic!("{e}")
+    }
+    Scores::of(opts, shape.head_dim)
 }
 
 /// Rotary position embeddings in place ("rotate half", the formulas of [`crate::nn::rope`]):

@@ -293,6 +293,16 @@ fn attention_rejects_bad_options() {
             "`scale`",
         ),
     ];
+    use candle_fsdp::nn::kernels::{attention_backward, attention_forward, AttentionShape};
+    let shape = AttentionShape {
+        batch: 1,
+        seq: 4,
+        n_head: 2,
+        n_kv_head: 1,
+        head_dim: 6,
+    };
+    let raw = qkv.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (out, grad) = (vec![0.5f32; 4 * 12], vec![1f32; 4 * 12]);
     for (opts, name) in bad {
         for x in [qkv.clone(), qkv.to_dtype(DType::F64).unwrap()] {
             for f in [attention as AttentionFn, attention_composed] {
@@ -300,9 +310,45 @@ fn attention_rejects_bad_options() {
                 assert!(e.contains(name), "{opts:?}: {e}");
             }
         }
+        // The raw kernels panic with the same message (they returned zeros, NaN or panicked
+        // inside a task before).
+        for backward in [false, true] {
+            let e = std::panic::catch_unwind(|| {
+                if backward {
+                    attention_backward(&raw, None, &out, &grad, shape, &opts, None);
+                } else {
+                    attention_forward(&raw, None, shape, &opts, None);
+                }
+            })
+            .unwrap_err();
+            let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+            assert!(msg.contains(name), "{opts:?}: {msg}");
+        }
     }
     // The valid base runs.
     assert_eq!(attention(&qkv, &base).unwrap().dims(), [1, 4, 12]);
+}
+
+/// No sequence, or sequences of no position: the empty `(B, T, n_head·hd)` result, with an
+/// (empty) gradient, on the kernel's dtypes and on f64 (the composed ops).
+#[test]
+fn attention_of_nothing_is_empty() {
+    let opts = AttentionOptions::new(2, 1);
+    for dims in [[0, 3, 12], [2, 0, 12]] {
+        for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            for f in [attention as AttentionFn, attention_composed] {
+                let x = Var::from_tensor(
+                    &Tensor::zeros(&dims[..], dtype, &candle_core::Device::Cpu).unwrap(),
+                )
+                .unwrap();
+                let y = f(x.as_tensor(), &opts).unwrap();
+                assert_eq!(y.dims(), [dims[0], dims[1], 6], "{dims:?} {dtype:?}");
+                let g = y.sum_all().unwrap().backward().unwrap();
+                let gx = g.get(x.as_tensor()).expect("a gradient for qkv");
+                assert_eq!(gx.dims(), dims, "{dims:?} {dtype:?}");
+            }
+        }
+    }
 }
 
 /// Examples packed in sequences of 150 positions (row 0: 40 + 70 + 40, segment starts inside

@@ -11,9 +11,9 @@
 //!   communicator of its own. Every poll also tests the one receive each rank keeps posted there;
 //!   once a failure arrived, pending and later collectives fail with [`Error::PeerFailed`]
 //!   naming the failed rank (its `MPI_COMM_WORLD` rank) and its reason;
-//! - a wait that gives up (failure or timeout) cancels its receives and leaves its buffers
-//!   allocated for the rest of the process (a late message must never land in freed memory); the
-//!   runtime is then *poisoned*: `MPI_Finalize` is skipped at exit (it could wait for the
+//! - a wait that gives up (failure or timeout) leaves its requests pending, nothing cancelled
+//!   (see [`Runtime::poison`]), and its buffers allocated for the rest of the process (a late
+//!   message must never land in freed memory); the runtime is then *poisoned*: `MPI_Finalize` is skipped at exit (it could wait for the
 //!   abandoned operations), the process is expected to exit non-zero, and `mpirun` tears down
 //!   whatever is left of the job.
 
@@ -478,9 +478,10 @@ pub(super) struct WaitFor<'a> {
 /// (spin, then yield, then short sleeps), checking the failure channel and the deadline.
 ///
 /// `peers[i]` is the group rank `reqs[i]` exchanges with (named in a timeout); for one
-/// collective request, `peers` lists every other rank of it. On failure or
-/// timeout the receives are cancelled, the runtime is poisoned and the caller must keep every
-/// buffer of the operation allocated (see the module docs); a timeout also aborts the job.
+/// collective request, `peers` lists every other rank of it. On failure or timeout the
+/// requests are left pending (nothing cancelled), the runtime is poisoned and the caller must
+/// keep every buffer of the operation allocated (see the module docs); a timeout also aborts
+/// the job.
 pub(super) fn wait_all(
     rt: &Runtime,
     reqs: &mut [ffi::MPI_Request],

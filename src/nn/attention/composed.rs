@@ -42,6 +42,11 @@ pub(super) fn composed_in(
     let (b, t, hd) = check(qkv, opts)?;
     let (n_head, n_kv_head) = (opts.n_head, opts.n_kv_head);
     let (d, dkv) = (n_head * hd, n_kv_head * hd);
+    if b == 0 || t == 0 {
+        // No position, no score (Candle's softmax refuses an empty reduction): the result is
+        // the empty `(B, T, d)`, still a node of the graph.
+        return qkv.narrow(2, 0, d);
+    }
     let rep = n_head / n_kv_head;
     let heads = |z: Tensor, n: usize| z.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
     let repeat = |z: Tensor| -> Result<Tensor> {
