@@ -76,7 +76,8 @@ use candle_core::{bail, DType, Layout, Result, Tensor};
 use std::sync::Arc;
 
 use crate::cpu::{
-    dot16, exp_fast, gemm_f32, max16, parallel_map, sum16, with_simd, Elem, Scattered, Uninit,
+    dot16, exp_fast, gemm_f32, max16, parallel_chunks, parallel_map, sum16, with_simd, Elem,
+    Scattered, Uninit,
 };
 use composed::composed_in;
 pub use composed::{
@@ -775,7 +776,7 @@ pub(super) fn attention_bwd_with<T: Elem>(
     let out = dx.share();
     // Each task writes its head's `dQ`, and its `dK`, `dV` when its key/value head serves it
     // alone; else it returns them for the group's sum below.
-    let kv = parallel_map(dims.b * dims.h, |task| {
+    let mut kv = parallel_map(dims.b * dims.h, |task| {
         let (bi, hi) = (task / dims.h, task % dims.h);
         let (kc, vc) = dims.kv_cols(hi);
         with_simd(
@@ -806,15 +807,15 @@ pub(super) fn attention_bwd_with<T: Elem>(
     if rep > 1 {
         // A key/value head's gradient is the sum over the query heads it serves, in head
         // order: one task per batch element and key/value head.
-        parallel_map(dims.b * dims.kvh, |group| {
-            let (bi, first) = (group / dims.kvh, group * rep);
-            let (kc, vc) = dims.kv_cols(first % dims.h);
+        parallel_chunks(&mut kv, rep, |group, heads| {
+            let bi = group / dims.kvh;
+            let (kc, vc) = dims.kv_cols(group % dims.kvh * rep);
             with_simd(
                 #[inline(always)]
                 || {
-                    let mut heads = kv[first..first + rep].iter().flatten();
-                    let mut sum = heads.next().expect("a group's first head").clone();
-                    for other in heads {
+                    // Summed into the first head's buffers (taken, not copied).
+                    let mut sum = heads[0].take().expect("a grouped head's dK, dV");
+                    for other in heads[1..].iter().flatten() {
                         for (acc, add) in sum.iter_mut().zip(other) {
                             for (a, &b) in acc.iter_mut().zip(add) {
                                 *a += b;
