@@ -88,19 +88,14 @@ pub(crate) enum Level {
     Avx512,
 }
 
-/// The widest of the crate's kernels this CPU runs (AVX-512 F, else AVX2 and FMA), if any.
+/// The widest of the crate's kernels this process runs ([`super::simd`]: the CPU's widest
+/// unless `FSDP_SIMD` holds it lower), if any.
 pub(crate) fn level() -> Option<Level> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return Some(Level::Avx512);
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            return Some(Level::Avx2);
-        }
+    match super::simd() {
+        super::Simd::Avx512 => Some(Level::Avx512),
+        super::Simd::Avx2 => Some(Level::Avx2),
+        super::Simd::Baseline => None,
     }
-    None
 }
 
 /// One cache line of floats: the packing buffers' unit, so that every panel is 64-byte aligned.

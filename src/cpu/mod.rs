@@ -198,20 +198,91 @@ pub(crate) fn with_simd<R>(f: impl FnOnce() -> R) -> R {
         unsafe fn v3<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-            && std::arch::is_x86_feature_detected!("avx512dq")
-        {
-            // SAFETY: the CPU has every feature `v4` is compiled for (checked just above).
-            return unsafe { v4(f) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { v3(f) };
+        match simd() {
+            // SAFETY: `simd` answers `Avx512` only for a CPU with every feature `v4` is
+            // compiled for, `Avx2` only for one with AVX2 and FMA.
+            Simd::Avx512 => return unsafe { v4(f) },
+            Simd::Avx2 => return unsafe { v3(f) },
+            Simd::Baseline => {}
         }
     }
     f()
+}
+
+/// The vector instructions the crate's own kernels run ([`with_simd`], the matmul kernels of
+/// `cpu/gemm.rs`), from the narrowest up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Simd {
+    /// The build's baseline (SSE2 on x86-64; every non-x86 target).
+    Baseline,
+    /// AVX2 with FMA (x86-64-v3).
+    Avx2,
+    /// AVX-512 F, VL and DQ (with AVX2 and FMA; x86-64-v4).
+    Avx512,
+}
+
+/// The widest vector instructions the crate's own kernels use, chosen once per process: the
+/// CPU's widest, or at most AVX2 under `FSDP_SIMD=avx2`, which makes an AVX-512 CPU run what a
+/// CPU without AVX-512 runs (issue 31's targets are stated for one): the element-wise kernels
+/// compiled for AVX2 and the matmul default of such a CPU ([`matmul_kernel`]). The `gemm`
+/// crate's kernels (Candle's own matmul, attention's tiles) follow it only in a build without
+/// the `gemm-avx512` feature (`--no-default-features`). `FSDP_SIMD=avx512` (or unset) is the
+/// CPU's widest; another value is ignored with a warning.
+pub(crate) fn simd() -> Simd {
+    static LEVEL: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let (level, warning) = simd_from(
+            cpu_simd(),
+            std::env::var("FSDP_SIMD").unwrap_or_default().trim(),
+        );
+        if let Some(w) = warning {
+            eprintln!("{w}");
+        }
+        level
+    })
+}
+
+/// The widest of [`Simd`]'s levels this CPU runs.
+fn cpu_simd() -> Simd {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx2") && has!("fma") {
+            if has!("avx512f") && has!("avx512vl") && has!("avx512dq") {
+                return Simd::Avx512;
+            }
+            return Simd::Avx2;
+        }
+    }
+    Simd::Baseline
+}
+
+/// The level `FSDP_SIMD=value` gives on a CPU whose widest is `cpu` (`""` when unset), and the
+/// warning to print when the value is not used as asked.
+fn simd_from(cpu: Simd, value: &str) -> (Simd, Option<String>) {
+    let asked = match value {
+        "" => return (cpu, None),
+        "avx512" => Simd::Avx512,
+        "avx2" => Simd::Avx2,
+        other => {
+            return (
+                cpu,
+                Some(format!(
+                    "FSDP_SIMD={other:?} is none of \"avx512\", \"avx2\"; using {cpu:?}"
+                )),
+            )
+        }
+    };
+    if asked <= cpu {
+        (asked, None)
+    } else {
+        (
+            cpu,
+            Some(format!(
+                "FSDP_SIMD={value}: this CPU cannot run it; using {cpu:?}"
+            )),
+        )
+    }
 }
 
 /// `eˣ` in f32 without a libm call, so that a loop over a slice vectorises: Cephes' `expf`
@@ -444,17 +515,18 @@ pub enum MatmulKernel {
     /// The crate's AVX-512 kernel (14 × 32 register tile, packed panels; `cpu/gemm.rs`).
     Avx512,
     /// The `gemm` crate's kernel for the widest instructions the CPU has (AVX-512 with its
-    /// `x86-v4` feature, which this crate turns on): Candle's own matmul.
+    /// `x86-v4` feature, which this crate's default feature `gemm-avx512` turns on): Candle's
+    /// own matmul.
     GemmCrate,
 }
 
 /// The kernel of the crate's f32 matrix products (those of [`crate::nn`]'s fused nodes and of
 /// the decoder's block), chosen once per process: on a CPU with AVX2 and FMA but without
-/// AVX-512, the crate's AVX2 kernel (0.95–1.05× MKL's AVX2 rate where `gemm`'s reached
+/// AVX-512 (or one held to AVX2 by `FSDP_SIMD=avx2`: [`simd`]), the crate's AVX2 kernel (0.95–1.05× MKL's AVX2 rate where `gemm`'s reached
 /// 0.78–0.97× of it: BENCHMARKS.md §15, issue 31); elsewhere the `gemm` crate's (its AVX-512
 /// kernel; the crate's own is faster alone but was 1–2 % slower inside the Llama step, so the
-/// default stays). `FSDP_MATMUL=avx2`, `avx512` or `gemm` forces one (one the CPU cannot run
-/// falls back to the default with a warning). Candle's own `matmul` (the composed ops) always
+/// default stays). `FSDP_MATMUL=avx2`, `avx512` or `gemm` forces one (one the CPU, or
+/// `FSDP_SIMD`, does not allow falls back to the default with a warning). Candle's own `matmul` (the composed ops) always
 /// runs the `gemm` crate.
 pub fn matmul_kernel() -> MatmulKernel {
     static CHOICE: std::sync::OnceLock<MatmulKernel> = std::sync::OnceLock::new();
@@ -485,7 +557,9 @@ pub fn matmul_kernel() -> MatmulKernel {
         if runs {
             want
         } else {
-            eprintln!("FSDP_MATMUL={forced}: this CPU cannot run it; using {best:?}");
+            eprintln!(
+                "FSDP_MATMUL={forced}: this CPU (or FSDP_SIMD) cannot run it; using {best:?}"
+            );
             best
         }
     })
@@ -494,6 +568,31 @@ pub fn matmul_kernel() -> MatmulKernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `FSDP_SIMD` lowers the CPU's level, never raises it, and says so when it cannot be
+    /// followed.
+    #[test]
+    fn simd_knob_holds_the_level_down_only() {
+        assert_eq!(simd_from(Simd::Avx512, ""), (Simd::Avx512, None));
+        assert_eq!(simd_from(Simd::Avx512, "avx2"), (Simd::Avx2, None));
+        assert_eq!(simd_from(Simd::Avx512, "avx512"), (Simd::Avx512, None));
+        assert_eq!(simd_from(Simd::Avx2, "avx2"), (Simd::Avx2, None));
+        assert_eq!(
+            simd_from(Simd::Avx2, "avx512"),
+            (
+                Simd::Avx2,
+                Some("FSDP_SIMD=avx512: this CPU cannot run it; using Avx2".into())
+            )
+        );
+        assert_eq!(
+            simd_from(Simd::Avx512, "sse"),
+            (
+                Simd::Avx512,
+                Some("FSDP_SIMD=\"sse\" is none of \"avx512\", \"avx2\"; using Avx512".into())
+            )
+        );
+        assert_eq!(simd_from(Simd::Baseline, "avx2").0, Simd::Baseline);
+    }
 
     /// Tasks writing disjoint runs of an `Uninit` on the pool give the vector they wrote; a run
     /// past the end is refused.
