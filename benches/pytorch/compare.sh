@@ -18,6 +18,18 @@
 # MNIST ratio our epoch time over PyTorch's (lower is better).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# SIMD=avx2: both sides held to AVX2 on an AVX-512 CPU, the code a CPU without AVX-512 runs
+# (issue 31's targets): PyTorch through ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS and
+# ONEDNN_MAX_CPU_ISA, ours through FSDP_SIMD and a build without the `gemm-avx512` feature:
+#   CARGO_TARGET_DIR=target-avx2 cargo build --release --no-default-features \
+#       --features mnist,gpt,llama,timeline,cli --examples --bin fsdp-run
+#   SIMD=avx2 CARGO_TARGET_DIR=target-avx2 bash benches/pytorch/compare.sh
+if [ "${SIMD:-}" = avx2 ]; then
+    export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 FSDP_SIMD=avx2
+elif [ -n "${SIMD:-}" ]; then
+    echo "SIMD must be avx2 or unset, found $SIMD" >&2
+    exit 2
+fi
 BIN="${CARGO_TARGET_DIR:-target}/release/examples"
 ROUNDS=${ROUNDS:-1}
 STEPS=${STEPS:-12}

@@ -28,6 +28,18 @@
 # (its output's tail goes to stderr) and the table goes on.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# SIMD=avx2: both sides held to AVX2 on an AVX-512 CPU, the code a CPU without AVX-512 runs
+# (issue 31's targets): PyTorch through ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS and
+# ONEDNN_MAX_CPU_ISA, ours through FSDP_SIMD and a build without the `gemm-avx512` feature:
+#   CARGO_TARGET_DIR=target-avx2 cargo build --release --no-default-features \
+#       --features mnist,gpt,llama,timeline,cli --examples --bin fsdp-run
+#   SIMD=avx2 CARGO_TARGET_DIR=target-avx2 bash benches/pytorch/families.sh
+if [ "${SIMD:-}" = avx2 ]; then
+    export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 FSDP_SIMD=avx2
+elif [ -n "${SIMD:-}" ]; then
+    echo "SIMD must be avx2 or unset, found $SIMD" >&2
+    exit 2
+fi
 BIN="${CARGO_TARGET_DIR:-target}/release/examples"
 FAMILIES=${FAMILIES:-llama mistral qwen2 qwen3 phi3 gemma2 gpt2}
 ROUNDS=${ROUNDS:-1}
@@ -142,4 +154,4 @@ echo
 echo "SIZE $SIZE, world size $WS, batch $BATCH × $SEQ tokens per rank, $STEPS steps (median of steps 3..$STEPS), $(nproc) cores;" \
     "CPU: $(lscpu | sed -n 's/^Model name: *//p' | head -1);" \
     "flags: $(lscpu | sed -n 's/^Flags: *//p' | tr ' ' '\n' | grep -E 'avx|fma|amx' | tr '\n' ' ' | sed 's/ $//');" \
-    "$(python -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")' 2>/dev/null)"
+    "$(python -c 'import torch, transformers; print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), transformers {transformers.__version__}")' 2>/dev/null)${SIMD:+; SIMD=$SIMD (ours: FSDP_SIMD=$SIMD)}"

@@ -238,6 +238,12 @@ pub(crate) fn simd() -> Simd {
         if let Some(w) = warning {
             eprintln!("{w}");
         }
+        if level < Simd::Avx512 && cfg!(feature = "gemm-avx512") && cpu_simd() == Simd::Avx512 {
+            eprintln!(
+                "FSDP_SIMD={level:?}: the gemm crate's kernels (Candle's matmul, attention's tiles) \
+                 still run AVX-512 in a build with the gemm-avx512 feature"
+            );
+        }
         level
     })
 }
