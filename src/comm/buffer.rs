@@ -52,12 +52,6 @@ unsafe impl Send for RawBuf {}
 // SAFETY: as above; sharing the address itself is harmless.
 unsafe impl Sync for RawBuf {}
 
-impl RawBuf {
-    pub(crate) fn typed<T>(self) -> *mut T {
-        self.ptr as *mut T
-    }
-}
-
 /// Address and length in bytes of a setup argument (a stream name, a list of ranks).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RawBytes {

@@ -28,7 +28,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::comm::buffer::{validate, with_checked_bufs, Kind, Post, Problem, RawBuf};
-use crate::comm::reduce::{chunk, reduce_into, with_elem};
+use crate::comm::reduce::{chunk, reduce_raw};
 use crate::comm::{wire, Call, OpKind, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -367,16 +367,17 @@ fn reduce_exchange<L: Link>(
                 false => slot(k, j) as *const u8,
             })
             .collect();
-        let out = into.dst.wrapping_add(k * seg * es);
-        with_elem!(into.dtype, T => {
-            let srcs: Vec<*const T> = srcs.iter().map(|&p| p as *const T).collect();
-            // SAFETY: each source holds `recv_n` elements of T (a received segment in an
-            // 8-byte aligned scratch slot that round k+1 does not touch, or this rank's own
-            // share at an element boundary); `out` is this rank's write-locked destination,
-            // equal to its own source or disjoint from every source, and disjoint from the
-            // scratch and from every segment round k+1 sends.
-            unsafe { reduce_into::<T>(&srcs, out as *mut T, recv_n, into.op, ws) }
-        });
+        let out = RawBuf {
+            ptr: into.dst.wrapping_add(k * seg * es),
+            len: recv_n,
+            dtype: into.dtype,
+        };
+        // SAFETY: each source holds `recv_n` elements of the dtype (a received segment in an
+        // 8-byte aligned scratch slot that round k+1 does not touch, or this rank's own share at
+        // an element boundary); `out` is this rank's write-locked destination, equal to its own
+        // source or disjoint from every source, and disjoint from the scratch and from every
+        // segment round k+1 sends.
+        unsafe { reduce_raw(out, &srcs, into.op, ws) };
     }
     Ok(())
 }

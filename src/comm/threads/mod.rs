@@ -101,8 +101,6 @@ use self::rendezvous::{Communicator, Ctx, Shared};
 use super::buffer::{validate, Post};
 use super::engine::board;
 use super::engine::group::{Collective, HostGroup, Member, Op, Transport};
-#[cfg(feature = "cuda")]
-use super::engine::streams::HostStreams;
 use super::engine::streams::StreamComm;
 #[cfg(feature = "cuda")]
 use super::{Call, CommStream, OpKind, Work};
@@ -111,22 +109,8 @@ use super::{ProcessGroup, DEFAULT_STREAM};
 #[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
 use crate::error::{Error, Result};
 
-/// Configuration of a thread process group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ThreadGroupConfig {
-    /// How long a rank waits, in a collective, for the other ranks to join it before failing with
-    /// [`Error::Timeout`] (measured from the moment the collective starts running on the rank's
-    /// comm stream). Default: 300 s.
-    pub timeout: Duration,
-}
-
-impl Default for ThreadGroupConfig {
-    fn default() -> Self {
-        ThreadGroupConfig {
-            timeout: Duration::from_secs(300),
-        }
-    }
-}
+/// Configuration of a thread process group: [`crate::comm::GroupConfig`].
+pub type ThreadGroupConfig = super::GroupConfig;
 
 /// One communicator of a rank as its thread holds it: a stream's rendezvous (`None`: the
 /// group's setup rendezvous) and, on a GPU, the stream's CUDA stream.
@@ -339,7 +323,7 @@ impl Transport for Threads {
     #[cfg(feature = "cuda")]
     fn issue_device<V: Send + 'static>(
         &self,
-        streams: &HostStreams<ThreadComm>,
+        group: &HostGroup<Self>,
         stream: &CommStream,
         kind: OpKind,
         value: V,
@@ -348,7 +332,7 @@ impl Transport for Threads {
         use crate::comm::engine::cuda::CudaDone;
         let rc = Arc::clone(self.cuda.as_ref().expect("a group on a GPU"));
         let (rank, shared) = (self.rank, Arc::clone(&self.shared));
-        let issued = streams.issue_job(stream, kind, move |is| {
+        let issued = group.issue_job(stream, kind, move |is| {
             let (completion, completer) =
                 cuda::CudaOp::pending(Arc::clone(&rc.compute), &is.op, rank, &is.stream);
             // The inputs as of this call: recorded now, on the compute stream.
