@@ -1,14 +1,14 @@
 //! The collectives of the shared-memory family (the thread backend, whose ranks read each
 //! other's tensors, and the shared-memory backend, whose ranks read each other's arenas or
-//! segments),
-//! written once over a [`Board`]: one rank's side of one communicator's rendezvous.
+//! segments), written once over a [`Board`]: one rank's side of one communicator's rendezvous.
 //!
 //! A collective makes this rank's buffer readable by its peers (shm: posts its offset in the
-//! shared arena, or copies what they will read into its segment), publishes its [`Post`] and waits for every rank (barrier 1), validates
-//! every rank's post (the same verdict on every rank: the group stays usable after a
-//! mismatch), then does its own share of the copying straight from the peers' readable buffers
-//! with byte copies and the rank-order reduction kernel of [`reduce_raw`] (bitwise the same
-//! reductions on both backends):
+//! shared arena, or copies what they will read into its segment), publishes its [`Post`] and
+//! waits for every rank (barrier 1), validates every rank's post (the same verdict on every
+//! rank: the group stays usable after a mismatch), then does its own share of the copying
+//! straight from the peers' readable buffers (bandwidth-optimal: every byte is read once per
+//! destination) with byte copies and the rank-order reduction kernel of [`reduce_raw`] (bitwise
+//! the same reductions on both backends):
 //! - **all-gather**: every rank's input into its place in the output;
 //! - **reduce-scatter**: this rank's chunk, reduced over every rank's input in rank order;
 //! - **all-reduce** (in place, two phases): chunk `r` reduced over every rank's buffer into this
@@ -17,17 +17,18 @@
 //! - **broadcast**: non-roots copy the root's buffer; **reduce**: the root reduces every
 //!   rank's buffer into its own.
 //!
-//! A last barrier keeps every readable buffer unchanged until every rank finished reading it.
+//! A last barrier keeps every readable buffer unchanged (nobody returns, frees or reuses one)
+//! until every rank finished reading it.
 //! **barrier** is barrier 1 alone (posts are double-buffered).
 
 use std::ops::Range;
 
 use candle_core::Tensor;
 
-use crate::comm::buffer::{with_checked_bufs, Kind, Post, Problem, RawBuf};
+use crate::comm::buffer::{with_checked_bufs, Kind, Post, RawBuf};
 use crate::comm::reduce::{chunk, reduce_raw};
 use crate::comm::{Call, OpKind};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// What the peers read of this rank's buffer in a collective.
 #[derive(Debug, Clone)]
@@ -57,8 +58,6 @@ pub(crate) trait Board {
     fn readable(&self, j: usize, like: RawBuf, len: usize) -> Result<RawBuf>;
     /// Arrives at barrier `target` after the data phase and waits for every rank.
     fn sync(&self, target: u64) -> Result<()>;
-    /// Reports a local `problem` through the rendezvous (every rank fails the same way).
-    fn fail_with(&mut self, kind: Kind, problem: Problem) -> Error;
     /// Held through the data phase (the thread backend aborts the process on a panic there:
     /// unwinding would free buffers peers are still reading).
     fn data_phase(&self) -> impl Sized + '_;
@@ -70,16 +69,10 @@ pub(crate) fn run<B: Board>(
     collective: Option<(Call, &Tensor, Option<&Tensor>)>,
 ) -> Result<()> {
     let Some((call, buf, input)) = collective else {
-        let post = Post::new(Kind::Op(OpKind::Barrier), board.seq());
-        let none = RawBuf {
-            ptr: std::ptr::null_mut(),
-            len: 0,
-            dtype: candle_core::DType::U8,
-        };
-        return board.publish(&post, none, Expose::Nothing).map(|_| ());
+        return post_only(board, &Post::new(Kind::Op(OpKind::Barrier), board.seq()));
     };
-    let kind = call.kind();
-    with_checked_bufs(board, kind, buf, input, B::fail_with, |b, dst, src| {
+    let (kind, seq) = (call.kind(), board.seq());
+    with_checked_bufs(board, kind, seq, buf, input, post_only, |b, dst, src| {
         let (rank, ws) = (b.rank(), b.world_size());
         let es = dst.dtype.size_in_bytes();
         let post = Post::of_call(call, b.seq(), dst, src);
@@ -174,6 +167,16 @@ pub(crate) fn run<B: Board>(
         drop(guard);
         synced
     })
+}
+
+/// Publishes `post` with nothing for the peers to read (a barrier, a local problem).
+fn post_only<B: Board>(board: &mut B, post: &Post) -> Result<()> {
+    let none = RawBuf {
+        ptr: std::ptr::null_mut(),
+        len: 0,
+        dtype: candle_core::DType::U8,
+    };
+    board.publish(post, none, Expose::Nothing).map(|_| ())
 }
 
 /// Copies `n` elements of `src` from element `from` into `dst` from element `to` (`dst`'s

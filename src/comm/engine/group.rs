@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 
 use super::streams::{HostStream, Issued, Job, StreamComm};
 use super::{check_ranks, run_stream_op};
-use crate::comm::buffer::{Kind, Post, RawBytes};
+use crate::comm::buffer::{Kind, Post};
 use crate::comm::{
     foreign_stream, Call, CommObserver, CommStream, OpKind, ProcessGroup, Work, DEFAULT_STREAM,
 };
@@ -72,9 +72,9 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     /// ones, in the same order, on the same stream). Argument problems are reported through the
     /// descriptor exchange, so every rank fails the same way.
     fn run(&self, comm: &mut Self::Comm, op: Op<'_>, collective: Collective<'_>) -> Result<()>;
-    /// Exchanges `post` (a setup operation's descriptor; `bytes` its argument) over the setup
+    /// Exchanges `post` (a setup operation's descriptor, with its argument) over the setup
     /// communicator and validates every rank's (the same verdict on every rank).
-    fn agree(&self, setup: &mut Self::Comm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()>;
+    fn agree(&self, setup: &mut Self::Comm, op: Op<'_>, post: &Post) -> Result<()>;
     /// Opens communicator `index` of this group for the stream named `name`, once every rank
     /// agreed to.
     fn open(
@@ -285,9 +285,9 @@ impl<T: Transport> HostGroup<T> {
         let name = name(seq);
         let op = Op { seq, name: &name };
         let mut post = Post::new(kind, seq);
-        post.bytes = Some(RawBytes::of(bytes));
+        post.bytes = Some(bytes.to_vec());
         post.index = new_index.then_some(setup.comms);
-        self.transport.agree(&mut setup.comm, op, &post, bytes)?;
+        self.transport.agree(&mut setup.comm, op, &post)?;
         then(&self.transport, &mut setup, op)
     }
 }

@@ -173,8 +173,8 @@ impl Transport for Mpi {
         messages::run(&mut self.ctx(comm, op), collective)
     }
 
-    fn agree(&self, setup: &mut MpiComm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()> {
-        self.ctx(setup, op).exchange(post, bytes)
+    fn agree(&self, setup: &mut MpiComm, op: Op<'_>, post: &Post) -> Result<()> {
+        self.ctx(setup, op).exchange(post)
     }
 
     fn open(

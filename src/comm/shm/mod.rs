@@ -147,8 +147,8 @@ impl Transport for Shm {
         board::run(&mut self.ctx(comm, op), collective)
     }
 
-    fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()> {
-        self.ctx(setup, op).exchange(post, bytes).map(|_| ())
+    fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post) -> Result<()> {
+        self.ctx(setup, op).exchange(post).map(|_| ())
     }
 
     /// Every rank creates its segment, then maps the others', then removes its file.

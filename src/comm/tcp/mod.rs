@@ -116,8 +116,8 @@ impl Transport for Tcp {
         messages::run(&mut self.ctx(comm, op), collective)
     }
 
-    fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()> {
-        self.ctx(setup, op).exchange(post, bytes)
+    fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post) -> Result<()> {
+        self.ctx(setup, op).exchange(post)
     }
 
     fn open(&self, _setup: &mut Comm, _op: Op<'_>, index: usize, _name: &str) -> Result<Comm> {
