@@ -167,13 +167,11 @@ impl<T: Transport> HostGroup<T> {
     /// A group over `transport`, its setup communicator and the communicator of its default
     /// stream (whose thread starts now).
     ///
-    /// Errors: the default stream's thread cannot be started (the rank then leaves the setup
-    /// communicator, so peers waiting for it fail instead of hanging).
+    /// Errors: the default stream's thread cannot be started (the rank then leaves the setup and
+    /// default communicators, so peers waiting for it fail instead of hanging).
     pub(crate) fn new(transport: T, mut setup: T::Comm, default: T::Comm) -> Result<Arc<Self>> {
-        let (id, rank) = (
-            NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed),
-            transport.rank(),
-        );
+        let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
+        let rank = transport.rank();
         let closing = Arc::new(AtomicBool::new(false));
         let started = HostStream::start(T::BACKEND, id, rank, default, DEFAULT_STREAM, &closing);
         let (stream, thread) = started.inspect_err(|_| setup.leave(rank))?;
@@ -247,19 +245,12 @@ impl<T: Transport> HostGroup<T> {
                 let abort = |message: &str| {
                     transport.abort(&format!("comm stream panicked: {message}"));
                 };
-                let result = run_stream_op(
-                    &is.op,
-                    rank,
-                    || {
-                        let op = Op {
-                            seq: is.seq,
-                            name: &is.op,
-                        };
-                        body(&transport, comm, op, &value)?;
-                        Ok(value)
-                    },
-                    abort,
-                );
+                let op = Op {
+                    seq: is.seq,
+                    name: &is.op,
+                };
+                let run = || body(&transport, comm, op, &value).map(|()| value);
+                let result = run_stream_op(&is.op, rank, run, abort);
                 drop(observed);
                 completer.complete(result);
             });

@@ -234,17 +234,17 @@ impl Link for Ctx<'_> {
     /// Sends this rank's `post` to every peer, receives theirs and validates all of them (the
     /// same verdict on every rank).
     fn exchange(&mut self, post: &Post) -> Result<()> {
-        if let Some(f) = self.core.net.failure() {
-            return Err(self.peer_failed(f));
-        }
         let (ws, rank) = (self.world_size(), self.rank());
         // Too long: this rank never sends it, so it stops the job rather than leave the peers
-        // waiting.
+        // waiting (checked first: every rank with such an argument fails with its own error).
         let desc = wire::encode_within(post, SETUP_MAX, "TCP", self.op).inspect_err(|e| {
             self.core
                 .net
                 .abort(self.core.root_ranks[rank], &e.message())
         })?;
+        if let Some(f) = self.core.net.failure() {
+            return Err(self.peer_failed(f));
+        }
         let mut mine = vec![0u8; FRAME];
         mine[0] = TAG_DESC;
         mine[4..8].copy_from_slice(&(desc.len() as u32).to_le_bytes());
