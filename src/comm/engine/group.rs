@@ -109,6 +109,7 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     /// `value` (feature `cuda`).
     #[cfg(feature = "cuda")]
     fn issue_device<V: Send + 'static>(
+        &self,
         group: &HostGroup<Self>,
         stream: &CommStream,
         kind: OpKind,
