@@ -2,11 +2,12 @@
 //! for a collective ([`Post`]: kind, sequence number, buffer lengths and dtypes, reduce op, root,
 //! setup argument, local problem), the deterministic validation of every rank's post
 //! ([`validate`]; the same verdict on every rank), and access to a CPU tensor's storage under
-//! Candle's in-place op locks ([`with_raw_bufs`]).
+//! Candle's in-place op locks ([`with_checked_bufs`]).
 //!
-//! The thread backend posts these through shared memory; the MPI backend encodes them into a
-//! small descriptor message exchanged before the data moves. Both therefore fail the same way, with
-//! the same [`Error::BadBuffer`] or [`Error::CollectiveMismatch`] on every rank.
+//! The thread backend posts these through its shared rendezvous; shared memory, TCP and MPI
+//! encode them into a small descriptor (`comm::wire`) exchanged before the data moves (NCCL
+//! validates its own post alone). Every backend therefore fails the same way, with the same
+//! [`Error::BadBuffer`] or [`Error::CollectiveMismatch`] on every rank.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, DeviceLocation, Layout, Tensor};
@@ -51,46 +52,6 @@ pub(crate) struct RawBuf {
 unsafe impl Send for RawBuf {}
 // SAFETY: as above; sharing the address itself is harmless.
 unsafe impl Sync for RawBuf {}
-
-impl RawBuf {
-    pub(crate) fn typed<T>(self) -> *mut T {
-        self.ptr as *mut T
-    }
-}
-
-/// Address and length in bytes of a setup argument (a stream name, a list of ranks).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RawBytes {
-    ptr: *const u8,
-    len: usize,
-}
-
-// SAFETY: as for `RawBuf`: read by peers only between the two barriers of a setup rendezvous,
-// while the posting rank keeps the bytes alive.
-unsafe impl Send for RawBytes {}
-// SAFETY: as above.
-unsafe impl Sync for RawBytes {}
-
-impl RawBytes {
-    pub(crate) fn of<T: Copy>(values: &[T]) -> RawBytes {
-        RawBytes {
-            ptr: values.as_ptr() as *const u8,
-            len: std::mem::size_of_val(values),
-        }
-    }
-
-    /// # Safety
-    ///
-    /// The posting rank must keep the bytes alive and unmodified (it does until the second
-    /// barrier of the setup rendezvous).
-    unsafe fn bytes<'a>(self) -> &'a [u8] {
-        if self.len == 0 {
-            return &[];
-        }
-        // SAFETY: per the function contract.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
 
 /// Name of a buffer in a [`Problem`]: `input`, `output` or `buffer` (the thread backend's
 /// `which`). An alias because serde's derive takes a field written `&'static str` for text
@@ -149,9 +110,10 @@ pub(crate) fn location_name(l: DeviceLocation) -> String {
 }
 
 impl Problem {
-    /// (buffer, expected, found) for [`Error::BadBuffer`].
-    fn describe(self) -> (&'static str, String, String) {
-        match self {
+    /// The [`Error::BadBuffer`] this problem is on `rank`, for a collective of kind `kind`
+    /// named `op` (the wording [`validate`] uses).
+    pub(crate) fn to_error(self, op: &str, rank: usize, kind: Kind) -> Error {
+        let (which, expected, found) = match self {
             Problem::NotOnCpu { which, found } => {
                 (which, "a tensor on the CPU".into(), format!("{found:?}"))
             }
@@ -194,13 +156,7 @@ impl Problem {
                     format!("a tensor on {}", location_name(found))
                 },
             ),
-        }
-    }
-
-    /// The [`Error::BadBuffer`] this problem is on `rank`, for a collective of kind `kind`
-    /// named `op` (the wording [`validate`] uses).
-    pub(crate) fn to_error(self, op: &str, rank: usize, kind: Kind) -> Error {
-        let (which, expected, found) = self.describe();
+        };
         Error::BadBuffer {
             op: op.to_string(),
             rank,
@@ -212,7 +168,7 @@ impl Problem {
 }
 
 /// What one rank published for one rendezvous (its wire form: [`wire::encode`]).
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Post {
     pub kind: Kind,
     pub seq: u64,
@@ -220,10 +176,9 @@ pub(crate) struct Post {
     pub output: Option<RawBuf>,
     pub op: Option<ReduceOp>,
     pub root: Option<usize>,
-    /// Setup argument: the stream name (`NewStream`) or the ranks (`NewGroup`); sent after the
-    /// post by [`wire::encode`], not as a field.
-    #[serde(skip)]
-    pub bytes: Option<RawBytes>,
+    /// Setup argument: the stream name (`NewStream`) or the ranks (`NewGroup`, native-endian
+    /// `usize`s); `None` for a collective (nothing allocated per operation).
+    pub bytes: Option<Vec<u8>>,
     /// `NewStream`: index of the stream among the streams this rank created.
     pub index: Option<usize>,
     pub problem: Option<Problem>,
@@ -280,10 +235,8 @@ fn describe_call(p: &Post) -> String {
 }
 
 /// A setup argument as text, for mismatch errors.
-fn describe_bytes(kind: Kind, b: Option<RawBytes>) -> String {
-    // SAFETY: called between the barriers of a setup rendezvous, while every poster keeps its
-    // argument alive and unmodified.
-    let bytes = b.map_or(&[][..], |b| unsafe { b.bytes() });
+fn describe_bytes(kind: Kind, b: &Option<Vec<u8>>) -> String {
+    let bytes = b.as_deref().unwrap_or_default();
     match kind {
         Kind::NewGroup => {
             let ranks: Vec<usize> = bytes
@@ -297,8 +250,6 @@ fn describe_bytes(kind: Kind, b: Option<RawBytes>) -> String {
 }
 
 /// Checks every rank's post; deterministic, so every rank reaches the same verdict.
-///
-/// Must run between the two barriers of a rendezvous (it reads peers' setup arguments).
 pub(crate) fn validate(op: &str, world_size: usize, posts: &[Post]) -> Result<()> {
     let p0 = &posts[0];
     let mismatch = |rank: usize, found: String, expected: String| Error::CollectiveMismatch {
@@ -391,16 +342,11 @@ pub(crate) fn validate(op: &str, world_size: usize, posts: &[Post]) -> Result<()
             root: "root " / "no root",
             index: "stream index " / "no stream index"
         );
-        // SAFETY: between the barriers of the rendezvous, peers keep their arguments alive.
-        let same_bytes = match (p.bytes, p0.bytes) {
-            (Some(a), Some(b)) => unsafe { a.bytes() == b.bytes() },
-            (a, b) => a.is_none() && b.is_none(),
-        };
-        if !same_bytes {
+        if p.bytes != p0.bytes {
             return Err(mismatch(
                 j,
-                describe_bytes(p.kind, p.bytes),
-                describe_bytes(p0.kind, p0.bytes),
+                describe_bytes(p.kind, &p.bytes),
+                describe_bytes(p0.kind, &p0.bytes),
             ));
         }
     }
@@ -536,18 +482,39 @@ fn raw_write(storage: &mut CpuStorage, layout: &Layout) -> RawBuf {
     raw(base, len, storage, layout)
 }
 
-/// Runs a collective body with the raw buffers of `dst` (write-locked) and, when given, `src`
-/// (read-locked), both CPU tensors that passed [`check`], under Candle's storage locks for the
-/// whole call ([`crate::device::with_storage_mut`]).
-///
-/// Errors ([`Refused`]): Candle refused before calling `body`: the output shares storage with the
-/// input (devices and layouts are checked by the caller first).
-pub(crate) fn with_raw_bufs<R>(
+/// Reports a local `problem` with collective `kind` (sequence number `seq`) through `exchange`,
+/// which posts it to every rank: returns the error every rank then gets (validation refuses the
+/// post on every rank).
+pub(crate) fn report(
+    kind: Kind,
+    seq: u64,
+    problem: Problem,
+    exchange: impl FnOnce(&Post) -> Result<()>,
+) -> Error {
+    let mut post = Post::new(kind, seq);
+    post.problem = Some(problem);
+    exchange(&post).expect_err("validation refuses a post with a problem")
+}
+
+/// Runs a host backend's collective `kind` (sequence number `seq`) on the raw buffers of `dst`
+/// (written) and `src` (read), both CPU tensors, under Candle's storage locks for the whole call
+/// ([`crate::device::with_storage_mut`]). A buffer this rank cannot use ([`problem`], or an
+/// output that Candle refused because it shares storage with the input) takes part in the
+/// descriptor exchange (`exchange`) only to report why ([`report`]).
+pub(crate) fn with_checked_bufs<X>(
+    x: &mut X,
+    kind: OpKind,
+    seq: u64,
     dst: &Tensor,
     src: Option<&Tensor>,
-    body: impl FnOnce(RawBuf, Option<RawBuf>) -> R,
-) -> std::result::Result<R, Refused> {
-    with_storage_mut(dst, src, "thread-collective", |d, dl, s| {
+    exchange: fn(&mut X, &Post) -> Result<()>,
+    body: impl FnOnce(&mut X, RawBuf, Option<RawBuf>) -> Result<()>,
+) -> Result<()> {
+    let kind = Kind::Op(kind);
+    if let Some(problem) = problem(dst, src, &Device::Cpu) {
+        return Err(report(kind, seq, problem, |post| exchange(x, post)));
+    }
+    let ran = with_storage_mut(dst, src, "thread-collective", |d, dl, s| {
         let StorageMut::Cpu(d) = d else {
             return None;
         };
@@ -556,32 +523,14 @@ pub(crate) fn with_raw_bufs<R>(
             Some((StorageRef::Cpu(s), sl)) => Some(raw_read(s, sl)),
             Some((StorageRef::Cuda(_), _)) => return None,
         };
-        Some(body(raw_write(d, dl), src))
-    })?
-    .ok_or_else(|| {
-        Refused(candle_core::Error::Msg(
-            "thread-collective: not CPU tensors".into(),
-        ))
-    })
-}
-
-/// Runs a host backend's collective `kind` on the raw buffers of `dst` (written) and `src`
-/// (read), both locked for the whole call ([`with_raw_bufs`]). A buffer this rank cannot use
-/// ([`problem`]) takes part in the descriptor exchange only to report why: `fail` posts the
-/// problem and returns the error every rank then gets.
-pub(crate) fn with_checked_bufs<X>(
-    x: &mut X,
-    kind: OpKind,
-    dst: &Tensor,
-    src: Option<&Tensor>,
-    fail: fn(&mut X, Kind, Problem) -> Error,
-    body: impl FnOnce(&mut X, RawBuf, Option<RawBuf>) -> Result<()>,
-) -> Result<()> {
-    if let Some(problem) = problem(dst, src, &Device::Cpu) {
-        return Err(fail(x, Kind::Op(kind), problem));
-    }
-    match with_raw_bufs(dst, src, |d, s| body(&mut *x, d, s)) {
-        Ok(result) => result,
-        Err(_refused) => Err(fail(x, Kind::Op(kind), Problem::Aliased)),
+        Some(body(&mut *x, raw_write(d, dl), src))
+    });
+    match ran {
+        Ok(Some(result)) => result,
+        // Refused: the output shares storage with the input (or not CPU tensors, which
+        // `problem` already excluded).
+        Ok(None) | Err(Refused(_)) => Err(report(kind, seq, Problem::Aliased, |post| {
+            exchange(x, post)
+        })),
     }
 }

@@ -75,14 +75,20 @@ pub use host::ProcessGroupExt;
 pub use stats::{CommStatsSnapshot, Instrumented};
 pub use work::{Completion, Work, WorkCompleter};
 
-/// Which collective, with its scalar arguments: what a backend's `issue` path receives (the
-/// thread backend's host and CUDA data paths, the NCCL backend).
+/// Which collective, with its scalar arguments: what [`ProcessGroup::issue_call`] receives
+/// (for backend implementations).
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Call {
+pub enum Call {
+    /// [`ProcessGroup::all_gather`].
     AllGather,
+    /// [`ProcessGroup::reduce_scatter`] with its reduction.
     ReduceScatter(ReduceOp),
+    /// [`ProcessGroup::all_reduce`] with its reduction.
     AllReduce(ReduceOp),
+    /// [`ProcessGroup::broadcast`] from a root.
     Broadcast(usize),
+    /// [`ProcessGroup::reduce`] into a root, with its reduction.
     Reduce(usize, ReduceOp),
 }
 
@@ -115,6 +121,32 @@ pub(crate) fn foreign_stream(kind: OpKind, rank: usize, stream: &CommStream) -> 
         "one of this process group's streams",
         "a stream not created by this process group",
     )
+}
+
+/// Configuration of a process group, the same for every backend (named by each:
+/// [`threads::ThreadGroupConfig`], [`shm::ShmConfig`], [`tcp::TcpConfig`], `mpi::MpiConfig`,
+/// `nccl::NcclConfig`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupConfig {
+    /// How long a rank waits for its peers before failing with [`Error::Timeout`]. Default:
+    /// 300 s. On each backend:
+    /// - threads: how long a rank waits, in a collective, for the other ranks to join it
+    ///   (measured from the moment the collective starts running on the rank's comm stream);
+    /// - shm: how long a rank waits in a collective (the timeout also aborts the job); also
+    ///   bounds the store rendezvous;
+    /// - tcp: as shm; also bounds the rendezvous and each connection setup;
+    /// - MPI: how long a rank waits in a collective (the timeout also aborts the job);
+    /// - NCCL: how long an operation may stay incomplete (from its issue) before the watchdog
+    ///   aborts the group, and how long the bootstrap waits for the other ranks.
+    pub timeout: std::time::Duration,
+}
+
+impl Default for GroupConfig {
+    fn default() -> Self {
+        GroupConfig {
+            timeout: std::time::Duration::from_secs(300),
+        }
+    }
 }
 
 /// Name of the stream every group has from its creation ([`ProcessGroup::default_stream`]).
@@ -267,7 +299,9 @@ pub trait ProcessGroup: Send + Sync {
     fn default_stream(&self) -> CommStream;
     /// All-gather of `input` (`n` elements) into `output` (`world_size * n` elements, same
     /// dtype) on `stream`; returns the filled `output`.
-    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor>;
+    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
+        self.issue_call(stream, Call::AllGather, output, Some(input))
+    }
     /// Reduce-scatter of `input` (`world_size * n` elements) into `output` (`n` elements, same
     /// dtype) on `stream`; returns the filled `output`.
     fn reduce_scatter(
@@ -276,14 +310,33 @@ pub trait ProcessGroup: Send + Sync {
         input: &Tensor,
         output: Tensor,
         op: ReduceOp,
-    ) -> Work<Tensor>;
+    ) -> Work<Tensor> {
+        self.issue_call(stream, Call::ReduceScatter(op), output, Some(input))
+    }
     /// In-place all-reduce of `buf` on `stream`; returns it.
-    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor>;
+    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
+        self.issue_call(stream, Call::AllReduce(op), buf, None)
+    }
     /// In-place broadcast of the root's `buf` on `stream`; returns it.
-    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor>;
+    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
+        self.issue_call(stream, Call::Broadcast(root), buf, None)
+    }
     /// In-place reduce into the root's `buf` on `stream` (other ranks' buffers unchanged);
     /// returns it.
-    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor>;
+    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
+        self.issue_call(stream, Call::Reduce(root, op), buf, None)
+    }
+    /// Issues collective `call` on `stream`: `buf` is the output (all-gather, reduce-scatter)
+    /// or the in-place buffer, handed back by the work, `input` the input of all-gather and
+    /// reduce-scatter. What the five collectives above call (for backend implementations).
+    #[doc(hidden)]
+    fn issue_call(
+        &self,
+        stream: &CommStream,
+        call: Call,
+        buf: Tensor,
+        input: Option<&Tensor>,
+    ) -> Work<Tensor>;
     /// Barrier on `stream`: completes once every rank reached it on that stream.
     fn barrier(&self, stream: &CommStream) -> Work<()>;
     /// Creates a sub-group (PyTorch `new_group` semantics): every rank of this group calls it,

@@ -5,46 +5,27 @@
 //! reduced in the order given, which backends make rank order (0, 1, …, world_size-1), so every
 //! rank, and every backend, gets bitwise identical results.
 
+use std::ops::Mul;
 use std::slice;
 
+use candle_core::DType;
 use half::{bf16, f16};
 
+use crate::comm::buffer::RawBuf;
 use crate::comm::ReduceOp;
 
 /// Element types of communication buffers.
-pub(crate) trait Elem: Copy + Send + Sync + 'static {
+trait Elem: Copy + 'static {
     /// Accumulator type of reductions.
-    type Acc: Copy + Default;
+    type Acc: Copy + Default + Mul<Output = Self::Acc>;
     fn widen(self) -> Self::Acc;
     fn narrow(a: Self::Acc) -> Self;
     fn add(a: Self::Acc, b: Self::Acc) -> Self::Acc;
     fn max(a: Self::Acc, b: Self::Acc) -> Self::Acc;
     fn min(a: Self::Acc, b: Self::Acc) -> Self::Acc;
-    /// `1 / world_size` for [`ReduceOp::Avg`]; `None` for integers (refused by validation).
+    /// `1 / world_size` for [`ReduceOp::Avg`]; `None` for integers (refused by validation, so
+    /// an integer sum is never scaled).
     fn avg_factor(world_size: usize) -> Option<Self::Acc>;
-    fn mul(a: Self::Acc, b: Self::Acc) -> Self::Acc;
-}
-
-/// Maximum / minimum that propagate NaN (from either side).
-macro_rules! nan_minmax {
-    () => {
-        #[inline(always)]
-        fn max(a: Self::Acc, b: Self::Acc) -> Self::Acc {
-            if a.is_nan() || a >= b {
-                a
-            } else {
-                b
-            }
-        }
-        #[inline(always)]
-        fn min(a: Self::Acc, b: Self::Acc) -> Self::Acc {
-            if a.is_nan() || a <= b {
-                a
-            } else {
-                b
-            }
-        }
-    };
 }
 
 macro_rules! float_elem {
@@ -63,13 +44,26 @@ macro_rules! float_elem {
             fn add(a: $acc, b: $acc) -> $acc {
                 a + b
             }
-            nan_minmax!();
+            /// Maximum that propagates NaN (from either side).
+            #[inline(always)]
+            fn max(a: $acc, b: $acc) -> $acc {
+                if a.is_nan() || a >= b {
+                    a
+                } else {
+                    b
+                }
+            }
+            /// Minimum that propagates NaN (from either side).
+            #[inline(always)]
+            fn min(a: $acc, b: $acc) -> $acc {
+                if a.is_nan() || a <= b {
+                    a
+                } else {
+                    b
+                }
+            }
             fn avg_factor(world_size: usize) -> Option<$acc> {
                 Some(1.0 / world_size as $acc)
-            }
-            #[inline(always)]
-            fn mul(a: $acc, b: $acc) -> $acc {
-                a * b
             }
         }
     };
@@ -107,10 +101,6 @@ macro_rules! int_elem {
             fn avg_factor(_world_size: usize) -> Option<$t> {
                 None
             }
-            #[inline(always)]
-            fn mul(a: $t, b: $t) -> $t {
-                a.wrapping_mul(b)
-            }
         }
     };
 }
@@ -121,44 +111,52 @@ int_elem!(i16);
 int_elem!(i32);
 int_elem!(i64);
 
-/// Runs `$body` with `$T` bound to the element type of `$dtype` (one of the supported dtypes,
-/// checked before any rendezvous).
-macro_rules! with_elem {
-    ($dtype:expr, $T:ident => $body:expr) => {
-        $crate::comm::reduce::with_elem!(@arms $dtype, $T => $body; F32 f32, BF16 half::bf16,
-            F16 half::f16, F64 f64, U8 u8, U32 u32, I16 i16, I32 i32, I64 i64)
-    };
-    (@arms $dtype:expr, $T:ident => $body:expr; $($d:ident $t:ty),*) => {
-        match $dtype {
-            $(candle_core::DType::$d => {
-                type $T = $t;
-                $body
-            })*
-            other => unreachable!("dtype {other:?} is refused before any rendezvous"),
-        }
-    };
-}
-pub(crate) use with_elem;
-
 /// Elements reduced per tile (the accumulator stays in L1).
 const TILE: usize = 2048;
 
-/// `dst[i] = op over j in 0..srcs.len() (in order) of srcs[j][i]`, accumulated in `T::Acc` and
-/// rounded once; `Avg` multiplies the sum by `1 / world_size` (skipped when `world_size == 1`).
+/// `dst[i] = op over j in 0..srcs.len() (in order) of srcs[j][i]` for the `dst.len` elements of
+/// `dst.dtype`, accumulated in a wider type and rounded once; `Avg` multiplies the sum by
+/// `1 / world_size` (skipped when `world_size == 1`).
 ///
 /// # Safety
 ///
-/// Every `srcs[j]` must be valid for reads of `len` elements and `dst` valid for writes of `len`
-/// elements for the whole call; no other thread may write any of these ranges nor access the
-/// `dst` range meanwhile. `dst` may be *equal* to one of the sources (in place) but must not
+/// `dst.dtype` is one of the supported dtypes (checked before any rendezvous). Every `srcs[j]`
+/// must be valid for reads of `dst.len` elements of that dtype and `dst.ptr` valid for writes of
+/// them for the whole call; no other thread may write any of these ranges nor access the `dst`
+/// range meanwhile. `dst` may be *equal* to one of the sources (in place) but must not
 /// partially overlap any source.
-pub(crate) unsafe fn reduce_into<T: Elem>(
-    srcs: &[*const T],
-    dst: *mut T,
+pub(crate) unsafe fn reduce_raw(dst: RawBuf, srcs: &[*const u8], op: ReduceOp, world_size: usize) {
+    let (ptr, len) = (dst.ptr, dst.len);
+    // SAFETY: per the function contract, with the element type of `dst.dtype`.
+    unsafe {
+        match dst.dtype {
+            DType::F32 => reduce_into::<f32>(srcs, ptr, len, op, world_size),
+            DType::BF16 => reduce_into::<bf16>(srcs, ptr, len, op, world_size),
+            DType::F16 => reduce_into::<f16>(srcs, ptr, len, op, world_size),
+            DType::F64 => reduce_into::<f64>(srcs, ptr, len, op, world_size),
+            DType::U8 => reduce_into::<u8>(srcs, ptr, len, op, world_size),
+            DType::U32 => reduce_into::<u32>(srcs, ptr, len, op, world_size),
+            DType::I16 => reduce_into::<i16>(srcs, ptr, len, op, world_size),
+            DType::I32 => reduce_into::<i32>(srcs, ptr, len, op, world_size),
+            DType::I64 => reduce_into::<i64>(srcs, ptr, len, op, world_size),
+            other => unreachable!("dtype {other:?} is refused before any rendezvous"),
+        }
+    }
+}
+
+/// [`reduce_raw`] for elements of type `T`.
+///
+/// # Safety
+///
+/// As [`reduce_raw`], with `len` elements of `T`.
+unsafe fn reduce_into<T: Elem>(
+    srcs: &[*const u8],
+    dst: *mut u8,
     len: usize,
     op: ReduceOp,
     world_size: usize,
 ) {
+    let dst = dst.cast::<T>();
     let scale = if op == ReduceOp::Avg && world_size > 1 {
         T::avg_factor(world_size)
     } else {
@@ -172,13 +170,13 @@ pub(crate) unsafe fn reduce_into<T: Elem>(
         // The shared slices below live only inside their loop iteration and the mutable `dst`
         // slice is created after the last of them is gone, so even in place they never coexist.
         // SAFETY: in bounds (off + n <= len) and readable per the function contract.
-        let first = unsafe { slice::from_raw_parts(srcs[0].add(off), n) };
+        let first = unsafe { slice::from_raw_parts(srcs[0].cast::<T>().add(off), n) };
         for (a, &x) in acc.iter_mut().zip(first) {
             *a = x.widen();
         }
         for &src in &srcs[1..] {
             // SAFETY: as above.
-            let s = unsafe { slice::from_raw_parts(src.add(off), n) };
+            let s = unsafe { slice::from_raw_parts(src.cast::<T>().add(off), n) };
             match op {
                 ReduceOp::Sum | ReduceOp::Avg => {
                     for (a, &x) in acc.iter_mut().zip(s) {
@@ -199,7 +197,7 @@ pub(crate) unsafe fn reduce_into<T: Elem>(
         }
         if let Some(k) = scale {
             for a in acc.iter_mut() {
-                *a = T::mul(*a, k);
+                *a = *a * k;
             }
         }
         // SAFETY: in bounds, writable and not accessed by anyone else per the function contract;

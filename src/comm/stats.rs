@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
-use super::{CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work};
+use super::{Call, CommObserver, CommStream, OpKind, ProcessGroup, Work};
 use crate::error::Result;
 
 /// Calls and bytes issued by one rank, by kind of collective.
@@ -141,35 +141,16 @@ impl<P: ProcessGroup + ?Sized> ProcessGroup for Instrumented<P> {
         self.inner.default_stream()
     }
 
-    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
-        self.counters.count(OpKind::AllGather, nbytes(input));
-        self.inner.all_gather(stream, input, output)
-    }
-
-    fn reduce_scatter(
+    fn issue_call(
         &self,
         stream: &CommStream,
-        input: &Tensor,
-        output: Tensor,
-        op: ReduceOp,
+        call: Call,
+        buf: Tensor,
+        input: Option<&Tensor>,
     ) -> Work<Tensor> {
-        self.counters.count(OpKind::ReduceScatter, nbytes(input));
-        self.inner.reduce_scatter(stream, input, output, op)
-    }
-
-    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
-        self.counters.count(OpKind::AllReduce, nbytes(&buf));
-        self.inner.all_reduce(stream, buf, op)
-    }
-
-    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
-        self.counters.count(OpKind::Broadcast, nbytes(&buf));
-        self.inner.broadcast(stream, buf, root)
-    }
-
-    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
-        self.counters.count(OpKind::Reduce, nbytes(&buf));
-        self.inner.reduce(stream, buf, root, op)
+        self.counters
+            .count(call.kind(), nbytes(input.unwrap_or(&buf)));
+        self.inner.issue_call(stream, call, buf, input)
     }
 
     fn barrier(&self, stream: &CommStream) -> Work<()> {

@@ -1,10 +1,10 @@
 //! The descriptor of a collective (MPI: sent to every peer; TCP: in each rank's descriptor
 //! frame; shared memory: written to the rank's segment header) before data moves: its [`Post`]
-//! (kind, sequence number, buffer lengths and dtypes, reduce op, root, stream index, local
-//! problem; serde derives in `buffer.rs`) then its setup argument, if any, in postcard's format:
-//! a small self-delimiting byte string (varints, a one-byte tag for each option and variant,
-//! dtypes and buffer names as text, a length before the setup argument's bytes; bytes after it
-//! are ignored, so a descriptor may be read from a longer zero-filled buffer). Postcard: serde
+//! (kind, sequence number, buffer lengths and dtypes, reduce op, root, setup argument, stream
+//! index, local problem; serde derives in `buffer.rs`) in postcard's format: a small
+//! self-delimiting byte string (varints, a one-byte tag for each option and variant, dtypes and
+//! buffer names as text, a length before the setup argument's bytes; bytes after it are
+//! ignored, so a descriptor may be read from a longer zero-filled buffer). Postcard: serde
 //! derives instead of a hand-written codec, a documented format that is stable across its 1.x
 //! versions, and varints that keep a collective's descriptor within [`OP_DESC_MAX`]. Every rank
 //! decodes all of them and runs the same [`crate::comm::buffer::validate`] as the thread backend,
@@ -14,7 +14,8 @@ use candle_core::{DType, DeviceLocation};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::comm::buffer::{Post, RawBytes, Which};
+use crate::comm::buffer::{Post, Which};
+use crate::error::Error;
 
 /// Largest descriptor of a collective (bytes); setup descriptors carry their argument too. A
 /// collective's is at most 105 bytes (every field there, every number at its largest: tested).
@@ -56,25 +57,37 @@ pub(crate) fn which<'de, D: Deserializer<'de>>(d: D) -> Result<Which, D::Error> 
         .ok_or_else(|| D::Error::custom(format!("unknown buffer {name:?}")))
 }
 
-/// Encodes `post` and then its setup argument (`setup_bytes`, when the post has one); the
-/// buffers' addresses are not sent.
-pub(crate) fn encode(post: &Post, setup_bytes: &[u8]) -> Vec<u8> {
-    // A `[u8]` serializes as a sequence of bytes: the same length-then-bytes that `decode` reads
-    // as a byte string.
-    let setup = post.bytes.map(|_| setup_bytes);
-    let out = Vec::with_capacity(OP_DESC_MAX + setup_bytes.len());
-    postcard::to_extend(&(post, setup), out).expect("descriptors serialize")
+/// Encodes `post` (the buffers' addresses are not sent).
+pub(crate) fn encode(post: &Post) -> Vec<u8> {
+    let out = Vec::with_capacity(OP_DESC_MAX + post.bytes.as_ref().map_or(0, Vec::len));
+    postcard::to_extend(post, out).expect("descriptors serialize")
 }
 
-/// Decodes a peer's descriptor; the setup argument, if any, points into `bytes` (which must
-/// outlive the post's use). `None` when the bytes are not a descriptor. (Descriptors carry no
-/// version: the order of the variants of `Kind`, `OpKind`, `ReduceOp` and `Problem` is their
+/// [`encode`], refused when the descriptor is longer than `max` bytes, the limit of `backend`
+/// (only a setup argument can make it so), for operation `op`.
+pub(crate) fn encode_within(
+    post: &Post,
+    max: usize,
+    backend: &str,
+    op: &str,
+) -> crate::error::Result<Vec<u8>> {
+    let desc = encode(post);
+    if desc.len() > max {
+        return Err(Error::shape(
+            format_args!("{op}: the descriptor (with its setup argument)"),
+            format_args!("at most {max} bytes (the {backend} backend's limit)"),
+            format_args!("{} bytes", desc.len()),
+        ));
+    }
+    Ok(desc)
+}
+
+/// Decodes a peer's descriptor; `None` when the bytes are not a descriptor. (Descriptors carry
+/// no version: the order of the variants of `Kind`, `OpKind`, `ReduceOp` and `Problem` is their
 /// format, so ranks must run one build, which `fsdp-run` and the store's protocol check
 /// ensure for the process backends.)
 pub(crate) fn decode(bytes: &[u8]) -> Option<Post> {
-    let (mut post, setup): (Post, Option<&[u8]>) = postcard::from_bytes(bytes).ok()?;
-    post.bytes = setup.map(RawBytes::of);
-    Some(post)
+    postcard::from_bytes(bytes).ok()
 }
 
 #[cfg(test)]
@@ -101,7 +114,7 @@ mod tests {
             which: "output",
             dims: 3,
         });
-        let bytes = encode(&p, &[]);
+        let bytes = encode(&p);
         assert!(bytes.len() <= OP_DESC_MAX);
         let q = decode(&bytes).unwrap();
         assert_eq!(q.kind, p.kind);
@@ -117,14 +130,28 @@ mod tests {
             found: DeviceLocation::Cpu,
             other_device: true,
         });
-        assert_eq!(decode(&encode(&p, &[])).unwrap().problem, p.problem);
+        assert_eq!(decode(&encode(&p)).unwrap().problem, p.problem);
 
         let mut s = Post::new(Kind::NewStream, 3);
         s.index = Some(2);
-        s.bytes = Some(RawBytes::of(b"all_gather"));
-        let bytes = encode(&s, b"all_gather");
+        s.bytes = Some(b"all_gather".to_vec());
+        let bytes = encode(&s);
+        // Postcard's option tag, length and bytes: as long as when the argument followed the
+        // post instead of being one of its fields.
+        let without = Post {
+            bytes: None,
+            ..s.clone()
+        };
+        assert_eq!(bytes.len(), encode(&without).len() + 1 + 10);
+        assert!(encode_within(&s, bytes.len(), "test", "op").is_ok());
+        let err = encode_within(&s, bytes.len() - 1, "test", "new_stream #3").unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("{} bytes", bytes.len())),
+            "{err}"
+        );
         let t = decode(&bytes).unwrap();
         assert_eq!(t.index, Some(2));
+        assert_eq!(t.bytes.as_deref(), Some(&b"all_gather"[..]));
         assert_eq!(t.kind, Kind::NewStream);
         assert!(decode(&bytes[..bytes.len() - 1]).is_none(), "truncated");
         let mut padded = bytes.clone();
@@ -135,7 +162,7 @@ mod tests {
             "zeros after it"
         );
         assert!(decode(&[0xff; 16]).is_none(), "garbage");
-        let mut bad_dtype = encode(&p, &[]);
+        let mut bad_dtype = encode(&p);
         let at = bad_dtype.windows(4).position(|w| w == b"bf16").unwrap();
         bad_dtype[at] = b'x';
         assert!(decode(&bad_dtype).is_none(), "unknown dtype");
@@ -159,7 +186,7 @@ mod tests {
             found: gpu,
             other_device: true,
         });
-        let bytes = encode(&p, &[]);
+        let bytes = encode(&p);
         assert_eq!(bytes.len(), 105);
         assert!(bytes.len() <= OP_DESC_MAX);
         let q = decode(&bytes).unwrap();

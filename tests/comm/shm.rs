@@ -336,12 +336,42 @@ fn helper_shm_rank() {
             assert_same_bits(rank, &got, &want);
             println!("rank {rank}: {} arena results bitwise equal", got.len());
         }
+        "long" => {
+            // A stream name longer than the backend's descriptor limit, on every rank.
+            let name = "n".repeat(if backend == "tcp" { 1_100_000 } else { 8_000 });
+            let e = launcher.run(|pg| pg.new_stream(&name).map(|_| ()));
+            // The name shortened: the output is read once the process ended (a pipe's worth).
+            let e = e.unwrap_err().to_string().replace(&name, "nnn…");
+            println!("rank {rank}: error: {e}");
+        }
         "connect" => match launcher.run(|_| Ok(())) {
             Ok(_) => println!("rank {rank}: connected"),
             Err(e) => println!("rank {rank}: connect error: {e}"),
         },
         other => panic!("unknown mode {other}"),
     }
+}
+
+/// A setup argument over the backend's descriptor limit: on every rank, one error naming the
+/// descriptor's size and the limit.
+pub(crate) fn check_too_long(backend: Backend, tail: &str) {
+    for (r, (code, out)) in spawn_job_on(backend, 2, "long").iter().enumerate() {
+        assert_eq!(*code, 0, "rank {r}:\n{out}");
+        let head = format!("rank {r}: error: invalid argument: new_stream #1 (\"nnn…\")");
+        assert!(
+            out.contains(&head) && out.contains(tail),
+            "rank {r}:\n{out}"
+        );
+    }
+}
+
+#[test]
+fn shm_a_setup_argument_over_the_limit_is_one_error_naming_it() {
+    check_too_long(
+        Backend::Shm,
+        ": the descriptor (with its setup argument): expected at most 7168 bytes (the \
+         shared-memory backend's limit), found 8012 bytes",
+    );
 }
 
 #[test]

@@ -7,13 +7,22 @@
 //! promptly with an error naming it; an address that cannot be found is named on every rank.
 
 use super::shm::{
-    check_exact, check_failing, check_killed, failure_line, failure_secs, spawn_job_on,
-    spawn_job_with, Backend,
+    check_exact, check_failing, check_killed, check_too_long, failure_line, failure_secs,
+    spawn_job_on, spawn_job_with, Backend,
 };
 
 #[test]
 fn tcp_collectives_are_bitwise_the_thread_backends() {
     check_exact(Backend::Tcp);
+}
+
+#[test]
+fn tcp_a_setup_argument_over_the_limit_is_one_error_naming_it() {
+    check_too_long(
+        Backend::Tcp,
+        ": the descriptor (with its setup argument): expected at most 1048576 bytes (the TCP \
+         backend's limit), found 1100013 bytes",
+    );
 }
 
 #[test]

@@ -1,14 +1,14 @@
 //! The collectives of the shared-memory family (the thread backend, whose ranks read each
 //! other's tensors, and the shared-memory backend, whose ranks read each other's arenas or
-//! segments),
-//! written once over a [`Board`]: one rank's side of one communicator's rendezvous.
+//! segments), written once over a [`Board`]: one rank's side of one communicator's rendezvous.
 //!
 //! A collective makes this rank's buffer readable by its peers (shm: posts its offset in the
-//! shared arena, or copies what they will read into its segment), publishes its [`Post`] and waits for every rank (barrier 1), validates
-//! every rank's post (the same verdict on every rank: the group stays usable after a
-//! mismatch), then does its own share of the copying straight from the peers' readable buffers
-//! with the copy loops and rank-order reduction kernel of [`super::copy`] (bitwise the same
-//! reductions on both backends):
+//! shared arena, or copies what they will read into its segment), publishes its [`Post`] and
+//! waits for every rank (barrier 1), validates every rank's post (the same verdict on every
+//! rank: the group stays usable after a mismatch), then does its own share of the copying
+//! straight from the peers' readable buffers (bandwidth-optimal: every byte is read once per
+//! destination) with byte copies and the rank-order reduction kernel of [`reduce_raw`] (bitwise
+//! the same reductions on both backends):
 //! - **all-gather**: every rank's input into its place in the output;
 //! - **reduce-scatter**: this rank's chunk, reduced over every rank's input in rank order;
 //! - **all-reduce** (in place, two phases): chunk `r` reduced over every rank's buffer into this
@@ -17,18 +17,18 @@
 //! - **broadcast**: non-roots copy the root's buffer; **reduce**: the root reduces every
 //!   rank's buffer into its own.
 //!
-//! A last barrier keeps every readable buffer unchanged until every rank finished reading it.
+//! A last barrier keeps every readable buffer unchanged (nobody returns, frees or reuses one)
+//! until every rank finished reading it.
 //! **barrier** is barrier 1 alone (posts are double-buffered).
 
 use std::ops::Range;
 
 use candle_core::Tensor;
 
-use super::copy::{self, with_elem};
-use crate::comm::buffer::{with_checked_bufs, Kind, Post, Problem, RawBuf};
-use crate::comm::reduce::chunk;
+use crate::comm::buffer::{with_checked_bufs, Kind, Post, RawBuf};
+use crate::comm::reduce::{chunk, reduce_raw};
 use crate::comm::{Call, OpKind};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// What the peers read of this rank's buffer in a collective.
 #[derive(Debug, Clone)]
@@ -58,8 +58,6 @@ pub(crate) trait Board {
     fn readable(&self, j: usize, like: RawBuf, len: usize) -> Result<RawBuf>;
     /// Arrives at barrier `target` after the data phase and waits for every rank.
     fn sync(&self, target: u64) -> Result<()>;
-    /// Reports a local `problem` through the rendezvous (every rank fails the same way).
-    fn fail_with(&mut self, kind: Kind, problem: Problem) -> Error;
     /// Held through the data phase (the thread backend aborts the process on a panic there:
     /// unwinding would free buffers peers are still reading).
     fn data_phase(&self) -> impl Sized + '_;
@@ -71,17 +69,12 @@ pub(crate) fn run<B: Board>(
     collective: Option<(Call, &Tensor, Option<&Tensor>)>,
 ) -> Result<()> {
     let Some((call, buf, input)) = collective else {
-        let post = Post::new(Kind::Op(OpKind::Barrier), board.seq());
-        let none = RawBuf {
-            ptr: std::ptr::null_mut(),
-            len: 0,
-            dtype: candle_core::DType::U8,
-        };
-        return board.publish(&post, none, Expose::Nothing).map(|_| ());
+        return post_only(board, &Post::new(Kind::Op(OpKind::Barrier), board.seq()));
     };
-    let kind = call.kind();
-    with_checked_bufs(board, kind, buf, input, B::fail_with, |b, dst, src| {
+    let (kind, seq) = (call.kind(), board.seq());
+    with_checked_bufs(board, kind, seq, buf, input, post_only, |b, dst, src| {
         let (rank, ws) = (b.rank(), b.world_size());
+        let es = dst.dtype.size_in_bytes();
         let post = Post::of_call(call, b.seq(), dst, src);
         let mine = src.unwrap_or(dst);
         // What the peers read of this rank's buffer.
@@ -98,50 +91,55 @@ pub(crate) fn run<B: Board>(
                 .map(|j| b.readable(j, mine, len))
                 .collect::<Result<Vec<_>>>()
         };
+        // Element `i` of `buf`, as a source pointer of the reduction.
+        let at = |buf: RawBuf, i: usize| buf.ptr.wrapping_add(i * es) as *const u8;
         match call {
             Call::AllGather => {
                 let mut srcs = all(b, mine.len)?;
                 srcs[rank] = mine;
-                // SAFETY: validated posts; `dst` is this rank's locked output; every readable
-                // buffer holds its rank's input and stays unchanged until the last barrier.
-                with_elem!(dst.dtype, T => unsafe { copy::gather::<T>(dst, &srcs, mine.len) });
+                for (j, &src) in srcs.iter().enumerate() {
+                    // SAFETY: validated posts; `dst` is this rank's locked output, distinct from
+                    // every input; rank j's readable buffer holds its input and stays unchanged
+                    // until the last barrier.
+                    unsafe { copy(dst, j * mine.len, src, 0, mine.len) };
+                }
             }
             Call::ReduceScatter(op) => {
                 let mut srcs = all(b, mine.len)?;
                 srcs[rank] = mine;
-                // SAFETY: as for all-gather; `dst` is disjoint from every input.
-                with_elem!(dst.dtype, T => unsafe {
-                    copy::reduce_shard::<T>(dst, &srcs, rank * dst.len, op, ws)
-                });
+                let start = rank * dst.len;
+                let ptrs: Vec<_> = srcs.iter().map(|&s| at(s, start)).collect();
+                // SAFETY: as for all-gather; every input holds ws * dst.len elements and `dst`
+                // is disjoint from every input.
+                unsafe { reduce_raw(dst, &ptrs, op, ws) };
             }
             Call::AllReduce(op) => {
                 let srcs = all(b, mine.len)?;
                 let exposed = srcs[rank];
                 let (start, n) = chunk(mine.len, ws, rank);
-                let chunk_of = |buf: RawBuf| RawBuf {
-                    ptr: buf.ptr.wrapping_add(start * buf.dtype.size_in_bytes()),
+                let ptrs: Vec<_> = srcs.iter().map(|&s| at(s, start)).collect();
+                let out = RawBuf {
+                    ptr: exposed.ptr.wrapping_add(start * es),
                     len: n,
-                    dtype: buf.dtype,
+                    dtype: exposed.dtype,
                 };
                 // SAFETY: validated posts; in phase A rank r reads chunk r of every readable
-                // buffer and writes chunk r of its own (exactly one of the sources).
-                with_elem!(mine.dtype, T => unsafe {
-                    copy::reduce_shard::<T>(chunk_of(exposed), &srcs, start, op, ws)
-                });
+                // buffer and writes chunk r of its own (exactly one of the sources), which no
+                // other rank touches.
+                unsafe { reduce_raw(out, &ptrs, op, ws) };
                 if exposed.ptr != mine.ptr {
                     // SAFETY: chunk r of this rank's readable buffer is final; `mine` is locked.
-                    with_elem!(mine.dtype, T => unsafe {
-                        copy::copy_from::<T>(chunk_of(mine), chunk_of(exposed))
-                    });
+                    unsafe { copy(mine, start, exposed, start, n) };
                 }
                 b.sync(generation + 1)?;
-                let mut dsts = srcs;
-                dsts[rank] = mine;
-                // SAFETY: every rank finished phase A; readable buffers stay unchanged until the
-                // last barrier; this rank writes only its own buffer's other chunks.
-                with_elem!(mine.dtype, T => unsafe {
-                    copy::all_reduce_phase_b::<T>(&dsts, rank, ws)
-                });
+                for (j, &src) in srcs.iter().enumerate().filter(|&(j, _)| j != rank) {
+                    let (start, n) = chunk(mine.len, ws, j);
+                    // SAFETY: after the phase-A barrier chunk j of rank j's readable buffer is
+                    // final and only read until the last barrier; chunk j of this rank's own
+                    // buffer is written only by this rank and read by nobody (rank j reads its
+                    // own, the others read chunk j only from rank j).
+                    unsafe { copy(mine, start, src, start, n) };
+                }
                 let synced = b.sync(generation + 2);
                 drop(guard);
                 return synced;
@@ -151,19 +149,17 @@ pub(crate) fn run<B: Board>(
                     let src = b.readable(root, mine, mine.len)?;
                     // SAFETY: validated posts; the root's readable buffer is unchanged until
                     // the last barrier; `mine` is read by nobody during a broadcast.
-                    with_elem!(mine.dtype, T => unsafe { copy::copy_from::<T>(mine, src) });
+                    unsafe { copy(mine, 0, src, 0, mine.len) };
                 }
             }
             Call::Reduce(root, op) => {
                 if rank == root {
-                    let srcs = all(b, mine.len)?;
-                    let mut bufs = srcs;
-                    bufs[root] = mine;
+                    let mut srcs = all(b, mine.len)?;
+                    srcs[root] = mine;
+                    let ptrs: Vec<_> = srcs.iter().map(|&s| at(s, 0)).collect();
                     // SAFETY: validated posts; only the root reads any buffer, and it writes
-                    // only its own.
-                    with_elem!(mine.dtype, T => unsafe {
-                        copy::reduce_to_root::<T>(&bufs, root, op, ws)
-                    });
+                    // only its own (in place: the destination is exactly its source).
+                    unsafe { reduce_raw(mine, &ptrs, op, ws) };
                 }
             }
         }
@@ -171,4 +167,27 @@ pub(crate) fn run<B: Board>(
         drop(guard);
         synced
     })
+}
+
+/// Publishes `post` with nothing for the peers to read (a barrier, a local problem).
+fn post_only<B: Board>(board: &mut B, post: &Post) -> Result<()> {
+    let none = RawBuf {
+        ptr: std::ptr::null_mut(),
+        len: 0,
+        dtype: candle_core::DType::U8,
+    };
+    board.publish(post, none, Expose::Nothing).map(|_| ())
+}
+
+/// Copies `n` elements of `src` from element `from` into `dst` from element `to` (`dst`'s
+/// dtype, the same as `src`'s after validation).
+///
+/// # Safety
+///
+/// Both ranges in bounds, `src`'s readable and `dst`'s writable by this rank for the call (no
+/// other access to `dst`'s range, no write to `src`'s), and the two ranges disjoint.
+unsafe fn copy(dst: RawBuf, to: usize, src: RawBuf, from: usize, n: usize) {
+    let es = dst.dtype.size_in_bytes();
+    // SAFETY: per the function contract.
+    unsafe { std::ptr::copy_nonoverlapping(src.ptr.add(from * es), dst.ptr.add(to * es), n * es) };
 }

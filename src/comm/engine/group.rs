@@ -2,7 +2,7 @@
 //! MPI), over a [`Transport`] that each backend provides.
 //!
 //! The group owns what every such backend does the same way: the rank's streams (one thread
-//! each, [`HostStreams`]), the numbering and naming of operations, the setup communicator on
+//! each, [`HostStream`]), the numbering and naming of operations, the setup communicator on
 //! which stream and sub-group creation are agreed (a descriptor exchange validated on every
 //! rank, then the rank list checked by [`check_ranks`]), the observer, panics turned into a job
 //! abort, and the departure of a dropped handle. A transport only moves bytes: it runs one
@@ -11,16 +11,20 @@
 //! device operation). The collectives themselves are written once per family: over messages
 //! ([`super::messages`]: tcp, MPI) and over shared buffers ([`super::board`]: threads, shm).
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use parking_lot::Mutex;
 
-use super::check_ranks;
-use super::streams::{HostStreams, StreamComm};
-use crate::comm::buffer::{Kind, Post, RawBytes};
-use crate::comm::{Call, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work};
+use super::streams::{HostStream, Issued, Job, StreamComm};
+use super::{check_ranks, run_stream_op};
+use crate::comm::buffer::{Kind, Post};
+use crate::comm::{
+    foreign_stream, Call, CommObserver, CommStream, OpKind, ProcessGroup, Work, DEFAULT_STREAM,
+};
 use crate::error::Result;
 
 /// One operation as a transport sees it: its sequence number on its communicator and its name
@@ -68,9 +72,9 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     /// ones, in the same order, on the same stream). Argument problems are reported through the
     /// descriptor exchange, so every rank fails the same way.
     fn run(&self, comm: &mut Self::Comm, op: Op<'_>, collective: Collective<'_>) -> Result<()>;
-    /// Exchanges `post` (a setup operation's descriptor; `bytes` its argument) over the setup
+    /// Exchanges `post` (a setup operation's descriptor, with its argument) over the setup
     /// communicator and validates every rank's (the same verdict on every rank).
-    fn agree(&self, setup: &mut Self::Comm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()>;
+    fn agree(&self, setup: &mut Self::Comm, op: Op<'_>, post: &Post) -> Result<()>;
     /// Opens communicator `index` of this group for the stream named `name`, once every rank
     /// agreed to.
     fn open(
@@ -106,13 +110,13 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     #[cfg(feature = "cuda")]
     fn issue_device<V: Send + 'static>(
         &self,
-        streams: &HostStreams<Self::Comm>,
+        group: &HostGroup<Self>,
         stream: &CommStream,
         kind: OpKind,
         value: V,
         collective: Option<(Call, Tensor, Option<Tensor>)>,
     ) -> Work<V> {
-        let _ = (streams, stream, kind, value, collective);
+        let _ = (group, stream, kind, value, collective);
         unreachable!("only a transport on a device issues device operations")
     }
 }
@@ -125,16 +129,28 @@ struct Setup<C> {
     comms: usize,
 }
 
-/// One rank's handle on a group of a host backend: the [`ProcessGroup`] of shared memory, TCP
-/// and MPI (see their module docs for their algorithms and failure handling).
+/// Identifies a group's streams: a stream handed to another group's collective is refused.
+static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One rank's handle on a group of a host backend: the [`ProcessGroup`] of the thread backend,
+/// shared memory, TCP and MPI (see their module docs for their algorithms and failure
+/// handling). It owns its default stream, the streams created since and the observer its
+/// operations report to.
 ///
-/// Dropping the handle closes its streams (after the work already queued on them) and leaves
-/// its communicators: peers still waiting for it fail with [`crate::Error::PeerExited`].
+/// Dropping the handle closes its streams (after the work already queued on them; their
+/// threads are joined, except the current one) and leaves its communicators: peers still
+/// waiting for it fail with [`crate::Error::PeerExited`].
 pub(crate) struct HostGroup<T: Transport> {
     transport: Arc<T>,
     device: Device,
     setup: Mutex<Setup<T::Comm>>,
-    streams: HostStreams<T::Comm>,
+    id: u64,
+    default: CommStream,
+    streams: Mutex<Vec<Weak<HostStream<T::Comm>>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    observer: Mutex<Option<Arc<dyn CommObserver>>>,
+    /// Set when the handle is dropped: each stream thread then leaves its communicator.
+    closing: Arc<AtomicBool>,
 }
 
 impl<T: Transport> std::fmt::Debug for HostGroup<T> {
@@ -152,18 +168,15 @@ impl<T: Transport> HostGroup<T> {
     /// A group over `transport`, its setup communicator and the communicator of its default
     /// stream (whose thread starts now).
     ///
-    /// Errors: the default stream's thread cannot be started (the rank then leaves the setup
-    /// communicator, so peers waiting for it fail instead of hanging).
+    /// Errors: the default stream's thread cannot be started (the rank then leaves the setup and
+    /// default communicators, so peers waiting for it fail instead of hanging).
     pub(crate) fn new(transport: T, mut setup: T::Comm, default: T::Comm) -> Result<Arc<Self>> {
-        let streams = match HostStreams::new(T::BACKEND, transport.rank(), default) {
-            Ok(streams) => streams,
-            Err(e) => {
-                setup.leave(transport.rank());
-                return Err(e);
-            }
-        };
+        let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
+        let rank = transport.rank();
+        let closing = Arc::new(AtomicBool::new(false));
+        let started = HostStream::start(T::BACKEND, id, rank, default, DEFAULT_STREAM, &closing);
+        let (stream, thread) = started.inspect_err(|_| setup.leave(rank))?;
         Ok(Arc::new(HostGroup {
-            streams,
             device: transport.device(),
             transport: Arc::new(transport),
             setup: Mutex::new(Setup {
@@ -171,10 +184,52 @@ impl<T: Transport> HostGroup<T> {
                 comm: setup,
                 comms: 2,
             }),
+            id,
+            streams: Mutex::new(vec![Arc::downgrade(&stream)]),
+            default: CommStream::new(DEFAULT_STREAM, stream),
+            threads: Mutex::new(vec![thread]),
+            observer: Mutex::new(None),
+            closing,
         }))
     }
 
-    /// Enqueues `collective` (of kind `kind`) on `stream`; the work returns `value`.
+    /// Enqueues the job `make` returns (with the value handed back, e.g. the operation's
+    /// [`Work`]) as an operation of `kind` on `stream`, numbered and named under the stream's
+    /// lock, so operations run in issue order.
+    ///
+    /// Errors: `stream` was not created by this group.
+    pub(crate) fn issue_job<W>(
+        &self,
+        stream: &CommStream,
+        kind: OpKind,
+        make: impl FnOnce(Issued) -> (W, Job<T::Comm>),
+    ) -> Result<W> {
+        let Some(hs) = stream
+            .backend_state::<HostStream<T::Comm>>()
+            .filter(|s| s.owner == self.id)
+        else {
+            return Err(foreign_stream(kind, self.transport.rank(), stream));
+        };
+        let mut slot = hs.slot.lock();
+        slot.seq += 1;
+        let issued = Issued {
+            seq: slot.seq,
+            op: format!("{} #{} (stream {})", kind.name(), slot.seq, hs.name),
+            stream: Arc::clone(&hs.name),
+            observer: self.observer.lock().clone(),
+        };
+        let (value, job) = make(issued);
+        if let Some(tx) = &slot.tx {
+            // A send error means the stream thread is gone: the job, and with it its
+            // completer, is dropped, and `wait` reports StreamStopped.
+            let _ = tx.send(job);
+        }
+        Ok(value)
+    }
+
+    /// Enqueues `body` as an operation of `kind` on `stream`, reported to the current observer;
+    /// the work returns `value`. A panic in the body aborts the job (on the stream's thread) and
+    /// the operation then fails with [`crate::Error::RankPanicked`].
     fn issue<V: Send + 'static>(
         &self,
         stream: &CommStream,
@@ -182,37 +237,27 @@ impl<T: Transport> HostGroup<T> {
         value: V,
         body: impl FnOnce(&T, &mut T::Comm, Op<'_>, &V) -> Result<()> + Send + 'static,
     ) -> Work<V> {
-        let (transport, on_panic) = (Arc::clone(&self.transport), Arc::clone(&self.transport));
-        self.streams.issue(
-            stream,
-            kind,
-            move |message: &str| on_panic.abort(&format!("comm stream panicked: {message}")),
-            move |comm: &mut T::Comm, seq, name: &str| {
-                body(&transport, comm, Op { seq, name }, &value)?;
-                Ok(value)
-            },
-        )
-    }
-
-    /// Enqueues collective `call` on `stream`: `buf` is the output (or in-place buffer), handed
-    /// back by the work, `input` the input of all-gather and reduce-scatter.
-    fn issue_call(
-        &self,
-        stream: &CommStream,
-        call: Call,
-        buf: Tensor,
-        input: Option<&Tensor>,
-    ) -> Work<Tensor> {
-        let input = input.cloned();
-        #[cfg(feature = "cuda")]
-        if self.transport.on_device() {
-            let collective = Some((call, buf.clone(), input));
-            let streams = &self.streams;
-            return (self.transport).issue_device(streams, stream, call.kind(), buf, collective);
-        }
-        self.issue(stream, call.kind(), buf, move |t, comm, op, buf| {
-            t.run(comm, op, Some((call, buf, input.as_ref())))
-        })
+        let (transport, rank) = (Arc::clone(&self.transport), self.transport.rank());
+        let issued = self.issue_job(stream, kind, |is: Issued| {
+            let (work, completer) = Work::pending(is.op.clone(), rank, &*is.stream);
+            let job: Job<T::Comm> = Box::new(move |comm| {
+                let observer = is.observer.as_ref();
+                let observed = observer.and_then(|o| o.op_started(&is.stream, kind, &is.op));
+                let abort = |message: &str| {
+                    transport.abort(&format!("comm stream panicked: {message}"));
+                };
+                let op = Op {
+                    seq: is.seq,
+                    name: &is.op,
+                };
+                let run = || body(&transport, comm, op, &value).map(|()| value);
+                let result = run_stream_op(&is.op, rank, run, abort);
+                drop(observed);
+                completer.complete(result);
+            });
+            (work, job)
+        });
+        issued.unwrap_or_else(|e| Work::ready(Err(e)))
     }
 
     /// Runs a setup operation of kind `kind` with argument `bytes` (and `index`, the
@@ -232,9 +277,9 @@ impl<T: Transport> HostGroup<T> {
         let name = name(seq);
         let op = Op { seq, name: &name };
         let mut post = Post::new(kind, seq);
-        post.bytes = Some(RawBytes::of(bytes));
+        post.bytes = Some(bytes.to_vec());
         post.index = new_index.then_some(setup.comms);
-        self.transport.agree(&mut setup.comm, op, &post, bytes)?;
+        self.transport.agree(&mut setup.comm, op, &post)?;
         then(&self.transport, &mut setup, op)
     }
 }
@@ -269,44 +314,43 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
                 Ok(comm)
             },
         )?;
-        self.streams.add(comm, name)
+        let (id, rank) = (self.id, self.transport.rank());
+        let (stream, thread) = HostStream::start(T::BACKEND, id, rank, comm, name, &self.closing)?;
+        let mut threads = self.threads.lock();
+        threads.retain(|t| !t.is_finished());
+        threads.push(thread);
+        let mut streams = self.streams.lock();
+        streams.retain(|s| s.strong_count() > 0);
+        streams.push(Arc::downgrade(&stream));
+        Ok(CommStream::new(Arc::clone(&stream.name), stream))
     }
 
     fn default_stream(&self) -> CommStream {
-        self.streams.default_stream()
+        self.default.clone()
     }
 
-    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
-        self.issue_call(stream, Call::AllGather, output, Some(input))
-    }
-
-    fn reduce_scatter(
+    fn issue_call(
         &self,
         stream: &CommStream,
-        input: &Tensor,
-        output: Tensor,
-        op: ReduceOp,
+        call: Call,
+        buf: Tensor,
+        input: Option<&Tensor>,
     ) -> Work<Tensor> {
-        self.issue_call(stream, Call::ReduceScatter(op), output, Some(input))
-    }
-
-    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
-        self.issue_call(stream, Call::AllReduce(op), buf, None)
-    }
-
-    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
-        self.issue_call(stream, Call::Broadcast(root), buf, None)
-    }
-
-    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
-        self.issue_call(stream, Call::Reduce(root, op), buf, None)
+        let input = input.cloned();
+        #[cfg(feature = "cuda")]
+        if self.transport.on_device() {
+            let collective = Some((call, buf.clone(), input));
+            return (self.transport).issue_device(self, stream, call.kind(), buf, collective);
+        }
+        self.issue(stream, call.kind(), buf, move |t, comm, op, buf| {
+            t.run(comm, op, Some((call, buf, input.as_ref())))
+        })
     }
 
     fn barrier(&self, stream: &CommStream) -> Work<()> {
         #[cfg(feature = "cuda")]
         if self.transport.on_device() {
-            let streams = &self.streams;
-            return (self.transport).issue_device(streams, stream, OpKind::Barrier, (), None);
+            return (self.transport).issue_device(self, stream, OpKind::Barrier, (), None);
         }
         self.issue(stream, OpKind::Barrier, (), |t, comm, op, _| {
             t.run(comm, op, None)
@@ -331,7 +375,7 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
     }
 
     fn set_observer(&self, observer: Option<Arc<dyn CommObserver>>) {
-        self.streams.set_observer(observer);
+        *self.observer.lock() = observer;
     }
 
     fn timeout(&self) -> Option<Duration> {
@@ -340,8 +384,22 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
 }
 
 impl<T: Transport> Drop for HostGroup<T> {
+    /// Sets `closing` (each stream thread then leaves its communicator), closes every queue,
+    /// joins the threads after the work already queued, except the current thread (a handle
+    /// dropped on one of its own streams' threads), then leaves the setup communicator.
     fn drop(&mut self) {
-        self.streams.close();
+        self.closing.store(true, Ordering::Release);
+        for stream in self.streams.get_mut().drain(..) {
+            if let Some(stream) = stream.upgrade() {
+                stream.close();
+            }
+        }
+        let me = std::thread::current().id();
+        for handle in self.threads.get_mut().drain(..) {
+            if handle.thread().id() != me {
+                let _ = handle.join();
+            }
+        }
         let rank = self.transport.rank();
         self.setup.get_mut().comm.leave(rank);
     }

@@ -27,8 +27,8 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::comm::buffer::{validate, with_checked_bufs, Kind, Post, Problem, RawBuf};
-use crate::comm::reduce::{chunk, reduce_into, with_elem};
+use crate::comm::buffer::{validate, with_checked_bufs, Kind, Post, RawBuf};
+use crate::comm::reduce::{chunk, reduce_raw};
 use crate::comm::{wire, Call, OpKind, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -71,9 +71,9 @@ pub(crate) trait Link {
     /// The operation's buffers are locked and its exchange is about to start (a link that
     /// gives each operation one deadline starts it here, not while waiting for the locks).
     fn start_clock(&mut self) {}
-    /// Sends this rank's `post` (with `setup_bytes`, a setup operation's argument) to every
-    /// peer, receives theirs, and validates all of them ([`decode_and_validate`]).
-    fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<()>;
+    /// Sends this rank's `post` to every peer, receives theirs, and validates all of them
+    /// ([`decode_and_validate`]).
+    fn exchange(&mut self, post: &Post) -> Result<()>;
     /// Starts `sends` and `recvs` (a transport may move nothing before [`Link::finish`]).
     fn start(&mut self, sends: &[Msg], recvs: &[Msg]) -> Result<Self::Pending>;
     /// Completes the messages of `pending`.
@@ -125,36 +125,34 @@ pub(crate) fn run<L: Link>(
 ) -> Result<()> {
     let Some((call, buf, input)) = collective else {
         let post = Post::new(Kind::Op(OpKind::Barrier), link.seq());
-        return link.exchange(&post, &[]);
+        return link.exchange(&post);
     };
-    let kind = call.kind();
-    let result = with_checked_bufs(link, kind, buf, input, fail_with, |link, dst, src| {
-        link.start_clock();
-        let post = Post::of_call(call, link.seq(), dst, src);
-        link.exchange(&post, &[])?;
-        match (call, src) {
-            (Call::AllGather, Some(src)) => all_gather(link, src, dst),
-            (Call::ReduceScatter(op), Some(src)) => reduce_scatter(link, src, dst, op),
-            (Call::AllReduce(op), _) => all_reduce(link, dst, op),
-            (Call::Broadcast(root), _) => broadcast(link, dst, root),
-            (Call::Reduce(root, op), _) => reduce(link, dst, root, op),
-            _ => unreachable!("all-gather and reduce-scatter have an input"),
-        }
-    });
+    let (kind, seq) = (call.kind(), link.seq());
+    let result = with_checked_bufs(
+        link,
+        kind,
+        seq,
+        buf,
+        input,
+        L::exchange,
+        |link, dst, src| {
+            link.start_clock();
+            let post = Post::of_call(call, link.seq(), dst, src);
+            link.exchange(&post)?;
+            match (call, src) {
+                (Call::AllGather, Some(src)) => all_gather(link, src, dst),
+                (Call::ReduceScatter(op), Some(src)) => reduce_scatter(link, src, dst, op),
+                (Call::AllReduce(op), _) => all_reduce(link, dst, op),
+                (Call::Broadcast(root), _) => broadcast(link, dst, root),
+                (Call::Reduce(root, op), _) => reduce(link, dst, root, op),
+                _ => unreachable!("all-gather and reduce-scatter have an input"),
+            }
+        },
+    );
     if result.is_err() {
         link.failed(buf, input);
     }
     result
-}
-
-/// Reports a local `problem` through the exchange (every rank fails the same way).
-fn fail_with<L: Link>(link: &mut L, kind: Kind, problem: Problem) -> Error {
-    let mut post = Post::new(kind, link.seq());
-    post.problem = Some(problem);
-    match link.exchange(&post, &[]) {
-        Err(e) => e,
-        Ok(()) => unreachable!("validation fails on a post with a problem"),
-    }
 }
 
 /// The peers of this rank, in rank order.
@@ -367,16 +365,17 @@ fn reduce_exchange<L: Link>(
                 false => slot(k, j) as *const u8,
             })
             .collect();
-        let out = into.dst.wrapping_add(k * seg * es);
-        with_elem!(into.dtype, T => {
-            let srcs: Vec<*const T> = srcs.iter().map(|&p| p as *const T).collect();
-            // SAFETY: each source holds `recv_n` elements of T (a received segment in an
-            // 8-byte aligned scratch slot that round k+1 does not touch, or this rank's own
-            // share at an element boundary); `out` is this rank's write-locked destination,
-            // equal to its own source or disjoint from every source, and disjoint from the
-            // scratch and from every segment round k+1 sends.
-            unsafe { reduce_into::<T>(&srcs, out as *mut T, recv_n, into.op, ws) }
-        });
+        let out = RawBuf {
+            ptr: into.dst.wrapping_add(k * seg * es),
+            len: recv_n,
+            dtype: into.dtype,
+        };
+        // SAFETY: each source holds `recv_n` elements of the dtype (a received segment in an
+        // 8-byte aligned scratch slot that round k+1 does not touch, or this rank's own share at
+        // an element boundary); `out` is this rank's write-locked destination, equal to its own
+        // source or disjoint from every source, and disjoint from the scratch and from every
+        // segment round k+1 sends.
+        unsafe { reduce_raw(out, &srcs, into.op, ws) };
     }
     Ok(())
 }

@@ -1,13 +1,12 @@
 //! What every host backend runs on, importing no backend: the one group of the host backends
 //! ([`group`]), their stream threads and issue path ([`streams`]), the run rules of an operation
 //! and of a rank ([`run`]: a panic or failure aborts the job, never leaving peers waiting; the
-//! check of `new_group`'s ranks), the copy and reduction loops over shared buffers ([`copy`]:
-//! the thread backend and shm), and the CUDA buffer helpers the thread backend's CUDA path and
+//! check of `new_group`'s ranks), the collectives over shared buffers ([`board`]: the thread
+//! backend and shm), and the CUDA buffer helpers the thread backend's CUDA path and
 //! NCCL share ([`cuda`]). A backend names this module, never another backend
 //! (`scripts/check-layers.sh`).
 
 pub(crate) mod board;
-pub(crate) mod copy;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 pub(crate) mod group;

@@ -5,7 +5,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use crate::comm::ProcessGroup;
+use crate::comm::{Instrumented, ProcessGroup};
 use crate::error::{Error, Result};
 
 /// The text of a panic payload (`&str` or `String`), or a placeholder.
@@ -99,4 +99,21 @@ pub(crate) fn check_ranks(op: &str, ranks: &[usize], world_size: usize) -> Resul
         }
     }
     Ok(())
+}
+
+/// Runs `f` on this process's rank `rank` of a process-per-rank job, given the group its
+/// backend connected (wrapped in [`Instrumented`]) or why it could not; returns its result
+/// (one element). When `f` fails or panics, the job is aborted with the error's text.
+pub(crate) fn run_process_rank<G, T, F>(rank: usize, group: Result<Arc<G>>, f: F) -> Vec<Result<T>>
+where
+    G: ProcessGroup + ?Sized + 'static,
+    F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
+{
+    match group {
+        Ok(group) => {
+            let pg: Arc<dyn ProcessGroup> = Arc::new(Instrumented::new(group));
+            vec![run_one(rank, pg, &f)]
+        }
+        Err(e) => vec![Err(e)],
+    }
 }

@@ -60,21 +60,8 @@ const SETUP_DESC_MAX: usize = 1 << 16;
 /// process exits (see [`run`]).
 pub const LINGER: Duration = Duration::from_secs(10);
 
-/// Configuration of an MPI process group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MpiConfig {
-    /// How long a rank waits in a collective for its peers before failing with
-    /// [`Error::Timeout`] (which also aborts the job). Default: 300 s.
-    pub timeout: Duration,
-}
-
-impl Default for MpiConfig {
-    fn default() -> Self {
-        MpiConfig {
-            timeout: Duration::from_secs(300),
-        }
-    }
-}
+/// Configuration of an MPI process group: [`crate::comm::GroupConfig`].
+pub type MpiConfig = crate::comm::GroupConfig;
 
 /// This process's rank and the job's size in `MPI_COMM_WORLD`, initialising MPI if needed.
 ///
@@ -186,8 +173,8 @@ impl Transport for Mpi {
         messages::run(&mut self.ctx(comm, op), collective)
     }
 
-    fn agree(&self, setup: &mut MpiComm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()> {
-        self.ctx(setup, op).exchange(post, bytes)
+    fn agree(&self, setup: &mut MpiComm, op: Op<'_>, post: &Post) -> Result<()> {
+        self.ctx(setup, op).exchange(post)
     }
 
     fn open(

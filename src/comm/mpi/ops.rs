@@ -163,13 +163,17 @@ impl Link for OpCtx<'_> {
 
     /// Sends this rank's descriptor to every peer, receives theirs, and validates all of them
     /// (the same verdict on every rank).
-    fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<()> {
+    fn exchange(&mut self, post: &Post) -> Result<()> {
         let ws = self.world_size;
+        // Longer than the peers' receives: this rank never sends it, so it stops the job rather
+        // than leave the peers waiting (checked first: every rank with such an argument fails
+        // with its own error).
+        let mine = wire::encode_within(post, self.desc_max, "MPI", self.op)
+            .inspect_err(|e| self.rt.abort(&e.message()))?;
         self.rt.poll_failures();
         if let Some(failure) = self.rt.failure() {
             return Err(peer_failed(self.op, self.rank, failure));
         }
-        let mine = wire::encode(post, setup_bytes);
         let mut bufs: Vec<Vec<u8>> = (0..ws).map(|_| vec![0u8; self.desc_max]).collect();
         let peers = (0..ws).filter(|&j| j != self.rank);
         let recvs: Vec<Msg> = peers

@@ -119,21 +119,8 @@ use crate::comm::bootstrap;
 use crate::comm::store::TcpStore;
 use crate::error::{Error, Result};
 
-/// Configuration of an NCCL process group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NcclConfig {
-    /// How long an operation may stay incomplete (from its issue) before the watchdog aborts
-    /// the group, and how long the bootstrap waits for the other ranks. Default: 300 s.
-    pub timeout: Duration,
-}
-
-impl Default for NcclConfig {
-    fn default() -> Self {
-        NcclConfig {
-            timeout: Duration::from_secs(300),
-        }
-    }
-}
+/// Configuration of an NCCL process group: [`crate::comm::GroupConfig`].
+pub type NcclConfig = crate::comm::GroupConfig;
 
 /// How the ranks of an NCCL job get their communicator's unique id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -661,30 +648,14 @@ impl ProcessGroup for NcclGroup {
         self.default_stream.clone()
     }
 
-    fn all_gather(&self, stream: &CommStream, input: &Tensor, output: Tensor) -> Work<Tensor> {
-        self.issue(stream, Call::AllGather, output, Some(input))
-    }
-
-    fn reduce_scatter(
+    fn issue_call(
         &self,
         stream: &CommStream,
-        input: &Tensor,
-        output: Tensor,
-        op: ReduceOp,
+        call: Call,
+        buf: Tensor,
+        input: Option<&Tensor>,
     ) -> Work<Tensor> {
-        self.issue(stream, Call::ReduceScatter(op), output, Some(input))
-    }
-
-    fn all_reduce(&self, stream: &CommStream, buf: Tensor, op: ReduceOp) -> Work<Tensor> {
-        self.issue(stream, Call::AllReduce(op), buf, None)
-    }
-
-    fn broadcast(&self, stream: &CommStream, buf: Tensor, root: usize) -> Work<Tensor> {
-        self.issue(stream, Call::Broadcast(root), buf, None)
-    }
-
-    fn reduce(&self, stream: &CommStream, buf: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
-        self.issue(stream, Call::Reduce(root, op), buf, None)
+        self.issue(stream, call, buf, input)
     }
 
     /// An all-reduce (sum) of one f32 on the stream: complete once every rank's comm stream
@@ -826,5 +797,5 @@ where
 {
     let group = crate::device::cuda::open_device(gpu)
         .and_then(|device| NcclGroup::new(&device, rank, world_size, bootstrap, config));
-    super::engine::streams::run_process_rank(rank, group, f)
+    super::engine::run::run_process_rank(rank, group, f)
 }

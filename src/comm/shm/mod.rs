@@ -57,28 +57,14 @@ use super::bootstrap;
 use super::buffer::Post;
 use super::engine::board;
 use super::engine::group::{Collective, HostGroup, Op, Transport};
-use super::engine::streams as host_stream;
+use super::engine::run::run_process_rank;
 use super::store::TcpStore;
 use super::ProcessGroup;
 use crate::alloc::shared::{self as arena, PeerArena};
 use crate::error::{Error, Result};
 
-/// Configuration of a shared-memory process group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ShmConfig {
-    /// How long a rank waits in a collective for its peers before failing with
-    /// [`Error::Timeout`] (which also aborts the job); also bounds the store rendezvous.
-    /// Default: 300 s.
-    pub timeout: Duration,
-}
-
-impl Default for ShmConfig {
-    fn default() -> Self {
-        ShmConfig {
-            timeout: Duration::from_secs(300),
-        }
-    }
-}
+/// Configuration of a shared-memory process group: [`crate::comm::GroupConfig`].
+pub type ShmConfig = crate::comm::GroupConfig;
 
 /// Store key of the job's segment name prefix (shared by rank 0).
 const PREFIX_KEY: &str = "candle-fsdp/shm/prefix";
@@ -161,8 +147,8 @@ impl Transport for Shm {
         board::run(&mut self.ctx(comm, op), collective)
     }
 
-    fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()> {
-        self.ctx(setup, op).exchange(post, bytes).map(|_| ())
+    fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post) -> Result<()> {
+        self.ctx(setup, op).exchange(post).map(|_| ())
     }
 
     /// Every rank creates its segment, then maps the others', then removes its file.
@@ -392,7 +378,7 @@ where
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
 {
     let group = connect(rank, world_size, addr, port, config);
-    host_stream::run_process_rank(rank, group, f)
+    run_process_rank(rank, group, f)
 }
 
 /// Rank 0 makes the job's prefix and its abort slot (kept in `slot`) and shares the prefix;

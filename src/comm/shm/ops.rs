@@ -12,7 +12,7 @@
 use super::segment::{wait_for, Header, PeerMap, Segment, Stop, DESC_MAX};
 use super::Shm;
 use crate::alloc::shared as arena;
-use crate::comm::buffer::{Kind, Post, Problem, RawBuf};
+use crate::comm::buffer::{Post, RawBuf};
 use crate::comm::engine::board::{Board, Expose};
 use crate::comm::engine::messages::decode_and_validate;
 use crate::comm::engine::peer_failed;
@@ -108,23 +108,15 @@ impl Ctx<'_> {
         Err(error)
     }
 
-    /// Barrier 1: publishes `post` (with `setup_bytes`, the setup argument) and waits for every
-    /// rank; then maps grown peer segments and validates every rank's post (the same verdict
-    /// on every rank). Returns the generation reached.
-    pub(super) fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<u64> {
+    /// Barrier 1: publishes `post` and waits for every rank; then maps grown peer segments and
+    /// validates every rank's post (the same verdict on every rank). Returns the generation
+    /// reached.
+    pub(super) fn exchange(&mut self, post: &Post) -> Result<u64> {
+        // Checked first: every rank with a setup argument too long fails with its own error.
+        let desc = wire::encode_within(post, DESC_MAX, "shared-memory", self.op);
+        let desc = desc.map_err(|e| self.stop_job(e))?;
         if let Some(failure) = self.core.abort.get() {
             return Err(peer_failed(self.op, self.rank(), failure));
-        }
-        let desc = wire::encode(post, setup_bytes);
-        if desc.len() > DESC_MAX {
-            return Err(self.stop_job(Error::shape(
-                format_args!("{}: the argument", self.op),
-                format_args!(
-                    "at most {} bytes (the shared-memory backend's limit)",
-                    DESC_MAX - 64
-                ),
-                format_args!("{} bytes", setup_bytes.len()),
-            )));
         }
         let headers: Vec<Header> = (0..self.world_size())
             .map(|j| self.comm.header(j))
@@ -228,7 +220,7 @@ impl Board for Ctx<'_> {
             (None, Expose::AllBut(skip)) => self.copy_in(buf, skip),
         };
         copied.map_err(|e| self.stop_job(e))?;
-        self.exchange(post, &[])
+        self.exchange(post)
     }
 
     /// Rank `j`'s buffer where its arena holds it, else its segment's data area.
@@ -264,16 +256,6 @@ impl Board for Ctx<'_> {
         match self.core.abort.get() {
             None => Ok(()),
             Some(failure) => Err(peer_failed(self.op, self.rank(), failure)),
-        }
-    }
-
-    /// Reports a local `problem` through the exchange (every rank fails the same way).
-    fn fail_with(&mut self, kind: Kind, problem: Problem) -> Error {
-        let mut post = Post::new(kind, self.seq);
-        post.problem = Some(problem);
-        match self.exchange(&post, &[]) {
-            Err(e) => e,
-            Ok(_) => unreachable!("validation fails on a post with a problem"),
         }
     }
 

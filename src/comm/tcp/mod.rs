@@ -52,27 +52,13 @@ use super::bootstrap;
 use super::buffer::Post;
 use super::engine::group::{Collective, HostGroup, Op, Transport};
 use super::engine::messages::{self, Link};
-use super::engine::streams as host_stream;
+use super::engine::run::run_process_rank;
 use super::store::TcpStore;
 use super::ProcessGroup;
 use crate::error::{Error, Result};
 
-/// Configuration of a TCP process group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TcpConfig {
-    /// How long a rank waits in a collective for its peers before failing with
-    /// [`Error::Timeout`] (which also aborts the job); also bounds the rendezvous and each
-    /// connection setup. Default: 300 s.
-    pub timeout: Duration,
-}
-
-impl Default for TcpConfig {
-    fn default() -> Self {
-        TcpConfig {
-            timeout: Duration::from_secs(300),
-        }
-    }
-}
+/// Configuration of a TCP process group: [`crate::comm::GroupConfig`].
+pub type TcpConfig = crate::comm::GroupConfig;
 
 /// The TCP transport of one rank of one group: what every handle and stream of the group
 /// shares.
@@ -130,8 +116,8 @@ impl Transport for Tcp {
         messages::run(&mut self.ctx(comm, op), collective)
     }
 
-    fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post, bytes: &[u8]) -> Result<()> {
-        self.ctx(setup, op).exchange(post, bytes)
+    fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post) -> Result<()> {
+        self.ctx(setup, op).exchange(post)
     }
 
     fn open(&self, _setup: &mut Comm, _op: Op<'_>, index: usize, _name: &str) -> Result<Comm> {
@@ -251,5 +237,5 @@ where
     F: Fn(Arc<dyn ProcessGroup>) -> Result<T>,
 {
     let group = connect(rank, world_size, addr, port, config);
-    host_stream::run_process_rank(rank, group, f)
+    run_process_rank(rank, group, f)
 }

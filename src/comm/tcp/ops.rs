@@ -231,14 +231,20 @@ impl Link for Ctx<'_> {
         self.seq
     }
 
-    /// Sends this rank's `post` (with `setup_bytes`, the setup argument) to every peer,
-    /// receives theirs and validates all of them (the same verdict on every rank).
-    fn exchange(&mut self, post: &Post, setup_bytes: &[u8]) -> Result<()> {
+    /// Sends this rank's `post` to every peer, receives theirs and validates all of them (the
+    /// same verdict on every rank).
+    fn exchange(&mut self, post: &Post) -> Result<()> {
+        let (ws, rank) = (self.world_size(), self.rank());
+        // Too long: this rank never sends it, so it stops the job rather than leave the peers
+        // waiting (checked first: every rank with such an argument fails with its own error).
+        let desc = wire::encode_within(post, SETUP_MAX, "TCP", self.op).inspect_err(|e| {
+            self.core
+                .net
+                .abort(self.core.root_ranks[rank], &e.message())
+        })?;
         if let Some(f) = self.core.net.failure() {
             return Err(self.peer_failed(f));
         }
-        let (ws, rank) = (self.world_size(), self.rank());
-        let desc = wire::encode(post, setup_bytes);
         let mut mine = vec![0u8; FRAME];
         mine[0] = TAG_DESC;
         mine[4..8].copy_from_slice(&(desc.len() as u32).to_le_bytes());

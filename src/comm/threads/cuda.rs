@@ -544,7 +544,7 @@ impl Ctx<'_> {
             Err(e) => return self.cannot_join(e),
         };
         let post = Post::of_call(call, self.seq, out, input.as_ref().map(|(i, _)| *i));
-        let (generation, posts, pres) = match self.rendezvous_with_token(post, token(&pre)) {
+        let (generation, posts, pres) = match self.rendezvous(post, Some(token(&pre))) {
             Ok(r) => r,
             Err(e) => return CudaDone::failed(e),
         };
@@ -596,7 +596,7 @@ impl Ctx<'_> {
                 });
                 let t = steps.record("phase-A");
                 generation += 1;
-                let phase_a = self.sync_with_token(generation, t);
+                let phase_a = self.sync_all(generation, Some(t));
                 steps.wait_tokens(&phase_a, "phase-A");
                 for (j, b) in bufs.iter().enumerate() {
                     if j == rank {
@@ -635,12 +635,12 @@ impl Ctx<'_> {
         // Nobody may touch this rank's buffers until every rank finished with them.
         let t = steps.record("done");
         generation += 1;
-        let dones = self.sync_with_token(generation, t);
+        let dones = self.sync_all(generation, Some(t));
         steps.wait_tokens(&dones, "done");
         let (final_event, result) = steps.finish();
         // Every peer has enqueued its waits on this rank's events (`pre`, `phase-A`, `done`):
         // only now may they be destroyed. `sync` cannot fail, so no path drops them earlier.
-        self.sync(generation + 1);
+        self.sync_all(generation + 1, None);
         drop(steps);
         drop(pre);
         if let Err(e) = &result {
@@ -671,7 +671,7 @@ impl Ctx<'_> {
             Err(e) => return self.cannot_join(e),
         };
         let post = Post::new(Kind::Op(OpKind::Barrier), self.seq);
-        let (generation, posts, pres) = match self.rendezvous_with_token(post, token(&pre)) {
+        let (generation, posts, pres) = match self.rendezvous(post, Some(token(&pre))) {
             Ok(r) => r,
             Err(e) => return CudaDone::failed(e),
         };
@@ -682,7 +682,7 @@ impl Ctx<'_> {
         steps.wait_tokens(&pres, "arrival");
         let (final_event, result) = steps.finish();
         // As in `cuda_body`: the published events outlive the peers' waits on them.
-        self.sync(generation + 1);
+        self.sync_all(generation + 1, None);
         drop(steps);
         drop(pre);
         CudaDone {

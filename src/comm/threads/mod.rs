@@ -22,21 +22,11 @@
 //!
 //! The k-th stream created by each rank (0: the default stream) shares one *communicator* with
 //! the k-th streams of the other ranks: a rendezvous (mutex, condition variable, per-rank arrival
-//! counters and posts). A collective runs in the stream thread of every rank:
-//!
-//! 1. **Post** (barrier 1): the rank publishes raw pointers, lengths and dtypes of its tensors'
-//!    storage (plus the reduce op and root) and waits until every rank posted. The tensors'
-//!    storage locks are held from here to the end (Candle's in-place op API, see `host`).
-//! 2. **Validate**: every rank checks *all* posts with the same deterministic code.
-//! 3. **Copy**: each rank does its own share of the data movement by reading its peers' buffers
-//!    through the posted pointers (bandwidth-optimal: every byte is read once per destination):
-//!    - all-gather: rank r copies every rank j's input into `output[j*n..(j+1)*n]`;
-//!    - reduce-scatter: rank r reduces `input_j[r*n..(r+1)*n]` over ranks j = 0, 1, … in order;
-//!    - all-reduce (in place, two phases): rank r reduces chunk r of all buffers into chunk r of
-//!      its own buffer; barrier; rank r copies chunk j from rank j for every j ≠ r;
-//!    - broadcast: non-roots copy the root's buffer; reduce: the root reduces into its buffer.
-//! 4. **Done** (barrier 2): nobody returns — and so nobody frees or reuses a buffer a peer may
-//!    still read — until every rank finished copying.
+//! counters and posts). A collective runs in the stream thread of every rank as the
+//! shared-memory family's collectives do (`comm::engine::board`: post and barrier 1, the same
+//! validation on every rank, each rank's share of the copying straight from its peers' buffers,
+//! a last barrier), the peers reading this rank's tensors themselves through the posted
+//! pointers; the tensors' storage locks are held throughout (see `rendezvous`).
 //!
 //! # Guarantees beyond the portable contract (shared memory only)
 //!
@@ -75,7 +65,6 @@
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
-pub(in crate::comm) mod host;
 mod rendezvous;
 mod run;
 
@@ -96,13 +85,10 @@ use candle_core::Device;
 #[cfg(feature = "cuda")]
 use candle_core::Tensor;
 
-use self::host::HostBoard;
 use self::rendezvous::{Communicator, Ctx, Shared};
-use super::buffer::{validate, Post};
+use super::buffer::Post;
 use super::engine::board;
 use super::engine::group::{Collective, HostGroup, Member, Op, Transport};
-#[cfg(feature = "cuda")]
-use super::engine::streams::HostStreams;
 use super::engine::streams::StreamComm;
 #[cfg(feature = "cuda")]
 use super::{Call, CommStream, OpKind, Work};
@@ -111,22 +97,8 @@ use super::{ProcessGroup, DEFAULT_STREAM};
 #[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
 use crate::error::{Error, Result};
 
-/// Configuration of a thread process group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ThreadGroupConfig {
-    /// How long a rank waits, in a collective, for the other ranks to join it before failing with
-    /// [`Error::Timeout`] (measured from the moment the collective starts running on the rank's
-    /// comm stream). Default: 300 s.
-    pub timeout: Duration,
-}
-
-impl Default for ThreadGroupConfig {
-    fn default() -> Self {
-        ThreadGroupConfig {
-            timeout: Duration::from_secs(300),
-        }
-    }
-}
+/// Configuration of a thread process group: [`crate::comm::GroupConfig`].
+pub type ThreadGroupConfig = super::GroupConfig;
 
 /// One communicator of a rank as its thread holds it: a stream's rendezvous (`None`: the
 /// group's setup rendezvous) and, on a GPU, the stream's CUDA stream.
@@ -231,6 +203,7 @@ impl Threads {
             rank: self.rank,
             seq: op.seq,
             op: op.name,
+            posts: Vec::new(),
         }
     }
 }
@@ -260,18 +233,13 @@ impl Transport for Threads {
     }
 
     fn run(&self, comm: &mut ThreadComm, op: Op<'_>, collective: Collective<'_>) -> Result<()> {
-        let ctx = self.ctx(comm, op);
-        board::run(&mut HostBoard::new(&ctx), collective)
+        board::run(&mut self.ctx(comm, op), collective)
     }
 
-    /// A setup rendezvous on the caller's thread: posts `post`, validates every rank's post,
-    /// and leaves after a second barrier (peers read this rank's argument while validating).
-    fn agree(&self, setup: &mut ThreadComm, op: Op<'_>, post: &Post, _bytes: &[u8]) -> Result<()> {
-        let ctx = self.ctx(setup, op);
-        let (generation, posts) = ctx.rendezvous(*post)?;
-        let verdict = validate(op.name, self.shared.world_size, &posts);
-        ctx.sync(generation + 1);
-        verdict
+    /// A setup rendezvous on the caller's thread: posts `post` and validates every rank's post
+    /// (each rank reads copies of them).
+    fn agree(&self, setup: &mut ThreadComm, op: Op<'_>, post: &Post) -> Result<()> {
+        self.ctx(setup, op).agree(post).map(|_| ())
     }
 
     /// The `index`-th communicator of the group is its stream `index - 1` (0: the default
@@ -339,7 +307,7 @@ impl Transport for Threads {
     #[cfg(feature = "cuda")]
     fn issue_device<V: Send + 'static>(
         &self,
-        streams: &HostStreams<ThreadComm>,
+        group: &HostGroup<Self>,
         stream: &CommStream,
         kind: OpKind,
         value: V,
@@ -348,7 +316,7 @@ impl Transport for Threads {
         use crate::comm::engine::cuda::CudaDone;
         let rc = Arc::clone(self.cuda.as_ref().expect("a group on a GPU"));
         let (rank, shared) = (self.rank, Arc::clone(&self.shared));
-        let issued = streams.issue_job(stream, kind, move |is| {
+        let issued = group.issue_job(stream, kind, move |is| {
             let (completion, completer) =
                 cuda::CudaOp::pending(Arc::clone(&rc.compute), &is.op, rank, &is.stream);
             // The inputs as of this call: recorded now, on the compute stream.
@@ -364,6 +332,7 @@ impl Transport for Threads {
                     rank,
                     seq: is.seq,
                     op,
+                    posts: Vec::new(),
                 };
                 // The buffers move into `keep`, which the completer releases only once the
                 // compute stream waited on the operation: no other reference of the job's

@@ -1,5 +1,15 @@
 //! The rendezvous of the thread backend: communicators shared by the ranks, the posts ranks
-//! publish for a collective, their validation, and the shared abort slot.
+//! publish for a collective, their validation, and the shared abort slot; and its host data
+//! path, [`Ctx`] as the shared-memory family's [`Board`] (`comm::engine::board`): the peers read
+//! each other's tensors through the posted addresses (the GPU data path is `super::cuda`).
+//!
+//! The output (or in-place buffer) is written under the tensor's storage write lock and the
+//! input read under its read lock (`comm::buffer::with_checked_bufs`, through Candle's in-place
+//! ops); the whole collective (rendezvous, copy, second barrier) runs inside that call, so both
+//! locks are held for as long as peers may touch the buffers. Candle refuses an output that
+//! shares storage with its input before calling us; that, and every other local problem
+//! (device, shape, layout, dtype), is posted to the rendezvous so that every rank fails with the
+//! same [`crate::Error::BadBuffer`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -11,7 +21,10 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::comm::work::YIELD_BEFORE_SLEEP;
 use crate::comm::DEFAULT_STREAM;
 
-use crate::comm::buffer::{validate, Kind, Post, Problem};
+#[cfg(feature = "cuda")]
+use crate::comm::buffer::{report, Kind, Problem};
+use crate::comm::buffer::{validate, Post, RawBuf};
+use crate::comm::engine::board::{Board, Expose};
 use crate::comm::engine::peer_failed;
 use crate::error::{Error, Result};
 
@@ -208,28 +221,25 @@ pub(super) struct Ctx<'a> {
     pub rank: usize,
     pub seq: u64,
     pub op: &'a str,
+    /// Every rank's post, after [`Board::publish`].
+    pub posts: Vec<Post>,
 }
 
 impl Ctx<'_> {
-    /// Barrier 1: publishes `post` and waits until every rank posted; returns the generation
-    /// reached and every rank's post (index = rank).
+    /// Barrier 1: publishes `post` (and `token`, when given) and waits until every rank posted;
+    /// returns the generation reached, every rank's post (index = rank) and, when this rank gave
+    /// a token, every rank's token (else none), read under the same lock hold as the posts (the
+    /// double-buffering argument there covers them too). The CUDA path publishes the raw handle
+    /// of an event as its token.
     ///
     /// Fails (and retracts this rank's arrival, so that no peer can ever pass this barrier and
     /// read this rank's buffers) on abort, on a departed missing rank, or at the deadline.
     /// Once every rank arrived, the barrier is passed regardless of any later abort: peers may
     /// already be reading this rank's buffers.
-    pub(super) fn rendezvous(&self, post: Post) -> Result<(u64, Vec<Post>)> {
-        self.rendezvous_with_token(post, 0)
-            .map(|(generation, posts, _tokens)| (generation, posts))
-    }
-
-    /// [`Ctx::rendezvous`] that also publishes `token` and returns every rank's token (index =
-    /// rank), read under the same lock hold as the posts (the double-buffering argument there
-    /// covers them too). The CUDA path publishes the raw handle of an event there.
-    pub(super) fn rendezvous_with_token(
+    pub(super) fn rendezvous(
         &self,
         post: Post,
-        token: usize,
+        token: Option<usize>,
     ) -> Result<(u64, Vec<Post>, Vec<usize>)> {
         let ws = self.shared.world_size;
         let start = Instant::now();
@@ -242,7 +252,7 @@ impl Ctx<'_> {
         let parity = (target % 2) as usize;
         st.arrivals[self.rank] = target;
         st.posts[parity][self.rank] = Some(post);
-        st.tokens[parity][self.rank] = token;
+        st.tokens[parity][self.rank] = token.unwrap_or(0);
         self.comm.cv.notify_all();
         loop {
             let missing: Vec<usize> = (0..ws).filter(|&j| st.arrivals[j] < target).collect();
@@ -252,9 +262,13 @@ impl Ctx<'_> {
                 // `target + 1`, so these slots are stable here.
                 let posts = st.posts[parity]
                     .iter()
-                    .map(|p| p.expect("every arrived rank posted"))
+                    .map(|p| p.clone().expect("every arrived rank posted"))
                     .collect();
-                return Ok((target, posts, st.tokens[parity].clone()));
+                let tokens = match token {
+                    Some(_) => st.tokens[parity].clone(),
+                    None => Vec::new(),
+                };
+                return Ok((target, posts, tokens));
             }
             let error = if let Some(failure) = self.shared.aborted() {
                 Some(peer_failed(self.op, self.rank, failure))
@@ -302,23 +316,22 @@ impl Ctx<'_> {
         }
     }
 
+    /// [`Ctx::rendezvous`] without a token, then [`validate`] of every rank's post.
+    pub(super) fn agree(&self, post: &Post) -> Result<(u64, Vec<Post>)> {
+        let (generation, posts, _) = self.rendezvous(post.clone(), None)?;
+        validate(self.op, self.shared.world_size, &posts)?;
+        Ok((generation, posts))
+    }
+
     /// A barrier after barrier 1 (generation `target`). It cannot fail: every rank passed
     /// barrier 1, so each one is in the bounded copy phase and will arrive; leaving early would
     /// let the caller free buffers that peers still read. Waits are still bounded by the group
     /// timeout, after which a warning is logged and the wait continues.
-    pub(super) fn sync(&self, target: u64) {
-        self.sync_impl(target, None);
-    }
-
-    /// [`Ctx::sync`] that also publishes `token` and returns every rank's token (index = rank).
-    /// A rank cannot reach generation `target + 2` (same slot) before every rank arrived at
-    /// `target + 1`, which each does only after reading the slots of `target`.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(super) fn sync_with_token(&self, target: u64, token: usize) -> Vec<usize> {
-        self.sync_impl(target, Some(token))
-    }
-
-    fn sync_impl(&self, target: u64, token: Option<usize>) -> Vec<usize> {
+    ///
+    /// With a `token`, also publishes it and returns every rank's token (index = rank; else
+    /// none). A rank cannot reach generation `target + 2` (same slot) before every rank arrived
+    /// at `target + 1`, which each does only after reading the slots of `target`.
+    pub(super) fn sync_all(&self, target: u64, token: Option<usize>) -> Vec<usize> {
         let mut st = self.comm.state.lock();
         st.arrivals[self.rank] = target;
         if let Some(token) = token {
@@ -354,24 +367,56 @@ impl Ctx<'_> {
     }
 
     /// A rendezvous in which this rank takes part only to report `problem`: fails on every
-    /// rank with the same error (see [`validate`]), never a hang.
+    /// rank with the same error (see [`validate`]), never a hang. As after any refused post, no
+    /// rank runs the second barrier (nobody reads anybody's buffers).
+    #[cfg(feature = "cuda")]
     pub(super) fn fail_with(&self, kind: Kind, problem: Problem) -> Error {
-        let mut post = Post::new(kind, self.seq);
-        post.problem = Some(problem);
-        match self.rendezvous(post) {
-            Err(e) => e,
-            // Our post is refused by `validate` on every rank; as after any refused post, no rank
-            // runs the second barrier (nobody reads anybody's buffers).
-            Ok((_generation, posts)) => validate(self.op, self.shared.world_size, &posts)
-                .err()
-                .unwrap_or_else(|| Error::InvalidArgument(format!("{}: {problem:?}", self.op))),
-        }
+        report(kind, self.seq, problem, |post| self.agree(post).map(|_| ()))
+    }
+}
+
+impl Board for Ctx<'_> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world_size
+    }
+
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The peers read this rank's tensor itself (through the posted address), so nothing is
+    /// copied before the rendezvous.
+    fn publish(&mut self, post: &Post, _buf: RawBuf, _expose: Expose) -> Result<u64> {
+        let (generation, posts) = self.agree(post)?;
+        self.posts = posts;
+        Ok(generation)
+    }
+
+    fn readable(&self, j: usize, _like: RawBuf, _len: usize) -> Result<RawBuf> {
+        Ok(self.posts[j]
+            .input
+            .expect("a collective's post has its buffer"))
+    }
+
+    /// Cannot fail: every rank passed barrier 1 (see [`Ctx::sync_all`]).
+    fn sync(&self, target: u64) -> Result<()> {
+        self.sync_all(target, None);
+        Ok(())
+    }
+
+    fn data_phase(&self) -> impl Sized + '_ {
+        AbortOnUnwind(self.op)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::buffer::Kind;
     use crate::comm::OpKind;
 
     fn token(rank: usize, round: u64, phase: u64) -> usize {
@@ -401,11 +446,11 @@ mod tests {
                             rank,
                             seq: round + 1,
                             op: "test",
+                            posts: Vec::new(),
                         };
                         let post = Post::new(Kind::Op(OpKind::AllReduce), ctx.seq);
-                        let (mut generation, posts, tokens) = ctx
-                            .rendezvous_with_token(post, token(rank, round, 0))
-                            .unwrap();
+                        let (mut generation, posts, tokens) =
+                            ctx.rendezvous(post, Some(token(rank, round, 0))).unwrap();
                         assert!(posts.iter().all(|p| p.seq == round + 1));
                         assert_eq!(tokens, expected(ws, round, 0), "rank {rank} round {round}");
                         // 1 to 3 token barriers (as the collectives have), then a plain one.
@@ -414,14 +459,14 @@ mod tests {
                                 thread::yield_now();
                             }
                             generation += 1;
-                            let got = ctx.sync_with_token(generation, token(rank, round, phase));
+                            let got = ctx.sync_all(generation, Some(token(rank, round, phase)));
                             assert_eq!(
                                 got,
                                 expected(ws, round, phase),
                                 "rank {rank} round {round}"
                             );
                         }
-                        ctx.sync(generation + 1);
+                        ctx.sync_all(generation + 1, None);
                     }
                 });
             }
