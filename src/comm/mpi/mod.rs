@@ -150,17 +150,12 @@ impl Mpi {
     }
 
     /// One operation's context on `comm`.
-    fn ctx<'a>(&self, comm: &'a mut MpiComm, op: Op<'a>) -> OpCtx<'a> {
+    fn ctx<'a>(&'a self, comm: &'a mut MpiComm, op: Op<'a>) -> OpCtx<'a> {
         OpCtx {
-            rt: self.rt,
-            comm: comm.comm,
-            rank: self.rank,
-            world_size: self.world_size,
+            core: self,
+            comm,
             seq: op.seq,
             op: op.name,
-            timeout: self.config.timeout,
-            scratch: &mut comm.scratch,
-            desc_max: comm.desc_max,
             deadline: deadline_after(self.config.timeout),
         }
     }

@@ -288,14 +288,7 @@ impl NcclGroup {
         id: UniqueId,
         config: NcclConfig,
     ) -> Result<Arc<NcclGroup>> {
-        if rank >= world_size {
-            return Err(Error::out_of_range(
-                "NCCL group: rank",
-                rank,
-                "world size",
-                world_size,
-            ));
-        }
+        crate::comm::engine::run::check_rank("NCCL group", rank, world_size)?;
         let cuda = crate::device::cuda::cuda_device(device, "NCCL process group")?.clone();
         let family = Family::new(rank, config.timeout);
         let ctx = crate::device::cuda::context(&cuda);

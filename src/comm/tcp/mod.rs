@@ -43,7 +43,7 @@ mod net;
 mod ops;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use self::net::{mesh, Net};
 pub use self::net::{ADDR_VAR, IFNAME_VAR};
@@ -52,10 +52,11 @@ use super::bootstrap;
 use super::buffer::Post;
 use super::engine::group::{Collective, HostGroup, Op, Transport};
 use super::engine::messages::{self, Link};
+use super::engine::run::deadline_after;
 use super::engine::streams as host_stream;
 use super::store::TcpStore;
 use super::ProcessGroup;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Configuration of a TCP process group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +92,7 @@ impl Tcp {
     /// Connects communicator `index` of this group (every member calls it, in the same order).
     fn connect(&self, index: usize) -> Result<Comm> {
         let key = format!("{}c{index}", self.prefix);
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(self.timeout);
         let peers = mesh(&self.net, &key, &self.root_ranks, self.rank, deadline)?;
         Ok(Comm {
             peers,
@@ -188,15 +189,8 @@ pub fn connect(
     port: u16,
     config: TcpConfig,
 ) -> Result<Arc<dyn ProcessGroup>> {
-    if world_size == 0 || rank >= world_size {
-        return Err(Error::out_of_range(
-            "tcp group: rank",
-            rank,
-            "world size",
-            world_size,
-        ));
-    }
-    let deadline = || Instant::now() + config.timeout;
+    crate::comm::engine::run::check_rank("tcp group", rank, world_size)?;
+    let deadline = || deadline_after(config.timeout);
     if world_size == 1 {
         let (local, listening) = Net::listen(std::net::Ipv4Addr::LOCALHOST.into())?;
         let net = listening.join(0, vec![local.to_string()], deadline())?;
