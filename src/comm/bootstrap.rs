@@ -61,17 +61,27 @@ pub fn share_from_rank0(
     len: usize,
     make: impl FnOnce() -> Result<Vec<u8>>,
 ) -> Result<Vec<u8>> {
-    if store.rank() == 0 {
-        let made = make();
-        if let Ok(value) = &made {
-            check_len(key, value, len)?;
-        }
-        publish(store, key, made.as_ref())?;
-        return made;
-    }
-    let value = read_published(store, key, 0, format_args!("bootstrap (store key {key:?})"))?;
+    let op = format!("bootstrap (store key {key:?})");
+    let checked = || make().and_then(|v| check_len(key, &v, len).map(|()| v));
+    let value = share(store, key, op, checked)?;
     check_len(key, &value, len)?;
     Ok(value)
+}
+
+/// Rank 0 makes a value with `make` and [`publish`]es it under `key`; the other ranks read it
+/// ([`read_published`]: rank 0's error fails their operation `op`).
+pub(crate) fn share(
+    store: &dyn KeyValueStore,
+    key: &str,
+    op: impl std::fmt::Display,
+    make: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<Vec<u8>> {
+    if store.rank() != 0 {
+        return read_published(store, key, 0, op);
+    }
+    let made = make();
+    publish(store, key, made.as_ref())?;
+    made
 }
 
 /// Sets `key` to `[0] ++ value` when `made` is a value, else to `[1] ++` its error's text (best

@@ -8,12 +8,8 @@
 //!
 //! # Streams
 //!
-//! The streams of `comm::engine`'s host group: every [`crate::comm::CommStream`] is one
-//! thread of this process (named `mpi-{rank}-{stream}`) with a
-//! communicator of its own, duplicated from the group's (`MPI_Comm_idup`): an all-gather and a
-//! reduce-scatter on different streams are in flight together, and operations on one stream run
-//! in issue order, as the [`crate::comm`] contract says. Stream and sub-group creation run on
-//! the caller's thread over a setup communicator.
+//! `comm::engine`'s host group: one thread per stream (`mpi-{rank}-{stream}`), each with a
+//! communicator of its own (`MPI_Comm_idup` of the group's); setup runs on the caller's thread.
 //!
 //! # Algorithm and guarantees
 //!

@@ -10,11 +10,8 @@
 //!
 //! # Streams
 //!
-//! The streams of `comm::engine`'s host group, as in the MPI backend: every
-//! [`crate::comm::CommStream`] is one thread of this process (named
-//! `shm-{rank}-{stream}`) with a communicator of its own (a segment per rank), so an
-//! all-gather and a reduce-scatter are in flight together and each stream keeps issue order.
-//! Stream and sub-group creation run on the caller's thread over a setup communicator.
+//! `comm::engine`'s host group: one thread per stream (`shm-{rank}-{stream}`), each with a
+//! communicator of its own (a segment per rank); setup runs on the caller's thread.
 //!
 //! # Algorithm and guarantees
 //!
@@ -274,8 +271,14 @@ pub fn connect(
         return Ok(HostGroup::new(core, setup, default)?);
     }
     let store = TcpStore::connect(addr, port, rank, world_size, config.timeout)?;
+    // Rank 0 makes the job's prefix and its abort slot (kept in `slot`) and shares the prefix.
     let mut slot = None;
-    let prefix = share_prefix(&store, fresh, &mut slot)?;
+    let prefix = bootstrap::share(&store, PREFIX_KEY, "shared-memory group creation", || {
+        let prefix = fresh();
+        slot = Some(AbortSlot::create(&PathBuf::from(format!("{prefix}-abort")))?);
+        Ok(prefix.into_bytes())
+    })?;
+    let prefix = String::from_utf8_lossy(&prefix).into_owned();
     let abort = match slot {
         Some(slot) => slot,
         None => AbortSlot::open(&PathBuf::from(format!("{prefix}-abort"))).map_err(|e| {
@@ -383,22 +386,4 @@ where
 {
     let group = connect(rank, world_size, addr, port, config);
     host_stream::run_process_rank(rank, group, f)
-}
-
-/// Rank 0 makes the job's prefix and its abort slot (kept in `slot`) and shares the prefix;
-/// the others read it.
-fn share_prefix(
-    store: &TcpStore,
-    fresh: impl FnOnce() -> String,
-    slot: &mut Option<AbortSlot>,
-) -> Result<String> {
-    if store.rank() == 0 {
-        let prefix = fresh();
-        let created = AbortSlot::create(&PathBuf::from(format!("{prefix}-abort")));
-        bootstrap::publish(store, PREFIX_KEY, created.as_ref().map(|_| &prefix))?;
-        *slot = Some(created?);
-        return Ok(prefix);
-    }
-    let value = bootstrap::read_published(store, PREFIX_KEY, 0, "shared-memory group creation")?;
-    Ok(String::from_utf8_lossy(&value).into_owned())
 }

@@ -378,8 +378,8 @@ const ABORT_MAX_REASON: usize = ABORT_BYTES - 64;
 /// sub-groups): state (0 none, 1 being written, 2 set), the failed rank (of the root group),
 /// the reason.
 pub(super) struct AbortSlot {
+    /// The mapping (it outlives its file descriptor, closed once mapped: POSIX).
     map: MmapRaw,
-    _file: File,
     /// The file rank 0 created (removed, if still there, when the slot is dropped: a setup
     /// that failed before every rank opened it).
     created: Option<PathBuf>,
@@ -396,10 +396,9 @@ impl Drop for AbortSlot {
 impl AbortSlot {
     /// Creates the slot file at `path` (rank 0).
     pub(super) fn create(path: &Path) -> Result<AbortSlot> {
-        let (file, map) = create_mapped(path, ABORT_BYTES)?;
+        let (_, map) = create_mapped(path, ABORT_BYTES)?;
         Ok(AbortSlot {
             map,
-            _file: file,
             created: Some(path.to_path_buf()),
         })
     }
@@ -413,7 +412,6 @@ impl AbortSlot {
             .map_err(|e| io_error("cannot open", path, e))?;
         Ok(AbortSlot {
             map: map(&file, path, ABORT_BYTES)?,
-            _file: file,
             created: None,
         })
     }
@@ -424,11 +422,8 @@ impl AbortSlot {
             .len(ABORT_BYTES)
             .map_anon()
             .map_err(|e| Error::InvalidArgument(format!("cannot map anonymous memory: {e}")))?;
-        let file = File::open("/dev/null")
-            .map_err(|e| io_error("cannot open", Path::new("/dev/null"), e))?;
         Ok(AbortSlot {
             map: map.into(),
-            _file: file,
             created: None,
         })
     }

@@ -559,7 +559,7 @@ impl TcpStore {
                 self.addr
             )));
         }
-        let reply_wait = wait + REPLY_GRACE;
+        let reply_wait = wait.saturating_add(REPLY_GRACE);
         let result = (|| -> std::result::Result<Reply, String> {
             let io_err = |e: io::Error| -> String {
                 match e.kind() {

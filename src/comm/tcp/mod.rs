@@ -12,11 +12,8 @@
 //!
 //! # Streams
 //!
-//! The streams of `comm::engine`'s host group, as in the shared-memory and MPI
-//! backends: every [`crate::comm::CommStream`] is one thread of this process
-//! (named `tcp-{rank}-{stream}`) with its own connection to every peer, so an all-gather and a
-//! reduce-scatter are in flight together and each stream keeps issue order. Stream and
-//! sub-group creation run on the caller's thread over a setup communicator.
+//! `comm::engine`'s host group: one thread per stream (`tcp-{rank}-{stream}`), each with its
+//! own connection to every peer; setup runs on the caller's thread.
 //!
 //! # Algorithm and guarantees
 //!
