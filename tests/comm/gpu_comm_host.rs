@@ -474,7 +474,10 @@ fn publishing_fills_every_other_inbox() {
         rank: 2,
         reason: "boom".into(),
     };
-    assert_eq!(Notice::decode(&map["candle-fsdp/notice/0"]).unwrap(), failed);
+    assert_eq!(
+        Notice::decode(&map["candle-fsdp/notice/0"]).unwrap(),
+        failed
+    );
 }
 
 // ---- the reduction kernel under host emulation --------------------------------------------

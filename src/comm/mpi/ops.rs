@@ -5,7 +5,7 @@
 //! 32-bit); descriptors and data travel under different tags.
 
 use std::ffi::c_int;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::Tensor;
 use mpi::ffi;
@@ -128,7 +128,12 @@ impl OpCtx<'_> {
         if p.reqs.is_empty() {
             return Ok(());
         }
-        wait_all(self.core.rt, &mut p.reqs, &p.peers, &self.wait_for(deadline))
+        wait_all(
+            self.core.rt,
+            &mut p.reqs,
+            &p.peers,
+            &self.wait_for(deadline),
+        )
     }
 }
 

@@ -286,11 +286,11 @@ impl Runtime {
             let mut flag: c_int = 0;
             ffi::MPI_Test(&mut control.recv, &mut flag, ffi::RSMPI_STATUS_IGNORE);
             if flag == 0 {
-                ffi::MPI_Cancel(&mut control.recv.0);
-                ffi::MPI_Wait(&mut control.recv.0, ffi::RSMPI_STATUS_IGNORE);
+                ffi::MPI_Cancel(&mut control.recv);
+                ffi::MPI_Wait(&mut control.recv, ffi::RSMPI_STATUS_IGNORE);
             }
             for (req, _) in control.sends.iter_mut() {
-                ffi::MPI_Wait(&mut req.0, ffi::RSMPI_STATUS_IGNORE);
+                ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE);
             }
             ffi::MPI_Finalize();
         }

@@ -388,7 +388,8 @@ impl NcclGroup {
         let observed = observer
             .as_ref()
             .and_then(|o| o.op_started(&ns.name, kind, op));
-        let timing = kind != OpKind::Barrier && observer.as_ref().is_some_and(|o| o.times_device_ops());
+        let timing =
+            kind != OpKind::Barrier && observer.as_ref().is_some_and(|o| o.times_device_ops());
         let done = with_cuda_storage(output, input, |dst, dst_l, src| {
             self.enqueue_body(ns, call, op, &ready, timing, dst, dst_l, src)
         })
@@ -472,7 +473,9 @@ impl NcclGroup {
         let cu_stream = stream.cu_stream() as sys::cudaStream_t;
         let buf = addr(out, 0);
         // The input of all-gather and reduce-scatter, else the in-place buffer.
-        let (src, src_len) = input.as_ref().map_or((buf, out.len), |(i, _)| (addr(*i, 0), i.len));
+        let (src, src_len) = input
+            .as_ref()
+            .map_or((buf, out.len), |(i, _)| (addr(*i, 0), i.len));
         let (dt, count) = match call {
             Call::AllGather => move_dtype(out.dtype, src_len),
             Call::Broadcast(_) => move_dtype(out.dtype, out.len),

@@ -30,8 +30,8 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use parking_lot::{Condvar, Mutex};
 
 use super::raw::{abort_all, RawComm};
-use crate::comm::engine::cuda::{cuda_err, KeepAlive};
 use crate::comm::bootstrap;
+use crate::comm::engine::cuda::{cuda_err, KeepAlive};
 use crate::comm::engine::peer_failed;
 use crate::comm::store::TcpStore;
 use crate::comm::work::Completion;

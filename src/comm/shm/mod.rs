@@ -159,7 +159,6 @@ impl Shm {
             op: op.name,
         }
     }
-
 }
 
 impl Transport for Shm {
@@ -275,7 +274,9 @@ pub fn connect(
     let mut slot = None;
     let prefix = bootstrap::share(&store, PREFIX_KEY, "shared-memory group creation", || {
         let prefix = fresh();
-        slot = Some(AbortSlot::create(&PathBuf::from(format!("{prefix}-abort")))?);
+        slot = Some(AbortSlot::create(&PathBuf::from(format!(
+            "{prefix}-abort"
+        )))?);
         Ok(prefix.into_bytes())
     })?;
     let prefix = String::from_utf8_lossy(&prefix).into_owned();

@@ -108,7 +108,12 @@ impl Ctx<'_> {
                 (self.core.abort).set(self.core.root_ranks[rank], &format!("timed out in {op}"));
                 let timeout = self.core.timeout;
                 let missing = missing().collect();
-                return Err(Error::Timeout { op, rank, timeout, missing });
+                return Err(Error::Timeout {
+                    op,
+                    rank,
+                    timeout,
+                    missing,
+                });
             }
             if now.duration_since(start) < crate::comm::work::YIELD_BEFORE_SLEEP {
                 std::thread::yield_now();

@@ -591,7 +591,10 @@ impl TcpStore {
             write_frame(&mut conn.stream, &encode(req)).map_err(io_err)?;
             let body = read_frame(&mut conn.stream).map_err(|e| match e.kind() {
                 io::ErrorKind::InvalidData => {
-                    format!("the server at {} is not a candle-fsdp store: {e}", self.addr)
+                    format!(
+                        "the server at {} is not a candle-fsdp store: {e}",
+                        self.addr
+                    )
                 }
                 _ => io_err(e),
             })?;

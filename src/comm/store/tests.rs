@@ -38,7 +38,10 @@ fn malformed_messages_are_refused() {
         notes: "n".repeat(MAX_NOTES * 4 * MAX_KEY_BYTES + 1),
     };
     let err = Reply::decode(&encode(&pending)).unwrap_err();
-    assert!(err.contains("notes of 32769 bytes exceeds the limit"), "{err}");
+    assert!(
+        err.contains("notes of 32769 bytes exceeds the limit"),
+        "{err}"
+    );
     // Peers of other builds are named as such: a protocol V2 client's HELLO (opcode 1, the
     // magic), and a V2 server's error reply (0xFF, a 4-byte length, the text).
     let mut v2_hello = vec![1];
@@ -59,7 +62,10 @@ fn malformed_messages_are_refused() {
     // A zero frame length (a longer one: tests/comm/store.rs).
     let mut zero = &0u32.to_be_bytes()[..];
     let err = read_frame(&mut zero).unwrap_err();
-    assert!(err.to_string().contains("frame of 0 bytes refused"), "{err}");
+    assert!(
+        err.to_string().contains("frame of 0 bytes refused"),
+        "{err}"
+    );
 }
 
 #[test]
