@@ -13,8 +13,7 @@
 //! - **Notices** ([`Notice`]): each rank has an inbox key, [`inbox_key`]`(rank)`, that its
 //!   watcher thread waits on. A rank that fails sets every *other* rank's inbox to
 //!   `Failed { rank, reason }` ([`publish_failure`]); a rank that ends sets its *own* inbox to
-//!   `Closed` ([`close_inbox`]), which stops its watcher. Encoding: `b"closed"`, or
-//!   `b"failed "` then the rank as decimal, a newline and the reason (UTF-8).
+//!   `Closed` ([`close_inbox`]), which stops its watcher. Encoding: postcard (serde).
 
 use crate::comm::engine::peer_failed;
 use crate::comm::store::TcpStore;
@@ -62,17 +61,27 @@ pub fn share_from_rank0(
     len: usize,
     make: impl FnOnce() -> Result<Vec<u8>>,
 ) -> Result<Vec<u8>> {
-    if store.rank() == 0 {
-        let made = make();
-        if let Ok(value) = &made {
-            check_len(key, value, len)?;
-        }
-        publish(store, key, made.as_ref())?;
-        return made;
-    }
-    let value = read_published(store, key, 0, format_args!("bootstrap (store key {key:?})"))?;
+    let op = format!("bootstrap (store key {key:?})");
+    let checked = || make().and_then(|v| check_len(key, &v, len).map(|()| v));
+    let value = share(store, key, op, checked)?;
     check_len(key, &value, len)?;
     Ok(value)
+}
+
+/// Rank 0 makes a value with `make` and [`publish`]es it under `key`; the other ranks read it
+/// ([`read_published`]: rank 0's error fails their operation `op`).
+pub(crate) fn share(
+    store: &dyn KeyValueStore,
+    key: &str,
+    op: impl std::fmt::Display,
+    make: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<Vec<u8>> {
+    if store.rank() != 0 {
+        return read_published(store, key, 0, op);
+    }
+    let made = make();
+    publish(store, key, made.as_ref())?;
+    made
 }
 
 /// Sets `key` to `[0] ++ value` when `made` is a value, else to `[1] ++` its error's text (best
@@ -129,7 +138,7 @@ fn check_len(key: &str, value: &[u8], len: usize) -> Result<()> {
 }
 
 /// A message in a rank's inbox.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Notice {
     /// The rank itself ended normally: its watcher stops.
     Closed,
@@ -145,44 +154,38 @@ pub enum Notice {
 impl Notice {
     /// The bytes stored in an inbox.
     pub fn encode(&self) -> Vec<u8> {
-        match self {
-            Notice::Closed => b"closed".to_vec(),
-            Notice::Failed { rank, reason } => format!("failed {rank}\n{reason}").into_bytes(),
-        }
+        postcard::to_allocvec(self).expect("a notice always encodes")
     }
 
     /// Parses an inbox value.
     ///
     /// Errors: not a notice ([`Error::Value`] naming what was found).
     pub fn decode(bytes: &[u8]) -> Result<Notice> {
-        if bytes == b"closed" {
-            return Ok(Notice::Closed);
-        }
-        let bad = || {
-            Error::value(
+        match postcard::take_from_bytes(bytes) {
+            Ok((notice, [])) => Ok(notice),
+            _ => Err(Error::value(
                 "an inbox value",
-                "a notice (`failed RANK`, a newline and the reason, or `closed`)",
+                "a notice (`Closed`, or `Failed` with the rank and the reason, in postcard)",
                 format_args!(
                     "{:?}, not a failure notice",
                     String::from_utf8_lossy(&bytes[..bytes.len().min(64)])
                 ),
-            )
-        };
-        let rest = bytes.strip_prefix(b"failed ").ok_or_else(bad)?;
-        let nl = rest.iter().position(|&b| b == b'\n').ok_or_else(bad)?;
-        let rank = std::str::from_utf8(&rest[..nl])
-            .ok()
-            .and_then(|s| s.parse::<usize>().ok())
-            .ok_or_else(bad)?;
-        Ok(Notice::Failed {
-            rank,
-            reason: String::from_utf8_lossy(&rest[nl + 1..]).into_owned(),
-        })
+            )),
+        }
     }
 }
 
 /// Longest reason a notice carries, in bytes (longer ones are cut at a character boundary).
 pub const MAX_REASON_BYTES: usize = 4096;
+
+/// `reason` cut to at most `max` bytes, at a character boundary.
+pub(crate) fn cut_reason(reason: &str, max: usize) -> &str {
+    let mut cut = reason.len().min(max);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    &reason[..cut]
+}
 
 /// The inbox key of `rank`.
 pub fn inbox_key(rank: usize) -> String {
@@ -193,13 +196,9 @@ pub fn inbox_key(rank: usize) -> String {
 ///
 /// Errors: the store's (the first one; every inbox is still attempted).
 pub fn publish_failure(store: &dyn KeyValueStore, failed_rank: usize, reason: &str) -> Result<()> {
-    let mut cut = reason.len().min(MAX_REASON_BYTES);
-    while !reason.is_char_boundary(cut) {
-        cut -= 1;
-    }
     let msg = Notice::Failed {
         rank: failed_rank,
-        reason: reason[..cut].to_string(),
+        reason: cut_reason(reason, MAX_REASON_BYTES).to_string(),
     }
     .encode();
     let mut first = None;

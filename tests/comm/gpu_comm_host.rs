@@ -470,7 +470,14 @@ fn publishing_fills_every_other_inbox() {
             "candle-fsdp/notice/3"
         ]
     );
-    assert_eq!(map["candle-fsdp/notice/0"], b"failed 2\nboom");
+    let failed = Notice::Failed {
+        rank: 2,
+        reason: "boom".into(),
+    };
+    assert_eq!(
+        Notice::decode(&map["candle-fsdp/notice/0"]).unwrap(),
+        failed
+    );
 }
 
 // ---- the reduction kernel under host emulation --------------------------------------------

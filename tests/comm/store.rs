@@ -445,6 +445,27 @@ fn oversized_and_foreign_frames_are_refused() {
     assert_eq!(store.get("still").unwrap(), b"ok");
 }
 
+/// A key that looks like the start of an older client's HELLO (67 bytes, `FSDPKV` and a
+/// version byte: its length byte reads as `C`) is a key: it was refused as an old client.
+#[test]
+fn a_key_like_an_old_clients_hello_is_a_key() {
+    let store = TcpStore::connect("127.0.0.1", free_port(), 0, 1, T).unwrap();
+    let key = format!("FSDPKV2{}", "k".repeat(60));
+    assert_eq!(key.len(), 67);
+    store.set(&key, b"v").unwrap();
+    assert_eq!(store.get(&key).unwrap(), b"v");
+}
+
+/// A timeout too large for the clock (`--timeout-s` of years) means no deadline: it panicked
+/// adding it to `Instant::now()`.
+#[test]
+fn a_timeout_too_large_for_the_clock_is_no_deadline() {
+    let store = TcpStore::connect("127.0.0.1", free_port(), 0, 1, Duration::MAX).unwrap();
+    store.set("k", b"v").unwrap();
+    assert_eq!(store.get("k").unwrap(), b"v");
+    store.barrier("b").unwrap();
+}
+
 /// A server that is not a store: the client says so instead of waiting or allocating.
 #[test]
 fn a_foreign_server_is_named() {

@@ -76,3 +76,15 @@ fn tcp_a_rank_that_left_is_named_by_the_others() {
         }
     }
 }
+
+/// A timeout too large for the clock (`--timeout-s` of years) means no deadline: it panicked
+/// adding it to `Instant::now()`.
+#[test]
+fn tcp_a_timeout_too_large_for_the_clock_is_no_deadline() {
+    use candle_fsdp::comm::tcp::{connect, TcpConfig};
+    let config = TcpConfig {
+        timeout: std::time::Duration::MAX,
+    };
+    let pg = connect(0, 1, "127.0.0.1", 0, config).unwrap();
+    pg.barrier(&pg.default_stream()).wait().unwrap();
+}

@@ -117,3 +117,24 @@ where
         Err(e) => vec![Err(e)],
     }
 }
+
+/// `timeout` from now; a timeout too large for the clock (e.g. `u64::MAX` seconds) means a
+/// century.
+pub(crate) fn deadline_after(timeout: std::time::Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    (now.checked_add(timeout))
+        .unwrap_or_else(|| now + std::time::Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
+/// Checks `rank` against `world_size` (`what`: the group, named in the error).
+pub(crate) fn check_rank(what: &str, rank: usize, world_size: usize) -> Result<()> {
+    match rank < world_size {
+        true => Ok(()),
+        false => Err(Error::out_of_range(
+            format_args!("{what}: rank"),
+            rank,
+            "world size",
+            world_size,
+        )),
+    }
+}

@@ -8,12 +8,8 @@
 //!
 //! # Streams
 //!
-//! The streams of `comm::engine`'s host group: every [`crate::comm::CommStream`] is one
-//! thread of this process (named `mpi-{rank}-{stream}`) with a
-//! communicator of its own, duplicated from the group's (`MPI_Comm_idup`): an all-gather and a
-//! reduce-scatter on different streams are in flight together, and operations on one stream run
-//! in issue order, as the [`crate::comm`] contract says. Stream and sub-group creation run on
-//! the caller's thread over a setup communicator.
+//! `comm::engine`'s host group: one thread per stream (`mpi-{rank}-{stream}`), each with a
+//! communicator of its own (`MPI_Comm_idup` of the group's); setup runs on the caller's thread.
 //!
 //! # Algorithm and guarantees
 //!
@@ -137,17 +133,12 @@ impl Mpi {
     }
 
     /// One operation's context on `comm`.
-    fn ctx<'a>(&self, comm: &'a mut MpiComm, op: Op<'a>) -> OpCtx<'a> {
+    fn ctx<'a>(&'a self, comm: &'a mut MpiComm, op: Op<'a>) -> OpCtx<'a> {
         OpCtx {
-            rt: self.rt,
-            comm: comm.comm,
-            rank: self.rank,
-            world_size: self.world_size,
+            core: self,
+            comm,
             seq: op.seq,
             op: op.name,
-            timeout: self.config.timeout,
-            scratch: &mut comm.scratch,
-            desc_max: comm.desc_max,
             deadline: deadline_after(self.config.timeout),
         }
     }

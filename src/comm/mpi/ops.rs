@@ -5,12 +5,13 @@
 //! 32-bit); descriptors and data travel under different tags.
 
 use std::ffi::c_int;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::Tensor;
 use mpi::ffi;
 
-use super::runtime::{check, deadline_after, wait_all, Comm, Runtime, WaitFor};
+use super::runtime::{check, deadline_after, wait_all, WaitFor};
+use super::{Mpi, MpiComm};
 use crate::comm::buffer::Post;
 use crate::comm::engine::messages::{decode_and_validate, Link, Msg};
 use crate::comm::engine::peer_failed;
@@ -30,17 +31,10 @@ const SEGMENT_BYTES: usize = 256 << 10;
 
 /// One collective (or setup operation) on one rank.
 pub(super) struct OpCtx<'a> {
-    pub rt: &'static Runtime,
-    pub comm: Comm,
-    pub rank: usize,
-    pub world_size: usize,
+    pub core: &'a Mpi,
+    pub comm: &'a mut MpiComm,
     pub seq: u64,
     pub op: &'a str,
-    pub timeout: Duration,
-    /// Reused receive space of the stream (8-byte aligned for every element type).
-    pub scratch: &'a mut Vec<u64>,
-    /// Largest descriptor expected from a peer.
-    pub desc_max: usize,
     /// When the operation's waits give up.
     pub deadline: Instant,
 }
@@ -55,14 +49,14 @@ impl OpCtx<'_> {
     fn wait_for(&self, deadline: Instant) -> WaitFor<'_> {
         WaitFor {
             op: self.op,
-            rank: self.rank,
+            rank: self.core.rank,
             deadline,
-            timeout: self.timeout,
+            timeout: self.core.config.timeout,
         }
     }
 
     /// Posts `recvs` then `sends` (split into messages of at most 1 GiB). On an error the
-    /// messages already posted are abandoned (see [`Runtime::poison`]).
+    /// messages already posted are abandoned (see [`super::runtime::Runtime::poison`]).
     fn post(&self, recvs: &[Msg], sends: &[Msg], tag: c_int) -> Result<Pending> {
         let mut p = Pending {
             reqs: Vec::new(),
@@ -90,7 +84,7 @@ impl OpCtx<'_> {
                             ffi::RSMPI_UINT8_T,
                             m.peer as c_int,
                             tag,
-                            self.comm.0,
+                            self.comm.comm.0,
                             &mut req,
                         )
                     } else {
@@ -100,7 +94,7 @@ impl OpCtx<'_> {
                             ffi::RSMPI_UINT8_T,
                             m.peer as c_int,
                             tag,
-                            self.comm.0,
+                            self.comm.comm.0,
                             &mut req,
                         )
                     }
@@ -115,10 +109,10 @@ impl OpCtx<'_> {
                             self.op
                         )
                     },
-                    self.rt.world_rank,
+                    self.core.rt.world_rank,
                 );
                 if let Err(e) = checked {
-                    self.rt.poison();
+                    self.core.rt.poison();
                     return Err(e);
                 }
                 p.reqs.push(req);
@@ -134,7 +128,12 @@ impl OpCtx<'_> {
         if p.reqs.is_empty() {
             return Ok(());
         }
-        wait_all(self.rt, &mut p.reqs, &p.peers, &self.wait_for(deadline))
+        wait_all(
+            self.core.rt,
+            &mut p.reqs,
+            &p.peers,
+            &self.wait_for(deadline),
+        )
     }
 }
 
@@ -145,11 +144,11 @@ impl Link for OpCtx<'_> {
     const ROUNDS_IN_FLIGHT: usize = 2;
 
     fn rank(&self) -> usize {
-        self.rank
+        self.core.rank
     }
 
     fn world_size(&self) -> usize {
-        self.world_size
+        self.core.world_size
     }
 
     fn seq(&self) -> u64 {
@@ -158,30 +157,30 @@ impl Link for OpCtx<'_> {
 
     /// The operation's one deadline starts once its buffers are locked.
     fn start_clock(&mut self) {
-        self.deadline = deadline_after(self.timeout);
+        self.deadline = deadline_after(self.core.config.timeout);
     }
 
     /// Sends this rank's descriptor to every peer, receives theirs, and validates all of them
     /// (the same verdict on every rank).
     fn exchange(&mut self, post: &Post) -> Result<()> {
-        let ws = self.world_size;
+        let ws = self.core.world_size;
         // Longer than the peers' receives: this rank never sends it, so it stops the job rather
         // than leave the peers waiting (checked first: every rank with such an argument fails
         // with its own error).
-        let mine = wire::encode_within(post, self.desc_max, "MPI", self.op)
-            .inspect_err(|e| self.rt.abort(&e.message()))?;
-        self.rt.poll_failures();
-        if let Some(failure) = self.rt.failure() {
-            return Err(peer_failed(self.op, self.rank, failure));
+        let mine = wire::encode_within(post, self.comm.desc_max, "MPI", self.op)
+            .inspect_err(|e| self.core.rt.abort(&e.message()))?;
+        self.core.rt.poll_failures();
+        if let Some(failure) = self.core.rt.failure() {
+            return Err(peer_failed(self.op, self.core.rank, failure));
         }
-        let mut bufs: Vec<Vec<u8>> = (0..ws).map(|_| vec![0u8; self.desc_max]).collect();
-        let peers = (0..ws).filter(|&j| j != self.rank);
+        let mut bufs: Vec<Vec<u8>> = (0..ws).map(|_| vec![0u8; self.comm.desc_max]).collect();
+        let peers = (0..ws).filter(|&j| j != self.core.rank);
         let recvs: Vec<Msg> = peers
             .clone()
             .map(|j| Msg {
                 peer: j,
                 ptr: bufs[j].as_mut_ptr(),
-                len: self.desc_max,
+                len: self.comm.desc_max,
             })
             .collect();
         // Receives of `desc_max` bytes accept shorter descriptors; the actual length is the
@@ -202,8 +201,8 @@ impl Link for OpCtx<'_> {
             std::mem::forget(mine);
             return Err(e);
         }
-        bufs[self.rank] = mine;
-        decode_and_validate(self.op, self.rank, &bufs)
+        bufs[self.core.rank] = mine;
+        decode_and_validate(self.op, self.core.rank, &bufs)
     }
 
     fn start(&mut self, sends: &[Msg], recvs: &[Msg]) -> Result<Pending> {
@@ -216,19 +215,19 @@ impl Link for OpCtx<'_> {
 
     fn scratch(&mut self, bytes: usize) -> *mut u8 {
         let words = bytes.div_ceil(8);
-        if self.scratch.len() < words {
-            self.scratch.resize(words, 0);
+        if self.comm.scratch.len() < words {
+            self.comm.scratch.resize(words, 0);
         }
-        self.scratch.as_mut_ptr() as *mut u8
+        self.comm.scratch.as_mut_ptr() as *mut u8
     }
 
     /// Abandoned messages may still read or write the buffers: when the runtime is poisoned,
     /// they stay allocated for the rest of the process.
     fn failed(&mut self, dst: &Tensor, src: Option<&Tensor>) {
-        if self.rt.is_poisoned() {
+        if self.core.rt.is_poisoned() {
             std::mem::forget(dst.clone());
             std::mem::forget(src.cloned());
-            std::mem::forget(std::mem::take(self.scratch));
+            std::mem::forget(std::mem::take(&mut self.comm.scratch));
         }
     }
 }

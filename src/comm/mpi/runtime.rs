@@ -26,7 +26,9 @@ use std::time::{Duration, Instant};
 use mpi::ffi;
 use parking_lot::Mutex;
 
+use crate::comm::bootstrap::cut_reason;
 use crate::comm::engine::peer_failed;
+pub(super) use crate::comm::engine::run::deadline_after;
 use crate::error::{Error, Result};
 
 /// An MPI communicator handle (an opaque pointer in OpenMPI) that may cross threads: MPI is
@@ -40,13 +42,6 @@ unsafe impl Send for Comm {}
 // SAFETY: as above.
 unsafe impl Sync for Comm {}
 
-/// An MPI request handle that may cross threads (same reasoning as [`Comm`]).
-#[derive(Clone, Copy)]
-pub(super) struct Request(pub ffi::MPI_Request);
-
-// SAFETY: as for `Comm`; a request is completed or cancelled by exactly one owner.
-unsafe impl Send for Request {}
-
 /// Tag of failure notices on the control communicator.
 const TAG_ABORT: c_int = 77;
 /// Largest failure notice (bytes); longer reasons are cut.
@@ -57,11 +52,16 @@ const ABORT_SEND_GRACE: Duration = Duration::from_secs(2);
 /// The failure channel: one receive always posted, and the notices this rank sent.
 struct Control {
     comm: Comm,
-    recv: Request,
+    recv: ffi::MPI_Request,
     recv_buf: Box<[u8; ABORT_MSG_MAX]>,
     /// Notices in flight (request, buffer); their buffers live until the process ends.
-    sends: Vec<(Request, Box<[u8]>)>,
+    sends: Vec<(ffi::MPI_Request, Box<[u8]>)>,
 }
+
+// SAFETY: the request handles are plain pointers we never dereference, used under the
+// runtime's mutex only; with MPI_THREAD_MULTIPLE (checked at initialisation) any thread may
+// complete them.
+unsafe impl Send for Control {}
 
 impl Control {
     /// Posts the receive of the next notice into `recv_buf`.
@@ -80,7 +80,7 @@ impl Control {
                 ffi::RSMPI_ANY_SOURCE,
                 TAG_ABORT,
                 self.comm.0,
-                &mut self.recv.0,
+                &mut self.recv,
             )
         }
     }
@@ -96,8 +96,7 @@ pub(crate) struct Runtime {
     pub world: Comm,
     control: Mutex<Control>,
     /// First failure known to this process: (world rank, reason).
-    failed: Mutex<Option<(usize, String)>>,
-    failed_flag: AtomicBool,
+    failure: OnceLock<(usize, String)>,
     /// Ranks (world) known to have failed: they sent a notice, or this rank sent its own.
     notified: Mutex<Vec<bool>>,
     /// Some wait gave up on pending operations: `MPI_Finalize` must not run.
@@ -215,7 +214,7 @@ fn init() -> std::result::Result<Runtime, String> {
         let base = dup("base communicator")?;
         let mut control = Control {
             comm: dup("failure channel")?,
-            recv: Request(ffi::RSMPI_REQUEST_NULL),
+            recv: ffi::RSMPI_REQUEST_NULL,
             recv_buf: Box::new([0u8; ABORT_MSG_MAX]),
             sends: Vec::new(),
         };
@@ -233,8 +232,7 @@ fn init() -> std::result::Result<Runtime, String> {
             world_size: size as usize,
             world: base,
             control: Mutex::new(control),
-            failed: Mutex::new(None),
-            failed_flag: AtomicBool::new(false),
+            failure: OnceLock::new(),
             notified: Mutex::new(vec![false; size as usize]),
             poisoned: AtomicBool::new(false),
             finalized: AtomicBool::new(false),
@@ -286,13 +284,13 @@ impl Runtime {
         // SAFETY: the requests are ours, posted on live buffers (owned by `control`).
         unsafe {
             let mut flag: c_int = 0;
-            ffi::MPI_Test(&mut control.recv.0, &mut flag, ffi::RSMPI_STATUS_IGNORE);
+            ffi::MPI_Test(&mut control.recv, &mut flag, ffi::RSMPI_STATUS_IGNORE);
             if flag == 0 {
-                ffi::MPI_Cancel(&mut control.recv.0);
-                ffi::MPI_Wait(&mut control.recv.0, ffi::RSMPI_STATUS_IGNORE);
+                ffi::MPI_Cancel(&mut control.recv);
+                ffi::MPI_Wait(&mut control.recv, ffi::RSMPI_STATUS_IGNORE);
             }
             for (req, _) in control.sends.iter_mut() {
-                ffi::MPI_Wait(&mut req.0, ffi::RSMPI_STATUS_IGNORE);
+                ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE);
             }
             ffi::MPI_Finalize();
         }
@@ -300,18 +298,7 @@ impl Runtime {
 
     /// The first failure known to this process, (world rank, reason).
     pub(crate) fn failure(&self) -> Option<(usize, String)> {
-        if !self.failed_flag.load(Ordering::Acquire) {
-            return None;
-        }
-        self.failed.lock().clone()
-    }
-
-    fn record_failure(&self, world_rank: usize, reason: String) {
-        let mut failed = self.failed.lock();
-        if failed.is_none() {
-            *failed = Some((world_rank, reason));
-            self.failed_flag.store(true, Ordering::Release);
-        }
+        self.failure.get().cloned()
     }
 
     /// A job (`comm::mpi::run`) starts on this rank.
@@ -351,13 +338,13 @@ impl Runtime {
             // reports as complete with an empty status (a "failure" of rank 0): the channel is
             // then closed.
             // SAFETY: reading the MPI library's constant.
-            if control.recv.0 == unsafe { ffi::RSMPI_REQUEST_NULL } {
+            if control.recv == unsafe { ffi::RSMPI_REQUEST_NULL } {
                 return;
             }
             let mut flag: c_int = 0;
             // SAFETY: MPI_Status is plain data; the request is ours, posted on `recv_buf`.
             let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-            let rc = unsafe { ffi::MPI_Test(&mut control.recv.0, &mut flag, &mut status) };
+            let rc = unsafe { ffi::MPI_Test(&mut control.recv, &mut flag, &mut status) };
             if rc != ffi::MPI_SUCCESS as c_int || flag == 0 {
                 return;
             }
@@ -370,7 +357,7 @@ impl Runtime {
             if let Some(n) = self.notified.lock().get_mut(source) {
                 *n = true;
             }
-            self.record_failure(source, reason);
+            let _ = self.failure.set((source, reason));
             // SAFETY: the slot is free (the previous receive completed); the runtime's
             // `Control` lives in its static.
             let rc = unsafe { control.post_recv() };
@@ -414,11 +401,8 @@ impl Runtime {
         }
         // The job failed: nobody will finalize with this rank.
         self.poison();
-        self.record_failure(self.world_rank, reason.to_string());
-        let mut bytes = reason.as_bytes();
-        if bytes.len() > ABORT_MSG_MAX {
-            bytes = &bytes[..ABORT_MSG_MAX];
-        }
+        let _ = self.failure.set((self.world_rank, reason.to_string()));
+        let bytes = cut_reason(reason, ABORT_MSG_MAX).as_bytes();
         let mut control = self.control.lock();
         let comm = control.comm;
         for peer in (0..self.world_size).filter(|&p| p != self.world_rank) {
@@ -437,7 +421,7 @@ impl Runtime {
                 )
             };
             if rc == ffi::MPI_SUCCESS as c_int {
-                control.sends.push((Request(req), buf));
+                control.sends.push((req, buf));
             }
         }
         let deadline = Instant::now() + ABORT_SEND_GRACE;
@@ -446,7 +430,7 @@ impl Runtime {
             for (req, _) in control.sends.iter_mut() {
                 let mut flag: c_int = 0;
                 // SAFETY: our own requests; completed ones are MPI_REQUEST_NULL (flag = 1).
-                unsafe { ffi::MPI_Test(&mut req.0, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+                unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
                 all_done &= flag != 0;
             }
             if all_done {
@@ -455,14 +439,6 @@ impl Runtime {
             thread::sleep(Duration::from_micros(200));
         }
     }
-}
-
-/// `timeout` from now; a timeout too large for the clock (e.g. `u64::MAX` seconds) means a
-/// century.
-pub(super) fn deadline_after(timeout: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(timeout)
-        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 /// What a polling wait is for (named in its errors).

@@ -14,8 +14,8 @@ use crate::comm::store::TcpStore;
 use crate::error::{Error, Result};
 
 /// Starts the thread that waits on this rank's inbox in the job's store and fails `family`
-/// on a peer's notice; installs the family's notifier (publishing this rank's failures) and
-/// its close hook (stopping the thread).
+/// on a peer's notice; gives the family the store (it publishes this rank's failures there and
+/// closes the inbox, stopping the thread, when its last group handle is dropped).
 pub(super) fn watch_store(family: &Arc<Family>, store: Arc<TcpStore>) -> Result<()> {
     let weak = Arc::downgrade(family);
     let watcher_store = Arc::clone(&store);
@@ -55,19 +55,7 @@ pub(super) fn watch_store(family: &Arc<Family>, store: Arc<TcpStore>) -> Result<
             what: format!("the failure-notice watcher of rank {rank}"),
             error,
         })?;
-    let notify_store = Arc::clone(&store);
-    family.set_peer_channel(
-        Box::new(move |failed_rank, reason| {
-            if let Err(e) = bootstrap::publish_failure(&*notify_store, failed_rank, reason) {
-                tracing::warn!("rank {failed_rank}: could not tell the peers it failed: {e}");
-            }
-        }),
-        Box::new(move || {
-            if let Err(e) = bootstrap::close_inbox(&*store) {
-                tracing::debug!("closing this rank's inbox: {e}");
-            }
-        }),
-    );
+    let _ = family.store.set(store);
     Ok(())
 }
 
@@ -78,23 +66,24 @@ pub(super) fn mpi_unique_id(rank: usize, world_size: usize) -> Result<UniqueId> 
     use crate::comm::engine::peer_failed;
     use mpi::ffi;
     let (mpi_rank, mpi_size) = crate::comm::mpi::world_rank_and_size()?;
-    if (mpi_rank, mpi_size) != (rank, world_size) {
-        return Err(Error::conflict(
+    // A rank whose arguments are not MPI's still takes part in the broadcast (the others
+    // would wait in it forever), then fails; MPI's rank 0 sends its own as the failure.
+    let mut local_error = ((mpi_rank, mpi_size) != (rank, world_size)).then(|| {
+        Error::conflict(
             format_args!("NCCL over MPI: rank {rank} of {world_size} requested"),
             format_args!("MPI's rank {mpi_rank} of {mpi_size}"),
             "the rank and world size must be MPI's",
-        ));
-    }
+        )
+    });
     let mut msg = [0u8; 129];
-    let mut local_error = None;
-    if rank == 0 {
-        match UniqueId::new() {
+    if mpi_rank == 0 {
+        match local_error.take().map_or_else(UniqueId::new, Err) {
             Ok(id) => msg[1..].copy_from_slice(&id.0),
             Err(e) => {
                 msg[0] = 1;
                 let text = e.to_string();
-                let n = text.len().min(128);
-                msg[1..1 + n].copy_from_slice(&text.as_bytes()[..n]);
+                let text = bootstrap::cut_reason(&text, 128).as_bytes();
+                msg[1..1 + text.len()].copy_from_slice(text);
                 local_error = Some(e);
             }
         }

@@ -58,29 +58,16 @@
 //! that with tracking on, cudarc's own bookkeeping stays true (a later Candle write of a
 //! reduce-scatter input waits for the comm stream's read, as it should).
 //!
-//! # Buffer lifetime (FSDP2's rule)
+//! # Buffer lifetime and failures
 //!
-//! Memory is released only after the consuming stream waited on the producer's event. Every
-//! operation keeps clones of its input and output tensors until its completion object is
-//! dropped, and dropping them first makes the compute stream — where Candle allocated the
-//! buffers and frees them (stream-ordered `cuMemFreeAsync`) — wait for the completion event
-//! (`KeepAlive` in `engine::cuda`). Whether the caller waits for the [`Work`], drops it, or
-//! the group fails, a buffer NCCL still reads or writes is never reused. The runtime's own
-//! frees (storage swapped out after forward) follow the same rule: they come after
-//! `wait_compute`, on the compute stream.
-//!
-//! # Bootstrap and failures
-//!
-//! The root communicator's unique id travels over the job's TCP store (torchrun-style:
-//! `MASTER_ADDR:MASTER_PORT`, [`crate::comm::store`]; rank 0 shares it,
-//! [`crate::comm::bootstrap`]) or over MPI (`MPI_Bcast`, features `nccl` and `mpi`, when
-//! started by `mpirun`). The watchdog (`watchdog`) turns an operation stuck past the timeout,
-//! an NCCL asynchronous error, [`ProcessGroup::abort`] or a peer's failure notice (store
-//! bootstrap: each rank's watcher waits on its inbox key) into `ncclCommAbort` on every
-//! communicator of the group, and every pending and later operation fails with an error naming
-//! it (`all_gather #12 (stream all_gather)`); the runtime adds the unit, phase and step
-//! ([`Error::InStep`]). Under `mpirun`, a peer's failure reaches this rank through NCCL's
-//! asynchronous error or the timeout (and `mpirun` ends the job when a process fails).
+//! FSDP2's rule (design/gpu.md, "When memory is freed"): every operation keeps clones of its
+//! tensors until the compute stream waited for its completion event (`KeepAlive` in
+//! `engine::cuda`). The root communicator's unique id travels over the job's TCP store
+//! ([`crate::comm::bootstrap`]) or `MPI_Bcast` (features `nccl` and `mpi`, under `mpirun`);
+//! the watchdog (`watchdog`) turns a timeout, an NCCL asynchronous error,
+//! [`ProcessGroup::abort`] or a peer's failure notice (store bootstrap only; under `mpirun`
+//! NCCL's error or the timeout) into `ncclCommAbort` on every communicator of the group, and
+//! every pending and later operation fails naming it (`all_gather #12 (stream all_gather)`).
 //!
 //! # Differences from the thread backend
 //!
@@ -101,7 +88,7 @@ use std::time::Duration;
 
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{CudaDevice, DType, Device, Layout, Tensor};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::{result, sys};
 use parking_lot::{Mutex, MutexGuard};
 
@@ -151,8 +138,8 @@ struct NcclStream {
     /// Sequence number of the last operation issued (held from numbering to enqueue, so that
     /// the enqueue order is the numbering order).
     seq: Mutex<u64>,
-    /// One f32 on `stream` that barriers all-reduce.
-    scratch: CudaSlice<f32>,
+    /// The one f32 that barriers all-reduce.
+    scratch: Tensor,
 }
 
 /// One process's rank of an NCCL group; see the [module docs](self).
@@ -275,14 +262,7 @@ impl NcclGroup {
         id: UniqueId,
         config: NcclConfig,
     ) -> Result<Arc<NcclGroup>> {
-        if rank >= world_size {
-            return Err(Error::out_of_range(
-                "NCCL group: rank",
-                rank,
-                "world size",
-                world_size,
-            ));
-        }
+        crate::comm::engine::run::check_rank("NCCL group", rank, world_size)?;
         let cuda = crate::device::cuda::cuda_device(device, "NCCL process group")?.clone();
         let family = Family::new(rank, config.timeout);
         let ctx = crate::device::cuda::context(&cuda);
@@ -336,7 +316,7 @@ impl NcclGroup {
         let issued = self
             .next_op(stream, call.kind())
             .and_then(|(ns, order, op)| {
-                let done = self.enqueue(ns, call, &op, &output, input);
+                let done = self.enqueue(ns, call.kind(), call, &op, Some(&output), input);
                 drop(order);
                 done
             });
@@ -362,16 +342,18 @@ impl NcclGroup {
         Ok((ns, seq, op))
     }
 
-    /// Checks, orders and enqueues one collective; see the module docs.
+    /// Checks, orders and enqueues one operation of kind `kind` (`call`; a barrier: an
+    /// all-reduce of the stream's one-element scratch, `output` `None`); see the module docs.
     fn enqueue(
         &self,
         ns: &NcclStream,
+        kind: OpKind,
         call: Call,
         op: &str,
-        output: &Tensor,
+        output: Option<&Tensor>,
         input: Option<&Tensor>,
     ) -> Result<Arc<NcclOp>> {
-        let kind = call.kind();
+        let output = output.unwrap_or(&ns.scratch);
         if let Some(f) = self.family.failure() {
             return Err(f.error_for(0, op, self.rank));
         }
@@ -393,7 +375,8 @@ impl NcclGroup {
         let observed = observer
             .as_ref()
             .and_then(|o| o.op_started(&ns.name, kind, op));
-        let timing = observer.as_ref().is_some_and(|o| o.times_device_ops());
+        let timing =
+            kind != OpKind::Barrier && observer.as_ref().is_some_and(|o| o.times_device_ops());
         let done = with_cuda_storage(output, input, |dst, dst_l, src| {
             self.enqueue_body(ns, call, op, &ready, timing, dst, dst_l, src)
         })
@@ -475,8 +458,17 @@ impl NcclGroup {
             .then(|| crate::device::cuda::record(stream, true).ok())
             .flatten();
         let cu_stream = stream.cu_stream() as sys::cudaStream_t;
-        let dtype: DType = out.dtype;
         let buf = addr(out, 0);
+        // The input of all-gather and reduce-scatter, else the in-place buffer.
+        let (src, src_len) = input
+            .as_ref()
+            .map_or((buf, out.len), |(i, _)| (addr(*i, 0), i.len));
+        let (dt, count) = match call {
+            Call::AllGather => move_dtype(out.dtype, src_len),
+            Call::Broadcast(_) => move_dtype(out.dtype, out.len),
+            _ => (reduce_dtype(out.dtype).expect("checked at issue"), out.len),
+        };
+        let (src, buf) = (src as *const c_void, buf as *mut c_void);
         let ctx = stream.context();
         let name = format!("{} ({op})", call.nccl_name());
         // SAFETY: every address is a live Candle buffer of this rank's GPU whose lengths and
@@ -486,61 +478,20 @@ impl NcclGroup {
         // completion event (`KeepAlive`), and `cu_stream` is the communicator's own stream.
         let enqueued = unsafe {
             ns.comm.call(ctx, &name, |comm| match call {
-                Call::AllGather => {
-                    let i = input.as_ref().expect("all-gather has an input").0;
-                    let (dt, count) = move_dtype(dtype, i.len);
-                    result::all_gather(
-                        addr(i, 0) as *const c_void,
-                        buf as *mut c_void,
-                        count,
-                        dt,
-                        comm,
-                        cu_stream,
-                    )
-                }
+                Call::AllGather => result::all_gather(src, buf, count, dt, comm, cu_stream),
                 Call::ReduceScatter(rop) => {
-                    let i = input.as_ref().expect("reduce-scatter has an input").0;
-                    result::reduce_scatter(
-                        addr(i, 0) as *const c_void,
-                        buf as *mut c_void,
-                        out.len,
-                        reduce_dtype(dtype).expect("checked at issue"),
-                        nccl_op(rop),
-                        comm,
-                        cu_stream,
-                    )
+                    result::reduce_scatter(src, buf, count, dt, nccl_op(rop), comm, cu_stream)
                 }
-                Call::AllReduce(rop) => result::all_reduce(
-                    buf as *const c_void,
-                    buf as *mut c_void,
-                    out.len,
-                    reduce_dtype(dtype).expect("checked at issue"),
-                    nccl_op(rop),
-                    comm,
-                    cu_stream,
-                ),
+                Call::AllReduce(rop) => {
+                    result::all_reduce(src, buf, count, dt, nccl_op(rop), comm, cu_stream)
+                }
                 Call::Broadcast(root) => {
-                    let (dt, count) = move_dtype(dtype, out.len);
-                    result::broadcast(
-                        buf as *const c_void,
-                        buf as *mut c_void,
-                        count,
-                        dt,
-                        root as i32,
-                        comm,
-                        cu_stream,
-                    )
+                    result::broadcast(src, buf, count, dt, root as i32, comm, cu_stream)
                 }
-                Call::Reduce(root, rop) => result::reduce(
-                    buf as *const c_void,
-                    buf as *mut c_void,
-                    out.len,
-                    reduce_dtype(dtype).expect("checked at issue"),
-                    nccl_op(rop),
-                    root as i32,
-                    comm,
-                    cu_stream,
-                ),
+                Call::Reduce(root, rop) => {
+                    let rop = nccl_op(rop);
+                    result::reduce(src, buf, count, dt, rop, root as i32, comm, cu_stream)
+                }
             })
         };
         if let Err(e) = enqueued {
@@ -590,7 +541,7 @@ fn new_nccl_stream(
     comm: Arc<RawComm>,
 ) -> Result<CommStream> {
     let stream = crate::device::cuda::new_stream(cuda)?;
-    let scratch = stream.alloc_zeros::<f32>(1).map_err(|e| {
+    let scratch = Tensor::zeros(1, DType::F32, &Device::Cuda(cuda.clone())).map_err(|e| {
         Error::Cuda(format!(
             "allocating the barrier buffer of stream {name}: {e:?}"
         ))
@@ -631,15 +582,8 @@ impl ProcessGroup for NcclGroup {
             return Err(f.error_for(0, &op, self.rank));
         }
         let ctx = crate::device::cuda::context(&self.cuda);
-        let comm = self
-            .default_comm
-            .split(&ctx, Some(self.rank), &op)?
-            .ok_or_else(|| Error::Nccl {
-                call: format!("ncclCommSplit ({op})"),
-                rank: self.rank,
-                message: "NCCL returned no communicator for a member".into(),
-            })?;
-        let comm = Arc::new(comm);
+        let comm = self.default_comm.split(&ctx, Some(self.rank), &op)?;
+        let comm = Arc::new(comm.expect("a member gets a communicator (or an error)"));
         self.family.register(&comm);
         new_nccl_stream(self.id, &self.cuda, name, comm)
     }
@@ -666,7 +610,8 @@ impl ProcessGroup for NcclGroup {
         let issued = self
             .next_op(stream, OpKind::Barrier)
             .and_then(|(ns, order, op)| {
-                let done = self.enqueue_barrier(ns, &op);
+                let call = Call::AllReduce(ReduceOp::Sum);
+                let done = self.enqueue(ns, OpKind::Barrier, call, &op, None, None);
                 drop(order);
                 done
             });
@@ -721,50 +666,6 @@ impl ProcessGroup for NcclGroup {
     /// The watchdog's timeout ([`NcclConfig::timeout`]).
     fn timeout(&self) -> Option<Duration> {
         Some(self.family.timeout)
-    }
-}
-
-impl NcclGroup {
-    fn enqueue_barrier(&self, ns: &NcclStream, op: &str) -> Result<Arc<NcclOp>> {
-        if let Some(f) = self.family.failure() {
-            return Err(f.error_for(0, op, self.rank));
-        }
-        let stream = &ns.stream;
-        let ready = crate::device::cuda::record(&self.compute, false)?;
-        stream
-            .wait(&ready)
-            .map_err(|e| Error::Cuda(format!("{op} on rank {}: {e:?}", self.rank)))?;
-        let observer = self.observer.lock().clone();
-        let observed = observer
-            .as_ref()
-            .and_then(|o| o.op_started(&ns.name, OpKind::Barrier, op));
-        let (ptr, guard) = ns.scratch.device_ptr(stream);
-        let ctx = stream.context();
-        let name = format!("ncclAllReduce ({op})");
-        // SAFETY: `scratch` is one f32 owned by the stream's state, allocated on this stream
-        // (freed there too, after this operation, being stream-ordered); the stream is the
-        // communicator's own.
-        let enqueued = unsafe {
-            ns.comm.call(ctx, &name, |comm| {
-                result::all_reduce(
-                    ptr as *const c_void,
-                    ptr as *mut c_void,
-                    1,
-                    sys::ncclDataType_t::ncclFloat32,
-                    sys::ncclRedOp_t::ncclSum,
-                    comm,
-                    stream.cu_stream() as sys::cudaStream_t,
-                )
-            })
-        };
-        drop(guard);
-        drop(observed);
-        if let Err(e) = enqueued {
-            self.fail_on(&e);
-            return Err(e);
-        }
-        let event = Arc::new(crate::device::cuda::record(stream, false)?);
-        Ok(self.track(ns, op, event, Vec::new()))
     }
 }
 

@@ -7,7 +7,7 @@
 //! the offsets into Candle's storage this backend works with.
 
 use std::ffi::{c_int, CStr};
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::Duration;
 
 use candle_core::DType;
@@ -47,11 +47,7 @@ impl UniqueId {
     pub fn new() -> Result<UniqueId> {
         let _lock = NCCL_LOCK.lock();
         let id = result::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", 0, e, None))?;
-        let mut bytes = [0u8; 128];
-        for (b, c) in bytes.iter_mut().zip(id.internal.iter()) {
-            *b = *c as u8;
-        }
-        Ok(UniqueId(bytes))
+        Ok(UniqueId(id.internal.map(|c| c as u8)))
     }
 
     /// The id from the bytes a bootstrap carried.
@@ -69,10 +65,7 @@ impl UniqueId {
     }
 
     fn to_sys(self) -> sys::ncclUniqueId {
-        let mut internal = [0 as std::ffi::c_char; 128];
-        for (c, b) in internal.iter_mut().zip(self.0.iter()) {
-            *c = *b as std::ffi::c_char;
-        }
+        let internal = self.0.map(|b| b as std::ffi::c_char);
         sys::ncclUniqueId { internal }
     }
 }
@@ -141,8 +134,8 @@ pub(super) fn move_dtype(dtype: DType, len: usize) -> (sys::ncclDataType_t, usiz
 /// One NCCL communicator. It enqueues on the stream the caller passes (the raw API takes
 /// one per call); this backend always passes the stream the communicator was made for.
 pub(super) struct RawComm {
+    /// The handle; null once aborted.
     comm: AtomicPtr<sys::ncclComm>,
-    aborted: AtomicBool,
     /// This rank in the communicator.
     pub rank: usize,
 }
@@ -182,63 +175,61 @@ impl RawComm {
                 None,
             )
         })?;
-        Ok(RawComm {
+        Ok(RawComm::new(comm, rank))
+    }
+
+    fn new(comm: sys::ncclComm_t, rank: usize) -> RawComm {
+        RawComm {
             comm: AtomicPtr::new(comm),
-            aborted: AtomicBool::new(false),
             rank,
-        })
+        }
     }
 
     /// `ncclCommSplit` of this communicator (a collective of all its ranks): members pass
     /// `Some(key)` (their rank in the new communicator follows the keys' order), the others
     /// `None` and get `None`. The new communicator inherits this one's configuration.
     ///
-    /// Errors: NCCL's, or this communicator was aborted.
+    /// Errors: NCCL's, this communicator was aborted, or NCCL returned no communicator for a
+    /// member (which must fail: its peers would wait for it in the new communicator).
     pub(super) fn split(
         &self,
         ctx: &CudaContext,
         key: Option<usize>,
         what: &str,
     ) -> Result<Option<RawComm>> {
-        let _lock = NCCL_LOCK.lock();
-        let comm = self.handle(what)?;
-        ctx.bind_to_thread()
-            .map_err(|e| Error::Cuda(format!("binding the GPU before {what}: {e:?}")))?;
         let mut new: sys::ncclComm_t = std::ptr::null_mut();
         let color = if key.is_some() { 0 } else { SPLIT_NOCOLOR };
-        // SAFETY: `comm` is live (not aborted, checked under the lock); out-pointer to a local;
+        let call = format!("ncclCommSplit ({what})");
+        // SAFETY: one NCCL call on the live communicator `call` passes; out-pointer to a local;
         // a null config makes the child inherit the parent's configuration.
-        let rc = unsafe {
-            sys::ncclCommSplit(
-                comm,
-                color,
-                key.unwrap_or(0) as c_int,
-                &mut new,
-                std::ptr::null_mut(),
-            )
-        };
-        rc.result()
-            .map_err(|e| nccl_error(format!("ncclCommSplit ({what})"), self.rank, e, Some(comm)))?;
-        Ok(match key {
-            Some(key) if !new.is_null() => Some(RawComm {
-                comm: AtomicPtr::new(new),
-                aborted: AtomicBool::new(false),
-                rank: key,
+        unsafe {
+            self.call(ctx, &call, |comm| {
+                let key = key.unwrap_or(0) as c_int;
+                sys::ncclCommSplit(comm, color, key, &mut new, std::ptr::null_mut()).result()
+            })
+        }?;
+        match key {
+            None => Ok(None),
+            Some(_) if new.is_null() => Err(Error::Nccl {
+                call,
+                rank: self.rank,
+                message: "NCCL returned no communicator for a member".into(),
             }),
-            _ => None,
-        })
+            Some(key) => Ok(Some(RawComm::new(new, key))),
+        }
     }
 
     /// The live handle, or the error of a call on an aborted communicator.
     fn handle(&self, what: &str) -> Result<sys::ncclComm_t> {
-        if self.aborted.load(Ordering::Acquire) {
+        let comm = self.comm.load(Ordering::Acquire);
+        if comm.is_null() {
             return Err(Error::Nccl {
                 call: what.to_string(),
                 rank: self.rank,
                 message: "the communicator was aborted".to_string(),
             });
         }
-        Ok(self.comm.load(Ordering::Acquire))
+        Ok(comm)
     }
 
     /// Runs one NCCL call on this communicator under the process's NCCL lock, with `ctx`
@@ -283,7 +274,7 @@ impl RawComm {
 
     /// True once [`RawComm::abort`] ran.
     pub(super) fn is_aborted(&self) -> bool {
-        self.aborted.load(Ordering::Acquire)
+        self.comm.load(Ordering::Acquire).is_null()
     }
 
     /// `ncclCommAbort`, once: stops the communicator's pending operations on the device and
@@ -299,15 +290,12 @@ impl RawComm {
 
     /// The abort itself, the NCCL lock held (or given up on) by the caller.
     fn abort_unlocked(&self) {
-        if self.aborted.swap(true, Ordering::AcqRel) {
-            return;
-        }
         let comm = self.comm.swap(std::ptr::null_mut(), Ordering::AcqRel);
         if comm.is_null() {
             return;
         }
-        // SAFETY: a live communicator, aborted exactly once (the `aborted` swap); no call
-        // starts on it afterwards (`handle` checks the flag under the lock).
+        // SAFETY: a live communicator, aborted exactly once (the swap); no call starts on it
+        // afterwards (`handle` checks the pointer under the lock).
         if let Err(e) = unsafe { result::comm_abort(comm) } {
             tracing::warn!(
                 "rank {}: ncclCommAbort failed: {}",

@@ -22,7 +22,7 @@
 //! (naming the failed rank, as the thread backend does), [`Error::Nccl`] otherwise.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -30,8 +30,10 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use parking_lot::{Condvar, Mutex};
 
 use super::raw::{abort_all, RawComm};
+use crate::comm::bootstrap;
 use crate::comm::engine::cuda::{cuda_err, KeepAlive};
 use crate::comm::engine::peer_failed;
+use crate::comm::store::TcpStore;
 use crate::comm::work::Completion;
 use crate::error::{Error, Result};
 
@@ -114,25 +116,22 @@ impl Failure {
     }
 }
 
-/// Publishes this rank's failure to the peers: `(failed rank in the root group, reason)`.
-pub(super) type Notifier = Box<dyn Fn(usize, &str) + Send + Sync>;
-
 /// State shared by the groups of a family and its watchdog.
 #[derive(Default)]
 pub(super) struct Family {
     /// This process's rank in the root group.
     pub world_rank: usize,
     pub timeout: Duration,
-    failure: Mutex<Option<Failure>>,
-    failed: AtomicBool,
+    /// The first failure.
+    failure: OnceLock<Failure>,
     comms: Mutex<Vec<Weak<RawComm>>>,
     inflight: Mutex<Vec<Arc<NcclOp>>>,
     wake: Condvar,
     /// Group handles alive; the watchdog stops once none is left and nothing is in flight.
     live_groups: AtomicUsize,
-    notifier: Mutex<Option<Notifier>>,
-    /// Run once when the last group handle is dropped (stops the store's notice watcher).
-    on_close: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    /// The job's store (store bootstrap): this rank's failures are published there, and its
+    /// inbox is closed when the last group handle is dropped (stopping its notice watcher).
+    pub store: OnceLock<Arc<TcpStore>>,
     /// The watchdog thread was started (by the first group handle).
     started: AtomicBool,
 }
@@ -146,12 +145,6 @@ impl Family {
             timeout,
             ..Family::default()
         })
-    }
-
-    /// Sets how failures are published to the peers, and what runs when the family closes.
-    pub(super) fn set_peer_channel(&self, notifier: Notifier, on_close: Box<dyn FnOnce() + Send>) {
-        *self.notifier.lock() = Some(notifier);
-        *self.on_close.lock() = Some(on_close);
     }
 
     /// A group handle of the family was created; the first one starts the watchdog thread
@@ -183,8 +176,10 @@ impl Family {
     /// the watchdog stop once the operations in flight are done.
     pub(super) fn group_closed(&self) {
         if self.live_groups.fetch_sub(1, Ordering::AcqRel) == 1 {
-            if let Some(close) = self.on_close.lock().take() {
-                close();
+            if let Some(store) = self.store.get() {
+                if let Err(e) = bootstrap::close_inbox(&**store) {
+                    tracing::debug!("closing this rank's inbox: {e}");
+                }
             }
             let _guard = self.inflight.lock();
             self.wake.notify_all();
@@ -201,17 +196,14 @@ impl Family {
         let mut comms = self.comms.lock();
         comms.retain(|c| c.strong_count() > 0);
         comms.push(Arc::downgrade(comm));
-        if self.failed.load(Ordering::Acquire) {
+        if self.failure.get().is_some() {
             comm.abort();
         }
     }
 
     /// The family's failure, if any.
     pub(super) fn failure(&self) -> Option<Failure> {
-        if !self.failed.load(Ordering::Acquire) {
-            return None;
-        }
-        self.failure.lock().clone()
+        self.failure.get().cloned()
     }
 
     /// Watches `op` until it completes.
@@ -228,13 +220,8 @@ impl Family {
     /// Records `failure` (the first one wins): marks every pending operation failed, aborts
     /// every communicator, and publishes the failure to the peers when `publish`.
     pub(super) fn fail(&self, failure: Failure, publish: bool) {
-        {
-            let mut slot = self.failure.lock();
-            if slot.is_some() {
-                return;
-            }
-            *slot = Some(failure.clone());
-            self.failed.store(true, Ordering::Release);
+        if self.failure.set(failure.clone()).is_err() {
+            return;
         }
         tracing::error!(
             rank = self.world_rank,
@@ -249,9 +236,10 @@ impl Family {
         }
         let comms: Vec<Arc<RawComm>> = self.comms.lock().iter().filter_map(Weak::upgrade).collect();
         abort_all(&comms);
-        if publish {
-            if let Some(notify) = &*self.notifier.lock() {
-                notify(self.world_rank, &failure.reason());
+        if let Some(store) = self.store.get().filter(|_| publish) {
+            let rank = self.world_rank;
+            if let Err(e) = bootstrap::publish_failure(&**store, rank, &failure.reason()) {
+                tracing::warn!("rank {rank}: could not tell the peers it failed: {e}");
             }
         }
         let _guard = self.inflight.lock();
@@ -259,8 +247,8 @@ impl Family {
     }
 }
 
-/// The watchdog loop (see the module docs); ends once no group handle is left and nothing is
-/// in flight (or the family failed).
+/// The watchdog loop (see the module docs); idles while nothing is in flight (woken by new
+/// operations), failed or not, and ends once no group handle is left and nothing is in flight.
 fn watchdog(family: Arc<Family>) {
     let mut last_async = Instant::now();
     loop {
@@ -320,7 +308,7 @@ fn watchdog(family: Arc<Family>) {
             }
         }
         {
-            let failed = family.failed.load(Ordering::Acquire);
+            let failed = family.failure.get().is_some();
             let mut inflight = family.inflight.lock();
             // Failed operations leave the list too: their buffers are released only after the
             // compute stream waited on their events (`KeepAlive`), whoever drops them.
@@ -346,7 +334,7 @@ pub(super) struct NcclOp {
     compute: Arc<CudaStream>,
     /// Issue time + the timeout (`None`: a timeout too large for the clock, never).
     deadline: Option<Instant>,
-    failure: Mutex<Option<Failure>>,
+    failure: OnceLock<Failure>,
     /// The buffers, released after the compute stream waited on `event`.
     _keep: KeepAlive,
     /// Keeps the communicator alive (not aborted by a drop) while the operation runs.
@@ -372,30 +360,24 @@ impl NcclOp {
             event,
             compute,
             deadline: Instant::now().checked_add(timeout),
-            failure: Mutex::new(None),
+            failure: OnceLock::new(),
             _keep: keep,
             _comm: comm,
         })
     }
 
     fn mark_failed(&self, failure: Failure) {
-        let mut slot = self.failure.lock();
-        if slot.is_none() {
-            *slot = Some(failure);
-        }
+        let _ = self.failure.set(failure);
     }
 
     fn failed(&self) -> Option<Error> {
-        self.failure
-            .lock()
-            .as_ref()
-            .map(|f| f.error_for(self.id, &self.op, self.rank))
+        (self.failure.get()).map(|f| f.error_for(self.id, &self.op, self.rank))
     }
 }
 
 impl Completion for NcclOp {
     fn is_completed(&self) -> bool {
-        self.failure.lock().is_some() || self.event.is_complete()
+        self.failure.get().is_some() || self.event.is_complete()
     }
 
     /// Polls the event (never `cuEventSynchronize`, which a hung peer would block forever):

@@ -10,11 +10,8 @@
 //!
 //! # Streams
 //!
-//! The streams of `comm::engine`'s host group, as in the MPI backend: every
-//! [`crate::comm::CommStream`] is one thread of this process (named
-//! `shm-{rank}-{stream}`) with a communicator of its own (a segment per rank), so an
-//! all-gather and a reduce-scatter are in flight together and each stream keeps issue order.
-//! Stream and sub-group creation run on the caller's thread over a setup communicator.
+//! `comm::engine`'s host group: one thread per stream (`shm-{rank}-{stream}`), each with a
+//! communicator of its own (a segment per rank); setup runs on the caller's thread.
 //!
 //! # Algorithm and guarantees
 //!
@@ -108,7 +105,35 @@ impl Shm {
                 false => PeerMap::open(self.path(comm, j)).map(Some),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Comm::new(own, peers))
+        Ok(Comm { own, peers })
+    }
+
+    /// This rank's communicators `indices`: creates its segments, `sync` (every rank created
+    /// its own), maps the peers', `sync` again (every rank mapped them), and removes its files.
+    fn comms<const N: usize>(
+        &self,
+        indices: [usize; N],
+        mut sync: impl FnMut() -> Result<()>,
+    ) -> Result<[Comm; N]> {
+        let owns = (indices.iter().map(|&i| self.create(i)))
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| self.stop_job(e))?;
+        sync()?;
+        let comms = (indices.into_iter().zip(owns))
+            .map(|(i, own)| self.map_peers(i, own))
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| self.stop_job(e))?;
+        sync()?;
+        comms.iter().for_each(|c| c.own.unlink());
+        Ok(comms.try_into().ok().expect("N communicators"))
+    }
+
+    /// Records `e`, a failure of this rank alone (a segment cannot be made, grown or mapped),
+    /// as the job's failure: the peers would otherwise wait at a barrier this rank never
+    /// reaches, or pass one it reached early, until the timeout.
+    fn stop_job(&self, e: Error) -> Error {
+        self.abort(&e.message());
+        e
     }
 
     /// One operation's context on `comm`.
@@ -119,11 +144,6 @@ impl Shm {
             seq: op.seq,
             op: op.name,
         }
-    }
-
-    /// Records `e` as this rank's failure (a setup step failed half-way: peers must not wait).
-    fn abort_self(&self, e: &Error) {
-        self.abort(&e.message());
     }
 }
 
@@ -154,13 +174,7 @@ impl Transport for Shm {
     /// Every rank creates its segment, then maps the others', then removes its file.
     fn open(&self, setup: &mut Comm, op: Op<'_>, index: usize, _name: &str) -> Result<Comm> {
         let ctx = self.ctx(setup, op);
-        let own = self.create(index).inspect_err(|e| self.abort_self(e))?;
-        ctx.sync_next()?;
-        let comm = self
-            .map_peers(index, own)
-            .inspect_err(|e| self.abort_self(e))?;
-        ctx.sync_next()?;
-        comm.own.unlink();
+        let [comm] = self.comms([index], || ctx.sync_next())?;
         Ok(comm)
     }
 
@@ -184,30 +198,13 @@ impl Transport for Shm {
             in_place: self.in_place,
         });
         let ctx = self.ctx(setup, op);
-        let owns = match &sub {
-            Some(sub) => Some(
-                (|| Ok::<_, Error>((sub.create(0)?, sub.create(1)?)))()
-                    .inspect_err(|e| self.abort_self(e))?,
-            ),
-            None => None,
+        let Some(sub) = sub else {
+            ctx.sync_next()?;
+            ctx.sync_next()?;
+            return Ok(None);
         };
-        ctx.sync_next()?;
-        let comms = match (&sub, owns) {
-            (Some(sub), Some((s, d))) => Some(
-                (|| Ok::<_, Error>((sub.map_peers(0, s)?, sub.map_peers(1, d)?)))()
-                    .inspect_err(|e| self.abort_self(e))?,
-            ),
-            _ => None,
-        };
-        ctx.sync_next()?;
-        Ok(match (sub, comms) {
-            (Some(sub), Some((s, d))) => {
-                s.own.unlink();
-                d.own.unlink();
-                Some((sub, s, d))
-            }
-            _ => None,
-        })
+        let [setup, default] = sub.comms([0, 1], || ctx.sync_next())?;
+        Ok(Some((sub, setup, default)))
     }
 
     fn abort(&self, reason: &str) {
@@ -230,14 +227,7 @@ pub fn connect(
     port: u16,
     config: ShmConfig,
 ) -> Result<Arc<dyn ProcessGroup>> {
-    if world_size == 0 || rank >= world_size {
-        return Err(Error::out_of_range(
-            "shared-memory group: rank",
-            rank,
-            "world size",
-            world_size,
-        ));
-    }
+    crate::comm::engine::run::check_rank("shared-memory group", rank, world_size)?;
     // Before the store: a bad `FSDP_SHM_ARENA` fails here, not half-way through the setup.
     let own_arena = arena::enable()?;
     let fresh = || {
@@ -262,16 +252,20 @@ pub fn connect(
             arenas: Arc::new(vec![None]),
             in_place: own_arena.is_some(),
         };
-        let comms = [core.create(0)?, core.create(1)?].map(|own| Comm::new(own, vec![None]));
-        for c in &comms {
-            c.own.unlink();
-        }
-        let [setup, default] = comms;
+        let [setup, default] = core.comms([0, 1], || Ok(()))?;
         return Ok(HostGroup::new(core, setup, default)?);
     }
     let store = TcpStore::connect(addr, port, rank, world_size, config.timeout)?;
+    // Rank 0 makes the job's prefix and its abort slot (kept in `slot`) and shares the prefix.
     let mut slot = None;
-    let prefix = share_prefix(&store, fresh, &mut slot)?;
+    let prefix = bootstrap::share(&store, PREFIX_KEY, "shared-memory group creation", || {
+        let prefix = fresh();
+        slot = Some(AbortSlot::create(&PathBuf::from(format!(
+            "{prefix}-abort"
+        )))?);
+        Ok(prefix.into_bytes())
+    })?;
+    let prefix = String::from_utf8_lossy(&prefix).into_owned();
     let abort = match slot {
         Some(slot) => slot,
         None => AbortSlot::open(&PathBuf::from(format!("{prefix}-abort"))).map_err(|e| {
@@ -379,22 +373,4 @@ where
 {
     let group = connect(rank, world_size, addr, port, config);
     run_process_rank(rank, group, f)
-}
-
-/// Rank 0 makes the job's prefix and its abort slot (kept in `slot`) and shares the prefix;
-/// the others read it.
-fn share_prefix(
-    store: &TcpStore,
-    fresh: impl FnOnce() -> String,
-    slot: &mut Option<AbortSlot>,
-) -> Result<String> {
-    if store.rank() == 0 {
-        let prefix = fresh();
-        let created = AbortSlot::create(&PathBuf::from(format!("{prefix}-abort")));
-        bootstrap::publish(store, PREFIX_KEY, created.as_ref().map(|_| &prefix))?;
-        *slot = Some(created?);
-        return Ok(prefix);
-    }
-    let value = bootstrap::read_published(store, PREFIX_KEY, 0, "shared-memory group creation")?;
-    Ok(String::from_utf8_lossy(&value).into_owned())
 }

@@ -9,7 +9,9 @@
 //! rank validates every descriptor (the same verdict everywhere) and reads the peers' arenas or
 //! segments in place. Reductions are therefore bitwise the thread backend's.
 
-use super::segment::{wait_for, Header, PeerMap, Segment, Stop, DESC_MAX};
+use std::time::Instant;
+
+use super::segment::{alive, Header, PeerMap, Segment, DESC_MAX, LIVENESS_EVERY};
 use super::Shm;
 use crate::alloc::shared as arena;
 use crate::comm::buffer::{Post, RawBuf};
@@ -27,27 +29,18 @@ pub(crate) struct Comm {
 }
 
 impl Comm {
-    /// This rank's segment and its mappings of the peers' (`peers[rank]` is `None`).
-    pub(super) fn new(own: Segment, peers: Vec<Option<PeerMap>>) -> Comm {
-        Comm { own, peers }
-    }
-
     pub(super) fn header(&self, j: usize) -> Header {
         match &self.peers[j] {
             Some(p) => Header(p.header()),
             None => Header(self.own.header()),
         }
     }
-
-    /// Marks this rank as gone on this communicator.
-    pub(super) fn depart(&self, rank: usize) {
-        self.header(rank).set_departed();
-    }
 }
 
 impl crate::comm::engine::streams::StreamComm for Comm {
+    /// Marks this rank as gone on this communicator.
     fn leave(&mut self, rank: usize) {
-        self.depart(rank);
+        self.header(rank).set_departed();
     }
 }
 
@@ -74,38 +67,60 @@ impl Ctx<'_> {
         self.wait(&headers, target)
     }
 
+    /// Waits until every rank of `headers` arrived at `target`: yields the core for
+    /// [`crate::comm::work::YIELD_BEFORE_SLEEP`], then sleeps 50 µs between looks; fails on a
+    /// recorded failure, a departed missing peer, a missing peer whose process is gone (checked
+    /// every [`LIVENESS_EVERY`], recorded as its failure), or at the timeout (which aborts the
+    /// job).
     fn wait(&self, headers: &[Header], target: u64) -> Result<()> {
-        let deadline = std::time::Instant::now().checked_add(self.core.timeout);
-        let stop = match wait_for(headers, &self.core.pids, target, &self.core.abort, deadline) {
-            Ok(()) => return Ok(()),
-            Err(stop) => stop,
-        };
-        let (rank, op) = (self.rank(), self.op.to_string());
-        let error = match stop {
-            Stop::Failed(failed_rank, reason) => peer_failed(op, rank, (failed_rank, reason)),
-            Stop::Departed(departed) => Error::PeerExited { op, rank, departed },
-            Stop::Died(j, pid) => {
-                let reason = format!(
-                    "its process (pid {pid}) ended without reporting an error (killed by a \
-                     signal, or it exited in the middle of the job)"
-                );
-                let failed_rank = self.core.root_ranks[j];
-                self.core.abort.set(failed_rank, &reason);
-                peer_failed(op, rank, (failed_rank, reason))
+        let (rank, pids) = (self.rank(), &self.core.pids);
+        let start = Instant::now();
+        let deadline = start.checked_add(self.core.timeout);
+        let mut checked = start;
+        let missing = || (0..headers.len()).filter(move |&j| headers[j].arrivals() < target);
+        loop {
+            if missing().next().is_none() {
+                return Ok(());
             }
-            Stop::Timeout(missing) => {
-                self.core
-                    .abort
-                    .set(self.core.root_ranks[rank], &format!("timed out in {op}"));
-                Error::Timeout {
-                    op,
-                    rank,
-                    timeout: self.core.timeout,
-                    missing,
+            if let Some(failure) = self.core.abort.get() {
+                return Err(peer_failed(self.op, rank, failure));
+            }
+            if let Some(departed) = missing().find(|&j| headers[j].departed()) {
+                let op = self.op.to_string();
+                return Err(Error::PeerExited { op, rank, departed });
+            }
+            let now = Instant::now();
+            if now.duration_since(checked) >= LIVENESS_EVERY {
+                checked = now;
+                if let Some(j) = missing().find(|&j| pids[j] != 0 && !alive(pids[j])) {
+                    let reason = format!(
+                        "its process (pid {}) ended without reporting an error (killed by a \
+                         signal, or it exited in the middle of the job)",
+                        pids[j]
+                    );
+                    let failed_rank = self.core.root_ranks[j];
+                    self.core.abort.set(failed_rank, &reason);
+                    return Err(peer_failed(self.op, rank, (failed_rank, reason)));
                 }
             }
-        };
-        Err(error)
+            if deadline.is_some_and(|d| now >= d) {
+                let op = self.op.to_string();
+                (self.core.abort).set(self.core.root_ranks[rank], &format!("timed out in {op}"));
+                let timeout = self.core.timeout;
+                let missing = missing().collect();
+                return Err(Error::Timeout {
+                    op,
+                    rank,
+                    timeout,
+                    missing,
+                });
+            }
+            if now.duration_since(start) < crate::comm::work::YIELD_BEFORE_SLEEP {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
     }
 
     /// Barrier 1: publishes `post` and waits for every rank; then maps grown peer segments and
@@ -114,7 +129,7 @@ impl Ctx<'_> {
     pub(super) fn exchange(&mut self, post: &Post) -> Result<u64> {
         // Checked first: every rank with a setup argument too long fails with its own error.
         let desc = wire::encode_within(post, DESC_MAX, "shared-memory", self.op);
-        let desc = desc.map_err(|e| self.stop_job(e))?;
+        let desc = desc.map_err(|e| self.core.stop_job(e))?;
         if let Some(failure) = self.core.abort.get() {
             return Err(peer_failed(self.op, self.rank(), failure));
         }
@@ -128,19 +143,9 @@ impl Ctx<'_> {
         self.wait(&headers, target)?;
         let descs: Vec<Vec<u8>> = headers.iter().map(|h| h.read_desc(target)).collect();
         let refreshed = (self.comm.peers.iter_mut().flatten()).try_for_each(|p| p.refresh());
-        refreshed.map_err(|e| self.stop_job(e))?;
+        refreshed.map_err(|e| self.core.stop_job(e))?;
         decode_and_validate(self.op, self.rank(), &descs)?;
         Ok(target)
-    }
-
-    /// Records `e`, a failure of this rank alone (its segment cannot grow, a peer's cannot be
-    /// mapped), as the job's failure: the peers would otherwise wait at a barrier this rank
-    /// never reaches, or pass one it reached early, until the timeout.
-    fn stop_job(&self, e: Error) -> Error {
-        self.core
-            .abort
-            .set(self.core.root_ranks[self.rank()], &e.message());
-        e
     }
 
     /// Rank `j`'s data area as a buffer of `len` elements of `like`'s dtype (this rank's own
@@ -219,14 +224,14 @@ impl Board for Ctx<'_> {
             (None, Expose::Whole) => self.copy_in(buf, 0..0),
             (None, Expose::AllBut(skip)) => self.copy_in(buf, skip),
         };
-        copied.map_err(|e| self.stop_job(e))?;
+        copied.map_err(|e| self.core.stop_job(e))?;
         self.exchange(post)
     }
 
     /// Rank `j`'s buffer where its arena holds it, else its segment's data area.
     fn readable(&self, j: usize, like: RawBuf, len: usize) -> Result<RawBuf> {
         let Some(off) = self.comm.header(j).data_at() else {
-            return self.seg(j, like, len).map_err(|e| self.stop_job(e));
+            return self.seg(j, like, len).map_err(|e| self.core.stop_job(e));
         };
         let bytes = len * like.dtype.size_in_bytes();
         let ptr = match j == self.rank() {
@@ -235,7 +240,7 @@ impl Board for Ctx<'_> {
                 .and_then(|a| a.as_ref()?.at(off, bytes)),
         };
         let ptr = ptr.ok_or_else(|| {
-            self.stop_job(Error::shape(
+            self.core.stop_job(Error::shape(
                 format_args!("{}: rank {j}'s arena", self.op),
                 format_args!("{bytes} bytes from offset {off} inside it"),
                 "an arena that is not mapped here, or too short",

@@ -13,7 +13,6 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -379,8 +378,8 @@ const ABORT_MAX_REASON: usize = ABORT_BYTES - 64;
 /// sub-groups): state (0 none, 1 being written, 2 set), the failed rank (of the root group),
 /// the reason.
 pub(super) struct AbortSlot {
+    /// The mapping (it outlives its file descriptor, closed once mapped: POSIX).
     map: MmapRaw,
-    _file: File,
     /// The file rank 0 created (removed, if still there, when the slot is dropped: a setup
     /// that failed before every rank opened it).
     created: Option<PathBuf>,
@@ -397,10 +396,9 @@ impl Drop for AbortSlot {
 impl AbortSlot {
     /// Creates the slot file at `path` (rank 0).
     pub(super) fn create(path: &Path) -> Result<AbortSlot> {
-        let (file, map) = create_mapped(path, ABORT_BYTES)?;
+        let (_, map) = create_mapped(path, ABORT_BYTES)?;
         Ok(AbortSlot {
             map,
-            _file: file,
             created: Some(path.to_path_buf()),
         })
     }
@@ -414,7 +412,6 @@ impl AbortSlot {
             .map_err(|e| io_error("cannot open", path, e))?;
         Ok(AbortSlot {
             map: map(&file, path, ABORT_BYTES)?,
-            _file: file,
             created: None,
         })
     }
@@ -425,11 +422,8 @@ impl AbortSlot {
             .len(ABORT_BYTES)
             .map_anon()
             .map_err(|e| Error::InvalidArgument(format!("cannot map anonymous memory: {e}")))?;
-        let file = File::open("/dev/null")
-            .map_err(|e| io_error("cannot open", Path::new("/dev/null"), e))?;
         Ok(AbortSlot {
             map: map.into(),
-            _file: file,
             created: None,
         })
     }
@@ -448,16 +442,13 @@ impl AbortSlot {
         {
             return;
         }
-        let mut cut = reason.len().min(ABORT_MAX_REASON);
-        while !reason.is_char_boundary(cut) {
-            cut -= 1;
-        }
+        let reason = crate::comm::bootstrap::cut_reason(reason, ABORT_MAX_REASON);
         let base = self.map.as_mut_ptr();
         // SAFETY: within the mapping; only the winner of the exchange above writes.
         unsafe {
             word(base, 8).store(rank as u64, Ordering::Relaxed);
-            word(base, 16).store(cut as u64, Ordering::Relaxed);
-            std::ptr::copy_nonoverlapping(reason.as_ptr(), base.add(64), cut);
+            word(base, 16).store(reason.len() as u64, Ordering::Relaxed);
+            std::ptr::copy_nonoverlapping(reason.as_ptr(), base.add(64), reason.len());
         }
         self.state().store(2, Ordering::Release);
     }
@@ -478,64 +469,8 @@ impl AbortSlot {
     }
 }
 
-/// Why a wait for peers stopped.
-pub(super) enum Stop {
-    /// A failure recorded in the abort slot: `(root rank, reason)`.
-    Failed(usize, String),
-    /// A missing rank's handle was dropped (its local rank).
-    Departed(usize),
-    /// A missing rank's process is gone without a word (its local rank and pid).
-    Died(usize, u32),
-    /// The deadline passed; the missing local ranks.
-    Timeout(Vec<usize>),
-}
-
 /// How often a waiting rank checks that the missing peers' processes still run.
-const LIVENESS_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
-
-/// Waits until every rank of `headers` arrived at `target` (`pids`: their processes, 0 for one
-/// this process cannot see): yields the core for
-/// [`crate::comm::work::YIELD_BEFORE_SLEEP`], then sleeps 50 µs between looks; stops on a
-/// recorded failure, a departed or dead missing peer, or at `deadline`.
-pub(super) fn wait_for(
-    headers: &[Header],
-    pids: &[u32],
-    target: u64,
-    abort: &AbortSlot,
-    deadline: Option<Instant>,
-) -> std::result::Result<(), Stop> {
-    let start = Instant::now();
-    let mut checked = start;
-    loop {
-        let missing: Vec<usize> = (0..headers.len())
-            .filter(|&j| headers[j].arrivals() < target)
-            .collect();
-        if missing.is_empty() {
-            return Ok(());
-        }
-        if let Some((rank, reason)) = abort.get() {
-            return Err(Stop::Failed(rank, reason));
-        }
-        if let Some(&j) = missing.iter().find(|&&j| headers[j].departed()) {
-            return Err(Stop::Departed(j));
-        }
-        let now = Instant::now();
-        if now.duration_since(checked) >= LIVENESS_EVERY {
-            checked = now;
-            if let Some(&j) = missing.iter().find(|&&j| pids[j] != 0 && !alive(pids[j])) {
-                return Err(Stop::Died(j, pids[j]));
-            }
-        }
-        if deadline.is_some_and(|d| now >= d) {
-            return Err(Stop::Timeout(missing));
-        }
-        if now.duration_since(start) < crate::comm::work::YIELD_BEFORE_SLEEP {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(std::time::Duration::from_micros(50));
-        }
-    }
-}
+pub(super) const LIVENESS_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
 #[cfg(test)]
 mod tests {

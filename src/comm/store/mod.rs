@@ -54,7 +54,7 @@
 //! (`world_size` 0, `rank >= world_size`, port 0, a key or value over the bounds) are
 //! [`Error::Value`] and [`Error::OutOfRange`].
 //!
-//! # Protocol (version 3)
+//! # Protocol (version 4)
 //!
 //! Every message is a frame: a `u32` length `n` (big-endian) then `n` bytes of body,
 //! `1 <= n <= MAX_FRAME_BYTES`; a longer announced length is refused (an error reply, then the
@@ -68,7 +68,7 @@
 //!
 //! | request (client → server) | opcode | fields | replies |
 //! |---|---|---|---|
-//! | `Hello` (must come first) | 0 | magic `b"CFSDPKV3"`, rank `u32`, world size `u32`, job (string: `TORCHELASTIC_RUN_ID`) | `Ok`, `Err` |
+//! | `Hello` (must come first) | 0 | magic `b"CFSDPKV4"`, rank `u32`, world size `u32`, job (string: `TORCHELASTIC_RUN_ID`) | `Ok`, `Err` |
 //! | `Set` | 1 | key string, value `bytes` | `Ok` |
 //! | `Get` | 2 | key string, wait `u32` (ms) | `Value`, `NotYet` |
 //! | `Joined` | 3 | wait `u32` (ms) | `Done`, `Pending` |
@@ -80,7 +80,7 @@
 //! | `Value` | 1 | value `bytes` |
 //! | `NotYet` | 2 | |
 //! | `Done` | 3 | |
-//! | `Pending` | 4 | missing ranks (`u32` list), left ranks (`u32` list), notes (string list) |
+//! | `Pending` | 4 | missing ranks (`u32` list), left ranks (`u32` list), notes (string: the refused registrations, `"; "`-separated) |
 //! | `Err` | 5 | message string |
 //!
 //! The server answers each request before reading the next. A waiting request (`Get`,
@@ -102,6 +102,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::comm::engine::run::deadline_after;
 use crate::error::{Error, Result};
 
 /// Longest key, in bytes (UTF-8).
@@ -113,7 +114,7 @@ pub const MAX_VALUE_BYTES: usize = 16 << 20;
 pub const MAX_FRAME_BYTES: usize = MAX_VALUE_BYTES + 2 * MAX_KEY_BYTES + 64;
 
 /// Protocol magic and version, sent in `Hello`.
-const MAGIC: &[u8; 8] = b"CFSDPKV3";
+const MAGIC: &[u8; 8] = b"CFSDPKV4";
 /// Longest server-side wait of one request.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
 /// How long a client waits for a reply beyond the server-side wait it asked for.
@@ -122,6 +123,16 @@ const REPLY_GRACE: Duration = Duration::from_secs(10);
 const MAX_NOTES: usize = 8;
 /// How often the acceptor checks for shutdown.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
+
+/// [`Error::Store`] of `rank` at the store `addr`.
+fn store_error(addr: &str, rank: usize, missing: Vec<usize>, message: String) -> Error {
+    Error::Store {
+        addr: addr.to_string(),
+        rank,
+        missing,
+        message,
+    }
+}
 
 mod server;
 #[cfg(test)]
@@ -241,14 +252,7 @@ impl TcpStore {
                 0,
             ));
         }
-        if rank >= world_size {
-            return Err(Error::out_of_range(
-                "store: rank",
-                rank,
-                "world size",
-                world_size,
-            ));
-        }
+        crate::comm::engine::run::check_rank("store", rank, world_size)?;
         if port == 0 {
             return Err(Error::value(
                 "store: port",
@@ -283,7 +287,7 @@ impl TcpStore {
         timeout: Duration,
         job: &str,
     ) -> Result<TcpStore> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         // `[::1]` as a URL writes it: the address is what is inside the brackets.
         let addr = (addr.strip_prefix('[').and_then(|a| a.strip_suffix(']'))).unwrap_or(addr);
         let display = display_addr(addr, port);
@@ -292,12 +296,7 @@ impl TcpStore {
         } else {
             None
         };
-        let store_err = |message: String| Error::Store {
-            addr: display.clone(),
-            rank,
-            missing: vec![],
-            message,
-        };
+        let store_err = |message: String| store_error(&display, rank, vec![], message);
         // Connect, retrying with a growing pause (20 ms .. 500 ms).
         let mut pause = Duration::from_millis(20);
         let mut warned = false;
@@ -372,20 +371,16 @@ impl TcpStore {
                     let refused = if notes.is_empty() {
                         String::new()
                     } else {
-                        format!("; the store refused: {}", notes.join("; "))
+                        format!("; the store refused: {notes}")
                     };
                     if Instant::now() >= deadline {
                         let missing: Vec<usize> = missing.iter().map(|&r| r as usize).collect();
-                        return Err(Error::Store {
-                            addr: display.clone(),
-                            rank,
-                            message: format!(
-                                "ranks {missing:?} of {world_size} did not join the store at \
-                                 {display} within {}{refused}",
-                                secs(timeout)
-                            ),
-                            missing,
-                        });
+                        let message = format!(
+                            "ranks {missing:?} of {world_size} did not join the store at \
+                             {display} within {}{refused}",
+                            secs(timeout)
+                        );
+                        return Err(store_error(&display, rank, missing, message));
                     }
                     if !notes.is_empty() {
                         // Keep waiting (the refused client may be another job's), but do not
@@ -431,7 +426,7 @@ impl TcpStore {
     /// lost ([`Error::Store`]).
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         check_key(key, "key")?;
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(self.timeout);
         let what = format!("get of key {key:?}");
         loop {
             let wait = self.slice(deadline);
@@ -469,7 +464,7 @@ impl TcpStore {
             *g += 1;
             *g
         };
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(self.timeout);
         let what = format!("barrier {name:?}");
         loop {
             let wait = self.slice(deadline);
@@ -503,12 +498,7 @@ impl TcpStore {
                             self.world_size, self.addr
                         )
                     };
-                    return Err(Error::Store {
-                        addr: self.addr.clone(),
-                        rank: self.rank,
-                        missing,
-                        message,
-                    });
+                    return Err(store_error(&self.addr, self.rank, missing, message));
                 }
                 other => return Err(self.unexpected(&other, &what)),
             }
@@ -526,12 +516,7 @@ impl TcpStore {
     }
 
     fn error(&self, message: String) -> Error {
-        Error::Store {
-            addr: self.addr.clone(),
-            rank: self.rank,
-            missing: vec![],
-            message,
-        }
+        store_error(&self.addr, self.rank, vec![], message)
     }
 
     fn unexpected(&self, reply: &Reply, what: &str) -> Error {
@@ -574,7 +559,7 @@ impl TcpStore {
                 self.addr
             )));
         }
-        let reply_wait = wait + REPLY_GRACE;
+        let reply_wait = wait.saturating_add(REPLY_GRACE);
         let result = (|| -> std::result::Result<Reply, String> {
             let io_err = |e: io::Error| -> String {
                 match e.kind() {
@@ -604,13 +589,14 @@ impl TcpStore {
                 .set_write_timeout(Some(reply_wait))
                 .map_err(io_err)?;
             write_frame(&mut conn.stream, &encode(req)).map_err(io_err)?;
-            let body = read_frame(&mut conn.stream).map_err(|e| match e {
-                FrameError::Io(e) => io_err(e),
-                FrameError::BadLength(n) => format!(
-                    "the server at {} is not a candle-fsdp store: it announced a reply of {n} \
-                     bytes",
-                    self.addr
-                ),
+            let body = read_frame(&mut conn.stream).map_err(|e| match e.kind() {
+                io::ErrorKind::InvalidData => {
+                    format!(
+                        "the server at {} is not a candle-fsdp store: {e}",
+                        self.addr
+                    )
+                }
+                _ => io_err(e),
             })?;
             Reply::decode(&body).map_err(|e| {
                 format!(

@@ -76,15 +76,13 @@ impl Server {
         let bind_addr = SocketAddr::new(wildcard, port);
         let listener = TcpListener::bind(bind_addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .map_err(|e| Error::Store {
-                addr: display.to_string(),
-                rank: 0,
-                missing: vec![],
-                message: format!(
+            .map_err(|e| {
+                let message = format!(
                     "cannot serve the store at {display}: binding {bind_addr} failed: {e} \
                      (another job's store, or another program, may hold port {port}: choose \
                      another MASTER_PORT)"
-                ),
+                );
+                store_error(display, 0, vec![], message)
             })?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -151,11 +149,9 @@ pub(super) fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: 
     loop {
         let body = match read_frame(&mut stream) {
             Ok(b) => b,
-            Err(FrameError::Io(_)) => break,
-            Err(FrameError::BadLength(n)) => {
-                let msg =
-                    format!("frame of {n} bytes refused: lengths are 1..={MAX_FRAME_BYTES} bytes");
-                let _ = write_frame(&mut stream, &encode(&Reply::Err(msg)));
+            Err(e) if e.kind() != io::ErrorKind::InvalidData => break,
+            Err(e) => {
+                let _ = write_frame(&mut stream, &encode(&Reply::Err(e.to_string())));
                 close_after_error(&mut stream);
                 break;
             }
@@ -291,7 +287,7 @@ pub(super) fn handle(shared: &Shared, rank: usize, req: Request) -> Reply {
                         .map(|r| r as u32)
                         .collect(),
                     left: vec![],
-                    notes: st.refused.clone(),
+                    notes: st.refused.join("; "),
                 }
             }
         }
@@ -323,7 +319,7 @@ pub(super) fn handle(shared: &Shared, rank: usize, req: Request) -> Reply {
                         .map(|&r| r as u32)
                         .collect(),
                     missing: missing.into_iter().map(|r| r as u32).collect(),
-                    notes: vec![],
+                    notes: String::new(),
                 }
             }
         }

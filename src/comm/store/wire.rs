@@ -1,10 +1,7 @@
 //! The store's wire format: requests, replies (serde derives, postcard bodies) and their
 //! length-prefixed frames.
 
-use std::marker::PhantomData;
-
-use serde::de::{Error as _, SeqAccess, Visitor};
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 use super::*;
 
@@ -46,33 +43,10 @@ pub(super) enum Reply {
     Pending {
         missing: Vec<u32>,
         left: Vec<u32>,
-        #[serde(deserialize_with = "at_most_notes")]
-        notes: Vec<String>,
+        /// The registrations the server refused, `"; "`-separated.
+        notes: String,
     },
     Err(String),
-}
-
-/// At most [`MAX_NOTES`] notes, refused at the first one past it: a reply of empty strings
-/// (one byte each on the wire, 24 in memory) must not be allocated before the check.
-fn at_most_notes<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Vec<String>, D::Error> {
-    struct AtMost<T>(usize, PhantomData<T>);
-    impl<'de, T: Deserialize<'de>> Visitor<'de> for AtMost<T> {
-        type Value = Vec<T>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            write!(f, "at most {} elements", self.0)
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Vec<T>, A::Error> {
-            let mut out = Vec::new();
-            while let Some(x) = seq.next_element()? {
-                if out.len() == self.0 {
-                    return Err(A::Error::custom("too many elements"));
-                }
-                out.push(x);
-            }
-            Ok(out)
-        }
-    }
-    d.deserialize_seq(AtMost(MAX_NOTES, PhantomData))
 }
 
 /// The protocol a peer of another build speaks, from the first bytes of its HELLO (every
@@ -108,16 +82,11 @@ fn decode<'a, T: Deserialize<'a>>(
             body.len(),
             body[0]
         )),
-        // Serde's errors on these types (postcard keeps no text): an unknown variant index,
-        // which the body's first byte holds (the first of several from 0x80 on: a varint), or
-        // a list over its limit.
+        // Serde's error on these types (postcard keeps no text): an unknown variant index,
+        // which the body's first byte holds (the first of several from 0x80 on: a varint).
         Err(postcard::Error::SerdeDeCustom) if body[0] >= variants => {
             Err(format!("unknown {what} opcode {:#04x}", body[0]))
         }
-        Err(postcard::Error::SerdeDeCustom) => Err(format!(
-            "{what} with opcode {:#04x} over the protocol's limits (more than {MAX_NOTES} notes)",
-            body[0]
-        )),
         Err(e) => Err(format!("malformed {what} (opcode {:#04x}): {e}", body[0])),
     }
 }
@@ -133,19 +102,25 @@ fn limit(what: &str, n: usize, max: usize) -> std::result::Result<(), String> {
 }
 
 impl Request {
+    /// A body that is no request of this version, or a `Hello` of another magic, is named as
+    /// another version's when it starts as one (never a well-formed request that only looks
+    /// like one, such as a key of 67 bytes starting `FSDPKV`).
     pub(super) fn decode(body: &[u8]) -> std::result::Result<Request, String> {
-        if let Some(theirs) = other_version(body) {
-            return Err(format!(
+        let req = decode(body, "request", 5).and_then(|req| match &req {
+            Request::Hello { magic, .. } if magic != MAGIC => {
+                Err("not a candle-fsdp store client (bad magic)".into())
+            }
+            _ => Ok(req),
+        });
+        let req = req.map_err(|e| match other_version(body) {
+            Some(theirs) => format!(
                 "a client speaking store protocol {theirs}, this server {}: the launcher and \
                  the ranks must come from one candle-fsdp build",
                 String::from_utf8_lossy(MAGIC)
-            ));
-        }
-        let req = decode(body, "request", 5)?;
+            ),
+            None => e,
+        })?;
         match &req {
-            Request::Hello { magic, .. } if magic != MAGIC => {
-                return Err("not a candle-fsdp store client (bad magic)".into())
-            }
             Request::Hello { job, .. } => limit("job", job.len(), MAX_KEY_BYTES)?,
             Request::Set { key, value } => {
                 limit("key", key.len(), MAX_KEY_BYTES)?;
@@ -175,23 +150,12 @@ impl Reply {
         match &reply {
             Reply::Value(v) => limit("value", v.len(), MAX_VALUE_BYTES)?,
             Reply::Pending { notes, .. } => {
-                for n in notes {
-                    limit("note", n.len(), MAX_KEY_BYTES * 4)?;
-                }
+                limit("notes", notes.len(), MAX_NOTES * 4 * MAX_KEY_BYTES)?
             }
             Reply::Ok | Reply::NotYet | Reply::Done | Reply::Err(_) => {}
         }
         Ok(reply)
     }
-}
-
-/// Why a frame could not be read.
-#[derive(Debug)]
-pub(super) enum FrameError {
-    /// The socket failed or closed (`UnexpectedEof` for a clean close).
-    Io(io::Error),
-    /// The announced length is 0 or over [`MAX_FRAME_BYTES`].
-    BadLength(u32),
 }
 
 pub(super) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
@@ -203,14 +167,20 @@ pub(super) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
     w.flush()
 }
 
-pub(super) fn read_frame(r: &mut impl Read) -> std::result::Result<Vec<u8>, FrameError> {
+/// A frame's body; an announced length of 0 or over [`MAX_FRAME_BYTES`] is
+/// [`io::ErrorKind::InvalidData`] (naming it), any other error the socket's (`UnexpectedEof`
+/// for a clean close).
+pub(super) fn read_frame(r: &mut impl Read) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
-    r.read_exact(&mut len).map_err(FrameError::Io)?;
+    r.read_exact(&mut len)?;
     let n = u32::from_be_bytes(len);
     if n == 0 || n as usize > MAX_FRAME_BYTES {
-        return Err(FrameError::BadLength(n));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {n} bytes refused: lengths are 1..={MAX_FRAME_BYTES} bytes"),
+        ));
     }
     let mut body = vec![0u8; n as usize];
-    r.read_exact(&mut body).map_err(FrameError::Io)?;
+    r.read_exact(&mut body)?;
     Ok(body)
 }

@@ -12,11 +12,8 @@
 //!
 //! # Streams
 //!
-//! The streams of `comm::engine`'s host group, as in the shared-memory and MPI
-//! backends: every [`crate::comm::CommStream`] is one thread of this process
-//! (named `tcp-{rank}-{stream}`) with its own connection to every peer, so an all-gather and a
-//! reduce-scatter are in flight together and each stream keeps issue order. Stream and
-//! sub-group creation run on the caller's thread over a setup communicator.
+//! `comm::engine`'s host group: one thread per stream (`tcp-{rank}-{stream}`), each with its
+//! own connection to every peer; setup runs on the caller's thread.
 //!
 //! # Algorithm and guarantees
 //!
@@ -43,7 +40,7 @@ mod net;
 mod ops;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use self::net::{mesh, Net};
 pub use self::net::{ADDR_VAR, IFNAME_VAR};
@@ -52,10 +49,10 @@ use super::bootstrap;
 use super::buffer::Post;
 use super::engine::group::{Collective, HostGroup, Op, Transport};
 use super::engine::messages::{self, Link};
-use super::engine::run::run_process_rank;
+use super::engine::run::{deadline_after, run_process_rank};
 use super::store::TcpStore;
 use super::ProcessGroup;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Configuration of a TCP process group: [`crate::comm::GroupConfig`].
 pub type TcpConfig = crate::comm::GroupConfig;
@@ -77,7 +74,7 @@ impl Tcp {
     /// Connects communicator `index` of this group (every member calls it, in the same order).
     fn connect(&self, index: usize) -> Result<Comm> {
         let key = format!("{}c{index}", self.prefix);
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(self.timeout);
         let peers = mesh(&self.net, &key, &self.root_ranks, self.rank, deadline)?;
         Ok(Comm {
             peers,
@@ -174,15 +171,8 @@ pub fn connect(
     port: u16,
     config: TcpConfig,
 ) -> Result<Arc<dyn ProcessGroup>> {
-    if world_size == 0 || rank >= world_size {
-        return Err(Error::out_of_range(
-            "tcp group: rank",
-            rank,
-            "world size",
-            world_size,
-        ));
-    }
-    let deadline = || Instant::now() + config.timeout;
+    crate::comm::engine::run::check_rank("tcp group", rank, world_size)?;
+    let deadline = || deadline_after(config.timeout);
     if world_size == 1 {
         let (local, listening) = Net::listen(std::net::Ipv4Addr::LOCALHOST.into())?;
         let net = listening.join(0, vec![local.to_string()], deadline())?;

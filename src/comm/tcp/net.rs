@@ -21,11 +21,12 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::comm::bootstrap::cut_reason;
 use crate::comm::engine::peer_failed;
 use crate::error::{Error, Result};
 
@@ -255,8 +256,8 @@ pub(super) struct Net {
     mailbox: Arc<Mailbox>,
     /// Control connections (writing side), by job rank.
     control: Vec<Option<Mutex<TcpStream>>>,
-    failed: AtomicBool,
-    failure: Mutex<Option<(usize, String)>>,
+    /// The job's first failure: `(job rank, reason)`.
+    failure: OnceLock<(usize, String)>,
     /// Job ranks whose groups were dropped (their goodbye arrived).
     departed: Vec<AtomicBool>,
     stop: Arc<AtomicBool>,
@@ -297,22 +298,13 @@ impl Net {
 
     /// The failure recorded for this job, if any: `(job rank, reason)`.
     pub(super) fn failure(&self) -> Option<(usize, String)> {
-        if !self.failed.load(Ordering::Acquire) {
-            return None;
-        }
-        self.failure.lock().clone()
+        self.failure.get().cloned()
     }
 
     /// Records `(rank, reason)` as the job's failure in this process unless one is recorded;
     /// true if this call recorded it.
     pub(super) fn fail(&self, rank: usize, reason: &str) -> bool {
-        let mut slot = self.failure.lock();
-        if slot.is_some() {
-            return false;
-        }
-        *slot = Some((rank, reason.to_string()));
-        self.failed.store(true, Ordering::Release);
-        true
+        self.failure.set((rank, reason.to_string())).is_ok()
     }
 
     /// Records `(rank, reason)` and sends it to every other rank of the job.
@@ -321,7 +313,7 @@ impl Net {
             return;
         }
         let mut frame = vec![CTL_ABORT];
-        let reason = &reason.as_bytes()[..reason.len().min(1 << 16)];
+        let reason = cut_reason(reason, 1 << 16).as_bytes();
         frame.extend_from_slice(&(rank as u32).to_le_bytes());
         frame.extend_from_slice(&(reason.len() as u32).to_le_bytes());
         frame.extend_from_slice(reason);
@@ -348,7 +340,7 @@ impl Net {
                 return Some(s);
             }
             let now = Instant::now();
-            if now >= deadline || self.failed.load(Ordering::Acquire) {
+            if now >= deadline || self.failure.get().is_some() {
                 return None;
             }
             let wait = (deadline - now).min(Duration::from_millis(50));
@@ -395,8 +387,7 @@ impl Listening {
             addrs,
             mailbox: Arc::clone(&self.mailbox),
             control: Vec::new(),
-            failed: AtomicBool::new(false),
-            failure: Mutex::new(None),
+            failure: OnceLock::new(),
             departed: (0..ws).map(|_| AtomicBool::new(false)).collect(),
             stop: Arc::clone(&self.stop),
         };

@@ -90,7 +90,7 @@ pub(super) struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn deadline(&self) -> Instant {
-        Instant::now() + self.core.timeout
+        engine::run::deadline_after(self.core.timeout)
     }
 
     fn peer_failed(&self, failure: (usize, String)) -> Error {
@@ -177,7 +177,7 @@ impl Ctx<'_> {
             }
             let now = Instant::now();
             if moved {
-                deadline = now + self.core.timeout;
+                deadline = self.deadline();
             } else if now >= deadline {
                 let reason = format!("timed out in {}", self.op);
                 self.core

@@ -30,15 +30,12 @@
 //! *enqueued* (the host rendezvous), then makes the compute stream wait for `final_r`;
 //! `wait_host` synchronizes `final_r`.
 //!
-//! # Buffer lifetime (FSDP2's rule)
+//! # Buffer lifetime
 //!
-//! The operation keeps its own clones of the input and output tensors ([`KeepAlive`]) until its
-//! completion object is dropped; dropping them first makes the compute stream — the stream
-//! Candle allocated the buffers on and frees them on — wait for `final_r`. Memory is therefore
-//! released only after the consuming stream waited on the producer's event, whether the caller
-//! waited for the [`Work`](crate::comm::Work) or dropped it. Ordering is explicit and does not
-//! depend on cudarc's per-slice event tracking: peers read through raw addresses that tracking
-//! cannot see (see [`crate::comm::nccl`] for the full argument).
+//! FSDP2's rule (design/gpu.md, "When memory is freed"): the operation keeps clones of its
+//! tensors ([`KeepAlive`]) until the compute stream waited for `final_r`. Ordering is explicit,
+//! not cudarc's per-slice event tracking, which cannot see the peers' raw-address reads (see
+//! [`crate::comm::nccl`]).
 //!
 //! # Reductions
 //!
@@ -289,14 +286,21 @@ struct Steps<'a> {
 }
 
 impl<'a> Steps<'a> {
+    /// Binds the stream's context to this thread (the stream thread's): the waits, copies and
+    /// launches that follow run in it.
     fn new(stream: &'a Arc<CudaStream>, op: &'a str, rank: usize) -> Self {
-        Steps {
+        let mut steps = Steps {
             stream,
             op,
             rank,
             first_err: None,
             events: Vec::new(),
-        }
+        };
+        steps.run(|| {
+            (stream.context().bind_to_thread())
+                .map_err(|e| cuda_err(format!("{op} on rank {rank}: binding the context"), e))
+        });
+        steps
     }
 
     fn run(&mut self, f: impl FnOnce() -> Result<()>) {
@@ -332,10 +336,6 @@ impl<'a> Steps<'a> {
     fn wait_tokens(&mut self, tokens: &[usize], what: &str) {
         let (stream, me, op, rank) = (self.stream, self.rank, self.op, self.rank);
         self.run(|| {
-            stream
-                .context()
-                .bind_to_thread()
-                .map_err(|e| cuda_err(format!("{op} on rank {rank}: binding the context"), e))?;
             for (j, &t) in tokens.iter().enumerate() {
                 if j == me || t == 0 {
                     continue;
@@ -368,10 +368,6 @@ impl<'a> Steps<'a> {
         }
         let (stream, op, rank) = (self.stream, self.op, self.rank);
         self.run(|| {
-            stream
-                .context()
-                .bind_to_thread()
-                .map_err(|e| cuda_err(format!("{op} on rank {rank}: binding the context"), e))?;
             // SAFETY: both ranges were validated (lengths and dtypes of every post) and lie in
             // live device buffers: the source's owner keeps it alive and unwritten until every
             // rank's `done` event passed, the destination is this rank's own buffer, which no
@@ -403,17 +399,15 @@ impl<'a> Steps<'a> {
 }
 
 /// Launches the rank-ordered reduction of `srcs` (device addresses, `n` elements each) into
-/// `dst` on `stream`.
+/// `dst` on `job`'s stream.
 ///
 /// # Safety
 ///
 /// Every source must hold `n` readable elements of `dtype` and `dst` `n` writable ones for as
 /// long as the kernel runs (the collective's events guarantee it); `dst` may equal one source
 /// but must not partially overlap any.
-#[allow(clippy::too_many_arguments)]
 unsafe fn launch_reduce(
-    stream: &CudaStream,
-    cuda: &CudaDevice,
+    job: &CudaJob,
     dtype: DType,
     srcs: &[u64],
     dst: u64,
@@ -424,23 +418,16 @@ unsafe fn launch_reduce(
     if n == 0 {
         return Ok(());
     }
-    let name =
-        match dtype {
-            DType::F32 => "comm_reduce_f32",
-            DType::F64 => "comm_reduce_f64",
-            DType::BF16 => "comm_reduce_bf16",
-            DType::F16 => "comm_reduce_f16",
-            DType::U8 => "comm_reduce_u8",
-            DType::U32 => "comm_reduce_u32",
-            DType::I16 => "comm_reduce_i16",
-            DType::I32 => "comm_reduce_i32",
-            DType::I64 => "comm_reduce_i64",
-            other => return Err(Error::dtype(
-                "the CUDA reduction's buffers",
-                "a dtype with a reduction kernel: f32, f64, bf16, f16, u8, u32, i16, i32 or i64",
-                other,
-            )),
-        };
+    use DType::*;
+    if !matches!(dtype, F32 | F64 | BF16 | F16 | U8 | U32 | I16 | I32 | I64) {
+        return Err(Error::dtype(
+            "the CUDA reduction's buffers",
+            "a dtype with a reduction kernel: f32, f64, bf16, f16, u8, u32, i16, i32 or i64",
+            dtype,
+        ));
+    }
+    // The kernels of kernels/comm.cu are named after Candle's dtype names.
+    let name = format!("comm_reduce_{}", dtype.as_str());
     if srcs.len() > MAX_CUDA_RANKS {
         return Err(Error::value(
             "the CUDA reduction's source count",
@@ -448,7 +435,7 @@ unsafe fn launch_reduce(
             srcs.len(),
         ));
     }
-    let func = crate::kernels::nvrtc::func(cuda, MODULE, name)?;
+    let func = crate::kernels::nvrtc::func(job.cuda, MODULE, &name)?;
     let mut table = [0u64; MAX_CUDA_RANKS];
     table[..srcs.len()].copy_from_slice(srcs);
     let nsrc = srcs.len() as u32;
@@ -471,7 +458,7 @@ unsafe fn launch_reduce(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = stream.launch_builder(&func);
+    let mut b = job.stream.launch_builder(&func);
     b.arg(&table);
     b.arg(&nsrc);
     b.arg(&dst);
@@ -574,26 +561,22 @@ impl Ctx<'_> {
                     .iter()
                     .map(|p| addr(p.input.expect("input"), rank * n))
                     .collect();
-                let (cuda, dtype) = (job.cuda, out.dtype);
-                // SAFETY: validated posts: every input holds ws * n elements of `dtype`, kept
+                // SAFETY: validated posts: every input holds ws * n elements of the dtype, kept
                 // alive and unwritten by its owner until every rank's `done` event; `out` is
                 // this rank's own output (n elements), disjoint from every input.
-                steps.run(|| unsafe {
-                    launch_reduce(stream, cuda, dtype, &srcs, addr(out, 0), n, op, ws)
-                });
+                let dst = addr(out, 0);
+                steps.run(|| unsafe { launch_reduce(job, out.dtype, &srcs, dst, n, op, ws) });
             }
             Call::AllReduce(op) => {
                 let bufs: Vec<RawBuf> = posts.iter().map(|p| p.input.expect("buffer")).collect();
                 let len = bufs[rank].len;
                 let (start, n) = chunk(len, ws, rank);
                 let srcs: Vec<u64> = bufs.iter().map(|b| addr(*b, start)).collect();
-                let (cuda, dtype) = (job.cuda, out.dtype);
                 // SAFETY: phase A: this rank reads chunk `rank` of every buffer and writes it
                 // in its own; every other rank works on its own chunk index, and no rank writes
                 // another's buffer. The destination equals this rank's source exactly.
-                steps.run(|| unsafe {
-                    launch_reduce(stream, cuda, dtype, &srcs, srcs[rank], n, op, ws)
-                });
+                let dst = srcs[rank];
+                steps.run(|| unsafe { launch_reduce(job, out.dtype, &srcs, dst, n, op, ws) });
                 let t = steps.record("phase-A");
                 generation += 1;
                 let phase_a = self.sync_all(generation, Some(t));
@@ -621,12 +604,10 @@ impl Ctx<'_> {
                         .iter()
                         .map(|p| addr(p.input.expect("buffer"), 0))
                         .collect();
-                    let (cuda, dtype, n) = (job.cuda, out.dtype, out.len);
+                    let (dst, n) = (srcs[root], out.len);
                     // SAFETY: only the root reads any buffer and only the root writes (its
                     // own, which equals one source exactly).
-                    steps.run(|| unsafe {
-                        launch_reduce(stream, cuda, dtype, &srcs, srcs[root], n, op, ws)
-                    });
+                    steps.run(|| unsafe { launch_reduce(job, out.dtype, &srcs, dst, n, op, ws) });
                 }
             }
         }
