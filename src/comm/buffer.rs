@@ -98,6 +98,13 @@ pub(crate) enum Problem {
         found: DeviceLocation,
         other_device: bool,
     },
+    /// The setup argument (`arg` bytes) makes the descriptor `found` bytes long where the
+    /// backend takes at most `max` ([`crate::comm::wire::encode_within`]).
+    TooLong {
+        arg: usize,
+        found: usize,
+        max: usize,
+    },
 }
 
 /// `cpu` or `cuda:N` (`metal:N`), as the examples' `--device` spells it.
@@ -155,6 +162,15 @@ impl Problem {
                 } else {
                     format!("a tensor on {}", location_name(found))
                 },
+            ),
+            Problem::TooLong { arg, found, max } => (
+                "setup argument",
+                format!(
+                    "at most {} bytes (the backend's limit: a descriptor of at most {max} \
+                     bytes)",
+                    max.saturating_sub(found - arg)
+                ),
+                format!("{arg} bytes (a descriptor of {found} bytes)"),
             ),
         };
         Error::BadBuffer {

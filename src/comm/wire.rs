@@ -14,8 +14,7 @@ use candle_core::{DType, DeviceLocation};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::comm::buffer::{Post, Which};
-use crate::error::Error;
+use crate::comm::buffer::{Post, Problem, Which};
 
 /// Largest descriptor of a collective (bytes); setup descriptors carry their argument too. A
 /// collective's is at most 105 bytes (every field there, every number at its largest: tested).
@@ -63,23 +62,22 @@ pub(crate) fn encode(post: &Post) -> Vec<u8> {
     postcard::to_extend(post, out).expect("descriptors serialize")
 }
 
-/// [`encode`], refused when the descriptor is longer than `max` bytes, the limit of `backend`
-/// (only a setup argument can make it so), for operation `op`.
-pub(crate) fn encode_within(
-    post: &Post,
-    max: usize,
-    backend: &str,
-    op: &str,
-) -> crate::error::Result<Vec<u8>> {
+/// [`encode`], or, when the setup argument makes the descriptor longer than `max` bytes (the
+/// backend's limit), the encoding of a post that reports it instead ([`Problem::TooLong`]): every
+/// rank's validation then refuses the operation with the same error naming the sizes, nobody
+/// waits for bytes that were never sent, and the group stays usable.
+pub(crate) fn encode_within(post: &Post, max: usize) -> Vec<u8> {
     let desc = encode(post);
-    if desc.len() > max {
-        return Err(Error::shape(
-            format_args!("{op}: the descriptor (with its setup argument)"),
-            format_args!("at most {max} bytes (the {backend} backend's limit)"),
-            format_args!("{} bytes", desc.len()),
-        ));
+    if desc.len() <= max {
+        return desc;
     }
-    Ok(desc)
+    let mut short = Post::new(post.kind, post.seq);
+    short.problem = Some(Problem::TooLong {
+        arg: post.bytes.as_ref().map_or(0, Vec::len),
+        found: desc.len(),
+        max,
+    });
+    encode(&short)
 }
 
 /// Decodes a peer's descriptor; `None` when the bytes are not a descriptor. (Descriptors carry
@@ -143,12 +141,14 @@ mod tests {
             ..s.clone()
         };
         assert_eq!(bytes.len(), encode(&without).len() + 1 + 10);
-        assert!(encode_within(&s, bytes.len(), "test", "op").is_ok());
-        let err = encode_within(&s, bytes.len() - 1, "test", "new_stream #3").unwrap_err();
-        assert!(
-            err.to_string().contains(&format!("{} bytes", bytes.len())),
-            "{err}"
+        assert_eq!(encode_within(&s, bytes.len()), bytes);
+        let short = decode(&encode_within(&s, bytes.len() - 1)).unwrap();
+        assert_eq!(
+            (short.kind, short.seq, short.bytes),
+            (Kind::NewStream, 3, None)
         );
+        let (arg, found, max) = (10, bytes.len(), bytes.len() - 1);
+        assert_eq!(short.problem, Some(Problem::TooLong { arg, found, max }));
         let t = decode(&bytes).unwrap();
         assert_eq!(t.index, Some(2));
         assert_eq!(t.bytes.as_deref(), Some(&b"all_gather"[..]));

@@ -20,8 +20,9 @@ fn tcp_collectives_are_bitwise_the_thread_backends() {
 fn tcp_a_setup_argument_over_the_limit_is_one_error_naming_it() {
     check_too_long(
         Backend::Tcp,
-        ": the descriptor (with its setup argument): expected at most 1048576 bytes (the TCP \
-         backend's limit), found 1100013 bytes",
+        "new_stream setup argument: expected at most 1048563 bytes (the backend's limit: a \
+         descriptor of at most 1048576 bytes), found 1100000 bytes (a descriptor of 1100013 \
+         bytes)",
     );
 }
 

@@ -9,7 +9,7 @@
 //!   `output[j*n..]`; its own part is a local copy.
 //! - **reduce-scatter**: every rank sends `input[j*n..(j+1)*n]` to rank `j` and reduces the
 //!   shares it receives *in rank order* with the thread backend's kernel
-//!   ([`crate::comm::reduce::reduce_into`]: f32, bf16 and f16 accumulate in f32 and round once),
+//!   ([`crate::comm::reduce::reduce_raw`]: f32, bf16 and f16 accumulate in f32 and round once),
 //!   in segments of [`Link::SEGMENT_BYTES`] per peer (round k+1 is started before segment k is
 //!   reduced, so on a link that moves bytes at the start, MPI's, peers are not held up by this
 //!   rank's arithmetic; a segment is reduced while still in cache). bf16/f16 travel at their own width and no

@@ -1,5 +1,5 @@
 //! What every host backend runs on, importing no backend: the one group of the host backends
-//! ([`group`]), their stream threads and issue path ([`streams`]), the run rules of an operation
+//! and its issue path ([`group`]), their stream threads ([`streams`]), the run rules of an operation
 //! and of a rank ([`run`]: a panic or failure aborts the job, never leaving peers waiting; the
 //! check of `new_group`'s ranks), the collectives over shared buffers ([`board`]: the thread
 //! backend and shm), and the CUDA buffer helpers the thread backend's CUDA path and

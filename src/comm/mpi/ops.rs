@@ -164,11 +164,8 @@ impl Link for OpCtx<'_> {
     /// (the same verdict on every rank).
     fn exchange(&mut self, post: &Post) -> Result<()> {
         let ws = self.core.world_size;
-        // Longer than the peers' receives: this rank never sends it, so it stops the job rather
-        // than leave the peers waiting (checked first: every rank with such an argument fails
-        // with its own error).
-        let mine = wire::encode_within(post, self.comm.desc_max, "MPI", self.op)
-            .inspect_err(|e| self.core.rt.abort(&e.message()))?;
+        // No longer than the peers' receives.
+        let mine = wire::encode_within(post, self.comm.desc_max);
         self.core.rt.poll_failures();
         if let Some(failure) = self.core.rt.failure() {
             return Err(peer_failed(self.op, self.core.rank, failure));

@@ -108,8 +108,38 @@ pub(super) fn mpi_unique_id(rank: usize, world_size: usize) -> Result<UniqueId> 
             message: "broadcasting the NCCL unique id failed".into(),
         });
     }
+    // Which rank, if any, failed on its own (a non-root rank's arguments; the highest such,
+    // plus one): every rank takes part, so that no rank goes on to the communicator's creation
+    // while another has given up.
+    let mine: u32 = local_error.as_ref().map_or(0, |_| mpi_rank as u32 + 1);
+    let mut any = 0u32;
+    // SAFETY: as for the broadcast; `mine` and `any` are live `u32`s on every rank and every
+    // rank of MPI_COMM_WORLD calls this reduction once, after the broadcast.
+    let rc = unsafe {
+        ffi::MPI_Allreduce(
+            std::ptr::from_ref(&mine).cast(),
+            std::ptr::from_mut(&mut any).cast(),
+            1,
+            ffi::RSMPI_UINT32_T,
+            ffi::RSMPI_MAX,
+            ffi::RSMPI_COMM_WORLD,
+        )
+    };
+    if rc != ffi::MPI_SUCCESS as std::ffi::c_int {
+        return Err(Error::Mpi {
+            call: "MPI_Allreduce (NCCL bootstrap)".into(),
+            rank,
+            code: rc,
+            message: "agreeing on the ranks' arguments failed".into(),
+        });
+    }
     if let Some(e) = local_error {
         return Err(e);
+    }
+    if any != 0 && msg[0] == 0 {
+        let op = "bootstrap (NCCL over MPI)";
+        let reason = "its rank or world size is not MPI's".to_string();
+        return Err(peer_failed(op, rank, (any as usize - 1, reason)));
     }
     if msg[0] != 0 {
         let end = msg[1..].iter().position(|&b| b == 0).map_or(128, |p| p);

@@ -582,7 +582,9 @@ impl ProcessGroup for NcclGroup {
             return Err(f.error_for(0, &op, self.rank));
         }
         let ctx = crate::device::cuda::context(&self.cuda);
-        let comm = self.default_comm.split(&ctx, Some(self.rank), &op)?;
+        // A failed split fails the family: the peers are inside the same collective split.
+        let comm = (self.default_comm.split(&ctx, Some(self.rank), &op))
+            .inspect_err(|e| self.fail_on(e))?;
         let comm = Arc::new(comm.expect("a member gets a communicator (or an error)"));
         self.family.register(&comm);
         new_nccl_stream(self.id, &self.cuda, name, comm)
@@ -632,7 +634,8 @@ impl ProcessGroup for NcclGroup {
         check_ranks(&op, ranks, self.world_size)?;
         let position = ranks.iter().position(|&r| r == self.rank);
         let ctx = crate::device::cuda::context(&self.cuda);
-        let sub = self.default_comm.split(&ctx, position, &op)?;
+        let sub =
+            (self.default_comm.split(&ctx, position, &op)).inspect_err(|e| self.fail_on(e))?;
         match (sub, position) {
             (Some(comm), Some(local)) => {
                 let group = NcclGroup::create(

@@ -127,9 +127,7 @@ impl Ctx<'_> {
     /// validates every rank's post (the same verdict on every rank). Returns the generation
     /// reached.
     pub(super) fn exchange(&mut self, post: &Post) -> Result<u64> {
-        // Checked first: every rank with a setup argument too long fails with its own error.
-        let desc = wire::encode_within(post, DESC_MAX, "shared-memory", self.op);
-        let desc = desc.map_err(|e| self.core.stop_job(e))?;
+        let desc = wire::encode_within(post, DESC_MAX);
         if let Some(failure) = self.core.abort.get() {
             return Err(peer_failed(self.op, self.rank(), failure));
         }

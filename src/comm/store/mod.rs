@@ -121,6 +121,9 @@ const WAIT_SLICE: Duration = Duration::from_millis(100);
 const REPLY_GRACE: Duration = Duration::from_secs(10);
 /// Registration refusals kept for `Pending` notes.
 const MAX_NOTES: usize = 8;
+/// Longest `Pending` notes: [`MAX_NOTES`] refusals of at most four keys' length each, joined by
+/// `"; "`.
+const MAX_NOTES_BYTES: usize = MAX_NOTES * (4 * MAX_KEY_BYTES + 2);
 /// How often the acceptor checks for shutdown.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 

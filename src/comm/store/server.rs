@@ -243,7 +243,11 @@ pub(super) fn register(
             .map(|first| format!("rank {rank} joined twice: from {first} and again from {peer}"))
     };
     match &refusal {
-        Some(msg) if st.refused.len() < MAX_NOTES => st.refused.push(msg.clone()),
+        Some(msg) if st.refused.len() < MAX_NOTES => {
+            // Within the notes' bound whatever the jobs' names escape to.
+            let note = crate::comm::bootstrap::cut_reason(msg, 4 * MAX_KEY_BYTES);
+            st.refused.push(note.to_string())
+        }
         Some(_) => {}
         None => st.joined[rank] = Some(peer),
     }

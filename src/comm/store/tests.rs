@@ -35,11 +35,11 @@ fn malformed_messages_are_refused() {
     let pending = Reply::Pending {
         missing: vec![],
         left: vec![],
-        notes: "n".repeat(MAX_NOTES * 4 * MAX_KEY_BYTES + 1),
+        notes: "n".repeat(MAX_NOTES_BYTES + 1),
     };
     let err = Reply::decode(&encode(&pending)).unwrap_err();
     assert!(
-        err.contains("notes of 32769 bytes exceeds the limit"),
+        err.contains("notes of 32785 bytes exceeds the limit"),
         "{err}"
     );
     // Peers of other builds are named as such: a protocol V2 client's HELLO (opcode 1, the

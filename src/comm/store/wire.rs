@@ -149,9 +149,7 @@ impl Reply {
         let reply = decode(body, "reply", 6)?;
         match &reply {
             Reply::Value(v) => limit("value", v.len(), MAX_VALUE_BYTES)?,
-            Reply::Pending { notes, .. } => {
-                limit("notes", notes.len(), MAX_NOTES * 4 * MAX_KEY_BYTES)?
-            }
+            Reply::Pending { notes, .. } => limit("notes", notes.len(), MAX_NOTES_BYTES)?,
             Reply::Ok | Reply::NotYet | Reply::Done | Reply::Err(_) => {}
         }
         Ok(reply)

@@ -235,13 +235,7 @@ impl Link for Ctx<'_> {
     /// same verdict on every rank).
     fn exchange(&mut self, post: &Post) -> Result<()> {
         let (ws, rank) = (self.world_size(), self.rank());
-        // Too long: this rank never sends it, so it stops the job rather than leave the peers
-        // waiting (checked first: every rank with such an argument fails with its own error).
-        let desc = wire::encode_within(post, SETUP_MAX, "TCP", self.op).inspect_err(|e| {
-            self.core
-                .net
-                .abort(self.core.root_ranks[rank], &e.message())
-        })?;
+        let desc = wire::encode_within(post, SETUP_MAX);
         if let Some(f) = self.core.net.failure() {
             return Err(self.peer_failed(f));
         }

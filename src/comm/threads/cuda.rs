@@ -272,7 +272,7 @@ fn token(event: &CudaEvent) -> usize {
 /// reading this rank's buffers).
 ///
 /// The events whose handles were published as tokens live as long as the `Steps`: it must be
-/// dropped only after the collective's last host barrier ([`Ctx::sync`] after
+/// dropped only after the collective's last host barrier ([`Ctx::sync_all`] after
 /// [`Steps::finish`]), once every peer has enqueued its waits on them. A peer that calls
 /// `cuStreamWaitEvent` on a handle already destroyed reads freed driver state (seen on a GPU as
 /// `CUDA_ERROR_CONTEXT_IS_DESTROYED`, a crash, or a wait on an unrelated event that reused the
