@@ -246,6 +246,30 @@ pub(crate) fn supported(dtype: DType) -> bool {
     )
 }
 
+/// `name` as operation names and errors show it: whole up to 64 bytes, else its first 48 bytes
+/// (at a character boundary), an ellipsis and its length, so that a long stream name does not
+/// fill every message that quotes it.
+pub(crate) fn shortened(name: &str) -> std::borrow::Cow<'_, str> {
+    if name.len() <= 64 {
+        return name.into();
+    }
+    let mut cut = 48;
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}… ({} bytes)", &name[..cut], name.len()).into()
+}
+
+/// `ranks` as operation names and errors show them: whole up to 16, else the first 8, an
+/// ellipsis and the count.
+pub(crate) fn rank_list(ranks: &[usize]) -> String {
+    if ranks.len() <= 16 {
+        return format!("{ranks:?}");
+    }
+    let head: Vec<String> = ranks[..8].iter().map(usize::to_string).collect();
+    format!("[{}, … ({} ranks)]", head.join(", "), ranks.len())
+}
+
 fn describe_call(p: &Post) -> String {
     format!("{} #{}", p.kind.name(), p.seq)
 }
@@ -259,9 +283,9 @@ fn describe_bytes(kind: Kind, b: &Option<Vec<u8>>) -> String {
                 .chunks_exact(std::mem::size_of::<usize>())
                 .map(|c| usize::from_ne_bytes(c.try_into().expect("usize-sized chunk")))
                 .collect();
-            format!("ranks {ranks:?}")
+            format!("ranks {}", rank_list(&ranks))
         }
-        _ => format!("name {:?}", String::from_utf8_lossy(bytes)),
+        _ => format!("name {:?}", shortened(&String::from_utf8_lossy(bytes))),
     }
 }
 

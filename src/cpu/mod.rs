@@ -227,20 +227,19 @@ pub(crate) enum Simd {
 /// compiled for AVX2 and the matmul default of such a CPU ([`matmul_kernel`]). The `gemm`
 /// crate's kernels (Candle's own matmul, attention's tiles) follow it only in a build without
 /// the `gemm-avx512` feature (`--no-default-features`). `FSDP_SIMD=avx512` (or unset) is the
-/// CPU's widest; another value is ignored with a warning.
+/// CPU's widest (either in any case); another value is ignored with a warning.
 pub(crate) fn simd() -> Simd {
     static LEVEL: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
     *LEVEL.get_or_init(|| {
-        let (level, warning) = simd_from(
-            cpu_simd(),
-            std::env::var("FSDP_SIMD").unwrap_or_default().trim(),
-        );
+        let value = std::env::var("FSDP_SIMD").unwrap_or_default();
+        let value = value.trim();
+        let (level, warning) = simd_from(cpu_simd(), &value.to_ascii_lowercase());
         if let Some(w) = warning {
             eprintln!("{w}");
         }
         if level < Simd::Avx512 && cfg!(feature = "gemm-avx512") && cpu_simd() == Simd::Avx512 {
             eprintln!(
-                "FSDP_SIMD={level:?}: the gemm crate's kernels (Candle's matmul, attention's tiles) \
+                "FSDP_SIMD={value}: the gemm crate's kernels (Candle's matmul, attention's tiles) \
                  still run AVX-512 in a build with the gemm-avx512 feature"
             );
         }

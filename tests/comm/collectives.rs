@@ -1421,6 +1421,50 @@ fn threads_stream_names_and_group_lists_must_agree() {
     }
 }
 
+/// A stream's name may hold any character (a NUL, which no thread name may: the stream's
+/// thread is named without it); messages quote a long name or rank list shortened.
+#[test]
+fn threads_odd_and_long_names_work_and_are_quoted_short() {
+    let outs = run_ranks_ok(2, cfg(), |pg| {
+        let s = pg.new_stream("bad\0name")?;
+        let sum = as_f32(pg.all_reduce(&s, f32_t([1.0]), ReduceOp::Sum).wait()?);
+        let long = "n".repeat(if pg.rank() == 0 { 5_000 } else { 6_000 });
+        let stream_err = pg.new_stream(&long).err();
+        let ranks: Vec<usize> = (0..40).map(|r| r % 2).collect();
+        let group_err = pg.new_group(&ranks).err();
+        Ok((sum, stream_err, group_err))
+    })
+    .unwrap();
+    let n48 = "n".repeat(48);
+    for (sum, stream_err, group_err) in outs {
+        assert_eq!(sum, vec![2.0]);
+        match stream_err {
+            Some(Error::CollectiveMismatch {
+                op,
+                rank: 1,
+                found,
+                expected,
+                ..
+            }) => {
+                assert!(
+                    op.starts_with(&format!("new_stream #2 (\"{n48}… (")),
+                    "{op}"
+                );
+                assert_eq!(found, format!("name \"{n48}… (6000 bytes)\""));
+                assert_eq!(expected, format!("name \"{n48}… (5000 bytes)\""));
+            }
+            other => panic!("expected CollectiveMismatch, got {other:?}"),
+        }
+        let e = group_err
+            .expect("a rank listed twice is refused")
+            .to_string();
+        assert!(
+            e.contains("new_group #3 ([0, 1, 0, 1, 0, 1, 0, 1, … (40 ranks)]): rank 0"),
+            "{e}"
+        );
+    }
+}
+
 #[test]
 fn threads_a_panicking_rank_aborts_pending_collectives_promptly() {
     let results = run_ranks::<(), _>(2, cfg(), |pg| {

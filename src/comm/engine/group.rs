@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 
 use super::streams::{HostStream, Issued, Job, StreamComm};
 use super::{check_ranks, run_stream_op};
-use crate::comm::buffer::{Kind, Post};
+use crate::comm::buffer::{rank_list, shortened, Kind, Post};
 use crate::comm::{
     foreign_stream, Call, CommObserver, CommStream, OpKind, ProcessGroup, Work, DEFAULT_STREAM,
 };
@@ -214,7 +214,12 @@ impl<T: Transport> HostGroup<T> {
         slot.seq += 1;
         let issued = Issued {
             seq: slot.seq,
-            op: format!("{} #{} (stream {})", kind.name(), slot.seq, hs.name),
+            op: format!(
+                "{} #{} (stream {})",
+                kind.name(),
+                slot.seq,
+                shortened(&hs.name)
+            ),
             stream: Arc::clone(&hs.name),
             observer: self.observer.lock().clone(),
         };
@@ -302,7 +307,7 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
     }
 
     fn new_stream(&self, name: &str) -> Result<CommStream> {
-        let stream_op = |seq| format!("new_stream #{seq} ({name:?})");
+        let stream_op = |seq| format!("new_stream #{seq} ({:?})", shortened(name));
         let comm = self.setup(
             Kind::NewStream,
             stream_op,
@@ -359,7 +364,7 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
 
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
         let bytes: Vec<u8> = ranks.iter().flat_map(|r| r.to_ne_bytes()).collect();
-        let group_op = |seq| format!("new_group #{seq} ({ranks:?})");
+        let group_op = |seq| format!("new_group #{seq} ({})", rank_list(ranks));
         let sub = self.setup(Kind::NewGroup, group_op, &bytes, false, |t, setup, op| {
             check_ranks(op.name, ranks, t.world_size())?;
             t.split(&mut setup.comm, op, ranks)

@@ -79,7 +79,8 @@ impl<C: StreamComm> HostStream<C> {
         let handed = Arc::new(Mutex::new(Some(comm)));
         let theirs = Arc::clone(&handed);
         let spawned = thread::Builder::new()
-            .name(C::thread_name(backend, rank, name))
+            // A thread's name may not hold a NUL; the stream's may.
+            .name(C::thread_name(backend, rank, name).replace('\0', "\\0"))
             .spawn(move || {
                 C::on_thread_start();
                 let mut comm = theirs.lock().take().expect("handed to this thread");

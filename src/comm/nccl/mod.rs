@@ -98,7 +98,7 @@ use self::meet::watch_store;
 pub use self::raw::UniqueId;
 use self::raw::{move_dtype, reduce_dtype, RawComm};
 use self::watchdog::{Failure, Family, NcclOp};
-use super::buffer::{problem, validate, Kind, Post, Problem};
+use super::buffer::{problem, rank_list, shortened, validate, Kind, Post, Problem};
 use super::engine::check_ranks;
 use super::engine::cuda::{addr, raw_read, raw_write, with_cuda_storage, CudaDone, KeepAlive};
 use super::{Call, CommObserver, CommStream, OpKind, ProcessGroup, ReduceOp, Work, DEFAULT_STREAM};
@@ -338,7 +338,7 @@ impl NcclGroup {
             .ok_or_else(|| crate::comm::foreign_stream(kind, self.rank, stream))?;
         let mut seq = ns.seq.lock();
         *seq += 1;
-        let op = format!("{} #{} (stream {})", kind.name(), *seq, ns.name);
+        let op = format!("{} #{} (stream {})", kind.name(), *seq, shortened(&ns.name));
         Ok((ns, seq, op))
     }
 
@@ -577,7 +577,7 @@ impl ProcessGroup for NcclGroup {
     fn new_stream(&self, name: &str) -> Result<CommStream> {
         let mut setup = self.setup.lock();
         *setup += 1;
-        let op = format!("new_stream #{} ({name:?})", *setup);
+        let op = format!("new_stream #{} ({:?})", *setup, shortened(name));
         if let Some(f) = self.family.failure() {
             return Err(f.error_for(0, &op, self.rank));
         }
@@ -626,7 +626,7 @@ impl ProcessGroup for NcclGroup {
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
         let mut setup = self.setup.lock();
         *setup += 1;
-        let op = format!("new_group #{} ({ranks:?})", *setup);
+        let op = format!("new_group #{} ({})", *setup, rank_list(ranks));
         if let Some(f) = self.family.failure() {
             return Err(f.error_for(0, &op, self.rank));
         }
