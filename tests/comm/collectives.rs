@@ -1392,32 +1392,27 @@ fn threads_stream_names_and_group_lists_must_agree() {
     })
     .unwrap();
     for (stream_err, group_err) in outs {
-        match stream_err {
-            Some(Error::CollectiveMismatch {
-                op,
-                rank: 1,
-                found,
-                expected,
-                ..
-            }) => {
-                assert!(op.starts_with("new_stream #1"), "{op}");
-                assert_eq!(found, "name \"scatter\"");
-                assert_eq!(expected, "name \"gather\"");
-            }
-            other => panic!("expected CollectiveMismatch, got {other:?}"),
-        }
-        match group_err {
-            Some(Error::CollectiveMismatch {
-                rank: 1,
-                found,
-                expected,
-                ..
-            }) => {
-                assert_eq!(found, "ranks [1, 0]");
-                assert_eq!(expected, "ranks [0, 1]");
-            }
-            other => panic!("expected CollectiveMismatch, got {other:?}"),
-        }
+        let (op, found, expected) = rank1_mismatch(stream_err);
+        assert!(op.starts_with("new_stream #1"), "{op}");
+        assert_eq!(found, "name \"scatter\"");
+        assert_eq!(expected, "name \"gather\"");
+        let (_, found, expected) = rank1_mismatch(group_err);
+        assert_eq!(found, "ranks [1, 0]");
+        assert_eq!(expected, "ranks [0, 1]");
+    }
+}
+
+/// The operation, found and expected values of a [`Error::CollectiveMismatch`] naming rank 1.
+fn rank1_mismatch(e: Option<Error>) -> (String, String, String) {
+    match e {
+        Some(Error::CollectiveMismatch {
+            op,
+            rank: 1,
+            found,
+            expected,
+            ..
+        }) => (op, found, expected),
+        other => panic!("expected CollectiveMismatch of rank 1, got {other:?}"),
     }
 }
 
@@ -1438,23 +1433,13 @@ fn threads_odd_and_long_names_work_and_are_quoted_short() {
     let n48 = "n".repeat(48);
     for (sum, stream_err, group_err) in outs {
         assert_eq!(sum, vec![2.0]);
-        match stream_err {
-            Some(Error::CollectiveMismatch {
-                op,
-                rank: 1,
-                found,
-                expected,
-                ..
-            }) => {
-                assert!(
-                    op.starts_with(&format!("new_stream #2 (\"{n48}… (")),
-                    "{op}"
-                );
-                assert_eq!(found, format!("name \"{n48}… (6000 bytes)\""));
-                assert_eq!(expected, format!("name \"{n48}… (5000 bytes)\""));
-            }
-            other => panic!("expected CollectiveMismatch, got {other:?}"),
-        }
+        let (op, found, expected) = rank1_mismatch(stream_err);
+        assert!(
+            op.starts_with(&format!("new_stream #2 (\"{n48}… (")),
+            "{op}"
+        );
+        assert_eq!(found, format!("name \"{n48}… (6000 bytes)\""));
+        assert_eq!(expected, format!("name \"{n48}… (5000 bytes)\""));
         let e = group_err
             .expect("a rank listed twice is refused")
             .to_string();

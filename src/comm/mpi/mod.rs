@@ -40,7 +40,9 @@ use mpi::ffi;
 use parking_lot::Mutex;
 
 use self::ops::OpCtx;
-use self::runtime::{check, deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
+/// An MPI return code as a result naming the call (NCCL's bootstrap over MPI uses it too).
+pub(crate) use self::runtime::check;
+use self::runtime::{deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
 use super::buffer::Post;
 use super::engine::group::{Collective, HostGroup, Op, Transport};
 use super::engine::messages::{self, Link};

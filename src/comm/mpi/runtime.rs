@@ -111,7 +111,7 @@ pub(crate) struct Runtime {
 static RUNTIME: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
 
 /// Turns an MPI return code into a result, naming `call`.
-pub(super) fn check(rc: c_int, call: impl FnOnce() -> String, rank: usize) -> Result<()> {
+pub(crate) fn check(rc: c_int, call: impl FnOnce() -> String, rank: usize) -> Result<()> {
     if rc == ffi::MPI_SUCCESS as c_int {
         return Ok(());
     }

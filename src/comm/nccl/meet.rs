@@ -64,6 +64,7 @@ pub(super) fn watch_store(family: &Arc<Family>, store: Arc<TcpStore>) -> Result<
 #[cfg(feature = "mpi")]
 pub(super) fn mpi_unique_id(rank: usize, world_size: usize) -> Result<UniqueId> {
     use crate::comm::engine::peer_failed;
+    use crate::comm::mpi::check;
     use mpi::ffi;
     let (mpi_rank, mpi_size) = crate::comm::mpi::world_rank_and_size()?;
     // A rank whose arguments are not MPI's still takes part in the broadcast (the others
@@ -100,14 +101,7 @@ pub(super) fn mpi_unique_id(rank: usize, world_size: usize) -> Result<UniqueId> 
             ffi::RSMPI_COMM_WORLD,
         )
     };
-    if rc != ffi::MPI_SUCCESS as std::ffi::c_int {
-        return Err(Error::Mpi {
-            call: "MPI_Bcast (NCCL unique id)".into(),
-            rank,
-            code: rc,
-            message: "broadcasting the NCCL unique id failed".into(),
-        });
-    }
+    check(rc, || "MPI_Bcast (NCCL unique id)".into(), rank)?;
     // Which rank, if any, failed on its own (a non-root rank's arguments; the highest such,
     // plus one): every rank takes part, so that no rank goes on to the communicator's creation
     // while another has given up.
@@ -125,14 +119,11 @@ pub(super) fn mpi_unique_id(rank: usize, world_size: usize) -> Result<UniqueId> 
             ffi::RSMPI_COMM_WORLD,
         )
     };
-    if rc != ffi::MPI_SUCCESS as std::ffi::c_int {
-        return Err(Error::Mpi {
-            call: "MPI_Allreduce (NCCL bootstrap)".into(),
-            rank,
-            code: rc,
-            message: "agreeing on the ranks' arguments failed".into(),
-        });
-    }
+    check(
+        rc,
+        || "MPI_Allreduce (NCCL bootstrap: any rank's argument error)".into(),
+        rank,
+    )?;
     if let Some(e) = local_error {
         return Err(e);
     }
