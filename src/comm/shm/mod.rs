@@ -46,14 +46,13 @@ mod segment;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use self::ops::{Comm, Ctx};
 use self::segment::{shm_dir, AbortSlot, Header, PeerMap, Segment};
 use super::bootstrap;
 use super::buffer::Post;
 use super::engine::board;
-use super::engine::group::{Collective, HostGroup, Op, Transport};
+use super::engine::group::{Collective, HostGroup, Op, Place, Transport};
 use super::engine::run::run_process_rank;
 use super::store::TcpStore;
 use super::ProcessGroup;
@@ -69,13 +68,11 @@ const PREFIX_KEY: &str = "candle-fsdp/shm/prefix";
 /// The shared-memory transport of one rank of one group: what every handle and stream of the
 /// group shares.
 pub(crate) struct Shm {
-    rank: usize,
-    world_size: usize,
+    place: Place,
     /// Rank in the root group of each rank of this group.
     root_ranks: Vec<usize>,
     /// Process id of each rank.
     pids: Vec<u32>,
-    timeout: Duration,
     abort: Arc<AbortSlot>,
     /// Path prefix of this group's segment files.
     prefix: String,
@@ -94,13 +91,13 @@ impl Shm {
 
     /// Creates this rank's segment of communicator `comm`.
     fn create(&self, comm: usize) -> Result<Segment> {
-        Segment::create(self.path(comm, self.rank))
+        Segment::create(self.path(comm, self.place.rank))
     }
 
     /// Maps the peers' segments of communicator `comm`.
     fn map_peers(&self, comm: usize, own: Segment) -> Result<Comm> {
-        let peers = (0..self.world_size)
-            .map(|j| match j == self.rank {
+        let peers = (0..self.place.world_size)
+            .map(|j| match j == self.place.rank {
                 true => Ok(None),
                 false => PeerMap::open(self.path(comm, j)).map(Some),
             })
@@ -135,45 +132,27 @@ impl Shm {
         self.abort(&e.message());
         e
     }
-
-    /// One operation's context on `comm`.
-    fn ctx<'a>(&'a self, comm: &'a mut Comm, op: Op<'a>) -> Ctx<'a> {
-        Ctx {
-            core: self,
-            comm,
-            seq: op.seq,
-            op: op.name,
-        }
-    }
 }
 
 impl Transport for Shm {
     type Comm = Comm;
     const BACKEND: &'static str = "shm";
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn timeout(&self) -> Duration {
-        self.timeout
+    fn place(&self) -> Place {
+        self.place
     }
 
     fn run(&self, comm: &mut Comm, op: Op<'_>, collective: Collective<'_>) -> Result<()> {
-        board::run(&mut self.ctx(comm, op), collective)
+        board::run(&mut Ctx::new(self, comm, op), collective)
     }
 
     fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post) -> Result<()> {
-        self.ctx(setup, op).exchange(post).map(|_| ())
+        Ctx::new(self, setup, op).exchange(post).map(|_| ())
     }
 
     /// Every rank creates its segment, then maps the others', then removes its file.
     fn open(&self, setup: &mut Comm, op: Op<'_>, index: usize, _name: &str) -> Result<Comm> {
-        let ctx = self.ctx(setup, op);
+        let ctx = Ctx::new(self, setup, op);
         let [comm] = self.comms([index], || ctx.sync_next())?;
         Ok(comm)
     }
@@ -186,18 +165,19 @@ impl Transport for Shm {
         op: Op<'_>,
         ranks: &[usize],
     ) -> Result<Option<(Shm, Comm, Comm)>> {
-        let sub = ranks.iter().position(|&r| r == self.rank).map(|local| Shm {
-            rank: local,
-            world_size: ranks.len(),
-            root_ranks: ranks.iter().map(|&r| self.root_ranks[r]).collect(),
-            pids: ranks.iter().map(|&r| self.pids[r]).collect(),
-            timeout: self.timeout,
-            abort: Arc::clone(&self.abort),
-            prefix: format!("{}{}-g", self.prefix, op.seq),
-            arenas: Arc::clone(&self.arenas),
-            in_place: self.in_place,
-        });
-        let ctx = self.ctx(setup, op);
+        let sub = ranks
+            .iter()
+            .position(|&r| r == self.place.rank)
+            .map(|local| Shm {
+                place: Place::new(local, ranks.len(), self.place.timeout),
+                root_ranks: ranks.iter().map(|&r| self.root_ranks[r]).collect(),
+                pids: ranks.iter().map(|&r| self.pids[r]).collect(),
+                abort: Arc::clone(&self.abort),
+                prefix: format!("{}{}-g", self.prefix, op.seq),
+                arenas: Arc::clone(&self.arenas),
+                in_place: self.in_place,
+            });
+        let ctx = Ctx::new(self, setup, op);
         let Some(sub) = sub else {
             ctx.sync_next()?;
             ctx.sync_next()?;
@@ -208,7 +188,7 @@ impl Transport for Shm {
     }
 
     fn abort(&self, reason: &str) {
-        self.abort.set(self.root_ranks[self.rank], reason);
+        self.abort.set(self.root_ranks[self.place.rank], reason);
     }
 }
 
@@ -242,11 +222,9 @@ pub fn connect(
     };
     if world_size == 1 {
         let core = Shm {
-            rank,
-            world_size,
+            place: Place::new(rank, world_size, config.timeout),
             root_ranks: vec![0],
             pids: vec![std::process::id()],
-            timeout: config.timeout,
             abort: Arc::new(AbortSlot::private()?),
             prefix: fresh(),
             arenas: Arc::new(vec![None]),
@@ -280,11 +258,9 @@ pub fn connect(
         })?,
     };
     let core = Shm {
-        rank,
-        world_size,
+        place: Place::new(rank, world_size, config.timeout),
         root_ranks: (0..world_size).collect(),
         pids: Vec::new(),
-        timeout: config.timeout,
         abort: Arc::new(abort),
         prefix: format!("{prefix}-g"),
         arenas: Arc::new(Vec::new()),

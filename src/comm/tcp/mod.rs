@@ -40,14 +40,13 @@ mod net;
 mod ops;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use self::net::{mesh, Net};
 pub use self::net::{ADDR_VAR, IFNAME_VAR};
 use self::ops::{Comm, Ctx};
 use super::bootstrap;
 use super::buffer::Post;
-use super::engine::group::{Collective, HostGroup, Op, Transport};
+use super::engine::group::{Collective, HostGroup, Op, Place, Transport};
 use super::engine::messages::{self, Link};
 use super::engine::run::{deadline_after, run_process_rank};
 use super::store::TcpStore;
@@ -60,11 +59,9 @@ pub type TcpConfig = crate::comm::GroupConfig;
 /// The TCP transport of one rank of one group: what every handle and stream of the group
 /// shares.
 pub(crate) struct Tcp {
-    rank: usize,
-    world_size: usize,
+    place: Place,
     /// Rank in the job (the root group) of each rank of this group.
     root_ranks: Vec<usize>,
-    timeout: Duration,
     net: Arc<Net>,
     /// Prefix of this group's connection keys.
     prefix: String,
@@ -74,22 +71,12 @@ impl Tcp {
     /// Connects communicator `index` of this group (every member calls it, in the same order).
     fn connect(&self, index: usize) -> Result<Comm> {
         let key = format!("{}c{index}", self.prefix);
-        let deadline = deadline_after(self.timeout);
-        let peers = mesh(&self.net, &key, &self.root_ranks, self.rank, deadline)?;
+        let deadline = deadline_after(self.place.timeout);
+        let peers = mesh(&self.net, &key, &self.root_ranks, self.place.rank, deadline)?;
         Ok(Comm {
             peers,
             scratch: Vec::new(),
         })
-    }
-
-    /// One operation's context on `comm`.
-    fn ctx<'a>(&'a self, comm: &'a mut Comm, op: Op<'a>) -> Ctx<'a> {
-        Ctx {
-            core: self,
-            comm,
-            seq: op.seq,
-            op: op.name,
-        }
     }
 }
 
@@ -97,24 +84,16 @@ impl Transport for Tcp {
     type Comm = Comm;
     const BACKEND: &'static str = "tcp";
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn timeout(&self) -> Duration {
-        self.timeout
+    fn place(&self) -> Place {
+        self.place
     }
 
     fn run(&self, comm: &mut Comm, op: Op<'_>, collective: Collective<'_>) -> Result<()> {
-        messages::run(&mut self.ctx(comm, op), collective)
+        messages::run(&mut Ctx::new(self, comm, op), collective)
     }
 
     fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post) -> Result<()> {
-        self.ctx(setup, op).exchange(post)
+        Ctx::new(self, setup, op).exchange(post)
     }
 
     fn open(&self, _setup: &mut Comm, _op: Op<'_>, index: usize, _name: &str) -> Result<Comm> {
@@ -128,14 +107,12 @@ impl Transport for Tcp {
         op: Op<'_>,
         ranks: &[usize],
     ) -> Result<Option<(Tcp, Comm, Comm)>> {
-        let Some(local) = ranks.iter().position(|&r| r == self.rank) else {
+        let Some(local) = ranks.iter().position(|&r| r == self.place.rank) else {
             return Ok(None);
         };
         let sub = Tcp {
-            rank: local,
-            world_size: ranks.len(),
+            place: Place::new(local, ranks.len(), self.place.timeout),
             root_ranks: ranks.iter().map(|&r| self.root_ranks[r]).collect(),
-            timeout: self.timeout,
             net: Arc::clone(&self.net),
             prefix: format!("{}s{}-", self.prefix, op.seq),
         };
@@ -147,7 +124,7 @@ impl Transport for Tcp {
     }
 
     fn abort(&self, reason: &str) {
-        self.net.abort(self.root_ranks[self.rank], reason);
+        self.net.abort(self.root_ranks[self.place.rank], reason);
     }
 }
 
@@ -198,10 +175,8 @@ pub fn connect(
 fn root(net: Arc<Net>, config: TcpConfig) -> Result<Arc<dyn ProcessGroup>> {
     let ws = net.addrs.len();
     let tcp = Tcp {
-        rank: net.rank,
-        world_size: ws,
+        place: Place::new(net.rank, ws, config.timeout),
         root_ranks: (0..ws).collect(),
-        timeout: config.timeout,
         net,
         prefix: "g-".into(),
     };

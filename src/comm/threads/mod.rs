@@ -79,7 +79,6 @@ pub use self::run::{new_group_on_gpu, run_ranks_on_gpu};
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use candle_core::Device;
 #[cfg(feature = "cuda")]
@@ -88,7 +87,7 @@ use candle_core::Tensor;
 use self::rendezvous::{Communicator, Ctx, Shared};
 use super::buffer::Post;
 use super::engine::board;
-use super::engine::group::{Collective, HostGroup, Member, Op, Transport};
+use super::engine::group::{Collective, HostGroup, Member, Op, Place, Transport};
 use super::engine::streams::StreamComm;
 #[cfg(feature = "cuda")]
 use super::{Call, CommStream, OpKind, Work};
@@ -212,16 +211,8 @@ impl Transport for Threads {
     type Comm = ThreadComm;
     const BACKEND: &'static str = "threads";
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.shared.world_size
-    }
-
-    fn timeout(&self) -> Duration {
-        self.shared.timeout
+    fn place(&self) -> Place {
+        Place::new(self.rank, self.shared.world_size, self.shared.timeout)
     }
 
     fn device(&self) -> Device {
