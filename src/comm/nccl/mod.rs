@@ -90,7 +90,7 @@ use candle_core::cuda_backend::CudaStorage;
 use candle_core::{CudaDevice, DType, Device, Layout, Tensor};
 use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::{result, sys};
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 
 #[cfg(feature = "mpi")]
 use self::meet::mpi_unique_id;
@@ -303,43 +303,32 @@ impl NcclGroup {
         self.family.timeout
     }
 
-    /// Issues `call` on `stream`: `output` is the output or in-place buffer, `input` the input
-    /// of all-gather and reduce-scatter.
-    fn issue(
+    /// Issues `call` as an operation of kind `kind` on `stream` (a barrier: an all-reduce of the
+    /// stream's one-element scratch, `output` `None`): `output` is the output or in-place
+    /// buffer, `input` the input of all-gather and reduce-scatter; the work returns `value`.
+    fn issue<V>(
         &self,
         stream: &CommStream,
+        kind: OpKind,
         call: Call,
-        output: Tensor,
+        output: Option<&Tensor>,
         input: Option<&Tensor>,
-    ) -> Work<Tensor> {
-        // The stream's order lock is held until the operation is enqueued.
-        let issued = self
-            .next_op(stream, call.kind())
-            .and_then(|(ns, order, op)| {
-                let done = self.enqueue(ns, call.kind(), call, &op, Some(&output), input);
-                drop(order);
-                done
+        value: V,
+    ) -> Work<V> {
+        let issued = (stream.backend_state::<NcclStream>())
+            .filter(|s| s.owner == self.id)
+            .ok_or_else(|| crate::comm::foreign_stream(kind, self.rank, stream))
+            .and_then(|ns| {
+                // The stream's order lock is held until the operation is enqueued.
+                let mut seq = ns.seq.lock();
+                *seq += 1;
+                let op = format!("{} #{} (stream {})", kind.name(), *seq, shortened(&ns.name));
+                self.enqueue(ns, kind, call, &op, output, input)
             });
         match issued {
-            Ok(done) => Work::with_completion(output, done),
+            Ok(done) => Work::with_completion(value, done),
             Err(e) => Work::ready(Err(e)),
         }
-    }
-
-    /// This group's stream `stream` (else the error of a collective of kind `kind` on a
-    /// foreign stream), its order lock taken, and the name of its next operation.
-    fn next_op<'a>(
-        &self,
-        stream: &'a CommStream,
-        kind: OpKind,
-    ) -> Result<(&'a NcclStream, MutexGuard<'a, u64>, String)> {
-        let ns = (stream.backend_state::<NcclStream>())
-            .filter(|s| s.owner == self.id)
-            .ok_or_else(|| crate::comm::foreign_stream(kind, self.rank, stream))?;
-        let mut seq = ns.seq.lock();
-        *seq += 1;
-        let op = format!("{} #{} (stream {})", kind.name(), *seq, shortened(&ns.name));
-        Ok((ns, seq, op))
     }
 
     /// Checks, orders and enqueues one operation of kind `kind` (`call`; a barrier: an
@@ -601,26 +590,15 @@ impl ProcessGroup for NcclGroup {
         buf: Tensor,
         input: Option<&Tensor>,
     ) -> Work<Tensor> {
-        self.issue(stream, call, buf, input)
+        self.issue(stream, call.kind(), call, Some(&buf), input, buf.clone())
     }
 
     /// An all-reduce (sum) of one f32 on the stream: complete once every rank's comm stream
     /// reached it, and (through the comm stream's wait) every rank's compute stream as of the
     /// call.
     fn barrier(&self, stream: &CommStream) -> Work<()> {
-        // As in `issue`: the order lock held until the barrier is enqueued.
-        let issued = self
-            .next_op(stream, OpKind::Barrier)
-            .and_then(|(ns, order, op)| {
-                let call = Call::AllReduce(ReduceOp::Sum);
-                let done = self.enqueue(ns, OpKind::Barrier, call, &op, None, None);
-                drop(order);
-                done
-            });
-        match issued {
-            Ok(done) => Work::with_completion((), done),
-            Err(e) => Work::ready(Err(e)),
-        }
+        let call = Call::AllReduce(ReduceOp::Sum);
+        self.issue(stream, OpKind::Barrier, call, None, None, ())
     }
 
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
