@@ -1,15 +1,8 @@
 //! [`HostGroup`]: the one [`ProcessGroup`] of the host backends (threads, shared memory, TCP,
-//! MPI), over a [`Transport`] that each backend provides.
-//!
-//! The group owns what every such backend does the same way: the rank's streams (one thread
-//! each, [`HostStream`]), the numbering and naming of operations, the setup communicator on
-//! which stream and sub-group creation are agreed (a descriptor exchange validated on every
-//! rank, then the rank list checked by [`check_ranks`]), the observer, panics turned into a job
-//! abort, and the departure of a dropped handle. A transport only moves bytes: it runs one
-//! collective on one of its communicators, agrees on a setup descriptor, opens a communicator,
-//! splits off a sub-group and aborts the job (and, for the thread backend on a GPU, issues a
-//! device operation). The collectives themselves are written once per family: over messages
-//! ([`super::messages`]: tcp, MPI) and over shared buffers ([`super::board`]: threads, shm).
+//! MPI), over a [`Transport`] that each backend provides (what each side owns: design/comm.md,
+//! "What the backends share"). The collectives themselves are written once per family: over
+//! messages ([`super::messages`]: tcp, MPI) and over shared buffers ([`super::board`]: threads,
+//! shm).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};

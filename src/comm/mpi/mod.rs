@@ -1,31 +1,18 @@
 //! MPI backend (feature `mpi`): one rank per process, started by `mpirun`, over the system's MPI
 //! (OpenMPI 4.1 tested) through rsmpi's bindings.
 //!
-//! [`world`] is this process's rank of `MPI_COMM_WORLD`;
-//! [`crate::launch::Launcher::Mpi`] runs a job on it. MPI is initialised once per process with
-//! `MPI_THREAD_MULTIPLE` (an error names the level the library provides if it is less) and
-//! finalised at exit.
+//! [`world`] is this process's rank of `MPI_COMM_WORLD`; [`crate::launch::Launcher::Mpi`] runs
+//! a job on it. MPI is initialised once per process with `MPI_THREAD_MULTIPLE` (an error names
+//! the level the library provides if it is less) and finalised at exit. Each stream has a
+//! communicator of its own (`MPI_Comm_idup` of the group's); the collectives are those of
+//! `comm::engine::messages` over non-blocking point-to-point messages (`ops`; design:
+//! `design/comm.md`, "MPI backend"): reductions are **bitwise identical to the thread
+//! backend's** for every dtype (no MPI reduction op is used), and a mismatch is the same
+//! [`Error::CollectiveMismatch`] / [`Error::BadBuffer`] on every rank, the group still usable.
 //!
-//! # Streams
-//!
-//! `comm::engine`'s host group: one thread per stream (`mpi-{rank}-{stream}`), each with a
-//! communicator of its own (`MPI_Comm_idup` of the group's); setup runs on the caller's thread.
-//!
-//! # Algorithm and guarantees
-//!
-//! Every collective first exchanges a small descriptor with every peer and validates all of them
-//! with the thread backend's code (same [`Error::CollectiveMismatch`] / [`Error::BadBuffer`] on
-//! every rank, group still usable), then moves data with non-blocking point-to-point messages
-//! and reduces locally in rank order (`comm::engine::messages`, over this backend's messages,
-//! `ops`): reductions are **bitwise identical to the
-//! thread backend's** for every dtype (bf16/f16 accumulate in f32 and round once; they travel at
-//! 16 bits, nothing is widened on the wire and no MPI reduction op is used).
-//!
-//! # Failures
-//!
-//! Communicators return errors ([`Error::Mpi`]) instead of aborting; every wait polls with a
-//! deadline ([`MpiConfig::timeout`], [`Error::Timeout`]); [`ProcessGroup::abort`] sends the
-//! reason to every rank of the job, whose pending and later collectives fail with
+//! Failures: communicators return errors ([`Error::Mpi`]) instead of aborting; every wait polls
+//! with a deadline ([`MpiConfig::timeout`], [`Error::Timeout`]); [`ProcessGroup::abort`] sends
+//! the reason to every rank of the job, whose pending and later collectives fail with
 //! [`Error::PeerFailed`] naming the failed rank (its `MPI_COMM_WORLD` rank). A process in a
 //! failed job skips `MPI_Finalize`; see `runtime` for the details.
 

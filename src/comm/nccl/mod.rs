@@ -33,30 +33,13 @@
 //!    [`Work::wait_compute`] makes the compute stream wait for it (`cuStreamWaitEvent`: the
 //!    forward waits for the all-gather's event, the host does not), [`Work::wait`] polls it.
 //!
-//! # Event tracking versus explicit ordering (a design decision)
+//! # Event tracking versus explicit ordering
 //!
-//! cudarc 0.19 can order streams by itself: every `CudaSlice` of a context in multi-stream mode
-//! carries a read and a write event, re-recorded at each use through `device_ptr`, waited on
-//! by the next conflicting use and by the slice's free. This backend does **not rely on it**;
-//! it orders explicitly with the events above, and frees by FSDP2's rule, because:
-//!
-//! - tracking keeps **one** read event per slice, re-recorded by each reader: one buffer read
-//!   on two streams (a shard read by an all-gather on its comm stream and by a kernel on the
-//!   compute stream, or by two collectives) keeps only the last reader's event, and a later
-//!   write or free waits for that reader alone;
-//! - it sees only accesses made through cudarc slices on this process's own streams: the
-//!   thread backend's peers read a rank's buffers through raw addresses on *their* streams,
-//!   which no slice event records;
-//! - it is a per-context switch that Candle turns on for everything (`is_event_tracking`): an
-//!   event record per buffer access on every kernel launch of the model, which the runtime may
-//!   want to turn off (`CudaDevice::disable_event_tracking`) — explicit ordering stays correct
-//!   either way;
-//! - FSDP needs the events anyway: the compute stream must wait for an all-gather before the
-//!   forward reads it, whether or not any slice is shared.
-//!
-//! The buffers are still accessed through `device_ptr`/`device_ptr_mut` on the comm stream, so
-//! that with tracking on, cudarc's own bookkeeping stays true (a later Candle write of a
-//! reduce-scatter input waits for the comm stream's read, as it should).
+//! The streams are ordered by the events above only, never by cudarc's per-slice event
+//! tracking (which keeps one read event per slice and cannot see peers' raw-address reads):
+//! the reasons are decision 41 of `design/decisions.md`. The buffers are still accessed through
+//! `device_ptr`/`device_ptr_mut` on the comm stream, so that cudarc's own bookkeeping stays
+//! true when tracking is on.
 //!
 //! # Buffer lifetime and failures
 //!

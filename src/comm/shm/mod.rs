@@ -2,44 +2,26 @@
 //! `fsdp-run` or `torchrun` with `--device cpu`), exchanging data through shared segments in
 //! `/dev/shm`, with the thread backend's algorithms and bit-exact reductions.
 //!
-//! [`connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`,
-//! served by rank 0): rank 0 names the job's segments and creates its abort slot, every rank
-//! creates its own segments, maps everybody's, and removes its files once every rank mapped
-//! them (nothing stays in `/dev/shm`, even after a `kill -9`). The store is used only for this
-//! rendezvous; [`crate::launch::Launcher::Shm`] runs a job on it.
+//! [`connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`, served by rank 0),
+//! which is used only for this rendezvous; [`crate::launch::Launcher::Shm`] runs a job on it.
+//! How the ranks meet, their segments, the shared arena from which peers read a collective's
+//! input in place ([`crate::alloc::SharedLarge`], [`crate::alloc::in_shared`]), the streams and
+//! the waits: `design/comm.md`, "Shared-memory backend". The collectives are those of
+//! `comm::engine::board` over this backend's segments (`ops`).
 //!
-//! # Streams
+//! # Guarantees
 //!
-//! `comm::engine`'s host group: one thread per stream (`shm-{rank}-{stream}`), each with a
-//! communicator of its own (a segment per rank); setup runs on the caller's thread.
-//!
-//! # Algorithm and guarantees
-//!
-//! See `ops`: each rank makes its input readable — in place when it lies in the process's
-//! shared arena (made inside [`crate::alloc::in_shared`] under the
-//! [`crate::alloc::SharedLarge`] allocator: the FSDP runtime's shards and flattened
-//! gradients), else by copying it into its segment — publishes where it is and a descriptor in
-//! the segment header and arrives at a barrier (an atomic counter in the header); then every
-//! rank validates every descriptor with the thread backend's code and does its share of the
-//! copying straight from the peers' arenas or segments with the thread backend's copy loops
-//! and rank-ordered reduction kernel. [`connect`] maps every peer's arena (through
-//! `/proc/<pid>/fd`); when some rank has none or cannot map one, the group copies.
-//! Reductions are **bitwise identical to the thread backend's** (and to the MPI backend's)
-//! for every dtype and op; a mismatch is the same [`Error::CollectiveMismatch`] /
+//! Reductions are **bitwise identical to the thread backend's** (and to the TCP and MPI
+//! backends') for every dtype and op; a mismatch is the same [`Error::CollectiveMismatch`] /
 //! [`Error::BadBuffer`] on every rank, and the group stays usable.
 //!
-//! # Failures
-//!
-//! [`ProcessGroup::abort`] records `(rank, reason)` in the job's abort slot (a small shared
-//! file every group of the job maps): every wait of every rank looks at it and fails with
-//! [`Error::PeerFailed`] naming the failed rank. A wait also fails with [`Error::PeerExited`]
-//! when a missing rank dropped its group, with [`Error::PeerFailed`] when a missing rank's
-//! process is gone without a word (a `kill -9`: checked every 20 ms through `/proc`; the
-//! finding is recorded in the abort slot, so every rank stops), and with [`Error::Timeout`]
-//! after [`ShmConfig::timeout`] (which aborts the job too). Unlike the thread backend, every
-//! barrier may fail, also after the data phase: the data lives in segments or arenas, which
-//! stay mapped whatever a peer frees, so no rank can fault on a peer's memory (and a rank that
-//! fails mid-collective never arrives at the last barrier: the peers' collective fails).
+//! [`ProcessGroup::abort`] records `(rank, reason)` in the job's abort slot: every wait of every
+//! rank then fails with [`Error::PeerFailed`] naming the failed rank. A wait also fails with
+//! [`Error::PeerExited`] when a missing rank dropped its group, with [`Error::PeerFailed`] when
+//! a missing rank's process is gone without a word (a `kill -9`; recorded in the abort slot, so
+//! every rank stops), and with [`Error::Timeout`] after [`ShmConfig::timeout`] (which aborts the
+//! job too). Unlike the thread backend, every barrier may fail, also after the data phase (a
+//! rank that fails mid-collective never arrives at the last barrier).
 
 mod ops;
 mod segment;

@@ -3,38 +3,26 @@
 //! with `--device cpu` whose ranks span machines (`LOCAL_WORLD_SIZE < WORLD_SIZE`; one
 //! machine's ranks use [`crate::comm::shm`]).
 //!
-//! [`connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`,
-//! served by rank 0): every rank listens on an ephemeral port of the address its peers reach it
-//! by (the interface of the route toward `MASTER_ADDR`; `FSDP_TCP_ADDR` names the address,
-//! `FSDP_TCP_IFNAME` an interface), publishes `host:port` in the store, reads everybody's, and
-//! connects to every other rank (see `net`). The store is used only for this rendezvous;
-//! [`crate::launch::Launcher::Tcp`] runs a job on it.
+//! [`connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`, served by rank 0),
+//! which is used only for this rendezvous: every rank listens on the address its peers reach it
+//! by (the interface of the route toward `MASTER_ADDR`; [`ADDR_VAR`] names the address,
+//! [`IFNAME_VAR`] an interface) and connects to every other rank (`net`);
+//! [`crate::launch::Launcher::Tcp`] runs a job on it. The connections, the descriptor frames,
+//! the control plane and the costs: `design/comm.md`, "The TCP backend". The collectives are
+//! those of `comm::engine::messages` over this backend's connections (`ops`).
 //!
-//! # Streams
+//! # Guarantees
 //!
-//! `comm::engine`'s host group: one thread per stream (`tcp-{rank}-{stream}`), each with its
-//! own connection to every peer; setup runs on the caller's thread.
-//!
-//! # Algorithm and guarantees
-//!
-//! The message family's direct exchange (`comm::engine::messages`, over this backend's
-//! connections, `ops`): every collective first exchanges descriptors, validated by
-//! every rank with the thread backend's code (the same [`Error::CollectiveMismatch`] /
-//! [`Error::BadBuffer`] on every rank; the group stays usable), then every rank sends what each
-//! peer needs and reduces what it receives in rank order with the thread backend's kernel:
-//! reductions are **bitwise identical to the thread backend's** (and the shm and MPI
-//! backends') for every dtype and op. Each rank sends and receives `(ws - 1) · n` elements per
-//! all-gather or reduce-scatter, in `ws - 1` connections (suited to the few-to-tens of CPU
-//! processes this backend targets).
-//!
-//! # Failures
+//! Reductions are **bitwise identical to the thread backend's** (and the shm and MPI
+//! backends') for every dtype and op; a mismatch is the same [`Error::CollectiveMismatch`] /
+//! [`Error::BadBuffer`] on every rank, and the group stays usable.
 //!
 //! [`ProcessGroup::abort`] sends `(rank, reason)` to every process of the job over the control
 //! plane: their pending and later collectives fail with [`Error::PeerFailed`] naming the failed
 //! rank. A rank whose connection ends without a goodbye (a `kill -9`, a machine gone) is
-//! reported the same way by every rank, at once (the connections break) or within the
-//! collective's wait; a rank whose group was dropped gives [`Error::PeerExited`]; a wait longer
-//! than [`TcpConfig::timeout`] gives [`Error::Timeout`] (which aborts the job too).
+//! reported the same way by every rank; a rank whose group was dropped gives
+//! [`Error::PeerExited`]; a wait longer than [`TcpConfig::timeout`] gives [`Error::Timeout`]
+//! (which aborts the job too).
 
 mod net;
 mod ops;
