@@ -10,7 +10,7 @@ use candle_core::Tensor;
 use mpi::ffi;
 
 use super::runtime::{check, deadline_after, wait_all, WaitFor};
-use super::{Mpi, MpiComm};
+use super::Mpi;
 use crate::comm::buffer::Post;
 use crate::comm::engine::group::{OpCtx, Operation};
 use crate::comm::engine::messages::{decode_and_validate, Link, Msg};
@@ -33,7 +33,7 @@ const SEGMENT_BYTES: usize = 256 << 10;
 pub(super) type Ctx<'a> = OpCtx<'a, Mpi>;
 
 /// Messages posted and not yet waited for, with the peer of each.
-pub(super) struct Pending {
+pub(crate) struct Pending {
     reqs: Vec<ffi::MPI_Request>,
     peers: Vec<usize>,
 }
