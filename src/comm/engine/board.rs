@@ -25,6 +25,7 @@ use std::ops::Range;
 
 use candle_core::Tensor;
 
+use super::group::Operation;
 use crate::comm::buffer::{with_checked_bufs, Kind, Post, RawBuf};
 use crate::comm::reduce::{chunk, reduce_raw};
 use crate::comm::{Call, OpKind};
@@ -43,13 +44,7 @@ pub(crate) enum Expose {
 
 /// One rank's side of one communicator's rendezvous, for one operation: what the thread and
 /// shared-memory backends implement.
-pub(crate) trait Board {
-    /// This rank in the group.
-    fn rank(&self) -> usize;
-    /// Ranks of the group.
-    fn world_size(&self) -> usize;
-    /// Sequence number of the operation.
-    fn seq(&self) -> u64;
+pub(crate) trait Board: Operation {
     /// Makes what `expose` says of this rank's `buf` readable by the peers, publishes `post`,
     /// waits for every rank and validates every rank's post; returns the generation reached.
     fn publish(&mut self, post: &Post, buf: RawBuf, expose: Expose) -> Result<u64>;

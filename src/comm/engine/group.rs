@@ -1,15 +1,8 @@
 //! [`HostGroup`]: the one [`ProcessGroup`] of the host backends (threads, shared memory, TCP,
-//! MPI), over a [`Transport`] that each backend provides.
-//!
-//! The group owns what every such backend does the same way: the rank's streams (one thread
-//! each, [`HostStream`]), the numbering and naming of operations, the setup communicator on
-//! which stream and sub-group creation are agreed (a descriptor exchange validated on every
-//! rank, then the rank list checked by [`check_ranks`]), the observer, panics turned into a job
-//! abort, and the departure of a dropped handle. A transport only moves bytes: it runs one
-//! collective on one of its communicators, agrees on a setup descriptor, opens a communicator,
-//! splits off a sub-group and aborts the job (and, for the thread backend on a GPU, issues a
-//! device operation). The collectives themselves are written once per family: over messages
-//! ([`super::messages`]: tcp, MPI) and over shared buffers ([`super::board`]: threads, shm).
+//! MPI), over a [`Transport`] that each backend provides (what each side owns: design/comm.md,
+//! "What the backends share"). The collectives themselves are written once per family: over
+//! messages ([`super::messages`]: tcp, MPI) and over shared buffers ([`super::board`]: threads,
+//! shm).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -37,6 +30,73 @@ pub(crate) struct Op<'a> {
     pub name: &'a str,
 }
 
+/// A rank's place in its group: its rank, the group's size, and how long it waits for its
+/// peers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Place {
+    pub rank: usize,
+    pub world_size: usize,
+    pub timeout: Duration,
+}
+
+impl Place {
+    pub(crate) fn new(rank: usize, world_size: usize, timeout: Duration) -> Place {
+        Place {
+            rank,
+            world_size,
+            timeout,
+        }
+    }
+}
+
+/// One rank's operation as the collectives of a family see it: the rank, the group's size and
+/// the operation's sequence number ([`super::board::Board`] and [`super::messages::Link`] build
+/// on it).
+pub(crate) trait Operation {
+    /// This rank in the group.
+    fn rank(&self) -> usize;
+    /// Ranks of the group.
+    fn world_size(&self) -> usize;
+    /// Sequence number of the operation.
+    fn seq(&self) -> u64;
+}
+
+/// Operation `op` of transport `core` on its communicator `comm`: the context the shm, TCP and
+/// MPI transports run a collective or a setup operation in.
+pub(crate) struct OpCtx<'a, T: Transport> {
+    pub core: &'a T,
+    pub comm: &'a mut T::Comm,
+    /// Sequence number of the operation on its communicator.
+    pub seq: u64,
+    /// The operation's name, which errors quote.
+    pub op: &'a str,
+}
+
+impl<'a, T: Transport> OpCtx<'a, T> {
+    pub(crate) fn new(core: &'a T, comm: &'a mut T::Comm, op: Op<'a>) -> Self {
+        OpCtx {
+            core,
+            comm,
+            seq: op.seq,
+            op: op.name,
+        }
+    }
+}
+
+impl<T: Transport> Operation for OpCtx<'_, T> {
+    fn rank(&self) -> usize {
+        self.core.place().rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.core.place().world_size
+    }
+
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
 /// A collective as the group hands it to a transport: which one, its buffer (the output of
 /// all-gather and reduce-scatter, else the in-place buffer) and the input of all-gather and
 /// reduce-scatter; `None` is a barrier.
@@ -58,12 +118,8 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     /// otherwise).
     const BACKEND: &'static str;
 
-    /// This rank in the group.
-    fn rank(&self) -> usize;
-    /// Ranks of the group.
-    fn world_size(&self) -> usize;
-    /// How long a rank waits for its peers.
-    fn timeout(&self) -> Duration;
+    /// This rank, the group's size and the timeout.
+    fn place(&self) -> Place;
     /// The device of the group's buffers ([`ProcessGroup::device`]).
     fn device(&self) -> Device {
         Device::Cpu
@@ -155,11 +211,12 @@ pub(crate) struct HostGroup<T: Transport> {
 
 impl<T: Transport> std::fmt::Debug for HostGroup<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let place = self.transport.place();
         f.debug_struct("HostGroup")
             .field("backend", &T::BACKEND)
-            .field("rank", &self.transport.rank())
-            .field("world_size", &self.transport.world_size())
-            .field("timeout", &self.transport.timeout())
+            .field("rank", &place.rank)
+            .field("world_size", &place.world_size)
+            .field("timeout", &place.timeout)
             .finish()
     }
 }
@@ -172,7 +229,7 @@ impl<T: Transport> HostGroup<T> {
     /// default communicators, so peers waiting for it fail instead of hanging).
     pub(crate) fn new(transport: T, mut setup: T::Comm, default: T::Comm) -> Result<Arc<Self>> {
         let id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
-        let rank = transport.rank();
+        let rank = transport.place().rank;
         let closing = Arc::new(AtomicBool::new(false));
         let started = HostStream::start(T::BACKEND, id, rank, default, DEFAULT_STREAM, &closing);
         let (stream, thread) = started.inspect_err(|_| setup.leave(rank))?;
@@ -208,7 +265,7 @@ impl<T: Transport> HostGroup<T> {
             .backend_state::<HostStream<T::Comm>>()
             .filter(|s| s.owner == self.id)
         else {
-            return Err(foreign_stream(kind, self.transport.rank(), stream));
+            return Err(foreign_stream(kind, self.transport.place().rank, stream));
         };
         let mut slot = hs.slot.lock();
         slot.seq += 1;
@@ -242,7 +299,7 @@ impl<T: Transport> HostGroup<T> {
         value: V,
         body: impl FnOnce(&T, &mut T::Comm, Op<'_>, &V) -> Result<()> + Send + 'static,
     ) -> Work<V> {
-        let (transport, rank) = (Arc::clone(&self.transport), self.transport.rank());
+        let (transport, rank) = (Arc::clone(&self.transport), self.transport.place().rank);
         let issued = self.issue_job(stream, kind, |is: Issued| {
             let (work, completer) = Work::pending(is.op.clone(), rank, &*is.stream);
             let job: Job<T::Comm> = Box::new(move |comm| {
@@ -291,11 +348,11 @@ impl<T: Transport> HostGroup<T> {
 
 impl<T: Transport> ProcessGroup for HostGroup<T> {
     fn rank(&self) -> usize {
-        self.transport.rank()
+        self.transport.place().rank
     }
 
     fn world_size(&self) -> usize {
-        self.transport.world_size()
+        self.transport.place().world_size
     }
 
     fn backend(&self) -> &'static str {
@@ -319,7 +376,7 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
                 Ok(comm)
             },
         )?;
-        let (id, rank) = (self.id, self.transport.rank());
+        let (id, rank) = (self.id, self.transport.place().rank);
         let (stream, thread) = HostStream::start(T::BACKEND, id, rank, comm, name, &self.closing)?;
         let mut threads = self.threads.lock();
         threads.retain(|t| !t.is_finished());
@@ -366,7 +423,7 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
         let bytes: Vec<u8> = ranks.iter().flat_map(|r| r.to_ne_bytes()).collect();
         let group_op = |seq| format!("new_group #{seq} ({})", rank_list(ranks));
         let sub = self.setup(Kind::NewGroup, group_op, &bytes, false, |t, setup, op| {
-            check_ranks(op.name, ranks, t.world_size())?;
+            check_ranks(op.name, ranks, t.place().world_size)?;
             t.split(&mut setup.comm, op, ranks)
         })?;
         match sub {
@@ -384,7 +441,7 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
     }
 
     fn timeout(&self) -> Option<Duration> {
-        Some(self.transport.timeout())
+        Some(self.transport.place().timeout)
     }
 }
 
@@ -405,7 +462,7 @@ impl<T: Transport> Drop for HostGroup<T> {
                 let _ = handle.join();
             }
         }
-        let rank = self.transport.rank();
+        let rank = self.transport.place().rank;
         self.setup.get_mut().comm.leave(rank);
     }
 }

@@ -27,6 +27,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::group::Operation;
 use crate::comm::buffer::{validate, with_checked_bufs, Kind, Post, RawBuf};
 use crate::comm::reduce::{chunk, reduce_raw};
 use crate::comm::{wire, Call, OpKind, ReduceOp};
@@ -50,9 +51,15 @@ pub(crate) struct Msg {
 // SAFETY: a plain address, dereferenced only by the transfer under the rules above.
 unsafe impl Send for Msg {}
 
+impl Msg {
+    pub(crate) fn new(peer: usize, ptr: *mut u8, len: usize) -> Msg {
+        Msg { peer, ptr, len }
+    }
+}
+
 /// One rank's messages on one communicator, for one operation: what a message-passing
 /// transport implements.
-pub(crate) trait Link {
+pub(crate) trait Link: Operation {
     /// Messages started and not yet finished.
     type Pending;
     /// Bytes per peer and round of the reducing exchanges (see the module docs).
@@ -62,12 +69,6 @@ pub(crate) trait Link {
     /// reduced), 1 for one that moves them only in [`Link::finish`].
     const ROUNDS_IN_FLIGHT: usize;
 
-    /// This rank in the group.
-    fn rank(&self) -> usize;
-    /// Ranks of the group.
-    fn world_size(&self) -> usize;
-    /// Sequence number of the operation.
-    fn seq(&self) -> u64;
     /// The operation's buffers are locked and its exchange is about to start (a link that
     /// gives each operation one deadline starts it here, not while waiting for the locks).
     fn start_clock(&mut self) {}
@@ -166,15 +167,10 @@ fn all_gather<L: Link>(link: &mut L, src: RawBuf, out: RawBuf) -> Result<()> {
     // SAFETY: validated posts: `out` holds ws * src.len elements, distinct from `src`.
     unsafe { std::ptr::copy_nonoverlapping(src.ptr, out.ptr.add(link.rank() * bytes), bytes) };
     let peers = peers(link);
-    let msg = |peer, ptr| Msg {
-        peer,
-        ptr,
-        len: bytes,
-    };
-    let sends: Vec<Msg> = peers.iter().map(|&j| msg(j, src.ptr)).collect();
+    let sends: Vec<Msg> = peers.iter().map(|&j| Msg::new(j, src.ptr, bytes)).collect();
     let recvs: Vec<Msg> = peers
         .iter()
-        .map(|&j| msg(j, out.ptr.wrapping_add(j * bytes)))
+        .map(|&j| Msg::new(j, out.ptr.wrapping_add(j * bytes), bytes))
         .collect();
     link.transfer(&sends, &recvs)
 }
@@ -221,11 +217,7 @@ fn all_reduce<L: Link>(link: &mut L, mine: RawBuf, op: ReduceOp) -> Result<()> {
     };
     reduce_exchange(link, &sends, &peers, into)?;
     // Phase 2: all-gather of the reduced chunks.
-    let msg = |peer, (start, n): (usize, usize)| Msg {
-        peer,
-        ptr: at(start),
-        len: n * es,
-    };
+    let msg = |peer, (start, n): (usize, usize)| Msg::new(peer, at(start), n * es);
     let recvs: Vec<Msg> = peers
         .iter()
         .map(|&j| msg(j, chunk(mine.len, ws, j)))
@@ -236,11 +228,7 @@ fn all_reduce<L: Link>(link: &mut L, mine: RawBuf, op: ReduceOp) -> Result<()> {
 
 fn broadcast<L: Link>(link: &mut L, mine: RawBuf, root: usize) -> Result<()> {
     let len = mine.len * mine.dtype.size_in_bytes();
-    let msg = |peer| Msg {
-        peer,
-        ptr: mine.ptr,
-        len,
-    };
+    let msg = |peer| Msg::new(peer, mine.ptr, len);
     match link.rank() == root {
         true => {
             let sends: Vec<Msg> = peers(link).into_iter().map(msg).collect();
@@ -328,19 +316,14 @@ fn reduce_exchange<L: Link>(
         let recvs: Vec<Msg> = recv_from
             .iter()
             .filter(|_| recv_n > 0)
-            .map(|&j| Msg {
-                peer: j,
-                ptr: slot(k, j),
-                len: recv_n * es,
-            })
+            .map(|&j| Msg::new(j, slot(k, j), recv_n * es))
             .collect();
         let sends: Vec<Msg> = sends
             .iter()
             .filter(|s| piece(k, s.2) > 0)
-            .map(|&(peer, ptr, elems)| Msg {
-                peer,
-                ptr: ptr.wrapping_add(k * seg * es) as *mut u8,
-                len: piece(k, elems) * es,
+            .map(|&(peer, ptr, elems)| {
+                let ptr = ptr.wrapping_add(k * seg * es) as *mut u8;
+                Msg::new(peer, ptr, piece(k, elems) * es)
             })
             .collect();
         link.start(&sends, &recvs)

@@ -1,31 +1,18 @@
 //! MPI backend (feature `mpi`): one rank per process, started by `mpirun`, over the system's MPI
 //! (OpenMPI 4.1 tested) through rsmpi's bindings.
 //!
-//! [`world`] is this process's rank of `MPI_COMM_WORLD`;
-//! [`crate::launch::Launcher::Mpi`] runs a job on it. MPI is initialised once per process with
-//! `MPI_THREAD_MULTIPLE` (an error names the level the library provides if it is less) and
-//! finalised at exit.
+//! [`world`] is this process's rank of `MPI_COMM_WORLD`; [`crate::launch::Launcher::Mpi`] runs
+//! a job on it. MPI is initialised once per process with `MPI_THREAD_MULTIPLE` (an error names
+//! the level the library provides if it is less) and finalised at exit. Each stream has a
+//! communicator of its own (`MPI_Comm_idup` of the group's); the collectives are those of
+//! `comm::engine::messages` over non-blocking point-to-point messages (`ops`; design:
+//! `design/comm.md`, "MPI backend"): reductions are **bitwise identical to the thread
+//! backend's** for every dtype (no MPI reduction op is used), and a mismatch is the same
+//! [`Error::CollectiveMismatch`] / [`Error::BadBuffer`] on every rank, the group still usable.
 //!
-//! # Streams
-//!
-//! `comm::engine`'s host group: one thread per stream (`mpi-{rank}-{stream}`), each with a
-//! communicator of its own (`MPI_Comm_idup` of the group's); setup runs on the caller's thread.
-//!
-//! # Algorithm and guarantees
-//!
-//! Every collective first exchanges a small descriptor with every peer and validates all of them
-//! with the thread backend's code (same [`Error::CollectiveMismatch`] / [`Error::BadBuffer`] on
-//! every rank, group still usable), then moves data with non-blocking point-to-point messages
-//! and reduces locally in rank order (`comm::engine::messages`, over this backend's messages,
-//! `ops`): reductions are **bitwise identical to the
-//! thread backend's** for every dtype (bf16/f16 accumulate in f32 and round once; they travel at
-//! 16 bits, nothing is widened on the wire and no MPI reduction op is used).
-//!
-//! # Failures
-//!
-//! Communicators return errors ([`Error::Mpi`]) instead of aborting; every wait polls with a
-//! deadline ([`MpiConfig::timeout`], [`Error::Timeout`]); [`ProcessGroup::abort`] sends the
-//! reason to every rank of the job, whose pending and later collectives fail with
+//! Failures: communicators return errors ([`Error::Mpi`]) instead of aborting; every wait polls
+//! with a deadline ([`MpiConfig::timeout`], [`Error::Timeout`]); [`ProcessGroup::abort`] sends
+//! the reason to every rank of the job, whose pending and later collectives fail with
 //! [`Error::PeerFailed`] naming the failed rank (its `MPI_COMM_WORLD` rank). A process in a
 //! failed job skips `MPI_Finalize`; see `runtime` for the details.
 
@@ -34,17 +21,17 @@ mod runtime;
 
 use std::ffi::c_int;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mpi::ffi;
 use parking_lot::Mutex;
 
-use self::ops::OpCtx;
+use self::ops::Ctx;
 /// An MPI return code as a result naming the call (NCCL's bootstrap over MPI uses it too).
 pub(crate) use self::runtime::check;
 use self::runtime::{deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
 use super::buffer::Post;
-use super::engine::group::{Collective, HostGroup, Op, Transport};
+use super::engine::group::{Collective, HostGroup, Op, Place, Transport};
 use super::engine::messages::{self, Link};
 use super::engine::streams::StreamComm;
 use super::wire;
@@ -70,11 +57,13 @@ pub fn world_rank_and_size() -> Result<(usize, usize)> {
 }
 
 /// One communicator of a group as its thread holds it: the MPI handle, the stream's reused
-/// receive space, and the largest descriptor a peer may send on it.
+/// receive space, the largest descriptor a peer may send on it, and when the waits of its
+/// current operation give up.
 pub(crate) struct MpiComm {
     comm: Comm,
     scratch: Vec<u64>,
     desc_max: usize,
+    deadline: Instant,
 }
 
 impl MpiComm {
@@ -83,6 +72,7 @@ impl MpiComm {
             comm,
             scratch: Vec::new(),
             desc_max,
+            deadline: Instant::now(),
         }
     }
 }
@@ -96,9 +86,7 @@ impl StreamComm for MpiComm {
 /// The MPI transport of one rank of one group.
 pub(crate) struct Mpi {
     rt: &'static Runtime,
-    rank: usize,
-    world_size: usize,
-    config: MpiConfig,
+    place: Place,
     /// Communicator the streams are duplicated from.
     base: Comm,
     /// Communicators this group created (freed on drop unless the runtime is poisoned).
@@ -106,24 +94,15 @@ pub(crate) struct Mpi {
 }
 
 impl Mpi {
-    /// The transport of this rank (`rank` of `world_size`) over a duplicate of `parent`, with
-    /// its setup communicator and its default stream's.
-    fn create(
-        rt: &'static Runtime,
-        parent: Comm,
-        rank: usize,
-        world_size: usize,
-        config: MpiConfig,
-    ) -> Result<(Mpi, MpiComm, MpiComm)> {
-        let timeout = config.timeout;
-        let base = dup(rt, parent, (rank, world_size), "group", timeout)?;
-        let setup = dup(rt, base, (rank, world_size), "setup", timeout)?;
-        let default = dup(rt, base, (rank, world_size), "stream collective", timeout)?;
+    /// The transport of this rank (at `place`) over a duplicate of `parent`, with its setup
+    /// communicator and its default stream's.
+    fn create(rt: &'static Runtime, parent: Comm, place: Place) -> Result<(Mpi, MpiComm, MpiComm)> {
+        let base = dup(rt, parent, place, "group")?;
+        let setup = dup(rt, base, place, "setup")?;
+        let default = dup(rt, base, place, "stream collective")?;
         let mpi = Mpi {
             rt,
-            rank,
-            world_size,
-            config,
+            place,
             base,
             comms: Mutex::new(vec![base, setup, default]),
         };
@@ -134,15 +113,10 @@ impl Mpi {
         Ok((mpi, setup, default))
     }
 
-    /// One operation's context on `comm`.
-    fn ctx<'a>(&'a self, comm: &'a mut MpiComm, op: Op<'a>) -> OpCtx<'a> {
-        OpCtx {
-            core: self,
-            comm,
-            seq: op.seq,
-            op: op.name,
-            deadline: deadline_after(self.config.timeout),
-        }
+    /// One operation's context on `comm`, its deadline the timeout from now.
+    fn ctx<'a>(&'a self, comm: &'a mut MpiComm, op: Op<'a>) -> Ctx<'a> {
+        comm.deadline = deadline_after(self.place.timeout);
+        Ctx::new(self, comm, op)
     }
 }
 
@@ -150,16 +124,8 @@ impl Transport for Mpi {
     type Comm = MpiComm;
     const BACKEND: &'static str = "mpi";
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn timeout(&self) -> Duration {
-        self.config.timeout
+    fn place(&self) -> Place {
+        self.place
     }
 
     fn run(&self, comm: &mut MpiComm, op: Op<'_>, collective: Collective<'_>) -> Result<()> {
@@ -177,9 +143,7 @@ impl Transport for Mpi {
         _index: usize,
         name: &str,
     ) -> Result<MpiComm> {
-        let group = (self.rank, self.world_size);
-        let what = format!("stream {name}");
-        let comm = dup(self.rt, self.base, group, &what, self.config.timeout)?;
+        let comm = dup(self.rt, self.base, self.place, &format!("stream {name}"))?;
         self.comms.lock().push(comm);
         Ok(MpiComm::new(comm, wire::OP_DESC_MAX))
     }
@@ -190,7 +154,7 @@ impl Transport for Mpi {
         op: Op<'_>,
         ranks: &[usize],
     ) -> Result<Option<(Mpi, MpiComm, MpiComm)>> {
-        let position = ranks.iter().position(|&r| r == self.rank);
+        let position = ranks.iter().position(|&r| r == self.place.rank);
         // SAFETY: reading link-time constants.
         let color = position.map_or(unsafe { ffi::RSMPI_UNDEFINED }, |_| 0);
         let key = position.unwrap_or(0) as c_int;
@@ -206,7 +170,8 @@ impl Transport for Mpi {
             return Ok(None);
         };
         self.comms.lock().push(Comm(sub));
-        Mpi::create(self.rt, Comm(sub), local, ranks.len(), self.config).map(Some)
+        let place = Place::new(local, ranks.len(), self.place.timeout);
+        Mpi::create(self.rt, Comm(sub), place).map(Some)
     }
 
     fn abort(&self, reason: &str) {
@@ -226,30 +191,24 @@ impl Drop for Mpi {
     }
 }
 
-/// `MPI_Comm_idup` of `comm`, waited for with a deadline.
-fn dup(
-    rt: &Runtime,
-    comm: Comm,
-    (rank, size): (usize, usize),
-    what: &str,
-    timeout: Duration,
-) -> Result<Comm> {
+/// `MPI_Comm_idup` of `comm` by the rank at `place`, waited for until its timeout.
+fn dup(rt: &Runtime, comm: Comm, place: Place, what: &str) -> Result<Comm> {
     // SAFETY: out-pointers to locals; `comm` is a live communicator.
     let mut new: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
     let mut req: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
     let rc = unsafe { ffi::MPI_Comm_idup(comm.0, &mut new, &mut req) };
     check(rc, || format!("MPI_Comm_idup ({what})"), rt.world_rank)?;
     let op = format!("MPI_Comm_idup ({what})");
-    let others: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
+    let others: Vec<usize> = (0..place.world_size).filter(|&r| r != place.rank).collect();
     wait_all(
         rt,
         &mut [req],
         &others,
         &WaitFor {
             op: &op,
-            rank,
-            deadline: deadline_after(timeout),
-            timeout,
+            rank: place.rank,
+            deadline: deadline_after(place.timeout),
+            timeout: place.timeout,
         },
     )?;
     // SAFETY: `new` is the communicator the completed idup created.
@@ -265,7 +224,8 @@ fn dup(
 /// ([`Error::SpawnFailed`]).
 pub fn world(config: MpiConfig) -> Result<Arc<dyn ProcessGroup>> {
     let rt = runtime()?;
-    let (mpi, setup, default) = Mpi::create(rt, rt.world, rt.world_rank, rt.world_size, config)?;
+    let place = Place::new(rt.world_rank, rt.world_size, config.timeout);
+    let (mpi, setup, default) = Mpi::create(rt, rt.world, place)?;
     Ok(HostGroup::new(mpi, setup, default)?)
 }
 

@@ -5,14 +5,14 @@
 //! 32-bit); descriptors and data travel under different tags.
 
 use std::ffi::c_int;
-use std::time::Instant;
 
 use candle_core::Tensor;
 use mpi::ffi;
 
 use super::runtime::{check, deadline_after, wait_all, WaitFor};
-use super::{Mpi, MpiComm};
+use super::Mpi;
 use crate::comm::buffer::Post;
+use crate::comm::engine::group::{OpCtx, Operation};
 use crate::comm::engine::messages::{decode_and_validate, Link, Msg};
 use crate::comm::engine::peer_failed;
 use crate::comm::wire;
@@ -30,31 +30,15 @@ const MAX_MESSAGE: usize = 1 << 30;
 const SEGMENT_BYTES: usize = 256 << 10;
 
 /// One collective (or setup operation) on one rank.
-pub(super) struct OpCtx<'a> {
-    pub core: &'a Mpi,
-    pub comm: &'a mut MpiComm,
-    pub seq: u64,
-    pub op: &'a str,
-    /// When the operation's waits give up.
-    pub deadline: Instant,
-}
+pub(super) type Ctx<'a> = OpCtx<'a, Mpi>;
 
 /// Messages posted and not yet waited for, with the peer of each.
-pub(super) struct Pending {
+pub(crate) struct Pending {
     reqs: Vec<ffi::MPI_Request>,
     peers: Vec<usize>,
 }
 
-impl OpCtx<'_> {
-    fn wait_for(&self, deadline: Instant) -> WaitFor<'_> {
-        WaitFor {
-            op: self.op,
-            rank: self.core.rank,
-            deadline,
-            timeout: self.core.config.timeout,
-        }
-    }
-
+impl Ctx<'_> {
     /// Posts `recvs` then `sends` (split into messages of at most 1 GiB). On an error the
     /// messages already posted are abandoned (see [`super::runtime::Runtime::poison`]).
     fn post(&self, recvs: &[Msg], sends: &[Msg], tag: c_int) -> Result<Pending> {
@@ -123,83 +107,64 @@ impl OpCtx<'_> {
         Ok(p)
     }
 
-    /// Waits for every message of `p` (see [`wait_all`]).
-    fn complete(&self, p: &mut Pending, deadline: Instant) -> Result<()> {
+    /// Waits for every message of `p` until the operation's deadline (see [`wait_all`]).
+    fn complete(&self, p: &mut Pending) -> Result<()> {
         if p.reqs.is_empty() {
             return Ok(());
         }
-        wait_all(
-            self.core.rt,
-            &mut p.reqs,
-            &p.peers,
-            &self.wait_for(deadline),
-        )
+        let wait = WaitFor {
+            op: self.op,
+            rank: self.core.place.rank,
+            deadline: self.comm.deadline,
+            timeout: self.core.place.timeout,
+        };
+        wait_all(self.core.rt, &mut p.reqs, &p.peers, &wait)
     }
 }
 
-impl Link for OpCtx<'_> {
+impl Link for Ctx<'_> {
     type Pending = Pending;
     const SEGMENT_BYTES: usize = SEGMENT_BYTES;
     /// Receives are posted at the start: round k+1's land while segment k is reduced.
     const ROUNDS_IN_FLIGHT: usize = 2;
 
-    fn rank(&self) -> usize {
-        self.core.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.core.world_size
-    }
-
-    fn seq(&self) -> u64 {
-        self.seq
-    }
-
     /// The operation's one deadline starts once its buffers are locked.
     fn start_clock(&mut self) {
-        self.deadline = deadline_after(self.core.config.timeout);
+        self.comm.deadline = deadline_after(self.core.place.timeout);
     }
 
     /// Sends this rank's descriptor to every peer, receives theirs, and validates all of them
     /// (the same verdict on every rank).
     fn exchange(&mut self, post: &Post) -> Result<()> {
-        let ws = self.core.world_size;
+        let (ws, rank) = (self.world_size(), self.rank());
         // No longer than the peers' receives.
         let mine = wire::encode_within(post, self.comm.desc_max);
         self.core.rt.poll_failures();
         if let Some(failure) = self.core.rt.failure() {
-            return Err(peer_failed(self.op, self.core.rank, failure));
+            return Err(peer_failed(self.op, rank, failure));
         }
         let mut bufs: Vec<Vec<u8>> = (0..ws).map(|_| vec![0u8; self.comm.desc_max]).collect();
-        let peers = (0..ws).filter(|&j| j != self.core.rank);
+        let peers = (0..ws).filter(|&j| j != rank);
         let recvs: Vec<Msg> = peers
             .clone()
-            .map(|j| Msg {
-                peer: j,
-                ptr: bufs[j].as_mut_ptr(),
-                len: self.comm.desc_max,
-            })
+            .map(|j| Msg::new(j, bufs[j].as_mut_ptr(), self.comm.desc_max))
             .collect();
         // Receives of `desc_max` bytes accept shorter descriptors; the actual length is the
         // descriptor's own business (it is self-delimiting), trailing zeros are ignored.
         let sends: Vec<Msg> = peers
-            .map(|j| Msg {
-                peer: j,
-                ptr: mine.as_ptr() as *mut u8,
-                len: mine.len(),
-            })
+            .map(|j| Msg::new(j, mine.as_ptr() as *mut u8, mine.len()))
             .collect();
         let sent = self
             .post(&recvs, &sends, TAG_DESC)
-            .and_then(|mut p| self.complete(&mut p, self.deadline));
+            .and_then(|mut p| self.complete(&mut p));
         if let Err(e) = sent {
             // Abandoned receives may still land: keep their buffers.
             std::mem::forget(bufs);
             std::mem::forget(mine);
             return Err(e);
         }
-        bufs[self.core.rank] = mine;
-        decode_and_validate(self.op, self.core.rank, &bufs)
+        bufs[rank] = mine;
+        decode_and_validate(self.op, rank, &bufs)
     }
 
     fn start(&mut self, sends: &[Msg], recvs: &[Msg]) -> Result<Pending> {
@@ -207,7 +172,7 @@ impl Link for OpCtx<'_> {
     }
 
     fn finish(&mut self, mut pending: Pending) -> Result<()> {
-        self.complete(&mut pending, self.deadline)
+        self.complete(&mut pending)
     }
 
     fn scratch(&mut self, bytes: usize) -> *mut u8 {

@@ -33,30 +33,13 @@
 //!    [`Work::wait_compute`] makes the compute stream wait for it (`cuStreamWaitEvent`: the
 //!    forward waits for the all-gather's event, the host does not), [`Work::wait`] polls it.
 //!
-//! # Event tracking versus explicit ordering (a design decision)
+//! # Event tracking versus explicit ordering
 //!
-//! cudarc 0.19 can order streams by itself: every `CudaSlice` of a context in multi-stream mode
-//! carries a read and a write event, re-recorded at each use through `device_ptr`, waited on
-//! by the next conflicting use and by the slice's free. This backend does **not rely on it**;
-//! it orders explicitly with the events above, and frees by FSDP2's rule, because:
-//!
-//! - tracking keeps **one** read event per slice, re-recorded by each reader: one buffer read
-//!   on two streams (a shard read by an all-gather on its comm stream and by a kernel on the
-//!   compute stream, or by two collectives) keeps only the last reader's event, and a later
-//!   write or free waits for that reader alone;
-//! - it sees only accesses made through cudarc slices on this process's own streams: the
-//!   thread backend's peers read a rank's buffers through raw addresses on *their* streams,
-//!   which no slice event records;
-//! - it is a per-context switch that Candle turns on for everything (`is_event_tracking`): an
-//!   event record per buffer access on every kernel launch of the model, which the runtime may
-//!   want to turn off (`CudaDevice::disable_event_tracking`) — explicit ordering stays correct
-//!   either way;
-//! - FSDP needs the events anyway: the compute stream must wait for an all-gather before the
-//!   forward reads it, whether or not any slice is shared.
-//!
-//! The buffers are still accessed through `device_ptr`/`device_ptr_mut` on the comm stream, so
-//! that with tracking on, cudarc's own bookkeeping stays true (a later Candle write of a
-//! reduce-scatter input waits for the comm stream's read, as it should).
+//! The streams are ordered by the events above only, never by cudarc's per-slice event
+//! tracking (which keeps one read event per slice and cannot see peers' raw-address reads):
+//! the reasons are decision 41 of `design/decisions.md`. The buffers are still accessed through
+//! `device_ptr`/`device_ptr_mut` on the comm stream, so that cudarc's own bookkeeping stays
+//! true when tracking is on.
 //!
 //! # Buffer lifetime and failures
 //!
@@ -90,7 +73,7 @@ use candle_core::cuda_backend::CudaStorage;
 use candle_core::{CudaDevice, DType, Device, Layout, Tensor};
 use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::{result, sys};
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 
 #[cfg(feature = "mpi")]
 use self::meet::mpi_unique_id;
@@ -303,43 +286,32 @@ impl NcclGroup {
         self.family.timeout
     }
 
-    /// Issues `call` on `stream`: `output` is the output or in-place buffer, `input` the input
-    /// of all-gather and reduce-scatter.
-    fn issue(
+    /// Issues `call` as an operation of kind `kind` on `stream` (a barrier: an all-reduce of the
+    /// stream's one-element scratch, `output` `None`): `output` is the output or in-place
+    /// buffer, `input` the input of all-gather and reduce-scatter; the work returns `value`.
+    fn issue<V>(
         &self,
         stream: &CommStream,
+        kind: OpKind,
         call: Call,
-        output: Tensor,
+        output: Option<&Tensor>,
         input: Option<&Tensor>,
-    ) -> Work<Tensor> {
-        // The stream's order lock is held until the operation is enqueued.
-        let issued = self
-            .next_op(stream, call.kind())
-            .and_then(|(ns, order, op)| {
-                let done = self.enqueue(ns, call.kind(), call, &op, Some(&output), input);
-                drop(order);
-                done
+        value: V,
+    ) -> Work<V> {
+        let issued = (stream.backend_state::<NcclStream>())
+            .filter(|s| s.owner == self.id)
+            .ok_or_else(|| crate::comm::foreign_stream(kind, self.rank, stream))
+            .and_then(|ns| {
+                // The stream's order lock is held until the operation is enqueued.
+                let mut seq = ns.seq.lock();
+                *seq += 1;
+                let op = format!("{} #{} (stream {})", kind.name(), *seq, shortened(&ns.name));
+                self.enqueue(ns, kind, call, &op, output, input)
             });
         match issued {
-            Ok(done) => Work::with_completion(output, done),
+            Ok(done) => Work::with_completion(value, done),
             Err(e) => Work::ready(Err(e)),
         }
-    }
-
-    /// This group's stream `stream` (else the error of a collective of kind `kind` on a
-    /// foreign stream), its order lock taken, and the name of its next operation.
-    fn next_op<'a>(
-        &self,
-        stream: &'a CommStream,
-        kind: OpKind,
-    ) -> Result<(&'a NcclStream, MutexGuard<'a, u64>, String)> {
-        let ns = (stream.backend_state::<NcclStream>())
-            .filter(|s| s.owner == self.id)
-            .ok_or_else(|| crate::comm::foreign_stream(kind, self.rank, stream))?;
-        let mut seq = ns.seq.lock();
-        *seq += 1;
-        let op = format!("{} #{} (stream {})", kind.name(), *seq, shortened(&ns.name));
-        Ok((ns, seq, op))
     }
 
     /// Checks, orders and enqueues one operation of kind `kind` (`call`; a barrier: an
@@ -601,26 +573,15 @@ impl ProcessGroup for NcclGroup {
         buf: Tensor,
         input: Option<&Tensor>,
     ) -> Work<Tensor> {
-        self.issue(stream, call, buf, input)
+        self.issue(stream, call.kind(), call, Some(&buf), input, buf.clone())
     }
 
     /// An all-reduce (sum) of one f32 on the stream: complete once every rank's comm stream
     /// reached it, and (through the comm stream's wait) every rank's compute stream as of the
     /// call.
     fn barrier(&self, stream: &CommStream) -> Work<()> {
-        // As in `issue`: the order lock held until the barrier is enqueued.
-        let issued = self
-            .next_op(stream, OpKind::Barrier)
-            .and_then(|(ns, order, op)| {
-                let call = Call::AllReduce(ReduceOp::Sum);
-                let done = self.enqueue(ns, OpKind::Barrier, call, &op, None, None);
-                drop(order);
-                done
-            });
-        match issued {
-            Ok(done) => Work::with_completion((), done),
-            Err(e) => Work::ready(Err(e)),
-        }
+        let call = Call::AllReduce(ReduceOp::Sum);
+        self.issue(stream, OpKind::Barrier, call, None, None, ())
     }
 
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {

@@ -2,58 +2,39 @@
 //! `fsdp-run` or `torchrun` with `--device cpu`), exchanging data through shared segments in
 //! `/dev/shm`, with the thread backend's algorithms and bit-exact reductions.
 //!
-//! [`connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`,
-//! served by rank 0): rank 0 names the job's segments and creates its abort slot, every rank
-//! creates its own segments, maps everybody's, and removes its files once every rank mapped
-//! them (nothing stays in `/dev/shm`, even after a `kill -9`). The store is used only for this
-//! rendezvous; [`crate::launch::Launcher::Shm`] runs a job on it.
+//! [`connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`, served by rank 0),
+//! which is used only for this rendezvous; [`crate::launch::Launcher::Shm`] runs a job on it.
+//! How the ranks meet, their segments, the shared arena from which peers read a collective's
+//! input in place ([`crate::alloc::SharedLarge`], [`crate::alloc::in_shared`]), the streams and
+//! the waits: `design/comm.md`, "Shared-memory backend". The collectives are those of
+//! `comm::engine::board` over this backend's segments (`ops`).
 //!
-//! # Streams
+//! # Guarantees
 //!
-//! `comm::engine`'s host group: one thread per stream (`shm-{rank}-{stream}`), each with a
-//! communicator of its own (a segment per rank); setup runs on the caller's thread.
-//!
-//! # Algorithm and guarantees
-//!
-//! See `ops`: each rank makes its input readable — in place when it lies in the process's
-//! shared arena (made inside [`crate::alloc::in_shared`] under the
-//! [`crate::alloc::SharedLarge`] allocator: the FSDP runtime's shards and flattened
-//! gradients), else by copying it into its segment — publishes where it is and a descriptor in
-//! the segment header and arrives at a barrier (an atomic counter in the header); then every
-//! rank validates every descriptor with the thread backend's code and does its share of the
-//! copying straight from the peers' arenas or segments with the thread backend's copy loops
-//! and rank-ordered reduction kernel. [`connect`] maps every peer's arena (through
-//! `/proc/<pid>/fd`); when some rank has none or cannot map one, the group copies.
-//! Reductions are **bitwise identical to the thread backend's** (and to the MPI backend's)
-//! for every dtype and op; a mismatch is the same [`Error::CollectiveMismatch`] /
+//! Reductions are **bitwise identical to the thread backend's** (and to the TCP and MPI
+//! backends') for every dtype and op; a mismatch is the same [`Error::CollectiveMismatch`] /
 //! [`Error::BadBuffer`] on every rank, and the group stays usable.
 //!
-//! # Failures
-//!
-//! [`ProcessGroup::abort`] records `(rank, reason)` in the job's abort slot (a small shared
-//! file every group of the job maps): every wait of every rank looks at it and fails with
-//! [`Error::PeerFailed`] naming the failed rank. A wait also fails with [`Error::PeerExited`]
-//! when a missing rank dropped its group, with [`Error::PeerFailed`] when a missing rank's
-//! process is gone without a word (a `kill -9`: checked every 20 ms through `/proc`; the
-//! finding is recorded in the abort slot, so every rank stops), and with [`Error::Timeout`]
-//! after [`ShmConfig::timeout`] (which aborts the job too). Unlike the thread backend, every
-//! barrier may fail, also after the data phase: the data lives in segments or arenas, which
-//! stay mapped whatever a peer frees, so no rank can fault on a peer's memory (and a rank that
-//! fails mid-collective never arrives at the last barrier: the peers' collective fails).
+//! [`ProcessGroup::abort`] records `(rank, reason)` in the job's abort slot: every wait of every
+//! rank then fails with [`Error::PeerFailed`] naming the failed rank. A wait also fails with
+//! [`Error::PeerExited`] when a missing rank dropped its group, with [`Error::PeerFailed`] when
+//! a missing rank's process is gone without a word (a `kill -9`; recorded in the abort slot, so
+//! every rank stops), and with [`Error::Timeout`] after [`ShmConfig::timeout`] (which aborts the
+//! job too). Unlike the thread backend, every barrier may fail, also after the data phase (a
+//! rank that fails mid-collective never arrives at the last barrier).
 
 mod ops;
 mod segment;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use self::ops::{Comm, Ctx};
 use self::segment::{shm_dir, AbortSlot, Header, PeerMap, Segment};
 use super::bootstrap;
 use super::buffer::Post;
 use super::engine::board;
-use super::engine::group::{Collective, HostGroup, Op, Transport};
+use super::engine::group::{Collective, HostGroup, Op, Place, Transport};
 use super::engine::run::run_process_rank;
 use super::store::TcpStore;
 use super::ProcessGroup;
@@ -69,13 +50,11 @@ const PREFIX_KEY: &str = "candle-fsdp/shm/prefix";
 /// The shared-memory transport of one rank of one group: what every handle and stream of the
 /// group shares.
 pub(crate) struct Shm {
-    rank: usize,
-    world_size: usize,
+    place: Place,
     /// Rank in the root group of each rank of this group.
     root_ranks: Vec<usize>,
     /// Process id of each rank.
     pids: Vec<u32>,
-    timeout: Duration,
     abort: Arc<AbortSlot>,
     /// Path prefix of this group's segment files.
     prefix: String,
@@ -94,13 +73,13 @@ impl Shm {
 
     /// Creates this rank's segment of communicator `comm`.
     fn create(&self, comm: usize) -> Result<Segment> {
-        Segment::create(self.path(comm, self.rank))
+        Segment::create(self.path(comm, self.place.rank))
     }
 
     /// Maps the peers' segments of communicator `comm`.
     fn map_peers(&self, comm: usize, own: Segment) -> Result<Comm> {
-        let peers = (0..self.world_size)
-            .map(|j| match j == self.rank {
+        let peers = (0..self.place.world_size)
+            .map(|j| match j == self.place.rank {
                 true => Ok(None),
                 false => PeerMap::open(self.path(comm, j)).map(Some),
             })
@@ -135,45 +114,27 @@ impl Shm {
         self.abort(&e.message());
         e
     }
-
-    /// One operation's context on `comm`.
-    fn ctx<'a>(&'a self, comm: &'a mut Comm, op: Op<'a>) -> Ctx<'a> {
-        Ctx {
-            core: self,
-            comm,
-            seq: op.seq,
-            op: op.name,
-        }
-    }
 }
 
 impl Transport for Shm {
     type Comm = Comm;
     const BACKEND: &'static str = "shm";
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn timeout(&self) -> Duration {
-        self.timeout
+    fn place(&self) -> Place {
+        self.place
     }
 
     fn run(&self, comm: &mut Comm, op: Op<'_>, collective: Collective<'_>) -> Result<()> {
-        board::run(&mut self.ctx(comm, op), collective)
+        board::run(&mut Ctx::new(self, comm, op), collective)
     }
 
     fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post) -> Result<()> {
-        self.ctx(setup, op).exchange(post).map(|_| ())
+        Ctx::new(self, setup, op).exchange(post).map(|_| ())
     }
 
     /// Every rank creates its segment, then maps the others', then removes its file.
     fn open(&self, setup: &mut Comm, op: Op<'_>, index: usize, _name: &str) -> Result<Comm> {
-        let ctx = self.ctx(setup, op);
+        let ctx = Ctx::new(self, setup, op);
         let [comm] = self.comms([index], || ctx.sync_next())?;
         Ok(comm)
     }
@@ -186,18 +147,19 @@ impl Transport for Shm {
         op: Op<'_>,
         ranks: &[usize],
     ) -> Result<Option<(Shm, Comm, Comm)>> {
-        let sub = ranks.iter().position(|&r| r == self.rank).map(|local| Shm {
-            rank: local,
-            world_size: ranks.len(),
-            root_ranks: ranks.iter().map(|&r| self.root_ranks[r]).collect(),
-            pids: ranks.iter().map(|&r| self.pids[r]).collect(),
-            timeout: self.timeout,
-            abort: Arc::clone(&self.abort),
-            prefix: format!("{}{}-g", self.prefix, op.seq),
-            arenas: Arc::clone(&self.arenas),
-            in_place: self.in_place,
-        });
-        let ctx = self.ctx(setup, op);
+        let sub = ranks
+            .iter()
+            .position(|&r| r == self.place.rank)
+            .map(|local| Shm {
+                place: Place::new(local, ranks.len(), self.place.timeout),
+                root_ranks: ranks.iter().map(|&r| self.root_ranks[r]).collect(),
+                pids: ranks.iter().map(|&r| self.pids[r]).collect(),
+                abort: Arc::clone(&self.abort),
+                prefix: format!("{}{}-g", self.prefix, op.seq),
+                arenas: Arc::clone(&self.arenas),
+                in_place: self.in_place,
+            });
+        let ctx = Ctx::new(self, setup, op);
         let Some(sub) = sub else {
             ctx.sync_next()?;
             ctx.sync_next()?;
@@ -208,7 +170,7 @@ impl Transport for Shm {
     }
 
     fn abort(&self, reason: &str) {
-        self.abort.set(self.root_ranks[self.rank], reason);
+        self.abort.set(self.root_ranks[self.place.rank], reason);
     }
 }
 
@@ -242,11 +204,9 @@ pub fn connect(
     };
     if world_size == 1 {
         let core = Shm {
-            rank,
-            world_size,
+            place: Place::new(rank, world_size, config.timeout),
             root_ranks: vec![0],
             pids: vec![std::process::id()],
-            timeout: config.timeout,
             abort: Arc::new(AbortSlot::private()?),
             prefix: fresh(),
             arenas: Arc::new(vec![None]),
@@ -280,11 +240,9 @@ pub fn connect(
         })?,
     };
     let core = Shm {
-        rank,
-        world_size,
+        place: Place::new(rank, world_size, config.timeout),
         root_ranks: (0..world_size).collect(),
         pids: Vec::new(),
-        timeout: config.timeout,
         abort: Arc::new(abort),
         prefix: format!("{prefix}-g"),
         arenas: Arc::new(Vec::new()),

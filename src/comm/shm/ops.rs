@@ -16,6 +16,7 @@ use super::Shm;
 use crate::alloc::shared as arena;
 use crate::comm::buffer::{Post, RawBuf};
 use crate::comm::engine::board::{Board, Expose};
+use crate::comm::engine::group::{OpCtx, Operation};
 use crate::comm::engine::messages::decode_and_validate;
 use crate::comm::engine::peer_failed;
 use crate::comm::wire;
@@ -45,12 +46,7 @@ impl crate::comm::engine::streams::StreamComm for Comm {
 }
 
 /// One collective (or setup operation) on one rank.
-pub(super) struct Ctx<'a> {
-    pub core: &'a Shm,
-    pub comm: &'a mut Comm,
-    pub seq: u64,
-    pub op: &'a str,
-}
+pub(super) type Ctx<'a> = OpCtx<'a, Shm>;
 
 impl Ctx<'_> {
     /// Arrives at the barrier after this rank's last one and waits for every rank to arrive.
@@ -75,7 +71,7 @@ impl Ctx<'_> {
     fn wait(&self, headers: &[Header], target: u64) -> Result<()> {
         let (rank, pids) = (self.rank(), &self.core.pids);
         let start = Instant::now();
-        let deadline = start.checked_add(self.core.timeout);
+        let deadline = start.checked_add(self.core.place.timeout);
         let mut checked = start;
         let missing = || (0..headers.len()).filter(move |&j| headers[j].arrivals() < target);
         loop {
@@ -106,7 +102,7 @@ impl Ctx<'_> {
             if deadline.is_some_and(|d| now >= d) {
                 let op = self.op.to_string();
                 (self.core.abort).set(self.core.root_ranks[rank], &format!("timed out in {op}"));
-                let timeout = self.core.timeout;
+                let timeout = self.core.place.timeout;
                 let missing = missing().collect();
                 return Err(Error::Timeout {
                     op,
@@ -194,18 +190,6 @@ impl Ctx<'_> {
 }
 
 impl Board for Ctx<'_> {
-    fn rank(&self) -> usize {
-        self.core.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.core.world_size
-    }
-
-    fn seq(&self) -> u64 {
-        self.seq
-    }
-
     /// Says where the peers read this rank's buffer: in place when it lies in this process's
     /// arena (and every rank mapped every arena), else copied into this rank's segment; then
     /// barrier 1 (`exchange`).

@@ -145,10 +145,6 @@ mod wire;
 use server::*;
 use wire::*;
 
-// ---------------------------------------------------------------------------------------------
-// Client
-// ---------------------------------------------------------------------------------------------
-
 /// The client's connection, and why it is unusable after an error that may have left it out
 /// of step with the server.
 struct Conn {

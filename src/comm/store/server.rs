@@ -4,10 +4,6 @@
 use super::wire::*;
 use super::*;
 
-// ---------------------------------------------------------------------------------------------
-// Server
-// ---------------------------------------------------------------------------------------------
-
 pub(super) struct State {
     world_size: usize,
     /// The job rank 0 belongs to (`TORCHELASTIC_RUN_ID`, empty when unset): a rank of another

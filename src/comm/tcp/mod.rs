@@ -3,51 +3,38 @@
 //! with `--device cpu` whose ranks span machines (`LOCAL_WORLD_SIZE < WORLD_SIZE`; one
 //! machine's ranks use [`crate::comm::shm`]).
 //!
-//! [`connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`,
-//! served by rank 0): every rank listens on an ephemeral port of the address its peers reach it
-//! by (the interface of the route toward `MASTER_ADDR`; `FSDP_TCP_ADDR` names the address,
-//! `FSDP_TCP_IFNAME` an interface), publishes `host:port` in the store, reads everybody's, and
-//! connects to every other rank (see `net`). The store is used only for this rendezvous;
-//! [`crate::launch::Launcher::Tcp`] runs a job on it.
+//! [`connect`] joins a job through its TCP store (`MASTER_ADDR:MASTER_PORT`, served by rank 0),
+//! which is used only for this rendezvous: every rank listens on the address its peers reach it
+//! by (the interface of the route toward `MASTER_ADDR`; [`ADDR_VAR`] names the address,
+//! [`IFNAME_VAR`] an interface) and connects to every other rank (`net`);
+//! [`crate::launch::Launcher::Tcp`] runs a job on it. The connections, the descriptor frames,
+//! the control plane and the costs: `design/comm.md`, "The TCP backend". The collectives are
+//! those of `comm::engine::messages` over this backend's connections (`ops`).
 //!
-//! # Streams
+//! # Guarantees
 //!
-//! `comm::engine`'s host group: one thread per stream (`tcp-{rank}-{stream}`), each with its
-//! own connection to every peer; setup runs on the caller's thread.
-//!
-//! # Algorithm and guarantees
-//!
-//! The message family's direct exchange (`comm::engine::messages`, over this backend's
-//! connections, `ops`): every collective first exchanges descriptors, validated by
-//! every rank with the thread backend's code (the same [`Error::CollectiveMismatch`] /
-//! [`Error::BadBuffer`] on every rank; the group stays usable), then every rank sends what each
-//! peer needs and reduces what it receives in rank order with the thread backend's kernel:
-//! reductions are **bitwise identical to the thread backend's** (and the shm and MPI
-//! backends') for every dtype and op. Each rank sends and receives `(ws - 1) · n` elements per
-//! all-gather or reduce-scatter, in `ws - 1` connections (suited to the few-to-tens of CPU
-//! processes this backend targets).
-//!
-//! # Failures
+//! Reductions are **bitwise identical to the thread backend's** (and the shm and MPI
+//! backends') for every dtype and op; a mismatch is the same [`Error::CollectiveMismatch`] /
+//! [`Error::BadBuffer`] on every rank, and the group stays usable.
 //!
 //! [`ProcessGroup::abort`] sends `(rank, reason)` to every process of the job over the control
 //! plane: their pending and later collectives fail with [`Error::PeerFailed`] naming the failed
 //! rank. A rank whose connection ends without a goodbye (a `kill -9`, a machine gone) is
-//! reported the same way by every rank, at once (the connections break) or within the
-//! collective's wait; a rank whose group was dropped gives [`Error::PeerExited`]; a wait longer
-//! than [`TcpConfig::timeout`] gives [`Error::Timeout`] (which aborts the job too).
+//! reported the same way by every rank; a rank whose group was dropped gives
+//! [`Error::PeerExited`]; a wait longer than [`TcpConfig::timeout`] gives [`Error::Timeout`]
+//! (which aborts the job too).
 
 mod net;
 mod ops;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use self::net::{mesh, Net};
 pub use self::net::{ADDR_VAR, IFNAME_VAR};
 use self::ops::{Comm, Ctx};
 use super::bootstrap;
 use super::buffer::Post;
-use super::engine::group::{Collective, HostGroup, Op, Transport};
+use super::engine::group::{Collective, HostGroup, Op, Place, Transport};
 use super::engine::messages::{self, Link};
 use super::engine::run::{deadline_after, run_process_rank};
 use super::store::TcpStore;
@@ -60,11 +47,9 @@ pub type TcpConfig = crate::comm::GroupConfig;
 /// The TCP transport of one rank of one group: what every handle and stream of the group
 /// shares.
 pub(crate) struct Tcp {
-    rank: usize,
-    world_size: usize,
+    place: Place,
     /// Rank in the job (the root group) of each rank of this group.
     root_ranks: Vec<usize>,
-    timeout: Duration,
     net: Arc<Net>,
     /// Prefix of this group's connection keys.
     prefix: String,
@@ -74,22 +59,12 @@ impl Tcp {
     /// Connects communicator `index` of this group (every member calls it, in the same order).
     fn connect(&self, index: usize) -> Result<Comm> {
         let key = format!("{}c{index}", self.prefix);
-        let deadline = deadline_after(self.timeout);
-        let peers = mesh(&self.net, &key, &self.root_ranks, self.rank, deadline)?;
+        let deadline = deadline_after(self.place.timeout);
+        let peers = mesh(&self.net, &key, &self.root_ranks, self.place.rank, deadline)?;
         Ok(Comm {
             peers,
             scratch: Vec::new(),
         })
-    }
-
-    /// One operation's context on `comm`.
-    fn ctx<'a>(&'a self, comm: &'a mut Comm, op: Op<'a>) -> Ctx<'a> {
-        Ctx {
-            core: self,
-            comm,
-            seq: op.seq,
-            op: op.name,
-        }
     }
 }
 
@@ -97,24 +72,16 @@ impl Transport for Tcp {
     type Comm = Comm;
     const BACKEND: &'static str = "tcp";
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn timeout(&self) -> Duration {
-        self.timeout
+    fn place(&self) -> Place {
+        self.place
     }
 
     fn run(&self, comm: &mut Comm, op: Op<'_>, collective: Collective<'_>) -> Result<()> {
-        messages::run(&mut self.ctx(comm, op), collective)
+        messages::run(&mut Ctx::new(self, comm, op), collective)
     }
 
     fn agree(&self, setup: &mut Comm, op: Op<'_>, post: &Post) -> Result<()> {
-        self.ctx(setup, op).exchange(post)
+        Ctx::new(self, setup, op).exchange(post)
     }
 
     fn open(&self, _setup: &mut Comm, _op: Op<'_>, index: usize, _name: &str) -> Result<Comm> {
@@ -128,14 +95,12 @@ impl Transport for Tcp {
         op: Op<'_>,
         ranks: &[usize],
     ) -> Result<Option<(Tcp, Comm, Comm)>> {
-        let Some(local) = ranks.iter().position(|&r| r == self.rank) else {
+        let Some(local) = ranks.iter().position(|&r| r == self.place.rank) else {
             return Ok(None);
         };
         let sub = Tcp {
-            rank: local,
-            world_size: ranks.len(),
+            place: Place::new(local, ranks.len(), self.place.timeout),
             root_ranks: ranks.iter().map(|&r| self.root_ranks[r]).collect(),
-            timeout: self.timeout,
             net: Arc::clone(&self.net),
             prefix: format!("{}s{}-", self.prefix, op.seq),
         };
@@ -147,7 +112,7 @@ impl Transport for Tcp {
     }
 
     fn abort(&self, reason: &str) {
-        self.net.abort(self.root_ranks[self.rank], reason);
+        self.net.abort(self.root_ranks[self.place.rank], reason);
     }
 }
 
@@ -198,10 +163,8 @@ pub fn connect(
 fn root(net: Arc<Net>, config: TcpConfig) -> Result<Arc<dyn ProcessGroup>> {
     let ws = net.addrs.len();
     let tcp = Tcp {
-        rank: net.rank,
-        world_size: ws,
+        place: Place::new(net.rank, ws, config.timeout),
         root_ranks: (0..ws).collect(),
-        timeout: config.timeout,
         net,
         prefix: "g-".into(),
     };

@@ -238,9 +238,7 @@ fn accept_loop(listener: TcpListener, mailbox: Arc<Mailbox>, stop: Arc<AtomicBoo
                     tracing::warn!("tcp: cannot start a thread to read a connection's hello: {e}");
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(10))
-            }
+            // None waiting (`WouldBlock`), or a transient error: look again.
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
     }

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::Tcp;
 use crate::comm::buffer::Post;
+use crate::comm::engine::group::{OpCtx, Operation};
 use crate::comm::engine::messages::{decode_and_validate, unreadable, Link, Msg};
 use crate::comm::engine::{self, streams::StreamComm};
 use crate::comm::wire;
@@ -81,16 +82,11 @@ fn pump(
 }
 
 /// One collective (or setup operation) on one rank.
-pub(super) struct Ctx<'a> {
-    pub core: &'a Tcp,
-    pub comm: &'a mut Comm,
-    pub seq: u64,
-    pub op: &'a str,
-}
+pub(super) type Ctx<'a> = OpCtx<'a, Tcp>;
 
 impl Ctx<'_> {
     fn deadline(&self) -> Instant {
-        engine::run::deadline_after(self.core.timeout)
+        engine::run::deadline_after(self.core.place.timeout)
     }
 
     fn peer_failed(&self, failure: (usize, String)) -> Error {
@@ -186,7 +182,7 @@ impl Ctx<'_> {
                 return Err(Error::Timeout {
                     op: self.op.to_string(),
                     rank: self.rank(),
-                    timeout: self.core.timeout,
+                    timeout: self.core.place.timeout,
                     missing: busy,
                 });
             }
@@ -219,18 +215,6 @@ impl Link for Ctx<'_> {
     /// Bytes move only while a transfer is finished.
     const ROUNDS_IN_FLIGHT: usize = 1;
 
-    fn rank(&self) -> usize {
-        self.core.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.core.world_size
-    }
-
-    fn seq(&self) -> u64 {
-        self.seq
-    }
-
     /// Sends this rank's `post` to every peer, receives theirs and validates all of them (the
     /// same verdict on every rank).
     fn exchange(&mut self, post: &Post) -> Result<()> {
@@ -248,19 +232,11 @@ impl Link for Ctx<'_> {
         let peers: Vec<usize> = (0..ws).filter(|&j| j != rank).collect();
         let sends: Vec<Msg> = peers
             .iter()
-            .map(|&j| Msg {
-                peer: j,
-                ptr: mine.as_mut_ptr(),
-                len: FRAME,
-            })
+            .map(|&j| Msg::new(j, mine.as_mut_ptr(), FRAME))
             .collect();
         let recvs: Vec<Msg> = peers
             .iter()
-            .map(|&j| Msg {
-                peer: j,
-                ptr: frames[j].as_mut_ptr(),
-                len: FRAME,
-            })
+            .map(|&j| Msg::new(j, frames[j].as_mut_ptr(), FRAME))
             .collect();
         self.transfer_now(&sends, &recvs)?;
         if let Some(&j) = peers.iter().find(|&&j| frames[j][0] == TAG_BYE) {
@@ -291,11 +267,7 @@ impl Link for Ctx<'_> {
             let sends: Vec<Msg> = match desc.len() > INLINE {
                 true => peers
                     .iter()
-                    .map(|&j| Msg {
-                        peer: j,
-                        ptr: desc[INLINE..].as_ptr() as *mut u8,
-                        len: desc.len() - INLINE,
-                    })
+                    .map(|&j| Msg::new(j, desc[INLINE..].as_ptr() as *mut u8, desc.len() - INLINE))
                     .collect(),
                 false => Vec::new(),
             };
@@ -303,11 +275,7 @@ impl Link for Ctx<'_> {
                 .iter_mut()
                 .enumerate()
                 .filter(|(j, d)| *j != rank && d.len() > INLINE)
-                .map(|(j, d)| Msg {
-                    peer: j,
-                    ptr: d[INLINE..].as_mut_ptr(),
-                    len: d.len() - INLINE,
-                })
+                .map(|(j, d)| Msg::new(j, d[INLINE..].as_mut_ptr(), d.len() - INLINE))
                 .collect();
             self.transfer_now(&sends, &recvs)?;
         }

@@ -6,27 +6,18 @@
 //! its handle wrapped in [`crate::comm::Instrumented`] (statistics), and collect the results
 //! ([`crate::launch::Launcher::Threads`] is the same launcher behind the common API).
 //!
-//! # Streams
+//! # Streams and algorithm
 //!
 //! Every stream of a rank is one OS thread (named `rank-{r}-{stream name}`, at raised priority:
-//! see `raise_priority`) fed through a channel of jobs and executing them in issue order. The
-//! default stream exists from the handle's creation; [`ProcessGroup::new_stream`] starts another
-//! one. Every collective enqueues a job on the stream it is given and returns a
-//! [`crate::comm::Work`] at once; the job runs the collective on the stream's thread and
-//! completes the `Work`. A stream's thread exits when every [`crate::comm::CommStream`] handle on
-//! it is dropped, or when its group handle is dropped; only the latter tells the peers that the rank left (a rank that merely dropped a stream is
-//! still alive: peers waiting for it on that stream wait for its abort, its departure or the
-//! timeout).
-//!
-//! # Algorithm
-//!
-//! The k-th stream created by each rank (0: the default stream) shares one *communicator* with
-//! the k-th streams of the other ranks: a rendezvous (mutex, condition variable, per-rank arrival
-//! counters and posts). A collective runs in the stream thread of every rank as the
-//! shared-memory family's collectives do (`comm::engine::board`: post and barrier 1, the same
-//! validation on every rank, each rank's share of the copying straight from its peers' buffers,
-//! a last barrier), the peers reading this rank's tensors themselves through the posted
-//! pointers; the tensors' storage locks are held throughout (see `rendezvous`).
+//! see `raise_priority`) running its operations in issue order; the k-th stream created by each
+//! rank (0: the default stream) shares one *communicator* (a rendezvous: mutex, condition
+//! variable, per-rank arrivals and posts) with the k-th streams of the other ranks. A stream's
+//! thread exits when every [`crate::comm::CommStream`] on it is dropped, or when its group
+//! handle is dropped; only the latter tells the peers that the rank left (its peers on a
+//! stream it merely dropped wait for its abort, its departure or the timeout). A collective
+//! runs as the shared-memory family's collectives do (`comm::engine::board`; design: `design/comm.md`,
+//! "Thread backend"), the peers reading this rank's tensors themselves through the posted
+//! pointers, under the tensors' storage locks throughout (see `rendezvous`).
 //!
 //! # Guarantees beyond the portable contract (shared memory only)
 //!
@@ -79,7 +70,6 @@ pub use self::run::{new_group_on_gpu, run_ranks_on_gpu};
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use candle_core::Device;
 #[cfg(feature = "cuda")]
@@ -88,7 +78,7 @@ use candle_core::Tensor;
 use self::rendezvous::{Communicator, Ctx, Shared};
 use super::buffer::Post;
 use super::engine::board;
-use super::engine::group::{Collective, HostGroup, Member, Op, Transport};
+use super::engine::group::{Collective, HostGroup, Member, Op, Place, Transport};
 use super::engine::streams::StreamComm;
 #[cfg(feature = "cuda")]
 use super::{Call, CommStream, OpKind, Work};
@@ -212,16 +202,8 @@ impl Transport for Threads {
     type Comm = ThreadComm;
     const BACKEND: &'static str = "threads";
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.shared.world_size
-    }
-
-    fn timeout(&self) -> Duration {
-        self.shared.timeout
+    fn place(&self) -> Place {
+        Place::new(self.rank, self.shared.world_size, self.shared.timeout)
     }
 
     fn device(&self) -> Device {

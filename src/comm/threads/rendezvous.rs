@@ -25,6 +25,7 @@ use crate::comm::DEFAULT_STREAM;
 use crate::comm::buffer::{report, Kind, Problem};
 use crate::comm::buffer::{validate, Post, RawBuf};
 use crate::comm::engine::board::{Board, Expose};
+use crate::comm::engine::group::Operation;
 use crate::comm::engine::peer_failed;
 use crate::error::{Error, Result};
 
@@ -375,7 +376,7 @@ impl Ctx<'_> {
     }
 }
 
-impl Board for Ctx<'_> {
+impl Operation for Ctx<'_> {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -387,7 +388,9 @@ impl Board for Ctx<'_> {
     fn seq(&self) -> u64 {
         self.seq
     }
+}
 
+impl Board for Ctx<'_> {
     /// The peers read this rank's tensor itself (through the posted address), so nothing is
     /// copied before the rendezvous.
     fn publish(&mut self, post: &Post, _buf: RawBuf, _expose: Expose) -> Result<u64> {
