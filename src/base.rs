@@ -123,20 +123,22 @@ impl BaseIdentity {
         let theirs: HashMap<&str, &BaseFile> =
             found.files.iter().map(|f| (f.name.as_str(), f)).collect();
         let differs = |what: String| {
-            let other = if found.dir == self.dir {
-                "has changed since".to_string()
+            let now = if found.dir == self.dir {
+                format!("{} as it is now", found.dir.display())
             } else {
-                format!("({}) is not it", found.dir.display())
+                format!("the base given, {}", found.dir.display())
             };
             Err(Error::conflict(
+                format_args!("the checkpoint's frozen base {}", self.dir.display()),
+                now,
                 format_args!(
-                    "the frozen base {} the checkpoint was trained on",
-                    self.dir.display()
-                ),
-                "the base given",
-                format_args!(
-                    "the base given {other}: {what} (an adapter-only checkpoint holds no base \
-                     tensor: it needs the base it was trained on)"
+                    "{what}{}: an adapter-only checkpoint holds no base tensor, it needs the \
+                     base it was trained on",
+                    if found.dir == self.dir {
+                        ", so it has changed since"
+                    } else {
+                        ""
+                    }
                 ),
             ))
         };

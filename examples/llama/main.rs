@@ -363,13 +363,23 @@ fn main() -> anyhow::Result<()> {
             }
             _ => None,
         };
-        let examples = candle_fsdp::data::sft::read_jsonl(
+        let read = candle_fsdp::data::sft::read_jsonl(
             &args.lm.data,
             &encode,
             template.as_ref(),
             eos,
             args.seq_len,
         )?;
+        if setup.prints() && !read.skipped.is_empty() {
+            println!(
+                "note: {} skipped: {}: the prompt fills --seq-len {} (no completion token to \
+                 learn; a longer --seq-len keeps them)",
+                args.lm.data.display(),
+                candle_fsdp::data::sft::lines_list(&read.skipped),
+                args.seq_len
+            );
+        }
+        let examples = read.examples;
         let cut = examples.iter().filter(|e| e.truncated).count();
         let mut corpus = lm::SftCorpus::new(examples, cfg.pad_token_id.unwrap_or(0))
             .with_context(|| format!("--data {}", args.lm.data.display()))?;
@@ -493,13 +503,21 @@ fn main() -> anyhow::Result<()> {
     };
     let lora = args.lora()?;
     let base_dtype = args.base_dtype()?;
-    check_resumed_model(train, &cfg, &config_src, setup.prints(), lora.as_ref())?;
+    check_resumed_model(
+        train,
+        &cfg,
+        &config_src,
+        setup.prints(),
+        lora.as_ref(),
+        base_dtype,
+    )?;
     let mut extra = BTreeMap::from([(HF_CONFIG_KEY.to_string(), config_json)]);
     if let Some(l) = &lora {
         extra.insert(
             candle_fsdp::lora::LORA_CONFIG_KEY.to_string(),
             serde_json::to_string(l)?,
         );
+        extra.insert(BASE_DTYPE_KEY.to_string(), base_dtype.name().to_string());
         if setup.prints() {
             println!(
                 "LoRA: r {}, alpha {} (scale {}), dropout {}, targets {}; the base frozen ({}){}",
@@ -606,6 +624,9 @@ impl Corpus for TokenCorpusless {
     }
 }
 
+/// `train.extra`'s key of a LoRA run's `--base-dtype` (the frozen base's storage).
+const BASE_DTYPE_KEY: &str = "base_dtype";
+
 /// With `--resume` / `--resume-from`, the checkpoint to resume must be of this run's model: its
 /// stored `config.json` (train state `hf_config`) is read as a decoder config and its
 /// parameters compared with `cfg`'s (names and shapes). Another model is an error naming both
@@ -617,6 +638,7 @@ fn check_resumed_model(
     config_src: &str,
     prints: bool,
     lora: Option<&LoraConfig>,
+    base_dtype: BaseDType,
 ) -> anyhow::Result<()> {
     use candle_fsdp::checkpoint::{list_complete, read_meta, META_FILE};
     use candle_fsdp::models::decoder::family::config_from_json;
@@ -675,6 +697,17 @@ fn check_resumed_model(
             flags(l)
         ),
     }
+    // The frozen base's storage may change (the adapters continue), but not without a word.
+    if let Some(was) = meta.train.extra.get(BASE_DTYPE_KEY) {
+        if prints && was != base_dtype.name() {
+            println!(
+                "note: {} was trained over a base stored as --base-dtype {was}; this run stores \
+                 it as {}: the frozen base's values change, the adapters continue",
+                dir.display(),
+                base_dtype.name()
+            );
+        }
+    }
     let Some(text) = meta.train.extra.get(HF_CONFIG_KEY) else {
         return Ok(());
     };
@@ -692,11 +725,14 @@ fn check_resumed_model(
         cfg.table().architecture,
         b.len(),
     );
-    if prints && &theirs != cfg {
+    let changes = theirs.differences(cfg);
+    if prints && !changes.is_empty() {
         println!(
             "note: {}'s stored config.json differs from {config_src} beyond the parameters' \
-             shapes; this run continues with {config_src}'s (and stores it in its checkpoints)",
-            dir.display()
+             shapes ({}); this run continues with {config_src}'s (and stores it in its \
+             checkpoints)",
+            dir.display(),
+            changes.join(", ")
         );
     }
     Ok(())

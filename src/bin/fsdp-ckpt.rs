@@ -112,6 +112,11 @@ enum Command {
         /// copied; checked against the recorded checksums).
         #[arg(long)]
         base: Option<PathBuf>,
+        /// With `--format safetensors`: replace `--out` when it exists (without it, an existing
+        /// file is refused: an export loses no data). Directories (`--format hf|peft`) are never
+        /// written over: they must hold no weights of either kind.
+        #[arg(long)]
+        overwrite: bool,
     },
     /// Make a sharded checkpoint from a full safetensors model file, to start FSDP training
     /// from it (`--resume --checkpoint-dir OUT`).
@@ -176,9 +181,15 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             base_model,
             merge,
             base,
+            overwrite,
         } => {
             for (flag, given, why) in [
                 ("--merge", merge, "a merged model is --format hf --merge"),
+                (
+                    "--overwrite",
+                    overwrite,
+                    "a directory holding an adapter or a model is never written over",
+                ),
                 (
                     "--base",
                     base.is_some(),
@@ -223,7 +234,16 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             base_model,
             merge,
             base,
+            overwrite,
         } => {
+            if overwrite {
+                return Err(candle_fsdp::Error::conflict(
+                    "--overwrite",
+                    "--format hf",
+                    "--overwrite applies to --format safetensors only (a directory holding \
+                     weights or an adapter is never written over: choose an empty one)",
+                ));
+            }
             if base_model.is_some() {
                 return Err(candle_fsdp::Error::conflict(
                     "--base-model",
@@ -258,6 +278,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
             base_model,
             merge,
             base,
+            overwrite,
             ..
         } => {
             // The Hugging Face layout's flags would otherwise be ignored without a word.
@@ -272,7 +293,7 @@ fn run(cli: Cli) -> candle_fsdp::Result<ExitCode> {
                     return Err(candle_fsdp::Error::conflict(flag, "--format safetensors", format!("{flag} applies to --format {fmt} only (this export writes one safetensors file)")));
                 }
             }
-            let s = tools::export_full(&dir, &out, dtype.map(DType::from))?;
+            let s = tools::export_full(&dir, &out, dtype.map(DType::from), overwrite)?;
             println!(
                 "exported {} to {}: {} tensors, {} bytes (largest tensor {} bytes)",
                 s.checkpoint.display(),

@@ -691,6 +691,6 @@ fn explain_safetensors_error(bytes: &[u8], e: &safetensors::SafeTensorError) -> 
              {} (8 + {n} header bytes + {end}), but the file has {len} bytes",
             8 + n + end
         ),
-        _ => format!("corrupt or truncated safetensors file: {e:?}"),
+        _ => format!("corrupt or truncated safetensors file: {e}"),
     }
 }

@@ -244,19 +244,21 @@ impl ChatTemplate {
 ///
 /// Errors, naming the file and the line: an unreadable file; a line that is not a JSON object
 /// with both string fields, or with `messages` that are not role/content objects; a
-/// `messages` line without a template; the template's; a tokenizer error; an example whose
-/// prompt fills the whole sequence (no completion token to learn); a file without examples.
+/// `messages` line without a template; the template's; a tokenizer error; a file without
+/// examples, or whose every example's prompt fills the whole sequence. An example whose prompt
+/// fills the whole sequence (no completion token to learn) is skipped, its line listed in
+/// [`SftFile::skipped`] (TRL trains on such an example's zero completion tokens: nothing).
 pub fn read_jsonl(
     path: &Path,
     tokenize: &dyn Fn(&str) -> Result<Vec<u32>>,
     template: Option<&ChatTemplate>,
     eos: Option<u32>,
     seq_len: usize,
-) -> Result<Vec<SftExample>> {
+) -> Result<SftFile> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     // A UTF-8 byte-order mark (some editors write one) is not part of the first line's JSON.
     let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-    let mut out = Vec::new();
+    let (mut out, mut skipped) = (Vec::new(), Vec::new());
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() {
@@ -286,13 +288,10 @@ pub fn read_jsonl(
                 tokenize(&completion).map_err(|e| at(format!("tokenizing the completion: {e}")))?;
             let ex = SftExample::new(&p, &c, None, seq_len);
             if ex.target_count() == 0 {
-                return Err(at(format!(
-                    "the prompt's {} tokens fill --seq-len {seq_len}: no completion token to \
-                     learn",
-                    p.len()
-                )));
+                skipped.push(i + 1);
+            } else {
+                out.push(ex);
             }
-            out.push(ex);
             continue;
         }
         let field = |k: &str| {
@@ -315,17 +314,48 @@ pub fn read_jsonl(
             ));
         }
         if ex.target_count() == 0 {
-            return Err(at(format!(
-                "the prompt's {} tokens fill --seq-len {seq_len}: no completion token to learn",
-                p.len()
-            )));
+            skipped.push(i + 1);
+        } else {
+            out.push(ex);
         }
-        out.push(ex);
+    }
+    if out.is_empty() && !skipped.is_empty() {
+        return Err(Error::file(
+            path,
+            format!(
+                "every example's prompt would fill --seq-len {seq_len} ({}): no completion token to \
+                 learn",
+                lines_list(&skipped)
+            ),
+        ));
     }
     if out.is_empty() {
         return Err(Error::file(path, "no example (empty file)"));
     }
-    Ok(out)
+    Ok(SftFile {
+        examples: out,
+        skipped,
+    })
+}
+
+/// What [`read_jsonl`] read from a file.
+#[derive(Debug, Clone)]
+pub struct SftFile {
+    /// The examples, in the file's order.
+    pub examples: Vec<SftExample>,
+    /// Lines (from 1) of the examples skipped because their prompt fills the whole sequence.
+    pub skipped: Vec<usize>,
+}
+
+/// `line 3`, `lines 3, 9, 27` or, past eight, `lines 3, 9, … (12 lines)`: the lines of
+/// `lines` for a message.
+pub fn lines_list(lines: &[usize]) -> String {
+    let shown: Vec<String> = lines.iter().take(8).map(|l| l.to_string()).collect();
+    match lines.len() {
+        1 => format!("line {}", shown[0]),
+        n if n <= 8 => format!("lines {}", shown.join(", ")),
+        n => format!("lines {}, … ({n} lines)", shown.join(", ")),
+    }
 }
 
 /// Packs `examples` (each at most `seq_len` tokens) into sequences of at most `seq_len`

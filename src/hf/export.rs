@@ -370,19 +370,7 @@ fn write_hf(
             ));
         }
     }
-    for e in std::fs::read_dir(out).map_err(|e| Error::io(out, e))? {
-        let name = e.map_err(|e| Error::io(out, e))?.file_name();
-        let name = name.to_string_lossy();
-        if name == HF_WEIGHTS_FILE
-            || name == HF_INDEX_FILE
-            || (name.starts_with("model-") && name.ends_with(".safetensors"))
-        {
-            return Err(Error::file(
-                out,
-                format!("already holds Hugging Face weights ({name}): choose an empty directory"),
-            ));
-        }
-    }
+    super::export_peft::refuse_exported(out)?;
     let meta_path = dir.join(META_FILE);
     let files = open_shard_files(dir, meta)?;
     // Every tensor: where it comes from (unit, parameter or buffer index), its spec.

@@ -64,12 +64,7 @@ pub fn export_peft(dir: &Path, out: &Path, base_model: Option<&str>) -> Result<P
             return Err(Error::file(out, "is inside the checkpoint being exported"));
         }
     }
-    if out.join(PEFT_WEIGHTS).exists() {
-        return Err(Error::file(
-            out,
-            format!("already holds an adapter ({PEFT_WEIGHTS}): choose an empty directory"),
-        ));
-    }
+    refuse_exported(out)?;
     check_checksums(&dir, &meta)?;
     let files = open_shard_files(&dir, &meta)?;
     let is_lora = |n: &str| n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight");
@@ -124,4 +119,78 @@ pub fn export_peft(dir: &Path, out: &Path, base_model: Option<&str>) -> Result<P
         tensors,
         bytes,
     })
+}
+
+/// Refuses a directory `out` that already holds an export's weights, of either kind: a model's
+/// (`model.safetensors`, its index, `model-*.safetensors` shards) or an adapter's
+/// (`adapter_model.safetensors`, `adapter_config.json`). An export never replaces such a file
+/// (data would be lost) nor writes a model beside an adapter or an adapter beside a model (the
+/// directory would load as neither); other files (a tokenizer, notes) may stay.
+///
+/// # Errors
+/// [`Error::File`] naming the directory and the first such file; [`Error::Io`] when it cannot
+/// be listed.
+pub(super) fn refuse_exported(out: &Path) -> Result<()> {
+    use super::weights::{HF_INDEX_FILE, HF_WEIGHTS_FILE};
+    let mut names = Vec::new();
+    for e in std::fs::read_dir(out).map_err(|e| Error::io(out, e))? {
+        names.push(e.map_err(|e| Error::io(out, e))?.file_name());
+    }
+    names.sort();
+    for name in &names {
+        let name = name.to_string_lossy();
+        let kind = if name == HF_WEIGHTS_FILE
+            || name == HF_INDEX_FILE
+            || (name.starts_with("model-") && name.ends_with(".safetensors"))
+        {
+            "Hugging Face weights"
+        } else if name == PEFT_WEIGHTS || name == PEFT_CONFIG {
+            "a PEFT adapter"
+        } else {
+            continue;
+        };
+        return Err(Error::file(
+            out,
+            format!(
+                "already holds {kind} ({name}): choose an empty directory (an export replaces \
+                 no weights and mixes no model with an adapter)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refuse_exported;
+
+    #[test]
+    fn a_directory_holding_either_kind_of_export_is_refused_naming_the_file() {
+        let dir = std::env::temp_dir().join(format!("refuse-exported-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+        std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+        refuse_exported(&dir).unwrap();
+        for (name, kind) in [
+            ("adapter_config.json", "a PEFT adapter"),
+            ("adapter_model.safetensors", "a PEFT adapter"),
+            ("model.safetensors", "Hugging Face weights"),
+            ("model.safetensors.index.json", "Hugging Face weights"),
+            ("model-00001-of-00002.safetensors", "Hugging Face weights"),
+        ] {
+            std::fs::write(dir.join(name), "x").unwrap();
+            let e = refuse_exported(&dir).unwrap_err().to_string();
+            assert_eq!(
+                e,
+                format!(
+                    "{}: already holds {kind} ({name}): choose an empty directory (an export \
+                     replaces no weights and mixes no model with an adapter)",
+                    dir.display()
+                )
+            );
+            std::fs::remove_file(dir.join(name)).unwrap();
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -221,6 +221,33 @@ impl DecoderConfig {
         self.family.table()
     }
 
+    /// The fields in which `other` differs from `self`, each as `name: self's → other's` (values
+    /// as JSON, a long one cut to its first 40 characters), in the fields' order; empty when
+    /// the two are equal. For messages: what a resumed checkpoint's stored config changes.
+    pub fn differences(&self, other: &DecoderConfig) -> Vec<String> {
+        let as_map = |c: &DecoderConfig| match serde_json::to_value(c) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => serde_json::Map::new(),
+        };
+        let (a, b) = (as_map(self), as_map(other));
+        let show = |v: Option<&serde_json::Value>| {
+            let s = v.map_or("none".to_string(), |v| match v {
+                serde_json::Value::Null => "none".to_string(),
+                v => v.to_string(),
+            });
+            match s.char_indices().nth(40) {
+                Some((cut, _)) => format!("{}…", &s[..cut]),
+                None => s,
+            }
+        };
+        let mut keys: Vec<&String> = a.keys().collect();
+        keys.extend(b.keys().filter(|k| !a.contains_key(*k)));
+        keys.into_iter()
+            .filter(|k| a.get(*k) != b.get(*k))
+            .map(|k| format!("{k}: {} → {}", show(a.get(k)), show(b.get(k))))
+            .collect()
+    }
+
     /// Unit and tensor names.
     pub fn names(&self) -> Names {
         self.table().names

@@ -432,6 +432,31 @@ fn resuming_a_checkpoint_with_another_model_names_both() {
             && err.contains("qwen3/config.json"),
         "{err}"
     );
+    // The same parameters as a Mistral (a window): resumed, the note naming what changes.
+    let mistral = root.join("mistral");
+    std::fs::create_dir_all(&mistral).unwrap();
+    for f in std::fs::read_dir(&llama).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), mistral.join(f.file_name())).unwrap();
+    }
+    let path = mistral.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    config["model_type"] = serde_json::json!("mistral");
+    config["sliding_window"] = serde_json::json!(3);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let mut args = common(&mistral);
+    args[steps] = "2".into();
+    args.push("--resume".into());
+    let out = run(&bin, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        out.contains("differs from")
+            && out.contains("family: \"llama\" → \"mistral\"")
+            && out.contains("sliding_window: none → 3")
+            && out.contains("resumed from"),
+        "{out}"
+    );
     let _ = std::fs::remove_dir_all(&root);
 }
 
@@ -700,6 +725,36 @@ fn readme_lora_commands_train_export_and_reload_the_adapters() {
         eval_loss(&out),
         tuned,
         "base + exported adapter = the tuned model",
+    );
+    // Resumed over a base stored otherwise (bf16): it continues, saying so.
+    let mut args = vec![
+        "--world-size",
+        "1",
+        "--from-hf",
+        dir.to_str().unwrap(),
+        "--data",
+        eval.to_str().unwrap(),
+        "--max-steps",
+        "4",
+        "--seq-len",
+        &seq_len,
+        "--batch-size",
+        "2",
+        "--sample-len",
+        "0",
+        "--base-dtype",
+        "bf16",
+        "--resume",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+    ];
+    args.extend(lora);
+    let out = run(&bin, &args);
+    assert!(
+        out.contains(
+            "was trained over a base stored as --base-dtype f32; this run stores it as bf16"
+        ) && out.contains("resumed from"),
+        "{out}"
     );
     let _ = std::fs::remove_dir_all(&root);
 }

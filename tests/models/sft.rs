@@ -145,7 +145,7 @@ fn jsonl_errors_name_the_line() {
         "ok.jsonl",
         "{\"prompt\": \"Q: 2+2?\\nA: \", \"completion\": \"4\"}\n\n{\"prompt\": \"Hi\", \"completion\": \" there\"}\n",
     );
-    let ex = read_jsonl(&ok, &tok, None, Some(0), 16).unwrap();
+    let ex = read_jsonl(&ok, &tok, None, Some(0), 16).unwrap().examples;
     assert_eq!(ex.len(), 2);
     assert_eq!(ex[0].target_count(), 2, "'4' and eos");
     assert_eq!(ex[1].target_count(), 7, "' there' and eos");
@@ -154,7 +154,7 @@ fn jsonl_errors_name_the_line() {
         "bom.jsonl",
         "\u{feff}{\"prompt\": \"Hi\", \"completion\": \" there\"}\n",
     );
-    let ex = read_jsonl(&bom, &tok, None, Some(0), 16).unwrap();
+    let ex = read_jsonl(&bom, &tok, None, Some(0), 16).unwrap().examples;
     assert_eq!(ex[0].target_count(), 7);
     // The error of a one-file read (no template, no eos, seq-len 16).
     let refused = |name: &str, text: &str| {
@@ -187,6 +187,14 @@ fn jsonl_errors_name_the_line() {
         e.contains("line 1") && e.contains("fill --seq-len 16"),
         "{e}"
     );
+    // Beside examples that fit, such an example is skipped and its line listed.
+    let mixed = write(
+        "mixed.jsonl",
+        "{\"prompt\": \"Hi\", \"completion\": \" there\"}\n{\"prompt\": \"0123456789abcdefXYZ\", \"completion\": \"b\"}\n",
+    );
+    let read = read_jsonl(&mixed, &tok, None, None, 16).unwrap();
+    assert_eq!((read.examples.len(), read.skipped), (1, vec![2]));
+    assert_eq!(read.examples[0].target_count(), 6, "' there'");
     let e = refused("json.jsonl", "{\"prompt\": \n");
     assert!(e.contains("line 1: not JSON"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
@@ -265,7 +273,9 @@ fn messages_lines_train_on_the_assistants_turn() {
         "{\"messages\": [{\"role\": \"user\", \"content\": \"2+2?\"}, {\"role\": \"assistant\", \"content\": \"4\"}]}\n",
     )
     .unwrap();
-    let ex = read_jsonl(&p, &tok, Some(&templates["chatml"]), Some(0), 128).unwrap();
+    let ex = read_jsonl(&p, &tok, Some(&templates["chatml"]), Some(0), 128)
+        .unwrap()
+        .examples;
     // ChatML's completion: "4<|im_end|>\n", 13 bytes, every one a target; no eos appended.
     assert_eq!(ex[0].target_count(), "4<|im_end|>\n".len());
     let want: Vec<u32> = "4<|im_end|>\n".bytes().map(u32::from).collect();

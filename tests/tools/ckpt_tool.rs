@@ -642,7 +642,7 @@ fn bad_input_gives_errors_naming_the_file_and_the_problem() {
     let e = ckpt_err(&["reshard", s(&ckpt_dir), "--world-size", "3", "--out", r]);
     assert!(
         e.starts_with(&format!(
-            "{}: corrupt or truncated safetensors file: InvalidHeaderDeserialization",
+            "{}: corrupt or truncated safetensors file: invalid JSON in header: ",
             f1.display()
         )),
         "{e}"
@@ -673,6 +673,30 @@ fn bad_input_gives_errors_naming_the_file_and_the_problem() {
             nowhere.display()
         )
     );
+    // A file that exists is not replaced without --overwrite (its bytes stay), then is.
+    let kept = dir.join("kept.safetensors");
+    std::fs::write(&kept, "the user's own file").unwrap();
+    assert_eq!(
+        ckpt_err(&["export", s(&ok_dir), "--out", s(&kept)]),
+        format!(
+            "{}: exists: an export does not replace a file unless given --overwrite",
+            kept.display()
+        )
+    );
+    assert_eq!(std::fs::read(&kept).unwrap(), b"the user's own file");
+    ckpt_ok(&["export", s(&ok_dir), "--out", s(&kept), "--overwrite"]);
+    assert!(candle_core::safetensors::load(&kept, &Device::Cpu).is_ok());
+    assert!(ckpt_err(&[
+        "export",
+        s(&ok_dir),
+        "--out",
+        s(&dir),
+        "--format",
+        "hf",
+        "--overwrite"
+    ])
+    .contains("--overwrite applies to --format safetensors only"));
+    std::fs::remove_file(&kept).unwrap();
     assert_eq!(
         ckpt_err(&[
             "reshard",

@@ -49,8 +49,15 @@ pub struct ExportSummary {
 /// damaged `meta.json`; a shard file missing, of another size than recorded, with a corrupt
 /// header, or without a tensor the metadata lists, or a tensor whose CRC-32C differs from the
 /// one recorded at save time (all checked before anything is written: one extra read of the
-/// checkpoint); `out` not writable.
-pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<ExportSummary> {
+/// checkpoint); `out` not writable; `out` inside the checkpoint; `out` an existing file while
+/// `overwrite` is false (an export loses no data: with `overwrite`, the file is replaced
+/// atomically once the export is complete).
+pub fn export_full(
+    dir: &Path,
+    out: &Path,
+    dtype: Option<DType>,
+    overwrite: bool,
+) -> Result<ExportSummary> {
     let dir = resolve_checkpoint(dir)?;
     // Writing into the checkpoint (e.g. over one of its shards) would destroy what is read.
     let out_dir = out
@@ -67,6 +74,12 @@ pub fn export_full(dir: &Path, out: &Path, dtype: Option<DType>) -> Result<Expor
                 ),
             ));
         }
+    }
+    if out.exists() && !overwrite {
+        return Err(Error::file(
+            out,
+            "exists: an export does not replace a file unless given --overwrite",
+        ));
     }
     let meta = read_meta(&dir)?;
     super::check_checksums(&dir, &meta)?;
