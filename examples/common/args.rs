@@ -347,15 +347,41 @@ fn check_output_file(flag: &str, p: &std::path::Path, what: &str) -> anyhow::Res
     Ok(())
 }
 
-/// Creates `--checkpoint-dir`, checks it is writable, and prints what `--resume` (or its
-/// absence) means for the checkpoints already there.
+/// Checks that `--checkpoint-dir` can be written (it, or the nearest directory above it that
+/// exists, where the first save creates it: a run that fails before saving leaves no empty
+/// directory behind), and prints what `--resume` (or its absence) means for the checkpoints
+/// already there.
 fn check_checkpoint_dir(args: &TrainArgs) -> anyhow::Result<()> {
     let dir = &args.checkpoint_dir;
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("--checkpoint-dir {}: cannot create it", dir.display()))?;
-    let probe = dir.join(".write-probe");
-    std::fs::write(&probe, b"")
-        .with_context(|| format!("--checkpoint-dir {}: not writable", dir.display()))?;
+    anyhow::ensure!(
+        dir.is_dir() || !dir.exists(),
+        "--checkpoint-dir {}: exists and is not a directory",
+        dir.display()
+    );
+    let mut writes_in = dir.as_path();
+    while !writes_in.exists() {
+        match writes_in.parent() {
+            Some(p) if !p.as_os_str().is_empty() => writes_in = p,
+            _ => {
+                writes_in = std::path::Path::new(".");
+                break;
+            }
+        }
+    }
+    anyhow::ensure!(
+        writes_in.is_dir(),
+        "--checkpoint-dir {}: cannot be created ({} is not a directory)",
+        dir.display(),
+        writes_in.display()
+    );
+    let probe = writes_in.join(format!(".candle-fsdp-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").with_context(|| {
+        format!(
+            "--checkpoint-dir {}: not writable ({} is not)",
+            dir.display(),
+            writes_in.display()
+        )
+    })?;
     let _ = std::fs::remove_file(&probe);
     if let Some(from) = &args.resume_from {
         anyhow::ensure!(

@@ -232,13 +232,54 @@ fn short_eval_file_is_refused_before_training() {
             "{err}"
         );
         assert!(!out.contains("step "), "trained before refusing:\n{out}");
-        assert!(
-            candle_fsdp::checkpoint::list_complete(&ckpt)
-                .unwrap_or_default()
-                .is_empty(),
-            "a checkpoint was saved"
-        );
+        assert!(!ckpt.exists(), "the refused run left {}", ckpt.display());
     }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A `--checkpoint-dir` that cannot be made is refused at the start, naming what is in the
+/// way; a fresh one is not made before the first save.
+#[test]
+fn checkpoint_dir_that_cannot_be_made_is_named() {
+    let Some(bin) = example() else { return };
+    let root = tmpdir("llama-example-ckpt-dir");
+    std::fs::create_dir_all(&root).unwrap();
+    let file = root.join("a-file");
+    std::fs::write(&file, "mine").unwrap();
+    let dir = fixture("llama-mha");
+    for (ckpt, want) in [
+        (
+            file.clone(),
+            format!(
+                "--checkpoint-dir {}: exists and is not a directory",
+                file.display()
+            ),
+        ),
+        (
+            file.join("ckpt"),
+            format!(
+                "--checkpoint-dir {}: cannot be created ({} is not a directory)",
+                file.join("ckpt").display(),
+                file.display()
+            ),
+        ),
+    ] {
+        let err = fails(
+            &bin,
+            &[
+                "--world-size",
+                "1",
+                "--from-hf",
+                dir.to_str().unwrap(),
+                "--data",
+                dir.join("eval.txt").to_str().unwrap(),
+                "--checkpoint-dir",
+                ckpt.to_str().unwrap(),
+            ],
+        );
+        assert!(err.contains(&want), "{err}");
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"mine");
     let _ = std::fs::remove_dir_all(&root);
 }
 
