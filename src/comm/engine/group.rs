@@ -59,6 +59,12 @@ pub(crate) trait Operation {
     fn world_size(&self) -> usize;
     /// Sequence number of the operation.
     fn seq(&self) -> u64;
+
+    /// The other ranks of the group, in rank order.
+    fn peers(&self) -> Vec<usize> {
+        let rank = self.rank();
+        (0..self.world_size()).filter(|&j| j != rank).collect()
+    }
 }
 
 /// Operation `op` of transport `core` on its communicator `comm`: the context the shm, TCP and

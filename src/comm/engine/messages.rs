@@ -55,6 +55,15 @@ impl Msg {
     pub(crate) fn new(peer: usize, ptr: *mut u8, len: usize) -> Msg {
         Msg { peer, ptr, len }
     }
+
+    /// One message to or from each of `peers`: `at(j)` is the address and length of peer `j`'s.
+    pub(crate) fn each(peers: &[usize], mut at: impl FnMut(usize) -> (*mut u8, usize)) -> Vec<Msg> {
+        let msg = |j| {
+            let (ptr, len) = at(j);
+            Msg::new(j, ptr, len)
+        };
+        peers.iter().copied().map(msg).collect()
+    }
 }
 
 /// One rank's messages on one communicator, for one operation: what a message-passing
@@ -156,28 +165,19 @@ pub(crate) fn run<L: Link>(
     result
 }
 
-/// The peers of this rank, in rank order.
-fn peers<L: Link>(link: &L) -> Vec<usize> {
-    let rank = link.rank();
-    (0..link.world_size()).filter(|&j| j != rank).collect()
-}
-
 fn all_gather<L: Link>(link: &mut L, src: RawBuf, out: RawBuf) -> Result<()> {
     let bytes = src.len * src.dtype.size_in_bytes();
     // SAFETY: validated posts: `out` holds ws * src.len elements, distinct from `src`.
     unsafe { std::ptr::copy_nonoverlapping(src.ptr, out.ptr.add(link.rank() * bytes), bytes) };
-    let peers = peers(link);
-    let sends: Vec<Msg> = peers.iter().map(|&j| Msg::new(j, src.ptr, bytes)).collect();
-    let recvs: Vec<Msg> = peers
-        .iter()
-        .map(|&j| Msg::new(j, out.ptr.wrapping_add(j * bytes), bytes))
-        .collect();
+    let peers = link.peers();
+    let sends = Msg::each(&peers, |_| (src.ptr, bytes));
+    let recvs = Msg::each(&peers, |j| (out.ptr.wrapping_add(j * bytes), bytes));
     link.transfer(&sends, &recvs)
 }
 
 fn reduce_scatter<L: Link>(link: &mut L, src: RawBuf, out: RawBuf, op: ReduceOp) -> Result<()> {
     let (n, es) = (out.len, out.dtype.size_in_bytes());
-    let peers = peers(link);
+    let peers = link.peers();
     let sends: Vec<Share> = peers
         .iter()
         .map(|&j| (j, src.ptr.wrapping_add(j * n * es) as *const u8, n))
@@ -197,7 +197,7 @@ fn all_reduce<L: Link>(link: &mut L, mine: RawBuf, op: ReduceOp) -> Result<()> {
     let es = mine.dtype.size_in_bytes();
     let (ws, rank) = (link.world_size(), link.rank());
     let (my_start, my_n) = chunk(mine.len, ws, rank);
-    let peers = peers(link);
+    let peers = link.peers();
     let at = |start: usize| mine.ptr.wrapping_add(start * es);
     // Phase 1: reduce-scatter of the chunks, in place.
     let sends: Vec<Share> = peers
@@ -217,24 +217,19 @@ fn all_reduce<L: Link>(link: &mut L, mine: RawBuf, op: ReduceOp) -> Result<()> {
     };
     reduce_exchange(link, &sends, &peers, into)?;
     // Phase 2: all-gather of the reduced chunks.
-    let msg = |peer, (start, n): (usize, usize)| Msg::new(peer, at(start), n * es);
-    let recvs: Vec<Msg> = peers
-        .iter()
-        .map(|&j| msg(j, chunk(mine.len, ws, j)))
-        .collect();
-    let sends: Vec<Msg> = peers.iter().map(|&j| msg(j, (my_start, my_n))).collect();
+    let recvs = Msg::each(&peers, |j| {
+        let (start, n) = chunk(mine.len, ws, j);
+        (at(start), n * es)
+    });
+    let sends = Msg::each(&peers, |_| (at(my_start), my_n * es));
     link.transfer(&sends, &recvs)
 }
 
 fn broadcast<L: Link>(link: &mut L, mine: RawBuf, root: usize) -> Result<()> {
-    let len = mine.len * mine.dtype.size_in_bytes();
-    let msg = |peer| Msg::new(peer, mine.ptr, len);
+    let whole = |_| (mine.ptr, mine.len * mine.dtype.size_in_bytes());
     match link.rank() == root {
-        true => {
-            let sends: Vec<Msg> = peers(link).into_iter().map(msg).collect();
-            link.transfer(&sends, &[])
-        }
-        false => link.transfer(&[], &[msg(root)]),
+        true => link.transfer(&Msg::each(&link.peers(), whole), &[]),
+        false => link.transfer(&[], &Msg::each(&[root], whole)),
     }
 }
 
@@ -248,7 +243,7 @@ fn reduce<L: Link>(link: &mut L, mine: RawBuf, root: usize, op: ReduceOp) -> Res
     };
     match link.rank() == root {
         true => {
-            let peers = peers(link);
+            let peers = link.peers();
             reduce_exchange(link, &[], &peers, into(mine.len))
         }
         false => reduce_exchange(

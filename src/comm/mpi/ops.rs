@@ -144,16 +144,11 @@ impl Link for Ctx<'_> {
             return Err(peer_failed(self.op, rank, failure));
         }
         let mut bufs: Vec<Vec<u8>> = (0..ws).map(|_| vec![0u8; self.comm.desc_max]).collect();
-        let peers = (0..ws).filter(|&j| j != rank);
-        let recvs: Vec<Msg> = peers
-            .clone()
-            .map(|j| Msg::new(j, bufs[j].as_mut_ptr(), self.comm.desc_max))
-            .collect();
+        let peers = self.peers();
         // Receives of `desc_max` bytes accept shorter descriptors; the actual length is the
         // descriptor's own business (it is self-delimiting), trailing zeros are ignored.
-        let sends: Vec<Msg> = peers
-            .map(|j| Msg::new(j, mine.as_ptr() as *mut u8, mine.len()))
-            .collect();
+        let recvs = Msg::each(&peers, |j| (bufs[j].as_mut_ptr(), bufs[j].len()));
+        let sends = Msg::each(&peers, |_| (mine.as_ptr() as *mut u8, mine.len()));
         let sent = self
             .post(&recvs, &sends, TAG_DESC)
             .and_then(|mut p| self.complete(&mut p));
