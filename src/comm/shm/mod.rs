@@ -30,7 +30,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use self::ops::{Comm, Ctx};
-use self::segment::{shm_dir, AbortSlot, Header, PeerMap, Segment};
+use self::segment::{shm_dir, AbortSlot, PeerMap, Segment};
 use super::bootstrap;
 use super::buffer::Post;
 use super::engine::board;
@@ -254,7 +254,7 @@ pub fn connect(
     }
     let [setup, default] = owns;
     let (setup, default) = (setup?, default?);
-    Header(setup.header()).set_arena(own_arena);
+    setup.header().set_arena(own_arena);
     store.barrier("candle-fsdp/shm/created")?;
     let setup = core.map_peers(0, setup)?;
     let default = core.map_peers(1, default)?;
