@@ -13,6 +13,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, DeviceLocation, Layout, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::comm::bootstrap::cut_reason;
 use crate::comm::{wire, Call, OpKind, ReduceOp};
 use crate::device::{with_storage_mut, Refused, StorageMut, StorageRef};
 use crate::error::{Error, Result};
@@ -253,11 +254,7 @@ pub(crate) fn shortened(name: &str) -> std::borrow::Cow<'_, str> {
     if name.len() <= 64 {
         return name.into();
     }
-    let mut cut = 48;
-    while !name.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}… ({} bytes)", &name[..cut], name.len()).into()
+    format!("{}… ({} bytes)", cut_reason(name, 48), name.len()).into()
 }
 
 /// `ranks` as operation names and errors show them: whole up to 16, else the first 8, an

@@ -155,11 +155,7 @@ impl Ctx<'_> {
                 format_args!("{have} bytes (what it holds)"),
             ));
         }
-        Ok(RawBuf {
-            ptr,
-            len,
-            dtype: like.dtype,
-        })
+        Ok(RawBuf { ptr, len, ..like })
     }
 
     /// Copies `src` into this rank's segment (growing it if needed), except the elements
@@ -226,11 +222,7 @@ impl Board for Ctx<'_> {
                 "an arena that is not mapped here, or too short",
             ))
         })?;
-        Ok(RawBuf {
-            ptr,
-            len,
-            dtype: like.dtype,
-        })
+        Ok(RawBuf { ptr, len, ..like })
     }
 
     /// Arrives at barrier `target` and waits for every rank; fails when the job was aborted
