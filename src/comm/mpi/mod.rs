@@ -31,7 +31,7 @@ use self::ops::Ctx;
 pub(crate) use self::runtime::check;
 use self::runtime::{deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
 use super::buffer::Post;
-use super::engine::group::{Collective, HostGroup, Op, Place, Transport};
+use super::engine::group::{Collective, HostGroup, Member, Op, Place, Transport};
 use super::engine::messages::{self, Link};
 use super::engine::streams::StreamComm;
 use super::wire;
@@ -96,7 +96,7 @@ pub(crate) struct Mpi {
 impl Mpi {
     /// The transport of this rank (at `place`) over a duplicate of `parent`, with its setup
     /// communicator and its default stream's.
-    fn create(rt: &'static Runtime, parent: Comm, place: Place) -> Result<(Mpi, MpiComm, MpiComm)> {
+    fn create(rt: &'static Runtime, parent: Comm, place: Place) -> Result<Member<Mpi>> {
         let base = dup(rt, parent, place, "group")?;
         let setup = dup(rt, base, place, "setup")?;
         let default = dup(rt, base, place, "stream collective")?;
@@ -153,7 +153,7 @@ impl Transport for Mpi {
         _setup: &mut MpiComm,
         op: Op<'_>,
         ranks: &[usize],
-    ) -> Result<Option<(Mpi, MpiComm, MpiComm)>> {
+    ) -> Result<Option<Member<Mpi>>> {
         let position = ranks.iter().position(|&r| r == self.place.rank);
         // SAFETY: reading link-time constants.
         let color = position.map_or(unsafe { ffi::RSMPI_UNDEFINED }, |_| 0);

@@ -34,7 +34,7 @@ use self::segment::{shm_dir, AbortSlot, PeerMap, Segment};
 use super::bootstrap;
 use super::buffer::Post;
 use super::engine::board;
-use super::engine::group::{Collective, HostGroup, Op, Place, Transport};
+use super::engine::group::{Collective, HostGroup, Member, Op, Place, Transport};
 use super::engine::run::run_process_rank;
 use super::store::TcpStore;
 use super::ProcessGroup;
@@ -141,12 +141,7 @@ impl Transport for Shm {
 
     /// Members create the sub-group's segments, map each other's, then remove their files;
     /// every rank of this group takes part in the barriers.
-    fn split(
-        &self,
-        setup: &mut Comm,
-        op: Op<'_>,
-        ranks: &[usize],
-    ) -> Result<Option<(Shm, Comm, Comm)>> {
+    fn split(&self, setup: &mut Comm, op: Op<'_>, ranks: &[usize]) -> Result<Option<Member<Shm>>> {
         let sub = ranks
             .iter()
             .position(|&r| r == self.place.rank)
