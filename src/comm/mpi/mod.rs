@@ -197,8 +197,8 @@ fn dup(rt: &Runtime, comm: Comm, place: Place, what: &str) -> Result<Comm> {
     let mut new: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
     let mut req: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
     let rc = unsafe { ffi::MPI_Comm_idup(comm.0, &mut new, &mut req) };
-    check(rc, || format!("MPI_Comm_idup ({what})"), rt.world_rank)?;
     let op = format!("MPI_Comm_idup ({what})");
+    check(rc, || op.clone(), rt.world_rank)?;
     let others: Vec<usize> = (0..place.world_size).filter(|&r| r != place.rank).collect();
     wait_all(
         rt,

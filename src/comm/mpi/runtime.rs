@@ -123,6 +123,15 @@ pub(crate) fn check(rc: c_int, call: impl FnOnce() -> String, rank: usize) -> Re
     })
 }
 
+/// Whether `req` (one of ours) completed (`MPI_Test`; a completed request is null, and tests
+/// complete again).
+fn test(req: &mut ffi::MPI_Request) -> bool {
+    let mut flag: c_int = 0;
+    // SAFETY: our own request, posted on a buffer its owner keeps alive.
+    unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+    flag != 0
+}
+
 /// `MPI_Error_string` of `code`.
 fn error_string(code: c_int) -> String {
     let mut buf = vec![0u8; 1024];
@@ -281,11 +290,10 @@ impl Runtime {
             return;
         }
         let mut control = self.control.lock();
+        let received = test(&mut control.recv);
         // SAFETY: the requests are ours, posted on live buffers (owned by `control`).
         unsafe {
-            let mut flag: c_int = 0;
-            ffi::MPI_Test(&mut control.recv, &mut flag, ffi::RSMPI_STATUS_IGNORE);
-            if flag == 0 {
+            if !received {
                 ffi::MPI_Cancel(&mut control.recv);
                 ffi::MPI_Wait(&mut control.recv, ffi::RSMPI_STATUS_IGNORE);
             }
@@ -426,14 +434,8 @@ impl Runtime {
         }
         let deadline = Instant::now() + ABORT_SEND_GRACE;
         while Instant::now() < deadline {
-            let mut all_done = true;
-            for (req, _) in control.sends.iter_mut() {
-                let mut flag: c_int = 0;
-                // SAFETY: our own requests; completed ones are MPI_REQUEST_NULL (flag = 1).
-                unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
-                all_done &= flag != 0;
-            }
-            if all_done {
+            let tested: Vec<bool> = control.sends.iter_mut().map(|(req, _)| test(req)).collect();
+            if tested.iter().all(|&done| done) {
                 break;
             }
             thread::sleep(Duration::from_micros(200));
@@ -523,10 +525,7 @@ fn pending_peers(reqs: &mut [ffi::MPI_Request], peers: &[usize]) -> Vec<usize> {
     }
     let mut missing = Vec::new();
     for (req, &peer) in reqs.iter_mut().zip(peers) {
-        let mut flag: c_int = 0;
-        // SAFETY: our own request (completed ones are MPI_REQUEST_NULL and report flag = 1).
-        unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
-        if flag == 0 && !missing.contains(&peer) {
+        if !test(req) && !missing.contains(&peer) {
             missing.push(peer);
         }
     }
