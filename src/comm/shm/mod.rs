@@ -243,12 +243,10 @@ pub fn connect(
         arenas: Arc::new(Vec::new()),
         in_place: false,
     };
-    let owns = [core.create(0), core.create(1)];
-    if let Some(Err(e)) = owns.iter().find(|r| r.is_err()) {
-        core.abort.set(rank, &e.message());
-    }
-    let [setup, default] = owns;
-    let (setup, default) = (setup?, default?);
+    let owns = core
+        .create(0)
+        .and_then(|setup| Ok((setup, core.create(1)?)));
+    let (setup, default) = owns.map_err(|e| core.stop_job(e))?;
     setup.header().set_arena(own_arena);
     store.barrier("candle-fsdp/shm/created")?;
     let setup = core.map_peers(0, setup)?;

@@ -265,10 +265,7 @@ impl Ctx<'_> {
                     .iter()
                     .map(|p| p.clone().expect("every arrived rank posted"))
                     .collect();
-                let tokens = match token {
-                    Some(_) => st.tokens[parity].clone(),
-                    None => Vec::new(),
-                };
+                let tokens = token.map_or_else(Vec::new, |_| st.tokens[parity].clone());
                 return Ok((target, posts, tokens));
             }
             let error = if let Some(failure) = self.shared.aborted() {
@@ -361,10 +358,7 @@ impl Ctx<'_> {
                 None => self.comm.cv.wait(&mut st),
             }
         }
-        match token {
-            Some(_) => st.tokens[(target % 2) as usize].clone(),
-            None => Vec::new(),
-        }
+        token.map_or_else(Vec::new, |_| st.tokens[(target % 2) as usize].clone())
     }
 
     /// A rendezvous in which this rank takes part only to report `problem`: fails on every
