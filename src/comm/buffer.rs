@@ -409,55 +409,34 @@ pub(crate) fn validate(op: &str, world_size: usize, posts: &[Post]) -> Result<()
     Ok(())
 }
 
-/// The first reason `t` cannot be posted as `which`, if any.
-pub(crate) fn check(t: &Tensor, which: &'static str) -> Option<Problem> {
-    let location = t.device().location();
-    if location != DeviceLocation::Cpu {
-        return Some(Problem::NotOnCpu {
-            which,
-            found: location,
-        });
-    }
-    check_layout(t, which)
-}
-
 /// The first reason `t` cannot be posted as `which` to a group whose buffers live on `device`
-/// (the same Candle device: on CUDA, the rank's own compute stream), if any. On
-/// [`Device::Cpu`] this is [`check`].
+/// (the same Candle device: on CUDA, the rank's own compute stream), if any: another device,
+/// not 1-D, strided, or an unsupported dtype.
 pub(crate) fn check_on(t: &Tensor, which: &'static str, device: &Device) -> Option<Problem> {
-    if device.is_cpu() {
-        return check(t, which);
+    let found = t.device().location();
+    if device.is_cpu() && found != DeviceLocation::Cpu {
+        return Some(Problem::NotOnCpu { which, found });
     }
-    if !t.device().same_device(device) {
-        let found = t.device().location();
+    if !device.is_cpu() && !t.device().same_device(device) {
         let expected = device.location();
+        let other_device = found == expected;
         return Some(Problem::WrongDevice {
             which,
             expected,
             found,
-            other_device: found == expected,
+            other_device,
         });
     }
-    check_layout(t, which)
-}
-
-/// The first reason of [`check`] and [`check_on`] past the device: not 1-D, strided, or an
-/// unsupported dtype.
-fn check_layout(t: &Tensor, which: &'static str) -> Option<Problem> {
     if t.rank() != 1 {
-        return Some(Problem::NotOneD {
-            which,
-            dims: t.rank(),
-        });
+        let dims = t.rank();
+        return Some(Problem::NotOneD { which, dims });
     }
     if !t.is_contiguous() {
         return Some(Problem::NotContiguous { which });
     }
     if !supported(t.dtype()) {
-        return Some(Problem::Dtype {
-            which,
-            dtype: t.dtype(),
-        });
+        let dtype = t.dtype();
+        return Some(Problem::Dtype { which, dtype });
     }
     None
 }
