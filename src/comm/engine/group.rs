@@ -215,18 +215,6 @@ pub(crate) struct HostGroup<T: Transport> {
     closing: Arc<AtomicBool>,
 }
 
-impl<T: Transport> std::fmt::Debug for HostGroup<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let place = self.transport.place();
-        f.debug_struct("HostGroup")
-            .field("backend", &T::BACKEND)
-            .field("rank", &place.rank)
-            .field("world_size", &place.world_size)
-            .field("timeout", &place.timeout)
-            .finish()
-    }
-}
-
 impl<T: Transport> HostGroup<T> {
     /// A group over `transport`, its setup communicator and the communicator of its default
     /// stream (whose thread starts now).
