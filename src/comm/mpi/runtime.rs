@@ -159,21 +159,16 @@ pub(crate) fn runtime() -> Result<&'static Runtime> {
 /// Name of an MPI thread level.
 fn level_name(level: c_int) -> &'static str {
     // SAFETY: reading link-time constants of the MPI library.
-    let (single, funneled, serialized, multiple) = unsafe {
-        (
-            ffi::RSMPI_THREAD_SINGLE,
-            ffi::RSMPI_THREAD_FUNNELED,
-            ffi::RSMPI_THREAD_SERIALIZED,
-            ffi::RSMPI_THREAD_MULTIPLE,
-        )
+    let levels = unsafe {
+        [
+            (ffi::RSMPI_THREAD_SINGLE, "MPI_THREAD_SINGLE"),
+            (ffi::RSMPI_THREAD_FUNNELED, "MPI_THREAD_FUNNELED"),
+            (ffi::RSMPI_THREAD_SERIALIZED, "MPI_THREAD_SERIALIZED"),
+            (ffi::RSMPI_THREAD_MULTIPLE, "MPI_THREAD_MULTIPLE"),
+        ]
     };
-    match level {
-        l if l == single => "MPI_THREAD_SINGLE",
-        l if l == funneled => "MPI_THREAD_FUNNELED",
-        l if l == serialized => "MPI_THREAD_SERIALIZED",
-        l if l == multiple => "MPI_THREAD_MULTIPLE",
-        _ => "an unknown thread level",
-    }
+    let named = levels.into_iter().find(|&(l, _)| l == level);
+    named.map_or("an unknown thread level", |(_, name)| name)
 }
 
 fn init() -> std::result::Result<Runtime, String> {
