@@ -107,6 +107,13 @@ pub(super) fn local_ip(master: &str, port: u16) -> Result<IpAddr> {
     Ok(ip)
 }
 
+/// Waits at most `ms` milliseconds for an event on `fds` (`poll(2)`; an error or a signal
+/// ends the wait like an event).
+pub(super) fn poll(fds: &mut [libc::pollfd], ms: libc::c_int) {
+    // SAFETY: `fds` is a live array of `fds.len()` pollfds.
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+}
+
 /// The first IPv4 (else IPv6) address of interface `name`.
 fn interface_ip(name: &str) -> Result<IpAddr> {
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
@@ -438,8 +445,7 @@ fn watch_control(net: Weak<Net>, mut conns: Vec<(usize, TcpStream)>) {
                 revents: 0,
             })
             .collect();
-        // SAFETY: `fds` is a live array of `fds.len()` pollfds.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 50) };
+        poll(&mut fds, 50);
         // Gone once the `Net` is dropped.
         let Some(net) = net.upgrade() else { return };
         for (i, fd) in fds.iter().enumerate() {
@@ -516,19 +522,17 @@ pub(super) fn mesh(
         conns[j] = Some(s);
     }
     for (j, conn) in conns.iter_mut().enumerate().skip(me + 1) {
-        match net.take(key, members[j], deadline) {
-            Some(s) => *conn = Some(s),
-            None => {
-                if let Some(failure) = net.failure() {
-                    let op = format_args!("tcp connection setup ({key})");
-                    return Err(peer_failed(op, net.rank, failure));
-                }
-                return Err(Error::InvalidArgument(format!(
-                    "tcp backend: rank {} (job rank) got no connection from rank {} ({}) for \
-                     {key} in time",
-                    net.rank, members[j], net.addrs[members[j]]
-                )));
+        *conn = net.take(key, members[j], deadline);
+        if conn.is_none() {
+            if let Some(failure) = net.failure() {
+                let op = format_args!("tcp connection setup ({key})");
+                return Err(peer_failed(op, net.rank, failure));
             }
+            return Err(Error::InvalidArgument(format!(
+                "tcp backend: rank {} (job rank) got no connection from rank {} ({}) for {key} \
+                 in time",
+                net.rank, members[j], net.addrs[members[j]]
+            )));
         }
     }
     for s in conns.iter().flatten() {

@@ -196,14 +196,7 @@ impl Ctx<'_> {
                 })
                 .collect();
             let wait = (deadline - now).min(Duration::from_millis(50));
-            // SAFETY: `fds` is a live array of `fds.len()` pollfds.
-            unsafe {
-                libc::poll(
-                    fds.as_mut_ptr(),
-                    fds.len() as libc::nfds_t,
-                    wait.as_millis().max(1) as libc::c_int,
-                )
-            };
+            super::net::poll(&mut fds, wait.as_millis().max(1) as libc::c_int);
         }
     }
 }
