@@ -107,13 +107,9 @@ pub(crate) trait Link: Operation {
 /// Decodes every rank's descriptor (`descs[j]`, this rank's own included) and validates them
 /// all: the same verdict on every rank.
 pub(crate) fn decode_and_validate(op: &str, rank: usize, descs: &[Vec<u8>]) -> Result<()> {
-    let mut posts = Vec::with_capacity(descs.len());
-    for (j, d) in descs.iter().enumerate() {
-        let Some(p) = wire::decode(d) else {
-            return Err(unreadable(op, j, rank));
-        };
-        posts.push(p);
-    }
+    let posts = (descs.iter().enumerate())
+        .map(|(j, d)| wire::decode(d).ok_or_else(|| unreadable(op, j, rank)))
+        .collect::<Result<Vec<_>>>()?;
     validate(op, descs.len(), &posts)
 }
 
@@ -285,12 +281,7 @@ fn reduce_exchange<L: Link>(
 ) -> Result<()> {
     let es = into.dtype.size_in_bytes();
     let seg = (L::SEGMENT_BYTES / es).max(1);
-    let longest = sends
-        .iter()
-        .map(|s| s.2)
-        .chain(std::iter::once(into.elems))
-        .max()
-        .unwrap_or(0);
+    let longest = sends.iter().map(|s| s.2).fold(into.elems, usize::max);
     let rounds = longest.div_ceil(seg);
     let (ws, rank) = (link.world_size(), link.rank());
     let stride = (seg * es).div_ceil(8) * 8;
@@ -323,10 +314,7 @@ fn reduce_exchange<L: Link>(
             .collect();
         link.start(&sends, &recvs)
     };
-    let mut next = match rounds > 0 {
-        true => Some(start_round(link, 0)?),
-        false => None,
-    };
+    let mut next = (rounds > 0).then(|| start_round(link, 0)).transpose()?;
     for k in 0..rounds {
         let current = next.take().expect("round k was started");
         link.finish(current)?;
