@@ -266,12 +266,8 @@ pub fn connect(
     }
     // A peer whose process this one cannot see (another PID namespace sharing /dev/shm) is
     // not watched: 0 (its failures still arrive through the abort slot and the timeout).
-    let pids = (0..world_size)
-        .map(|j| {
-            setup.peers[j]
-                .as_ref()
-                .map_or(std::process::id(), |p| p.pid)
-        })
+    let pids = (setup.peers.iter())
+        .map(|p| p.as_ref().map_or(std::process::id(), |p| p.pid))
         .map(|pid| if segment::alive(pid) { pid } else { 0 })
         .collect();
     let core = Shm {

@@ -302,38 +302,32 @@ impl Header {
         })
     }
 
+    /// The descriptor slot of `generation`'s parity: its first byte and its length word.
+    fn desc_slot(&self, generation: u64) -> (*mut u8, &AtomicU64) {
+        let parity = (generation % 2) as usize;
+        let at = self.0.wrapping_add(DESC + parity * DESC_MAX);
+        (at, self.word(DESC_LEN + 8 * parity))
+    }
+
     /// Writes `desc` into the slot of `generation`'s parity (before [`Header::arrive`]).
     pub(super) fn write_desc(&self, generation: u64, desc: &[u8]) {
-        let parity = (generation % 2) as usize;
+        let (at, len) = self.desc_slot(generation);
         assert!(desc.len() <= DESC_MAX, "descriptor checked by the caller");
         // SAFETY: the slot lies in the header; only this rank writes it, and peers read it only
         // after seeing the arrival that follows (double-buffered by parity, as the thread
         // backend's posts: a peer reads slot `g % 2` before arriving at `g + 1`, and this rank
         // reaches `g + 2` only after that).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                desc.as_ptr(),
-                self.0.add(DESC + parity * DESC_MAX),
-                desc.len(),
-            )
-        };
-        self.word(DESC_LEN + 8 * parity)
-            .store(desc.len() as u64, Ordering::Relaxed);
+        unsafe { std::ptr::copy_nonoverlapping(desc.as_ptr(), at, desc.len()) };
+        len.store(desc.len() as u64, Ordering::Relaxed);
     }
 
     /// A copy of the descriptor of `generation` (after seeing the arrival).
     pub(super) fn read_desc(&self, generation: u64) -> Vec<u8> {
-        let parity = (generation % 2) as usize;
-        let len = (self.word(DESC_LEN + 8 * parity).load(Ordering::Relaxed) as usize).min(DESC_MAX);
+        let (at, stored) = self.desc_slot(generation);
+        let len = (stored.load(Ordering::Relaxed) as usize).min(DESC_MAX);
         let mut out = vec![0u8; len];
         // SAFETY: in the header; stable until this rank arrives at the next generation.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.0.add(DESC + parity * DESC_MAX),
-                out.as_mut_ptr(),
-                len,
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(at, out.as_mut_ptr(), len) };
         out
     }
 }
