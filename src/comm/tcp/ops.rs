@@ -158,9 +158,7 @@ impl Ctx<'_> {
                     })?;
                     Ok::<(), String>(())
                 })();
-                if let Err(what) = broke {
-                    return Err(self.gone(j, Some(&what)));
-                }
+                broke.map_err(|what| self.gone(j, Some(&what)))?;
             }
             let busy: Vec<usize> = (0..ws)
                 .filter(|&j| !sq[j].is_empty() || !rq[j].is_empty())
