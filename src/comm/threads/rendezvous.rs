@@ -65,10 +65,6 @@ impl Communicator {
         }
     }
 
-    pub(super) fn name(&self) -> &str {
-        &self.name
-    }
-
     /// Marks `rank`'s thread of this communicator as gone and wakes the waiters.
     pub(super) fn finish(&self, rank: usize) {
         let mut st = self.state.lock();
@@ -350,7 +346,7 @@ impl Ctx<'_> {
                         tracing::warn!(
                             op = self.op,
                             rank = self.rank,
-                            stream = self.comm.name(),
+                            stream = self.comm.name.as_str(),
                             "peers slow to finish the copy phase; still waiting"
                         );
                     }
