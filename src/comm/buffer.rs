@@ -13,6 +13,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, DeviceLocation, Layout, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::comm::bootstrap::cut_reason;
 use crate::comm::{wire, Call, OpKind, ReduceOp};
 use crate::device::{with_storage_mut, Refused, StorageMut, StorageRef};
 use crate::error::{Error, Result};
@@ -253,11 +254,7 @@ pub(crate) fn shortened(name: &str) -> std::borrow::Cow<'_, str> {
     if name.len() <= 64 {
         return name.into();
     }
-    let mut cut = 48;
-    while !name.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}… ({} bytes)", &name[..cut], name.len()).into()
+    format!("{}… ({} bytes)", cut_reason(name, 48), name.len()).into()
 }
 
 /// `ranks` as operation names and errors show them: whole up to 16, else the first 8, an
@@ -412,55 +409,34 @@ pub(crate) fn validate(op: &str, world_size: usize, posts: &[Post]) -> Result<()
     Ok(())
 }
 
-/// The first reason `t` cannot be posted as `which`, if any.
-pub(crate) fn check(t: &Tensor, which: &'static str) -> Option<Problem> {
-    let location = t.device().location();
-    if location != DeviceLocation::Cpu {
-        return Some(Problem::NotOnCpu {
-            which,
-            found: location,
-        });
-    }
-    check_layout(t, which)
-}
-
 /// The first reason `t` cannot be posted as `which` to a group whose buffers live on `device`
-/// (the same Candle device: on CUDA, the rank's own compute stream), if any. On
-/// [`Device::Cpu`] this is [`check`].
+/// (the same Candle device: on CUDA, the rank's own compute stream), if any: another device,
+/// not 1-D, strided, or an unsupported dtype.
 pub(crate) fn check_on(t: &Tensor, which: &'static str, device: &Device) -> Option<Problem> {
-    if device.is_cpu() {
-        return check(t, which);
+    let found = t.device().location();
+    if device.is_cpu() && found != DeviceLocation::Cpu {
+        return Some(Problem::NotOnCpu { which, found });
     }
-    if !t.device().same_device(device) {
-        let found = t.device().location();
+    if !device.is_cpu() && !t.device().same_device(device) {
         let expected = device.location();
+        let other_device = found == expected;
         return Some(Problem::WrongDevice {
             which,
             expected,
             found,
-            other_device: found == expected,
+            other_device,
         });
     }
-    check_layout(t, which)
-}
-
-/// The first reason of [`check`] and [`check_on`] past the device: not 1-D, strided, or an
-/// unsupported dtype.
-fn check_layout(t: &Tensor, which: &'static str) -> Option<Problem> {
     if t.rank() != 1 {
-        return Some(Problem::NotOneD {
-            which,
-            dims: t.rank(),
-        });
+        let dims = t.rank();
+        return Some(Problem::NotOneD { which, dims });
     }
     if !t.is_contiguous() {
         return Some(Problem::NotContiguous { which });
     }
     if !supported(t.dtype()) {
-        return Some(Problem::Dtype {
-            which,
-            dtype: t.dtype(),
-        });
+        let dtype = t.dtype();
+        return Some(Problem::Dtype { which, dtype });
     }
     None
 }

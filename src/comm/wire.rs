@@ -102,11 +102,7 @@ mod tests {
             len: 1000,
             dtype: DType::BF16,
         });
-        p.output = Some(RawBuf {
-            ptr: std::ptr::null_mut(),
-            len: 500,
-            dtype: DType::BF16,
-        });
+        p.output = p.input.map(|input| RawBuf { len: 500, ..input });
         p.op = Some(ReduceOp::Avg);
         p.problem = Some(Problem::NotOneD {
             which: "output",

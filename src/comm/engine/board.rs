@@ -113,10 +113,11 @@ pub(crate) fn run<B: Board>(
                 let exposed = srcs[rank];
                 let (start, n) = chunk(mine.len, ws, rank);
                 let ptrs: Vec<_> = srcs.iter().map(|&s| at(s, start)).collect();
+                let ptr = exposed.ptr.wrapping_add(start * es);
                 let out = RawBuf {
-                    ptr: exposed.ptr.wrapping_add(start * es),
+                    ptr,
                     len: n,
-                    dtype: exposed.dtype,
+                    ..exposed
                 };
                 // SAFETY: validated posts; in phase A rank r reads chunk r of every readable
                 // buffer and writes chunk r of its own (exactly one of the sources), which no

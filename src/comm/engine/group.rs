@@ -59,6 +59,12 @@ pub(crate) trait Operation {
     fn world_size(&self) -> usize;
     /// Sequence number of the operation.
     fn seq(&self) -> u64;
+
+    /// The other ranks of the group, in rank order.
+    fn peers(&self) -> Vec<usize> {
+        let rank = self.rank();
+        (0..self.world_size()).filter(|&j| j != rank).collect()
+    }
 }
 
 /// Operation `op` of transport `core` on its communicator `comm`: the context the shm, TCP and
@@ -207,18 +213,6 @@ pub(crate) struct HostGroup<T: Transport> {
     observer: Mutex<Option<Arc<dyn CommObserver>>>,
     /// Set when the handle is dropped: each stream thread then leaves its communicator.
     closing: Arc<AtomicBool>,
-}
-
-impl<T: Transport> std::fmt::Debug for HostGroup<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let place = self.transport.place();
-        f.debug_struct("HostGroup")
-            .field("backend", &T::BACKEND)
-            .field("rank", &place.rank)
-            .field("world_size", &place.world_size)
-            .field("timeout", &place.timeout)
-            .finish()
-    }
 }
 
 impl<T: Transport> HostGroup<T> {

@@ -55,6 +55,15 @@ impl Msg {
     pub(crate) fn new(peer: usize, ptr: *mut u8, len: usize) -> Msg {
         Msg { peer, ptr, len }
     }
+
+    /// One message to or from each of `peers`: `at(j)` is the address and length of peer `j`'s.
+    pub(crate) fn each(peers: &[usize], mut at: impl FnMut(usize) -> (*mut u8, usize)) -> Vec<Msg> {
+        let msg = |j| {
+            let (ptr, len) = at(j);
+            Msg::new(j, ptr, len)
+        };
+        peers.iter().copied().map(msg).collect()
+    }
 }
 
 /// One rank's messages on one communicator, for one operation: what a message-passing
@@ -98,13 +107,9 @@ pub(crate) trait Link: Operation {
 /// Decodes every rank's descriptor (`descs[j]`, this rank's own included) and validates them
 /// all: the same verdict on every rank.
 pub(crate) fn decode_and_validate(op: &str, rank: usize, descs: &[Vec<u8>]) -> Result<()> {
-    let mut posts = Vec::with_capacity(descs.len());
-    for (j, d) in descs.iter().enumerate() {
-        let Some(p) = wire::decode(d) else {
-            return Err(unreadable(op, j, rank));
-        };
-        posts.push(p);
-    }
+    let posts = (descs.iter().enumerate())
+        .map(|(j, d)| wire::decode(d).ok_or_else(|| unreadable(op, j, rank)))
+        .collect::<Result<Vec<_>>>()?;
     validate(op, descs.len(), &posts)
 }
 
@@ -156,28 +161,19 @@ pub(crate) fn run<L: Link>(
     result
 }
 
-/// The peers of this rank, in rank order.
-fn peers<L: Link>(link: &L) -> Vec<usize> {
-    let rank = link.rank();
-    (0..link.world_size()).filter(|&j| j != rank).collect()
-}
-
 fn all_gather<L: Link>(link: &mut L, src: RawBuf, out: RawBuf) -> Result<()> {
     let bytes = src.len * src.dtype.size_in_bytes();
     // SAFETY: validated posts: `out` holds ws * src.len elements, distinct from `src`.
     unsafe { std::ptr::copy_nonoverlapping(src.ptr, out.ptr.add(link.rank() * bytes), bytes) };
-    let peers = peers(link);
-    let sends: Vec<Msg> = peers.iter().map(|&j| Msg::new(j, src.ptr, bytes)).collect();
-    let recvs: Vec<Msg> = peers
-        .iter()
-        .map(|&j| Msg::new(j, out.ptr.wrapping_add(j * bytes), bytes))
-        .collect();
+    let peers = link.peers();
+    let sends = Msg::each(&peers, |_| (src.ptr, bytes));
+    let recvs = Msg::each(&peers, |j| (out.ptr.wrapping_add(j * bytes), bytes));
     link.transfer(&sends, &recvs)
 }
 
 fn reduce_scatter<L: Link>(link: &mut L, src: RawBuf, out: RawBuf, op: ReduceOp) -> Result<()> {
     let (n, es) = (out.len, out.dtype.size_in_bytes());
-    let peers = peers(link);
+    let peers = link.peers();
     let sends: Vec<Share> = peers
         .iter()
         .map(|&j| (j, src.ptr.wrapping_add(j * n * es) as *const u8, n))
@@ -197,7 +193,7 @@ fn all_reduce<L: Link>(link: &mut L, mine: RawBuf, op: ReduceOp) -> Result<()> {
     let es = mine.dtype.size_in_bytes();
     let (ws, rank) = (link.world_size(), link.rank());
     let (my_start, my_n) = chunk(mine.len, ws, rank);
-    let peers = peers(link);
+    let peers = link.peers();
     let at = |start: usize| mine.ptr.wrapping_add(start * es);
     // Phase 1: reduce-scatter of the chunks, in place.
     let sends: Vec<Share> = peers
@@ -217,24 +213,19 @@ fn all_reduce<L: Link>(link: &mut L, mine: RawBuf, op: ReduceOp) -> Result<()> {
     };
     reduce_exchange(link, &sends, &peers, into)?;
     // Phase 2: all-gather of the reduced chunks.
-    let msg = |peer, (start, n): (usize, usize)| Msg::new(peer, at(start), n * es);
-    let recvs: Vec<Msg> = peers
-        .iter()
-        .map(|&j| msg(j, chunk(mine.len, ws, j)))
-        .collect();
-    let sends: Vec<Msg> = peers.iter().map(|&j| msg(j, (my_start, my_n))).collect();
+    let recvs = Msg::each(&peers, |j| {
+        let (start, n) = chunk(mine.len, ws, j);
+        (at(start), n * es)
+    });
+    let sends = Msg::each(&peers, |_| (at(my_start), my_n * es));
     link.transfer(&sends, &recvs)
 }
 
 fn broadcast<L: Link>(link: &mut L, mine: RawBuf, root: usize) -> Result<()> {
-    let len = mine.len * mine.dtype.size_in_bytes();
-    let msg = |peer| Msg::new(peer, mine.ptr, len);
+    let whole = |_| (mine.ptr, mine.len * mine.dtype.size_in_bytes());
     match link.rank() == root {
-        true => {
-            let sends: Vec<Msg> = peers(link).into_iter().map(msg).collect();
-            link.transfer(&sends, &[])
-        }
-        false => link.transfer(&[], &[msg(root)]),
+        true => link.transfer(&Msg::each(&link.peers(), whole), &[]),
+        false => link.transfer(&[], &Msg::each(&[root], whole)),
     }
 }
 
@@ -248,7 +239,7 @@ fn reduce<L: Link>(link: &mut L, mine: RawBuf, root: usize, op: ReduceOp) -> Res
     };
     match link.rank() == root {
         true => {
-            let peers = peers(link);
+            let peers = link.peers();
             reduce_exchange(link, &[], &peers, into(mine.len))
         }
         false => reduce_exchange(
@@ -290,12 +281,7 @@ fn reduce_exchange<L: Link>(
 ) -> Result<()> {
     let es = into.dtype.size_in_bytes();
     let seg = (L::SEGMENT_BYTES / es).max(1);
-    let longest = sends
-        .iter()
-        .map(|s| s.2)
-        .chain(std::iter::once(into.elems))
-        .max()
-        .unwrap_or(0);
+    let longest = sends.iter().map(|s| s.2).fold(into.elems, usize::max);
     let rounds = longest.div_ceil(seg);
     let (ws, rank) = (link.world_size(), link.rank());
     let stride = (seg * es).div_ceil(8) * 8;
@@ -328,10 +314,7 @@ fn reduce_exchange<L: Link>(
             .collect();
         link.start(&sends, &recvs)
     };
-    let mut next = match rounds > 0 {
-        true => Some(start_round(link, 0)?),
-        false => None,
-    };
+    let mut next = (rounds > 0).then(|| start_round(link, 0)).transpose()?;
     for k in 0..rounds {
         let current = next.take().expect("round k was started");
         link.finish(current)?;

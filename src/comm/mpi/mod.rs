@@ -31,7 +31,7 @@ use self::ops::Ctx;
 pub(crate) use self::runtime::check;
 use self::runtime::{deadline_after, runtime, wait_all, Comm, Runtime, WaitFor};
 use super::buffer::Post;
-use super::engine::group::{Collective, HostGroup, Op, Place, Transport};
+use super::engine::group::{Collective, HostGroup, Member, Op, Place, Transport};
 use super::engine::messages::{self, Link};
 use super::engine::streams::StreamComm;
 use super::wire;
@@ -96,7 +96,7 @@ pub(crate) struct Mpi {
 impl Mpi {
     /// The transport of this rank (at `place`) over a duplicate of `parent`, with its setup
     /// communicator and its default stream's.
-    fn create(rt: &'static Runtime, parent: Comm, place: Place) -> Result<(Mpi, MpiComm, MpiComm)> {
+    fn create(rt: &'static Runtime, parent: Comm, place: Place) -> Result<Member<Mpi>> {
         let base = dup(rt, parent, place, "group")?;
         let setup = dup(rt, base, place, "setup")?;
         let default = dup(rt, base, place, "stream collective")?;
@@ -153,7 +153,7 @@ impl Transport for Mpi {
         _setup: &mut MpiComm,
         op: Op<'_>,
         ranks: &[usize],
-    ) -> Result<Option<(Mpi, MpiComm, MpiComm)>> {
+    ) -> Result<Option<Member<Mpi>>> {
         let position = ranks.iter().position(|&r| r == self.place.rank);
         // SAFETY: reading link-time constants.
         let color = position.map_or(unsafe { ffi::RSMPI_UNDEFINED }, |_| 0);
@@ -197,8 +197,8 @@ fn dup(rt: &Runtime, comm: Comm, place: Place, what: &str) -> Result<Comm> {
     let mut new: ffi::MPI_Comm = unsafe { std::mem::zeroed() };
     let mut req: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
     let rc = unsafe { ffi::MPI_Comm_idup(comm.0, &mut new, &mut req) };
-    check(rc, || format!("MPI_Comm_idup ({what})"), rt.world_rank)?;
     let op = format!("MPI_Comm_idup ({what})");
+    check(rc, || op.clone(), rt.world_rank)?;
     let others: Vec<usize> = (0..place.world_size).filter(|&r| r != place.rank).collect();
     wait_all(
         rt,

@@ -61,44 +61,16 @@ impl Ctx<'_> {
                 // forever if it gives up.
                 let rc = unsafe {
                     let ptr = m.ptr.add(off);
-                    if is_send {
-                        ffi::MPI_Isend(
-                            ptr as *const _,
-                            len as c_int,
-                            ffi::RSMPI_UINT8_T,
-                            m.peer as c_int,
-                            tag,
-                            self.comm.comm.0,
-                            &mut req,
-                        )
-                    } else {
-                        ffi::MPI_Irecv(
-                            ptr.cast(),
-                            len as c_int,
-                            ffi::RSMPI_UINT8_T,
-                            m.peer as c_int,
-                            tag,
-                            self.comm.comm.0,
-                            &mut req,
-                        )
+                    let (n, peer, comm) = (len as c_int, m.peer as c_int, self.comm.comm.0);
+                    let byte = ffi::RSMPI_UINT8_T;
+                    match is_send {
+                        true => ffi::MPI_Isend(ptr as *const _, n, byte, peer, tag, comm, &mut req),
+                        false => ffi::MPI_Irecv(ptr.cast(), n, byte, peer, tag, comm, &mut req),
                     }
                 };
-                let checked = check(
-                    rc,
-                    || {
-                        format!(
-                            "{} to rank {} ({})",
-                            if is_send { "MPI_Isend" } else { "MPI_Irecv" },
-                            m.peer,
-                            self.op
-                        )
-                    },
-                    self.core.rt.world_rank,
-                );
-                if let Err(e) = checked {
-                    self.core.rt.poison();
-                    return Err(e);
-                }
+                let call = if is_send { "MPI_Isend" } else { "MPI_Irecv" };
+                let what = || format!("{call} to rank {} ({})", m.peer, self.op);
+                check(rc, what, self.core.rt.world_rank).inspect_err(|_| self.core.rt.poison())?;
                 p.reqs.push(req);
                 p.peers.push(m.peer);
                 off += len;
@@ -144,16 +116,11 @@ impl Link for Ctx<'_> {
             return Err(peer_failed(self.op, rank, failure));
         }
         let mut bufs: Vec<Vec<u8>> = (0..ws).map(|_| vec![0u8; self.comm.desc_max]).collect();
-        let peers = (0..ws).filter(|&j| j != rank);
-        let recvs: Vec<Msg> = peers
-            .clone()
-            .map(|j| Msg::new(j, bufs[j].as_mut_ptr(), self.comm.desc_max))
-            .collect();
+        let peers = self.peers();
         // Receives of `desc_max` bytes accept shorter descriptors; the actual length is the
         // descriptor's own business (it is self-delimiting), trailing zeros are ignored.
-        let sends: Vec<Msg> = peers
-            .map(|j| Msg::new(j, mine.as_ptr() as *mut u8, mine.len()))
-            .collect();
+        let recvs = Msg::each(&peers, |j| (bufs[j].as_mut_ptr(), bufs[j].len()));
+        let sends = Msg::each(&peers, |_| (mine.as_ptr() as *mut u8, mine.len()));
         let sent = self
             .post(&recvs, &sends, TAG_DESC)
             .and_then(|mut p| self.complete(&mut p));

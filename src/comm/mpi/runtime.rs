@@ -123,6 +123,15 @@ pub(crate) fn check(rc: c_int, call: impl FnOnce() -> String, rank: usize) -> Re
     })
 }
 
+/// Whether `req` (one of ours) completed (`MPI_Test`; a completed request is null, and tests
+/// complete again).
+fn test(req: &mut ffi::MPI_Request) -> bool {
+    let mut flag: c_int = 0;
+    // SAFETY: our own request, posted on a buffer its owner keeps alive.
+    unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+    flag != 0
+}
+
 /// `MPI_Error_string` of `code`.
 fn error_string(code: c_int) -> String {
     let mut buf = vec![0u8; 1024];
@@ -150,21 +159,16 @@ pub(crate) fn runtime() -> Result<&'static Runtime> {
 /// Name of an MPI thread level.
 fn level_name(level: c_int) -> &'static str {
     // SAFETY: reading link-time constants of the MPI library.
-    let (single, funneled, serialized, multiple) = unsafe {
-        (
-            ffi::RSMPI_THREAD_SINGLE,
-            ffi::RSMPI_THREAD_FUNNELED,
-            ffi::RSMPI_THREAD_SERIALIZED,
-            ffi::RSMPI_THREAD_MULTIPLE,
-        )
+    let levels = unsafe {
+        [
+            (ffi::RSMPI_THREAD_SINGLE, "MPI_THREAD_SINGLE"),
+            (ffi::RSMPI_THREAD_FUNNELED, "MPI_THREAD_FUNNELED"),
+            (ffi::RSMPI_THREAD_SERIALIZED, "MPI_THREAD_SERIALIZED"),
+            (ffi::RSMPI_THREAD_MULTIPLE, "MPI_THREAD_MULTIPLE"),
+        ]
     };
-    match level {
-        l if l == single => "MPI_THREAD_SINGLE",
-        l if l == funneled => "MPI_THREAD_FUNNELED",
-        l if l == serialized => "MPI_THREAD_SERIALIZED",
-        l if l == multiple => "MPI_THREAD_MULTIPLE",
-        _ => "an unknown thread level",
-    }
+    let named = levels.into_iter().find(|&(l, _)| l == level);
+    named.map_or("an unknown thread level", |(_, name)| name)
 }
 
 fn init() -> std::result::Result<Runtime, String> {
@@ -281,11 +285,10 @@ impl Runtime {
             return;
         }
         let mut control = self.control.lock();
+        let received = test(&mut control.recv);
         // SAFETY: the requests are ours, posted on live buffers (owned by `control`).
         unsafe {
-            let mut flag: c_int = 0;
-            ffi::MPI_Test(&mut control.recv, &mut flag, ffi::RSMPI_STATUS_IGNORE);
-            if flag == 0 {
+            if !received {
                 ffi::MPI_Cancel(&mut control.recv);
                 ffi::MPI_Wait(&mut control.recv, ffi::RSMPI_STATUS_IGNORE);
             }
@@ -426,14 +429,8 @@ impl Runtime {
         }
         let deadline = Instant::now() + ABORT_SEND_GRACE;
         while Instant::now() < deadline {
-            let mut all_done = true;
-            for (req, _) in control.sends.iter_mut() {
-                let mut flag: c_int = 0;
-                // SAFETY: our own requests; completed ones are MPI_REQUEST_NULL (flag = 1).
-                unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
-                all_done &= flag != 0;
-            }
-            if all_done {
+            let tested: Vec<bool> = control.sends.iter_mut().map(|(req, _)| test(req)).collect();
+            if tested.iter().all(|&done| done) {
                 break;
             }
             thread::sleep(Duration::from_micros(200));
@@ -523,10 +520,7 @@ fn pending_peers(reqs: &mut [ffi::MPI_Request], peers: &[usize]) -> Vec<usize> {
     }
     let mut missing = Vec::new();
     for (req, &peer) in reqs.iter_mut().zip(peers) {
-        let mut flag: c_int = 0;
-        // SAFETY: our own request (completed ones are MPI_REQUEST_NULL and report flag = 1).
-        unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
-        if flag == 0 && !missing.contains(&peer) {
+        if !test(req) && !missing.contains(&peer) {
             missing.push(peer);
         }
     }

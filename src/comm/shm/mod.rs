@@ -30,11 +30,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use self::ops::{Comm, Ctx};
-use self::segment::{shm_dir, AbortSlot, Header, PeerMap, Segment};
+use self::segment::{shm_dir, AbortSlot, PeerMap, Segment};
 use super::bootstrap;
 use super::buffer::Post;
 use super::engine::board;
-use super::engine::group::{Collective, HostGroup, Op, Place, Transport};
+use super::engine::group::{Collective, HostGroup, Member, Op, Place, Transport};
 use super::engine::run::run_process_rank;
 use super::store::TcpStore;
 use super::ProcessGroup;
@@ -141,12 +141,7 @@ impl Transport for Shm {
 
     /// Members create the sub-group's segments, map each other's, then remove their files;
     /// every rank of this group takes part in the barriers.
-    fn split(
-        &self,
-        setup: &mut Comm,
-        op: Op<'_>,
-        ranks: &[usize],
-    ) -> Result<Option<(Shm, Comm, Comm)>> {
+    fn split(&self, setup: &mut Comm, op: Op<'_>, ranks: &[usize]) -> Result<Option<Member<Shm>>> {
         let sub = ranks
             .iter()
             .position(|&r| r == self.place.rank)
@@ -248,13 +243,11 @@ pub fn connect(
         arenas: Arc::new(Vec::new()),
         in_place: false,
     };
-    let owns = [core.create(0), core.create(1)];
-    if let Some(Err(e)) = owns.iter().find(|r| r.is_err()) {
-        core.abort.set(rank, &e.message());
-    }
-    let [setup, default] = owns;
-    let (setup, default) = (setup?, default?);
-    Header(setup.header()).set_arena(own_arena);
+    let owns = core
+        .create(0)
+        .and_then(|setup| Ok((setup, core.create(1)?)));
+    let (setup, default) = owns.map_err(|e| core.stop_job(e))?;
+    setup.header().set_arena(own_arena);
     store.barrier("candle-fsdp/shm/created")?;
     let setup = core.map_peers(0, setup)?;
     let default = core.map_peers(1, default)?;
@@ -273,12 +266,8 @@ pub fn connect(
     }
     // A peer whose process this one cannot see (another PID namespace sharing /dev/shm) is
     // not watched: 0 (its failures still arrive through the abort slot and the timeout).
-    let pids = (0..world_size)
-        .map(|j| {
-            setup.peers[j]
-                .as_ref()
-                .map_or(std::process::id(), |p| p.pid)
-        })
+    let pids = (setup.peers.iter())
+        .map(|p| p.as_ref().map_or(std::process::id(), |p| p.pid))
         .map(|pid| if segment::alive(pid) { pid } else { 0 })
         .collect();
     let core = Shm {

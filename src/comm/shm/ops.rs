@@ -32,8 +32,8 @@ pub(crate) struct Comm {
 impl Comm {
     pub(super) fn header(&self, j: usize) -> Header {
         match &self.peers[j] {
-            Some(p) => Header(p.header()),
-            None => Header(self.own.header()),
+            Some(p) => p.header(),
+            None => self.own.header(),
         }
     }
 }
@@ -51,16 +51,18 @@ pub(super) type Ctx<'a> = OpCtx<'a, Shm>;
 impl Ctx<'_> {
     /// Arrives at the barrier after this rank's last one and waits for every rank to arrive.
     pub(super) fn sync_next(&self) -> Result<()> {
-        self.arrive_and_wait(self.comm.header(self.rank()).arrivals() + 1)
+        let target = self.comm.header(self.rank()).arrivals() + 1;
+        self.arrive_and_wait(target).map(|_| ())
     }
 
-    /// Arrives at `target` and waits for every rank to arrive.
-    fn arrive_and_wait(&self, target: u64) -> Result<()> {
+    /// Arrives at `target` and waits for every rank to arrive; returns every rank's header.
+    fn arrive_and_wait(&self, target: u64) -> Result<Vec<Header>> {
         let headers: Vec<Header> = (0..self.world_size())
             .map(|j| self.comm.header(j))
             .collect();
         headers[self.rank()].arrive(target);
-        self.wait(&headers, target)
+        self.wait(&headers, target)?;
+        Ok(headers)
     }
 
     /// Waits until every rank of `headers` arrived at `target`: yields the core for
@@ -127,14 +129,10 @@ impl Ctx<'_> {
         if let Some(failure) = self.core.abort.get() {
             return Err(peer_failed(self.op, self.rank(), failure));
         }
-        let headers: Vec<Header> = (0..self.world_size())
-            .map(|j| self.comm.header(j))
-            .collect();
-        let me = headers[self.rank()];
+        let me = self.comm.header(self.rank());
         let target = me.arrivals() + 1;
         me.write_desc(target, &desc);
-        me.arrive(target);
-        self.wait(&headers, target)?;
+        let headers = self.arrive_and_wait(target)?;
         let descs: Vec<Vec<u8>> = headers.iter().map(|h| h.read_desc(target)).collect();
         let refreshed = (self.comm.peers.iter_mut().flatten()).try_for_each(|p| p.refresh());
         refreshed.map_err(|e| self.core.stop_job(e))?;
@@ -157,11 +155,7 @@ impl Ctx<'_> {
                 format_args!("{have} bytes (what it holds)"),
             ));
         }
-        Ok(RawBuf {
-            ptr,
-            len,
-            dtype: like.dtype,
-        })
+        Ok(RawBuf { ptr, len, ..like })
     }
 
     /// Copies `src` into this rank's segment (growing it if needed), except the elements
@@ -228,11 +222,7 @@ impl Board for Ctx<'_> {
                 "an arena that is not mapped here, or too short",
             ))
         })?;
-        Ok(RawBuf {
-            ptr,
-            len,
-            dtype: like.dtype,
-        })
+        Ok(RawBuf { ptr, len, ..like })
     }
 
     /// Arrives at barrier `target` and waits for every rank; fails when the job was aborted

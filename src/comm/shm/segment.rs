@@ -96,6 +96,11 @@ fn map(file: &File, path: &Path, len: usize) -> Result<MmapRaw> {
         .map_err(|e| io_error("cannot map", path, e))
 }
 
+/// Opens the existing file at `path` for reading and writing (`what` names it in the error).
+fn open(path: &Path, what: &str) -> Result<File> {
+    (OpenOptions::new().read(true).write(true).open(path)).map_err(|e| io_error(what, path, e))
+}
+
 /// Creates the file at `path` (which must not exist; mode 0600), reserves `bytes` in it and
 /// maps them; on a failure after the file exists, removes it.
 fn create_mapped(path: &Path, bytes: usize) -> Result<(File, MmapRaw)> {
@@ -116,11 +121,10 @@ fn create_mapped(path: &Path, bytes: usize) -> Result<(File, MmapRaw)> {
     }
 }
 
-/// This rank's segment of one communicator.
+/// This rank's segment of one communicator (its data area is what is mapped past the header).
 pub(super) struct Segment {
     file: File,
     map: MmapRaw,
-    capacity: usize,
     path: PathBuf,
 }
 
@@ -129,22 +133,11 @@ impl Segment {
     /// this process's id into the header.
     pub(super) fn create(path: PathBuf) -> Result<Segment> {
         let (file, map) = create_mapped(&path, HEADER_BYTES + INITIAL_CAPACITY)?;
-        let seg = Segment {
-            file,
-            map,
-            capacity: INITIAL_CAPACITY,
-            path,
-        };
-        seg.word(PID)
-            .store(u64::from(std::process::id()), Ordering::Relaxed);
-        seg.word(CAPACITY)
-            .store(INITIAL_CAPACITY as u64, Ordering::Release);
+        let seg = Segment { file, map, path };
+        let header = seg.header();
+        (header.word(PID)).store(u64::from(std::process::id()), Ordering::Relaxed);
+        (header.word(CAPACITY)).store(INITIAL_CAPACITY as u64, Ordering::Release);
         Ok(seg)
-    }
-
-    fn word(&self, off: usize) -> &AtomicU64 {
-        // SAFETY: the mapping is at least HEADER_BYTES long and page aligned.
-        unsafe { word(self.map.as_mut_ptr(), off) }
     }
 
     /// Removes the file (every peer has mapped it: the mappings stay valid).
@@ -152,9 +145,9 @@ impl Segment {
         let _ = std::fs::remove_file(&self.path);
     }
 
-    /// The header's address.
-    pub(super) fn header(&self) -> *mut u8 {
-        self.map.as_mut_ptr()
+    /// The header.
+    pub(super) fn header(&self) -> Header {
+        Header(self.map.as_mut_ptr())
     }
 
     /// The data area's address.
@@ -167,15 +160,14 @@ impl Segment {
     ///
     /// Only between collectives of this communicator: peers finished reading the old area.
     pub(super) fn ensure(&mut self, bytes: usize) -> Result<()> {
-        if bytes <= self.capacity {
+        let capacity = self.map.len() - HEADER_BYTES;
+        if bytes <= capacity {
             return Ok(());
         }
-        let capacity = bytes.max(2 * self.capacity).next_multiple_of(1 << 20);
+        let capacity = bytes.max(2 * capacity).next_multiple_of(1 << 20);
         reserve(&self.file, &self.path, HEADER_BYTES + capacity)?;
         self.map = map(&self.file, &self.path, HEADER_BYTES + capacity)?;
-        self.capacity = capacity;
-        self.word(CAPACITY)
-            .store(capacity as u64, Ordering::Release);
+        (self.header().word(CAPACITY)).store(capacity as u64, Ordering::Release);
         Ok(())
     }
 }
@@ -192,7 +184,6 @@ impl Drop for Segment {
 pub(super) struct PeerMap {
     file: File,
     map: MmapRaw,
-    mapped: usize,
     path: PathBuf,
     /// The peer's process id (from its header).
     pub pid: u32,
@@ -204,11 +195,7 @@ impl PeerMap {
     /// Errors: the file is missing (the peer runs on another machine, or failed before
     /// creating it) or cannot be mapped.
     pub(super) fn open(path: PathBuf) -> Result<PeerMap> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| io_error("cannot open a peer's segment", &path, e))?;
+        let file = open(&path, "cannot open a peer's segment")?;
         let len = file
             .metadata()
             .map_err(|e| io_error("cannot read the size of", &path, e))?
@@ -220,12 +207,10 @@ impl PeerMap {
             )));
         }
         let map = map(&file, &path, len)?;
-        // SAFETY: mapped at least HEADER_BYTES.
-        let pid = unsafe { word(map.as_mut_ptr(), PID) }.load(Ordering::Relaxed) as u32;
+        let pid = Header(map.as_mut_ptr()).word(PID).load(Ordering::Relaxed) as u32;
         Ok(PeerMap {
             file,
             map,
-            mapped: len,
             path,
             pid,
         })
@@ -233,23 +218,20 @@ impl PeerMap {
 
     /// Maps the file again if the peer grew its data area.
     pub(super) fn refresh(&mut self) -> Result<()> {
-        // SAFETY: mapped at least HEADER_BYTES.
-        let capacity =
-            unsafe { word(self.map.as_mut_ptr(), CAPACITY) }.load(Ordering::Acquire) as usize;
-        if HEADER_BYTES + capacity > self.mapped {
+        let capacity = self.header().word(CAPACITY).load(Ordering::Acquire) as usize;
+        if HEADER_BYTES + capacity > self.map.len() {
             self.map = map(&self.file, &self.path, HEADER_BYTES + capacity)?;
-            self.mapped = HEADER_BYTES + capacity;
         }
         Ok(())
     }
 
     /// Bytes of the data area mapped here.
     pub(super) fn data_len(&self) -> usize {
-        self.mapped - HEADER_BYTES
+        self.map.len() - HEADER_BYTES
     }
 
-    pub(super) fn header(&self) -> *mut u8 {
-        self.map.as_mut_ptr()
+    pub(super) fn header(&self) -> Header {
+        Header(self.map.as_mut_ptr())
     }
 
     pub(super) fn data(&self) -> *mut u8 {
@@ -320,38 +302,32 @@ impl Header {
         })
     }
 
+    /// The descriptor slot of `generation`'s parity: its first byte and its length word.
+    fn desc_slot(&self, generation: u64) -> (*mut u8, &AtomicU64) {
+        let parity = (generation % 2) as usize;
+        let at = self.0.wrapping_add(DESC + parity * DESC_MAX);
+        (at, self.word(DESC_LEN + 8 * parity))
+    }
+
     /// Writes `desc` into the slot of `generation`'s parity (before [`Header::arrive`]).
     pub(super) fn write_desc(&self, generation: u64, desc: &[u8]) {
-        let parity = (generation % 2) as usize;
+        let (at, len) = self.desc_slot(generation);
         assert!(desc.len() <= DESC_MAX, "descriptor checked by the caller");
         // SAFETY: the slot lies in the header; only this rank writes it, and peers read it only
         // after seeing the arrival that follows (double-buffered by parity, as the thread
         // backend's posts: a peer reads slot `g % 2` before arriving at `g + 1`, and this rank
         // reaches `g + 2` only after that).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                desc.as_ptr(),
-                self.0.add(DESC + parity * DESC_MAX),
-                desc.len(),
-            )
-        };
-        self.word(DESC_LEN + 8 * parity)
-            .store(desc.len() as u64, Ordering::Relaxed);
+        unsafe { std::ptr::copy_nonoverlapping(desc.as_ptr(), at, desc.len()) };
+        len.store(desc.len() as u64, Ordering::Relaxed);
     }
 
     /// A copy of the descriptor of `generation` (after seeing the arrival).
     pub(super) fn read_desc(&self, generation: u64) -> Vec<u8> {
-        let parity = (generation % 2) as usize;
-        let len = (self.word(DESC_LEN + 8 * parity).load(Ordering::Relaxed) as usize).min(DESC_MAX);
+        let (at, stored) = self.desc_slot(generation);
+        let len = (stored.load(Ordering::Relaxed) as usize).min(DESC_MAX);
         let mut out = vec![0u8; len];
         // SAFETY: in the header; stable until this rank arrives at the next generation.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.0.add(DESC + parity * DESC_MAX),
-                out.as_mut_ptr(),
-                len,
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(at, out.as_mut_ptr(), len) };
         out
     }
 }
@@ -405,11 +381,7 @@ impl AbortSlot {
 
     /// Maps the slot file at `path` (the other ranks).
     pub(super) fn open(path: &Path) -> Result<AbortSlot> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| io_error("cannot open", path, e))?;
+        let file = open(path, "cannot open")?;
         Ok(AbortSlot {
             map: map(&file, path, ABORT_BYTES)?,
             created: None,

@@ -290,11 +290,8 @@ impl TcpStore {
         // `[::1]` as a URL writes it: the address is what is inside the brackets.
         let addr = (addr.strip_prefix('[').and_then(|a| a.strip_suffix(']'))).unwrap_or(addr);
         let display = display_addr(addr, port);
-        let server = if rank == 0 {
-            Some(Server::start(addr, port, world_size, job, &display)?)
-        } else {
-            None
-        };
+        let server = (rank == 0).then(|| Server::start(addr, port, world_size, job, &display));
+        let server = server.transpose()?;
         let store_err = |message: String| store_error(&display, rank, vec![], message);
         // Connect, retrying with a growing pause (20 ms .. 500 ms).
         let mut pause = Duration::from_millis(20);

@@ -152,30 +152,28 @@ pub(super) fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: 
                 break;
             }
         };
-        let (reply, close) = match Request::decode(&body) {
-            Err(msg) => (Reply::Err(format!("malformed request: {msg}")), true),
-            Ok(req) => match (rank, req) {
-                (
-                    None,
-                    Request::Hello {
-                        rank: r,
-                        world_size,
-                        job,
-                        ..
-                    },
-                ) => match register(shared, r as usize, world_size as usize, &job, peer) {
-                    Ok(()) => {
-                        rank = Some(r as usize);
-                        (Reply::Ok, false)
-                    }
-                    Err(msg) => (Reply::Err(msg), true),
-                },
-                (None, _) => (
-                    Reply::Err("the first request of a connection must be HELLO".into()),
-                    true,
-                ),
-                (Some(r), req) => (handle(shared, r, req), false),
+        let (reply, close) = match (rank, Request::decode(&body)) {
+            (_, Err(msg)) => (Reply::Err(format!("malformed request: {msg}")), true),
+            (
+                None,
+                Ok(Request::Hello {
+                    rank: r,
+                    world_size,
+                    job,
+                    ..
+                }),
+            ) => match register(shared, r as usize, world_size as usize, &job, peer) {
+                Ok(()) => {
+                    rank = Some(r as usize);
+                    (Reply::Ok, false)
+                }
+                Err(msg) => (Reply::Err(msg), true),
             },
+            (None, Ok(_)) => (
+                Reply::Err("the first request of a connection must be HELLO".into()),
+                true,
+            ),
+            (Some(r), Ok(req)) => (handle(shared, r, req), false),
         };
         if write_frame(&mut stream, &encode(&reply)).is_err() {
             break;

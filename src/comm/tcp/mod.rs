@@ -34,7 +34,7 @@ pub use self::net::{ADDR_VAR, IFNAME_VAR};
 use self::ops::{Comm, Ctx};
 use super::bootstrap;
 use super::buffer::Post;
-use super::engine::group::{Collective, HostGroup, Op, Place, Transport};
+use super::engine::group::{Collective, HostGroup, Member, Op, Place, Transport};
 use super::engine::messages::{self, Link};
 use super::engine::run::{deadline_after, run_process_rank};
 use super::store::TcpStore;
@@ -89,12 +89,7 @@ impl Transport for Tcp {
             .inspect_err(|e| self.abort(&e.message()))
     }
 
-    fn split(
-        &self,
-        _setup: &mut Comm,
-        op: Op<'_>,
-        ranks: &[usize],
-    ) -> Result<Option<(Tcp, Comm, Comm)>> {
+    fn split(&self, _setup: &mut Comm, op: Op<'_>, ranks: &[usize]) -> Result<Option<Member<Tcp>>> {
         let Some(local) = ranks.iter().position(|&r| r == self.place.rank) else {
             return Ok(None);
         };

@@ -107,6 +107,13 @@ pub(super) fn local_ip(master: &str, port: u16) -> Result<IpAddr> {
     Ok(ip)
 }
 
+/// Waits at most `ms` milliseconds for an event on `fds` (`poll(2)`; an error or a signal
+/// ends the wait like an event).
+pub(super) fn poll(fds: &mut [libc::pollfd], ms: libc::c_int) {
+    // SAFETY: `fds` is a live array of `fds.len()` pollfds.
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+}
+
 /// The first IPv4 (else IPv6) address of interface `name`.
 fn interface_ip(name: &str) -> Result<IpAddr> {
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
@@ -244,21 +251,21 @@ fn accept_loop(listener: TcpListener, mailbox: Arc<Mailbox>, stop: Arc<AtomicBoo
     }
 }
 
-/// This process's side of a job: its listener's mailbox, the peers' addresses, the control
-/// plane and the failure slot shared by every group (root and sub-groups) of the job.
+/// This process's side of a job: its listener, the peers' addresses, the control plane and the
+/// failure slot shared by every group (root and sub-groups) of the job.
 pub(super) struct Net {
     /// This process's rank of the job.
     pub rank: usize,
     /// `ip:port` of every rank of the job.
     pub addrs: Vec<String>,
-    mailbox: Arc<Mailbox>,
+    /// The listener (it stops accepting when the `Net` is dropped).
+    listening: Listening,
     /// Control connections (writing side), by job rank.
     control: Vec<Option<Mutex<TcpStream>>>,
     /// The job's first failure: `(job rank, reason)`.
     failure: OnceLock<(usize, String)>,
     /// Job ranks whose groups were dropped (their goodbye arrived).
     departed: Vec<AtomicBool>,
-    stop: Arc<AtomicBool>,
 }
 
 impl Net {
@@ -284,14 +291,7 @@ impl Net {
                 what: "the tcp backend's accept thread".into(),
                 error,
             })?;
-        Ok((
-            addr,
-            Listening {
-                mailbox,
-                stop,
-                armed: true,
-            },
-        ))
+        Ok((addr, Listening { mailbox, stop }))
     }
 
     /// The failure recorded for this job, if any: `(job rank, reason)`.
@@ -332,7 +332,8 @@ impl Net {
     /// Takes the connection of `key` from job rank `from`, waiting until `deadline`.
     fn take(&self, key: &str, from: usize, deadline: Instant) -> Option<TcpStream> {
         let id = (key.to_string(), from);
-        let mut conns = self.mailbox.conns.lock();
+        let mailbox = &self.listening.mailbox;
+        let mut conns = mailbox.conns.lock();
         loop {
             if let Some(s) = conns.remove(&id) {
                 return Some(s);
@@ -342,31 +343,26 @@ impl Net {
                 return None;
             }
             let wait = (deadline - now).min(Duration::from_millis(50));
-            self.mailbox.arrived.wait_for(&mut conns, wait);
+            mailbox.arrived.wait_for(&mut conns, wait);
         }
     }
 }
 
 impl Drop for Net {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
         self.send_control(&[CTL_BYE, 0, 0, 0, 0, 0, 0, 0, 0]);
     }
 }
 
-/// A listener accepting, before the peers' addresses are known (dropped without
-/// [`Listening::join`] succeeding, it stops accepting).
+/// A listener accepting until it is dropped (with the `Net` [`Listening::join`] makes of it).
 pub(super) struct Listening {
     mailbox: Arc<Mailbox>,
     stop: Arc<AtomicBool>,
-    armed: bool,
 }
 
 impl Drop for Listening {
     fn drop(&mut self) {
-        if self.armed {
-            self.stop.store(true, Ordering::Release);
-        }
+        self.stop.store(true, Ordering::Release);
     }
 }
 
@@ -374,7 +370,7 @@ impl Listening {
     /// The job's `Net` for this rank (`rank`, every rank's `addrs`): connects the control
     /// plane (waiting at most until `deadline`) and starts watching it.
     pub(super) fn join(
-        mut self,
+        self,
         rank: usize,
         addrs: Vec<String>,
         deadline: Instant,
@@ -383,11 +379,10 @@ impl Listening {
         let mut net = Net {
             rank,
             addrs,
-            mailbox: Arc::clone(&self.mailbox),
+            listening: self,
             control: Vec::new(),
             failure: OnceLock::new(),
             departed: (0..ws).map(|_| AtomicBool::new(false)).collect(),
-            stop: Arc::clone(&self.stop),
         };
         let members: Vec<usize> = (0..ws).collect();
         let conns = mesh(&net, CONTROL_KEY, &members, rank, deadline)?;
@@ -409,8 +404,6 @@ impl Listening {
             readers.push((j, reader));
             net.control.push(Some(Mutex::new(c)));
         }
-        // From here on the `Net` owns the listener's lifetime (its drop stops it).
-        self.armed = false;
         let net = Arc::new(net);
         let weak = Arc::downgrade(&net);
         std::thread::Builder::new()
@@ -452,12 +445,9 @@ fn watch_control(net: Weak<Net>, mut conns: Vec<(usize, TcpStream)>) {
                 revents: 0,
             })
             .collect();
-        // SAFETY: `fds` is a live array of `fds.len()` pollfds.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 50) };
+        poll(&mut fds, 50);
+        // Gone once the `Net` is dropped.
         let Some(net) = net.upgrade() else { return };
-        if net.stop.load(Ordering::Acquire) {
-            return;
-        }
         for (i, fd) in fds.iter().enumerate() {
             if done[i] || fd.revents == 0 {
                 continue;
@@ -532,19 +522,17 @@ pub(super) fn mesh(
         conns[j] = Some(s);
     }
     for (j, conn) in conns.iter_mut().enumerate().skip(me + 1) {
-        match net.take(key, members[j], deadline) {
-            Some(s) => *conn = Some(s),
-            None => {
-                if let Some(failure) = net.failure() {
-                    let op = format_args!("tcp connection setup ({key})");
-                    return Err(peer_failed(op, net.rank, failure));
-                }
-                return Err(Error::InvalidArgument(format!(
-                    "tcp backend: rank {} (job rank) got no connection from rank {} ({}) for \
-                     {key} in time",
-                    net.rank, members[j], net.addrs[members[j]]
-                )));
+        *conn = net.take(key, members[j], deadline);
+        if conn.is_none() {
+            if let Some(failure) = net.failure() {
+                let op = format_args!("tcp connection setup ({key})");
+                return Err(peer_failed(op, net.rank, failure));
             }
+            return Err(Error::InvalidArgument(format!(
+                "tcp backend: rank {} (job rank) got no connection from rank {} ({}) for {key} \
+                 in time",
+                net.rank, members[j], net.addrs[members[j]]
+            )));
         }
     }
     for s in conns.iter().flatten() {

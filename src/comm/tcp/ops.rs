@@ -158,9 +158,7 @@ impl Ctx<'_> {
                     })?;
                     Ok::<(), String>(())
                 })();
-                if let Err(what) = broke {
-                    return Err(self.gone(j, Some(&what)));
-                }
+                broke.map_err(|what| self.gone(j, Some(&what)))?;
             }
             let busy: Vec<usize> = (0..ws)
                 .filter(|&j| !sq[j].is_empty() || !rq[j].is_empty())
@@ -196,14 +194,7 @@ impl Ctx<'_> {
                 })
                 .collect();
             let wait = (deadline - now).min(Duration::from_millis(50));
-            // SAFETY: `fds` is a live array of `fds.len()` pollfds.
-            unsafe {
-                libc::poll(
-                    fds.as_mut_ptr(),
-                    fds.len() as libc::nfds_t,
-                    wait.as_millis().max(1) as libc::c_int,
-                )
-            };
+            super::net::poll(&mut fds, wait.as_millis().max(1) as libc::c_int);
         }
     }
 }
@@ -218,67 +209,49 @@ impl Link for Ctx<'_> {
     /// Sends this rank's `post` to every peer, receives theirs and validates all of them (the
     /// same verdict on every rank).
     fn exchange(&mut self, post: &Post) -> Result<()> {
-        let (ws, rank) = (self.world_size(), self.rank());
+        let rank = self.rank();
         let desc = wire::encode_within(post, SETUP_MAX);
         if let Some(f) = self.core.net.failure() {
             return Err(self.peer_failed(f));
         }
-        let mut mine = vec![0u8; FRAME];
+        let mut mine = [0u8; FRAME];
         mine[0] = TAG_DESC;
         mine[4..8].copy_from_slice(&(desc.len() as u32).to_le_bytes());
         let head = desc.len().min(INLINE);
         mine[8..8 + head].copy_from_slice(&desc[..head]);
-        let mut frames = vec![vec![0u8; FRAME]; ws];
-        let peers: Vec<usize> = (0..ws).filter(|&j| j != rank).collect();
-        let sends: Vec<Msg> = peers
-            .iter()
-            .map(|&j| Msg::new(j, mine.as_mut_ptr(), FRAME))
-            .collect();
-        let recvs: Vec<Msg> = peers
-            .iter()
-            .map(|&j| Msg::new(j, frames[j].as_mut_ptr(), FRAME))
-            .collect();
+        let mut frames = vec![[0u8; FRAME]; self.world_size()];
+        let peers = self.peers();
+        let sends = Msg::each(&peers, |_| (mine.as_mut_ptr(), FRAME));
+        let recvs = Msg::each(&peers, |j| (frames[j].as_mut_ptr(), FRAME));
         self.transfer_now(&sends, &recvs)?;
         if let Some(&j) = peers.iter().find(|&&j| frames[j][0] == TAG_BYE) {
             return Err(self.gone(j, None));
         }
-        // The rest of long (setup) descriptors.
-        let lens: Vec<usize> = frames
-            .iter()
-            .map(|f| u32::from_le_bytes(f[4..8].try_into().expect("4 bytes")) as usize)
-            .collect();
-        if let Some(&j) = peers
-            .iter()
-            .find(|&&j| frames[j][0] != TAG_DESC || lens[j] > SETUP_MAX)
+        let announced = |f: &[u8; FRAME]| u32::from_le_bytes(f[4..8].try_into().expect("4 bytes"));
+        if let Some(&j) = (peers.iter())
+            .find(|&&j| frames[j][0] != TAG_DESC || announced(&frames[j]) as usize > SETUP_MAX)
         {
             return Err(unreadable(self.op, j, rank));
         }
-        let mut descs: Vec<Vec<u8>> = (0..ws)
-            .map(|j| match j == rank {
+        // The rest of long (setup) descriptors, sent after the frame.
+        let mut descs: Vec<Vec<u8>> = (frames.iter().enumerate())
+            .map(|(j, f)| match j == rank {
                 true => desc.clone(),
                 false => {
-                    let mut d = frames[j][8..8 + lens[j].min(INLINE)].to_vec();
-                    d.resize(lens[j], 0);
+                    let len = announced(f) as usize;
+                    let mut d = f[8..8 + len.min(INLINE)].to_vec();
+                    d.resize(len, 0);
                     d
                 }
             })
             .collect();
-        if desc.len() > INLINE || peers.iter().any(|&j| lens[j] > INLINE) {
-            let sends: Vec<Msg> = match desc.len() > INLINE {
-                true => peers
-                    .iter()
-                    .map(|&j| Msg::new(j, desc[INLINE..].as_ptr() as *mut u8, desc.len() - INLINE))
-                    .collect(),
-                false => Vec::new(),
-            };
-            let recvs: Vec<Msg> = descs
-                .iter_mut()
-                .enumerate()
-                .filter(|(j, d)| *j != rank && d.len() > INLINE)
-                .map(|(j, d)| Msg::new(j, d[INLINE..].as_mut_ptr(), d.len() - INLINE))
-                .collect();
-            self.transfer_now(&sends, &recvs)?;
-        }
+        let rest = desc.get(INLINE..).unwrap_or_default();
+        let sends = Msg::each(&peers, |_| (rest.as_ptr() as *mut u8, rest.len()));
+        let recvs = Msg::each(&peers, |j| match descs[j].get_mut(INLINE..) {
+            Some(rest) => (rest.as_mut_ptr(), rest.len()),
+            None => (std::ptr::null_mut(), 0),
+        });
+        self.transfer_now(&sends, &recvs)?;
         decode_and_validate(self.op, rank, &descs)
     }
 

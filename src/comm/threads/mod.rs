@@ -160,14 +160,10 @@ impl Threads {
     /// This rank's member of its group: its setup rendezvous and its default stream's.
     fn open_member(self) -> Result<Member<Threads>> {
         let mut setup = self.comm(None)?;
-        match self.comm(Some(self.shared.communicator(0, DEFAULT_STREAM))) {
-            Ok(default) => Ok((self, setup, default)),
-            Err(e) => {
-                // No handle will ever join: peers waiting for this rank must not hang.
-                setup.leave(self.rank);
-                Err(e)
-            }
-        }
+        let default = self.comm(Some(self.shared.communicator(0, DEFAULT_STREAM)));
+        // On an error no handle will ever join: peers waiting for this rank must not hang.
+        let default = default.inspect_err(|_| setup.leave(self.rank))?;
+        Ok((self, setup, default))
     }
 
     /// This rank's side of `comm` (`None`: the setup rendezvous), with a CUDA stream of its

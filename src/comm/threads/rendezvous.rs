@@ -65,10 +65,6 @@ impl Communicator {
         }
     }
 
-    pub(super) fn name(&self) -> &str {
-        &self.name
-    }
-
     /// Marks `rank`'s thread of this communicator as gone and wakes the waiters.
     pub(super) fn finish(&self, rank: usize) {
         let mut st = self.state.lock();
@@ -265,10 +261,7 @@ impl Ctx<'_> {
                     .iter()
                     .map(|p| p.clone().expect("every arrived rank posted"))
                     .collect();
-                let tokens = match token {
-                    Some(_) => st.tokens[parity].clone(),
-                    None => Vec::new(),
-                };
+                let tokens = token.map_or_else(Vec::new, |_| st.tokens[parity].clone());
                 return Ok((target, posts, tokens));
             }
             let error = if let Some(failure) = self.shared.aborted() {
@@ -353,7 +346,7 @@ impl Ctx<'_> {
                         tracing::warn!(
                             op = self.op,
                             rank = self.rank,
-                            stream = self.comm.name(),
+                            stream = self.comm.name.as_str(),
                             "peers slow to finish the copy phase; still waiting"
                         );
                     }
@@ -361,10 +354,7 @@ impl Ctx<'_> {
                 None => self.comm.cv.wait(&mut st),
             }
         }
-        match token {
-            Some(_) => st.tokens[(target % 2) as usize].clone(),
-            None => Vec::new(),
-        }
+        token.map_or_else(Vec::new, |_| st.tokens[(target % 2) as usize].clone())
     }
 
     /// A rendezvous in which this rank takes part only to report `problem`: fails on every
