@@ -353,13 +353,20 @@ fn check_output_file(flag: &str, p: &std::path::Path, what: &str) -> anyhow::Res
 /// already there.
 fn check_checkpoint_dir(args: &TrainArgs) -> anyhow::Result<()> {
     let dir = &args.checkpoint_dir;
+    // `symlink_metadata`: a dangling link is something in the way, not a path to create.
+    let there = |p: &std::path::Path| p.symlink_metadata().is_ok();
     anyhow::ensure!(
-        dir.is_dir() || !dir.exists(),
-        "--checkpoint-dir {}: exists and is not a directory",
-        dir.display()
+        dir.is_dir() || !there(dir),
+        "--checkpoint-dir {}: exists and is not a directory{}",
+        dir.display(),
+        if dir.exists() {
+            ""
+        } else {
+            " (a dangling link?)"
+        }
     );
     let mut writes_in = dir.as_path();
-    while !writes_in.exists() {
+    while !there(writes_in) {
         match writes_in.parent() {
             Some(p) if !p.as_os_str().is_empty() => writes_in = p,
             _ => {

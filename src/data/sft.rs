@@ -287,6 +287,11 @@ pub fn read_jsonl(
             let c =
                 tokenize(&completion).map_err(|e| at(format!("tokenizing the completion: {e}")))?;
             let ex = SftExample::new(&p, &c, None, seq_len);
+            if ex.target_count() == 0 && p.len() < seq_len {
+                return Err(at(
+                    "the template's completion is empty: nothing to learn".into()
+                ));
+            }
             if ex.target_count() == 0 {
                 skipped.push(i + 1);
             } else {
@@ -348,10 +353,11 @@ pub struct SftFile {
 }
 
 /// `line 3`, `lines 3, 9, 27` or, past eight, `lines 3, 9, … (12 lines)`: the lines of
-/// `lines` for a message.
+/// `lines` for a message (`no line` for none).
 pub fn lines_list(lines: &[usize]) -> String {
     let shown: Vec<String> = lines.iter().take(8).map(|l| l.to_string()).collect();
     match lines.len() {
+        0 => "no line".to_string(),
         1 => format!("line {}", shown[0]),
         n if n <= 8 => format!("lines {}", shown.join(", ")),
         n => format!("lines {}, … ({n} lines)", shown.join(", ")),

@@ -179,12 +179,14 @@ fn torch_name(d: Dtype) -> &'static str {
 /// checksums are verified. A failure while writing removes what the export wrote: the
 /// directories it created, or, in a directory that existed, its own files.
 ///
-/// Errors, naming the file: as [`crate::checkpoint::tools::export_full`]; no config (the checkpoint stores none
+/// Errors, naming the file: as [`crate::checkpoint::tools::export_full`] (but for the rules on
+/// an existing output, which follow here); no config (the checkpoint stores none
 /// and `opts.config` is `None`) or one that is not a JSON object; a config that is not a
 /// decoder family's (`models::decoder::family::config_from_json`), or whose model's parameters are
 /// not the checkpoint's (a missing or extra tensor, a shape: config vs checkpoint); `out` a
 /// file, inside the checkpoint, or already holding Hugging Face weights (`model.safetensors`,
-/// an index or `model-*` shards: mixing two exports would load the wrong files); a zero
+/// an index or `model-*` shards: mixing two exports would load the wrong files) or an adapter
+/// (`adapter_model.safetensors`, `adapter_config.json`); a `config.json` there is replaced; a zero
 /// `max_shard_bytes`.
 pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExportSummary> {
     let dir = resolve_checkpoint(dir)?;

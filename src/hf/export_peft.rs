@@ -35,7 +35,8 @@ pub struct PeftExportSummary {
 /// the frozen base is not read.
 ///
 /// Errors, naming the file: `dir` not a checkpoint, damaged, or of a run without LoRA; `out`
-/// inside the checkpoint, or holding an adapter already; I/O.
+/// inside the checkpoint, or holding an adapter or a model's weights already
+/// ([`refuse_exported`]); I/O.
 pub fn export_peft(dir: &Path, out: &Path, base_model: Option<&str>) -> Result<PeftExportSummary> {
     let dir = resolve_checkpoint(dir)?;
     let meta = read_meta(&dir)?;

@@ -221,30 +221,54 @@ impl DecoderConfig {
         self.family.table()
     }
 
-    /// The fields in which `other` differs from `self`, each as `name: self's → other's` (values
-    /// as JSON, a long one cut to its first 40 characters), in the fields' order; empty when
-    /// the two are equal. For messages: what a resumed checkpoint's stored config changes.
+    /// The fields in which `other` differs from `self`, each as `name: self's → other's`, by
+    /// field name (alphabetical); empty when the two are equal. A list of the same length or a
+    /// table names its first differing entry (`layer_types[5]: "sliding_attention" →
+    /// "full_attention"`, `rope_scaling.factor: 8.0 → 4.0`); a value is JSON, one longer than
+    /// 40 characters cut there. For messages: what a resumed checkpoint's stored config changes.
     pub fn differences(&self, other: &DecoderConfig) -> Vec<String> {
-        let as_map = |c: &DecoderConfig| match serde_json::to_value(c) {
-            Ok(serde_json::Value::Object(m)) => m,
-            _ => serde_json::Map::new(),
-        };
-        let (a, b) = (as_map(self), as_map(other));
-        let show = |v: Option<&serde_json::Value>| {
-            let s = v.map_or("none".to_string(), |v| match v {
-                serde_json::Value::Null => "none".to_string(),
-                v => v.to_string(),
-            });
+        use serde_json::Value;
+        fn show(v: Option<&Value>) -> String {
+            let s = match v {
+                None | Some(Value::Null) => "none".to_string(),
+                Some(v) => v.to_string(),
+            };
             match s.char_indices().nth(40) {
                 Some((cut, _)) => format!("{}…", &s[..cut]),
                 None => s,
             }
+        }
+        /// `name: a → b`, or the first differing entry of two lists of one length or two tables.
+        fn first(name: String, a: Option<&Value>, b: Option<&Value>) -> String {
+            match (a, b) {
+                (Some(Value::Array(x)), Some(Value::Array(y))) if x.len() == y.len() => {
+                    match (0..x.len()).find(|&i| x[i] != y[i]) {
+                        Some(i) => first(format!("{name}[{i}]"), Some(&x[i]), Some(&y[i])),
+                        None => format!("{name}: {} → {}", show(a), show(b)),
+                    }
+                }
+                (Some(Value::Object(x)), Some(Value::Object(y))) => {
+                    let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+                    keys.sort();
+                    match keys.into_iter().find(|k| x.get(*k) != y.get(*k)) {
+                        Some(k) => first(format!("{name}.{k}"), x.get(k), y.get(k)),
+                        None => format!("{name}: {} → {}", show(a), show(b)),
+                    }
+                }
+                _ => format!("{name}: {} → {}", show(a), show(b)),
+            }
+        }
+        let as_map = |c: &DecoderConfig| match serde_json::to_value(c) {
+            Ok(Value::Object(m)) => m,
+            _ => serde_json::Map::new(),
         };
-        let mut keys: Vec<&String> = a.keys().collect();
-        keys.extend(b.keys().filter(|k| !a.contains_key(*k)));
+        let (a, b) = (as_map(self), as_map(other));
+        let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+        keys.sort();
+        keys.dedup();
         keys.into_iter()
             .filter(|k| a.get(*k) != b.get(*k))
-            .map(|k| format!("{k}: {} → {}", show(a.get(k)), show(b.get(k))))
+            .map(|k| first(k.clone(), a.get(k), b.get(k)))
             .collect()
     }
 

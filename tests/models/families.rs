@@ -537,3 +537,26 @@ fn rotary_models_run_past_max_position_embeddings_and_gpt2_names_n_positions() {
         "{e}"
     );
 }
+
+/// `DecoderConfig::differences` names the first differing entry of a list (a late layer type)
+/// and of a table, so that two long values never print alike.
+#[test]
+fn config_differences_name_the_first_differing_entry() {
+    let cfg = read_config(&fixture("family-gemma2")).unwrap();
+    assert!(cfg.differences(&cfg).is_empty());
+    let mut other = cfg.clone();
+    let last = other.layer_types.len() - 1;
+    other.layer_types[last] = LayerType::SlidingAttention;
+    other.sliding_window = Some(cfg.sliding_window.unwrap() + 1);
+    assert_eq!(
+        cfg.differences(&other),
+        [
+            format!("layer_types[{last}]: \"full_attention\" → \"sliding_attention\""),
+            format!(
+                "sliding_window: {} → {}",
+                cfg.sliding_window.unwrap(),
+                cfg.sliding_window.unwrap() + 1
+            ),
+        ]
+    );
+}

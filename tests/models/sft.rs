@@ -4,7 +4,9 @@
 //! and a JSONL file's errors name the line.
 
 use candle_core::Device;
-use candle_fsdp::data::sft::{batch, read_jsonl, token_scale, ChatTemplate, Message, SftExample};
+use candle_fsdp::data::sft::{
+    batch, lines_list, read_jsonl, token_scale, ChatTemplate, Message, SftExample,
+};
 use candle_fsdp::hf::decoder::{build_from_hf_with, HfOptions};
 use candle_fsdp::launch::{launch, Launcher};
 use candle_fsdp::nn::lm_loss_sum;
@@ -191,6 +193,13 @@ fn jsonl_errors_name_the_line() {
     let mixed = write(
         "mixed.jsonl",
         "{\"prompt\": \"Hi\", \"completion\": \" there\"}\n{\"prompt\": \"0123456789abcdefXYZ\", \"completion\": \"b\"}\n",
+    );
+    assert_eq!(lines_list(&[]), "no line");
+    assert_eq!(lines_list(&[27]), "line 27");
+    assert_eq!(lines_list(&[1, 2, 3]), "lines 1, 2, 3");
+    assert_eq!(
+        lines_list(&(1..=9).collect::<Vec<_>>()),
+        "lines 1, 2, 3, 4, 5, 6, 7, 8, … (9 lines)"
     );
     let read = read_jsonl(&mixed, &tok, None, None, 16).unwrap();
     assert_eq!((read.examples.len(), read.skipped), (1, vec![2]));

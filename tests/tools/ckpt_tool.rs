@@ -698,6 +698,13 @@ fn bad_input_gives_errors_naming_the_file_and_the_problem() {
     .contains("--overwrite applies to --format safetensors only"));
     std::fs::remove_file(&kept).unwrap();
     assert_eq!(
+        ckpt_err(&["export", s(&ok_dir), "--out", s(&dir)]),
+        format!(
+            "{}: is a directory: --out names the file to write (e.g. DIR/model.safetensors)",
+            dir.display()
+        )
+    );
+    assert_eq!(
         ckpt_err(&[
             "reshard",
             s(&ok_dir),

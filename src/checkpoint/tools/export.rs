@@ -75,7 +75,14 @@ pub fn export_full(
             ));
         }
     }
-    if out.exists() && !overwrite {
+    if out.is_dir() {
+        return Err(Error::file(
+            out,
+            "is a directory: --out names the file to write (e.g. DIR/model.safetensors)",
+        ));
+    }
+    // `symlink_metadata`: a link (even a dangling one) is something there, not an absent path.
+    if out.symlink_metadata().is_ok() && !overwrite {
         return Err(Error::file(
             out,
             "exists: an export does not replace a file unless given --overwrite",
