@@ -186,7 +186,7 @@ fn torch_name(d: Dtype) -> &'static str {
 /// not the checkpoint's (a missing or extra tensor, a shape: config vs checkpoint); `out` a
 /// file, inside the checkpoint, or already holding Hugging Face weights (`model.safetensors`,
 /// an index or `model-*` shards: mixing two exports would load the wrong files) or an adapter
-/// (`adapter_model.safetensors`, `adapter_config.json`); a `config.json` there is replaced; a zero
+/// or a config (any format: `export_peft`'s `refuse_exported`); a zero
 /// `max_shard_bytes`.
 pub fn export_hf(dir: &Path, out: &Path, opts: &HfExportOptions) -> Result<HfExportSummary> {
     let dir = resolve_checkpoint(dir)?;

@@ -122,17 +122,18 @@ pub fn export_peft(dir: &Path, out: &Path, base_model: Option<&str>) -> Result<P
     })
 }
 
-/// Refuses a directory `out` that already holds an export's weights, of either kind: a model's
-/// (`model.safetensors`, its index, `model-*.safetensors` shards) or an adapter's
-/// (`adapter_model.safetensors`, `adapter_config.json`). An export never replaces such a file
-/// (data would be lost) nor writes a model beside an adapter or an adapter beside a model (the
-/// directory would load as neither); other files (a tokenizer, notes) may stay.
+/// Refuses a directory `out` that already holds a model or an adapter, in any format: a
+/// model's weights (`model.safetensors`, `model-*.safetensors`, `consolidated*.safetensors`,
+/// `pytorch_model*.bin`, their `*.index.json`), an adapter's (`adapter_model.safetensors`,
+/// `adapter_model.bin`), or a config an export writes (`config.json`, `adapter_config.json`).
+/// An export never replaces such a file (data would be lost: a `config.json` replaced beside
+/// another model's weights makes that model unloadable) nor writes a model beside an adapter;
+/// other files (a tokenizer, notes) may stay.
 ///
 /// # Errors
 /// [`Error::File`] naming the directory and the first such file; [`Error::Io`] when it cannot
 /// be listed.
 pub(super) fn refuse_exported(out: &Path) -> Result<()> {
-    use super::weights::{HF_INDEX_FILE, HF_WEIGHTS_FILE};
     let mut names = Vec::new();
     for e in std::fs::read_dir(out).map_err(|e| Error::io(out, e))? {
         names.push(e.map_err(|e| Error::io(out, e))?.file_name());
@@ -140,21 +141,21 @@ pub(super) fn refuse_exported(out: &Path) -> Result<()> {
     names.sort();
     for name in &names {
         let name = name.to_string_lossy();
-        let kind = if name == HF_WEIGHTS_FILE
-            || name == HF_INDEX_FILE
-            || (name.starts_with("model-") && name.ends_with(".safetensors"))
-        {
-            "Hugging Face weights"
-        } else if name == PEFT_WEIGHTS || name == PEFT_CONFIG {
+        let weights = name.ends_with(".safetensors")
+            || name.ends_with(".bin")
+            || name.ends_with(".index.json");
+        let kind = if name.starts_with("adapter_") && (weights || name == PEFT_CONFIG) {
             "a PEFT adapter"
+        } else if weights || name == "config.json" {
+            "Hugging Face weights"
         } else {
             continue;
         };
         return Err(Error::file(
             out,
             format!(
-                "already holds {kind} ({name}): choose an empty directory (an export replaces \
-                 no weights and mixes no model with an adapter)"
+                "already holds {kind} ({name}): choose an empty directory (an export \
+                 replaces no weights and mixes no model with an adapter)"
             ),
         ));
     }
@@ -179,6 +180,11 @@ mod tests {
             ("model.safetensors", "Hugging Face weights"),
             ("model.safetensors.index.json", "Hugging Face weights"),
             ("model-00001-of-00002.safetensors", "Hugging Face weights"),
+            ("pytorch_model.bin", "Hugging Face weights"),
+            ("pytorch_model.bin.index.json", "Hugging Face weights"),
+            ("consolidated.safetensors", "Hugging Face weights"),
+            ("config.json", "Hugging Face weights"),
+            ("adapter_model.bin", "a PEFT adapter"),
         ] {
             std::fs::write(dir.join(name), "x").unwrap();
             let e = refuse_exported(&dir).unwrap_err().to_string();
